@@ -1,0 +1,1 @@
+//! The embers sharding planner (work in progress).
