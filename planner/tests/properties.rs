@@ -1,0 +1,153 @@
+//! Invariants of every plan on random problems: memory fits on every rank, every row and
+//! column of every table is covered exactly once (once per replica for data parallel), and
+//! the makespan is at least the lower bound.
+
+use embers_planner::config::{
+    Config, FeatureConfig, OptimizerConfig, OptimizerKind, TableConfig, TopologyConfig,
+};
+use embers_planner::types::ShardingType;
+use embers_planner::{plan_problem, CostModel};
+use proptest::prelude::*;
+
+fn table_strategy() -> impl Strategy<Value = (u64, u64, f64)> {
+    (
+        1u64..200_000,
+        prop::sample::select(vec![4u64, 8, 16, 32, 64, 96, 128, 256, 512]),
+        prop::sample::select(vec![0.5, 1.0, 5.0, 20.0]),
+    )
+}
+
+fn config(tables: &[(u64, u64, f64)], world: usize, local: usize, hbm_mib: u64) -> Config {
+    Config {
+        batch_size: 512,
+        topology: TopologyConfig {
+            world_size: Some(world),
+            local_world_size: Some(local),
+            hbm_cap: Some(embers_planner::config::ByteSize(hbm_mib << 20)),
+            ..Default::default()
+        },
+        optimizer: OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            state_multiplier: None,
+        },
+        storage_reservation: Default::default(),
+        tables: tables
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, dim, pf))| TableConfig {
+                name: format!("t{i}"),
+                rows,
+                dim,
+                data_type: embers_planner::types::DataType::Fp32,
+                features: vec![FeatureConfig {
+                    name: None,
+                    pooling_factor: pf,
+                    num_poolings: None,
+                    batch_size: None,
+                }],
+                pooling_factors: None,
+                weighted: i % 3 == 0,
+                pooled: true,
+                constraints: Default::default(),
+            })
+            .collect(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn plans_fit_cover_and_respect_the_bound(
+        tables in prop::collection::vec(table_strategy(), 1..14),
+        hosts in 1usize..3,
+        local in prop::sample::select(vec![1usize, 2, 4]),
+        hbm_mib in 64u64..4096,
+        overlap in any::<bool>(),
+    ) {
+        let world = hosts * local;
+        let problem = config(&tables, world, local, hbm_mib).resolve().unwrap();
+        let model = if overlap { CostModel::Overlap } else { CostModel::Torchrec };
+        let plan = match plan_problem(&problem, model) {
+            Ok(p) => p,
+            // Too little memory is a legitimate outcome; it must be a typed planning error.
+            Err(e) => { prop_assert!(e.torchrec_error_type().is_some(), "{e}"); return Ok(()); }
+        };
+        for r in &plan.ranks {
+            prop_assert!(r.used.fits_in(&r.capacity), "rank {} over: {:?} > {:?}", r.rank, r.used, r.capacity);
+        }
+        // Recompute per-rank memory from the shards: the summary must agree.
+        let mut used = vec![(0u64, 0u64); world];
+        for t in &plan.tables {
+            for s in &t.shards {
+                prop_assert!(s.rank < world);
+                used[s.rank].0 += s.storage.hbm;
+                used[s.rank].1 += s.storage.ddr;
+            }
+        }
+        for r in &plan.ranks {
+            prop_assert_eq!(used[r.rank], (r.used.hbm, r.used.ddr));
+        }
+        for (t, cfg) in plan.tables.iter().zip(&problem.tables) {
+            let replicas = if t.sharding_type == ShardingType::DataParallel { world } else { 1 };
+            let area: u64 = t.shards.iter().map(|s| s.size[0] * s.size[1]).sum();
+            prop_assert_eq!(area, cfg.rows * cfg.dim * replicas as u64, "table {}", &t.name);
+            for (i, a) in t.shards.iter().enumerate() {
+                prop_assert!(a.offset[0] + a.size[0] <= cfg.rows && a.offset[1] + a.size[1] <= cfg.dim);
+                if replicas == 1 {
+                    for b in &t.shards[i + 1..] {
+                        let rows_overlap = a.offset[0] < b.offset[0] + b.size[0] && b.offset[0] < a.offset[0] + a.size[0];
+                        let cols_overlap = a.offset[1] < b.offset[1] + b.size[1] && b.offset[1] < a.offset[1] + a.size[1];
+                        let empty = a.size[0] * a.size[1] == 0 || b.size[0] * b.size[1] == 0;
+                        prop_assert!(empty || !(rows_overlap && cols_overlap), "overlap in {}", &t.name);
+                    }
+                } else {
+                    prop_assert_eq!(a.rank, i);
+                }
+            }
+        }
+        prop_assert!(plan.makespan >= plan.lower_bound * (1.0 - 1e-12));
+    }
+}
+
+#[test]
+fn malformed_config_points_at_line_and_field() {
+    let err =
+        Config::from_toml("batch_size = 512\n[[tables]]\nname = \"a\"\nrows = \"many\"\ndim = 8\n")
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("line 4"), "{err}");
+    assert!(
+        err.contains("column 8") && err.contains("expected u64"),
+        "{err}"
+    );
+    let err = Config::from_toml("batch_size = 512\n[[tables]]\nname = \"a\"\nrows = 10\ndim = 0\n")
+        .unwrap()
+        .resolve()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tables[0].dim"), "{err}");
+    let err = Config::from_json(
+        "{\"batch_size\": 1,\n \"tables\": [{\"name\": \"a\", \"rows\": 1, \"dimm\": 2}]}",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("line 2") && err.contains("dimm"), "{err}");
+}
+
+#[test]
+fn examples_parse_and_plan() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let problem = Config::from_path(&path).unwrap().resolve().unwrap();
+            let plan = plan_problem(&problem, CostModel::Torchrec).unwrap();
+            assert_eq!(plan.tables.len(), problem.tables.len());
+            assert!(plan.makespan >= plan.lower_bound * (1.0 - 1e-12));
+            n += 1;
+        }
+    }
+    assert!(n >= 2);
+}

@@ -1,0 +1,28 @@
+//! # embers
+//!
+//! A recommendation and embedding engine: jagged tensors, table-batched embedding bags, sharding
+//! and recommendation models, all on one general reverse-mode autograd tensor core.
+//!
+//! The core types live in [`tensor`] ([`Tensor`], [`DType`], [`Device`]), trainable modules in
+//! [`nn`] and dense optimizers in [`optim`].
+//!
+//! ```
+//! use embers::{Tensor, Result};
+//! # fn main() -> Result<()> {
+//! let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.requires_grad();
+//! let x = Tensor::from_vec(vec![0.5f32, -1.0], &[1, 2])?;
+//! let loss = x.matmul(&w)?.relu()?.sum_all()?;
+//! loss.backward()?;
+//! assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![0.5, 0.0, -1.0, 0.0]);
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod nn;
+pub mod optim;
+pub mod tensor;
+
+pub use error::{Error, Result};
+pub use tensor::{no_grad, DType, Device, Gradient, Tensor};

@@ -1,0 +1,80 @@
+//! Adagrad.
+
+use super::{check_param, for_each_range, touched, Optimizer};
+use crate::tensor::dtype::FloatElem;
+use crate::tensor::ops::with_float;
+use crate::{Result, Tensor};
+
+/// Adagrad as `torch.optim.Adagrad`: `s += g²`, `w −= lr_t · g / (√s + eps)` with
+/// `lr_t = lr / (1 + (t−1)·lr_decay)`. Sparse gradients update only their rows.
+pub struct Adagrad {
+    params: Vec<Tensor>,
+    sums: Vec<Tensor>,
+    steps: Vec<u64>,
+    /// Learning rate.
+    pub lr: f64,
+    /// Learning-rate decay per step.
+    pub lr_decay: f64,
+    /// L2 penalty added to the gradient (densifies sparse gradients).
+    pub weight_decay: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+}
+
+impl Adagrad {
+    /// Adagrad with learning rate `lr`, eps 1e-10 and an initial accumulator of
+    /// `initial_accumulator_value`.
+    pub fn new(params: Vec<Tensor>, lr: f64, initial_accumulator_value: f64) -> Result<Self> {
+        for p in &params {
+            check_param("Adagrad", p)?;
+        }
+        let sums = params
+            .iter()
+            .map(|p| Tensor::full(initial_accumulator_value, p.shape(), p.dtype(), p.device()))
+            .collect();
+        let n = params.len();
+        Ok(Adagrad { params, sums, steps: vec![0; n], lr, lr_decay: 0.0, weight_decay: 0.0, eps: 1e-10 })
+    }
+
+    /// The accumulated squared gradients, one per parameter (checkpointable state).
+    pub fn state(&self) -> &[Tensor] {
+        &self.sums
+    }
+
+    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+        let p = &self.params[i];
+        let Some(grad) = p.gradient() else { return Ok(()) };
+        self.steps[i] += 1;
+        let g = touched::<T>(p, &grad, self.weight_decay != 0.0)?;
+        let clr = T::from_f64(self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay));
+        let (wd, eps) = (T::from_f64(self.weight_decay), T::from_f64(self.eps));
+        let mut w = p.data_mut::<T>()?;
+        let mut s = self.sums[i].data_mut::<T>()?;
+        for_each_range(p, &g, |range, g| {
+            for (k, j) in range.enumerate() {
+                let d = g[k] + wd * w[j];
+                s[j] += d * d;
+                w[j] = w[j] - clr * d / (s[j].sqrt() + eps);
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Optimizer for Adagrad {
+    fn step(&mut self) -> Result<()> {
+        for i in 0..self.params.len() {
+            with_float!(self.params[i].dtype(), "Adagrad", T => self.step_param::<T>(i)?);
+        }
+        Ok(())
+    }
+    fn zero_grad(&self) {
+        self.params.iter().for_each(Tensor::zero_grad);
+    }
+    fn learning_rate(&self) -> f64 {
+        self.lr
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+}

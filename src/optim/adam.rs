@@ -1,0 +1,125 @@
+//! Adam and AdamW.
+
+use super::{check_param, for_each_range, touched, Optimizer};
+use crate::tensor::dtype::FloatElem;
+use crate::tensor::ops::with_float;
+use crate::{Result, Tensor};
+
+/// Hyper-parameters of [`Adam`].
+#[derive(Clone, Copy, Debug)]
+pub struct AdamConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment.
+    pub betas: (f64, f64),
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Weight decay: an L2 term in the gradient (Adam) or decoupled shrinkage (AdamW).
+    pub weight_decay: f64,
+    /// Decoupled weight decay (AdamW) instead of L2.
+    pub decoupled_weight_decay: bool,
+    /// Keep the running maximum of the second moment (AMSGrad).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled_weight_decay: false, amsgrad: false }
+    }
+}
+
+impl AdamConfig {
+    /// AdamW defaults (`weight_decay` 0.01, decoupled), as `torch.optim.AdamW`.
+    pub fn adamw(lr: f64) -> Self {
+        AdamConfig { lr, weight_decay: 0.01, decoupled_weight_decay: true, ..Default::default() }
+    }
+}
+
+/// Adam / AdamW as `torch.optim.Adam(W)`. With a row-sparse gradient only the touched rows'
+/// moments are updated (lazy, as `SparseAdam`), with the parameter's global step count.
+pub struct Adam {
+    params: Vec<Tensor>,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    max_exp_avg_sq: Vec<Option<Tensor>>,
+    steps: Vec<u64>,
+    /// Hyper-parameters.
+    pub config: AdamConfig,
+}
+
+impl Adam {
+    /// A new optimizer over `params`.
+    pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<Self> {
+        for p in &params {
+            check_param("Adam", p)?;
+        }
+        let n = params.len();
+        Ok(Adam {
+            exp_avg: params.iter().map(Tensor::zeros_like).collect(),
+            exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
+            max_exp_avg_sq: params.iter().map(|p| config.amsgrad.then(|| p.zeros_like())).collect(),
+            steps: vec![0; n],
+            params,
+            config,
+        })
+    }
+
+    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+        let p = &self.params[i];
+        let Some(grad) = p.gradient() else { return Ok(()) };
+        let c = self.config;
+        self.steps[i] += 1;
+        let t = self.steps[i] as i32;
+        let l2 = c.weight_decay != 0.0 && !c.decoupled_weight_decay;
+        let g = touched::<T>(p, &grad, l2)?;
+        let f = T::from_f64;
+        let (b1, b2) = (f(c.betas.0), f(c.betas.1));
+        let bc1 = f(1.0 - c.betas.0.powi(t));
+        let bc2_sqrt = f((1.0 - c.betas.1.powi(t)).sqrt());
+        let (lr, eps, wd) = (f(c.lr), f(c.eps), f(c.weight_decay));
+        let decay = if c.decoupled_weight_decay { f(1.0 - c.lr * c.weight_decay) } else { T::one() };
+        let mut w = p.data_mut::<T>()?;
+        let mut m = self.exp_avg[i].data_mut::<T>()?;
+        let mut v = self.exp_avg_sq[i].data_mut::<T>()?;
+        let mut vmax = match &self.max_exp_avg_sq[i] {
+            Some(t) => Some(t.data_mut::<T>()?),
+            None => None,
+        };
+        for_each_range(p, &g, |range, g| {
+            for (k, j) in range.enumerate() {
+                let gj = if l2 { g[k] + wd * w[j] } else { g[k] };
+                w[j] = w[j] * decay;
+                m[j] = b1 * m[j] + (T::one() - b1) * gj;
+                v[j] = b2 * v[j] + (T::one() - b2) * gj * gj;
+                let second = match vmax.as_mut() {
+                    Some(vm) => {
+                        vm[j] = vm[j].max(v[j]);
+                        vm[j]
+                    }
+                    None => v[j],
+                };
+                let denom = second.sqrt() / bc2_sqrt + eps;
+                w[j] = w[j] - lr / bc1 * m[j] / denom;
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self) -> Result<()> {
+        for i in 0..self.params.len() {
+            with_float!(self.params[i].dtype(), "Adam", T => self.step_param::<T>(i)?);
+        }
+        Ok(())
+    }
+    fn zero_grad(&self) {
+        self.params.iter().for_each(Tensor::zero_grad);
+    }
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+}

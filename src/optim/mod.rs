@@ -1,0 +1,78 @@
+//! Optimizers for dense parameters: SGD (momentum, Nesterov, weight decay), Adagrad, Adam and
+//! AdamW. Each accepts dense and row-sparse gradients; with a row-sparse gradient only the
+//! touched rows (and their state) change, as PyTorch's sparse Adagrad and SparseAdam do.
+//! (Embedding tables use the optimizers fused into the embedding-bag backward instead.)
+
+mod adagrad;
+mod adam;
+mod sgd;
+
+pub use adagrad::Adagrad;
+pub use adam::{Adam, AdamConfig};
+pub use sgd::Sgd;
+
+use crate::tensor::dtype::FloatElem;
+use crate::tensor::ops::with_float;
+use crate::{Error, Gradient, Result, Tensor};
+
+/// A dense-parameter optimizer.
+pub trait Optimizer {
+    /// Applies one update from the parameters' accumulated gradients (parameters without a
+    /// gradient are left alone).
+    fn step(&mut self) -> Result<()>;
+    /// Clears the parameters' gradients.
+    fn zero_grad(&self);
+    /// Current learning rate.
+    fn learning_rate(&self) -> f64;
+    /// Sets the learning rate (for schedules).
+    fn set_learning_rate(&mut self, lr: f64);
+}
+
+/// Where an update applies: the whole parameter, or some rows of it.
+pub(crate) enum Touched<T> {
+    /// Dense gradient over every element.
+    All(Vec<T>),
+    /// Sorted unique rows and their gradients `[rows.len() * row_len]`.
+    Rows(Vec<usize>, Vec<T>),
+}
+
+/// Reads a parameter's gradient as contiguous `T` values, coalescing sparse ones. `dense`
+/// forces sparse gradients into dense form (for updates that touch every element anyway).
+pub(crate) fn touched<T: FloatElem>(param: &Tensor, grad: &Gradient, dense: bool) -> Result<Touched<T>> {
+    match grad {
+        Gradient::RowSparse(s) if !dense => {
+            let s = s.coalesce()?;
+            let rows = s.rows.iter().map(|&r| r as usize).collect();
+            Ok(Touched::Rows(rows, s.values.cast_values(param.dtype())?.to_vec()?))
+        }
+        g => Ok(Touched::All(g.to_dense()?.cast_values(param.dtype())?.to_vec()?)),
+    }
+}
+
+/// Runs `update(range, grad)` over either every element or each touched row's element range.
+pub(crate) fn for_each_range<T: Copy>(
+    param: &Tensor,
+    touched: &Touched<T>,
+    mut update: impl FnMut(std::ops::Range<usize>, &[T]),
+) {
+    match touched {
+        Touched::All(g) => update(0..g.len(), g),
+        Touched::Rows(rows, g) => {
+            let row_len = param.numel() / param.shape().first().copied().unwrap_or(1).max(1);
+            for (i, &r) in rows.iter().enumerate() {
+                update(r * row_len..(r + 1) * row_len, &g[i * row_len..(i + 1) * row_len]);
+            }
+        }
+    }
+}
+
+/// Checks a parameter can be optimised (a contiguous float leaf).
+pub(crate) fn check_param(op: &'static str, p: &Tensor) -> Result<()> {
+    if !p.is_leaf() || !p.is_contiguous() {
+        return Err(Error::invalid(
+            op,
+            format!("parameters must be contiguous leaf tensors (shape {:?})", p.shape()),
+        ));
+    }
+    with_float!(p.dtype(), op, T => { let _ = std::mem::size_of::<T>(); Ok(()) })
+}

@@ -1,0 +1,98 @@
+//! Stochastic gradient descent.
+
+use super::{check_param, for_each_range, touched, Optimizer};
+use crate::tensor::dtype::FloatElem;
+use crate::tensor::ops::with_float;
+use crate::{Result, Tensor};
+
+/// SGD with optional momentum (dampening, Nesterov) and L2 weight decay, as `torch.optim.SGD`.
+pub struct Sgd {
+    params: Vec<Tensor>,
+    momentum_buffers: Vec<Option<Tensor>>,
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 disables).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+}
+
+impl Sgd {
+    /// Plain SGD with learning rate `lr`.
+    pub fn new(params: Vec<Tensor>, lr: f64) -> Result<Self> {
+        for p in &params {
+            check_param("Sgd", p)?;
+        }
+        let n = params.len();
+        Ok(Sgd { params, momentum_buffers: vec![None; n], lr, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false })
+    }
+
+    /// Sets momentum.
+    pub fn momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Sets L2 weight decay.
+    pub fn weight_decay(mut self, wd: f64) -> Self {
+        self.weight_decay = wd;
+        self
+    }
+
+    /// Enables Nesterov momentum.
+    pub fn nesterov(mut self, yes: bool) -> Self {
+        self.nesterov = yes;
+        self
+    }
+
+    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+        let p = &self.params[i];
+        let Some(grad) = p.gradient() else { return Ok(()) };
+        let use_momentum = self.momentum != 0.0;
+        // Momentum and weight decay touch every element: densify sparse gradients for them.
+        let g = touched::<T>(p, &grad, use_momentum || self.weight_decay != 0.0)?;
+        let (lr, mom, damp, wd) = (T::from_f64(self.lr), T::from_f64(self.momentum), T::from_f64(self.dampening), T::from_f64(self.weight_decay));
+        let first = self.momentum_buffers[i].is_none();
+        if use_momentum && first {
+            self.momentum_buffers[i] = Some(p.zeros_like());
+        }
+        let mut w = p.data_mut::<T>()?;
+        let mut buf = match &self.momentum_buffers[i] {
+            Some(b) if use_momentum => Some(b.data_mut::<T>()?),
+            _ => None,
+        };
+        for_each_range(p, &g, |range, g| {
+            for (k, j) in range.enumerate() {
+                let mut d = g[k] + wd * w[j];
+                if let Some(b) = buf.as_mut() {
+                    b[j] = if first { d } else { mom * b[j] + (T::one() - damp) * d };
+                    d = if self.nesterov { d + mom * b[j] } else { b[j] };
+                }
+                w[j] = w[j] - lr * d;
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        for i in 0..self.params.len() {
+            with_float!(self.params[i].dtype(), "Sgd", T => self.step_param::<T>(i)?);
+        }
+        Ok(())
+    }
+    fn zero_grad(&self) {
+        self.params.iter().for_each(Tensor::zero_grad);
+    }
+    fn learning_rate(&self) -> f64 {
+        self.lr
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+}

@@ -1,0 +1,157 @@
+//! Element types and the traits that tie Rust scalar types to them.
+
+use half::{bf16, f16};
+
+use super::storage::CpuStorage;
+use crate::{Error, Result};
+
+/// The element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 64-bit IEEE float.
+    F64,
+    /// 16-bit IEEE half float (computed in f32).
+    F16,
+    /// bfloat16 (computed in f32).
+    BF16,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+    /// 8-bit unsigned integer (also used for masks).
+    U8,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// True for the floating-point dtypes.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
+    /// The dtype arithmetic is carried out in: f16/bf16 accumulate in f32, others in themselves.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            DType::F16 | DType::BF16 => DType::F32,
+            d => d,
+        }
+    }
+}
+
+/// A Rust scalar type that can be stored in a tensor.
+pub trait WithDType:
+    Copy + Send + Sync + std::fmt::Debug + PartialOrd + Default + 'static
+{
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Converts from f64 (rounding/saturating as `as` does for integers).
+    fn from_f64(v: f64) -> Self;
+    /// Converts to f64.
+    fn to_f64(self) -> f64;
+    /// Wraps a vector into CPU storage.
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+    /// Borrows the storage's buffer if it holds this type.
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    /// Mutably borrows the storage's buffer if it holds this type.
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+}
+
+macro_rules! with_dtype {
+    ($t:ty, $variant:ident, $from:expr, $to:expr) => {
+        impl WithDType for $t {
+            const DTYPE: DType = DType::$variant;
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+            fn into_storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+with_dtype!(f32, F32, |v: f64| v as f32, |v: f32| v as f64);
+with_dtype!(f64, F64, |v: f64| v, |v: f64| v);
+with_dtype!(f16, F16, f16::from_f64, f16::to_f64);
+with_dtype!(bf16, BF16, bf16::from_f64, bf16::to_f64);
+with_dtype!(i64, I64, |v: f64| v as i64, |v: i64| v as f64);
+with_dtype!(i32, I32, |v: f64| v as i32, |v: i32| v as f64);
+with_dtype!(u8, U8, |v: f64| v as u8, |v: u8| v as f64);
+
+/// Scalar types arithmetic runs in: f32, f64, and the integer types (for index math).
+pub trait NumElem:
+    WithDType
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::iter::Sum
+{
+    /// Additive identity.
+    const ZERO: Self;
+    /// Multiplicative identity.
+    const ONE: Self;
+    /// Smallest value (−∞ for floats), the identity of `max`.
+    const MIN: Self;
+}
+
+macro_rules! num_elem {
+    ($t:ty, $min:expr) => {
+        impl NumElem for $t {
+            const ZERO: Self = 0 as $t;
+            const ONE: Self = 1 as $t;
+            const MIN: Self = $min;
+        }
+    };
+}
+num_elem!(f32, f32::NEG_INFINITY);
+num_elem!(f64, f64::NEG_INFINITY);
+num_elem!(i64, i64::MIN);
+num_elem!(i32, i32::MIN);
+num_elem!(u8, u8::MIN);
+
+/// Floating-point compute types (f32, f64).
+pub trait FloatElem: NumElem + num_traits::Float + std::ops::AddAssign + std::ops::MulAssign {}
+impl FloatElem for f32 {}
+impl FloatElem for f64 {}
+
+/// Checks that `dtype` is a floating-point dtype.
+pub(crate) fn expect_float(op: &'static str, dtype: DType) -> Result<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedDType {
+            op,
+            dtype,
+            expected: "a floating-point dtype (f32, f64, f16, bf16)",
+        })
+    }
+}

@@ -1,0 +1,148 @@
+//! Joining and splitting along a dimension: cat, stack, split, chunk.
+
+use super::reduce::split_at_dim;
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::layout::resolve_dim;
+use crate::tensor::storage::{match_storage, CpuStorage};
+use crate::tensor::dtype::WithDType;
+use crate::{Error, Result, Tensor};
+
+struct CatBackward {
+    dim: usize,
+    sizes: Vec<usize>,
+}
+
+impl BackwardOp for CatBackward {
+    fn name(&self) -> &'static str {
+        "cat"
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let mut start = 0;
+        let mut out = Vec::with_capacity(self.sizes.len());
+        for &s in &self.sizes {
+            out.push(Some(Gradient::Dense(g.narrow(self.dim as isize, start, s)?.contiguous()?)));
+            start += s;
+        }
+        Ok(out)
+    }
+}
+
+fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<CpuStorage> {
+    let (outer, _, inner) = split_at_dim(shape, dim);
+    let contiguous: Vec<Vec<T>> = parts.iter().map(|p| p.to_vec::<T>()).collect::<Result<_>>()?;
+    let mut out = Vec::with_capacity(shape.iter().product());
+    for o in 0..outer {
+        for (p, data) in parts.iter().zip(&contiguous) {
+            let block = p.shape()[dim] * inner;
+            out.extend_from_slice(&data[o * block..(o + 1) * block]);
+        }
+    }
+    Ok(T::into_storage(out))
+}
+
+impl Tensor {
+    /// Concatenates tensors along `dim`; all other dimensions must agree.
+    pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        let first = tensors.first().ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
+        let d = resolve_dim("cat", dim, first.rank())?;
+        let mut shape = first.shape().to_vec();
+        shape[d] = 0;
+        for (i, t) in tensors.iter().enumerate() {
+            if t.dtype() != first.dtype() {
+                return Err(Error::DTypeMismatch { op: "cat", lhs: first.dtype(), rhs: t.dtype() });
+            }
+            let same = t.rank() == first.rank()
+                && (0..t.rank()).all(|j| j == d || t.shape()[j] == first.shape()[j]);
+            if !same {
+                return Err(Error::ShapeMismatch {
+                    op: "cat",
+                    lhs: first.shape().to_vec(),
+                    rhs: t.shape().to_vec(),
+                    detail: format!("tensor {i} differs outside dimension {d}"),
+                });
+            }
+            shape[d] += t.shape()[d];
+        }
+        let parts: Vec<Tensor> = tensors.iter().map(|t| t.detach()).collect();
+        let storage = {
+            let guard = first.storage_read();
+            let probe = guard.cpu("cat")?;
+            match_storage!(probe, v => {
+                fn typed<T: WithDType>(_: &[T], parts: &[Tensor], d: usize, shape: &[usize]) -> Result<CpuStorage> {
+                    cat_typed::<T>(parts, d, shape)
+                }
+                typed(v, &parts, d, &shape)?
+            })
+        };
+        let out = Tensor::from_storage(storage, &shape)?;
+        if !first.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            tensors,
+            CatBackward {
+                dim: d,
+                sizes: tensors.iter().map(|t| t.shape()[d]).collect(),
+            },
+        ))
+    }
+
+    /// Stacks equally shaped tensors along a new dimension `dim`.
+    pub fn stack(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        let first = tensors.first().ok_or_else(|| Error::invalid("stack", "no tensors given"))?;
+        let d = resolve_dim("stack", dim, first.rank() + 1)?;
+        let expanded: Vec<Tensor> = tensors
+            .iter()
+            .map(|t| {
+                if t.shape() != first.shape() {
+                    return Err(Error::shape("stack", first.shape(), t.shape()));
+                }
+                t.unsqueeze(d as isize)
+            })
+            .collect::<Result<_>>()?;
+        let refs: Vec<&Tensor> = expanded.iter().collect();
+        Tensor::cat(&refs, d as isize)
+    }
+
+    /// Splits along `dim` into pieces of the given sizes (views), which must sum to the size.
+    pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
+        let d = resolve_dim("split", dim, self.rank())?;
+        let total: usize = sizes.iter().sum();
+        if total != self.shape()[d] {
+            return Err(Error::invalid(
+                "split",
+                format!("sizes {sizes:?} sum to {total}, dimension {d} has size {}", self.shape()[d]),
+            ));
+        }
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&s| {
+                let t = self.narrow(d as isize, start, s);
+                start += s;
+                t
+            })
+            .collect()
+    }
+
+    /// Splits along `dim` into `chunks` pieces of equal size (the last may be smaller).
+    pub fn chunk(&self, chunks: usize, dim: isize) -> Result<Vec<Tensor>> {
+        let d = resolve_dim("chunk", dim, self.rank())?;
+        if chunks == 0 {
+            return Err(Error::invalid("chunk", "chunks must be at least 1"));
+        }
+        let size = self.shape()[d];
+        let step = size.div_ceil(chunks).max(1);
+        let mut sizes = Vec::new();
+        let mut left = size;
+        while left > 0 {
+            sizes.push(step.min(left));
+            left -= step.min(left);
+        }
+        if sizes.is_empty() {
+            sizes.push(0);
+        }
+        self.split(&sizes, d as isize)
+    }
+}

@@ -1,0 +1,319 @@
+//! Indexing: index_select and gather along dim 0, row scatter-add, masked_fill, where, and the
+//! triu index helper.
+
+use rayon::prelude::*;
+
+use super::{float_compute, with_num};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, RowSparseGrad};
+use crate::tensor::dtype::{NumElem, WithDType};
+use crate::tensor::layout::broadcast_shapes;
+use crate::tensor::storage::match_storage;
+use crate::{DType, Error, Result, Tensor};
+
+/// Reads an index tensor (i64 or i32) and checks every entry lies in `0..size`; the error names
+/// the first offending position.
+pub fn checked_indices(op: &'static str, index: &Tensor, size: usize) -> Result<Vec<usize>> {
+    let raw: Vec<i64> = match index.dtype() {
+        DType::I64 => index.to_vec::<i64>()?,
+        DType::I32 => index.to_vec::<i32>()?.into_iter().map(i64::from).collect(),
+        d => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: d,
+                expected: "i64 or i32 indices",
+            })
+        }
+    };
+    checked_index_slice(op, &raw, size)
+}
+
+/// Checks a slice of indices against `0..size`, naming the first offending position.
+pub fn checked_index_slice(op: &'static str, raw: &[i64], size: usize) -> Result<Vec<usize>> {
+    raw.iter()
+        .enumerate()
+        .map(|(position, &i)| {
+            if i < 0 || i as u64 >= size as u64 {
+                Err(Error::IndexOutOfRange {
+                    op,
+                    index: i,
+                    position,
+                    size,
+                })
+            } else {
+                Ok(i as usize)
+            }
+        })
+        .collect()
+}
+
+struct IndexSelectBackward {
+    rows: Vec<i64>,
+    num_rows: usize,
+    /// `[rows.len(), ...row shape]`.
+    values_shape: Vec<usize>,
+}
+
+impl BackwardOp for IndexSelectBackward {
+    fn name(&self) -> &'static str {
+        "index_select"
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        Ok(vec![Some(Gradient::RowSparse(RowSparseGrad {
+            rows: self.rows.clone(),
+            values: g.contiguous_values()?.reshape(&self.values_shape)?,
+            num_rows: self.num_rows,
+        })), None])
+    }
+}
+
+struct GatherBackward {
+    input_shape: Vec<usize>,
+    index: Vec<usize>,
+    index_shape: Vec<usize>,
+}
+
+impl BackwardOp for GatherBackward {
+    fn name(&self) -> &'static str {
+        "gather"
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let (gc, storage) = float_compute("gather", g)?;
+        let rest_in: usize = self.input_shape[1..].iter().product();
+        let out = with_num!(gc.dtype(), "gather", T => {
+            let mut out = vec![T::ZERO; self.input_shape.iter().product()];
+            gc.with_contiguous(|gs: &[T]| {
+                for (p, &v) in gs.iter().enumerate() {
+                    let target = gather_source(p, &self.index, &self.index_shape, &self.input_shape, rest_in);
+                    out[target] = out[target] + v;
+                }
+            })?;
+            Tensor::from_vec(out, &self.input_shape)?
+        });
+        Ok(vec![Some(Gradient::Dense(out.cast_values(storage)?)), None])
+    }
+}
+
+/// Flat position in the input that output element `p` of a dim-0 gather reads.
+fn gather_source(p: usize, index: &[usize], index_shape: &[usize], input_shape: &[usize], rest_in: usize) -> usize {
+    // Decompose p over index_shape[1..], recompose over input_shape[1..].
+    let mut rem = p;
+    let mut within = 0;
+    let mut stride_in = rest_in;
+    let rest_idx: usize = index_shape[1..].iter().product();
+    rem %= rest_idx.max(1);
+    let mut stride_idx = rest_idx;
+    for d in 1..index_shape.len() {
+        stride_idx /= index_shape[d];
+        stride_in /= input_shape[d];
+        within += (rem / stride_idx) * stride_in;
+        rem %= stride_idx;
+    }
+    index[p] * rest_in + within
+}
+
+struct MaskedFillBackward {
+    mask: Tensor,
+}
+
+impl BackwardOp for MaskedFillBackward {
+    fn name(&self) -> &'static str {
+        "masked_fill"
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let zero = Tensor::zeros(&[], g.dtype(), g.device());
+        Ok(vec![Some(Gradient::Dense(Tensor::where_cond(&self.mask, &zero, g)?))])
+    }
+}
+
+struct WhereBackward {
+    cond: Tensor,
+    a_shape: Vec<usize>,
+    b_shape: Vec<usize>,
+}
+
+impl BackwardOp for WhereBackward {
+    fn name(&self) -> &'static str {
+        "where"
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let zero = Tensor::zeros(&[], g.dtype(), g.device());
+        let ga = Tensor::where_cond(&self.cond, g, &zero)?.sum_to_shape(&self.a_shape)?;
+        let gb = Tensor::where_cond(&self.cond, &zero, g)?.sum_to_shape(&self.b_shape)?;
+        Ok(vec![None, Some(Gradient::Dense(ga)), Some(Gradient::Dense(gb))])
+    }
+}
+
+impl Tensor {
+    /// Rows of this tensor picked by `indices` (i64/i32, any shape): the result has shape
+    /// `indices.shape() ++ self.shape()[1..]`. Out-of-range indices are an error naming the
+    /// position. The gradient is row-sparse.
+    pub fn index_select(&self, indices: &Tensor) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return Err(Error::invalid("index_select", "cannot index a 0-dimensional tensor"));
+        }
+        let rows = checked_indices("index_select", indices, self.shape()[0])?;
+        let row_len: usize = self.shape()[1..].iter().product();
+        let src = self.contiguous_values()?;
+        let guard = src.storage_read();
+        let cpu = guard.cpu("index_select")?;
+        let storage = match_storage!(cpu, v => {
+            let mut out = vec![Default::default(); rows.len() * row_len];
+            if row_len > 0 {
+                let copy = |(dst, &r): (&mut [_], &usize)| dst.copy_from_slice(&v[r * row_len..(r + 1) * row_len]);
+                if out.len() >= super::PAR_THRESHOLD {
+                    out.par_chunks_mut(row_len).zip(rows.par_iter()).for_each(copy);
+                } else {
+                    out.chunks_mut(row_len).zip(rows.iter()).for_each(copy);
+                }
+            }
+            WithDType::into_storage(out)
+        });
+        drop(guard);
+        let mut shape = indices.shape().to_vec();
+        shape.extend_from_slice(&self.shape()[1..]);
+        let out = Tensor::from_storage(storage, &shape)?;
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            &[self, indices],
+            IndexSelectBackward {
+                rows: rows.iter().map(|&r| r as i64).collect(),
+                num_rows: self.shape()[0],
+                values_shape: [&[rows.len()], &self.shape()[1..]].concat(),
+            },
+        ))
+    }
+
+    /// `out[i, j, ...] = self[index[i, j, ...], j, ...]` (gather along dim 0). `index` has this
+    /// tensor's rank and no larger trailing dimensions.
+    pub fn gather(&self, index: &Tensor) -> Result<Tensor> {
+        if index.rank() != self.rank()
+            || self.rank() == 0
+            || (1..self.rank()).any(|d| index.shape()[d] > self.shape()[d])
+        {
+            return Err(Error::ShapeMismatch {
+                op: "gather",
+                lhs: self.shape().to_vec(),
+                rhs: index.shape().to_vec(),
+                detail: "index must have the input's rank and no larger trailing dimensions".into(),
+            });
+        }
+        let idx = checked_indices("gather", index, self.shape()[0])?;
+        let rest_in: usize = self.shape()[1..].iter().product();
+        let src = self.contiguous_values()?;
+        let guard = src.storage_read();
+        let cpu = guard.cpu("gather")?;
+        let storage = match_storage!(cpu, v => {
+            let out: Vec<_> = (0..idx.len()).map(|p| v[gather_source(p, &idx, index.shape(), self.shape(), rest_in)]).collect();
+            WithDType::into_storage(out)
+        });
+        drop(guard);
+        let out = Tensor::from_storage(storage, index.shape())?;
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            &[self, index],
+            GatherBackward {
+                input_shape: self.shape().to_vec(),
+                index: idx,
+                index_shape: index.shape().to_vec(),
+            },
+        ))
+    }
+
+    /// A copy of this tensor with `values[i]` added to row `rows[i]` (duplicates accumulate, in
+    /// order). No autograd: this is the scatter used to densify row-sparse gradients.
+    pub fn index_add_rows(&self, rows: &[i64], values: &Tensor) -> Result<Tensor> {
+        if self.rank() == 0 || values.rank() == 0 || values.shape()[0] != rows.len() || values.shape()[1..] != self.shape()[1..] {
+            return Err(Error::ShapeMismatch {
+                op: "index_add_rows",
+                lhs: self.shape().to_vec(),
+                rhs: values.shape().to_vec(),
+                detail: format!("expected values of shape [{}, ...{:?}]", rows.len(), &self.shape()[1..]),
+            });
+        }
+        let rows = checked_index_slice("index_add_rows", rows, self.shape()[0])?;
+        let (dst, storage) = if self.dtype().is_float() { float_compute("index_add_rows", self)? } else { (self.clone(), self.dtype()) };
+        let src = values.cast_values(dst.dtype())?;
+        let row_len: usize = self.shape()[1..].iter().product();
+        let out = with_num!(dst.dtype(), "index_add_rows", T => {
+            let mut out: Vec<T> = dst.to_vec()?;
+            src.with_contiguous(|vs: &[T]| {
+                for (i, &r) in rows.iter().enumerate() {
+                    let d = &mut out[r * row_len..(r + 1) * row_len];
+                    d.iter_mut().zip(&vs[i * row_len..(i + 1) * row_len]).for_each(|(a, &b)| *a = *a + b);
+                }
+            })?;
+            Tensor::from_vec(out, self.shape())?
+        });
+        out.cast_values(storage)
+    }
+
+    /// Replaces elements where `mask` (u8, broadcastable) is nonzero by `value`.
+    pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        let fill = Tensor::full(value, &[], self.dtype(), self.device());
+        let out = Tensor::where_cond(mask, &fill, &self.detach())?;
+        if out.shape() != self.shape() {
+            return Err(Error::shape("masked_fill", self.shape(), mask.shape()));
+        }
+        Ok(record_op(out, &[self], MaskedFillBackward { mask: mask.detach() }))
+    }
+
+    /// `cond ? a : b` elementwise with broadcasting; `cond` is a u8 mask.
+    pub fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        if cond.dtype() != DType::U8 {
+            return Err(Error::UnsupportedDType { op: "where", dtype: cond.dtype(), expected: "a u8 mask" });
+        }
+        if a.dtype() != b.dtype() {
+            return Err(Error::DTypeMismatch { op: "where", lhs: a.dtype(), rhs: b.dtype() });
+        }
+        let shape = broadcast_shapes("where", &broadcast_shapes("where", cond.shape(), a.shape())?, b.shape())?;
+        let c = cond.detach().expand(&shape)?.to_vec::<u8>()?;
+        let av = a.detach().expand(&shape)?.contiguous_values()?;
+        let bv = b.detach().expand(&shape)?.contiguous_values()?;
+        let ga = av.storage_read();
+        let gb = bv.storage_read();
+        let (x, y) = (ga.cpu("where")?, gb.cpu("where")?);
+        let storage = {
+            match_storage!(x, xs => {
+                fn pick<T: WithDType>(c: &[u8], xs: &[T], ys: &crate::tensor::storage::CpuStorage) -> crate::tensor::storage::CpuStorage {
+                    let ys = T::slice(ys).expect("same dtype checked above");
+                    T::into_storage(c.iter().zip(xs.iter().zip(ys)).map(|(&m, (&x, &y))| if m != 0 { x } else { y }).collect())
+                }
+                pick(&c, xs, y)
+            })
+        };
+        drop((ga, gb));
+        let out = Tensor::from_storage(storage, &shape)?;
+        if !a.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            &[cond, a, b],
+            WhereBackward { cond: cond.detach(), a_shape: a.shape().to_vec(), b_shape: b.shape().to_vec() },
+        ))
+    }
+
+    /// Row and column indices (i64) of the upper triangle of an `n×n` matrix, starting at
+    /// diagonal `offset` (1 excludes the diagonal), in row-major order.
+    pub fn triu_indices(n: usize, offset: i64) -> (Tensor, Tensor) {
+        let (mut rows, mut cols) = (Vec::new(), Vec::new());
+        for i in 0..n as i64 {
+            for j in (i + offset).max(0)..n as i64 {
+                rows.push(i);
+                cols.push(j);
+            }
+        }
+        let len = rows.len();
+        (
+            Tensor::from_cpu(i64::into_storage(rows), &[len]),
+            Tensor::from_cpu(i64::into_storage(cols), &[len]),
+        )
+    }
+}
+

@@ -1,0 +1,252 @@
+//! Elementwise float functions. Each is declared once with its value and its derivative side by
+//! side; one generic forward and one generic backward serve them all.
+
+use super::{float_compute, with_float};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::dtype::FloatElem;
+use crate::{Error, Result, Tensor};
+use rayon::prelude::*;
+
+/// An elementwise function `y = f(x)` with its derivative written in terms of `x` and `y`.
+trait UnaryFn: Send + Sync + 'static {
+    const NAME: &'static str;
+    fn f<T: FloatElem>(&self, x: T) -> T;
+    fn df<T: FloatElem>(&self, x: T, y: T) -> T;
+}
+
+fn c<T: FloatElem>(v: f64) -> T {
+    T::from_f64(v)
+}
+
+macro_rules! unary_fn {
+    ($name:ident, $str:literal, |$s:ident, $x:ident| $f:expr, |$s2:ident, $x2:ident, $y2:ident| $df:expr) => {
+        struct $name;
+        impl UnaryFn for $name {
+            const NAME: &'static str = $str;
+            #[inline(always)]
+            fn f<T: FloatElem>(&self, $x: T) -> T {
+                let $s = self;
+                let _ = $s;
+                $f
+            }
+            #[inline(always)]
+            fn df<T: FloatElem>(&self, $x2: T, $y2: T) -> T {
+                let $s2 = self;
+                let _ = ($s2, $x2, $y2);
+                $df
+            }
+        }
+    };
+}
+
+unary_fn!(Neg, "neg", |s, x| -x, |s, x, y| c(-1.0));
+unary_fn!(Exp, "exp", |s, x| x.exp(), |s, x, y| y);
+unary_fn!(Log, "log", |s, x| x.ln(), |s, x, y| x.recip());
+unary_fn!(Sqrt, "sqrt", |s, x| x.sqrt(), |s, x, y| c::<T>(0.5) / y);
+unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) { c(1.0) } else if x < c(0.0) { c(-1.0) } else { c(0.0) });
+unary_fn!(Relu, "relu", |s, x| if x > c(0.0) { x } else { c(0.0) }, |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) });
+unary_fn!(Tanh, "tanh", |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
+unary_fn!(
+    Sigmoid,
+    "sigmoid",
+    |s, x| if x >= c(0.0) {
+        c::<T>(1.0) / (c::<T>(1.0) + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (c::<T>(1.0) + e)
+    },
+    |s, x, y| y * (c::<T>(1.0) - y)
+);
+// Exact GELU: x·Φ(x), Φ the standard normal CDF (PyTorch's default `approximate='none'`).
+unary_fn!(
+    Gelu,
+    "gelu",
+    |s, x| x * c(0.5 * (1.0 + libm::erf(x.to_f64() * std::f64::consts::FRAC_1_SQRT_2))),
+    |s, x, y| {
+        let xf = x.to_f64();
+        let cdf = 0.5 * (1.0 + libm::erf(xf * std::f64::consts::FRAC_1_SQRT_2));
+        let pdf = (-0.5 * xf * xf).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        c(cdf + xf * pdf)
+    }
+);
+// GELU with the tanh approximation (`approximate='tanh'`).
+unary_fn!(
+    GeluTanh,
+    "gelu_tanh",
+    |s, x| {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let xf = x.to_f64();
+        c(0.5 * xf * (1.0 + (k * (xf + 0.044715 * xf * xf * xf)).tanh()))
+    },
+    |s, x, y| {
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        let xf = x.to_f64();
+        let t = (k * (xf + 0.044715 * xf * xf * xf)).tanh();
+        c(0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * xf * xf))
+    }
+);
+
+struct Affine {
+    mul: f64,
+    add: f64,
+}
+impl UnaryFn for Affine {
+    const NAME: &'static str = "affine";
+    fn f<T: FloatElem>(&self, x: T) -> T {
+        x * c(self.mul) + c(self.add)
+    }
+    fn df<T: FloatElem>(&self, _x: T, _y: T) -> T {
+        c(self.mul)
+    }
+}
+
+struct Powf {
+    exponent: f64,
+}
+impl UnaryFn for Powf {
+    const NAME: &'static str = "pow";
+    fn f<T: FloatElem>(&self, x: T) -> T {
+        x.powf(c(self.exponent))
+    }
+    fn df<T: FloatElem>(&self, x: T, _y: T) -> T {
+        c::<T>(self.exponent) * x.powf(c(self.exponent - 1.0))
+    }
+}
+
+struct Clamp {
+    min: f64,
+    max: f64,
+}
+impl UnaryFn for Clamp {
+    const NAME: &'static str = "clamp";
+    fn f<T: FloatElem>(&self, x: T) -> T {
+        if x < c(self.min) {
+            c(self.min)
+        } else if x > c(self.max) {
+            c(self.max)
+        } else {
+            x
+        }
+    }
+    fn df<T: FloatElem>(&self, x: T, _y: T) -> T {
+        if x >= c(self.min) && x <= c(self.max) {
+            c(1.0)
+        } else {
+            c(0.0)
+        }
+    }
+}
+
+struct UnaryBackward<F: UnaryFn> {
+    f: F,
+    x: Tensor,
+    y: Tensor,
+}
+
+impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
+    fn name(&self) -> &'static str {
+        F::NAME
+    }
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let (x, storage) = float_compute(F::NAME, &self.x)?;
+        let (y, _) = float_compute(F::NAME, &self.y)?;
+        let (g, _) = float_compute(F::NAME, g)?;
+        let gx = with_float!(x.dtype(), F::NAME, T => {
+            let gx = x.with_contiguous(|xs: &[T]| {
+                y.with_contiguous(|ys: &[T]| {
+                    g.with_contiguous(|gs: &[T]| {
+                        let run = |((&x, &y), &g): ((&T, &T), &T)| g * self.f.df(x, y);
+                        if xs.len() >= super::PAR_THRESHOLD {
+                            xs.par_iter().zip(ys.par_iter()).zip(gs.par_iter()).map(run).collect::<Vec<T>>()
+                        } else {
+                            xs.iter().zip(ys).zip(gs).map(run).collect::<Vec<T>>()
+                        }
+                    })
+                })
+            })???;
+            Tensor::from_vec(gx, x.shape())?
+        });
+        let gx = gx.cast_values(storage)?;
+        Ok(vec![Some(Gradient::Dense(gx))])
+    }
+}
+
+fn unary<F: UnaryFn>(x: &Tensor, f: F) -> Result<Tensor> {
+    let (xc, storage) = float_compute(F::NAME, x)?;
+    let y = with_float!(xc.dtype(), F::NAME, T => {
+        let v = xc.with_contiguous(|s: &[T]| super::par_map(s, |v| f.f(v)))?;
+        Tensor::from_vec(v, x.shape())?
+    })
+    .cast_values(storage)?;
+    if !x.requires_grad() {
+        return Ok(y);
+    }
+    let saved = UnaryBackward {
+        f,
+        x: x.detach(),
+        y: y.detach(),
+    };
+    Ok(record_op(y, &[x], saved))
+}
+
+impl Tensor {
+    /// `-x`.
+    pub fn neg(&self) -> Result<Tensor> {
+        unary(self, Neg)
+    }
+    /// `e^x`.
+    pub fn exp(&self) -> Result<Tensor> {
+        unary(self, Exp)
+    }
+    /// Natural logarithm.
+    pub fn log(&self) -> Result<Tensor> {
+        unary(self, Log)
+    }
+    /// Square root.
+    pub fn sqrt(&self) -> Result<Tensor> {
+        unary(self, Sqrt)
+    }
+    /// Absolute value (subgradient 0 at 0).
+    pub fn abs(&self) -> Result<Tensor> {
+        unary(self, Abs)
+    }
+    /// `max(x, 0)` (gradient 0 at 0, as PyTorch).
+    pub fn relu(&self) -> Result<Tensor> {
+        unary(self, Relu)
+    }
+    /// Hyperbolic tangent.
+    pub fn tanh(&self) -> Result<Tensor> {
+        unary(self, Tanh)
+    }
+    /// Logistic sigmoid, computed without overflow for large |x|.
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        unary(self, Sigmoid)
+    }
+    /// Exact GELU, `x·Φ(x)`.
+    pub fn gelu(&self) -> Result<Tensor> {
+        unary(self, Gelu)
+    }
+    /// GELU with the tanh approximation.
+    pub fn gelu_tanh(&self) -> Result<Tensor> {
+        unary(self, GeluTanh)
+    }
+    /// `x^exponent`.
+    pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
+        unary(self, Powf { exponent })
+    }
+    /// `x²`.
+    pub fn square(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+    /// `mul·x + add` in one pass.
+    pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
+        unary(self, Affine { mul, add })
+    }
+    /// Clamps into `[min, max]` (gradient 1 inside, 0 outside).
+    pub fn clamp(&self, min: f64, max: f64) -> Result<Tensor> {
+        if min > max || min.is_nan() || max.is_nan() {
+            return Err(Error::invalid("clamp", format!("empty range [{min}, {max}]")));
+        }
+        unary(self, Clamp { min, max })
+    }
+}

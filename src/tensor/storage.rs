@@ -1,0 +1,109 @@
+//! Typed element buffers. A tensor shares its storage (reference-counted) with its views.
+
+use half::{bf16, f16};
+
+use super::dtype::DType;
+use crate::{Device, Result};
+
+/// A host buffer of one dtype.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f64 elements.
+    F64(Vec<f64>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+    /// i64 elements.
+    I64(Vec<i64>),
+    /// i32 elements.
+    I32(Vec<i32>),
+    /// u8 elements.
+    U8(Vec<u8>),
+}
+
+/// Dispatches `$body` with `$v` bound to the storage's typed vector.
+macro_rules! match_storage {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            $crate::tensor::storage::CpuStorage::F32($v) => $body,
+            $crate::tensor::storage::CpuStorage::F64($v) => $body,
+            $crate::tensor::storage::CpuStorage::F16($v) => $body,
+            $crate::tensor::storage::CpuStorage::BF16($v) => $body,
+            $crate::tensor::storage::CpuStorage::I64($v) => $body,
+            $crate::tensor::storage::CpuStorage::I32($v) => $body,
+            $crate::tensor::storage::CpuStorage::U8($v) => $body,
+        }
+    };
+}
+pub(crate) use match_storage;
+
+impl CpuStorage {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::I64(_) => DType::I64,
+            CpuStorage::I32(_) => DType::I32,
+            CpuStorage::U8(_) => DType::U8,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match_storage!(self, v => v.len())
+    }
+
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A zero-filled buffer.
+    pub fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::F64 => CpuStorage::F64(vec![0.0; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::I64 => CpuStorage::I64(vec![0; n]),
+            DType::I32 => CpuStorage::I32(vec![0; n]),
+            DType::U8 => CpuStorage::U8(vec![0; n]),
+        }
+    }
+}
+
+/// Storage on some device. CUDA storage joins as a second variant.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Cpu(CpuStorage),
+}
+
+impl Storage {
+    /// The device the storage lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    /// The host buffer, or an error naming `op` if the storage is elsewhere.
+    pub fn cpu(&self, _op: &'static str) -> Result<&CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+        }
+    }
+
+    /// The host buffer, mutably.
+    pub fn cpu_mut(&mut self, _op: &'static str) -> Result<&mut CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+        }
+    }
+}
