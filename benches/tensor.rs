@@ -1,1 +1,87 @@
-fn main(){}
+//! Dense kernels of the tensor core, at the shapes `../shared/peers/matmul.py` measures for
+//! PyTorch CPU (run both with `benches/peers/tensor.sh` to get the ratio in one run).
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use embers::nn::{Activation, Forward, Mlp, Module};
+use embers::tensor::rng::seeded;
+use embers::{DType, Tensor};
+
+fn matmul(c: &mut Criterion) {
+    let mut rng = seeded(0);
+    for (m, k, n) in [(512, 512, 512), (512, 415, 512), (2048, 1024, 1024)] {
+        let a = Tensor::randn(&[m, k], 0.0, 1.0, DType::F32, &mut rng);
+        let b = Tensor::randn(&[k, n], 0.0, 1.0, DType::F32, &mut rng);
+        c.bench_function(&format!("matmul f32 {m}x{k}x{n}"), |bench| {
+            bench.iter(|| a.matmul(&b).unwrap())
+        });
+    }
+}
+
+fn dlrm_mlps(c: &mut Criterion) {
+    let mut rng = seeded(1);
+    let batch = 512;
+    let bottom = Mlp::new(13, &[512, 256, 64], Activation::Relu, &mut rng).unwrap();
+    // As the peer script: ReLU after every layer except the final 1-wide one.
+    let top = Mlp::new(415, &[512, 512, 256, 1], Activation::Relu, &mut rng)
+        .unwrap()
+        .activate_last(false);
+    let xd = Tensor::randn(&[batch, 13], 0.0, 1.0, DType::F32, &mut rng);
+    let xt = Tensor::randn(&[batch, 415], 0.0, 1.0, DType::F32, &mut rng);
+    c.bench_function("DLRM MLPs fwd+bwd B=512", |bench| {
+        bench.iter(|| {
+            let loss = bottom
+                .forward(&xd)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .add(&top.forward(&xt).unwrap().sum_all().unwrap())
+                .unwrap();
+            loss.backward().unwrap();
+            bottom.zero_grad();
+            top.zero_grad();
+        })
+    });
+}
+
+fn dot_interaction(c: &mut Criterion) {
+    let (batch, features, dim) = (512, 27, 64);
+    let z = Tensor::randn(
+        &[batch, features, dim],
+        0.0,
+        1.0,
+        DType::F32,
+        &mut seeded(2),
+    )
+    .with_requires_grad(true);
+    let (rows, cols) = Tensor::triu_indices(features, 1);
+    let flat: Vec<i64> = rows
+        .to_vec::<i64>()
+        .unwrap()
+        .iter()
+        .zip(cols.to_vec::<i64>().unwrap())
+        .map(|(r, c)| r * features as i64 + c)
+        .collect();
+    let pairs = flat.len();
+    let flat = Tensor::from_vec(flat, &[pairs]).unwrap();
+    c.bench_function("dot interaction fwd+bwd B=512 F=27 D=64", |bench| {
+        bench.iter(|| {
+            let zz = z.matmul(&z.transpose(1, 2).unwrap()).unwrap();
+            let upper = zz
+                .reshape(&[batch, features * features])
+                .unwrap()
+                .t()
+                .unwrap()
+                .index_select(&flat)
+                .unwrap();
+            upper.sum_all().unwrap().backward().unwrap();
+            z.zero_grad();
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(4));
+    targets = matmul, dlrm_mlps, dot_interaction
+}
+criterion_main!(benches);

@@ -9,19 +9,22 @@
 //! ```
 //! use embers::{Tensor, Result};
 //! # fn main() -> Result<()> {
-//! let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.requires_grad();
-//! let x = Tensor::from_vec(vec![0.5f32, -1.0], &[1, 2])?;
+//! let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.with_requires_grad(true);
+//! let x = Tensor::from_vec(vec![0.5f32, 1.0], &[1, 2])?;
 //! let loss = x.matmul(&w)?.relu()?.sum_all()?;
 //! loss.backward()?;
-//! assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![0.5, 0.0, -1.0, 0.0]);
+//! // d/dW Σ relu(x·W) = xᵀ·1 where x·W > 0.
+//! assert_eq!(w.grad().unwrap().to_vec::<f32>()?, vec![0.5, 0.5, 1.0, 1.0]);
 //! # Ok(())
 //! # }
 //! ```
 #![warn(missing_docs)]
 
+pub mod embedding;
 pub mod error;
 pub mod nn;
 pub mod optim;
+pub mod sparse;
 pub mod tensor;
 
 pub use error::{Error, Result};

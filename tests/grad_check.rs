@@ -1,6 +1,9 @@
 //! Finite-difference gradient checks (f64) for every differentiable op of the tensor core,
 //! including broadcast and view cases.
 
+// Inputs are passed as owned clones on purpose: each check gets fresh leaves.
+#![allow(clippy::cloned_ref_to_slice_refs)]
+
 use embers::tensor::rng::seeded;
 use embers::tensor::testing::check_gradients;
 use embers::tensor::Reduction;
@@ -54,7 +57,9 @@ fn unary_ops() {
     check(|x| x[0].gelu_tanh(), &[x.clone()]);
     check(|x| x[0].square(), &[x.clone()]);
     // Kinks: inputs kept away from 0 / the clamp bounds.
-    let away = Tensor::from_vec(vec![-1.5, -0.7, -0.2, 0.3, 0.9, 1.7], &[2, 3]).unwrap().with_requires_grad(true);
+    let away = Tensor::from_vec(vec![-1.5, -0.7, -0.2, 0.3, 0.9, 1.7], &[2, 3])
+        .unwrap()
+        .with_requires_grad(true);
     check(|x| x[0].relu(), &[away.clone()]);
     check(|x| x[0].abs(), &[away.clone()]);
     check(|x| x[0].clamp(-1.0, 1.0), &[away.clone()]);
@@ -83,18 +88,30 @@ fn matmul_variants() {
     // Transposed operands are strided views.
     let bt = leaf(&[5, 4], -1.0, 1.0, 10);
     check(|x| x[0].matmul(&x[1].t()?), &[a.clone(), bt.clone()]);
-    check(|x| x[0].t()?.matmul(&x[1].t()?), &[leaf(&[4, 3], -1.0, 1.0, 11), leaf(&[5, 4], -1.0, 1.0, 12)]);
+    check(
+        |x| x[0].t()?.matmul(&x[1].t()?),
+        &[leaf(&[4, 3], -1.0, 1.0, 11), leaf(&[5, 4], -1.0, 1.0, 12)],
+    );
     // Batched, with a broadcast 2-D right operand and a broadcast batch dimension.
     let batched = leaf(&[2, 3, 4], -1.0, 1.0, 13);
     check(|x| x[0].matmul(&x[1]), &[batched.clone(), b.clone()]);
-    check(|x| x[0].matmul(&x[1]), &[leaf(&[2, 1, 3, 4], -1.0, 1.0, 14), leaf(&[3, 4, 2], -1.0, 1.0, 15)]);
+    check(
+        |x| x[0].matmul(&x[1]),
+        &[
+            leaf(&[2, 1, 3, 4], -1.0, 1.0, 14),
+            leaf(&[3, 4, 2], -1.0, 1.0, 15),
+        ],
+    );
     // The DLRM interaction pattern: z · zᵀ.
     let z = leaf(&[2, 4, 3], -1.0, 1.0, 16);
     check(|x| x[0].matmul(&x[0].transpose(1, 2)?), &[z]);
     // linear: x·Wᵀ + b, with and without bias, and with leading dims.
     let w = leaf(&[5, 4], -1.0, 1.0, 17);
     let bias = leaf(&[5], -1.0, 1.0, 18);
-    check(|x| x[0].linear(&x[1], Some(&x[2])), &[a.clone(), w.clone(), bias.clone()]);
+    check(
+        |x| x[0].linear(&x[1], Some(&x[2])),
+        &[a.clone(), w.clone(), bias.clone()],
+    );
     check(|x| x[0].linear(&x[1], None), &[batched.clone(), w.clone()]);
 }
 
@@ -111,7 +128,10 @@ fn views() {
     let small = leaf(&[3, 1], -1.0, 1.0, 20);
     check(|x| x[0].expand(&[2, 3, 4]), &[small.clone()]);
     // Ops on views: a non-contiguous operand into an elementwise op and a reduction.
-    check(|x| x[0].transpose(0, 1)?.mul(&x[1])?.sum(&[0], false), &[leaf(&[4, 3], -1.0, 1.0, 21), leaf(&[3, 4], -1.0, 1.0, 22)]);
+    check(
+        |x| x[0].transpose(0, 1)?.mul(&x[1])?.sum(&[0], false),
+        &[leaf(&[4, 3], -1.0, 1.0, 21), leaf(&[3, 4], -1.0, 1.0, 22)],
+    );
 }
 
 #[test]
@@ -120,9 +140,24 @@ fn concat_split_stack_chunk() {
     let b = leaf(&[2, 2], -1.0, 1.0, 24);
     check(|x| Tensor::cat(&[&x[0], &x[1]], 1), &[a.clone(), b.clone()]);
     check(|x| Tensor::cat(&[&x[0], &x[0]], 0), &[a.clone()]);
-    check(|x| Tensor::stack(&[&x[0], &x[1]], 1), &[a.clone(), leaf(&[2, 3], -1.0, 1.0, 25)]);
-    check(|x| { let p = x[0].split(&[1, 2], 1)?; p[1].mul(&p[1])?.add(&p[0]) }, &[a.clone()]);
-    check(|x| { let p = x[0].chunk(2, 1)?; Tensor::cat(&[&p[1], &p[0]], 1) }, &[leaf(&[2, 4], -1.0, 1.0, 26)]);
+    check(
+        |x| Tensor::stack(&[&x[0], &x[1]], 1),
+        &[a.clone(), leaf(&[2, 3], -1.0, 1.0, 25)],
+    );
+    check(
+        |x| {
+            let p = x[0].split(&[1, 2], 1)?;
+            p[1].mul(&p[1])?.add(&p[0])
+        },
+        &[a.clone()],
+    );
+    check(
+        |x| {
+            let p = x[0].chunk(2, 1)?;
+            Tensor::cat(&[&p[1], &p[0]], 1)
+        },
+        &[leaf(&[2, 4], -1.0, 1.0, 26)],
+    );
 }
 
 #[test]
@@ -137,10 +172,19 @@ fn indexing() {
     let mask = Tensor::from_vec(vec![1u8, 0, 0, 1, 1, 0], &[2, 3]).unwrap();
     let m = leaf(&[2, 3], -1.0, 1.0, 28);
     check(|x| x[0].masked_fill(&mask, 7.0), &[m.clone()]);
-    check(|x| Tensor::where_cond(&mask, &x[0], &x[1]), &[m.clone(), leaf(&[3], -1.0, 1.0, 29)]);
+    check(
+        |x| Tensor::where_cond(&mask, &x[0], &x[1]),
+        &[m.clone(), leaf(&[3], -1.0, 1.0, 29)],
+    );
     // The dot-interaction pattern: pick the strict upper triangle of z·zᵀ.
     let (rows, cols) = Tensor::triu_indices(4, 1);
-    let flat: Vec<i64> = rows.to_vec::<i64>().unwrap().iter().zip(cols.to_vec::<i64>().unwrap()).map(|(r, c)| r * 4 + c).collect();
+    let flat: Vec<i64> = rows
+        .to_vec::<i64>()
+        .unwrap()
+        .iter()
+        .zip(cols.to_vec::<i64>().unwrap())
+        .map(|(r, c)| r * 4 + c)
+        .collect();
     let n = flat.len();
     let flat = Tensor::from_vec(flat, &[n]).unwrap();
     check(
@@ -165,13 +209,31 @@ fn losses() {
     let logits = leaf(&[4, 3], -2.0, 2.0, 32);
     let soft = Tensor::rand_uniform(&[4, 3], 0.0, 1.0, DType::F64, &mut seeded(33));
     let w = Tensor::rand_uniform(&[3], 0.5, 2.0, DType::F64, &mut seeded(34));
-    check(|x| x[0].bce_with_logits(&soft, None, Reduction::Mean), &[logits.clone()]);
-    check(|x| x[0].bce_with_logits(&soft, Some(&w), Reduction::Sum), &[logits.clone()]);
-    check(|x| x[0].bce_with_logits(&soft, None, Reduction::None), &[logits.clone()]);
-    check(|x| x[0].mse_loss(&x[1], Reduction::Mean), &[logits.clone(), leaf(&[4, 3], -1.0, 1.0, 35)]);
+    check(
+        |x| x[0].bce_with_logits(&soft, None, Reduction::Mean),
+        &[logits.clone()],
+    );
+    check(
+        |x| x[0].bce_with_logits(&soft, Some(&w), Reduction::Sum),
+        &[logits.clone()],
+    );
+    check(
+        |x| x[0].bce_with_logits(&soft, None, Reduction::None),
+        &[logits.clone()],
+    );
+    check(
+        |x| x[0].mse_loss(&x[1], Reduction::Mean),
+        &[logits.clone(), leaf(&[4, 3], -1.0, 1.0, 35)],
+    );
     let target = Tensor::from_vec(vec![2i64, 0, 1, 2], &[4]).unwrap();
-    check(|x| x[0].cross_entropy(&target, Reduction::Mean), &[logits.clone()]);
-    check(|x| x[0].cross_entropy(&target, Reduction::None), &[logits.clone()]);
+    check(
+        |x| x[0].cross_entropy(&target, Reduction::Mean),
+        &[logits.clone()],
+    );
+    check(
+        |x| x[0].cross_entropy(&target, Reduction::None),
+        &[logits.clone()],
+    );
 }
 
 #[test]
@@ -179,8 +241,14 @@ fn layer_norm_with_affine() {
     let x = leaf(&[3, 6], -2.0, 2.0, 36);
     let w = leaf(&[6], 0.5, 1.5, 37);
     let b = leaf(&[6], -0.5, 0.5, 38);
-    check(|x| x[0].layer_norm(&[6], Some(&x[1]), Some(&x[2]), 1e-5), &[x.clone(), w, b]);
-    check(|x| x[0].layer_norm(&[2, 3], None, None, 1e-5), &[leaf(&[2, 2, 3], -2.0, 2.0, 39)]);
+    check(
+        |x| x[0].layer_norm(&[6], Some(&x[1]), Some(&x[2]), 1e-5),
+        &[x.clone(), w, b],
+    );
+    check(
+        |x| x[0].layer_norm(&[2, 3], None, None, 1e-5),
+        &[leaf(&[2, 2, 3], -2.0, 2.0, 39)],
+    );
 }
 
 #[test]

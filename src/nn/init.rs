@@ -59,8 +59,11 @@ impl Init {
             Init::KaimingNormal => Tensor::randn(shape, 0.0, (2.0 / fi).sqrt(), dtype, rng),
             Init::Normal { std } => Tensor::randn(shape, 0.0, std, dtype, rng),
             Init::Uniform { low, high } => {
-                if !(low < high) {
-                    return Err(Error::invalid("init", format!("empty range [{low}, {high})")));
+                if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less) {
+                    return Err(Error::invalid(
+                        "init",
+                        format!("empty range [{low}, {high})"),
+                    ));
                 }
                 Tensor::rand_uniform(shape, low, high, dtype, rng)
             }

@@ -16,7 +16,15 @@ pub struct Linear {
 impl Linear {
     /// A layer with PyTorch's default initialisation (weight and bias U(±1/√in)).
     pub fn new(in_features: usize, out_features: usize, rng: &mut Rng) -> Result<Self> {
-        Linear::with_init(in_features, out_features, true, Init::LinearDefault, Init::LinearDefault, DType::F32, rng)
+        Linear::with_init(
+            in_features,
+            out_features,
+            true,
+            Init::LinearDefault,
+            Init::LinearDefault,
+            DType::F32,
+            rng,
+        )
     }
 
     /// A layer with explicit initialisers and dtype.
@@ -30,10 +38,20 @@ impl Linear {
         rng: &mut Rng,
     ) -> Result<Self> {
         let weight = weight_init
-            .tensor(&[out_features, in_features], in_features, out_features, dtype, rng)?
+            .tensor(
+                &[out_features, in_features],
+                in_features,
+                out_features,
+                dtype,
+                rng,
+            )?
             .with_requires_grad(true);
         let bias = if bias {
-            Some(bias_init.tensor(&[out_features], in_features, out_features, dtype, rng)?.with_requires_grad(true))
+            Some(
+                bias_init
+                    .tensor(&[out_features], in_features, out_features, dtype, rng)?
+                    .with_requires_grad(true),
+            )
         } else {
             None
         };

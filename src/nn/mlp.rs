@@ -56,11 +56,18 @@ pub struct Mlp {
 impl Mlp {
     /// Layers `in → sizes[0] → … → sizes[n-1]`, each followed by `activation` (including the
     /// last, as TorchRec's MLP does; see [`Mlp::activate_last`]).
-    pub fn new(in_features: usize, sizes: &[usize], activation: Activation, rng: &mut Rng) -> Result<Self> {
+    pub fn new(
+        in_features: usize,
+        sizes: &[usize],
+        activation: Activation,
+        rng: &mut Rng,
+    ) -> Result<Self> {
         if sizes.is_empty() || in_features == 0 || sizes.contains(&0) {
             return Err(Error::invalid(
                 "Mlp::new",
-                format!("layer sizes must be non-empty and positive, got {in_features} → {sizes:?}"),
+                format!(
+                    "layer sizes must be non-empty and positive, got {in_features} → {sizes:?}"
+                ),
             ));
         }
         let mut layers = Vec::with_capacity(sizes.len());
@@ -69,7 +76,11 @@ impl Mlp {
             layers.push(Linear::new(prev, s, rng)?);
             prev = s;
         }
-        Ok(Mlp { layers, activation, activate_last: true })
+        Ok(Mlp {
+            layers,
+            activation,
+            activate_last: true,
+        })
     }
 
     /// Whether the activation follows the last layer too (default true).
@@ -155,6 +166,8 @@ impl Module for Sequential {
 
 impl Forward for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.modules.iter().try_fold(x.clone(), |h, m| m.forward(&h))
+        self.modules
+            .iter()
+            .try_fold(x.clone(), |h, m| m.forward(&h))
     }
 }

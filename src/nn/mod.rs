@@ -4,6 +4,7 @@
 mod init;
 mod linear;
 mod mlp;
+pub mod toy;
 
 use std::collections::BTreeMap;
 
@@ -20,7 +21,10 @@ pub trait Module {
 
     /// The parameters, in the order of [`named_parameters`](Module::named_parameters).
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
     }
 
     /// Name → parameter handle (shares storage with the module).

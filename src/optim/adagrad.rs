@@ -33,7 +33,15 @@ impl Adagrad {
             .map(|p| Tensor::full(initial_accumulator_value, p.shape(), p.dtype(), p.device()))
             .collect();
         let n = params.len();
-        Ok(Adagrad { params, sums, steps: vec![0; n], lr, lr_decay: 0.0, weight_decay: 0.0, eps: 1e-10 })
+        Ok(Adagrad {
+            params,
+            sums,
+            steps: vec![0; n],
+            lr,
+            lr_decay: 0.0,
+            weight_decay: 0.0,
+            eps: 1e-10,
+        })
     }
 
     /// The accumulated squared gradients, one per parameter (checkpointable state).
@@ -43,7 +51,9 @@ impl Adagrad {
 
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
-        let Some(grad) = p.gradient() else { return Ok(()) };
+        let Some(grad) = p.gradient() else {
+            return Ok(());
+        };
         self.steps[i] += 1;
         let g = touched::<T>(p, &grad, self.weight_decay != 0.0)?;
         let clr = T::from_f64(self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay));

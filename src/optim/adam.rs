@@ -24,14 +24,26 @@ pub struct AdamConfig {
 
 impl Default for AdamConfig {
     fn default() -> Self {
-        AdamConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, decoupled_weight_decay: false, amsgrad: false }
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+            amsgrad: false,
+        }
     }
 }
 
 impl AdamConfig {
     /// AdamW defaults (`weight_decay` 0.01, decoupled), as `torch.optim.AdamW`.
     pub fn adamw(lr: f64) -> Self {
-        AdamConfig { lr, weight_decay: 0.01, decoupled_weight_decay: true, ..Default::default() }
+        AdamConfig {
+            lr,
+            weight_decay: 0.01,
+            decoupled_weight_decay: true,
+            ..Default::default()
+        }
     }
 }
 
@@ -57,7 +69,10 @@ impl Adam {
         Ok(Adam {
             exp_avg: params.iter().map(Tensor::zeros_like).collect(),
             exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
-            max_exp_avg_sq: params.iter().map(|p| config.amsgrad.then(|| p.zeros_like())).collect(),
+            max_exp_avg_sq: params
+                .iter()
+                .map(|p| config.amsgrad.then(|| p.zeros_like()))
+                .collect(),
             steps: vec![0; n],
             params,
             config,
@@ -66,7 +81,9 @@ impl Adam {
 
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
-        let Some(grad) = p.gradient() else { return Ok(()) };
+        let Some(grad) = p.gradient() else {
+            return Ok(());
+        };
         let c = self.config;
         self.steps[i] += 1;
         let t = self.steps[i] as i32;
@@ -77,7 +94,11 @@ impl Adam {
         let bc1 = f(1.0 - c.betas.0.powi(t));
         let bc2_sqrt = f((1.0 - c.betas.1.powi(t)).sqrt());
         let (lr, eps, wd) = (f(c.lr), f(c.eps), f(c.weight_decay));
-        let decay = if c.decoupled_weight_decay { f(1.0 - c.lr * c.weight_decay) } else { T::one() };
+        let decay = if c.decoupled_weight_decay {
+            f(1.0 - c.lr * c.weight_decay)
+        } else {
+            T::one()
+        };
         let mut w = p.data_mut::<T>()?;
         let mut m = self.exp_avg[i].data_mut::<T>()?;
         let mut v = self.exp_avg_sq[i].data_mut::<T>()?;
@@ -88,7 +109,7 @@ impl Adam {
         for_each_range(p, &g, |range, g| {
             for (k, j) in range.enumerate() {
                 let gj = if l2 { g[k] + wd * w[j] } else { g[k] };
-                w[j] = w[j] * decay;
+                w[j] *= decay;
                 m[j] = b1 * m[j] + (T::one() - b1) * gj;
                 v[j] = b2 * v[j] + (T::one() - b2) * gj * gj;
                 let second = match vmax.as_mut() {

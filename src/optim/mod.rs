@@ -38,14 +38,23 @@ pub(crate) enum Touched<T> {
 
 /// Reads a parameter's gradient as contiguous `T` values, coalescing sparse ones. `dense`
 /// forces sparse gradients into dense form (for updates that touch every element anyway).
-pub(crate) fn touched<T: FloatElem>(param: &Tensor, grad: &Gradient, dense: bool) -> Result<Touched<T>> {
+pub(crate) fn touched<T: FloatElem>(
+    param: &Tensor,
+    grad: &Gradient,
+    dense: bool,
+) -> Result<Touched<T>> {
     match grad {
         Gradient::RowSparse(s) if !dense => {
             let s = s.coalesce()?;
             let rows = s.rows.iter().map(|&r| r as usize).collect();
-            Ok(Touched::Rows(rows, s.values.cast_values(param.dtype())?.to_vec()?))
+            Ok(Touched::Rows(
+                rows,
+                s.values.cast_values(param.dtype())?.to_vec()?,
+            ))
         }
-        g => Ok(Touched::All(g.to_dense()?.cast_values(param.dtype())?.to_vec()?)),
+        g => Ok(Touched::All(
+            g.to_dense()?.cast_values(param.dtype())?.to_vec()?,
+        )),
     }
 }
 
@@ -60,7 +69,10 @@ pub(crate) fn for_each_range<T: Copy>(
         Touched::Rows(rows, g) => {
             let row_len = param.numel() / param.shape().first().copied().unwrap_or(1).max(1);
             for (i, &r) in rows.iter().enumerate() {
-                update(r * row_len..(r + 1) * row_len, &g[i * row_len..(i + 1) * row_len]);
+                update(
+                    r * row_len..(r + 1) * row_len,
+                    &g[i * row_len..(i + 1) * row_len],
+                );
             }
         }
     }
@@ -71,7 +83,10 @@ pub(crate) fn check_param(op: &'static str, p: &Tensor) -> Result<()> {
     if !p.is_leaf() || !p.is_contiguous() {
         return Err(Error::invalid(
             op,
-            format!("parameters must be contiguous leaf tensors (shape {:?})", p.shape()),
+            format!(
+                "parameters must be contiguous leaf tensors (shape {:?})",
+                p.shape()
+            ),
         ));
     }
     with_float!(p.dtype(), op, T => { let _ = std::mem::size_of::<T>(); Ok(()) })

@@ -28,7 +28,15 @@ impl Sgd {
             check_param("Sgd", p)?;
         }
         let n = params.len();
-        Ok(Sgd { params, momentum_buffers: vec![None; n], lr, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false })
+        Ok(Sgd {
+            params,
+            momentum_buffers: vec![None; n],
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        })
     }
 
     /// Sets momentum.
@@ -51,11 +59,18 @@ impl Sgd {
 
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
-        let Some(grad) = p.gradient() else { return Ok(()) };
+        let Some(grad) = p.gradient() else {
+            return Ok(());
+        };
         let use_momentum = self.momentum != 0.0;
         // Momentum and weight decay touch every element: densify sparse gradients for them.
         let g = touched::<T>(p, &grad, use_momentum || self.weight_decay != 0.0)?;
-        let (lr, mom, damp, wd) = (T::from_f64(self.lr), T::from_f64(self.momentum), T::from_f64(self.dampening), T::from_f64(self.weight_decay));
+        let (lr, mom, damp, wd) = (
+            T::from_f64(self.lr),
+            T::from_f64(self.momentum),
+            T::from_f64(self.dampening),
+            T::from_f64(self.weight_decay),
+        );
         let first = self.momentum_buffers[i].is_none();
         if use_momentum && first {
             self.momentum_buffers[i] = Some(p.zeros_like());
@@ -69,7 +84,11 @@ impl Sgd {
             for (k, j) in range.enumerate() {
                 let mut d = g[k] + wd * w[j];
                 if let Some(b) = buf.as_mut() {
-                    b[j] = if first { d } else { mom * b[j] + (T::one() - damp) * d };
+                    b[j] = if first {
+                        d
+                    } else {
+                        mom * b[j] + (T::one() - damp) * d
+                    };
                     d = if self.nesterov { d + mom * b[j] } else { b[j] };
                 }
                 w[j] = w[j] - lr * d;

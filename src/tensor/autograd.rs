@@ -60,7 +60,11 @@ impl RowSparseGrad {
 
     /// Materialises the dense gradient (zeros outside the touched rows).
     pub fn to_dense(&self) -> Result<Tensor> {
-        let zeros = Tensor::zeros(&self.dense_shape(), self.values.dtype(), self.values.device());
+        let zeros = Tensor::zeros(
+            &self.dense_shape(),
+            self.values.dtype(),
+            self.values.device(),
+        );
         zeros.index_add_rows(&self.rows, &self.values)
     }
 
@@ -259,13 +263,16 @@ fn topological_order(root: &Arc<Node>) -> Vec<Arc<Node>> {
     let mut stack: Vec<(Arc<Node>, usize)> = vec![(root.clone(), 0)];
     visited.insert(root.id);
     while let Some((node, next)) = stack.pop() {
-        let child = node.edges[next..].iter().enumerate().find_map(|(i, e)| match e {
-            Some(Edge {
-                target: EdgeTarget::Node(n),
-                ..
-            }) if !visited.contains(&n.id) => Some((next + i, n.clone())),
-            _ => None,
-        });
+        let child = node.edges[next..]
+            .iter()
+            .enumerate()
+            .find_map(|(i, e)| match e {
+                Some(Edge {
+                    target: EdgeTarget::Node(n),
+                    ..
+                }) if !visited.contains(&n.id) => Some((next + i, n.clone())),
+                _ => None,
+            });
         match child {
             Some((i, n)) => {
                 visited.insert(n.id);
@@ -323,7 +330,9 @@ pub(crate) fn run_backward(root: &Tensor, grad: Tensor, retain_graph: bool) -> R
         let input_grads = {
             let mut slot = node.op.lock().expect("autograd node lock poisoned");
             if retain_graph {
-                let op = slot.as_ref().ok_or(Error::BackwardTwice { op: node.name })?;
+                let op = slot
+                    .as_ref()
+                    .ok_or(Error::BackwardTwice { op: node.name })?;
                 op.backward(&grad)?
             } else {
                 let op = slot.take().ok_or(Error::BackwardTwice { op: node.name })?;

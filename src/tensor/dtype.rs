@@ -50,9 +50,7 @@ impl DType {
 }
 
 /// A Rust scalar type that can be stored in a tensor.
-pub trait WithDType:
-    Copy + Send + Sync + std::fmt::Debug + PartialOrd + Default + 'static
-{
+pub trait WithDType: Copy + Send + Sync + std::fmt::Debug + PartialOrd + Default + 'static {
     /// The matching [`DType`].
     const DTYPE: DType;
     /// Converts from f64 (rounding/saturating as `as` does for integers).
@@ -113,6 +111,7 @@ pub trait NumElem:
     + std::ops::Sub<Output = Self>
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
+    + std::ops::AddAssign
     + std::iter::Sum
 {
     /// Additive identity.
@@ -121,25 +120,34 @@ pub trait NumElem:
     const ONE: Self;
     /// Smallest value (−∞ for floats), the identity of `max`.
     const MIN: Self;
+    /// True for a float NaN (never for integers).
+    fn is_nan_value(self) -> bool;
 }
 
 macro_rules! num_elem {
-    ($t:ty, $min:expr) => {
+    ($t:ty, $min:expr, $nan:expr) => {
         impl NumElem for $t {
             const ZERO: Self = 0 as $t;
             const ONE: Self = 1 as $t;
             const MIN: Self = $min;
+            #[inline(always)]
+            fn is_nan_value(self) -> bool {
+                $nan(self)
+            }
         }
     };
 }
-num_elem!(f32, f32::NEG_INFINITY);
-num_elem!(f64, f64::NEG_INFINITY);
-num_elem!(i64, i64::MIN);
-num_elem!(i32, i32::MIN);
-num_elem!(u8, u8::MIN);
+num_elem!(f32, f32::NEG_INFINITY, f32::is_nan);
+num_elem!(f64, f64::NEG_INFINITY, f64::is_nan);
+num_elem!(i64, i64::MIN, |_| false);
+num_elem!(i32, i32::MIN, |_| false);
+num_elem!(u8, u8::MIN, |_| false);
 
 /// Floating-point compute types (f32, f64).
-pub trait FloatElem: NumElem + num_traits::Float + std::ops::AddAssign + std::ops::MulAssign {}
+pub trait FloatElem:
+    NumElem + num_traits::Float + std::ops::AddAssign + std::ops::MulAssign
+{
+}
 impl FloatElem for f32 {}
 impl FloatElem for f64 {}
 

@@ -35,8 +35,16 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
-        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
-        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -128,10 +136,15 @@ impl Layout {
     /// Storage index of every element, in row-major logical order.
     pub fn offsets(&self) -> Vec<usize> {
         let mut out = Vec::with_capacity(self.numel());
-        for_each_row(&self.shape, &[&self.strides], &[self.offset], |n, base, st| {
-            let (b, s) = (base[0], st[0]);
-            out.extend((0..n).map(|i| b + i * s));
-        });
+        for_each_row(
+            &self.shape,
+            &[&self.strides],
+            &[self.offset],
+            |n, base, st| {
+                let (b, s) = (base[0], st[0]);
+                out.extend((0..n).map(|i| b + i * s));
+            },
+        );
         out
     }
 
@@ -141,16 +154,70 @@ impl Layout {
         if self.is_contiguous() {
             return data[self.offset..self.offset + n].to_vec();
         }
+        if let Some(out) = self.gather_transposed(data) {
+            return out;
+        }
         let mut out = Vec::with_capacity(n);
-        for_each_row(&self.shape, &[&self.strides], &[self.offset], |len, base, st| {
-            let (b, s) = (base[0], st[0]);
-            if s == 1 {
-                out.extend_from_slice(&data[b..b + len]);
-            } else {
-                out.extend((0..len).map(|i| data[b + i * s]));
-            }
-        });
+        for_each_row(
+            &self.shape,
+            &[&self.strides],
+            &[self.offset],
+            |len, base, st| {
+                let (b, s) = (base[0], st[0]);
+                if s == 1 {
+                    out.extend_from_slice(&data[b..b + len]);
+                } else {
+                    out.extend((0..len).map(|i| data[b + i * s]));
+                }
+            },
+        );
         out
+    }
+}
+
+impl Layout {
+    /// Fast path of [`Layout::gather`] for views whose two innermost (collapsed) dimensions
+    /// are transposed (`x.t()`, `x.transpose(1, 2)`): copies in square tiles so that both the
+    /// reads and the writes stay in cache, instead of striding through memory per element.
+    fn gather_transposed<T: Copy>(&self, data: &[T]) -> Option<Vec<T>> {
+        const TILE: usize = 16;
+        let (shape, strides) = collapse(&self.shape, &[&self.strides]);
+        let st = &strides[0];
+        let r = shape.len();
+        if r < 2 || st[r - 2] != 1 || st[r - 1] == 1 {
+            return None;
+        }
+        let (rows, cols, col_stride) = (shape[r - 2], shape[r - 1], st[r - 1]);
+        let mut out = Vec::with_capacity(self.numel());
+        let mut copy_matrix = |base: usize| {
+            let start = out.len();
+            out.resize(start + rows * cols, data[base]);
+            let dst = &mut out[start..];
+            for i0 in (0..rows).step_by(TILE) {
+                let i1 = (i0 + TILE).min(rows);
+                for j0 in (0..cols).step_by(TILE) {
+                    let j1 = (j0 + TILE).min(cols);
+                    for i in i0..i1 {
+                        let row = &mut dst[i * cols + j0..i * cols + j1];
+                        let src = &data[base + i + j0 * col_stride..];
+                        for (k, d) in row.iter_mut().enumerate() {
+                            *d = src[k * col_stride];
+                        }
+                    }
+                }
+            }
+        };
+        if r == 2 {
+            copy_matrix(self.offset);
+        } else {
+            let outer_strides = st[..r - 2].to_vec();
+            for_each_row(&shape[..r - 2], &[&outer_strides], &[self.offset], |len, base, step| {
+                for k in 0..len {
+                    copy_matrix(base[0] + k * step[0]);
+                }
+            });
+        }
+        Some(out)
     }
 }
 

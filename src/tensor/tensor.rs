@@ -346,7 +346,9 @@ impl Tensor {
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
         let guard = self.storage_read();
         let cpu = guard.cpu("to_vec_f64")?;
-        Ok(match_storage!(cpu, v => self.0.layout.gather(v).into_iter().map(|x| x.to_f64()).collect()))
+        Ok(
+            match_storage!(cpu, v => self.0.layout.gather(v).into_iter().map(|x| x.to_f64()).collect()),
+        )
     }
 
     /// The single element of a one-element tensor, as `T` (must be the tensor's dtype).
@@ -354,7 +356,10 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::invalid(
                 "to_scalar",
-                format!("expected one element, the tensor has shape {:?}", self.shape()),
+                format!(
+                    "expected one element, the tensor has shape {:?}",
+                    self.shape()
+                ),
             ));
         }
         Ok(self.to_vec::<T>()?[0])
@@ -365,7 +370,10 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::invalid(
                 "item",
-                format!("expected one element, the tensor has shape {:?}", self.shape()),
+                format!(
+                    "expected one element, the tensor has shape {:?}",
+                    self.shape()
+                ),
             ));
         }
         Ok(self.to_vec_f64()?[0])
@@ -404,7 +412,8 @@ impl Tensor {
         }
         let guard = self.storage_read();
         let cpu = guard.cpu("to_dtype")?;
-        let storage = match_storage!(cpu, v => super::ops::cast::cast_vec(&self.0.layout.gather(v), dtype));
+        let storage =
+            match_storage!(cpu, v => super::ops::cast::cast_vec(&self.0.layout.gather(v), dtype));
         Ok(Tensor::from_cpu(storage, self.shape()))
     }
 

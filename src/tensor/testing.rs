@@ -29,12 +29,20 @@ pub fn check_gradients(
     }
     let out = f(inputs)?;
     let mut rng = seeded(0x6772_6164);
-    let weights: Vec<f64> = (0..out.numel()).map(|_| rng.random_range(0.5..1.5)).collect();
+    let weights: Vec<f64> = (0..out.numel())
+        .map(|_| rng.random_range(0.5..1.5))
+        .collect();
     let r = Tensor::from_vec(weights, out.shape())?.cast_values(out.dtype())?;
     out.mul(&r)?.sum_all()?.backward()?;
 
     let project = |args: &[Tensor]| -> Result<f64> {
-        no_grad(|| f(args)?.to_dtype(DType::F64)?.mul(&r.to_dtype(DType::F64)?)?.sum_all()?.item())
+        no_grad(|| {
+            f(args)?
+                .to_dtype(DType::F64)?
+                .mul(&r.to_dtype(DType::F64)?)?
+                .sum_all()?
+                .item()
+        })
     };
     for (i, t) in inputs.iter().enumerate() {
         if !t.requires_grad() {

@@ -34,19 +34,34 @@ pub(crate) fn broadcast_zip<T: WithDType, U: WithDType>(
                     let dst = &mut chunk[pos..pos + len];
                     let (x, y) = (&ad[base[0]..], &bd[base[1]..]);
                     match (st[0], st[1]) {
-                        (1, 1) => dst.iter_mut().zip(x.iter().zip(y)).for_each(|(d, (&p, &q))| *d = f(p, q)),
+                        (1, 1) => dst
+                            .iter_mut()
+                            .zip(x.iter().zip(y))
+                            .for_each(|(d, (&p, &q))| *d = f(p, q)),
                         (1, 0) => dst.iter_mut().zip(x).for_each(|(d, &p)| *d = f(p, y[0])),
                         (0, 1) => dst.iter_mut().zip(y).for_each(|(d, &q)| *d = f(x[0], q)),
-                        (s, t) => dst.iter_mut().enumerate().for_each(|(i, d)| *d = f(x[i * s], y[i * t])),
+                        (s, t) => dst
+                            .iter_mut()
+                            .enumerate()
+                            .for_each(|(i, d)| *d = f(x[i * s], y[i * t])),
                     }
                     pos += len;
                 });
             };
             if n >= PAR_THRESHOLD && shape.len() > 1 && shape[0] > 1 {
                 let inner = n / shape[0];
-                out.par_chunks_mut(inner).enumerate().for_each(|(i, chunk)| {
-                    fill(chunk, &shape[1..], &sa[1..], &sb[1..], al.offset() + i * sa[0], bl.offset() + i * sb[0]);
-                });
+                out.par_chunks_mut(inner)
+                    .enumerate()
+                    .for_each(|(i, chunk)| {
+                        fill(
+                            chunk,
+                            &shape[1..],
+                            &sa[1..],
+                            &sb[1..],
+                            al.offset() + i * sa[0],
+                            bl.offset() + i * sb[0],
+                        );
+                    });
             } else if n > 0 {
                 fill(&mut out, &shape, &sa, &sb, al.offset(), bl.offset());
             }
@@ -111,8 +126,8 @@ impl BinaryKind {
                 BinaryKind::Sub => |x: T, y: T| x - y,
                 BinaryKind::Mul => |x: T, y: T| x * y,
                 BinaryKind::Div => |x: T, y: T| x / y,
-                BinaryKind::Maximum => |x: T, y: T| if x >= y || y != y { x } else { y },
-                BinaryKind::Minimum => |x: T, y: T| if x <= y || y != y { x } else { y },
+                BinaryKind::Maximum => |x: T, y: T| if x >= y || y.is_nan_value() { x } else { y },
+                BinaryKind::Minimum => |x: T, y: T| if x <= y || y.is_nan_value() { x } else { y },
             };
             if matches!(self, BinaryKind::Div) && !a.dtype().is_float() {
                 // Integer division by zero must not panic: check first.
@@ -173,7 +188,10 @@ impl BackwardOp for BinaryBackward {
                 _ => Ok(None),
             }
         };
-        Ok(vec![reduce(ga, a, self.a_needs)?, reduce(gb, b, self.b_needs)?])
+        Ok(vec![
+            reduce(ga, a, self.a_needs)?,
+            reduce(gb, b, self.b_needs)?,
+        ])
     }
 }
 

@@ -2,9 +2,9 @@
 
 use super::reduce::split_at_dim;
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::dtype::WithDType;
 use crate::tensor::layout::resolve_dim;
 use crate::tensor::storage::{match_storage, CpuStorage};
-use crate::tensor::dtype::WithDType;
 use crate::{Error, Result, Tensor};
 
 struct CatBackward {
@@ -20,7 +20,9 @@ impl BackwardOp for CatBackward {
         let mut start = 0;
         let mut out = Vec::with_capacity(self.sizes.len());
         for &s in &self.sizes {
-            out.push(Some(Gradient::Dense(g.narrow(self.dim as isize, start, s)?.contiguous()?)));
+            out.push(Some(Gradient::Dense(
+                g.narrow(self.dim as isize, start, s)?.contiguous()?,
+            )));
             start += s;
         }
         Ok(out)
@@ -29,7 +31,10 @@ impl BackwardOp for CatBackward {
 
 fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<CpuStorage> {
     let (outer, _, inner) = split_at_dim(shape, dim);
-    let contiguous: Vec<Vec<T>> = parts.iter().map(|p| p.to_vec::<T>()).collect::<Result<_>>()?;
+    let contiguous: Vec<Vec<T>> = parts
+        .iter()
+        .map(|p| p.to_vec::<T>())
+        .collect::<Result<_>>()?;
     let mut out = Vec::with_capacity(shape.iter().product());
     for o in 0..outer {
         for (p, data) in parts.iter().zip(&contiguous) {
@@ -43,13 +48,19 @@ fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Res
 impl Tensor {
     /// Concatenates tensors along `dim`; all other dimensions must agree.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        let first = tensors.first().ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
+        let first = tensors
+            .first()
+            .ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
         let d = resolve_dim("cat", dim, first.rank())?;
         let mut shape = first.shape().to_vec();
         shape[d] = 0;
         for (i, t) in tensors.iter().enumerate() {
             if t.dtype() != first.dtype() {
-                return Err(Error::DTypeMismatch { op: "cat", lhs: first.dtype(), rhs: t.dtype() });
+                return Err(Error::DTypeMismatch {
+                    op: "cat",
+                    lhs: first.dtype(),
+                    rhs: t.dtype(),
+                });
             }
             let same = t.rank() == first.rank()
                 && (0..t.rank()).all(|j| j == d || t.shape()[j] == first.shape()[j]);
@@ -90,7 +101,9 @@ impl Tensor {
 
     /// Stacks equally shaped tensors along a new dimension `dim`.
     pub fn stack(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        let first = tensors.first().ok_or_else(|| Error::invalid("stack", "no tensors given"))?;
+        let first = tensors
+            .first()
+            .ok_or_else(|| Error::invalid("stack", "no tensors given"))?;
         let d = resolve_dim("stack", dim, first.rank() + 1)?;
         let expanded: Vec<Tensor> = tensors
             .iter()
@@ -112,7 +125,10 @@ impl Tensor {
         if total != self.shape()[d] {
             return Err(Error::invalid(
                 "split",
-                format!("sizes {sizes:?} sum to {total}, dimension {d} has size {}", self.shape()[d]),
+                format!(
+                    "sizes {sizes:?} sum to {total}, dimension {d} has size {}",
+                    self.shape()[d]
+                ),
             ));
         }
         let mut start = 0;

@@ -58,11 +58,14 @@ impl BackwardOp for IndexSelectBackward {
         "index_select"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        Ok(vec![Some(Gradient::RowSparse(RowSparseGrad {
-            rows: self.rows.clone(),
-            values: g.contiguous_values()?.reshape(&self.values_shape)?,
-            num_rows: self.num_rows,
-        })), None])
+        Ok(vec![
+            Some(Gradient::RowSparse(RowSparseGrad {
+                rows: self.rows.clone(),
+                values: g.contiguous_values()?.reshape(&self.values_shape)?,
+                num_rows: self.num_rows,
+            })),
+            None,
+        ])
     }
 }
 
@@ -84,7 +87,7 @@ impl BackwardOp for GatherBackward {
             gc.with_contiguous(|gs: &[T]| {
                 for (p, &v) in gs.iter().enumerate() {
                     let target = gather_source(p, &self.index, &self.index_shape, &self.input_shape, rest_in);
-                    out[target] = out[target] + v;
+                    out[target] += v;
                 }
             })?;
             Tensor::from_vec(out, &self.input_shape)?
@@ -94,7 +97,13 @@ impl BackwardOp for GatherBackward {
 }
 
 /// Flat position in the input that output element `p` of a dim-0 gather reads.
-fn gather_source(p: usize, index: &[usize], index_shape: &[usize], input_shape: &[usize], rest_in: usize) -> usize {
+fn gather_source(
+    p: usize,
+    index: &[usize],
+    index_shape: &[usize],
+    input_shape: &[usize],
+    rest_in: usize,
+) -> usize {
     // Decompose p over index_shape[1..], recompose over input_shape[1..].
     let mut rem = p;
     let mut within = 0;
@@ -121,7 +130,9 @@ impl BackwardOp for MaskedFillBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let zero = Tensor::zeros(&[], g.dtype(), g.device());
-        Ok(vec![Some(Gradient::Dense(Tensor::where_cond(&self.mask, &zero, g)?))])
+        Ok(vec![Some(Gradient::Dense(Tensor::where_cond(
+            &self.mask, &zero, g,
+        )?))])
     }
 }
 
@@ -139,7 +150,11 @@ impl BackwardOp for WhereBackward {
         let zero = Tensor::zeros(&[], g.dtype(), g.device());
         let ga = Tensor::where_cond(&self.cond, g, &zero)?.sum_to_shape(&self.a_shape)?;
         let gb = Tensor::where_cond(&self.cond, &zero, g)?.sum_to_shape(&self.b_shape)?;
-        Ok(vec![None, Some(Gradient::Dense(ga)), Some(Gradient::Dense(gb))])
+        Ok(vec![
+            None,
+            Some(Gradient::Dense(ga)),
+            Some(Gradient::Dense(gb)),
+        ])
     }
 }
 
@@ -149,7 +164,10 @@ impl Tensor {
     /// position. The gradient is row-sparse.
     pub fn index_select(&self, indices: &Tensor) -> Result<Tensor> {
         if self.rank() == 0 {
-            return Err(Error::invalid("index_select", "cannot index a 0-dimensional tensor"));
+            return Err(Error::invalid(
+                "index_select",
+                "cannot index a 0-dimensional tensor",
+            ));
         }
         let rows = checked_indices("index_select", indices, self.shape()[0])?;
         let row_len: usize = self.shape()[1..].iter().product();
@@ -228,16 +246,28 @@ impl Tensor {
     /// A copy of this tensor with `values[i]` added to row `rows[i]` (duplicates accumulate, in
     /// order). No autograd: this is the scatter used to densify row-sparse gradients.
     pub fn index_add_rows(&self, rows: &[i64], values: &Tensor) -> Result<Tensor> {
-        if self.rank() == 0 || values.rank() == 0 || values.shape()[0] != rows.len() || values.shape()[1..] != self.shape()[1..] {
+        if self.rank() == 0
+            || values.rank() == 0
+            || values.shape()[0] != rows.len()
+            || values.shape()[1..] != self.shape()[1..]
+        {
             return Err(Error::ShapeMismatch {
                 op: "index_add_rows",
                 lhs: self.shape().to_vec(),
                 rhs: values.shape().to_vec(),
-                detail: format!("expected values of shape [{}, ...{:?}]", rows.len(), &self.shape()[1..]),
+                detail: format!(
+                    "expected values of shape [{}, ...{:?}]",
+                    rows.len(),
+                    &self.shape()[1..]
+                ),
             });
         }
         let rows = checked_index_slice("index_add_rows", rows, self.shape()[0])?;
-        let (dst, storage) = if self.dtype().is_float() { float_compute("index_add_rows", self)? } else { (self.clone(), self.dtype()) };
+        let (dst, storage) = if self.dtype().is_float() {
+            float_compute("index_add_rows", self)?
+        } else {
+            (self.clone(), self.dtype())
+        };
         let src = values.cast_values(dst.dtype())?;
         let row_len: usize = self.shape()[1..].iter().product();
         let out = with_num!(dst.dtype(), "index_add_rows", T => {
@@ -245,7 +275,7 @@ impl Tensor {
             src.with_contiguous(|vs: &[T]| {
                 for (i, &r) in rows.iter().enumerate() {
                     let d = &mut out[r * row_len..(r + 1) * row_len];
-                    d.iter_mut().zip(&vs[i * row_len..(i + 1) * row_len]).for_each(|(a, &b)| *a = *a + b);
+                    d.iter_mut().zip(&vs[i * row_len..(i + 1) * row_len]).for_each(|(a, &b)| *a += b);
                 }
             })?;
             Tensor::from_vec(out, self.shape())?
@@ -260,18 +290,36 @@ impl Tensor {
         if out.shape() != self.shape() {
             return Err(Error::shape("masked_fill", self.shape(), mask.shape()));
         }
-        Ok(record_op(out, &[self], MaskedFillBackward { mask: mask.detach() }))
+        Ok(record_op(
+            out,
+            &[self],
+            MaskedFillBackward {
+                mask: mask.detach(),
+            },
+        ))
     }
 
     /// `cond ? a : b` elementwise with broadcasting; `cond` is a u8 mask.
     pub fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         if cond.dtype() != DType::U8 {
-            return Err(Error::UnsupportedDType { op: "where", dtype: cond.dtype(), expected: "a u8 mask" });
+            return Err(Error::UnsupportedDType {
+                op: "where",
+                dtype: cond.dtype(),
+                expected: "a u8 mask",
+            });
         }
         if a.dtype() != b.dtype() {
-            return Err(Error::DTypeMismatch { op: "where", lhs: a.dtype(), rhs: b.dtype() });
+            return Err(Error::DTypeMismatch {
+                op: "where",
+                lhs: a.dtype(),
+                rhs: b.dtype(),
+            });
         }
-        let shape = broadcast_shapes("where", &broadcast_shapes("where", cond.shape(), a.shape())?, b.shape())?;
+        let shape = broadcast_shapes(
+            "where",
+            &broadcast_shapes("where", cond.shape(), a.shape())?,
+            b.shape(),
+        )?;
         let c = cond.detach().expand(&shape)?.to_vec::<u8>()?;
         let av = a.detach().expand(&shape)?.contiguous_values()?;
         let bv = b.detach().expand(&shape)?.contiguous_values()?;
@@ -295,7 +343,11 @@ impl Tensor {
         Ok(record_op(
             out,
             &[cond, a, b],
-            WhereBackward { cond: cond.detach(), a_shape: a.shape().to_vec(), b_shape: b.shape().to_vec() },
+            WhereBackward {
+                cond: cond.detach(),
+                a_shape: a.shape().to_vec(),
+                b_shape: b.shape().to_vec(),
+            },
         ))
     }
 
@@ -316,4 +368,3 @@ impl Tensor {
         )
     }
 }
-

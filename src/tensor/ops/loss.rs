@@ -3,8 +3,8 @@
 use super::{float_compute, with_float};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
 use crate::tensor::dtype::FloatElem;
-use num_traits::{One, Zero};
 use crate::{DType, Error, Result, Tensor};
+use num_traits::{One, Zero};
 
 /// How per-element losses are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -42,7 +42,11 @@ impl BackwardOp for PointwiseLossBackward {
         };
         Ok(vec![
             Some(Gradient::Dense(scale(&self.d_input)?)),
-            self.d_target.as_ref().map(|d| scale(d)).transpose()?.map(Gradient::Dense),
+            self.d_target
+                .as_ref()
+                .map(scale)
+                .transpose()?
+                .map(Gradient::Dense),
         ])
     }
 }
@@ -66,7 +70,11 @@ fn check_pair(op: &'static str, input: &Tensor, target: &Tensor) -> Result<()> {
         });
     }
     if input.dtype() != target.dtype() {
-        return Err(Error::DTypeMismatch { op, lhs: input.dtype(), rhs: target.dtype() });
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: input.dtype(),
+            rhs: target.dtype(),
+        });
     }
     Ok(())
 }
@@ -93,7 +101,12 @@ impl Tensor {
     /// Binary cross-entropy on logits: `max(x,0) − x·y + log(1+e^{−|x|})` per element
     /// (numerically stable), times `weight` if given (broadcast to the input). Targets may be
     /// soft labels in [0, 1]; they are not differentiated.
-    pub fn bce_with_logits(&self, target: &Tensor, weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
+    pub fn bce_with_logits(
+        &self,
+        target: &Tensor,
+        weight: Option<&Tensor>,
+        reduction: Reduction,
+    ) -> Result<Tensor> {
         const OP: &str = "bce_with_logits";
         check_pair(OP, self, target)?;
         let (x, storage) = float_compute(OP, self)?;
@@ -125,7 +138,12 @@ impl Tensor {
         Ok(record_op(
             out,
             &[self, target],
-            PointwiseLossBackward { name: OP, d_input: dx, d_target: None, reduction },
+            PointwiseLossBackward {
+                name: OP,
+                d_input: dx,
+                d_target: None,
+                reduction,
+            },
         ))
     }
 
@@ -174,10 +192,20 @@ impl Tensor {
             });
         }
         if !matches!(target.dtype(), DType::I64 | DType::I32) {
-            return Err(Error::UnsupportedDType { op: OP, dtype: target.dtype(), expected: "i64 or i32 class indices" });
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: target.dtype(),
+                expected: "i64 or i32 class indices",
+            });
         }
         let n = self.shape()[0];
-        let picked = self.log_softmax(1)?.gather(&target.reshape(&[n, 1])?)?.reshape(&[n])?.neg()?;
+        // Row i picks column target[i]: a dim-0 gather on the transpose, lsmᵀ[target[i], i].
+        let picked = self
+            .log_softmax(1)?
+            .t()?
+            .gather(&target.reshape(&[1, n])?)?
+            .reshape(&[n])?
+            .neg()?;
         match reduction {
             Reduction::None => Ok(picked),
             Reduction::Mean => picked.mean_all(),

@@ -22,6 +22,7 @@ struct MatRef<'a, T> {
 }
 
 /// `dst[m×n] (row-major) = (accumulate ? dst : 0) + lhs[m×k]·rhs[k×n]`.
+#[allow(clippy::too_many_arguments)]
 fn gemm_into<T: 'static + Copy + num_traits::One + num_traits::Zero>(
     m: usize,
     n: usize,
@@ -49,7 +50,7 @@ fn gemm_into<T: 'static + Copy + num_traits::One + num_traits::Zero>(
     };
     assert!(last(&lhs, m, k) < lhs.data.len() && last(&rhs, k, n) < rhs.data.len());
     let parallelism = if parallel && m * n * k >= GEMM_PAR_THRESHOLD {
-        Parallelism::Rayon(0)
+        Parallelism::Rayon(rayon::current_num_threads())
     } else {
         Parallelism::None
     };
@@ -106,14 +107,22 @@ fn check_matmul(a: &Tensor, b: &Tensor) -> Result<(usize, usize, usize, Vec<usiz
             detail: format!("inner dimensions differ: {k} vs {k2}"),
         });
     }
-    let batch = broadcast_shapes("matmul", &a.shape()[..a.rank() - 2], &b.shape()[..b.rank() - 2])?;
+    let batch = broadcast_shapes(
+        "matmul",
+        &a.shape()[..a.rank() - 2],
+        &b.shape()[..b.rank() - 2],
+    )?;
     Ok((m, k, n, batch))
 }
 
 /// Storage offsets of every matrix of a batched operand broadcast to `batch`.
 fn batch_offsets(l: &Layout, batch: &[usize]) -> Vec<usize> {
     let r = l.shape().len();
-    let own = Layout::new(l.shape()[..r - 2].to_vec(), l.strides()[..r - 2].to_vec(), l.offset());
+    let own = Layout::new(
+        l.shape()[..r - 2].to_vec(),
+        l.strides()[..r - 2].to_vec(),
+        l.offset(),
+    );
     let strides = own.broadcast_strides(batch);
     Layout::new(batch.to_vec(), strides, l.offset()).offsets()
 }
@@ -163,20 +172,37 @@ impl BackwardOp for MatmulBackward {
         "matmul"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        // dA = G·Bᵀ and dB = Aᵀ·G. When an operand is itself a transposed view (z·zᵀ), its
+        // gradient is produced transposed too (dBᵀ = Gᵀ·A), so the transpose's backward hands
+        // a contiguous gradient on instead of a strided one.
         let ga = if self.a.requires_grad() {
-            let ga = matmul_values(g, &self.b.t()?)?.sum_to_shape(self.a.shape())?;
-            Some(Gradient::Dense(ga))
+            let ga = if is_transposed(&self.a) {
+                matmul_values(&self.b, &g.t()?)?.t()?
+            } else {
+                matmul_values(g, &self.b.t()?)?
+            };
+            Some(Gradient::Dense(ga.sum_to_shape(self.a.shape())?))
         } else {
             None
         };
         let gb = if self.b.requires_grad() {
-            let gb = matmul_values(&self.a.t()?, g)?.sum_to_shape(self.b.shape())?;
-            Some(Gradient::Dense(gb))
+            let gb = if is_transposed(&self.b) {
+                matmul_values(&g.t()?, &self.a)?.t()?
+            } else {
+                matmul_values(&self.a.t()?, g)?
+            };
+            Some(Gradient::Dense(gb.sum_to_shape(self.b.shape())?))
         } else {
             None
         };
         Ok(vec![ga, gb])
     }
+}
+
+/// True when the last two dimensions are laid out column-major (a transposed view).
+fn is_transposed(t: &Tensor) -> bool {
+    let (s, r) = (t.layout().strides(), t.rank());
+    r >= 2 && s[r - 2] == 1 && s[r - 1] != 1 && t.shape()[r - 2] > 1
 }
 
 struct LinearBackward {
@@ -235,7 +261,10 @@ impl Tensor {
     /// `x·Wᵀ + b` for `x` of shape `[..., in]`, `weight` `[out, in]`, `bias` `[out]`: one
     /// gemm that accumulates onto the broadcast bias.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        if weight.rank() != 2 || self.rank() == 0 || self.shape()[self.rank() - 1] != weight.shape()[1] {
+        if weight.rank() != 2
+            || self.rank() == 0
+            || self.shape()[self.rank() - 1] != weight.shape()[1]
+        {
             return Err(Error::ShapeMismatch {
                 op: "linear",
                 lhs: self.shape().to_vec(),
@@ -256,13 +285,20 @@ impl Tensor {
         }
         for t in [Some(weight), bias].into_iter().flatten() {
             if t.dtype() != self.dtype() {
-                return Err(Error::DTypeMismatch { op: "linear", lhs: self.dtype(), rhs: t.dtype() });
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    lhs: self.dtype(),
+                    rhs: t.dtype(),
+                });
             }
         }
         let rows = self.numel() / in_f.max(1);
         let (xc, storage) = float_compute("linear", &self.reshape(&[rows, in_f])?.detach())?;
         let (wc, _) = float_compute("linear", weight)?;
-        let bc = bias.map(|b| float_compute("linear", b)).transpose()?.map(|(b, _)| b);
+        let bc = bias
+            .map(|b| float_compute("linear", b))
+            .transpose()?
+            .map(|(b, _)| b);
         let out = with_float!(xc.dtype(), "linear", T => {
             let mut out = vec![T::default(); rows * out_f];
             if let Some(b) = &bc {

@@ -112,7 +112,10 @@ pub(crate) fn par_zip<A: Copy + Send + Sync, B: Copy + Send + Sync, U: Send>(
 ) -> Vec<U> {
     debug_assert_eq!(a.len(), b.len());
     if a.len() >= PAR_THRESHOLD {
-        a.par_iter().zip(b.par_iter()).map(|(&x, &y)| f(x, y)).collect()
+        a.par_iter()
+            .zip(b.par_iter())
+            .map(|(&x, &y)| f(x, y))
+            .collect()
     } else {
         a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
     }

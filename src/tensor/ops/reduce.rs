@@ -27,7 +27,10 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
         }
         if outer == 1 && n >= PAR_THRESHOLD {
             // One long row: fixed-size chunks keep the summation order deterministic.
-            let partial: Vec<T> = x.par_chunks(PAR_THRESHOLD).map(|c| c.iter().copied().sum()).collect();
+            let partial: Vec<T> = x
+                .par_chunks(PAR_THRESHOLD)
+                .map(|c| c.iter().copied().sum())
+                .collect();
             return vec![partial.into_iter().sum()];
         }
         return (0..outer).map(row).collect();
@@ -35,13 +38,15 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
     let block = |o: usize, out: &mut [T]| {
         for k in 0..n {
             let src = &x[(o * n + k) * inner..(o * n + k + 1) * inner];
-            out.iter_mut().zip(src).for_each(|(d, &s)| *d = *d + s);
+            out.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
         }
     };
     let mut out = vec![T::ZERO; outer * inner];
     if outer * n * inner >= PAR_THRESHOLD {
         if outer > 1 {
-            out.par_chunks_mut(inner).enumerate().for_each(|(o, dst)| block(o, dst));
+            out.par_chunks_mut(inner)
+                .enumerate()
+                .for_each(|(o, dst)| block(o, dst));
         } else {
             // Split the columns instead.
             let cols = inner.div_ceil(rayon::current_num_threads().max(1)).max(64);
@@ -49,7 +54,7 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
                 let start = ci * cols;
                 for k in 0..n {
                     let src = &x[k * inner + start..k * inner + start + dst.len()];
-                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = *d + s);
+                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
                 }
             });
         }
@@ -95,7 +100,10 @@ fn resolve_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usi
         .collect::<Result<Vec<_>>>()?;
     out.sort_unstable();
     if out.windows(2).any(|w| w[0] == w[1]) {
-        return Err(Error::invalid(op, format!("dimension repeated in {dims:?}")));
+        return Err(Error::invalid(
+            op,
+            format!("dimension repeated in {dims:?}"),
+        ));
     }
     Ok(out)
 }
@@ -213,7 +221,10 @@ impl Tensor {
         let d = resolve_dim("max", dim, self.rank())?;
         let (outer, n, inner) = split_at_dim(self.shape(), d);
         if n == 0 {
-            return Err(Error::invalid("max", format!("dimension {d} of {:?} is empty", self.shape())));
+            return Err(Error::invalid(
+                "max",
+                format!("dimension {d} of {:?} is empty", self.shape()),
+            ));
         }
         let (xc, storage) = if self.dtype().is_float() {
             float_compute("max", self)?
@@ -231,7 +242,7 @@ impl Tensor {
                         for k in 1..n {
                             let v = s[(o * n + k) * inner + i];
                             // NaN wins, as in PyTorch.
-                            if v > best || (v != v && best == best) {
+                            if v > best || (v.is_nan_value() && !best.is_nan_value()) {
                                 best = v;
                                 bi = k;
                             }
@@ -290,9 +301,7 @@ impl Tensor {
         let lead = rank - shape.len();
         let mut dims = Vec::new();
         for i in 0..rank {
-            if i < lead {
-                dims.push(i as isize);
-            } else if shape[i - lead] == 1 && self.shape()[i] != 1 {
+            if i < lead || (shape[i - lead] == 1 && self.shape()[i] != 1) {
                 dims.push(i as isize);
             } else if shape[i - lead] != self.shape()[i] {
                 return Err(Error::shape("sum_to_shape", self.shape(), shape));
@@ -311,4 +320,3 @@ impl Tensor {
         v.cast_values(storage)
     }
 }
-

@@ -7,7 +7,13 @@ use crate::tensor::dtype::FloatElem;
 use crate::tensor::layout::resolve_dim;
 use crate::{Result, Tensor};
 
-fn softmax_kernel<T: FloatElem>(x: &[T], outer: usize, n: usize, inner: usize, log: bool) -> Vec<T> {
+fn softmax_kernel<T: FloatElem>(
+    x: &[T],
+    outer: usize,
+    n: usize,
+    inner: usize,
+    log: bool,
+) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
     for o in 0..outer {
         for i in 0..inner {
@@ -67,7 +73,11 @@ fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
         Tensor::from_vec(v, x.shape())?
     })
     .cast_values(storage)?;
-    Ok(record_op(y.clone(), &[x], SoftmaxBackward { y, dim: d, log }))
+    Ok(record_op(
+        y.clone(),
+        &[x],
+        SoftmaxBackward { y, dim: d, log },
+    ))
 }
 
 impl Tensor {

@@ -43,8 +43,19 @@ unary_fn!(Neg, "neg", |s, x| -x, |s, x, y| c(-1.0));
 unary_fn!(Exp, "exp", |s, x| x.exp(), |s, x, y| y);
 unary_fn!(Log, "log", |s, x| x.ln(), |s, x, y| x.recip());
 unary_fn!(Sqrt, "sqrt", |s, x| x.sqrt(), |s, x, y| c::<T>(0.5) / y);
-unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) { c(1.0) } else if x < c(0.0) { c(-1.0) } else { c(0.0) });
-unary_fn!(Relu, "relu", |s, x| if x > c(0.0) { x } else { c(0.0) }, |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) });
+unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) {
+    c(1.0)
+} else if x < c(0.0) {
+    c(-1.0)
+} else {
+    c(0.0)
+});
+unary_fn!(
+    Relu,
+    "relu",
+    |s, x| if x > c(0.0) { x } else { c(0.0) },
+    |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
+);
 unary_fn!(Tanh, "tanh", |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
 unary_fn!(
     Sigmoid,
@@ -245,7 +256,10 @@ impl Tensor {
     /// Clamps into `[min, max]` (gradient 1 inside, 0 outside).
     pub fn clamp(&self, min: f64, max: f64) -> Result<Tensor> {
         if min > max || min.is_nan() || max.is_nan() {
-            return Err(Error::invalid("clamp", format!("empty range [{min}, {max}]")));
+            return Err(Error::invalid(
+                "clamp",
+                format!("empty range [{min}, {max}]"),
+            ));
         }
         unary(self, Clamp { min, max })
     }

@@ -54,7 +54,10 @@ impl BackwardOp for NarrowBackward {
         if after[self.dim] > 0 {
             parts.push(&za);
         }
-        Ok(vec![Some(Gradient::Dense(Tensor::cat(&parts, self.dim as isize)?))])
+        Ok(vec![Some(Gradient::Dense(Tensor::cat(
+            &parts,
+            self.dim as isize,
+        )?))])
     }
 }
 
@@ -66,7 +69,9 @@ impl BackwardOp for ExpandBackward {
         "expand"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        Ok(vec![Some(Gradient::Dense(g.sum_to_shape(&self.input_shape)?))])
+        Ok(vec![Some(Gradient::Dense(
+            g.sum_to_shape(&self.input_shape)?,
+        ))])
     }
 }
 
@@ -158,10 +163,17 @@ impl Tensor {
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
         let rank = self.rank();
         let mut seen = vec![false; rank];
-        if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
+        if dims.len() != rank
+            || dims
+                .iter()
+                .any(|&d| d >= rank || std::mem::replace(&mut seen[d], true))
+        {
             return Err(Error::invalid(
                 "permute",
-                format!("{dims:?} is not a permutation of the {rank} dimensions of {:?}", self.shape()),
+                format!(
+                    "{dims:?} is not a permutation of the {rank} dimensions of {:?}",
+                    self.shape()
+                ),
             ));
         }
         let l = self.layout();
@@ -202,7 +214,10 @@ impl Tensor {
         if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(Error::invalid(
                 "narrow",
-                format!("range {start}..{} is outside dimension {d} of size {size}", start.saturating_add(len)),
+                format!(
+                    "range {start}..{} is outside dimension {d} of size {size}",
+                    start.saturating_add(len)
+                ),
             ));
         }
         let l = self.layout();
@@ -234,7 +249,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         let strides = self.layout().broadcast_strides(shape);
-        let out = self.view_with_layout(Layout::new(shape.to_vec(), strides, self.layout().offset()));
+        let out =
+            self.view_with_layout(Layout::new(shape.to_vec(), strides, self.layout().offset()));
         Ok(record_op(
             out,
             &[self],
@@ -258,7 +274,11 @@ impl Tensor {
         if self.shape()[d] != 1 {
             return Err(Error::invalid(
                 "squeeze",
-                format!("dimension {d} of {:?} has size {}, not 1", self.shape(), self.shape()[d]),
+                format!(
+                    "dimension {d} of {:?} has size {}, not 1",
+                    self.shape(),
+                    self.shape()[d]
+                ),
             ));
         }
         let mut shape = self.shape().to_vec();
@@ -270,7 +290,12 @@ impl Tensor {
         // Adding/removing size-1 dims never needs a copy: keep the other strides.
         let l = self.layout();
         let mut strides = Vec::with_capacity(shape.len());
-        let mut src = l.shape().iter().zip(l.strides()).filter(|(&d, _)| d != 1).map(|(_, &s)| s);
+        let mut src = l
+            .shape()
+            .iter()
+            .zip(l.strides())
+            .filter(|(&d, _)| d != 1)
+            .map(|(_, &s)| s);
         for &d in shape {
             strides.push(if d == 1 { 0 } else { src.next().unwrap_or(0) });
         }
@@ -289,6 +314,10 @@ impl Tensor {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        Ok(record_op(self.contiguous_values()?, &[self], ContiguousBackward))
+        Ok(record_op(
+            self.contiguous_values()?,
+            &[self],
+            ContiguousBackward,
+        ))
     }
 }

@@ -1,0 +1,1 @@
+//! Table-batched embedding bags (TBE), row formats, EmbeddingBagCollection/EmbeddingCollection (in progress).

@@ -1,0 +1,597 @@
+//! Tensor-core semantics: views, autograd behaviour, losses against hand-computed values,
+//! optimizers against naive f64 references, dtypes, and errors on bad input.
+
+use std::collections::BTreeMap;
+
+use embers::nn::{Linear, Module};
+use embers::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
+use embers::tensor::rng::seeded;
+use embers::tensor::Reduction;
+use embers::{no_grad, DType, Device, Error, Gradient, Tensor};
+use proptest::prelude::*;
+
+fn t(data: &[f64], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(data, shape).unwrap()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "lengths differ: {a:?} vs {b:?}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "element {i}: {x} vs {y} (all: {a:?} vs {b:?})"
+        );
+    }
+}
+
+#[test]
+fn views_share_storage_and_read_strided() {
+    let x = t(&[0., 1., 2., 3., 4., 5.], &[2, 3]);
+    let xt = x.t().unwrap();
+    assert!(xt.shares_storage_with(&x));
+    assert!(!xt.is_contiguous());
+    assert_eq!(xt.shape(), &[3, 2]);
+    assert_eq!(xt.to_vec::<f64>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+    let n = x.narrow(1, 1, 2).unwrap();
+    assert!(n.shares_storage_with(&x));
+    assert_eq!(n.to_vec::<f64>().unwrap(), vec![1., 2., 4., 5.]);
+    let e = t(&[7., 8.], &[2, 1]).expand(&[2, 3]).unwrap();
+    assert_eq!(e.to_vec::<f64>().unwrap(), vec![7., 7., 7., 8., 8., 8.]);
+    let r = x.reshape(&[3, 2]).unwrap();
+    assert!(
+        r.shares_storage_with(&x),
+        "reshape of a contiguous tensor is a view"
+    );
+    let p = x.reshape(&[1, 2, 3]).unwrap().permute(&[2, 0, 1]).unwrap();
+    assert_eq!(p.shape(), &[3, 1, 2]);
+    assert_eq!(p.to_vec::<f64>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+    // An op on a view reads the right elements.
+    let s = xt.add(&t(&[10., 20.], &[2])).unwrap();
+    assert_eq!(
+        s.to_vec::<f64>().unwrap(),
+        vec![10., 23., 11., 24., 12., 25.]
+    );
+}
+
+#[test]
+fn losses_match_hand_computed_values() {
+    let ln2 = std::f64::consts::LN_2;
+    // BCE with logits: x=0,y=1 → ln 2; x=2,y=0 → 2 + ln(1+e^-2); x=-1,y=1 → ln(1+e).
+    let x = t(&[0., 2., -1.], &[3]);
+    let y = t(&[1., 0., 1.], &[3]);
+    let per = x
+        .bce_with_logits(&y, None, Reduction::None)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
+    let expected = [
+        ln2,
+        2.0 + (1.0 + (-2f64).exp()).ln(),
+        (1.0 + 1f64.exp()).ln(),
+    ];
+    close(&per, &expected, 1e-12);
+    let mean = x
+        .bce_with_logits(&y, None, Reduction::Mean)
+        .unwrap()
+        .item()
+        .unwrap();
+    close(&[mean], &[expected.iter().sum::<f64>() / 3.0], 1e-12);
+    // Large logits stay finite.
+    let big = t(&[1000., -1000.], &[2])
+        .bce_with_logits(&t(&[0., 1.], &[2]), None, Reduction::Sum)
+        .unwrap();
+    close(&[big.item().unwrap()], &[2000.0], 1e-12);
+    // Weighted sum.
+    let w = t(&[2., 0., 1.], &[3]);
+    let ws = x
+        .bce_with_logits(&y, Some(&w), Reduction::Sum)
+        .unwrap()
+        .item()
+        .unwrap();
+    close(&[ws], &[2.0 * expected[0] + expected[2]], 1e-12);
+    // MSE: [1,2,3] vs [1,0,5] → (0+4+4)/3.
+    let m = t(&[1., 2., 3.], &[3])
+        .mse_loss(&t(&[1., 0., 5.], &[3]), Reduction::Mean)
+        .unwrap();
+    close(&[m.item().unwrap()], &[8.0 / 3.0], 1e-12);
+    // Cross-entropy: uniform logits over 2 classes → ln 2; [1,2,3] with target 2 →
+    // ln(1 + e^-1 + e^-2).
+    let logits = t(&[0., 0., 0., 1., 2., 3.], &[2, 3]);
+    let target = Tensor::from_vec(vec![0i64, 2], &[2]).unwrap();
+    let per = logits
+        .cross_entropy(&target, Reduction::None)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
+    close(
+        &per,
+        &[3f64.ln(), (1.0 + (-1f64).exp() + (-2f64).exp()).ln()],
+        1e-12,
+    );
+}
+
+#[test]
+fn loss_gradients_match_hand_values() {
+    // d/dx mean BCE = (σ(x) − y)/n.
+    let x = t(&[0., 2.], &[2]).with_requires_grad(true);
+    x.bce_with_logits(&t(&[1., 0.], &[2]), None, Reduction::Mean)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let s2 = 1.0 / (1.0 + (-2f64).exp());
+    close(
+        &x.grad().unwrap().to_vec::<f64>().unwrap(),
+        &[(0.5 - 1.0) / 2.0, s2 / 2.0],
+        1e-12,
+    );
+    // d/dx mean MSE = 2(x−y)/n.
+    let x = t(&[1., 2., 3.], &[3]).with_requires_grad(true);
+    x.mse_loss(&t(&[1., 0., 5.], &[3]), Reduction::Mean)
+        .unwrap()
+        .backward()
+        .unwrap();
+    close(
+        &x.grad().unwrap().to_vec::<f64>().unwrap(),
+        &[0.0, 4.0 / 3.0, -4.0 / 3.0],
+        1e-12,
+    );
+    // Cross-entropy gradient = softmax − onehot.
+    let x = t(&[0., 0.], &[1, 2]).with_requires_grad(true);
+    x.cross_entropy(
+        &Tensor::from_vec(vec![1i64], &[1]).unwrap(),
+        Reduction::Mean,
+    )
+    .unwrap()
+    .backward()
+    .unwrap();
+    close(
+        &x.grad().unwrap().to_vec::<f64>().unwrap(),
+        &[0.5, -0.5],
+        1e-12,
+    );
+}
+
+#[test]
+fn backward_twice_is_a_clear_error_unless_retained() {
+    let x = t(&[1., 2.], &[2]).with_requires_grad(true);
+    let loss = x.exp().unwrap().sum_all().unwrap();
+    loss.backward().unwrap();
+    let err = loss.backward().unwrap_err();
+    assert!(matches!(err, Error::BackwardTwice { .. }), "{err}");
+    assert!(err.to_string().contains("second time"), "{err}");
+
+    let y = t(&[1., 2.], &[2]).with_requires_grad(true);
+    let loss = y.mul(&y).unwrap().sum_all().unwrap();
+    let one = Tensor::scalar(1.0f64);
+    loss.backward_with(&one, true).unwrap();
+    loss.backward_with(&one, true).unwrap();
+    // Two backward passes accumulate: 2 · 2y.
+    assert_eq!(y.grad().unwrap().to_vec::<f64>().unwrap(), vec![4., 8.]);
+}
+
+#[test]
+fn accumulation_no_grad_and_detach() {
+    let w = t(&[3.], &[1]).with_requires_grad(true);
+    w.mul_scalar(2.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    w.mul_scalar(5.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![7.]);
+    w.zero_grad();
+    assert!(w.grad().is_none());
+
+    let y = no_grad(|| w.exp().unwrap());
+    assert!(!y.requires_grad() && y.grad_fn().is_none());
+    let d = w.exp().unwrap().detach();
+    assert!(!d.requires_grad());
+    // A tensor with no grad path cannot be differentiated.
+    assert!(matches!(
+        d.sum_all().unwrap().backward(),
+        Err(Error::Backward(_))
+    ));
+    // backward() needs a single element.
+    assert!(w.expand(&[3]).unwrap().backward().is_err());
+}
+
+#[test]
+fn custom_ops_plug_into_autograd() {
+    use embers::tensor::{record_op, BackwardOp};
+    // y = 3x, defined outside the crate.
+    struct Triple;
+    impl BackwardOp for Triple {
+        fn name(&self) -> &'static str {
+            "triple"
+        }
+        fn backward(&self, g: &Tensor) -> embers::Result<Vec<Option<Gradient>>> {
+            Ok(vec![Some(Gradient::Dense(g.mul_scalar(3.0)?))])
+        }
+    }
+    let x = t(&[1., 2.], &[2]).with_requires_grad(true);
+    let y = record_op(no_grad(|| x.mul_scalar(3.0)).unwrap(), &[&x], Triple);
+    assert_eq!(y.grad_fn().unwrap().name(), "triple");
+    y.square().unwrap().sum_all().unwrap().backward().unwrap();
+    // d/dx (3x)² = 18x
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), vec![18., 36.]);
+
+    // A buggy custom op returning a wrongly shaped gradient is reported, not silently used.
+    struct Bad;
+    impl BackwardOp for Bad {
+        fn name(&self) -> &'static str {
+            "bad"
+        }
+        fn backward(&self, _g: &Tensor) -> embers::Result<Vec<Option<Gradient>>> {
+            Ok(vec![Some(Gradient::Dense(Tensor::zeros(
+                &[5],
+                DType::F64,
+                Device::Cpu,
+            )))])
+        }
+    }
+    let x = t(&[1., 2.], &[2]).with_requires_grad(true);
+    let y = record_op(x.detach(), &[&x], Bad);
+    let err = y.sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(err.contains("bad") && err.contains("[5]"), "{err}");
+}
+
+#[test]
+fn index_select_gives_row_sparse_gradients() {
+    let table = Tensor::rand_uniform(&[1000, 4], -1.0, 1.0, DType::F32, &mut seeded(1))
+        .with_requires_grad(true);
+    let ids = Tensor::from_vec(vec![7i64, 3, 7], &[3]).unwrap();
+    table
+        .index_select(&ids)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let Gradient::RowSparse(g) = table.gradient().unwrap() else {
+        panic!("expected a row-sparse gradient")
+    };
+    assert_eq!(g.values.shape(), &[3, 4], "no table-sized buffer");
+    let c = g.coalesce().unwrap();
+    assert_eq!(c.rows, vec![3, 7]);
+    assert_eq!(
+        c.values.to_vec::<f32>().unwrap(),
+        vec![1., 1., 1., 1., 2., 2., 2., 2.]
+    );
+    let dense = table.grad().unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(dense.iter().sum::<f32>(), 12.0);
+    assert_eq!(&dense[28..32], &[2.0; 4]);
+}
+
+/// Naive f64 references of the optimizer update rules (PyTorch's definitions).
+fn reference_run(kind: &str, w0: &[f64], grads: &[Vec<f64>]) -> Vec<f64> {
+    let n = w0.len();
+    let mut w = w0.to_vec();
+    let (mut m, mut v, mut s) = (vec![0.0; n], vec![0.0; n], vec![0.1; n]);
+    for (step, g) in grads.iter().enumerate() {
+        let t = (step + 1) as i32;
+        for j in 0..n {
+            match kind {
+                "sgd_momentum" => {
+                    let d = g[j] + 0.01 * w[j];
+                    m[j] = if step == 0 { d } else { 0.9 * m[j] + d };
+                    w[j] -= 0.1 * m[j];
+                }
+                "adagrad" => {
+                    s[j] += g[j] * g[j];
+                    w[j] -= 0.5 * g[j] / (s[j].sqrt() + 1e-10);
+                }
+                "adamw" => {
+                    w[j] *= 1.0 - 0.01 * 0.1;
+                    m[j] = 0.9 * m[j] + 0.1 * g[j];
+                    v[j] = 0.999 * v[j] + 0.001 * g[j] * g[j];
+                    let mh = m[j] / (1.0 - 0.9f64.powi(t));
+                    let vh = v[j] / (1.0 - 0.999f64.powi(t));
+                    w[j] -= 0.01 * mh / (vh.sqrt() + 1e-8);
+                }
+                _ => unreachable!(),
+            }
+        }
+    }
+    w
+}
+
+#[test]
+fn optimizers_match_reference_updates() {
+    let w0 = [0.5, -1.0, 2.0, 0.25];
+    let grads = vec![
+        vec![0.1, -0.2, 0.3, 0.0],
+        vec![-0.4, 0.5, 0.05, 1.0],
+        vec![0.2, 0.2, -0.3, -0.1],
+    ];
+    for kind in ["sgd_momentum", "adagrad", "adamw"] {
+        let p = t(&w0, &[2, 2]).with_requires_grad(true);
+        let mut opt: Box<dyn Optimizer> = match kind {
+            "sgd_momentum" => Box::new(
+                Sgd::new(vec![p.clone()], 0.1)
+                    .unwrap()
+                    .momentum(0.9)
+                    .weight_decay(0.01),
+            ),
+            "adagrad" => Box::new(Adagrad::new(vec![p.clone()], 0.5, 0.1).unwrap()),
+            _ => Box::new(
+                Adam::new(
+                    vec![p.clone()],
+                    AdamConfig {
+                        weight_decay: 0.1,
+                        ..AdamConfig::adamw(0.01)
+                    },
+                )
+                .unwrap(),
+            ),
+        };
+        for g in &grads {
+            opt.zero_grad();
+            // loss = Σ w ⊙ g has gradient g.
+            p.mul(&t(g, &[2, 2]))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            opt.step().unwrap();
+        }
+        close(
+            &p.to_vec::<f64>().unwrap(),
+            &reference_run(kind, &w0, &grads),
+            1e-12,
+        );
+    }
+}
+
+#[test]
+fn sparse_gradients_update_only_touched_rows() {
+    let table = Tensor::from_vec(vec![1.0f64; 10 * 2], &[10, 2])
+        .unwrap()
+        .with_requires_grad(true);
+    let mut opt = Adagrad::new(vec![table.clone()], 1.0, 0.0).unwrap();
+    let ids = Tensor::from_vec(vec![2i64, 2, 5], &[3]).unwrap();
+    table
+        .index_select(&ids)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    opt.step().unwrap();
+    let w = table.to_vec::<f64>().unwrap();
+    let state = opt.state()[0].to_vec::<f64>().unwrap();
+    for r in 0..10 {
+        let touched = r == 2 || r == 5;
+        let g: f64 = if r == 2 { 2.0 } else { 1.0 };
+        let expected = if touched {
+            1.0 - g / ((g * g).sqrt() + 1e-10)
+        } else {
+            1.0
+        };
+        close(&w[2 * r..2 * r + 2], &[expected, expected], 1e-12);
+        close(
+            &state[2 * r..2 * r + 2],
+            &[if touched { g * g } else { 0.0 }; 2],
+            1e-12,
+        );
+    }
+}
+
+#[test]
+fn half_precision_storage_computes_in_f32() {
+    let mut rng = seeded(3);
+    let a = Tensor::randn(&[8, 16], 0.0, 1.0, DType::F32, &mut rng);
+    let b = Tensor::randn(&[16, 4], 0.0, 1.0, DType::F32, &mut rng);
+    for dtype in [DType::BF16, DType::F16] {
+        let (ah, bh) = (a.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+        let out = ah.matmul(&bh).unwrap();
+        assert_eq!(out.dtype(), dtype);
+        // Reference: the same rounded inputs multiplied in f32, then rounded once.
+        let reference = ah
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&bh.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        assert_eq!(out.to_vec_f64().unwrap(), reference.to_vec_f64().unwrap());
+        // Gradients flow back through the casts in the source dtype.
+        let w = a.with_requires_grad(true);
+        w.to_dtype(dtype)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert_eq!(w.grad().unwrap().dtype(), DType::F32);
+        assert!(w
+            .grad()
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .all(|&g| g == 1.0));
+    }
+    // bf16 rounding is round-to-nearest-even of the f32 value.
+    let x = Tensor::from_vec(vec![1.0f32 + 1.0 / 256.0, 1.0 + 3.0 / 256.0], &[2]).unwrap();
+    assert_eq!(
+        x.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap(),
+        vec![1.0, 1.015625]
+    );
+}
+
+#[test]
+fn errors_name_the_op_and_shapes() {
+    let a = Tensor::zeros(&[2, 3], DType::F32, Device::Cpu);
+    let b = Tensor::zeros(&[4], DType::F32, Device::Cpu);
+    let e = a.add(&b).unwrap_err().to_string();
+    assert!(
+        e.contains("add") && e.contains("[2, 3]") && e.contains("[4]"),
+        "{e}"
+    );
+    let e = a
+        .matmul(&Tensor::zeros(&[4, 2], DType::F32, Device::Cpu))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("matmul") && e.contains("inner dimensions differ: 3 vs 4"),
+        "{e}"
+    );
+    let e = a
+        .add(&Tensor::zeros(&[2, 3], DType::F64, Device::Cpu))
+        .unwrap_err();
+    assert!(matches!(e, Error::DTypeMismatch { op: "add", .. }), "{e}");
+    let e = a.reshape(&[5]).unwrap_err().to_string();
+    assert!(e.contains("reshape") && e.contains("6 elements"), "{e}");
+    assert!(matches!(
+        a.narrow(1, 2, 2),
+        Err(Error::Invalid { op: "narrow", .. })
+    ));
+    assert!(matches!(
+        a.sum(&[2], false),
+        Err(Error::DimOutOfRange {
+            op: "sum",
+            dim: 2,
+            rank: 2
+        })
+    ));
+    assert!(Tensor::from_vec(vec![1.0f32; 5], &[2, 3]).is_err());
+    let ids = Tensor::from_vec(vec![0i64, 1, 2], &[3]).unwrap();
+    match a.index_select(&ids) {
+        Err(Error::IndexOutOfRange {
+            op: "index_select",
+            index: 2,
+            position: 2,
+            size: 2,
+        }) => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    let neg = Tensor::from_vec(vec![-1i64], &[1]).unwrap();
+    assert!(matches!(
+        a.index_select(&neg),
+        Err(Error::IndexOutOfRange {
+            index: -1,
+            position: 0,
+            ..
+        })
+    ));
+    assert!(Tensor::cat(&[&a, &b], 0).is_err());
+    assert!(a.relu().is_ok() && Tensor::zeros(&[2], DType::I64, Device::Cpu).relu().is_err());
+    let e = Tensor::from_vec(vec![1i64, 2], &[2])
+        .unwrap()
+        .div(&Tensor::from_vec(vec![1i64, 0], &[2]).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("division by zero at position 1"), "{e}");
+    assert!(a
+        .cross_entropy(
+            &Tensor::from_vec(vec![0i64, 3], &[2]).unwrap(),
+            Reduction::Mean
+        )
+        .is_err());
+    assert!(Device::cuda(0).is_err());
+}
+
+#[test]
+fn state_dict_round_trip_and_errors() {
+    let mut rng = seeded(4);
+    let a = Linear::new(3, 2, &mut rng).unwrap();
+    let b = Linear::new(3, 2, &mut rng).unwrap();
+    assert_ne!(
+        a.weight.to_vec::<f32>().unwrap(),
+        b.weight.to_vec::<f32>().unwrap()
+    );
+    let snapshot: BTreeMap<String, Tensor> = a
+        .state_dict()
+        .into_iter()
+        .map(|(k, v)| (k, v.detach()))
+        .collect();
+    b.load_state_dict(&snapshot).unwrap();
+    assert_eq!(
+        a.weight.to_vec::<f32>().unwrap(),
+        b.weight.to_vec::<f32>().unwrap()
+    );
+    assert_eq!(a.num_parameters(), 8);
+    let mut missing = snapshot.clone();
+    missing.remove("bias");
+    assert!(b
+        .load_state_dict(&missing)
+        .unwrap_err()
+        .to_string()
+        .contains("missing parameter `bias`"));
+    let mut extra = snapshot.clone();
+    extra.insert("foo".into(), Tensor::zeros(&[1], DType::F32, Device::Cpu));
+    assert!(b
+        .load_state_dict(&extra)
+        .unwrap_err()
+        .to_string()
+        .contains("unexpected parameter `foo`"));
+    let mut wrong = snapshot;
+    wrong.insert("bias".into(), Tensor::zeros(&[3], DType::F32, Device::Cpu));
+    assert!(b.load_state_dict(&wrong).is_err());
+}
+
+fn naive_broadcast_add(
+    a: &[f64],
+    sa: &[usize],
+    b: &[f64],
+    sb: &[usize],
+    out: &[usize],
+) -> Vec<f64> {
+    let n: usize = out.iter().product();
+    let idx = |flat: usize, shape: &[usize]| -> usize {
+        // Map an output multi-index onto a broadcast operand.
+        let mut rem = flat;
+        let mut coords = vec![0; out.len()];
+        for d in (0..out.len()).rev() {
+            coords[d] = rem % out[d];
+            rem /= out[d];
+        }
+        let lead = out.len() - shape.len();
+        let mut off = 0;
+        for (d, &s) in shape.iter().enumerate() {
+            off = off * s + if s == 1 { 0 } else { coords[d + lead] };
+        }
+        off
+    };
+    (0..n).map(|i| a[idx(i, sa)] + b[idx(i, sb)]).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn broadcast_add_matches_naive(dims in proptest::collection::vec(1usize..5, 1..4), mask_a in 0u8..8, mask_b in 0u8..8, drop in 0usize..2) {
+        let sa: Vec<usize> = dims.iter().enumerate().map(|(i, &d)| if mask_a >> i & 1 == 1 { 1 } else { d }).collect();
+        let sb: Vec<usize> = dims.iter().enumerate().map(|(i, &d)| if mask_b >> i & 1 == 1 { 1 } else { d }).skip(drop.min(dims.len() - 1)).collect();
+        let mut rng = seeded(9);
+        let a = Tensor::randn(&sa, 0.0, 1.0, DType::F64, &mut rng);
+        let b = Tensor::randn(&sb, 0.0, 1.0, DType::F64, &mut rng);
+        let out = a.add(&b).unwrap();
+        let expected = naive_broadcast_add(&a.to_vec().unwrap(), &sa, &b.to_vec().unwrap(), &sb, out.shape());
+        prop_assert_eq!(out.to_vec::<f64>().unwrap(), expected);
+    }
+
+    #[test]
+    fn matmul_matches_naive(m in 1usize..40, k in 1usize..40, n in 1usize..40, transpose_b in any::<bool>()) {
+        let mut rng = seeded((m * 1600 + k * 40 + n) as u64);
+        let a = Tensor::randn(&[m, k], 0.0, 1.0, DType::F64, &mut rng);
+        let b = if transpose_b {
+            Tensor::randn(&[n, k], 0.0, 1.0, DType::F64, &mut rng).t().unwrap()
+        } else {
+            Tensor::randn(&[k, n], 0.0, 1.0, DType::F64, &mut rng)
+        };
+        let (av, bv) = (a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
+        let mut expected = vec![0.0; m * n];
+        for i in 0..m { for j in 0..n { for p in 0..k { expected[i * n + j] += av[i * k + p] * bv[p * n + j]; } } }
+        close(&a.matmul(&b).unwrap().to_vec::<f64>().unwrap(), &expected, 1e-12);
+    }
+}
