@@ -29,3 +29,8 @@ pub mod tensor;
 
 pub use error::{Error, Result};
 pub use tensor::{no_grad, DType, Device, Gradient, Tensor};
+
+/// The README's code runs as a doctest, so the tour stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -149,7 +149,7 @@ impl Layout {
     }
 
     /// Copies the viewed elements of `data` into a new contiguous vector.
-    pub fn gather<T: Copy>(&self, data: &[T]) -> Vec<T> {
+    pub fn gather<T: Copy + Send + Sync>(&self, data: &[T]) -> Vec<T> {
         let n = self.numel();
         if self.is_contiguous() {
             return data[self.offset..self.offset + n].to_vec();
@@ -179,7 +179,7 @@ impl Layout {
     /// Fast path of [`Layout::gather`] for views whose two innermost (collapsed) dimensions
     /// are transposed (`x.t()`, `x.transpose(1, 2)`): copies in square tiles so that both the
     /// reads and the writes stay in cache, instead of striding through memory per element.
-    fn gather_transposed<T: Copy>(&self, data: &[T]) -> Option<Vec<T>> {
+    fn gather_transposed<T: Copy + Send + Sync>(&self, data: &[T]) -> Option<Vec<T>> {
         const TILE: usize = 16;
         let (shape, strides) = collapse(&self.shape, &[&self.strides]);
         let st = &strides[0];
@@ -189,33 +189,45 @@ impl Layout {
         }
         let (rows, cols, col_stride) = (shape[r - 2], shape[r - 1], st[r - 1]);
         let mut out = Vec::with_capacity(self.numel());
-        let mut copy_matrix = |base: usize| {
+        let copy_matrix = |out: &mut Vec<T>, base: usize| {
             let start = out.len();
             out.resize(start + rows * cols, data[base]);
-            let dst = &mut out[start..];
-            for i0 in (0..rows).step_by(TILE) {
-                let i1 = (i0 + TILE).min(rows);
+            // One band of TILE output rows: read TILE×TILE blocks so both the strided reads and
+            // the writes stay within a few cache lines.
+            let band = |(b, dst): (usize, &mut [T])| {
+                let i0 = b * TILE;
                 for j0 in (0..cols).step_by(TILE) {
                     let j1 = (j0 + TILE).min(cols);
-                    for i in i0..i1 {
-                        let row = &mut dst[i * cols + j0..i * cols + j1];
-                        let src = &data[base + i + j0 * col_stride..];
-                        for (k, d) in row.iter_mut().enumerate() {
+                    for (di, row) in dst.chunks_mut(cols).enumerate() {
+                        let src = &data[base + i0 + di + j0 * col_stride..];
+                        for (k, d) in row[j0..j1].iter_mut().enumerate() {
                             *d = src[k * col_stride];
                         }
                     }
                 }
+            };
+            let dst = &mut out[start..];
+            if rows * cols >= 1 << 16 {
+                use rayon::prelude::*;
+                dst.par_chunks_mut(TILE * cols).enumerate().for_each(band);
+            } else {
+                dst.chunks_mut(TILE * cols).enumerate().for_each(band);
             }
         };
         if r == 2 {
-            copy_matrix(self.offset);
+            copy_matrix(&mut out, self.offset);
         } else {
             let outer_strides = st[..r - 2].to_vec();
-            for_each_row(&shape[..r - 2], &[&outer_strides], &[self.offset], |len, base, step| {
-                for k in 0..len {
-                    copy_matrix(base[0] + k * step[0]);
-                }
-            });
+            for_each_row(
+                &shape[..r - 2],
+                &[&outer_strides],
+                &[self.offset],
+                |len, base, step| {
+                    for k in 0..len {
+                        copy_matrix(&mut out, base[0] + k * step[0]);
+                    }
+                },
+            );
         }
         Some(out)
     }
