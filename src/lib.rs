@@ -22,6 +22,7 @@
 
 pub mod embedding;
 pub mod error;
+pub mod metrics;
 pub mod nn;
 pub mod optim;
 pub mod sparse;

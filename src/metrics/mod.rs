@@ -1,0 +1,366 @@
+//! RecMetrics: the metrics recommendation models report (NE, log loss, AUC, AUPRC,
+//! calibration, CTR, MSE/RMSE/R², MAE, accuracy, precision, recall; throughput), each with a
+//! lifetime and a sliding-window value, for several tasks, with TorchRec's definitions and
+//! names (`ne-{task}|lifetime_ne`). The state can be saved and restored with a checkpoint.
+//!
+//! Windows follow TorchRec: sum metrics keep whole batches (the oldest batch is dropped while
+//! the window holds more than `window_size` samples and more than one batch); AUC and AUPRC
+//! keep exactly the last `window_size` samples. Lifetime AUC/AUPRC use bounded-memory score
+//! histograms (AUPRC: TorchRec's 1000 bins; AUC: 65536 bins, an embers addition — TorchRec has
+//! no lifetime AUC).
+
+pub mod auc;
+pub mod sums;
+mod throughput;
+
+use std::collections::{BTreeMap, VecDeque};
+
+pub use auc::Sample;
+pub use sums::SumKind;
+pub use throughput::Throughput;
+
+use crate::{Error, Result};
+
+/// Bins of the lifetime AUC histogram.
+pub const LIFETIME_AUC_BINS: usize = 1 << 16;
+/// Bins of the lifetime AUPRC histogram (TorchRec's).
+pub const LIFETIME_AUPRC_BINS: usize = 1000;
+
+/// A metric that can be requested.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    /// A sum-state metric.
+    Sum(SumKind),
+    /// ROC AUC: `window_auc` (TorchRec-compatible), `window_auc_tie_correct`, `lifetime_auc`.
+    Auc,
+    /// Area under the precision-recall curve: exact window, binned lifetime.
+    Auprc,
+}
+
+impl MetricKind {
+    /// Every metric, in report order.
+    pub fn all() -> Vec<MetricKind> {
+        use SumKind::*;
+        let mut v: Vec<MetricKind> = [Ne, Calibration, Ctr, Mse, Mae, Accuracy, Precision, Recall]
+            .into_iter()
+            .map(MetricKind::Sum)
+            .collect();
+        v.extend([MetricKind::Auc, MetricKind::Auprc]);
+        v
+    }
+}
+
+#[derive(Clone, Debug)]
+struct SumState {
+    kind: SumKind,
+    lifetime: Vec<f64>,
+    window: Vec<f64>,
+    /// Per batch in the window: sample count and state delta.
+    batches: VecDeque<(usize, Vec<f64>)>,
+    window_samples: usize,
+}
+
+impl SumState {
+    fn new(kind: SumKind) -> Self {
+        let n = kind.state_len();
+        SumState {
+            kind,
+            lifetime: vec![0.0; n],
+            window: vec![0.0; n],
+            batches: VecDeque::new(),
+            window_samples: 0,
+        }
+    }
+
+    fn update(&mut self, p: &[f32], y: &[f32], w: &[f32], window_size: usize) {
+        let mut delta = vec![0.0; self.kind.state_len()];
+        self.kind.accumulate(&mut delta, p, y, w);
+        for ((l, w), d) in self.lifetime.iter_mut().zip(&mut self.window).zip(&delta) {
+            *l += d;
+            *w += d;
+        }
+        self.batches.push_back((p.len(), delta));
+        self.window_samples += p.len();
+        while self.window_samples > window_size && self.batches.len() > 1 {
+            let (n, old) = self.batches.pop_front().expect("len > 1");
+            self.window_samples -= n;
+            self.window.iter_mut().zip(&old).for_each(|(s, d)| *s -= d);
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct TaskState {
+    sums: Vec<SumState>,
+    recent: VecDeque<Sample>,
+    auc_histogram: Option<auc::ScoreHistogram>,
+    auprc_histogram: Option<auc::ScoreHistogram>,
+}
+
+/// The metrics of several tasks (label columns), updated batch by batch.
+#[derive(Clone, Debug)]
+pub struct RecMetrics {
+    tasks: Vec<String>,
+    kinds: Vec<MetricKind>,
+    window_size: usize,
+    states: Vec<TaskState>,
+}
+
+fn check_finite(task: &str, what: &str, v: &[f32]) -> Result<()> {
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(Error::invalid(
+            "RecMetrics::update",
+            format!("task `{task}`: {what}[{i}] is {} (must be finite)", v[i]),
+        )),
+        None => Ok(()),
+    }
+}
+
+impl RecMetrics {
+    /// Metrics `kinds` for `tasks`, with windows of `window_size` samples.
+    pub fn new(tasks: &[&str], kinds: &[MetricKind], window_size: usize) -> Result<Self> {
+        if tasks.is_empty() || window_size == 0 {
+            return Err(Error::invalid(
+                "RecMetrics::new",
+                "need at least one task and a window of at least one sample",
+            ));
+        }
+        let wants = |k: MetricKind| kinds.contains(&k);
+        let states = tasks
+            .iter()
+            .map(|_| TaskState {
+                sums: kinds
+                    .iter()
+                    .filter_map(|k| match k {
+                        MetricKind::Sum(s) => Some(SumState::new(*s)),
+                        _ => None,
+                    })
+                    .collect(),
+                recent: VecDeque::new(),
+                auc_histogram: wants(MetricKind::Auc)
+                    .then(|| auc::ScoreHistogram::new(LIFETIME_AUC_BINS)),
+                auprc_histogram: wants(MetricKind::Auprc)
+                    .then(|| auc::ScoreHistogram::new(LIFETIME_AUPRC_BINS)),
+            })
+            .collect();
+        Ok(RecMetrics {
+            tasks: tasks.iter().map(|t| t.to_string()).collect(),
+            kinds: kinds.to_vec(),
+            window_size,
+            states,
+        })
+    }
+
+    /// The task names.
+    pub fn tasks(&self) -> &[String] {
+        &self.tasks
+    }
+
+    /// Adds a batch: per task, predictions (probabilities), labels and optional weights (1 if
+    /// absent), all of one length. Non-finite values are an error naming task and position.
+    pub fn update(
+        &mut self,
+        predictions: &[&[f32]],
+        labels: &[&[f32]],
+        weights: Option<&[&[f32]]>,
+    ) -> Result<()> {
+        let t = self.tasks.len();
+        if predictions.len() != t || labels.len() != t || weights.is_some_and(|w| w.len() != t) {
+            return Err(Error::invalid(
+                "RecMetrics::update",
+                format!("expected {t} task(s) of predictions, labels and weights"),
+            ));
+        }
+        for (i, task) in self.tasks.iter().enumerate() {
+            let n = predictions[i].len();
+            let w_len = weights.map_or(n, |w| w[i].len());
+            if labels[i].len() != n || w_len != n {
+                return Err(Error::invalid(
+                    "RecMetrics::update",
+                    format!(
+                        "task `{task}`: {n} predictions, {} labels, {w_len} weights",
+                        labels[i].len()
+                    ),
+                ));
+            }
+            check_finite(task, "predictions", predictions[i])?;
+            check_finite(task, "labels", labels[i])?;
+            if let Some(w) = weights {
+                check_finite(task, "weights", w[i])?;
+            }
+        }
+        for i in 0..t {
+            let (p, y) = (predictions[i], labels[i]);
+            let ones;
+            let w: &[f32] = match weights {
+                Some(w) => w[i],
+                None => {
+                    ones = vec![1.0f32; p.len()];
+                    &ones
+                }
+            };
+            let samples = p
+                .iter()
+                .zip(y)
+                .zip(w)
+                .map(|((&prediction, &label), &weight)| Sample {
+                    prediction,
+                    label,
+                    weight,
+                });
+            let window = self.window_size;
+            let state = &mut self.states[i];
+            for s in &mut state.sums {
+                s.update(p, y, w, window);
+            }
+            if self.kinds.contains(&MetricKind::Auc) || self.kinds.contains(&MetricKind::Auprc) {
+                state.recent.extend(samples.clone());
+                while state.recent.len() > window {
+                    state.recent.pop_front();
+                }
+            }
+            if let Some(h) = &mut state.auc_histogram {
+                h.add(samples.clone());
+            }
+            if let Some(h) = &mut state.auprc_histogram {
+                h.add(samples);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every value, keyed `{metric}-{task}|{lifetime|window}_{name}`.
+    pub fn compute(&self) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for (task, state) in self.tasks.iter().zip(&self.states) {
+            for s in &state.sums {
+                let ns = s.kind.namespace();
+                for (name, v) in s.kind.values(&s.lifetime) {
+                    out.insert(format!("{ns}-{task}|lifetime_{name}"), v);
+                }
+                for (name, v) in s.kind.values(&s.window) {
+                    out.insert(format!("{ns}-{task}|window_{name}"), v);
+                }
+            }
+            let recent: Vec<Sample> = state.recent.iter().copied().collect();
+            if let Some(h) = &state.auc_histogram {
+                out.insert(format!("auc-{task}|window_auc"), auc::auc(&recent));
+                out.insert(
+                    format!("auc-{task}|window_auc_tie_correct"),
+                    auc::auc_tie_correct(&recent),
+                );
+                out.insert(format!("auc-{task}|lifetime_auc"), h.auc());
+            }
+            if let Some(h) = &state.auprc_histogram {
+                out.insert(format!("auprc-{task}|window_auprc"), auc::auprc(&recent));
+                out.insert(format!("auprc-{task}|lifetime_auprc"), h.auprc());
+            }
+        }
+        out
+    }
+
+    /// The whole state as named f64 vectors (for checkpoints).
+    pub fn state_dict(&self) -> BTreeMap<String, Vec<f64>> {
+        let mut out = BTreeMap::new();
+        for (task, state) in self.tasks.iter().zip(&self.states) {
+            for s in &state.sums {
+                let ns = s.kind.namespace();
+                out.insert(format!("{ns}-{task}.lifetime"), s.lifetime.clone());
+                out.insert(format!("{ns}-{task}.window"), s.window.clone());
+                let batches = s
+                    .batches
+                    .iter()
+                    .flat_map(|(n, d)| std::iter::once(*n as f64).chain(d.iter().copied()))
+                    .collect();
+                out.insert(format!("{ns}-{task}.batches"), batches);
+            }
+            let recent = state
+                .recent
+                .iter()
+                .flat_map(|s| [s.prediction as f64, s.label as f64, s.weight as f64])
+                .collect();
+            out.insert(format!("samples-{task}.recent"), recent);
+            for (name, h) in [
+                ("auc", &state.auc_histogram),
+                ("auprc", &state.auprc_histogram),
+            ] {
+                if let Some(h) = h {
+                    out.insert(format!("{name}-{task}.positives"), h.positives.clone());
+                    out.insert(format!("{name}-{task}.negatives"), h.negatives.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Restores a state saved by [`state_dict`](Self::state_dict) from metrics configured the
+    /// same way. Missing entries or wrong lengths are errors naming the entry.
+    pub fn load_state_dict(&mut self, dict: &BTreeMap<String, Vec<f64>>) -> Result<()> {
+        let get = |key: String, len: Option<usize>| -> Result<&Vec<f64>> {
+            let v = dict.get(&key).ok_or_else(|| {
+                Error::invalid(
+                    "RecMetrics::load_state_dict",
+                    format!("missing entry `{key}`"),
+                )
+            })?;
+            if len.is_some_and(|l| l != v.len()) {
+                return Err(Error::invalid(
+                    "RecMetrics::load_state_dict",
+                    format!(
+                        "entry `{key}` has {} values, expected {}",
+                        v.len(),
+                        len.unwrap_or(0)
+                    ),
+                ));
+            }
+            Ok(v)
+        };
+        let mut restored = self.states.clone();
+        for (task, state) in self.tasks.iter().zip(&mut restored) {
+            for s in &mut state.sums {
+                let (ns, n) = (s.kind.namespace(), s.kind.state_len());
+                s.lifetime = get(format!("{ns}-{task}.lifetime"), Some(n))?.clone();
+                s.window = get(format!("{ns}-{task}.window"), Some(n))?.clone();
+                let flat = get(format!("{ns}-{task}.batches"), None)?;
+                if flat.len() % (n + 1) != 0 {
+                    return Err(Error::invalid(
+                        "RecMetrics::load_state_dict",
+                        format!("entry `{ns}-{task}.batches` is not a whole number of batches"),
+                    ));
+                }
+                s.batches = flat
+                    .chunks(n + 1)
+                    .map(|c| (c[0] as usize, c[1..].to_vec()))
+                    .collect();
+                s.window_samples = s.batches.iter().map(|b| b.0).sum();
+            }
+            let flat = get(format!("samples-{task}.recent"), None)?;
+            if flat.len() % 3 != 0 {
+                return Err(Error::invalid(
+                    "RecMetrics::load_state_dict",
+                    format!("entry `samples-{task}.recent` is not a whole number of samples"),
+                ));
+            }
+            state.recent = flat
+                .chunks(3)
+                .map(|c| Sample {
+                    prediction: c[0] as f32,
+                    label: c[1] as f32,
+                    weight: c[2] as f32,
+                })
+                .collect();
+            for (name, h) in [
+                ("auc", &mut state.auc_histogram),
+                ("auprc", &mut state.auprc_histogram),
+            ] {
+                if let Some(h) = h {
+                    let bins = h.positives.len();
+                    h.positives = get(format!("{name}-{task}.positives"), Some(bins))?.clone();
+                    h.negatives = get(format!("{name}-{task}.negatives"), Some(bins))?.clone();
+                }
+            }
+        }
+        self.states = restored;
+        Ok(())
+    }
+}
