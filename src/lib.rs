@@ -23,6 +23,7 @@
 pub mod embedding;
 pub mod error;
 pub mod metrics;
+pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod sparse;

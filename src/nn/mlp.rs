@@ -1,8 +1,8 @@
 //! Multi-layer perceptrons and sequential composition.
 
-use super::{prefixed, Forward, Linear, Module};
+use super::{prefixed, Forward, Init, Linear, Module};
 use crate::tensor::rng::Rng;
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// An elementwise activation, usable as a module with no parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +62,17 @@ impl Mlp {
         activation: Activation,
         rng: &mut Rng,
     ) -> Result<Self> {
+        Mlp::with_dtype(in_features, sizes, activation, DType::F32, rng)
+    }
+
+    /// [`Mlp::new`] with parameters of `dtype` (f64 for gradient checks, bf16 storage, ...).
+    pub fn with_dtype(
+        in_features: usize,
+        sizes: &[usize],
+        activation: Activation,
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
         if sizes.is_empty() || in_features == 0 || sizes.contains(&0) {
             return Err(Error::invalid(
                 "Mlp::new",
@@ -73,7 +84,15 @@ impl Mlp {
         let mut layers = Vec::with_capacity(sizes.len());
         let mut prev = in_features;
         for &s in sizes {
-            layers.push(Linear::new(prev, s, rng)?);
+            layers.push(Linear::with_init(
+                prev,
+                s,
+                true,
+                Init::LinearDefault,
+                Init::LinearDefault,
+                dtype,
+                rng,
+            )?);
             prev = s;
         }
         Ok(Mlp {

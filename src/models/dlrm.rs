@@ -1,0 +1,321 @@
+//! DLRM's dense half (TorchRec's `DenseArch`, `InteractionArch`, `InteractionDCNArch`,
+//! `OverArch`): everything after the embedding lookup.
+//!
+//! Shapes follow TorchRec: dense features `[B, dense_in]` → `[B, D]`; pooled embeddings
+//! `[B, F, D]`; the dot interaction concatenates the dense output with the strict upper
+//! triangle of the `(F+1)×(F+1)` pairwise dot products, `[B, D + F(F+1)/2]`; the DCN variant
+//! feeds `[B, (F+1)·D]` through a low-rank cross network; the over arch ends in one
+//! un-activated linear layer producing logits.
+
+use crate::nn::{prefixed, Activation, Forward, Init, Linear, Mlp, Module};
+use crate::tensor::rng::Rng;
+use crate::{DType, Error, Result, Tensor};
+
+/// The bottom MLP over dense features (ReLU after every layer, as TorchRec).
+#[derive(Clone, Debug)]
+pub struct DenseArch {
+    mlp: Mlp,
+}
+
+impl DenseArch {
+    /// `in_features → layer_sizes`, the last size being the embedding dim `D`.
+    pub fn new(
+        in_features: usize,
+        layer_sizes: &[usize],
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        Ok(DenseArch {
+            mlp: Mlp::with_dtype(in_features, layer_sizes, Activation::Relu, dtype, rng)?,
+        })
+    }
+
+    /// Output width (`D`).
+    pub fn out_features(&self) -> usize {
+        self.mlp.out_features()
+    }
+}
+
+impl Module for DenseArch {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        prefixed("mlp", self.mlp.named_parameters())
+    }
+}
+
+impl Forward for DenseArch {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.mlp.forward(x)
+    }
+}
+
+/// Pairwise dot-product interaction of the dense output with every pooled embedding.
+#[derive(Clone, Debug)]
+pub struct InteractionArch {
+    num_sparse_features: usize,
+    /// Flat `(i·(F+1) + j)` positions of the strict upper triangle.
+    upper_triangle: Tensor,
+}
+
+impl InteractionArch {
+    /// For `num_sparse_features` pooled embeddings (plus the dense one).
+    pub fn new(num_sparse_features: usize) -> Self {
+        let n = num_sparse_features + 1;
+        let (rows, cols) = Tensor::triu_indices(n, 1);
+        let flat: Vec<i64> = rows
+            .to_vec::<i64>()
+            .expect("triu_indices is i64")
+            .iter()
+            .zip(cols.to_vec::<i64>().expect("triu_indices is i64"))
+            .map(|(r, c)| r * n as i64 + c)
+            .collect();
+        let len = flat.len();
+        InteractionArch {
+            num_sparse_features,
+            upper_triangle: Tensor::from_vec(flat, &[len]).expect("length matches"),
+        }
+    }
+
+    /// Output width for embedding dim `dim`: `D + F(F+1)/2`.
+    pub fn out_features(&self, dim: usize) -> usize {
+        dim + self.upper_triangle.numel()
+    }
+
+    /// `dense [B, D]`, `sparse [B, F, D]` → `[B, D + F(F+1)/2]`.
+    pub fn forward(&self, dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
+        let (b, _) = check_inputs("InteractionArch", dense, sparse, self.num_sparse_features)?;
+        let n = self.num_sparse_features + 1;
+        let combined = Tensor::cat(&[&dense.unsqueeze(1)?, sparse], 1)?; // [B, F+1, D]
+        let dots = combined.matmul(&combined.transpose(1, 2)?)?; // [B, F+1, F+1]
+        let upper = dots
+            .reshape(&[b, n * n])?
+            .t()?
+            .index_select(&self.upper_triangle)?
+            .t()?;
+        Tensor::cat(&[dense, &upper], 1)
+    }
+}
+
+fn check_inputs(
+    op: &'static str,
+    dense: &Tensor,
+    sparse: &Tensor,
+    features: usize,
+) -> Result<(usize, usize)> {
+    if dense.rank() != 2
+        || sparse.rank() != 3
+        || sparse.shape()[0] != dense.shape()[0]
+        || sparse.shape()[2] != dense.shape()[1]
+        || sparse.shape()[1] != features
+    {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: dense.shape().to_vec(),
+            rhs: sparse.shape().to_vec(),
+            detail: format!("expected dense [B, D] and sparse [B, {features}, D]"),
+        });
+    }
+    Ok((dense.shape()[0], dense.shape()[1]))
+}
+
+/// DCNv2's low-rank cross network: `x_{l+1} = x_0 ⊙ (W_l (V_l x_l) + b_l) + x_l`.
+#[derive(Clone, Debug)]
+pub struct LowRankCrossNet {
+    /// Per layer: `V` `[rank, in]` (no bias) and `W` `[in, rank]` with bias `[in]`.
+    layers: Vec<(Linear, Linear)>,
+}
+
+impl LowRankCrossNet {
+    /// `num_layers` cross layers of width `in_features` and rank `rank` (Xavier-normal
+    /// kernels, zero bias, as TorchRec).
+    pub fn new(
+        in_features: usize,
+        num_layers: usize,
+        rank: usize,
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        if num_layers == 0 || rank == 0 || in_features == 0 {
+            return Err(Error::invalid(
+                "LowRankCrossNet::new",
+                "layers, rank and width must be positive",
+            ));
+        }
+        let layers = (0..num_layers)
+            .map(|_| {
+                let v = Linear::with_init(
+                    in_features,
+                    rank,
+                    false,
+                    Init::XavierNormal,
+                    Init::Zeros,
+                    dtype,
+                    rng,
+                )?;
+                let w = Linear::with_init(
+                    rank,
+                    in_features,
+                    true,
+                    Init::XavierNormal,
+                    Init::Zeros,
+                    dtype,
+                    rng,
+                )?;
+                Ok((v, w))
+            })
+            .collect::<Result<_>>()?;
+        Ok(LowRankCrossNet { layers })
+    }
+}
+
+impl Module for LowRankCrossNet {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (v, w))| {
+                let mut p = prefixed(&format!("layers.{i}.v"), v.named_parameters());
+                p.extend(prefixed(&format!("layers.{i}.w"), w.named_parameters()));
+                p
+            })
+            .collect()
+    }
+}
+
+impl Forward for LowRankCrossNet {
+    fn forward(&self, x0: &Tensor) -> Result<Tensor> {
+        let mut x = x0.clone();
+        for (v, w) in &self.layers {
+            x = x0.mul(&w.forward(&v.forward(&x)?)?)?.add(&x)?;
+        }
+        Ok(x)
+    }
+}
+
+/// The top MLP: ReLU layers, then one linear layer without activation (logits).
+#[derive(Clone, Debug)]
+pub struct OverArch {
+    mlp: Mlp,
+}
+
+impl OverArch {
+    /// `in_features → layer_sizes`; the last size is the number of logits (usually 1).
+    pub fn new(
+        in_features: usize,
+        layer_sizes: &[usize],
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        Ok(OverArch {
+            mlp: Mlp::with_dtype(in_features, layer_sizes, Activation::Relu, dtype, rng)?
+                .activate_last(false),
+        })
+    }
+}
+
+impl Module for OverArch {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        prefixed("mlp", self.mlp.named_parameters())
+    }
+}
+
+impl Forward for OverArch {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.mlp.forward(x)
+    }
+}
+
+/// How dense and sparse features meet.
+#[derive(Clone, Debug)]
+pub enum Interaction {
+    /// DLRM's pairwise dot products.
+    Dot(InteractionArch),
+    /// DLRM-DCN: a low-rank cross network over the concatenated features.
+    Dcn(LowRankCrossNet),
+}
+
+/// DLRM after the embedding lookup: dense arch, interaction, over arch.
+#[derive(Clone, Debug)]
+pub struct DlrmDense {
+    /// Bottom MLP.
+    pub dense_arch: DenseArch,
+    /// Feature interaction.
+    pub interaction: Interaction,
+    /// Top MLP.
+    pub over_arch: OverArch,
+    num_sparse_features: usize,
+}
+
+impl DlrmDense {
+    /// DLRM with the dot interaction: `dense_in → dense_sizes` (last = `D`), `F` sparse
+    /// features of dim `D`, over arch `over_sizes` (last = logits).
+    pub fn dot(
+        dense_in: usize,
+        dense_sizes: &[usize],
+        num_sparse_features: usize,
+        over_sizes: &[usize],
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let dense_arch = DenseArch::new(dense_in, dense_sizes, dtype, rng)?;
+        let inter = InteractionArch::new(num_sparse_features);
+        let over_in = inter.out_features(dense_arch.out_features());
+        let over_arch = OverArch::new(over_in, over_sizes, dtype, rng)?;
+        Ok(DlrmDense {
+            dense_arch,
+            interaction: Interaction::Dot(inter),
+            over_arch,
+            num_sparse_features,
+        })
+    }
+
+    /// DLRM-DCN: the cross network (`cross_layers` layers of rank `rank`) replaces the dot
+    /// interaction; the over arch sees `(F+1)·D` features.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dcn(
+        dense_in: usize,
+        dense_sizes: &[usize],
+        num_sparse_features: usize,
+        over_sizes: &[usize],
+        cross_layers: usize,
+        rank: usize,
+        dtype: DType,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let dense_arch = DenseArch::new(dense_in, dense_sizes, dtype, rng)?;
+        let width = (num_sparse_features + 1) * dense_arch.out_features();
+        let cross = LowRankCrossNet::new(width, cross_layers, rank, dtype, rng)?;
+        let over_arch = OverArch::new(width, over_sizes, dtype, rng)?;
+        Ok(DlrmDense {
+            dense_arch,
+            interaction: Interaction::Dcn(cross),
+            over_arch,
+            num_sparse_features,
+        })
+    }
+
+    /// `dense [B, dense_in]`, pooled embeddings `[B, F, D]` → logits `[B, over_sizes.last]`.
+    pub fn forward(&self, dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
+        let d = self.dense_arch.forward(dense)?;
+        let features = match &self.interaction {
+            Interaction::Dot(arch) => arch.forward(&d, sparse)?,
+            Interaction::Dcn(cross) => {
+                let (b, dim) =
+                    check_inputs("InteractionDCNArch", &d, sparse, self.num_sparse_features)?;
+                let flat = sparse.reshape(&[b, self.num_sparse_features * dim])?;
+                cross.forward(&Tensor::cat(&[&d, &flat], 1)?)?
+            }
+        };
+        self.over_arch.forward(&features)
+    }
+}
+
+impl Module for DlrmDense {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut p = prefixed("dense_arch", self.dense_arch.named_parameters());
+        if let Interaction::Dcn(cross) = &self.interaction {
+            p.extend(prefixed("inter_arch.crossnet", cross.named_parameters()));
+        }
+        p.extend(prefixed("over_arch", self.over_arch.named_parameters()));
+        p
+    }
+}

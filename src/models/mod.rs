@@ -1,0 +1,6 @@
+//! Recommendation models: DLRM with the dot interaction or the DCNv2 low-rank cross network,
+//! with TorchRec's shapes and layer semantics.
+
+pub mod dlrm;
+
+pub use dlrm::{DenseArch, DlrmDense, Interaction, InteractionArch, LowRankCrossNet, OverArch};

@@ -1,0 +1,152 @@
+//! DLRM's dense half: shapes as TorchRec's DLRM / DLRM_DCN, the interaction against a naive
+//! computation, and finite-difference gradients for inputs and every parameter.
+
+use embers::models::{DlrmDense, InteractionArch};
+use embers::nn::Module;
+use embers::tensor::rng::seeded;
+use embers::tensor::testing::check_gradients;
+use embers::{no_grad, DType, Result, Tensor};
+
+#[test]
+fn dot_interaction_matches_naive_and_torchrec_layout() -> Result<()> {
+    let (b, f, d) = (3, 4, 5);
+    let mut rng = seeded(1);
+    let dense = Tensor::randn(&[b, d], 0.0, 1.0, DType::F64, &mut rng);
+    let sparse = Tensor::randn(&[b, f, d], 0.0, 1.0, DType::F64, &mut rng);
+    let arch = InteractionArch::new(f);
+    let out = arch.forward(&dense, &sparse)?;
+    assert_eq!(out.shape(), &[b, d + f * (f + 1) / 2]);
+    assert_eq!(arch.out_features(d), d + 10);
+    let (dv, sv, ov) = (
+        dense.to_vec::<f64>()?,
+        sparse.to_vec::<f64>()?,
+        out.to_vec::<f64>()?,
+    );
+    let width = out.shape()[1];
+    for s in 0..b {
+        // Row 0 of the combined matrix is the dense vector, rows 1..=F the embeddings.
+        let row = |i: usize| -> Vec<f64> {
+            if i == 0 {
+                dv[s * d..(s + 1) * d].to_vec()
+            } else {
+                sv[(s * f + i - 1) * d..(s * f + i) * d].to_vec()
+            }
+        };
+        assert_eq!(&ov[s * width..s * width + d], &dv[s * d..(s + 1) * d]);
+        let mut k = d;
+        for i in 0..=f {
+            for j in i + 1..=f {
+                let dot: f64 = row(i).iter().zip(row(j)).map(|(a, b)| a * b).sum();
+                assert!((ov[s * width + k] - dot).abs() < 1e-12);
+                k += 1;
+            }
+        }
+    }
+    // Wrong shapes are errors.
+    assert!(arch
+        .forward(
+            &dense,
+            &Tensor::zeros(&[b, f + 1, d], DType::F64, embers::Device::Cpu)
+        )
+        .is_err());
+    Ok(())
+}
+
+#[test]
+fn shapes_match_torchrec_dlrm_and_dcn() -> Result<()> {
+    let mut rng = seeded(2);
+    // The peers' DLRM: 13 dense, 26 sparse of dim 64, 512-256-64 bottom, 512-512-256-1 top.
+    let dlrm = DlrmDense::dot(
+        13,
+        &[512, 256, 64],
+        26,
+        &[512, 512, 256, 1],
+        DType::F32,
+        &mut rng,
+    )?;
+    let dense = Tensor::randn(&[8, 13], 0.0, 1.0, DType::F32, &mut rng);
+    let sparse = Tensor::randn(&[8, 26, 64], 0.0, 1.0, DType::F32, &mut rng);
+    assert_eq!(dlrm.forward(&dense, &sparse)?.shape(), &[8, 1]);
+    // The over arch's input is 64 + 27·26/2 = 415, as in TorchRec.
+    let names: Vec<(String, Vec<usize>)> = dlrm
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec()))
+        .collect();
+    assert!(names.contains(&("over_arch.mlp.layers.0.weight".into(), vec![512, 415])));
+    let dcn = DlrmDense::dcn(
+        13,
+        &[512, 256, 64],
+        26,
+        &[512, 512, 256, 1],
+        3,
+        16,
+        DType::F32,
+        &mut rng,
+    )?;
+    assert_eq!(dcn.forward(&dense, &sparse)?.shape(), &[8, 1]);
+    assert!(dcn
+        .named_parameters()
+        .iter()
+        .any(|(n, t)| n == "inter_arch.crossnet.layers.2.w.weight" && t.shape() == [27 * 64, 16]));
+    Ok(())
+}
+
+/// Finite differences on a few elements of every parameter against autograd.
+fn check_parameters(model: &DlrmDense, dense: &Tensor, sparse: &Tensor) -> Result<()> {
+    let loss = || -> Result<f64> {
+        no_grad(|| model.forward(dense, sparse)?.sigmoid()?.sum_all()?.item())
+    };
+    model.zero_grad();
+    model
+        .forward(dense, sparse)?
+        .sigmoid()?
+        .sum_all()?
+        .backward()?;
+    let eps = 1e-6;
+    for (name, p) in model.named_parameters() {
+        let grad = p
+            .grad()
+            .expect("every parameter gets a gradient")
+            .to_vec::<f64>()?;
+        for j in [0, p.numel() / 2, p.numel() - 1] {
+            let orig = p.to_vec::<f64>()?[j];
+            p.update_in_place(|w: &mut [f64]| w[j] = orig + eps)?;
+            let plus = loss()?;
+            p.update_in_place(|w: &mut [f64]| w[j] = orig - eps)?;
+            let minus = loss()?;
+            p.update_in_place(|w: &mut [f64]| w[j] = orig)?;
+            let numeric = (plus - minus) / (2.0 * eps);
+            assert!(
+                (numeric - grad[j]).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "{name}[{j}]: autograd {} vs numeric {numeric}",
+                grad[j]
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn tiny_dlrm_gradients_match_finite_differences() -> Result<()> {
+    let mut rng = seeded(3);
+    let dense = Tensor::randn(&[4, 3], 0.0, 1.0, DType::F64, &mut rng);
+    let sparse = Tensor::randn(&[4, 2, 4], 0.0, 0.5, DType::F64, &mut rng);
+    for model in [
+        DlrmDense::dot(3, &[6, 4], 2, &[5, 1], DType::F64, &mut rng)?,
+        DlrmDense::dcn(3, &[6, 4], 2, &[5, 1], 2, 3, DType::F64, &mut rng)?,
+    ] {
+        // Inputs, including the pooled embeddings (whose gradient feeds the embedding bags).
+        check_gradients(
+            |x| model.forward(&x[0], &x[1]),
+            &[
+                dense.with_requires_grad(true),
+                sparse.with_requires_grad(true),
+            ],
+            1e-6,
+            1e-6,
+        )?;
+        check_parameters(&model, &dense, &sparse)?;
+    }
+    Ok(())
+}
