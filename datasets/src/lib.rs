@@ -1,0 +1,1 @@
+//! Datasets for embers (in progress).
