@@ -1,8 +1,7 @@
 //! Adam and AdamW.
 
-use super::{check_param, for_each_range, touched, Optimizer};
+use super::{check_param, for_each_range, impl_optimizer, touched};
 use crate::tensor::dtype::FloatElem;
-use crate::tensor::ops::with_float;
 use crate::{Result, Tensor};
 
 /// Hyper-parameters of [`Adam`].
@@ -127,20 +126,4 @@ impl Adam {
     }
 }
 
-impl Optimizer for Adam {
-    fn step(&mut self) -> Result<()> {
-        for i in 0..self.params.len() {
-            with_float!(self.params[i].dtype(), "Adam", T => self.step_param::<T>(i)?);
-        }
-        Ok(())
-    }
-    fn zero_grad(&self) {
-        self.params.iter().for_each(Tensor::zero_grad);
-    }
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
-    }
-}
+impl_optimizer!(Adam, "Adam", config.lr);

@@ -28,6 +28,31 @@ pub trait Optimizer {
     fn set_learning_rate(&mut self, lr: f64);
 }
 
+/// Implements [`Optimizer`] for a type with `params: Vec<Tensor>`, a learning-rate field and
+/// a generic `step_param::<T>(i)` that updates parameter `i`.
+macro_rules! impl_optimizer {
+    ($ty:ident, $name:literal, $($lr:ident).+) => {
+        impl $crate::optim::Optimizer for $ty {
+            fn step(&mut self) -> $crate::Result<()> {
+                for i in 0..self.params.len() {
+                    $crate::tensor::ops::with_float!(self.params[i].dtype(), $name, T => self.step_param::<T>(i)?);
+                }
+                Ok(())
+            }
+            fn zero_grad(&self) {
+                self.params.iter().for_each($crate::Tensor::zero_grad);
+            }
+            fn learning_rate(&self) -> f64 {
+                self.$($lr).+
+            }
+            fn set_learning_rate(&mut self, lr: f64) {
+                self.$($lr).+ = lr;
+            }
+        }
+    };
+}
+pub(crate) use impl_optimizer;
+
 /// Where an update applies: the whole parameter, or some rows of it.
 pub(crate) enum Touched<T> {
     /// Dense gradient over every element.

@@ -1,8 +1,7 @@
 //! Stochastic gradient descent.
 
-use super::{check_param, for_each_range, touched, Optimizer};
+use super::{check_param, for_each_range, impl_optimizer, touched};
 use crate::tensor::dtype::FloatElem;
-use crate::tensor::ops::with_float;
 use crate::{Result, Tensor};
 
 /// SGD with optional momentum (dampening, Nesterov) and L2 weight decay, as `torch.optim.SGD`.
@@ -98,20 +97,4 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn step(&mut self) -> Result<()> {
-        for i in 0..self.params.len() {
-            with_float!(self.params[i].dtype(), "Sgd", T => self.step_param::<T>(i)?);
-        }
-        Ok(())
-    }
-    fn zero_grad(&self) {
-        self.params.iter().for_each(Tensor::zero_grad);
-    }
-    fn learning_rate(&self) -> f64 {
-        self.lr
-    }
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-}
+impl_optimizer!(Sgd, "Sgd", lr);
