@@ -1,0 +1,261 @@
+//! Invalid constructions and arguments are errors that say what and where — never a panic or
+//! a silent clamp.
+
+use embers::sparse::ops::*;
+use embers::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
+use embers::{Error, Tensor};
+
+fn f32s(v: &[f32]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), &[v.len()]).unwrap()
+}
+
+fn i64s(v: &[i64]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), &[v.len()]).unwrap()
+}
+
+fn keys(k: &[&str]) -> Vec<String> {
+    k.iter().map(|s| s.to_string()).collect()
+}
+
+fn message<T: std::fmt::Debug>(r: Result<T, Error>) -> String {
+    r.expect_err("expected an error").to_string()
+}
+
+#[test]
+fn kjt_negative_length_names_key_and_sample() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "b"]),
+        f32s(&[1.0, 2.0]),
+        i64s(&[1, 0, 2, -1]),
+        None,
+        None,
+    ));
+    assert!(m.contains("key `b`, sample 1") && m.contains("-1"), "{m}");
+}
+
+#[test]
+fn kjt_lengths_must_sum_to_values() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a"]),
+        f32s(&[1.0, 2.0, 3.0]),
+        i64s(&[1, 1]),
+        None,
+        None,
+    ));
+    assert!(m.contains("add up to 2") && m.contains("3 rows"), "{m}");
+}
+
+#[test]
+fn kjt_offsets_must_be_monotone_and_start_at_zero() {
+    let m = message(KeyedJaggedTensor::from_offsets(
+        keys(&["a", "b"]),
+        f32s(&[1.0, 2.0, 3.0]),
+        i64s(&[0, 2, 1, 3, 3]),
+        None,
+        None,
+    ));
+    assert!(
+        m.contains("key `a`, sample 1") && m.contains("decrease"),
+        "{m}"
+    );
+    let m = message(KeyedJaggedTensor::from_offsets(
+        keys(&["a"]),
+        f32s(&[1.0]),
+        i64s(&[1, 1]),
+        None,
+        None,
+    ));
+    assert!(m.contains("start at 0"), "{m}");
+}
+
+#[test]
+fn kjt_weights_must_match_values() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a"]),
+        f32s(&[1.0, 2.0]),
+        i64s(&[2]),
+        Some(f32s(&[1.0])),
+        None,
+    ));
+    assert!(m.contains("weights") && m.contains("(2)"), "{m}");
+}
+
+#[test]
+fn kjt_stride_must_be_consistent() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "b"]),
+        f32s(&[1.0]),
+        i64s(&[1, 0, 0]),
+        None,
+        None,
+    ));
+    assert!(m.contains("inconsistent"), "{m}");
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "b"]),
+        f32s(&[1.0]),
+        i64s(&[1, 0, 0, 0]),
+        None,
+        Some(3),
+    ));
+    assert!(m.contains("stride 3"), "{m}");
+    let m = message(KeyedJaggedTensor::from_lengths_variable_batch(
+        keys(&["a", "b"]),
+        f32s(&[1.0]),
+        i64s(&[1, 0, 0]),
+        None,
+        vec![vec![1], vec![1]],
+    ));
+    assert!(m.contains("add up to 2 samples"), "{m}");
+}
+
+#[test]
+fn kjt_out_of_range_permute_and_unknown_key() {
+    let kjt =
+        KeyedJaggedTensor::from_lengths(keys(&["a", "b"]), f32s(&[1.0]), i64s(&[1, 0]), None, None)
+            .unwrap();
+    match kjt.permute(&[1, 2]) {
+        Err(Error::IndexOutOfRange {
+            index: 2,
+            position: 1,
+            size: 2,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let m = message(kjt.get("c"));
+    assert!(m.contains("unknown key `c`"), "{m}");
+    let m = message(kjt.split(&[1, 2]));
+    assert!(m.contains("add up to 3"), "{m}");
+}
+
+#[test]
+fn unchecked_constructor_skips_validation() {
+    // Lengths that don't sum to the values are accepted by the unchecked constructor (the
+    // caller vouches for them) and rejected by the checked one.
+    let unchecked = KeyedJaggedTensor::from_lengths_unchecked(
+        keys(&["a"]),
+        f32s(&[1.0, 2.0]),
+        i64s(&[1, 1]),
+        None,
+        None,
+        2,
+        None,
+    );
+    assert_eq!(unchecked.unwrap().length_per_key(), &[2]);
+    assert!(KeyedJaggedTensor::from_lengths(
+        keys(&["a"]),
+        f32s(&[1.0, 2.0, 3.0]),
+        i64s(&[1, 1]),
+        None,
+        None
+    )
+    .is_err());
+}
+
+#[test]
+fn jagged_tensor_validation() {
+    let m = message(JaggedTensor::new(f32s(&[1.0, 2.0]), i64s(&[3, -1]), None));
+    assert!(m.contains("sample 1") && m.contains("negative"), "{m}");
+    let m = message(JaggedTensor::new(f32s(&[1.0, 2.0]), i64s(&[1, 0]), None));
+    assert!(m.contains("add up to 1"), "{m}");
+    let m = message(JaggedTensor::from_offsets(
+        f32s(&[1.0, 2.0]),
+        i64s(&[0, 2, 1]),
+        None,
+    ));
+    assert!(m.contains("decrease at position 2"), "{m}");
+    let m = message(JaggedTensor::from_offsets(
+        f32s(&[1.0, 2.0]),
+        i64s(&[1, 2]),
+        None,
+    ));
+    assert!(m.contains("start at 0"), "{m}");
+    let m = message(JaggedTensor::new(
+        f32s(&[1.0, 2.0]),
+        i64s(&[2]),
+        Some(f32s(&[1.0, 2.0, 3.0])),
+    ));
+    assert!(m.contains("one weight per value"), "{m}");
+    let dense = Tensor::zeros(&[2, 3], embers::DType::F32, embers::Device::Cpu);
+    let m = message(JaggedTensor::from_dense_lengths(
+        &dense,
+        &i64s(&[1, 4]),
+        None,
+    ));
+    assert!(m.contains("sample 1") && m.contains("exceeds"), "{m}");
+}
+
+#[test]
+fn op_argument_errors() {
+    let values = f32s(&[1.0, 2.0, 3.0]);
+    let m = message(jagged_to_padded_dense(
+        &values,
+        &[&i64s(&[0, 2, 1])],
+        &[2],
+        0.0,
+    ));
+    assert!(m.contains("decrease"), "{m}");
+    let m = message(jagged_to_padded_dense(
+        &values,
+        &[&i64s(&[0, 2, 5])],
+        &[2],
+        0.0,
+    ));
+    assert!(m.contains("end at 5"), "{m}");
+    match jagged_index_select(&values, &i64s(&[1, 2]), &i64s(&[0, 2])) {
+        Err(Error::IndexOutOfRange {
+            index: 2,
+            position: 1,
+            size: 2,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let lengths = Tensor::from_vec(vec![1i64, 2], &[2, 1]).unwrap();
+    match permute_2d_sparse_data(&i64s(&[0, 5]), &lengths, &values, None, None) {
+        Err(Error::IndexOutOfRange {
+            index: 5,
+            position: 1,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let m = message(permute_2d_sparse_data(
+        &i64s(&[1, 0]),
+        &lengths,
+        &values,
+        Some(&f32s(&[1.0])),
+        None,
+    ));
+    assert!(m.contains("weights"), "{m}");
+    let m = message(block_bucketize_sparse_features(
+        &i64s(&[1, 2]),
+        &i64s(&[1, 2, -3]),
+        &i64s(&[4]),
+        2,
+        &BlockBucketizeOptions::default(),
+    ));
+    assert!(m.contains("feature 0, sample 1") && m.contains("-3"), "{m}");
+    let m = message(block_bucketize_sparse_features(
+        &i64s(&[1, 2]),
+        &i64s(&[1, 2]),
+        &i64s(&[4]),
+        2,
+        &BlockBucketizeOptions::default(),
+    ));
+    assert!(m.contains("add up to 3"), "{m}");
+    let kt = KeyedTensor::from_tensor_list(
+        keys(&["a"]),
+        &[Tensor::zeros(
+            &[2, 3],
+            embers::DType::F32,
+            embers::Device::Cpu,
+        )],
+    )
+    .unwrap();
+    let m = message(KeyedTensor::regroup(&[kt], &[vec!["a".into(), "z".into()]]));
+    assert!(
+        m.contains("group 0, position 1") && m.contains("`z`"),
+        "{m}"
+    );
+}
