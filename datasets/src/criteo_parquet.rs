@@ -1,0 +1,651 @@
+//! The Criteo schema read from Parquet, one row group at a time.
+
+use std::fs::File;
+use std::path::PathBuf;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{
+    Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,
+    UInt64Type, UInt8Type,
+};
+use arrow_array::{Array, ArrayRef, BooleanArray, GenericStringArray, PrimitiveArray, RecordBatch};
+use arrow_schema::DataType;
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader,
+    ParquetRecordBatchReaderBuilder,
+};
+use parquet::arrow::ProjectionMask;
+
+use crate::criteo::{criteo_schema, parse_hex_id, CRITEO_NUM_CATEGORICAL, CRITEO_NUM_DENSE};
+use crate::{
+    BadRecordPolicy, CriteoConfig, DatasetError, Example, ExampleSource, FeatureSchema, Result,
+    SkippedRecords,
+};
+
+/// Rows decoded at a time inside a row group: bounds memory to about this many rows of the
+/// projected columns plus one compressed page per column, whatever the file size.
+const DEFAULT_ROWS_PER_BATCH: usize = 8192;
+
+/// Names of the Parquet columns holding the Criteo fields.
+///
+/// Accepted column types: `label` — any integer, float or boolean type (values in [0, 1]);
+/// dense — any integer or float type (null → 0, then the dense transform); categorical — any
+/// integer type (signed values are reinterpreted as unsigned of the same width, so ids that
+/// were stored as `int32` from 32-bit hex round-trip), or a UTF-8 string of hex digits as in
+/// the TSV files (null or empty → the missing id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CriteoParquetColumns {
+    /// Label column (default `label`).
+    pub label: String,
+    /// The 13 dense columns (default `int_0..int_12`).
+    pub dense: Vec<String>,
+    /// The 26 categorical columns (default `cat_0..cat_25`).
+    pub categorical: Vec<String>,
+}
+
+impl Default for CriteoParquetColumns {
+    fn default() -> Self {
+        let schema = criteo_schema();
+        CriteoParquetColumns {
+            label: "label".to_string(),
+            dense: schema.dense_names,
+            categorical: schema.sparse_keys,
+        }
+    }
+}
+
+/// A column of one decoded batch, resolved once to its concrete type.
+enum TypedColumn {
+    Bool(BooleanArray),
+    I8(PrimitiveArray<Int8Type>),
+    I16(PrimitiveArray<Int16Type>),
+    I32(PrimitiveArray<Int32Type>),
+    I64(PrimitiveArray<Int64Type>),
+    U8(PrimitiveArray<UInt8Type>),
+    U16(PrimitiveArray<UInt16Type>),
+    U32(PrimitiveArray<UInt32Type>),
+    U64(PrimitiveArray<UInt64Type>),
+    F32(PrimitiveArray<Float32Type>),
+    F64(PrimitiveArray<Float64Type>),
+    Utf8(GenericStringArray<i32>),
+    LargeUtf8(GenericStringArray<i64>),
+}
+
+impl TypedColumn {
+    fn new(array: &ArrayRef) -> Option<TypedColumn> {
+        Some(match array.data_type() {
+            DataType::Boolean => TypedColumn::Bool(array.as_boolean_opt()?.clone()),
+            DataType::Int8 => TypedColumn::I8(array.as_primitive_opt()?.clone()),
+            DataType::Int16 => TypedColumn::I16(array.as_primitive_opt()?.clone()),
+            DataType::Int32 => TypedColumn::I32(array.as_primitive_opt()?.clone()),
+            DataType::Int64 => TypedColumn::I64(array.as_primitive_opt()?.clone()),
+            DataType::UInt8 => TypedColumn::U8(array.as_primitive_opt()?.clone()),
+            DataType::UInt16 => TypedColumn::U16(array.as_primitive_opt()?.clone()),
+            DataType::UInt32 => TypedColumn::U32(array.as_primitive_opt()?.clone()),
+            DataType::UInt64 => TypedColumn::U64(array.as_primitive_opt()?.clone()),
+            DataType::Float32 => TypedColumn::F32(array.as_primitive_opt()?.clone()),
+            DataType::Float64 => TypedColumn::F64(array.as_primitive_opt()?.clone()),
+            DataType::Utf8 => TypedColumn::Utf8(array.as_string_opt()?.clone()),
+            DataType::LargeUtf8 => TypedColumn::LargeUtf8(array.as_string_opt()?.clone()),
+            _ => return None,
+        })
+    }
+
+    fn is_numeric(&self) -> bool {
+        !matches!(self, TypedColumn::Utf8(_) | TypedColumn::LargeUtf8(_))
+    }
+
+    fn is_id(&self) -> bool {
+        !matches!(
+            self,
+            TypedColumn::Bool(_) | TypedColumn::F32(_) | TypedColumn::F64(_)
+        )
+    }
+
+    fn is_null(&self, row: usize) -> bool {
+        match self {
+            TypedColumn::Bool(a) => a.is_null(row),
+            TypedColumn::I8(a) => a.is_null(row),
+            TypedColumn::I16(a) => a.is_null(row),
+            TypedColumn::I32(a) => a.is_null(row),
+            TypedColumn::I64(a) => a.is_null(row),
+            TypedColumn::U8(a) => a.is_null(row),
+            TypedColumn::U16(a) => a.is_null(row),
+            TypedColumn::U32(a) => a.is_null(row),
+            TypedColumn::U64(a) => a.is_null(row),
+            TypedColumn::F32(a) => a.is_null(row),
+            TypedColumn::F64(a) => a.is_null(row),
+            TypedColumn::Utf8(a) => a.is_null(row),
+            TypedColumn::LargeUtf8(a) => a.is_null(row),
+        }
+    }
+
+    /// Numeric value of a non-null row (`None` for string columns).
+    fn number(&self, row: usize) -> Option<f64> {
+        Some(match self {
+            TypedColumn::Bool(a) => f64::from(u8::from(a.value(row))),
+            TypedColumn::I8(a) => f64::from(a.value(row)),
+            TypedColumn::I16(a) => f64::from(a.value(row)),
+            TypedColumn::I32(a) => f64::from(a.value(row)),
+            TypedColumn::I64(a) => a.value(row) as f64,
+            TypedColumn::U8(a) => f64::from(a.value(row)),
+            TypedColumn::U16(a) => f64::from(a.value(row)),
+            TypedColumn::U32(a) => f64::from(a.value(row)),
+            TypedColumn::U64(a) => a.value(row) as f64,
+            TypedColumn::F32(a) => f64::from(a.value(row)),
+            TypedColumn::F64(a) => a.value(row),
+            TypedColumn::Utf8(_) | TypedColumn::LargeUtf8(_) => return None,
+        })
+    }
+
+    /// Raw categorical id of a non-null row; `Ok(None)` for an empty string (missing).
+    fn id(&self, row: usize) -> std::result::Result<Option<u64>, String> {
+        let hex = |s: &str| {
+            if s.is_empty() {
+                Ok(None)
+            } else {
+                parse_hex_id(s.as_bytes()).map(Some)
+            }
+        };
+        Ok(Some(match self {
+            TypedColumn::I8(a) => u64::from(a.value(row) as u8),
+            TypedColumn::I16(a) => u64::from(a.value(row) as u16),
+            TypedColumn::I32(a) => u64::from(a.value(row) as u32),
+            TypedColumn::I64(a) => a.value(row) as u64,
+            TypedColumn::U8(a) => u64::from(a.value(row)),
+            TypedColumn::U16(a) => u64::from(a.value(row)),
+            TypedColumn::U32(a) => u64::from(a.value(row)),
+            TypedColumn::U64(a) => a.value(row),
+            TypedColumn::Utf8(a) => return hex(a.value(row)),
+            TypedColumn::LargeUtf8(a) => return hex(a.value(row)),
+            TypedColumn::Bool(_) | TypedColumn::F32(_) | TypedColumn::F64(_) => {
+                return Err("floating-point or boolean column cannot hold ids".to_string())
+            }
+        }))
+    }
+}
+
+/// One decoded record batch with its columns in Criteo order.
+struct DecodedBatch {
+    label: TypedColumn,
+    dense: Vec<TypedColumn>,
+    categorical: Vec<TypedColumn>,
+    num_rows: usize,
+    next_row: usize,
+}
+
+struct RowGroupCursor {
+    row_group: usize,
+    reader: ParquetRecordBatchReader,
+    batch: Option<DecodedBatch>,
+    /// Rows of this row group already handed out (or skipped).
+    rows_consumed: u64,
+}
+
+/// Outcome of one step inside a file.
+enum Step {
+    Example(Example),
+    Continue,
+    FileDone,
+}
+
+struct OpenFile {
+    path: PathBuf,
+    file: File,
+    metadata: ArrowReaderMetadata,
+    projection: ProjectionMask,
+    row_group_rows: Vec<u64>,
+    next_row_group: usize,
+    cursor: Option<RowGroupCursor>,
+}
+
+/// Streams Criteo examples from Parquet files, decoding one row group at a time in slices of
+/// a few thousand rows, so memory stays bounded for files larger than RAM.
+///
+/// Example indices run on across files and row groups (skipped rows included). A corrupt
+/// page is an error naming the file, the row group and — found by re-decoding the row group
+/// column by column — the column; under [`BadRecordPolicy::SkipAndCount`] the rest of that
+/// row group is skipped and counted. A corrupt footer or a missing/mistyped column is always
+/// an error.
+pub struct CriteoParquetReader {
+    paths: Vec<PathBuf>,
+    next_file: usize,
+    config: CriteoConfig,
+    columns: CriteoParquetColumns,
+    schema: FeatureSchema,
+    skipped: SkippedRecords,
+    rows_per_batch: usize,
+    file: Option<OpenFile>,
+    next_index: u64,
+    done: bool,
+}
+
+impl CriteoParquetReader {
+    /// Opens `paths` (read lazily, in order) with the default column names.
+    pub fn open<P: Into<PathBuf>>(
+        paths: impl IntoIterator<Item = P>,
+        config: CriteoConfig,
+    ) -> Result<Self> {
+        Self::open_with_columns(paths, config, CriteoParquetColumns::default())
+    }
+
+    /// Opens `paths` reading the Criteo fields from the named `columns`.
+    pub fn open_with_columns<P: Into<PathBuf>>(
+        paths: impl IntoIterator<Item = P>,
+        config: CriteoConfig,
+        columns: CriteoParquetColumns,
+    ) -> Result<Self> {
+        config.validate()?;
+        if columns.dense.len() != CRITEO_NUM_DENSE
+            || columns.categorical.len() != CRITEO_NUM_CATEGORICAL
+        {
+            return Err(DatasetError::InvalidConfig(format!(
+                "column mapping must name {CRITEO_NUM_DENSE} dense and {CRITEO_NUM_CATEGORICAL} categorical columns, got {} and {}",
+                columns.dense.len(),
+                columns.categorical.len()
+            )));
+        }
+        let paths: Vec<PathBuf> = paths.into_iter().map(Into::into).collect();
+        if paths.is_empty() {
+            return Err(DatasetError::InvalidConfig(
+                "no Parquet files given".to_string(),
+            ));
+        }
+        Ok(CriteoParquetReader {
+            paths,
+            next_file: 0,
+            config,
+            columns,
+            schema: criteo_schema(),
+            skipped: SkippedRecords::default(),
+            rows_per_batch: DEFAULT_ROWS_PER_BATCH,
+            file: None,
+            next_index: 0,
+            done: false,
+        })
+    }
+
+    /// Sets how many rows are decoded at once (≥ 1; default 8192). Lower it for very wide
+    /// rows or tight memory.
+    pub fn with_rows_per_batch(mut self, rows: usize) -> Self {
+        self.rows_per_batch = rows.max(1);
+        self
+    }
+
+    /// Handle on the count of skipped records (stays live after the reader is moved).
+    pub fn skipped(&self) -> SkippedRecords {
+        self.skipped.clone()
+    }
+
+    fn all_column_names(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.columns.label)
+            .chain(&self.columns.dense)
+            .chain(&self.columns.categorical)
+    }
+
+    fn open_file(&self, path: PathBuf) -> Result<OpenFile> {
+        let file = File::open(&path).map_err(|source| DatasetError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let metadata =
+            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default()).map_err(|error| {
+                DatasetError::Parquet {
+                    path: path.clone(),
+                    row_group: None,
+                    row: None,
+                    field: "footer".to_string(),
+                    message: error.to_string(),
+                }
+            })?;
+        let arrow_schema = metadata.schema().clone();
+        let mut roots = Vec::with_capacity(1 + CRITEO_NUM_DENSE + CRITEO_NUM_CATEGORICAL);
+        for name in self.all_column_names() {
+            let index = arrow_schema
+                .index_of(name)
+                .map_err(|_| DatasetError::Parquet {
+                    path: path.clone(),
+                    row_group: None,
+                    row: None,
+                    field: name.clone(),
+                    message: format!(
+                        "column not found; the file has columns [{}]",
+                        arrow_schema
+                            .fields()
+                            .iter()
+                            .map(|f| f.name().as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                })?;
+            roots.push(index);
+        }
+        let projection = ProjectionMask::roots(metadata.parquet_schema(), roots);
+        let row_group_rows = metadata
+            .metadata()
+            .row_groups()
+            .iter()
+            .map(|group| group.num_rows().max(0) as u64)
+            .collect();
+        Ok(OpenFile {
+            path,
+            file,
+            metadata,
+            projection,
+            row_group_rows,
+            next_row_group: 0,
+            cursor: None,
+        })
+    }
+
+    fn row_group_reader(
+        file: &OpenFile,
+        row_group: usize,
+        projection: ProjectionMask,
+        rows_per_batch: usize,
+    ) -> std::result::Result<ParquetRecordBatchReader, String> {
+        let handle = file.file.try_clone().map_err(|e| e.to_string())?;
+        ParquetRecordBatchReaderBuilder::new_with_metadata(handle, file.metadata.clone())
+            .with_row_groups(vec![row_group])
+            .with_projection(projection)
+            .with_batch_size(rows_per_batch)
+            .build()
+            .map_err(|e| e.to_string())
+    }
+
+    /// Re-decodes `row_group` one column at a time to name the column a decode error came from.
+    fn locate_corrupt_column(&self, file: &OpenFile, row_group: usize) -> String {
+        let arrow_schema = file.metadata.schema().clone();
+        for name in self.all_column_names() {
+            let Ok(index) = arrow_schema.index_of(name) else {
+                continue;
+            };
+            let mask = ProjectionMask::roots(file.metadata.parquet_schema(), [index]);
+            match Self::row_group_reader(file, row_group, mask, self.rows_per_batch) {
+                Err(_) => return name.clone(),
+                Ok(reader) => {
+                    for batch in reader {
+                        if batch.is_err() {
+                            return name.clone();
+                        }
+                    }
+                }
+            }
+        }
+        "unknown column".to_string()
+    }
+
+    fn decode_batch(
+        &self,
+        path: &std::path::Path,
+        row_group: usize,
+        batch: &RecordBatch,
+    ) -> Result<DecodedBatch> {
+        let column = |name: &String, wants_id: bool| -> Result<TypedColumn> {
+            let fail = |message: String| DatasetError::Parquet {
+                path: path.to_path_buf(),
+                row_group: Some(row_group),
+                row: None,
+                field: name.clone(),
+                message,
+            };
+            let array = batch
+                .column_by_name(name)
+                .ok_or_else(|| fail("column missing from decoded batch".to_string()))?;
+            let typed = TypedColumn::new(array)
+                .ok_or_else(|| fail(format!("unsupported column type {}", array.data_type())))?;
+            let fits = if wants_id {
+                typed.is_id()
+            } else {
+                typed.is_numeric()
+            };
+            if !fits {
+                let role = if wants_id {
+                    "a categorical id (integer or hex string)"
+                } else {
+                    "a number"
+                };
+                return Err(fail(format!(
+                    "column type {} cannot hold {role}",
+                    array.data_type()
+                )));
+            }
+            Ok(typed)
+        };
+        Ok(DecodedBatch {
+            label: column(&self.columns.label, false)?,
+            dense: self
+                .columns
+                .dense
+                .iter()
+                .map(|name| column(name, false))
+                .collect::<Result<_>>()?,
+            categorical: self
+                .columns
+                .categorical
+                .iter()
+                .map(|name| column(name, true))
+                .collect::<Result<_>>()?,
+            num_rows: batch.num_rows(),
+            next_row: 0,
+        })
+    }
+
+    fn convert_row(
+        &self,
+        decoded: &DecodedBatch,
+        row: usize,
+        index: u64,
+        location: (&std::path::Path, usize, u64),
+    ) -> Result<Example> {
+        let (path, row_group, row_in_group) = location;
+        let fail = |field: &String, message: String| DatasetError::Parquet {
+            path: path.to_path_buf(),
+            row_group: Some(row_group),
+            row: Some(row_in_group),
+            field: field.clone(),
+            message,
+        };
+        let label = if decoded.label.is_null(row) {
+            return Err(fail(&self.columns.label, "label is null".to_string()));
+        } else {
+            let value = decoded.label.number(row).unwrap_or(f64::NAN);
+            if !(0.0..=1.0).contains(&value) {
+                return Err(fail(
+                    &self.columns.label,
+                    format!("label must be in [0, 1], found {value}"),
+                ));
+            }
+            value as f32
+        };
+        let mut dense = Vec::with_capacity(CRITEO_NUM_DENSE);
+        for (column, name) in decoded.dense.iter().zip(&self.columns.dense) {
+            let raw = if column.is_null(row) {
+                0.0
+            } else {
+                column.number(row).unwrap_or(f64::NAN)
+            };
+            if !raw.is_finite() {
+                return Err(fail(
+                    name,
+                    format!("dense value must be finite, found {raw}"),
+                ));
+            }
+            dense.push(self.config.dense_transform.apply(raw));
+        }
+        let mut ids = Vec::with_capacity(CRITEO_NUM_CATEGORICAL);
+        for (feature, (column, name)) in decoded
+            .categorical
+            .iter()
+            .zip(&self.columns.categorical)
+            .enumerate()
+        {
+            let id = if column.is_null(row) {
+                self.config.missing_id()
+            } else {
+                match column.id(row).map_err(|m| fail(name, m))? {
+                    None => self.config.missing_id(),
+                    Some(raw) => self
+                        .config
+                        .map_categorical(feature, raw)
+                        .map_err(|m| fail(name, m))?,
+                }
+            };
+            ids.push(id);
+        }
+        Ok(Example {
+            index,
+            dense,
+            ids,
+            lengths: vec![1; CRITEO_NUM_CATEGORICAL],
+            labels: vec![label],
+            true_probability: None,
+        })
+    }
+
+    /// One step of the state machine: `Ok(Some)` an example, `Ok(None)` nothing yet (call
+    /// again), `Err` an error (already filtered by the bad-record policy by the caller).
+    fn step(&mut self) -> Result<Option<Example>> {
+        let Some(mut file) = self.file.take() else {
+            let Some(path) = self.paths.get(self.next_file).cloned() else {
+                self.done = true;
+                return Ok(None);
+            };
+            self.next_file += 1;
+            self.file = Some(self.open_file(path)?);
+            return Ok(None);
+        };
+        match self.step_in_file(&mut file)? {
+            Step::Example(example) => {
+                self.file = Some(file);
+                Ok(Some(example))
+            }
+            Step::Continue => {
+                self.file = Some(file);
+                Ok(None)
+            }
+            // Leaving `self.file` empty moves on to the next path.
+            Step::FileDone => Ok(None),
+        }
+    }
+
+    fn step_in_file(&mut self, file: &mut OpenFile) -> Result<Step> {
+        let Some(cursor) = file.cursor.as_mut() else {
+            if file.next_row_group >= file.row_group_rows.len() {
+                return Ok(Step::FileDone);
+            }
+            let row_group = file.next_row_group;
+            file.next_row_group += 1;
+            let reader = Self::row_group_reader(
+                file,
+                row_group,
+                file.projection.clone(),
+                self.rows_per_batch,
+            )
+            .map_err(|message| DatasetError::Parquet {
+                path: file.path.clone(),
+                row_group: Some(row_group),
+                row: None,
+                field: "unknown column".to_string(),
+                message,
+            });
+            match reader {
+                Ok(reader) => {
+                    file.cursor = Some(RowGroupCursor {
+                        row_group,
+                        reader,
+                        batch: None,
+                        rows_consumed: 0,
+                    })
+                }
+                Err(error) => {
+                    let rows = file.row_group_rows[row_group];
+                    return self.bad_rows(rows, error).map(|_| Step::Continue);
+                }
+            }
+            return Ok(Step::Continue);
+        };
+        let row_group = cursor.row_group;
+        let needs_batch = cursor
+            .batch
+            .as_ref()
+            .is_none_or(|batch| batch.next_row >= batch.num_rows);
+        if needs_batch {
+            match cursor.reader.next() {
+                None => {
+                    file.cursor = None;
+                }
+                Some(Ok(record_batch)) => {
+                    let decoded = self.decode_batch(&file.path, row_group, &record_batch)?;
+                    cursor.batch = Some(decoded);
+                }
+                Some(Err(error)) => {
+                    let remaining =
+                        file.row_group_rows[row_group].saturating_sub(cursor.rows_consumed);
+                    file.cursor = None;
+                    let field = self.locate_corrupt_column(file, row_group);
+                    let error = DatasetError::Parquet {
+                        path: file.path.clone(),
+                        row_group: Some(row_group),
+                        row: None,
+                        field,
+                        message: format!("cannot decode: {error}"),
+                    };
+                    return self.bad_rows(remaining, error).map(|_| Step::Continue);
+                }
+            }
+            return Ok(Step::Continue);
+        }
+        let Some(decoded) = cursor.batch.as_mut() else {
+            return Ok(Step::Continue);
+        };
+        let row = decoded.next_row;
+        decoded.next_row += 1;
+        let row_in_group = cursor.rows_consumed;
+        cursor.rows_consumed += 1;
+        let index = self.next_index;
+        self.next_index += 1;
+        let Some(decoded) = cursor.batch.as_ref() else {
+            return Ok(Step::Continue);
+        };
+        match self.convert_row(decoded, row, index, (&file.path, row_group, row_in_group)) {
+            Ok(example) => Ok(Step::Example(example)),
+            Err(error) => self.bad_rows(1, error).map(|_| Step::Continue),
+        }
+    }
+
+    /// Applies the bad-record policy to `rows` rows that failed with `error`.
+    fn bad_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
+        match self.config.bad_records {
+            BadRecordPolicy::Fail => Err(error),
+            BadRecordPolicy::SkipAndCount => {
+                self.skipped.record(rows, &error);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Iterator for CriteoParquetReader {
+    type Item = Result<Example>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.done {
+            match self.step() {
+                Ok(Some(example)) => return Some(Ok(example)),
+                Ok(None) => {}
+                Err(error) => {
+                    self.done = true;
+                    return Some(Err(error));
+                }
+            }
+        }
+        None
+    }
+}
+
+impl ExampleSource for CriteoParquetReader {
+    fn schema(&self) -> &FeatureSchema {
+        &self.schema
+    }
+}

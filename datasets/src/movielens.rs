@@ -1,0 +1,503 @@
+//! MovieLens ratings as click data: users, items and genres as sparse features.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::criteo_tsv::parse_i64;
+use crate::error::show_field;
+use crate::hashing::fnv1a64;
+use crate::text_lines::{split_fields, TextLines};
+use crate::{
+    BadRecordPolicy, DatasetError, Example, ExampleSource, FeatureSchema, Result, SkippedRecords,
+};
+
+/// The MovieLens genre vocabulary in ml-100k's `u.item` flag order; a genre's id is its index.
+/// ml-1m's `movies.dat` and RecBole's `.item` use the same names (matched case-insensitively).
+pub const MOVIELENS_GENRES: [&str; 19] = [
+    "unknown",
+    "Action",
+    "Adventure",
+    "Animation",
+    "Children's",
+    "Comedy",
+    "Crime",
+    "Documentary",
+    "Drama",
+    "Fantasy",
+    "Film-Noir",
+    "Horror",
+    "Musical",
+    "Mystery",
+    "Romance",
+    "Sci-Fi",
+    "Thriller",
+    "War",
+    "Western",
+];
+
+/// Layout of the ratings file (and of the matching items file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MovieLensFormat {
+    /// ml-100k `u.data`: `user \t item \t rating \t timestamp`; items file `u.item`
+    /// (`|`-separated, 19 genre flags at the end).
+    Ml100k,
+    /// ml-1m `ratings.dat`: `user::item::rating::timestamp`; items file `movies.dat`
+    /// (`id::title::Genre1|Genre2`).
+    Ml1m,
+    /// RecBole atomic files: `.inter` TSV with a typed header (`user_id:token`, `item_id:token`,
+    /// `rating:float`, optional `timestamp:float`, any order, extra columns ignored); items file
+    /// `.item` with `item_id:token` and `class:token_seq` (space-separated genres).
+    RecBoleInter,
+}
+
+/// Options of [`MovieLensReader`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MovieLensConfig {
+    /// Layout of the files.
+    pub format: MovieLensFormat,
+    /// The ratings (interactions) file.
+    pub ratings_path: PathBuf,
+    /// Optional items file; when given, a multi-hot `genres` feature is added.
+    pub items_path: Option<PathBuf>,
+    /// A rating ≥ this is a click (label 1). Default 4.
+    pub click_threshold: f32,
+    /// Rows of the user table: ids are reduced modulo this when set, else kept raw.
+    pub user_table_size: Option<u64>,
+    /// Rows of the item table: ids are reduced modulo this when set, else kept raw.
+    pub item_table_size: Option<u64>,
+    /// What to do with malformed lines of the ratings file (the items file must be clean).
+    pub bad_records: BadRecordPolicy,
+}
+
+impl MovieLensConfig {
+    /// Defaults for `format` reading `ratings_path`, no items file.
+    pub fn new(format: MovieLensFormat, ratings_path: impl Into<PathBuf>) -> Self {
+        MovieLensConfig {
+            format,
+            ratings_path: ratings_path.into(),
+            items_path: None,
+            click_threshold: 4.0,
+            user_table_size: None,
+            item_table_size: None,
+            bad_records: BadRecordPolicy::Fail,
+        }
+    }
+}
+
+/// Seconds from the Unix epoch to 1995-01-01 (just before the earliest MovieLens rating).
+const EPOCH_1995: f64 = 788_918_400.0;
+const SECONDS_PER_DECADE: f64 = 10.0 * 365.25 * 86_400.0;
+
+/// Column positions in a RecBole `.inter` header.
+#[derive(Debug, Clone, Copy)]
+struct InterColumns {
+    user: usize,
+    item: usize,
+    rating: usize,
+    timestamp: Option<usize>,
+    count: usize,
+}
+
+/// Streams MovieLens ratings as click examples.
+///
+/// Sparse features: `user_id`, `item_id` (one id each) and, with an items file, `genres`
+/// (multi-hot; an item missing from the items file has no genres, a zero-length bag).
+/// Dense features (3), all derived from the timestamp, since the rating is the label:
+/// `time_decades_since_1995` = (t − 1995-01-01) / 10 years, `hour_of_day` = UTC hour / 24,
+/// `day_of_week` = (Monday = 0) / 7. Without a timestamp column they are 0.
+///
+/// Ids: a numeric token is used as is; a non-numeric one (possible in RecBole files) is
+/// FNV-1a-hashed to a non-negative `i64`; then reduced modulo the table size when one is set.
+pub struct MovieLensReader {
+    lines: TextLines,
+    config: MovieLensConfig,
+    schema: FeatureSchema,
+    genres: Option<HashMap<i64, Vec<i64>>>,
+    inter_columns: Option<InterColumns>,
+    skipped: SkippedRecords,
+    next_index: u64,
+    done: bool,
+}
+
+fn token_id(raw: &[u8]) -> Option<i64> {
+    if raw.is_empty() {
+        return None;
+    }
+    match parse_i64(raw) {
+        Some(value) if value >= 0 => Some(value),
+        _ => Some((fnv1a64(raw) & (i64::MAX as u64)) as i64),
+    }
+}
+
+fn genre_id(name: &[u8]) -> Option<i64> {
+    let name = String::from_utf8_lossy(name);
+    MOVIELENS_GENRES
+        .iter()
+        .position(|g| g.eq_ignore_ascii_case(name.trim()))
+        .map(|p| p as i64)
+}
+
+fn parse_f64(raw: &[u8]) -> Option<f64> {
+    std::str::from_utf8(raw)
+        .ok()?
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())
+}
+
+impl MovieLensReader {
+    /// Opens the files of `config` (the items file is read fully now: it is small).
+    pub fn open(config: MovieLensConfig) -> Result<Self> {
+        for (name, size) in [
+            ("user_table_size", config.user_table_size),
+            ("item_table_size", config.item_table_size),
+        ] {
+            if size == Some(0) {
+                return Err(DatasetError::InvalidConfig(format!("{name} must be ≥ 1")));
+            }
+        }
+        if !config.click_threshold.is_finite() {
+            return Err(DatasetError::InvalidConfig(
+                "click_threshold must be finite".to_string(),
+            ));
+        }
+        let genres = match &config.items_path {
+            Some(path) => Some(read_items(config.format, path)?),
+            None => None,
+        };
+        let mut lines = TextLines::new(vec![config.ratings_path.clone()]);
+        let inter_columns = if config.format == MovieLensFormat::RecBoleInter {
+            Some(read_inter_header(&mut lines, &config.ratings_path)?)
+        } else {
+            None
+        };
+        let mut sparse_keys = vec!["user_id".to_string(), "item_id".to_string()];
+        if genres.is_some() {
+            sparse_keys.push("genres".to_string());
+        }
+        let schema = FeatureSchema {
+            dense_names: vec![
+                "time_decades_since_1995".to_string(),
+                "hour_of_day".to_string(),
+                "day_of_week".to_string(),
+            ],
+            sparse_keys,
+            num_tasks: 1,
+        };
+        Ok(MovieLensReader {
+            lines,
+            config,
+            schema,
+            genres,
+            inter_columns,
+            skipped: SkippedRecords::default(),
+            next_index: 0,
+            done: false,
+        })
+    }
+
+    /// Handle on the count of skipped records (stays live after the reader is moved).
+    pub fn skipped(&self) -> SkippedRecords {
+        self.skipped.clone()
+    }
+
+    fn parse_current(&self, index: u64) -> Result<Example> {
+        let line = self.lines.line();
+        let malformed = |field: &str, message: String| DatasetError::Malformed {
+            path: self.lines.path().to_path_buf(),
+            line: self.lines.line_number(),
+            field: field.to_string(),
+            message,
+        };
+        let mut fields: [&[u8]; 16] = [&[]; 16];
+        let (user, item, rating, timestamp) = match (self.config.format, self.inter_columns) {
+            (MovieLensFormat::RecBoleInter, Some(columns)) => {
+                let count = split_fields(line, b"\t", &mut fields);
+                if count != columns.count {
+                    return Err(malformed(
+                        "line",
+                        format!(
+                            "expected {} tab-separated fields, found {count}",
+                            columns.count
+                        ),
+                    ));
+                }
+                (
+                    fields[columns.user],
+                    fields[columns.item],
+                    fields[columns.rating],
+                    columns.timestamp.map(|c| fields[c]),
+                )
+            }
+            (format, _) => {
+                let separator: &[u8] = if format == MovieLensFormat::Ml1m {
+                    b"::"
+                } else {
+                    b"\t"
+                };
+                let count = split_fields(line, separator, &mut fields);
+                if count != 4 {
+                    return Err(malformed(
+                        "line",
+                        format!(
+                            "expected 4 `{}`-separated fields (user, item, rating, timestamp), found {count}",
+                            String::from_utf8_lossy(separator).escape_default()
+                        ),
+                    ));
+                }
+                (fields[0], fields[1], fields[2], Some(fields[3]))
+            }
+        };
+        let user = token_id(user).ok_or_else(|| malformed("user_id", "empty".to_string()))?;
+        let item = token_id(item).ok_or_else(|| malformed("item_id", "empty".to_string()))?;
+        let rating = parse_f64(rating).ok_or_else(|| {
+            malformed(
+                "rating",
+                format!("expected a number, found `{}`", show_field(rating)),
+            )
+        })?;
+        let seconds = match timestamp {
+            None => None,
+            Some(raw) => Some(parse_f64(raw).ok_or_else(|| {
+                malformed(
+                    "timestamp",
+                    format!("expected a number, found `{}`", show_field(raw)),
+                )
+            })?),
+        };
+        let dense = match seconds {
+            None => vec![0.0; 3],
+            Some(t) => {
+                let days = (t / 86_400.0).floor();
+                let hour = ((t - days * 86_400.0) / 3600.0).floor();
+                // 1970-01-01 was a Thursday (Monday = 0 → Thursday = 3).
+                let weekday = (days + 3.0).rem_euclid(7.0);
+                vec![
+                    ((t - EPOCH_1995) / SECONDS_PER_DECADE) as f32,
+                    (hour / 24.0) as f32,
+                    (weekday / 7.0) as f32,
+                ]
+            }
+        };
+        let reduce = |id: i64, size: Option<u64>| match size {
+            Some(size) => (id as u64 % size) as i64,
+            None => id,
+        };
+        let mut ids = vec![
+            reduce(user, self.config.user_table_size),
+            reduce(item, self.config.item_table_size),
+        ];
+        let mut lengths = vec![1, 1];
+        if let Some(genres) = &self.genres {
+            let item_genres = genres.get(&item).map_or(&[][..], Vec::as_slice);
+            ids.extend_from_slice(item_genres);
+            lengths.push(item_genres.len() as i32);
+        }
+        let label = if rating as f32 >= self.config.click_threshold {
+            1.0
+        } else {
+            0.0
+        };
+        Ok(Example {
+            index,
+            dense,
+            ids,
+            lengths,
+            labels: vec![label],
+            true_probability: None,
+        })
+    }
+}
+
+fn read_inter_header(lines: &mut TextLines, path: &Path) -> Result<InterColumns> {
+    let malformed = |line: u64, field: &str, message: String| DatasetError::Malformed {
+        path: path.to_path_buf(),
+        line,
+        field: field.to_string(),
+        message,
+    };
+    if !lines.advance()? {
+        return Err(malformed(1, "header", "file is empty".to_string()));
+    }
+    let mut fields: [&[u8]; 16] = [&[]; 16];
+    let count = split_fields(lines.line(), b"\t", &mut fields);
+    if count > fields.len() {
+        return Err(malformed(
+            1,
+            "header",
+            format!("{count} columns, at most 16 supported"),
+        ));
+    }
+    let find = |name: &str| {
+        fields[..count].iter().position(|f| {
+            let column = f.split(|&b| b == b':').next().unwrap_or(&[]);
+            column == name.as_bytes()
+        })
+    };
+    let required = |name: &str| {
+        find(name).ok_or_else(|| {
+            malformed(
+                1,
+                name,
+                format!(
+                    "column missing from header `{}`",
+                    String::from_utf8_lossy(lines.line())
+                ),
+            )
+        })
+    };
+    Ok(InterColumns {
+        user: required("user_id")?,
+        item: required("item_id")?,
+        rating: required("rating")?,
+        timestamp: find("timestamp"),
+        count,
+    })
+}
+
+/// Reads an items file into item id → genre ids.
+fn read_items(format: MovieLensFormat, path: &Path) -> Result<HashMap<i64, Vec<i64>>> {
+    let mut lines = TextLines::new(vec![path.to_path_buf()]);
+    let mut genres = HashMap::new();
+    let malformed = |line: u64, field: &str, message: String| DatasetError::Malformed {
+        path: path.to_path_buf(),
+        line,
+        field: field.to_string(),
+        message,
+    };
+    let mut recbole_columns = None;
+    while lines.advance()? {
+        let line_number = lines.line_number();
+        let line = lines.line();
+        if line.is_empty() {
+            continue;
+        }
+        let mut fields: [&[u8]; 32] = [&[]; 32];
+        let (item, item_genres) = match format {
+            MovieLensFormat::Ml100k => {
+                let count = split_fields(line, b"|", &mut fields);
+                if count != 5 + 19 {
+                    return Err(malformed(
+                        line_number,
+                        "line",
+                        format!("expected 24 `|`-separated fields, found {count}"),
+                    ));
+                }
+                let mut ids = Vec::new();
+                for (genre, flag) in fields[5..24].iter().enumerate() {
+                    match *flag {
+                        b"1" => ids.push(genre as i64),
+                        b"0" => {}
+                        other => {
+                            return Err(malformed(
+                                line_number,
+                                MOVIELENS_GENRES[genre],
+                                format!("expected a 0/1 genre flag, found `{}`", show_field(other)),
+                            ))
+                        }
+                    }
+                }
+                (fields[0], ids)
+            }
+            MovieLensFormat::Ml1m => {
+                let count = split_fields(line, b"::", &mut fields);
+                if count != 3 {
+                    return Err(malformed(
+                        line_number,
+                        "line",
+                        format!("expected 3 `::`-separated fields, found {count}"),
+                    ));
+                }
+                let ids = parse_genre_list(fields[2], b'|')
+                    .map_err(|m| malformed(line_number, "genres", m))?;
+                (fields[0], ids)
+            }
+            MovieLensFormat::RecBoleInter => {
+                let count = split_fields(line, b"\t", &mut fields);
+                let Some((item_column, class_column, width)) = recbole_columns else {
+                    let position = |name: &[u8]| {
+                        fields[..count.min(fields.len())]
+                            .iter()
+                            .position(|f| f.split(|&b| b == b':').next() == Some(name))
+                    };
+                    match (position(b"item_id"), position(b"class")) {
+                        (Some(item), Some(class)) => recbole_columns = Some((item, class, count)),
+                        _ => {
+                            return Err(malformed(
+                                line_number,
+                                "header",
+                                "RecBole items header needs `item_id` and `class` columns"
+                                    .to_string(),
+                            ))
+                        }
+                    }
+                    continue;
+                };
+                if count != width {
+                    return Err(malformed(
+                        line_number,
+                        "line",
+                        format!("expected {width} tab-separated fields, found {count}"),
+                    ));
+                }
+                let ids = parse_genre_list(fields[class_column], b' ')
+                    .map_err(|m| malformed(line_number, "class", m))?;
+                (fields[item_column], ids)
+            }
+        };
+        let item =
+            token_id(item).ok_or_else(|| malformed(line_number, "item_id", "empty".to_string()))?;
+        genres.insert(item, item_genres);
+    }
+    Ok(genres)
+}
+
+fn parse_genre_list(raw: &[u8], separator: u8) -> std::result::Result<Vec<i64>, String> {
+    raw.split(|&b| b == separator)
+        .filter(|name| !name.is_empty())
+        .map(|name| genre_id(name).ok_or_else(|| format!("unknown genre `{}`", show_field(name))))
+        .collect()
+}
+
+impl Iterator for MovieLensReader {
+    type Item = Result<Example>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.done {
+            match self.lines.advance() {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.done = true;
+                    return None;
+                }
+                Err(error) => {
+                    self.done = true;
+                    return Some(Err(error));
+                }
+            }
+            if self.lines.line().is_empty() {
+                continue;
+            }
+            let index = self.next_index;
+            self.next_index += 1;
+            match self.parse_current(index) {
+                Ok(example) => return Some(Ok(example)),
+                Err(error) => match self.config.bad_records {
+                    BadRecordPolicy::SkipAndCount => self.skipped.record(1, &error),
+                    BadRecordPolicy::Fail => {
+                        self.done = true;
+                        return Some(Err(error));
+                    }
+                },
+            }
+        }
+        None
+    }
+}
+
+impl ExampleSource for MovieLensReader {
+    fn schema(&self) -> &FeatureSchema {
+        &self.schema
+    }
+}

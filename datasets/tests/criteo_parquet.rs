@@ -1,0 +1,263 @@
+//! Criteo from Parquet: written with the parquet crate, read back, and corrupted.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Schema};
+use embers_datasets::{
+    BadRecordPolicy, CategoricalMapping, CriteoConfig, CriteoParquetColumns, CriteoParquetReader,
+    DatasetError, Example,
+};
+use parquet::arrow::ArrowWriter;
+use parquet::file::properties::WriterProperties;
+
+/// Row r: label r % 2, int_j = r + j (int_3 null on every third row), cat_f = hex of r·31 + f
+/// as a string (cat_0 stored as int32, cat_5 null on even rows).
+fn write_file(path: &Path, rows: usize, rows_per_group: usize) {
+    let mut fields = vec![Field::new("label", DataType::Int32, false)];
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(Int32Array::from(
+        (0..rows as i32).map(|r| r % 2).collect::<Vec<_>>(),
+    ))];
+    for j in 0..13 {
+        fields.push(Field::new(format!("int_{j}"), DataType::Int64, true));
+        let values: Vec<Option<i64>> = (0..rows as i64)
+            .map(|r| {
+                if j == 3 && r % 3 == 0 {
+                    None
+                } else {
+                    Some(r + j)
+                }
+            })
+            .collect();
+        columns.push(Arc::new(Int64Array::from(values)));
+    }
+    for f in 0..26 {
+        if f == 0 {
+            fields.push(Field::new("cat_0", DataType::Int32, false));
+            columns.push(Arc::new(Int32Array::from(
+                (0..rows as i32).map(|r| r * 31).collect::<Vec<_>>(),
+            )));
+            continue;
+        }
+        fields.push(Field::new(format!("cat_{f}"), DataType::Utf8, true));
+        let values: Vec<Option<String>> = (0..rows)
+            .map(|r| {
+                if f == 5 && r % 2 == 0 {
+                    None
+                } else {
+                    Some(format!("{:x}", r * 31 + f))
+                }
+            })
+            .collect();
+        columns.push(Arc::new(StringArray::from(values)));
+    }
+    let schema = Arc::new(Schema::new(fields));
+    let batch = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let props = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(rows_per_group))
+        .build();
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = ArrowWriter::try_new(file, schema, Some(props)).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+}
+
+fn raw_config() -> CriteoConfig {
+    CriteoConfig {
+        categorical: CategoricalMapping::Raw,
+        missing_categorical_id: 99,
+        ..CriteoConfig::default()
+    }
+}
+
+fn read(path: &PathBuf, config: CriteoConfig) -> Vec<Example> {
+    CriteoParquetReader::open([path], config)
+        .unwrap()
+        .with_rows_per_batch(7)
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap()
+}
+
+#[test]
+fn round_trip_across_row_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("criteo.parquet");
+    write_file(&path, 100, 32);
+    let examples = read(&path, raw_config());
+    assert_eq!(examples.len(), 100);
+    for (r, e) in examples.iter().enumerate() {
+        assert_eq!(e.index, r as u64);
+        assert_eq!(e.labels, vec![(r % 2) as f32]);
+        assert!((e.dense[0] - ((r as f32) + 1.0).ln()).abs() < 1e-5);
+        let expected_int3 = if r % 3 == 0 {
+            0.0
+        } else {
+            ((r + 3) as f32 + 1.0).ln()
+        };
+        assert!((e.dense[3] - expected_int3).abs() < 1e-5, "row {r}");
+        assert_eq!(e.ids[0], (r * 31) as i64);
+        assert_eq!(e.ids[1], (r * 31 + 1) as i64);
+        let expected_cat5 = if r % 2 == 0 { 99 } else { (r * 31 + 5) as i64 };
+        assert_eq!(e.ids[5], expected_cat5, "row {r}");
+        assert_eq!(e.lengths, vec![1; 26]);
+    }
+    let modulo = CriteoConfig {
+        categorical: CategoricalMapping::Modulo(vec![10; 26]),
+        ..CriteoConfig::default()
+    };
+    let reduced = read(&path, modulo);
+    assert_eq!(reduced[7].ids[1], ((7 * 31 + 1) % 10) as i64);
+}
+
+#[test]
+fn column_mapping_and_missing_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.parquet");
+    write_file(&path, 10, 10);
+    // Map dense features in reverse order.
+    let mut columns = CriteoParquetColumns::default();
+    columns.dense.reverse();
+    let examples: Vec<Example> =
+        CriteoParquetReader::open_with_columns([&path], raw_config(), columns)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+    assert!((examples[4].dense[0] - ((4 + 12) as f32 + 1.0).ln()).abs() < 1e-5);
+
+    let columns = CriteoParquetColumns {
+        label: "click".to_string(),
+        ..CriteoParquetColumns::default()
+    };
+    let error = CriteoParquetReader::open_with_columns([&path], raw_config(), columns)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("c.parquet") && text.contains("`click`"),
+        "{text}"
+    );
+}
+
+#[test]
+fn truncated_file_is_an_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trunc.parquet");
+    write_file(&path, 50, 16);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let error = CriteoParquetReader::open([&path], CriteoConfig::default())
+        .unwrap()
+        .find_map(Result::err)
+        .expect("error");
+    match &error {
+        DatasetError::Parquet {
+            path: p,
+            row_group,
+            field,
+            ..
+        } => {
+            assert_eq!(p, &path);
+            assert_eq!(*row_group, None);
+            assert_eq!(field, "footer");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(error.to_string().contains("trunc.parquet"));
+}
+
+/// Overwrites the first data page header of the column chunk of `column` in row group 1.
+fn corrupt_column_chunk(path: &Path, column: &str) {
+    let file = std::fs::File::open(path).unwrap();
+    let reader = parquet::file::reader::SerializedFileReader::new(file).unwrap();
+    use parquet::file::reader::FileReader;
+    let group = reader.metadata().row_group(1);
+    let index = (0..group.num_columns())
+        .find(|&i| group.column(i).column_path().string() == column)
+        .unwrap();
+    let (start, _) = group.column(index).byte_range();
+    let mut bytes = std::fs::read(path).unwrap();
+    for b in &mut bytes[start as usize..start as usize + 12] {
+        *b = 0xFF;
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn corrupt_page_names_row_group_and_column_or_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corrupt.parquet");
+    write_file(&path, 96, 32);
+    corrupt_column_chunk(&path, "int_4");
+
+    let mut reader = CriteoParquetReader::open([&path], CriteoConfig::default()).unwrap();
+    let good: Vec<Example> = reader
+        .by_ref()
+        .take_while(Result::is_ok)
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(good.len(), 32, "row group 0 is intact");
+    let error = CriteoParquetReader::open([&path], CriteoConfig::default())
+        .unwrap()
+        .find_map(Result::err)
+        .unwrap();
+    match &error {
+        DatasetError::Parquet {
+            row_group, field, ..
+        } => {
+            assert_eq!(*row_group, Some(1));
+            assert_eq!(field, "int_4");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let text = error.to_string();
+    assert!(
+        text.contains("corrupt.parquet: row group 1: field `int_4`"),
+        "{text}"
+    );
+
+    let config = CriteoConfig {
+        bad_records: BadRecordPolicy::SkipAndCount,
+        ..CriteoConfig::default()
+    };
+    let reader = CriteoParquetReader::open([&path], config).unwrap();
+    let skipped = reader.skipped();
+    let examples: Vec<Example> = reader.map(Result::unwrap).collect();
+    assert_eq!(examples.len(), 64);
+    assert_eq!(skipped.count(), 32);
+    assert_eq!(examples[32].index, 32, "row group 2 follows row group 0");
+}
+
+#[test]
+fn wrong_column_type_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("types.parquet");
+    let mut fields = vec![Field::new("label", DataType::Utf8, false)];
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(StringArray::from(vec!["yes"]))];
+    for j in 0..13 {
+        fields.push(Field::new(format!("int_{j}"), DataType::Int64, false));
+        columns.push(Arc::new(Int64Array::from(vec![1])));
+    }
+    for f in 0..26 {
+        fields.push(Field::new(format!("cat_{f}"), DataType::Int64, false));
+        columns.push(Arc::new(Int64Array::from(vec![-1])));
+    }
+    let schema = Arc::new(Schema::new(fields));
+    let batch = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let mut writer =
+        ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), schema, None).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+    let text = CriteoParquetReader::open([&path], CriteoConfig::default())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("row group 0") && text.contains("`label`"),
+        "{text}"
+    );
+}

@@ -1,0 +1,227 @@
+//! The synthetic generator: determinism, splits, Zipf skew, and the planted signal.
+
+use embers_datasets::{
+    tie_corrected_auc, BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo,
+    SyntheticCriteoConfig, ZipfSampler,
+};
+
+fn small(seed: u64) -> SyntheticCriteo {
+    SyntheticCriteo::new(SyntheticCriteoConfig {
+        seed,
+        num_train: 4000,
+        num_validation: 1000,
+        num_test: 1000,
+        ..SyntheticCriteoConfig::default()
+    })
+    .unwrap()
+}
+
+fn batches(generator: &SyntheticCriteo, split: Split) -> Vec<RawBatch> {
+    let config = BatchConfig {
+        batch_size: 256,
+        ..BatchConfig::default()
+    };
+    Batcher::new(generator.split(split), config)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+#[test]
+fn same_seed_same_batches_different_seed_differs() {
+    let a = batches(&small(7), Split::Train);
+    let b = batches(&small(7), Split::Train);
+    let c = batches(&small(8), Split::Train);
+    assert_eq!(a, b);
+    assert_eq!(a.len(), 16);
+    assert_ne!(a[0].values, c[0].values);
+    assert_ne!(a[0].dense, c[0].dense);
+    // Counter-based: example i alone equals example i inside the stream.
+    let generator = small(7);
+    assert_eq!(
+        generator.example(300),
+        generator.examples(290..310).nth(10).unwrap().unwrap()
+    );
+    let batch = &a[1];
+    assert_eq!(batch.keys.len(), 26);
+    assert_eq!(batch.lengths.len(), 26 * 256);
+    assert_eq!(
+        batch.ids(3, 5).unwrap(),
+        &generator.example(256 + 5).ids[3..4]
+    );
+    assert!(batch
+        .true_probability
+        .as_ref()
+        .unwrap()
+        .iter()
+        .all(|p| (0.0..=1.0).contains(p)));
+}
+
+#[test]
+fn splits_are_disjoint_consecutive_ranges() {
+    let generator = small(1);
+    assert_eq!(generator.split_range(Split::Train), 0..4000);
+    assert_eq!(generator.split_range(Split::Validation), 4000..5000);
+    assert_eq!(generator.split_range(Split::Test), 5000..6000);
+    let mut seen = std::collections::HashSet::new();
+    for split in [Split::Train, Split::Validation, Split::Test] {
+        for batch in batches(&generator, split) {
+            for index in batch.example_indices {
+                assert!(seen.insert(index), "index {index} in two splits");
+            }
+        }
+    }
+    assert_eq!(seen.len(), 6000);
+}
+
+#[test]
+fn zipf_sampler_matches_exact_probabilities() {
+    let sampler = ZipfSampler::new(1000, 1.1).unwrap();
+    let draws = 200_000u64;
+    let mut counts = vec![0u64; 1001];
+    let mut state = 12345u64;
+    for _ in 0..draws {
+        let k = sampler.sample(|| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        });
+        assert!((1..=1000).contains(&k));
+        counts[k as usize] += 1;
+    }
+    for k in [1u64, 2, 10] {
+        let expected = sampler.probability(k);
+        let observed = counts[k as usize] as f64 / draws as f64;
+        let sigma = (expected * (1.0 - expected) / draws as f64).sqrt();
+        assert!(
+            (observed - expected).abs() < 5.0 * sigma,
+            "rank {k}: {observed} vs {expected}"
+        );
+    }
+    assert!(ZipfSampler::new(0, 1.0).is_err());
+    assert!(ZipfSampler::new(10, 0.0).is_err());
+    // s = 1 exactly goes through the series expansions.
+    let harmonic = ZipfSampler::new(3, 1.0).unwrap();
+    assert!((harmonic.probability(1) - 6.0 / 11.0).abs() < 1e-12);
+    assert!((1..=3).contains(&harmonic.sample(|| 0.5)));
+}
+
+#[test]
+fn generated_ids_are_zipf_skewed() {
+    let generator = small(3);
+    let mut counts = vec![0u64; 1000];
+    let n = 20_000u64;
+    for i in 0..n {
+        let example = generator.example(i);
+        counts[example.ids[0] as usize] += 1;
+    }
+    let sampler = ZipfSampler::new(1000, 1.1).unwrap();
+    let top = counts[0] as f64 / n as f64;
+    assert!(
+        (top - sampler.probability(1)).abs() < 0.02,
+        "top id share {top}"
+    );
+    let top10: u64 = counts[..10].iter().sum();
+    let bottom500: u64 = counts[500..].iter().sum();
+    let expected_top10: f64 = (1..=10).map(|k| sampler.probability(k)).sum();
+    assert!((top10 as f64 / n as f64 - expected_top10).abs() < 0.02);
+    assert!(
+        top10 > 3 * bottom500,
+        "top 10 ids ({top10}) dominate the bottom 500 ({bottom500})"
+    );
+    assert!(counts[0] > counts[1] && counts[1] > counts[9]);
+}
+
+#[test]
+fn planted_signal_best_auc_is_sane() {
+    let generator = SyntheticCriteo::new(SyntheticCriteoConfig {
+        num_train: 40_000,
+        num_validation: 0,
+        num_test: 20_000,
+        ..SyntheticCriteoConfig::default()
+    })
+    .unwrap();
+    let best = generator.best_auc(Split::Test, None).unwrap();
+    assert!((0.72..0.85).contains(&best), "best AUC {best}");
+
+    // Click rate near 0.3 for the default bias.
+    let test = generator.split_range(Split::Test);
+    let ctr = test
+        .clone()
+        .map(|i| generator.example(i).labels[0] as f64)
+        .sum::<f64>()
+        / (test.end - test.start) as f64;
+    assert!((0.2..0.4).contains(&ctr), "ctr {ctr}");
+
+    // A logistic model on the dense features only, trained by full-batch gradient descent,
+    // must find some signal but cannot beat the true probability.
+    let train: Vec<_> = generator.split(Split::Train).map(Result::unwrap).collect();
+    let mut weights = vec![0.0f64; 14];
+    for _ in 0..200 {
+        let mut gradient = vec![0.0f64; 14];
+        for e in &train {
+            let z = weights[13]
+                + e.dense
+                    .iter()
+                    .zip(&weights)
+                    .map(|(x, w)| *x as f64 * w)
+                    .sum::<f64>();
+            let error = 1.0 / (1.0 + (-z).exp()) - e.labels[0] as f64;
+            for (g, x) in gradient.iter_mut().zip(&e.dense) {
+                *g += error * *x as f64;
+            }
+            gradient[13] += error;
+        }
+        for (w, g) in weights.iter_mut().zip(&gradient) {
+            *w -= 0.5 * g / train.len() as f64;
+        }
+    }
+    let (scores, labels): (Vec<f32>, Vec<f32>) = generator
+        .split(Split::Test)
+        .map(Result::unwrap)
+        .map(|e| {
+            let z = weights[13]
+                + e.dense
+                    .iter()
+                    .zip(&weights)
+                    .map(|(x, w)| *x as f64 * w)
+                    .sum::<f64>();
+            (z as f32, e.labels[0])
+        })
+        .unzip();
+    let model = tie_corrected_auc(&scores, &labels).unwrap();
+    eprintln!("best AUC {best:.4}, dense-only logistic AUC {model:.4}, ctr {ctr:.3}");
+    assert!(model > 0.55, "dense-only model AUC {model}");
+    assert!(
+        model < best,
+        "model {model} must not beat the planted best {best}"
+    );
+}
+
+#[test]
+fn multi_hot_features_and_config_errors() {
+    let generator = SyntheticCriteo::new(SyntheticCriteoConfig {
+        table_sizes: vec![50, 60],
+        ids_per_feature: vec![3, 1],
+        num_dense: 2,
+        ..SyntheticCriteoConfig::default()
+    })
+    .unwrap();
+    let example = generator.example(9);
+    assert_eq!(example.lengths, vec![3, 1]);
+    assert_eq!(example.ids.len(), 4);
+    assert!(example.ids[..3].iter().all(|&id| (0..50).contains(&id)));
+    assert_eq!(example.dense.len(), 2);
+    assert!(SyntheticCriteo::new(SyntheticCriteoConfig {
+        ids_per_feature: vec![0; 26],
+        ..SyntheticCriteoConfig::default()
+    })
+    .is_err());
+    assert!(SyntheticCriteo::new(SyntheticCriteoConfig {
+        table_sizes: vec![],
+        ids_per_feature: vec![],
+        ..SyntheticCriteoConfig::default()
+    })
+    .is_err());
+}
