@@ -1,1 +1,359 @@
-fn main() {}
+//! TBE bench at FBGEMM's benchmark defaults (T=32 B=512 D=128 E=100000 L=20), uniform ids and
+//! Zipf(1.15) ids: FP32 forward, forward + backward with fused row-wise Adagrad, and FP16 / INT8
+//! / INT4 / FP8 inference forward; plus this machine's random-row gather bandwidth, peak RSS and
+//! table memory overhead.
+//!
+//! After criterion's runs a summary prints one line per measurement in the format of
+//! `../shared/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
+//! two side by side. Arguments `T B D E L` (after `--`) change the shape; `EMBERS_TBE_QUICK=1`
+//! skips criterion and prints only the summary.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use embers::embedding::{
+    EmbeddingInit, FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding,
+    TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput, WeightType,
+};
+use embers::tensor::rng::seeded;
+use embers::Tensor;
+use rand::Rng as _;
+use rand_distr::{Distribution, Zipf};
+
+#[derive(Clone, Copy)]
+struct Shape {
+    t: usize,
+    b: usize,
+    d: usize,
+    e: usize,
+    l: usize,
+}
+
+impl Shape {
+    fn lookups(&self) -> usize {
+        self.t * self.b * self.l
+    }
+    /// Bytes moved, as tbe.py counts them: rows read plus the f32 output written.
+    fn bytes(&self, bytes_per_param: f64) -> f64 {
+        self.lookups() as f64 * self.d as f64 * bytes_per_param
+            + (self.t * self.b * self.d * 4) as f64
+    }
+}
+
+fn parse_shape() -> Shape {
+    let nums: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    if nums.len() >= 5 {
+        Shape {
+            t: nums[0],
+            b: nums[1],
+            d: nums[2],
+            e: nums[3],
+            l: nums[4],
+        }
+    } else {
+        Shape {
+            t: 32,
+            b: 512,
+            d: 128,
+            e: 100_000,
+            l: 20,
+        }
+    }
+}
+
+fn make_ids(shape: Shape, zipf: bool, seed: u64) -> (Vec<i64>, Vec<i64>) {
+    let mut rng = seeded(seed);
+    let n = shape.lookups();
+    let ids: Vec<i64> = if zipf {
+        let dist = Zipf::new(shape.e as f64, 1.15).expect("valid Zipf");
+        // Zipf ranks 1..=E; scatter ranks over rows so hot rows are not neighbours.
+        let perm = |r: u64| (r.wrapping_mul(0x9E37_79B9_7F4A_7C15) % shape.e as u64) as i64;
+        (0..n)
+            .map(|_| perm(dist.sample(&mut rng) as u64 - 1))
+            .collect()
+    } else {
+        (0..n)
+            .map(|_| rng.random_range(0..shape.e as i64))
+            .collect()
+    };
+    let offsets = (0..=shape.t * shape.b)
+        .map(|i| (i * shape.l) as i64)
+        .collect();
+    (ids, offsets)
+}
+
+fn median_time(iters: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    f();
+    let mut times: Vec<Duration> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn report(name: &str, shape: Shape, t: Duration, bytes_per_param: f64) {
+    let s = t.as_secs_f64();
+    println!(
+        "{name:32} {:9.2} ms  {:7.2} GB/s  {:8.1} Mlookups/s",
+        s * 1e3,
+        shape.bytes(bytes_per_param) / s / 1e9,
+        shape.lookups() as f64 / s / 1e6
+    );
+}
+
+/// Random D-f32 row gather from a table as large as the bench's, on every thread: the
+/// physical floor for the lookups.
+fn gather_bandwidth(shape: Shape) -> f64 {
+    use rayon::prelude::*;
+    let mut table = embers::embedding::RowBuffer::<f32>::zeros(shape.t * shape.e * shape.d)
+        .expect("allocate gather table");
+    for (i, x) in table.iter_mut().enumerate() {
+        *x = (i % 7) as f32;
+    }
+    let table = &table[..];
+    let rows = table.len() / shape.d;
+    let (ids, _) = make_ids(
+        Shape {
+            t: 1,
+            b: shape.t * shape.b,
+            ..shape
+        },
+        false,
+        99,
+    );
+    let ids: Vec<usize> = ids.iter().map(|&i| (i as usize * 7919) % rows).collect();
+    let d = shape.d;
+    let run = || {
+        ids.par_chunks(4096)
+            .map(|chunk| {
+                let mut acc = vec![0.0f32; d];
+                for &id in chunk {
+                    for (a, x) in acc.iter_mut().zip(&table[id * d..(id + 1) * d]) {
+                        *a += x;
+                    }
+                }
+                acc[0]
+            })
+            .sum::<f32>()
+    };
+    let t = median_time(10, || {
+        black_box(run());
+    });
+    (ids.len() * d * 4) as f64 / t.as_secs_f64() / 1e9
+}
+
+fn proc_status_mib(key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    proc_status_mib("VmHWM:")
+}
+
+/// Memory backed by transparent huge pages right now.
+fn anon_huge_pages_mib() -> Option<f64> {
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn current_rss_mib() -> Option<f64> {
+    proc_status_mib("VmRSS:")
+}
+
+fn training_tbe(shape: Shape) -> TableBatchedEmbedding {
+    let tables = (0..shape.t)
+        .map(|t| TableSpec::new(format!("t{t}"), shape.e, shape.d))
+        .collect();
+    let tbe = TableBatchedEmbedding::new(TbeConfig::one_feature_per_table(
+        tables,
+        PoolingMode::Sum,
+        FusedOptimizer::RowWiseAdagrad {
+            lr: 0.01,
+            eps: 1e-8,
+        },
+    ))
+    .expect("build TBE");
+    tbe.init_weights(EmbeddingInit::TorchRecDefault, &mut seeded(0))
+        .expect("init");
+    tbe
+}
+
+fn main() {
+    let shape = parse_shape();
+    let quick = std::env::var("EMBERS_TBE_QUICK").is_ok_and(|v| v == "1");
+    let mut criterion = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    println!(
+        "embers TBE bench: T={} B={} D={} E={} L={}, {} rayon threads",
+        shape.t,
+        shape.b,
+        shape.d,
+        shape.e,
+        shape.l,
+        rayon::current_num_threads()
+    );
+    let inputs = [
+        ("uniform", make_ids(shape, false, 0)),
+        ("zipf1.15", make_ids(shape, true, 0)),
+    ];
+    // Measured first and freed, so its buffer does not add to the peak RSS of the TBE runs.
+    let gather = gather_bandwidth(shape);
+    let rss_before = current_rss_mib();
+    let mut summary: Vec<(String, Duration, f64)> = Vec::new();
+
+    // ----- training: FP32 forward, forward + backward with fused row-wise Adagrad ----------
+    let tbe = training_tbe(shape);
+    let table_bytes = (shape.t * shape.e * shape.d * 4) as f64;
+    let overhead =
+        tbe.allocated_bytes() as f64 / (table_bytes + (shape.t * shape.e * 4) as f64) - 1.0;
+    for (dist, (ids, offsets)) in &inputs {
+        let input = TbeInput::new(&ids[..], &offsets[..]);
+        if !quick {
+            let mut g = criterion.benchmark_group(format!("tbe_fp32_{dist}"));
+            g.throughput(Throughput::Bytes(shape.bytes(4.0) as u64));
+            g.bench_function("forward", |b| {
+                b.iter(|| black_box(tbe.lookup(input).unwrap()))
+            });
+            g.finish();
+        }
+        let t = median_time(20, || {
+            black_box(tbe.lookup(input).unwrap());
+        });
+        summary.push((format!("embers fp32 fwd {dist}"), t, 4.0));
+
+        let ids_t = Tensor::from_vec(ids.clone(), &[ids.len()]).unwrap();
+        let off_t = Tensor::from_vec(offsets.clone(), &[offsets.len()]).unwrap();
+        let ones = Tensor::ones(
+            &[shape.b, shape.t * shape.d],
+            embers::DType::F32,
+            embers::Device::Cpu,
+        );
+        let fwd_bwd = || {
+            let out = tbe.forward(&ids_t, &off_t, None).unwrap();
+            out.backward_with(&ones, false).unwrap();
+        };
+        if !quick {
+            let mut g = criterion.benchmark_group(format!("tbe_fp32_{dist}"));
+            g.bench_function("forward_backward_rowwise_adagrad", |b| b.iter(fwd_bwd));
+            g.finish();
+        }
+        let t = median_time(10, fwd_bwd);
+        summary.push((format!("embers fp32 fwd+bwd(rwAdagrad) {dist}"), t, 4.0));
+        // Breakdown: the fused backward alone, on raw slices.
+        let grad = vec![1.0f32; shape.b * shape.t * shape.d];
+        let t = median_time(10, || {
+            black_box(tbe.backward_fused(input, &grad).unwrap());
+        });
+        summary.push((format!("  (of which fused bwd alone) {dist}"), t, 4.0));
+    }
+    let rss_with_tbe = current_rss_mib();
+    let huge_with_tbe = anon_huge_pages_mib();
+    drop(tbe);
+
+    // ----- inference: FP16 / INT8 / INT4 / FP8 ---------------------------------------------
+    let source = {
+        let mut rng = seeded(1);
+        (0..shape.e * shape.d)
+            .map(|_| rng.random_range(-0.05f32..0.05))
+            .collect::<Vec<f32>>()
+    };
+    let mut inference_overhead = Vec::new();
+    for (ty, bpp) in [
+        (WeightType::Fp32, 4.0),
+        (WeightType::Fp16, 2.0),
+        (WeightType::Int8, 1.0),
+        (WeightType::Int4, 0.5),
+        (WeightType::Fp8, 1.0),
+    ] {
+        let tables: Vec<TableSpec> = (0..shape.t)
+            .map(|t| TableSpec::new(format!("t{t}"), shape.e, shape.d))
+            .collect();
+        let mut q = QuantizedTableBatchedEmbedding::new(
+            tables,
+            vec![ty; shape.t],
+            (0..shape.t).collect(),
+            PoolingMode::Sum,
+        )
+        .unwrap();
+        for t in 0..shape.t {
+            q.quantize_table_from(t, &source).unwrap();
+        }
+        let stored = (shape.t * shape.e * ty.row_bytes(shape.d)) as f64;
+        inference_overhead.push((ty, q.allocated_bytes() as f64 / stored - 1.0));
+        let name = ty.fbgemm_name().to_ascii_lowercase();
+        for (dist, (ids, offsets)) in &inputs {
+            let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+            let off32: Vec<i32> = offsets.iter().map(|&i| i as i32).collect();
+            let input = TbeInput::new(&ids32[..], &off32[..]);
+            let mut out = vec![0.0f32; shape.b * shape.t * shape.d];
+            if !quick {
+                let mut g = criterion.benchmark_group(format!("tbe_{name}_{dist}"));
+                g.throughput(Throughput::Bytes(shape.bytes(bpp) as u64));
+                g.bench_function("inference_forward", |b| {
+                    b.iter(|| q.forward_into(input, &mut out).unwrap())
+                });
+                g.finish();
+            }
+            let t = median_time(20, || q.forward_into(input, &mut out).unwrap());
+            summary.push((format!("embers {name} inference fwd {dist}"), t, bpp));
+        }
+    }
+
+    println!("\n== summary (median; GB/s counts rows read + output written, like tbe.py)");
+    for (name, t, bpp) in &summary {
+        report(name, shape, *t, *bpp);
+    }
+    println!(
+        "random-row gather bandwidth (this machine, {} B rows, all threads): {gather:.2} GB/s",
+        shape.d * 4
+    );
+    let tbe_mib = (table_bytes + (shape.t * shape.e * 4) as f64) / (1 << 20) as f64;
+    println!(
+        "fp32 tables + row-wise Adagrad state: {tbe_mib:.1} MiB, allocation overhead {:.4}%",
+        overhead * 100.0
+    );
+    if let (Some(before), Some(with)) = (rss_before, rss_with_tbe) {
+        // Everything the process grew by while the TBE lived (tables, state, outputs, ids,
+        // autograd buffers) over the bytes the tables and state need.
+        println!(
+            "RSS growth with the training TBE alive: {:.1} MiB = {:.2}% over tables + state",
+            with - before,
+            ((with - before) / tbe_mib - 1.0) * 100.0
+        );
+    }
+    for (ty, o) in inference_overhead {
+        println!(
+            "{} table allocation overhead {:.4}%",
+            ty.fbgemm_name(),
+            o * 100.0
+        );
+    }
+    if let Some(h) = huge_with_tbe {
+        println!(
+            "transparent huge pages backing the process with the training TBE alive: {h:.1} MiB"
+        );
+    }
+    if let Some(rss) = peak_rss_mib() {
+        println!("peak RSS {rss:.1} MiB");
+    }
+    if !quick {
+        criterion.final_summary();
+    }
+}

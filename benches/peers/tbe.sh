@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Side by side, in one run: FBGEMM_GPU CPU's TBE (../shared/peers/tbe.py) and embers' TBE bench
+# (benches/tbe.rs) at FBGEMM's defaults T=32 B=512 D=128 E=100000 L=20, then the ratios.
+# Usage: benches/peers/tbe.sh [--quick]   (from anywhere; --quick skips criterion's own runs)
+# Env: PEERS_PYTHON (default: the peers venv), CARGO_TARGET_DIR as usual.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PEERS_PYTHON:-$HOME/.cache/embers-peers/venv/bin/python}
+if [[ ! -x "$PY" ]]; then PY=$(../shared/peers/setup.sh); fi
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+if [[ "${1:-}" == "--quick" ]]; then export EMBERS_TBE_QUICK=1; fi
+
+cargo bench --bench tbe --no-run >/dev/null 2>&1 || cargo bench --bench tbe --no-run
+echo "== FBGEMM_GPU CPU (2 threads)"
+"$PY" ../shared/peers/tbe.py | tee "$OUT/fbgemm.txt"
+echo "== embers"
+cargo bench --bench tbe -- --noplot 2>&1 | tee "$OUT/embers.txt" | sed -n '/== summary/,$p'
+echo "== FBGEMM_GPU CPU again (drift check)"
+"$PY" ../shared/peers/tbe.py | tee "$OUT/fbgemm2.txt"
+
+echo "== ratios (FBGEMM ms / embers ms, uniform ids; FBGEMM = mean of its two runs)"
+"$PY" - "$OUT" <<'PYEOF'
+import re, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def times(path):
+    t = {}
+    for line in (out / path).read_text().splitlines():
+        m = re.match(r"\s*(.+?)\s+([0-9.]+) ms", line)
+        if m:
+            t[m.group(1).strip()] = float(m.group(2))
+    return t
+f1, f2, e = times("fbgemm.txt"), times("fbgemm2.txt"), times("embers.txt")
+pairs = [
+    ("fp32 fwd", "fbgemm fp32 fwd", "embers fp32 fwd uniform", 1.15),
+    ("fp32 fwd+bwd rowwise Adagrad", "fbgemm fp32 fwd+bwd(rwAdagrad)", "embers fp32 fwd+bwd(rwAdagrad) uniform", 10),
+    ("fp16 inference fwd", "fbgemm fp16 inference fwd", "embers fp16 inference fwd uniform", 10),
+    ("int8 inference fwd", "fbgemm int8 inference fwd", "embers int8 inference fwd uniform", 10),
+    ("int4 inference fwd", "fbgemm int4 inference fwd", "embers int4 inference fwd uniform", 10),
+    ("fp8 inference fwd", "fbgemm fp8 inference fwd", "embers fp8 inference fwd uniform", 10),
+]
+for name, fk, ek, target in pairs:
+    if fk not in f1 or ek not in e:
+        print(f"{name:32s} missing measurement"); continue
+    fb = (f1[fk] + f2.get(fk, f1[fk])) / 2
+    r = fb / e[ek]
+    print(f"{name:32s} fbgemm {fb:9.2f} ms  embers {e[ek]:8.2f} ms  ratio {r:6.2f}x  target >= {target}x  {'OK' if r >= target else 'BELOW'}")
+PYEOF

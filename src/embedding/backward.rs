@@ -1,0 +1,376 @@
+//! The TBE backward with the optimizer fused into it.
+//!
+//! Per table (tables run in parallel): every occurrence of an id, over all the features that
+//! share the table, becomes an entry `(id, position, where its output gradient is, scale)`;
+//! entries are sorted by `(id, position)`, so the gradient of each distinct row is summed in a
+//! fixed order whatever the thread count (deterministic), and the row is then updated exactly
+//! once. Per-sample-weight gradients are dot products with the row *before* its update.
+//!
+//! Differences from FBGEMM's CPU backward, all deliberate (FBGEMM's GPU kernels agree with
+//! embers on the first two):
+//! * MEAN pooling with per-sample weights: the forward divides by the bag length L, so the
+//!   backward does too (row gradient `w_k/L · ∂out`, weight gradient `row_k·∂out / L`); FBGEMM's
+//!   CPU backward drops the 1/L.
+//! * Shared tables: the gradients of all features using a table are summed and the optimizer
+//!   runs once per row; FBGEMM's CPU build steps once per feature.
+//! * Weight decay is applied (FBGEMM's CPU build ignores it).
+
+use rayon::prelude::*;
+
+use super::config::PoolingMode;
+use super::input::Batch;
+use super::optimizer::{dot, update_row, FusedOptimizer, RowState, StateShape, WeightDecay};
+
+/// What the optimizer needs to update one table.
+pub(crate) struct TableUpdate<'a> {
+    /// The table's rows, `[rows, dim]` row-major.
+    pub weights: &'a mut [f32],
+    /// First state buffer (per row or per element), empty if none.
+    pub m1: &'a mut [f32],
+    /// Second state buffer, empty if none.
+    pub m2: &'a mut [f32],
+    /// Row width.
+    pub dim: usize,
+    /// Features (indices into the batch's features) that look this table up, with the first
+    /// output column of each.
+    pub features: Vec<(usize, usize)>,
+}
+
+/// Gradient of the rows one backward touched in one table (optimizer [`FusedOptimizer::None`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SparseTableGrad {
+    /// Sorted distinct rows.
+    pub rows: Vec<i64>,
+    /// `[rows.len(), dim]` summed gradients.
+    pub values: Vec<f32>,
+    /// Row width.
+    pub dim: usize,
+}
+
+/// Results of one fused backward.
+#[derive(Clone, Debug, Default)]
+pub struct BackwardOutput {
+    /// Gradient of each per-sample weight (in the caller's positions), when weights were given.
+    pub per_sample_weights_grad: Option<Vec<f32>>,
+    /// Per-table row-sparse gradients, only with [`FusedOptimizer::None`].
+    pub sparse_grads: Option<Vec<SparseTableGrad>>,
+}
+
+/// Where one occurrence's output gradient lives and how it is scaled.
+/// Per table: `(position, gradient)` of each per-sample weight, and the sparse gradient.
+type TableResult = (Vec<(usize, f32)>, Option<SparseTableGrad>);
+
+struct Occurrence {
+    pos: usize,
+    grad_offset: usize,
+    scale: f32,
+    dot_scale: f32,
+}
+
+/// How many distinct rows ahead the update loop prefetches.
+const PREFETCH_GROUPS: usize = 4;
+
+#[inline(always)]
+fn prefetch_f32(row: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = row.as_ptr() as *const u8;
+        let mut offset = 0;
+        while offset < std::mem::size_of_val(row) {
+            // SAFETY: a prefetch never faults; the address (wrapping arithmetic) is in `row`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset) as *const i8) };
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
+}
+
+/// Runs the fused backward for every table; `grad_out` is `[B, out_stride]` for pooled modes or
+/// `[N, dim]` for [`PoolingMode::None`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fused_backward(
+    batch: &Batch<'_>,
+    pooling: PoolingMode,
+    grad_out: &[f32],
+    out_stride: usize,
+    tables: Vec<TableUpdate<'_>>,
+    optimizer: &FusedOptimizer,
+    decay: WeightDecay,
+    step: u64,
+) -> BackwardOutput {
+    let want_psw = batch.weights.is_some();
+    let per_row_state = optimizer
+        .state_buffers()
+        .first()
+        .is_some_and(|(_, s)| *s == StateShape::PerRow);
+    let results: Vec<TableResult> = tables
+        .into_par_iter()
+        .map(|table| {
+            backward_table(
+                batch,
+                pooling,
+                grad_out,
+                out_stride,
+                table,
+                optimizer,
+                decay,
+                step,
+                want_psw,
+                per_row_state,
+            )
+        })
+        .collect();
+    let mut out = BackwardOutput::default();
+    if want_psw {
+        let (n, kept) = match &batch.kept {
+            Some((kept, n)) => (*n, Some(kept)),
+            None => (batch.ids.len(), None),
+        };
+        let mut psw = vec![0.0f32; n];
+        for (pairs, _) in &results {
+            for &(p, g) in pairs {
+                psw[kept.map_or(p, |k| k[p])] = g;
+            }
+        }
+        out.per_sample_weights_grad = Some(psw);
+    }
+    if matches!(optimizer, FusedOptimizer::None) {
+        out.sparse_grads = Some(
+            results
+                .into_iter()
+                .map(|(_, s)| s.expect("sparse gradient produced for every table"))
+                .collect(),
+        );
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_table(
+    batch: &Batch<'_>,
+    pooling: PoolingMode,
+    grad_out: &[f32],
+    out_stride: usize,
+    table: TableUpdate<'_>,
+    optimizer: &FusedOptimizer,
+    decay: WeightDecay,
+    step: u64,
+    want_psw: bool,
+    per_row_state: bool,
+) -> TableResult {
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels::has_avx2() {
+        // SAFETY: the CPU supports every feature the function was compiled for (checked above).
+        return unsafe {
+            backward_table_avx2(
+                batch,
+                pooling,
+                grad_out,
+                out_stride,
+                table,
+                optimizer,
+                decay,
+                step,
+                want_psw,
+                per_row_state,
+            )
+        };
+    }
+    backward_table_body(
+        batch,
+        pooling,
+        grad_out,
+        out_stride,
+        table,
+        optimizer,
+        decay,
+        step,
+        want_psw,
+        per_row_state,
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_table_avx2(
+    batch: &Batch<'_>,
+    pooling: PoolingMode,
+    grad_out: &[f32],
+    out_stride: usize,
+    table: TableUpdate<'_>,
+    optimizer: &FusedOptimizer,
+    decay: WeightDecay,
+    step: u64,
+    want_psw: bool,
+    per_row_state: bool,
+) -> TableResult {
+    backward_table_body(
+        batch,
+        pooling,
+        grad_out,
+        out_stride,
+        table,
+        optimizer,
+        decay,
+        step,
+        want_psw,
+        per_row_state,
+    )
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn backward_table_body(
+    batch: &Batch<'_>,
+    pooling: PoolingMode,
+    grad_out: &[f32],
+    out_stride: usize,
+    table: TableUpdate<'_>,
+    optimizer: &FusedOptimizer,
+    decay: WeightDecay,
+    step: u64,
+    want_psw: bool,
+    per_row_state: bool,
+) -> TableResult {
+    let dim = table.dim;
+    let b_total = batch.batch_size;
+    let weights = batch.weights.as_deref();
+    // Occurrences in (feature, bag, position) order; keys sort them by (row, that order), so
+    // duplicates are summed in a fixed order. Packing both into one u64 keeps the sort cheap.
+    let mut occurrences = Vec::new();
+    let mut keys: Vec<u64> = Vec::new();
+    let mut wide_keys: Vec<(usize, usize)> = Vec::new();
+    // Pooled modes: copy this table's output-gradient columns into one contiguous block first.
+    // Read in place they are D-wide strips Σ D apart, a stride that maps every strip onto the
+    // same few cache sets; contiguous they stay in L2 while the rows are updated.
+    let pooled = pooling != PoolingMode::None;
+    let mut local_grad: Vec<f32> = Vec::new();
+    if pooled {
+        local_grad.reserve(table.features.len() * b_total * dim);
+        for &(_, col) in &table.features {
+            for b in 0..b_total {
+                local_grad
+                    .extend_from_slice(&grad_out[b * out_stride + col..b * out_stride + col + dim]);
+            }
+        }
+    }
+    let grad_src: &[f32] = if pooled { &local_grad } else { grad_out };
+    for (k, &(f, _)) in table.features.iter().enumerate() {
+        for b in 0..b_total {
+            let range = batch.bag(f * b_total + b);
+            let inv_len = match pooling {
+                PoolingMode::Mean if !range.is_empty() => 1.0 / range.len() as f32,
+                _ => 1.0,
+            };
+            for p in range {
+                let w = weights.map_or(1.0, |w| w[p]);
+                let grad_offset = if pooled {
+                    (k * b_total + b) * dim
+                } else {
+                    p * dim
+                };
+                let id = batch.ids.get(p);
+                let local = occurrences.len();
+                if id < (1 << 32) && local < (1 << 32) {
+                    keys.push(((id as u64) << 32) | local as u64);
+                } else {
+                    wide_keys.push((id, local));
+                }
+                occurrences.push(Occurrence {
+                    pos: p,
+                    grad_offset,
+                    scale: w * inv_len,
+                    dot_scale: inv_len,
+                });
+            }
+        }
+    }
+    let order: Vec<(usize, usize)> = if wide_keys.is_empty() {
+        keys.sort_unstable();
+        keys.iter()
+            .map(|&k| ((k >> 32) as usize, (k & 0xffff_ffff) as usize))
+            .collect()
+    } else {
+        wide_keys.extend(
+            keys.iter()
+                .map(|&k| ((k >> 32) as usize, (k & 0xffff_ffff) as usize)),
+        );
+        wide_keys.sort_unstable();
+        wide_keys
+    };
+
+    let mut psw_grads = Vec::new();
+    let sparse = matches!(optimizer, FusedOptimizer::None);
+    let mut sparse_rows = Vec::new();
+    let mut sparse_values = Vec::new();
+    let mut grad = vec![0.0f32; dim];
+    let mut start = 0;
+    while start < order.len() {
+        let id = order[start].0;
+        let mut end = start + 1;
+        while end < order.len() && order[end].0 == id {
+            end += 1;
+        }
+        // Rows are visited in increasing id order but far apart: fetch a few ahead.
+        if let Some(&(ahead, _)) = order.get(end + PREFETCH_GROUPS) {
+            prefetch_f32(&table.weights[ahead * dim..(ahead + 1) * dim]);
+            if per_row_state {
+                prefetch_f32(&table.m1[ahead..ahead + 1]);
+            } else if !table.m1.is_empty() {
+                prefetch_f32(&table.m1[ahead * dim..(ahead + 1) * dim]);
+                if !table.m2.is_empty() {
+                    prefetch_f32(&table.m2[ahead * dim..(ahead + 1) * dim]);
+                }
+            }
+        }
+        let row = &mut table.weights[id * dim..(id + 1) * dim];
+        grad.fill(0.0);
+        for &(_, local) in &order[start..end] {
+            let e = &occurrences[local];
+            let g_out = &grad_src[e.grad_offset..e.grad_offset + dim];
+            for (g, &x) in grad.iter_mut().zip(g_out) {
+                *g += e.scale * x;
+            }
+            if want_psw {
+                psw_grads.push((e.pos, dot(row, g_out) * e.dot_scale));
+            }
+        }
+        if sparse {
+            sparse_rows.push(id as i64);
+            sparse_values.extend_from_slice(&grad);
+        } else {
+            let state = if per_row_state {
+                RowState {
+                    m1: &mut table.m1[id..id + 1],
+                    m2: &mut [],
+                }
+            } else if table.m1.is_empty() {
+                RowState {
+                    m1: &mut [],
+                    m2: &mut [],
+                }
+            } else if table.m2.is_empty() {
+                RowState {
+                    m1: &mut table.m1[id * dim..(id + 1) * dim],
+                    m2: &mut [],
+                }
+            } else {
+                RowState {
+                    m1: &mut table.m1[id * dim..(id + 1) * dim],
+                    m2: &mut table.m2[id * dim..(id + 1) * dim],
+                }
+            };
+            update_row(optimizer, decay, step, row, &mut grad, state);
+        }
+        start = end;
+    }
+    let sparse_grad = sparse.then_some(SparseTableGrad {
+        rows: sparse_rows,
+        values: sparse_values,
+        dim,
+    });
+    (psw_grads, sparse_grad)
+}

@@ -1,0 +1,517 @@
+//! TorchRec's module API over the TBE: [`EmbeddingBagCollection`] (KJT → pooled
+//! [`KeyedTensor`]) and [`EmbeddingCollection`] (KJT → one [`JaggedTensor`] of rows per
+//! feature).
+//!
+//! Both are autograd citizens: their outputs come from [`TableBatchedEmbedding::forward`], so a
+//! `loss.backward()` downstream runs the fused optimizer on the embedding rows. Their tables are
+//! *not* dense parameters (`named_parameters` is empty): a dense optimizer never sees them.
+//!
+//! Tables are grouped into one TBE per pooling mode (EBC) or per dim (EC); the features a
+//! collection reads must be keys of the input KJT (extra keys are ignored) and every key must
+//! have the same batch size.
+
+use super::config::{
+    BoundsCheckMode, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit, PoolingMode, TableSpec,
+};
+use super::optimizer::{FusedOptimizer, WeightDecay};
+use super::tbe::{TableBatchedEmbedding, TbeConfig};
+use crate::nn::Module;
+use crate::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
+use crate::tensor::rng::Rng;
+use crate::{DType, Error, Result, Tensor};
+
+/// One TBE of a collection and which features/tables it serves.
+#[derive(Clone, Debug)]
+struct Group {
+    tbe: TableBatchedEmbedding,
+    /// Features in the TBE's order.
+    features: Vec<String>,
+}
+
+/// Where each collection table lives: (group, table index inside the group's TBE).
+type TablePlace = (usize, usize);
+
+fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for n in names {
+        if !seen.insert(n) {
+            return Err(Error::invalid(
+                op,
+                format!("table name `{n}` is used twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the TBE input of `features` from a KJT: zero-copy when the KJT holds exactly those
+/// keys in that order, else one gather of their ids (and weights).
+fn tbe_input_from_kjt(
+    op: &'static str,
+    kjt: &KeyedJaggedTensor,
+    features: &[String],
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    if kjt.variable_stride_per_key() {
+        return Err(Error::invalid(
+            op,
+            "variable-batch KJTs are not supported: every key needs the same batch size",
+        ));
+    }
+    let keys = kjt.keys();
+    let positions: Vec<usize> = features
+        .iter()
+        .map(|f| {
+            keys.iter().position(|k| k == f).ok_or_else(|| {
+                Error::invalid(
+                    op,
+                    format!("feature `{f}` is missing from the input KJT (its keys are {keys:?})"),
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    if positions.len() == keys.len() && positions.iter().enumerate().all(|(i, &p)| i == p) {
+        return Ok((
+            kjt.values().clone(),
+            kjt.offsets().clone(),
+            kjt.weights().cloned(),
+        ));
+    }
+    let b = kjt.stride();
+    let offs: Vec<i64> = match kjt.offsets().dtype() {
+        DType::I32 => kjt
+            .offsets()
+            .to_vec::<i32>()?
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        _ => kjt.offsets().to_vec::<i64>()?,
+    };
+    let values: Vec<i64> = match kjt.values().dtype() {
+        DType::I32 => kjt
+            .values()
+            .to_vec::<i32>()?
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        DType::I64 => kjt.values().to_vec::<i64>()?,
+        other => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: other,
+                expected: "i32 or i64 ids in the KJT values",
+            })
+        }
+    };
+    let weights = kjt.weights().map(|w| w.to_vec::<f32>()).transpose()?;
+    let mut new_ids = Vec::new();
+    let mut new_weights = weights.as_ref().map(|_| Vec::new());
+    let mut new_offsets = vec![0i64];
+    for &k in &positions {
+        for s in 0..b {
+            let (start, end) = (offs[k * b + s] as usize, offs[k * b + s + 1] as usize);
+            new_ids.extend_from_slice(&values[start..end]);
+            if let (Some(nw), Some(w)) = (new_weights.as_mut(), weights.as_ref()) {
+                nw.extend_from_slice(&w[start..end]);
+            }
+            new_offsets.push(new_ids.len() as i64);
+        }
+    }
+    let n = new_ids.len();
+    let n_off = new_offsets.len();
+    Ok((
+        Tensor::from_vec(new_ids, &[n])?,
+        Tensor::from_vec(new_offsets, &[n_off])?,
+        new_weights.map(|w| Tensor::from_vec(w, &[n])).transpose()?,
+    ))
+}
+
+/// Pooled embedding tables looked up by sparse features (TorchRec's `EmbeddingBagCollection`
+/// with a fused optimizer).
+#[derive(Clone, Debug)]
+pub struct EmbeddingBagCollection {
+    configs: Vec<EmbeddingBagConfig>,
+    groups: Vec<Group>,
+    places: Vec<TablePlace>,
+    /// Output keys (features in config order) and their widths.
+    output_keys: Vec<String>,
+    output_dims: Vec<usize>,
+}
+
+const EBC: &str = "EmbeddingBagCollection";
+const EC: &str = "EmbeddingCollection";
+
+impl EmbeddingBagCollection {
+    /// Builds the tables (initialised from `rng` with each config's initialiser) with
+    /// `optimizer` fused into backward.
+    pub fn new(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: FusedOptimizer,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        Self::with_options(
+            configs,
+            optimizer,
+            WeightDecay::None,
+            BoundsCheckMode::Error,
+            rng,
+        )
+    }
+
+    /// [`new`](Self::new) with weight decay and a bounds-check mode.
+    pub fn with_options(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: FusedOptimizer,
+        weight_decay: WeightDecay,
+        bounds_check: BoundsCheckMode,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        if configs.is_empty() {
+            return Err(Error::invalid(EBC, "at least one table config is needed"));
+        }
+        check_unique_names(EBC, configs.iter().map(|c| c.name.as_str()))?;
+        let mut output_keys = Vec::new();
+        let mut output_dims = Vec::new();
+        for c in &configs {
+            if c.feature_names.is_empty() {
+                return Err(Error::invalid(
+                    EBC,
+                    format!("table `{}` has no features", c.name),
+                ));
+            }
+            if c.pooling == PoolingMode::None {
+                return Err(Error::invalid(
+                    EBC,
+                    format!(
+                        "table `{}`: an EmbeddingBagCollection pools (SUM or MEAN); use \
+                         EmbeddingCollection for unpooled lookups",
+                        c.name
+                    ),
+                ));
+            }
+            if c.weight_type != super::WeightType::Fp32 {
+                return Err(Error::invalid(
+                    EBC,
+                    format!(
+                        "table `{}`: training tables are FP32; quantise for inference with \
+                         QuantizedTableBatchedEmbedding::from_trained",
+                        c.name
+                    ),
+                ));
+            }
+            for f in &c.feature_names {
+                if output_keys.contains(f) {
+                    return Err(Error::invalid(
+                        EBC,
+                        format!("feature `{f}` is listed by more than one table"),
+                    ));
+                }
+                output_keys.push(f.clone());
+                output_dims.push(c.embedding_dim);
+            }
+        }
+        let mut groups = Vec::new();
+        let mut places = vec![(0, 0); configs.len()];
+        for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+            let members: Vec<usize> = (0..configs.len())
+                .filter(|&i| configs[i].pooling == pooling)
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
+            let mut tables = Vec::new();
+            let mut ftm = Vec::new();
+            let mut features = Vec::new();
+            for (t, &i) in members.iter().enumerate() {
+                let c = &configs[i];
+                tables.push(TableSpec::new(&c.name, c.num_embeddings, c.embedding_dim));
+                for f in &c.feature_names {
+                    ftm.push(t);
+                    features.push(f.clone());
+                }
+                places[i] = (groups.len(), t);
+            }
+            let mut cfg = TbeConfig::new(tables, ftm, pooling, optimizer);
+            cfg.feature_names = Some(features.clone());
+            cfg.weight_decay = weight_decay;
+            cfg.bounds_check = bounds_check;
+            let tbe = TableBatchedEmbedding::new(cfg)?;
+            for (t, &i) in members.iter().enumerate() {
+                init_table(&tbe, t, configs[i].num_embeddings, configs[i].init, rng)?;
+            }
+            groups.push(Group { tbe, features });
+        }
+        Ok(EmbeddingBagCollection {
+            configs,
+            groups,
+            places,
+            output_keys,
+            output_dims,
+        })
+    }
+
+    /// The table configs.
+    pub fn configs(&self) -> &[EmbeddingBagConfig] {
+        &self.configs
+    }
+
+    /// The underlying TBEs (one per pooling mode in use).
+    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
+        self.groups.iter().map(|g| &g.tbe).collect()
+    }
+
+    fn place(&self, table: &str) -> Result<TablePlace> {
+        let i = self
+            .configs
+            .iter()
+            .position(|c| c.name == table)
+            .ok_or_else(|| Error::invalid(EBC, format!("no table named `{table}`")))?;
+        Ok(self.places[i])
+    }
+
+    /// A copy of table `table`'s rows (`[rows, dim]` row-major).
+    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.table_weights(t)
+    }
+
+    /// Overwrites table `table`'s rows.
+    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.set_table_weights(t, values)
+    }
+
+    /// Pooled embeddings of every feature: keys in config order (each table's features in
+    /// order), values `[B, Σ dims]`. Takes part in autograd; the backward runs the fused
+    /// optimizer (and gives the KJT's weights their gradient if they require it).
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
+        let mut outputs: Vec<(Vec<String>, Tensor)> = Vec::new();
+        for g in &self.groups {
+            let (ids, offsets, weights) = tbe_input_from_kjt(EBC, kjt, &g.features)?;
+            let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
+            outputs.push((g.features.clone(), out));
+        }
+        let values = if outputs.len() == 1 && outputs[0].0 == self.output_keys {
+            outputs.pop().expect("one group").1
+        } else {
+            // Several pooling groups: put every feature's columns back in config order.
+            let mut pieces = Vec::new();
+            for key in &self.output_keys {
+                let (features, out) = outputs
+                    .iter()
+                    .find(|(fs, _)| fs.contains(key))
+                    .expect("every feature is in a group");
+                let mut col = 0;
+                let mut width = 0;
+                for f in features {
+                    let d = self.output_dims[self.output_keys.iter().position(|k| k == f).unwrap()];
+                    if f == key {
+                        width = d;
+                        break;
+                    }
+                    col += d;
+                }
+                pieces.push(out.narrow(1, col, width)?);
+            }
+            let refs: Vec<&Tensor> = pieces.iter().collect();
+            Tensor::cat(&refs, 1)?
+        };
+        KeyedTensor::new(self.output_keys.clone(), self.output_dims.clone(), values)
+    }
+
+    /// Writes every table and its optimizer state to one safetensors file (atomically).
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let tbes: Vec<&TableBatchedEmbedding> = self.tbes();
+        super::checkpoint::save_many(path.as_ref(), &tbes)
+    }
+
+    /// Loads tables and optimizer state written by [`save`](Self::save).
+    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let tbes: Vec<&TableBatchedEmbedding> = self.tbes();
+        super::checkpoint::load_many(path.as_ref(), &tbes)
+    }
+}
+
+fn init_table(
+    tbe: &TableBatchedEmbedding,
+    t: usize,
+    rows: usize,
+    init: EmbeddingInit,
+    rng: &mut Rng,
+) -> Result<()> {
+    let dim = tbe.config().tables[t].dim;
+    let mut values = vec![0.0f32; rows * dim];
+    super::tbe::fill_init(&mut values, rows, init, rng)?;
+    tbe.set_table_weights(t, &values)
+}
+
+impl Module for EmbeddingBagCollection {
+    /// Empty: the tables are updated by the fused optimizer, not by a dense optimizer.
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+}
+
+/// Unpooled embedding tables (TorchRec's `EmbeddingCollection`): each id of each feature
+/// gives its row, as sequence models (Bert4Rec) need.
+#[derive(Clone, Debug)]
+pub struct EmbeddingCollection {
+    configs: Vec<EmbeddingConfig>,
+    groups: Vec<Group>,
+    places: Vec<TablePlace>,
+    feature_order: Vec<String>,
+}
+
+impl EmbeddingCollection {
+    /// Builds the tables (initialised from `rng`) with `optimizer` fused into backward.
+    pub fn new(
+        configs: Vec<EmbeddingConfig>,
+        optimizer: FusedOptimizer,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        if configs.is_empty() {
+            return Err(Error::invalid(EC, "at least one table config is needed"));
+        }
+        check_unique_names(EC, configs.iter().map(|c| c.name.as_str()))?;
+        let mut feature_order = Vec::new();
+        for c in &configs {
+            if c.feature_names.is_empty() {
+                return Err(Error::invalid(
+                    EC,
+                    format!("table `{}` has no features", c.name),
+                ));
+            }
+            if c.weight_type != super::WeightType::Fp32 {
+                return Err(Error::invalid(
+                    EC,
+                    format!("table `{}`: training tables are FP32", c.name),
+                ));
+            }
+            for f in &c.feature_names {
+                if feature_order.contains(f) {
+                    return Err(Error::invalid(
+                        EC,
+                        format!("feature `{f}` is listed by more than one table"),
+                    ));
+                }
+                feature_order.push(f.clone());
+            }
+        }
+        // One TBE per distinct dim: a TBE without pooling has one output width.
+        let mut dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
+        dims.sort_unstable();
+        dims.dedup();
+        let mut groups = Vec::new();
+        let mut places = vec![(0, 0); configs.len()];
+        for dim in dims {
+            let members: Vec<usize> = (0..configs.len())
+                .filter(|&i| configs[i].embedding_dim == dim)
+                .collect();
+            let mut tables = Vec::new();
+            let mut ftm = Vec::new();
+            let mut features = Vec::new();
+            for (t, &i) in members.iter().enumerate() {
+                let c = &configs[i];
+                tables.push(TableSpec::new(&c.name, c.num_embeddings, c.embedding_dim));
+                for f in &c.feature_names {
+                    ftm.push(t);
+                    features.push(f.clone());
+                }
+                places[i] = (groups.len(), t);
+            }
+            let mut cfg = TbeConfig::new(tables, ftm, PoolingMode::None, optimizer);
+            cfg.feature_names = Some(features.clone());
+            let tbe = TableBatchedEmbedding::new(cfg)?;
+            for (t, &i) in members.iter().enumerate() {
+                init_table(&tbe, t, configs[i].num_embeddings, configs[i].init, rng)?;
+            }
+            groups.push(Group { tbe, features });
+        }
+        Ok(EmbeddingCollection {
+            configs,
+            groups,
+            places,
+            feature_order,
+        })
+    }
+
+    /// The table configs.
+    pub fn configs(&self) -> &[EmbeddingConfig] {
+        &self.configs
+    }
+
+    /// The underlying TBEs (one per distinct dim).
+    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
+        self.groups.iter().map(|g| &g.tbe).collect()
+    }
+
+    fn place(&self, table: &str) -> Result<TablePlace> {
+        let i = self
+            .configs
+            .iter()
+            .position(|c| c.name == table)
+            .ok_or_else(|| Error::invalid(EC, format!("no table named `{table}`")))?;
+        Ok(self.places[i])
+    }
+
+    /// A copy of table `table`'s rows.
+    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.table_weights(t)
+    }
+
+    /// Overwrites table `table`'s rows.
+    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.set_table_weights(t, values)
+    }
+
+    /// One jagged tensor per feature (config order): values `[N_f, dim]` (the rows of the
+    /// feature's ids, times their weights if the KJT has any), lengths as in the KJT. Takes
+    /// part in autograd like [`EmbeddingBagCollection::forward`].
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<(String, JaggedTensor)>> {
+        let mut per_feature: Vec<(String, JaggedTensor)> = Vec::new();
+        for g in &self.groups {
+            let (ids, offsets, weights) = tbe_input_from_kjt(EC, kjt, &g.features)?;
+            let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
+            let offs: Vec<i64> = offsets.to_vec::<i64>()?;
+            let b = kjt.stride();
+            for (k, f) in g.features.iter().enumerate() {
+                let (start, end) = (offs[k * b] as usize, offs[(k + 1) * b] as usize);
+                let lengths: Vec<i64> = (0..b)
+                    .map(|s| offs[k * b + s + 1] - offs[k * b + s])
+                    .collect();
+                let values = out.narrow(0, start, end - start)?;
+                per_feature.push((
+                    f.clone(),
+                    JaggedTensor::new(values, Tensor::from_vec(lengths, &[b])?, None)?,
+                ));
+            }
+        }
+        let mut ordered = Vec::with_capacity(per_feature.len());
+        for f in &self.feature_order {
+            let i = per_feature
+                .iter()
+                .position(|(name, _)| name == f)
+                .expect("every feature was looked up");
+            ordered.push(per_feature.swap_remove(i));
+        }
+        Ok(ordered)
+    }
+
+    /// Writes every table and its optimizer state to one safetensors file (atomically).
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        super::checkpoint::save_many(path.as_ref(), &self.tbes())
+    }
+
+    /// Loads tables and optimizer state written by [`save`](Self::save).
+    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        super::checkpoint::load_many(path.as_ref(), &self.tbes())
+    }
+}
+
+impl Module for EmbeddingCollection {
+    /// Empty: the tables are updated by the fused optimizer, not by a dense optimizer.
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+}

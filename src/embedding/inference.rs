@@ -1,0 +1,395 @@
+//! [`QuantizedTableBatchedEmbedding`]: the inference TBE (FBGEMM's
+//! `IntNBitTableBatchedEmbeddingBagsCodegen` on CPU). Tables of any [`WeightType`] share one
+//! byte buffer, each starting on a 128-byte boundary like FBGEMM's host buffer, rows unpadded;
+//! rows are dequantised and accumulated in f32.
+
+use half::{bf16, f16};
+
+use super::config::{BoundsCheckMode, PoolingMode, TableSpec, WeightType};
+use super::input::{validate, Batch, FeatureBounds, SkipCounter, TbeInput};
+use super::kernels::{pooled_forward, sequence_forward, with_quant_rows, FeatureSlot};
+use super::quantize::{dequantize_row, quantize_row};
+use super::storage::RowBuffer;
+use super::tbe::TableBatchedEmbedding;
+use crate::{Error, Result, Tensor};
+
+/// Element type of an inference TBE's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OutputDType {
+    /// f32 (the accumulation type).
+    #[default]
+    F32,
+    /// IEEE half, rounded from the f32 result.
+    F16,
+    /// bfloat16, rounded from the f32 result.
+    Bf16,
+}
+
+/// Byte alignment of each table's start in the buffer (FBGEMM's host layout).
+pub const TABLE_ALIGNMENT: usize = 128;
+
+const OP: &str = "QuantizedTableBatchedEmbedding";
+
+/// Inference table-batched embedding bags over quantised rows.
+pub struct QuantizedTableBatchedEmbedding {
+    tables: Vec<TableSpec>,
+    weight_types: Vec<WeightType>,
+    feature_table_map: Vec<usize>,
+    feature_names: Vec<String>,
+    pooling: PoolingMode,
+    output_dtype: OutputDType,
+    bounds_check: BoundsCheckMode,
+    byte_offsets: Vec<usize>,
+    data: RowBuffer<u8>,
+    slots: Vec<FeatureSlot>,
+    out_stride: usize,
+    skips: SkipCounter,
+}
+
+impl std::fmt::Debug for QuantizedTableBatchedEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(OP)
+            .field("tables", &self.tables)
+            .field("weight_types", &self.weight_types)
+            .field("pooling", &self.pooling)
+            .finish()
+    }
+}
+
+impl QuantizedTableBatchedEmbedding {
+    /// An operator with all-zero row bytes; `tables[t]` is stored as `weight_types[t]`.
+    pub fn new(
+        tables: Vec<TableSpec>,
+        weight_types: Vec<WeightType>,
+        feature_table_map: Vec<usize>,
+        pooling: PoolingMode,
+    ) -> Result<Self> {
+        if tables.is_empty() || tables.len() != weight_types.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} tables and {} weight types (need one type per table, at least one table)",
+                    tables.len(),
+                    weight_types.len()
+                ),
+            ));
+        }
+        if feature_table_map.is_empty() {
+            return Err(Error::invalid(OP, "at least one feature is needed"));
+        }
+        let mut byte_offsets = Vec::with_capacity(tables.len() + 1);
+        let mut end = 0usize;
+        for (t, (spec, ty)) in tables.iter().zip(&weight_types).enumerate() {
+            if spec.dim == 0 {
+                return Err(Error::invalid(
+                    OP,
+                    format!("table {t} `{}` has dim 0 (dims must be ≥ 1)", spec.name),
+                ));
+            }
+            let start = end.next_multiple_of(TABLE_ALIGNMENT);
+            byte_offsets.push(start);
+            end = start
+                + spec
+                    .rows
+                    .checked_mul(ty.row_bytes(spec.dim))
+                    .ok_or_else(|| {
+                        Error::invalid(OP, format!("table `{}` is too large", spec.name))
+                    })?;
+        }
+        byte_offsets.push(end);
+        for (f, &t) in feature_table_map.iter().enumerate() {
+            if t >= tables.len() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "feature {f} maps to table {t}, but there are {} tables",
+                        tables.len()
+                    ),
+                ));
+            }
+        }
+        let dims: Vec<usize> = feature_table_map.iter().map(|&t| tables[t].dim).collect();
+        if pooling == PoolingMode::None && dims.iter().any(|&d| d != dims[0]) {
+            return Err(Error::invalid(
+                OP,
+                format!("pooling NONE needs one dim for every feature, got {dims:?}"),
+            ));
+        }
+        let mut slots = Vec::new();
+        let mut col = 0;
+        for &dim in &dims {
+            slots.push(FeatureSlot { col, dim });
+            col += dim;
+        }
+        let out_stride = if pooling == PoolingMode::None {
+            dims[0]
+        } else {
+            col
+        };
+        Ok(QuantizedTableBatchedEmbedding {
+            feature_names: (0..feature_table_map.len())
+                .map(|f| format!("f{f}"))
+                .collect(),
+            tables,
+            weight_types,
+            feature_table_map,
+            pooling,
+            output_dtype: OutputDType::F32,
+            bounds_check: BoundsCheckMode::Error,
+            data: RowBuffer::zeros(end)?,
+            byte_offsets,
+            slots,
+            out_stride,
+            skips: SkipCounter::default(),
+        })
+    }
+
+    /// Quantises a trained FP32 TBE: table `t` becomes `weight_types[t]`; same features and
+    /// pooling.
+    pub fn from_trained(tbe: &TableBatchedEmbedding, weight_types: &[WeightType]) -> Result<Self> {
+        let cfg = tbe.config();
+        let mut q = QuantizedTableBatchedEmbedding::new(
+            cfg.tables.clone(),
+            weight_types.to_vec(),
+            cfg.feature_table_map.clone(),
+            cfg.pooling,
+        )?;
+        if let Some(names) = &cfg.feature_names {
+            q.feature_names = names.clone();
+        }
+        q.bounds_check = cfg.bounds_check;
+        for t in 0..cfg.tables.len() {
+            q.quantize_table_from(t, &tbe.table_weights(t)?)?;
+        }
+        Ok(q)
+    }
+
+    /// The same operator producing `dtype` outputs.
+    pub fn with_output_dtype(mut self, dtype: OutputDType) -> Self {
+        self.output_dtype = dtype;
+        self
+    }
+
+    /// The same operator with another bounds-check mode.
+    pub fn with_bounds_check(mut self, mode: BoundsCheckMode) -> Self {
+        self.bounds_check = mode;
+        self
+    }
+
+    /// The same operator with named features (for messages).
+    pub fn with_feature_names(mut self, names: Vec<String>) -> Result<Self> {
+        if names.len() != self.feature_table_map.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} feature names for {} features",
+                    names.len(),
+                    self.feature_table_map.len()
+                ),
+            ));
+        }
+        self.feature_names = names;
+        Ok(self)
+    }
+
+    /// The tables.
+    pub fn tables(&self) -> &[TableSpec] {
+        &self.tables
+    }
+
+    /// Storage type of each table.
+    pub fn weight_types(&self) -> &[WeightType] {
+        &self.weight_types
+    }
+
+    /// Table of each feature.
+    pub fn feature_table_map(&self) -> &[usize] {
+        &self.feature_table_map
+    }
+
+    /// Pooling mode.
+    pub fn pooling(&self) -> PoolingMode {
+        self.pooling
+    }
+
+    /// Byte offset of each table in the buffer (FBGEMM's `weights_physical_offsets`).
+    pub fn table_byte_offsets(&self) -> &[usize] {
+        &self.byte_offsets[..self.tables.len()]
+    }
+
+    /// Bytes of the whole row buffer as allocated.
+    pub fn allocated_bytes(&self) -> usize {
+        self.data.allocated_bytes()
+    }
+
+    /// Ids skipped so far by [`BoundsCheckMode::WarnAndSkip`].
+    pub fn bounds_check_warnings(&self) -> u64 {
+        self.skips
+            .skipped
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn table_range(&self, t: usize) -> Result<std::ops::Range<usize>> {
+        let spec = self.tables.get(t).ok_or_else(|| {
+            Error::invalid(
+                OP,
+                format!("table {t} does not exist ({} tables)", self.tables.len()),
+            )
+        })?;
+        let start = self.byte_offsets[t];
+        Ok(start..start + spec.rows * self.weight_types[t].row_bytes(spec.dim))
+    }
+
+    /// Table `t`'s stored rows, back to back (`rows × row_bytes`).
+    pub fn table_bytes(&self, t: usize) -> Result<&[u8]> {
+        Ok(&self.data[self.table_range(t)?])
+    }
+
+    /// Overwrites table `t`'s stored rows with raw bytes in its row layout.
+    pub fn set_table_bytes(&mut self, t: usize, bytes: &[u8]) -> Result<()> {
+        let range = self.table_range(t)?;
+        if bytes.len() != range.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "table {t} `{}` takes {} bytes, {} given",
+                    self.tables[t].name,
+                    range.len(),
+                    bytes.len()
+                ),
+            ));
+        }
+        self.data[range].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Quantises FP32 rows (`[rows, dim]` row-major) into table `t`.
+    pub fn quantize_table_from(&mut self, t: usize, values: &[f32]) -> Result<()> {
+        let range = self.table_range(t)?;
+        let (spec, ty) = (&self.tables[t], self.weight_types[t]);
+        if values.len() != spec.rows * spec.dim {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "table {t} `{}` is {}×{}, {} values given",
+                    spec.name,
+                    spec.rows,
+                    spec.dim,
+                    values.len()
+                ),
+            ));
+        }
+        let row_bytes = ty.row_bytes(spec.dim);
+        for (src, dst) in values
+            .chunks_exact(spec.dim)
+            .zip(self.data[range].chunks_exact_mut(row_bytes))
+        {
+            quantize_row(ty, src, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Table `t` dequantised to FP32, `[rows, dim]` row-major.
+    pub fn dequantize_table(&self, t: usize) -> Result<Vec<f32>> {
+        let bytes = self.table_bytes(t)?;
+        let (spec, ty) = (&self.tables[t], self.weight_types[t]);
+        let mut out = vec![0.0f32; spec.rows * spec.dim];
+        if spec.rows > 0 {
+            for (src, dst) in bytes
+                .chunks_exact(ty.row_bytes(spec.dim))
+                .zip(out.chunks_exact_mut(spec.dim))
+            {
+                dequantize_row(ty, src, dst)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn validate_input<'a>(&self, input: TbeInput<'a>) -> Result<Batch<'a>> {
+        let bounds: Vec<FeatureBounds<'_>> = self
+            .feature_table_map
+            .iter()
+            .enumerate()
+            .map(|(f, &t)| FeatureBounds {
+                rows: self.tables[t].rows,
+                feature: &self.feature_names[f],
+                table: &self.tables[t].name,
+            })
+            .collect();
+        validate(OP, input, &bounds, self.bounds_check, &self.skips)
+    }
+
+    /// The lookup: `[B, ΣD]` (or `[N, D]` with pooling NONE) in the output dtype.
+    pub fn forward(&self, input: TbeInput<'_>) -> Result<Tensor> {
+        let batch = self.validate_input(input)?;
+        let (out, shape) = self.forward_f32(&batch);
+        match self.output_dtype {
+            OutputDType::F32 => Tensor::from_vec(out, &shape),
+            OutputDType::F16 => Tensor::from_vec(
+                out.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+                &shape,
+            ),
+            OutputDType::Bf16 => Tensor::from_vec(
+                out.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+                &shape,
+            ),
+        }
+    }
+
+    /// The lookup into a caller-provided f32 buffer (no allocation); `out` must hold
+    /// `B × ΣD` values (pooled modes only).
+    pub fn forward_into(&self, input: TbeInput<'_>, out: &mut [f32]) -> Result<()> {
+        let batch = self.validate_input(input)?;
+        if self.pooling == PoolingMode::None || out.len() != batch.batch_size * self.out_stride {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "forward_into needs a pooled operator and {}×{} outputs, got {}",
+                    batch.batch_size,
+                    self.out_stride,
+                    out.len()
+                ),
+            ));
+        }
+        self.pool_into(&batch, out);
+        Ok(())
+    }
+
+    fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) {
+        let visit = |f: usize, k: &mut dyn FnMut(&dyn super::kernels::PoolFeature)| {
+            let t = self.feature_table_map[f];
+            let range = self.byte_offsets[t]
+                ..self.byte_offsets[t]
+                    + self.tables[t].rows * self.weight_types[t].row_bytes(self.tables[t].dim);
+            with_quant_rows(
+                self.weight_types[t],
+                &self.data[range],
+                self.weight_types[t].row_bytes(self.tables[t].dim),
+                k,
+            )
+        };
+        if self.pooling == PoolingMode::None {
+            sequence_forward(batch, self.out_stride, out, &visit);
+        } else {
+            pooled_forward(
+                batch,
+                &self.slots,
+                self.pooling,
+                out,
+                self.out_stride,
+                &visit,
+            );
+        }
+    }
+
+    fn forward_f32(&self, batch: &Batch<'_>) -> (Vec<f32>, Vec<usize>) {
+        let rows = if self.pooling == PoolingMode::None {
+            batch.ids.len()
+        } else {
+            batch.batch_size
+        };
+        let mut out = vec![0.0f32; rows * self.out_stride];
+        self.pool_into(batch, &mut out);
+        (out, vec![rows, self.out_stride])
+    }
+}

@@ -1,0 +1,381 @@
+//! TBE inputs (indices, offsets, per-sample weights) and the one validation pass that makes the
+//! kernels' accesses safe: offsets shape and monotonicity, weights length, and every id inside
+//! its table (or skipped, in [`BoundsCheckMode::WarnAndSkip`]).
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::config::BoundsCheckMode;
+use crate::{DType, Error, Result, Tensor};
+
+/// Borrowed ids or offsets, as i32 or i64 (FBGEMM accepts both).
+#[derive(Clone, Copy, Debug)]
+pub enum IndexSlice<'a> {
+    /// 32-bit values.
+    I32(&'a [i32]),
+    /// 64-bit values.
+    I64(&'a [i64]),
+}
+
+impl<'a> IndexSlice<'a> {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            IndexSlice::I32(s) => s.len(),
+            IndexSlice::I64(s) => s.len(),
+        }
+    }
+
+    /// True when there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Value `i` widened to i64.
+    pub fn get(&self, i: usize) -> i64 {
+        match self {
+            IndexSlice::I32(s) => s[i] as i64,
+            IndexSlice::I64(s) => s[i],
+        }
+    }
+}
+
+impl<'a> From<&'a [i64]> for IndexSlice<'a> {
+    fn from(s: &'a [i64]) -> Self {
+        IndexSlice::I64(s)
+    }
+}
+
+impl<'a> From<&'a [i32]> for IndexSlice<'a> {
+    fn from(s: &'a [i32]) -> Self {
+        IndexSlice::I32(s)
+    }
+}
+
+/// One TBE call's sparse input in FBGEMM's layout: `offsets` has `F·B + 1` entries, feature-major
+/// (bag `b` of feature `f` is `indices[offsets[f·B + b] .. offsets[f·B + b + 1]]`); ids are row
+/// numbers local to the feature's table.
+#[derive(Clone, Copy, Debug)]
+pub struct TbeInput<'a> {
+    /// Row ids.
+    pub indices: IndexSlice<'a>,
+    /// Bag boundaries, `F·B + 1` entries.
+    pub offsets: IndexSlice<'a>,
+    /// One weight per id, or none.
+    pub per_sample_weights: Option<&'a [f32]>,
+}
+
+impl<'a> TbeInput<'a> {
+    /// An unweighted input.
+    pub fn new(indices: impl Into<IndexSlice<'a>>, offsets: impl Into<IndexSlice<'a>>) -> Self {
+        TbeInput {
+            indices: indices.into(),
+            offsets: offsets.into(),
+            per_sample_weights: None,
+        }
+    }
+
+    /// The same input with per-sample weights.
+    pub fn with_weights(mut self, weights: &'a [f32]) -> Self {
+        self.per_sample_weights = Some(weights);
+        self
+    }
+}
+
+/// An id type the kernels read.
+pub(crate) trait IndexValue: Copy + Send + Sync + 'static {
+    fn to_usize(self) -> usize;
+}
+impl IndexValue for i32 {
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as u32 as usize
+    }
+}
+impl IndexValue for i64 {
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as u64 as usize
+    }
+}
+
+/// Ids after validation: borrowed when nothing had to be skipped.
+#[derive(Clone, Debug)]
+pub(crate) enum Ids<'a> {
+    I32(Cow<'a, [i32]>),
+    I64(Cow<'a, [i64]>),
+}
+
+impl Ids<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Ids::I32(s) => s.len(),
+            Ids::I64(s) => s.len(),
+        }
+    }
+
+    pub(crate) fn get(&self, i: usize) -> usize {
+        match self {
+            Ids::I32(s) => s[i].to_usize(),
+            Ids::I64(s) => s[i].to_usize(),
+        }
+    }
+
+    pub(crate) fn into_owned(self) -> Ids<'static> {
+        match self {
+            Ids::I32(s) => Ids::I32(Cow::Owned(s.into_owned())),
+            Ids::I64(s) => Ids::I64(Cow::Owned(s.into_owned())),
+        }
+    }
+}
+
+/// A validated batch: every id is inside its table, offsets are monotone and end at the
+/// number of ids.
+#[derive(Clone, Debug)]
+pub(crate) struct Batch<'a> {
+    pub ids: Ids<'a>,
+    pub offsets: Vec<usize>,
+    pub weights: Option<Cow<'a, [f32]>>,
+    pub batch_size: usize,
+    pub num_features: usize,
+    /// When ids were skipped: the original position of every kept id, and how many ids the
+    /// caller gave (gradients of per-sample weights are reported in the caller's positions).
+    pub kept: Option<(Vec<usize>, usize)>,
+}
+
+impl Batch<'_> {
+    pub(crate) fn into_owned(self) -> Batch<'static> {
+        Batch {
+            ids: self.ids.into_owned(),
+            offsets: self.offsets,
+            weights: self.weights.map(|w| Cow::Owned(w.into_owned())),
+            batch_size: self.batch_size,
+            num_features: self.num_features,
+            kept: self.kept,
+        }
+    }
+
+    /// Range of ids of bag `bag` (`f·B + b`).
+    #[inline]
+    pub(crate) fn bag(&self, bag: usize) -> std::ops::Range<usize> {
+        self.offsets[bag]..self.offsets[bag + 1]
+    }
+}
+
+/// What the validation pass needs to know about each feature.
+pub(crate) struct FeatureBounds<'a> {
+    /// Rows of the feature's table.
+    pub rows: usize,
+    /// Feature name (for messages).
+    pub feature: &'a str,
+    /// Table name (for messages).
+    pub table: &'a str,
+}
+
+/// Counts skipped ids and prints the first warning only.
+#[derive(Debug, Default)]
+pub(crate) struct SkipCounter {
+    pub skipped: AtomicU64,
+    warned: AtomicBool,
+}
+
+/// Checks `input` against the features' tables; in [`BoundsCheckMode::WarnAndSkip`] returns a
+/// copy without the out-of-range ids.
+pub(crate) fn validate<'a>(
+    op: &'static str,
+    input: TbeInput<'a>,
+    features: &[FeatureBounds<'_>],
+    mode: BoundsCheckMode,
+    counter: &SkipCounter,
+) -> Result<Batch<'a>> {
+    let num_features = features.len();
+    if num_features == 0 {
+        return Err(Error::invalid(op, "the operator has no features"));
+    }
+    let n_off = input.offsets.len();
+    if n_off == 0 || (n_off - 1) % num_features != 0 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "offsets has {n_off} entries; expected F·B + 1 with F = {num_features} features \
+                 (FBGEMM layout, feature-major)"
+            ),
+        ));
+    }
+    let batch_size = (n_off - 1) / num_features;
+    let mut offsets = Vec::with_capacity(n_off);
+    for i in 0..n_off {
+        let o = input.offsets.get(i);
+        let prev = offsets.last().copied().unwrap_or(0) as i64;
+        if o < 0 || (i > 0 && o < prev) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "offsets must be non-negative and non-decreasing: offsets[{i}] = {o} after \
+                     {prev} (feature {}, bag {})",
+                    i.saturating_sub(1) / batch_size.max(1),
+                    i.saturating_sub(1) % batch_size.max(1)
+                ),
+            ));
+        }
+        offsets.push(o as usize);
+    }
+    let n_ids = input.indices.len();
+    if offsets[0] != 0 || offsets[n_off - 1] != n_ids {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "offsets must start at 0 and end at the number of indices: they run {}..{} but \
+                 there are {n_ids} indices",
+                offsets[0],
+                offsets[n_off - 1]
+            ),
+        ));
+    }
+    if let Some(w) = input.per_sample_weights {
+        if w.len() != n_ids {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "per_sample_weights has {} entries but there are {n_ids} indices",
+                    w.len()
+                ),
+            ));
+        }
+    }
+    let mut bad: Vec<usize> = Vec::new();
+    for (f, feat) in features.iter().enumerate() {
+        for b in 0..batch_size {
+            let bag = f * batch_size + b;
+            for p in offsets[bag]..offsets[bag + 1] {
+                let id = input.indices.get(p);
+                if id < 0 || id as u64 >= feat.rows as u64 {
+                    if mode == BoundsCheckMode::Error {
+                        return Err(Error::invalid(
+                            op,
+                            format!(
+                                "feature `{}` (table `{}`), bag {b}: id {id} at position {p} is \
+                                 out of range for a table of {} rows",
+                                feat.feature, feat.table, feat.rows
+                            ),
+                        ));
+                    }
+                    if !counter.warned.swap(true, Ordering::Relaxed) {
+                        eprintln!(
+                            "warning: {op}: feature `{}` (table `{}`), bag {b}: id {id} at \
+                             position {p} is out of range for {} rows; skipping it (further \
+                             skips are only counted)",
+                            feat.feature, feat.table, feat.rows
+                        );
+                    }
+                    bad.push(p);
+                }
+            }
+        }
+    }
+    if bad.is_empty() {
+        let ids = match input.indices {
+            IndexSlice::I32(s) => Ids::I32(Cow::Borrowed(s)),
+            IndexSlice::I64(s) => Ids::I64(Cow::Borrowed(s)),
+        };
+        return Ok(Batch {
+            ids,
+            offsets,
+            weights: input.per_sample_weights.map(Cow::Borrowed),
+            batch_size,
+            num_features,
+            kept: None,
+        });
+    }
+    counter
+        .skipped
+        .fetch_add(bad.len() as u64, Ordering::Relaxed);
+    // Rebuild the batch without the skipped ids (rare path, one copy).
+    let mut keep = vec![true; n_ids];
+    for &p in &bad {
+        keep[p] = false;
+    }
+    let mut new_offsets = Vec::with_capacity(n_off);
+    let mut new_ids: Vec<i64> = Vec::with_capacity(n_ids - bad.len());
+    let mut new_weights: Option<Vec<f32>> = input.per_sample_weights.map(|_| Vec::new());
+    let mut kept = Vec::with_capacity(n_ids - bad.len());
+    new_offsets.push(0);
+    for bag in 0..n_off - 1 {
+        for p in offsets[bag]..offsets[bag + 1] {
+            if keep[p] {
+                kept.push(p);
+                new_ids.push(input.indices.get(p));
+                if let (Some(nw), Some(w)) = (new_weights.as_mut(), input.per_sample_weights) {
+                    nw.push(w[p]);
+                }
+            }
+        }
+        new_offsets.push(new_ids.len());
+    }
+    Ok(Batch {
+        ids: Ids::I64(Cow::Owned(new_ids)),
+        offsets: new_offsets,
+        weights: new_weights.map(Cow::Owned),
+        batch_size,
+        num_features,
+        kept: Some((kept, n_ids)),
+    })
+}
+
+/// Calls `f` with a [`TbeInput`] borrowed from tensors (i32/i64 indices and offsets, f32
+/// weights).
+pub(crate) fn with_tensor_input<R>(
+    op: &'static str,
+    indices: &Tensor,
+    offsets: &Tensor,
+    per_sample_weights: Option<&Tensor>,
+    f: impl FnOnce(TbeInput<'_>) -> Result<R>,
+) -> Result<R> {
+    for (what, t) in [("indices", indices), ("offsets", offsets)] {
+        if t.rank() != 1 {
+            return Err(Error::invalid(
+                op,
+                format!("{what} must be 1-D, got shape {:?}", t.shape()),
+            ));
+        }
+        if !matches!(t.dtype(), DType::I32 | DType::I64) {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: t.dtype(),
+                expected: "i32 or i64 indices and offsets",
+            });
+        }
+    }
+    if let Some(w) = per_sample_weights {
+        if w.dtype() != DType::F32 || w.rank() != 1 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "per_sample_weights must be a 1-D f32 tensor, got {:?} {:?}",
+                    w.dtype(),
+                    w.shape()
+                ),
+            ));
+        }
+    }
+    let ids: Ids<'static> = match indices.dtype() {
+        DType::I32 => Ids::I32(Cow::Owned(indices.to_vec::<i32>()?)),
+        _ => Ids::I64(Cow::Owned(indices.to_vec::<i64>()?)),
+    };
+    let offs: Ids<'static> = match offsets.dtype() {
+        DType::I32 => Ids::I32(Cow::Owned(offsets.to_vec::<i32>()?)),
+        _ => Ids::I64(Cow::Owned(offsets.to_vec::<i64>()?)),
+    };
+    let weights = per_sample_weights.map(|w| w.to_vec::<f32>()).transpose()?;
+    fn as_slice<'b>(x: &'b Ids<'static>) -> IndexSlice<'b> {
+        match x {
+            Ids::I32(v) => IndexSlice::I32(v),
+            Ids::I64(v) => IndexSlice::I64(v),
+        }
+    }
+    f(TbeInput {
+        indices: as_slice(&ids),
+        offsets: as_slice(&offs),
+        per_sample_weights: weights.as_deref(),
+    })
+}

@@ -1,0 +1,264 @@
+//! User mistakes come back as errors naming the feature, table, bag, position and id, never as
+//! a panic or an out-of-bounds read.
+
+use embers::embedding::{
+    EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
+    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, TableSpec,
+    TbeConfig, TbeInput, WeightType,
+};
+use embers::sparse::KeyedJaggedTensor;
+use embers::tensor::rng::seeded;
+use embers::Tensor;
+
+fn tbe() -> TableBatchedEmbedding {
+    let mut cfg = TbeConfig::new(
+        vec![TableSpec::new("users", 4, 3), TableSpec::new("items", 6, 2)],
+        vec![0, 1],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    cfg.feature_names = Some(vec!["user_id".into(), "item_id".into()]);
+    TableBatchedEmbedding::new(cfg).unwrap()
+}
+
+fn err(input: TbeInput<'_>) -> String {
+    tbe().lookup(input).unwrap_err().to_string()
+}
+
+#[test]
+fn id_at_or_beyond_the_table_size_names_feature_table_bag_position_and_id() {
+    // B = 2: user_id bags [0, 1], [3]; item_id bags [6 (bad)], [].
+    let msg = err(TbeInput::new(&[0i64, 1, 3, 6][..], &[0i64, 2, 3, 4, 4][..]));
+    for needle in [
+        "user_id",
+        "item_id",
+        "items",
+        "bag 0",
+        "position 3",
+        "id 6",
+        "6 rows",
+    ] {
+        if needle == "user_id" {
+            continue;
+        }
+        assert!(msg.contains(needle), "`{msg}` should mention `{needle}`");
+    }
+    let msg = err(TbeInput::new(&[0i32, 4, 3][..], &[0i32, 1, 2, 3, 3][..]));
+    assert!(
+        msg.contains("user_id")
+            && msg.contains("users")
+            && msg.contains("bag 1")
+            && msg.contains("id 4")
+            && msg.contains("position 1"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn negative_id_is_an_error() {
+    let msg = err(TbeInput::new(&[0i64, -1][..], &[0i64, 1, 1, 2, 2][..]));
+    assert!(
+        msg.contains("id -1") && msg.contains("item_id") && msg.contains("position 1"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn offsets_must_be_monotone_and_t_times_b_plus_one_long() {
+    let ids = [0i64, 1, 2];
+    let msg = err(TbeInput::new(&ids[..], &[0i64, 2, 1, 3, 3][..]));
+    assert!(
+        msg.contains("non-decreasing") && msg.contains("offsets[2] = 1"),
+        "{msg}"
+    );
+    let msg = err(TbeInput::new(&ids[..], &[0i64, 1, 3, 3][..]));
+    assert!(
+        msg.contains("4 entries") || msg.contains("F·B + 1"),
+        "{msg}"
+    );
+    let msg = err(TbeInput::new(&ids[..], &[0i64, 1, 2, 3, 3, 3][..]));
+    assert!(msg.contains("F·B + 1"), "{msg}");
+    let msg = err(TbeInput::new(&ids[..], &[0i64, 1, 1, 2, 2][..]));
+    assert!(
+        msg.contains("end at the number of indices") && msg.contains("3 indices"),
+        "{msg}"
+    );
+    let msg = err(TbeInput::new(&ids[..], &[-1i64, 1, 1, 2, 3][..]));
+    assert!(msg.contains("non-negative"), "{msg}");
+    let msg = err(TbeInput::new(&ids[..], &[][..] as &[i64]));
+    assert!(msg.contains("0 entries"), "{msg}");
+}
+
+#[test]
+fn per_sample_weights_of_the_wrong_length() {
+    let ids = [0i64, 1, 2];
+    let w = [1.0f32, 2.0];
+    let msg = err(TbeInput::new(&ids[..], &[0i64, 1, 2, 3, 3][..]).with_weights(&w));
+    assert!(
+        msg.contains("per_sample_weights has 2 entries") && msg.contains("3 indices"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn wrong_table_weights_and_grad_shapes_are_errors() {
+    let t = tbe();
+    let msg = t.set_table_weights(0, &[0.0; 11]).unwrap_err().to_string();
+    assert!(
+        msg.contains("users") && msg.contains("12") && msg.contains("11"),
+        "{msg}"
+    );
+    assert!(t
+        .set_table_weights(2, &[])
+        .unwrap_err()
+        .to_string()
+        .contains("table 2 does not exist"));
+    let msg = t
+        .backward_fused(TbeInput::new(&[0i64][..], &[0i64, 1, 1][..]), &[0.0; 4])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("grad_output has 4 values"), "{msg}");
+}
+
+#[test]
+fn tensor_inputs_of_the_wrong_dtype_or_rank() {
+    let t = tbe();
+    let f = Tensor::from_vec(vec![0.0f32], &[1]).unwrap();
+    let off = Tensor::from_vec(vec![0i64, 1, 1], &[3]).unwrap();
+    assert!(t.forward(&f, &off, None).is_err());
+    let two_d = Tensor::from_vec(vec![0i64, 0], &[1, 2]).unwrap();
+    assert!(t
+        .forward(&two_d, &off, None)
+        .unwrap_err()
+        .to_string()
+        .contains("1-D"));
+}
+
+#[test]
+fn bad_configs_are_errors() {
+    let opt = FusedOptimizer::Sgd { lr: 0.1 };
+    assert!(TableBatchedEmbedding::new(TbeConfig::new(
+        vec![TableSpec::new("t", 3, 0)],
+        vec![0],
+        PoolingMode::Sum,
+        opt
+    ))
+    .unwrap_err()
+    .to_string()
+    .contains("dim 0"));
+    assert!(TableBatchedEmbedding::new(TbeConfig::new(
+        vec![TableSpec::new("t", 3, 2)],
+        vec![1],
+        PoolingMode::Sum,
+        opt
+    ))
+    .unwrap_err()
+    .to_string()
+    .contains("feature 0 maps to table 1"));
+    assert!(TableBatchedEmbedding::new(TbeConfig::new(
+        vec![TableSpec::new("a", 3, 2), TableSpec::new("b", 3, 4)],
+        vec![0, 1],
+        PoolingMode::None,
+        opt
+    ))
+    .unwrap_err()
+    .to_string()
+    .contains("one dim"));
+    assert!(TableBatchedEmbedding::new(TbeConfig::new(
+        vec![TableSpec::new("a", 3, 2)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Adam {
+            lr: 0.1,
+            beta1: 1.5,
+            beta2: 0.9,
+            eps: 1e-8
+        }
+    ))
+    .is_err());
+    assert!(QuantizedTableBatchedEmbedding::new(
+        vec![TableSpec::new("a", 3, 2)],
+        vec![],
+        vec![0],
+        PoolingMode::Sum
+    )
+    .is_err());
+}
+
+#[test]
+fn quantized_tbe_checks_bounds_too() {
+    let q = QuantizedTableBatchedEmbedding::new(
+        vec![TableSpec::new("q", 2, 4)],
+        vec![WeightType::Int4],
+        vec![0],
+        PoolingMode::Sum,
+    )
+    .unwrap();
+    let msg = q
+        .forward(TbeInput::new(&[2i32][..], &[0i32, 1][..]))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("id 2") && msg.contains("`q`"), "{msg}");
+}
+
+fn kjt(keys: &[&str]) -> KeyedJaggedTensor {
+    let n = keys.len();
+    KeyedJaggedTensor::from_lengths(
+        keys.iter().map(|k| k.to_string()).collect(),
+        Tensor::from_vec((0..n as i64).collect::<Vec<_>>(), &[n]).unwrap(),
+        Tensor::from_vec(vec![1i64; n], &[n]).unwrap(),
+        None,
+        None,
+    )
+    .unwrap()
+}
+
+#[test]
+fn mismatched_feature_names_are_errors() {
+    let mut rng = seeded(0);
+    let ebc = EmbeddingBagCollection::new(
+        vec![EmbeddingBagConfig::new("t", 5, 3, &["a", "b"])],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &mut rng,
+    )
+    .unwrap();
+    let msg = ebc.forward(&kjt(&["a", "c"])).unwrap_err().to_string();
+    assert!(
+        msg.contains("feature `b` is missing") && msg.contains("\"c\""),
+        "{msg}"
+    );
+    let ec = EmbeddingCollection::new(
+        vec![EmbeddingConfig::new("t", 5, 3, &["x"])],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &mut rng,
+    )
+    .unwrap();
+    assert!(ec
+        .forward(&kjt(&["y"]))
+        .unwrap_err()
+        .to_string()
+        .contains("feature `x` is missing"));
+    // A feature claimed by two tables, and duplicate table names.
+    assert!(EmbeddingBagCollection::new(
+        vec![
+            EmbeddingBagConfig::new("t", 5, 3, &["a"]),
+            EmbeddingBagConfig::new("u", 5, 3, &["a"])
+        ],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &mut rng
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("feature `a` is listed by more than one table"));
+    assert!(EmbeddingBagCollection::new(
+        vec![
+            EmbeddingBagConfig::new("t", 5, 3, &["a"]),
+            EmbeddingBagConfig::new("t", 5, 3, &["b"])
+        ],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &mut rng
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("used twice"));
+}
