@@ -150,3 +150,74 @@ fn tiny_dlrm_gradients_match_finite_differences() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn full_dlrm_trains_tables_and_dense_layers_together() -> Result<()> {
+    use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
+    use embers::models::Dlrm;
+    use embers::optim::{Optimizer, Sgd};
+    use embers::sparse::KeyedJaggedTensor;
+    use embers::tensor::Reduction;
+    let mut rng = seeded(4);
+    let (b, d) = (8, 4);
+    let configs = vec![
+        EmbeddingBagConfig::new("t0", 10, d, &["f0"]),
+        EmbeddingBagConfig::new("t1", 20, d, &["f1"]),
+    ];
+    let ebc = EmbeddingBagCollection::new(configs, FusedOptimizer::Sgd { lr: 0.5 }, &mut rng)?;
+    let dense = DlrmDense::dot(3, &[6, d], 2, &[5, 1], DType::F32, &mut rng)?;
+    let model = Dlrm::new(ebc, dense)?;
+    // One id per feature per sample, key-major.
+    let ids: Vec<i64> = (0..b as i64)
+        .map(|i| i % 10)
+        .chain((0..b as i64).map(|i| (3 * i) % 20))
+        .collect();
+    let kjt = KeyedJaggedTensor::from_lengths(
+        vec!["f0".into(), "f1".into()],
+        Tensor::from_vec(ids, &[2 * b])?,
+        Tensor::from_vec(vec![1i64; 2 * b], &[2 * b])?,
+        None,
+        None,
+    )?;
+    let x = Tensor::randn(&[b, 3], 0.0, 1.0, DType::F32, &mut rng);
+    let y = Tensor::from_vec((0..b).map(|i| (i % 2) as f32).collect(), &[b, 1])?;
+    let before = model.sparse_arch.table_weights("t1")?;
+    let mut opt = Sgd::new(model.dense.parameters(), 0.2)?;
+    let loss_at = |m: &Dlrm| -> Result<f64> {
+        no_grad(|| {
+            m.forward(&x, &kjt)?
+                .bce_with_logits(&y, None, Reduction::Mean)?
+                .item()
+        })
+    };
+    let first = loss_at(&model)?;
+    for _ in 0..200 {
+        opt.zero_grad();
+        model
+            .forward(&x, &kjt)?
+            .bce_with_logits(&y, None, Reduction::Mean)?
+            .backward()?;
+        opt.step()?;
+    }
+    let last = loss_at(&model)?;
+    assert!(last < 0.5 * first, "loss {first} → {last}");
+    // Rows looked up moved (fused update); rows never looked up did not.
+    let after = model.sparse_arch.table_weights("t1")?;
+    let touched: Vec<usize> = (0..b).map(|i| (3 * i) % 20).collect();
+    for row in 0..20 {
+        let moved = before[row * d..(row + 1) * d] != after[row * d..(row + 1) * d];
+        assert_eq!(moved, touched.contains(&row), "row {row}");
+    }
+    // Mismatched dims are refused.
+    let ebc = EmbeddingBagCollection::new(
+        vec![EmbeddingBagConfig::new("t", 5, d + 1, &["f0"])],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &mut rng,
+    )?;
+    assert!(Dlrm::new(
+        ebc,
+        DlrmDense::dot(3, &[6, d], 1, &[5, 1], DType::F32, &mut rng)?
+    )
+    .is_err());
+    Ok(())
+}

@@ -249,6 +249,11 @@ impl EmbeddingBagCollection {
         })
     }
 
+    /// The output keys (features in config order) and the pooled width of each.
+    pub fn output_keys_and_dims(&self) -> (&[String], &[usize]) {
+        (&self.output_keys, &self.output_dims)
+    }
+
     /// The table configs.
     pub fn configs(&self) -> &[EmbeddingBagConfig] {
         &self.configs

@@ -7,7 +7,9 @@
 //! feeds `[B, (F+1)·D]` through a low-rank cross network; the over arch ends in one
 //! un-activated linear layer producing logits.
 
+use crate::embedding::EmbeddingBagCollection;
 use crate::nn::{prefixed, Activation, Forward, Init, Linear, Mlp, Module};
+use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::rng::Rng;
 use crate::{DType, Error, Result, Tensor};
 
@@ -317,5 +319,51 @@ impl Module for DlrmDense {
         }
         p.extend(prefixed("over_arch", self.over_arch.named_parameters()));
         p
+    }
+}
+
+/// The whole DLRM (TorchRec's `DLRM` / `DLRM_DCN`): an [`EmbeddingBagCollection`] whose pooled
+/// outputs (one per feature, all of dim `D`) feed [`DlrmDense`]. Dense parameters are trained by
+/// a dense optimizer; the tables by the optimizer fused into the embedding-bag backward.
+#[derive(Clone, Debug)]
+pub struct Dlrm {
+    /// The embedding tables.
+    pub sparse_arch: EmbeddingBagCollection,
+    /// Everything after the lookup.
+    pub dense: DlrmDense,
+}
+
+impl Dlrm {
+    /// Joins tables and dense half; every feature's pooled width must be the dense arch's
+    /// output width `D`, and the feature count must match.
+    pub fn new(sparse_arch: EmbeddingBagCollection, dense: DlrmDense) -> Result<Self> {
+        let d = dense.dense_arch.out_features();
+        let (_, dims) = sparse_arch.output_keys_and_dims();
+        if dims.len() != dense.num_sparse_features || dims.iter().any(|&x| x != d) {
+            return Err(Error::invalid(
+                "Dlrm::new",
+                format!(
+                    "the dense half expects {} features of dim {d}, the tables give dims {dims:?}",
+                    dense.num_sparse_features
+                ),
+            ));
+        }
+        Ok(Dlrm { sparse_arch, dense })
+    }
+
+    /// `dense_features [B, dense_in]`, `sparse_features` (a KJT with the tables' features) →
+    /// logits `[B, 1]`.
+    pub fn forward(
+        &self,
+        dense_features: &Tensor,
+        sparse_features: &KeyedJaggedTensor,
+    ) -> Result<Tensor> {
+        let pooled = self.sparse_arch.forward(sparse_features)?;
+        let b = dense_features.shape().first().copied().unwrap_or(0);
+        let d = self.dense.dense_arch.out_features();
+        let embedded = pooled
+            .values()
+            .reshape(&[b, self.dense.num_sparse_features, d])?;
+        self.dense.forward(dense_features, &embedded)
     }
 }

@@ -3,4 +3,6 @@
 
 pub mod dlrm;
 
-pub use dlrm::{DenseArch, DlrmDense, Interaction, InteractionArch, LowRankCrossNet, OverArch};
+pub use dlrm::{
+    DenseArch, Dlrm, DlrmDense, Interaction, InteractionArch, LowRankCrossNet, OverArch,
+};
