@@ -43,45 +43,11 @@ mod helpers {
 
     use crate::{DType, Error, Result, Tensor};
 
-    /// Element count above which the jagged kernels split their work across rayon threads.
-    pub(crate) const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+    /// Element count above which the jagged kernels split their work across rayon threads
+    /// (the tensor core's threshold).
+    pub(crate) const PARALLEL_MIN_ELEMENTS: usize = crate::tensor::ops::PAR_THRESHOLD;
 
-    /// Binds `$T` to the Rust element type of any dtype (copy-only kernels work on all of them).
-    macro_rules! with_any_dtype {
-        ($dtype:expr, $T:ident => $body:expr) => {
-            match $dtype {
-                $crate::DType::F32 => {
-                    type $T = f32;
-                    $body
-                }
-                $crate::DType::F64 => {
-                    type $T = f64;
-                    $body
-                }
-                $crate::DType::F16 => {
-                    type $T = half::f16;
-                    $body
-                }
-                $crate::DType::BF16 => {
-                    type $T = half::bf16;
-                    $body
-                }
-                $crate::DType::I64 => {
-                    type $T = i64;
-                    $body
-                }
-                $crate::DType::I32 => {
-                    type $T = i32;
-                    $body
-                }
-                $crate::DType::U8 => {
-                    type $T = u8;
-                    $body
-                }
-            }
-        };
-    }
-    pub(crate) use with_any_dtype;
+    pub(crate) use crate::tensor::ops::with_any_dtype;
 
     /// Bytes above which an output buffer asks the kernel for transparent huge pages.
     const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;

@@ -84,6 +84,43 @@ macro_rules! with_num {
 }
 pub(crate) use with_num;
 
+/// Binds `$T` to the Rust element type of any dtype (copy-only kernels work on all of them).
+macro_rules! with_any_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_any_dtype;
+
 /// Values of a float tensor in its compute dtype (f16/bf16 widened to f32), plus the dtype
 /// results must be stored in.
 pub(crate) fn float_compute(op: &'static str, t: &Tensor) -> Result<(Tensor, DType)> {
