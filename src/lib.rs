@@ -20,6 +20,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod embedding;
 pub mod error;
 pub mod metrics;
@@ -28,6 +29,7 @@ pub mod nn;
 pub mod optim;
 pub mod sparse;
 pub mod tensor;
+pub mod train;
 
 pub use error::{Error, Result};
 pub use tensor::{no_grad, DType, Device, Gradient, Tensor};

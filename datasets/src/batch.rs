@@ -169,4 +169,26 @@ impl RawBatch {
         let end = start + self.lengths[position] as usize;
         self.values.get(start..end)
     }
+
+    /// Turns the batch into embers tensors and one `KeyedJaggedTensor` (moving the buffers,
+    /// no per-feature copies). Single-task batches only: DLRM predicts one click label.
+    pub fn into_batch(self) -> embers::Result<embers::train::Batch> {
+        if self.num_tasks != 1 {
+            return Err(embers::Error::invalid(
+                "RawBatch::into_batch",
+                format!(
+                    "the batch has {} label columns; a DLRM batch has one",
+                    self.num_tasks
+                ),
+            ));
+        }
+        embers::train::Batch::from_parts(
+            self.dense,
+            self.num_dense,
+            self.keys,
+            self.values,
+            self.lengths,
+            self.labels,
+        )
+    }
 }

@@ -86,3 +86,11 @@ pub(crate) fn show_field(raw: &[u8]) -> String {
         text.into_owned()
     }
 }
+
+impl From<DatasetError> for embers::Error {
+    /// Data errors surface in training loops as embers errors naming the dataset problem
+    /// (file, line or row group, field).
+    fn from(e: DatasetError) -> Self {
+        embers::Error::invalid("dataset", e.to_string())
+    }
+}

@@ -10,9 +10,12 @@
 //! collection reads must be keys of the input KJT (extra keys are ignored) and every key must
 //! have the same batch size.
 
+use super::config::WeightType;
 use super::config::{
     BoundsCheckMode, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit, PoolingMode, TableSpec,
 };
+use super::inference::QuantizedTableBatchedEmbedding;
+use super::input::TbeInput;
 use super::optimizer::{FusedOptimizer, WeightDecay};
 use super::tbe::{TableBatchedEmbedding, TbeConfig};
 use crate::nn::Module;
@@ -123,6 +126,74 @@ fn tbe_input_from_kjt(
         Tensor::from_vec(new_offsets, &[n_off])?,
         new_weights.map(|w| Tensor::from_vec(w, &[n])).transpose()?,
     ))
+}
+
+/// Puts each group's pooled output columns back in the collection's feature order.
+fn assemble_pooled(
+    output_keys: &[String],
+    output_dims: &[usize],
+    mut outputs: Vec<(&[String], Tensor)>,
+) -> Result<KeyedTensor> {
+    let values = if outputs.len() == 1 && outputs[0].0 == output_keys {
+        outputs.pop().expect("one group").1
+    } else {
+        // Several pooling groups: put every feature's columns back in config order.
+        let mut pieces = Vec::new();
+        for key in output_keys {
+            let (features, out) = outputs
+                .iter()
+                .find(|(fs, _)| fs.contains(key))
+                .expect("every feature is in a group");
+            let mut col = 0;
+            let mut width = 0;
+            for f in features.iter() {
+                let d = output_dims[output_keys.iter().position(|k| k == f).unwrap()];
+                if f == key {
+                    width = d;
+                    break;
+                }
+                col += d;
+            }
+            pieces.push(out.narrow(1, col, width)?);
+        }
+        let refs: Vec<&Tensor> = pieces.iter().collect();
+        Tensor::cat(&refs, 1)?
+    };
+    KeyedTensor::new(output_keys.to_vec(), output_dims.to_vec(), values)
+}
+
+/// An inference-only [`EmbeddingBagCollection`] with quantized tables (see
+/// [`EmbeddingBagCollection::quantize`]); outputs are f32 and take no part in autograd.
+#[derive(Debug)]
+pub struct QuantizedEmbeddingBagCollection {
+    groups: Vec<(QuantizedTableBatchedEmbedding, Vec<String>)>,
+    output_keys: Vec<String>,
+    output_dims: Vec<usize>,
+}
+
+impl QuantizedEmbeddingBagCollection {
+    /// Pooled embeddings of every feature, as [`EmbeddingBagCollection::forward`].
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
+        const OP: &str = "QuantizedEmbeddingBagCollection";
+        let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
+        for (q, features) in &self.groups {
+            let (ids, offsets, weights) = tbe_input_from_kjt(OP, kjt, features)?;
+            let ids = ids.cast_values(DType::I64)?.to_vec::<i64>()?;
+            let offsets = offsets.cast_values(DType::I64)?.to_vec::<i64>()?;
+            let weights = weights.map(|w| w.to_vec::<f32>()).transpose()?;
+            let mut input = TbeInput::new(&ids[..], &offsets[..]);
+            if let Some(w) = &weights {
+                input = input.with_weights(w);
+            }
+            outputs.push((features, q.forward(input)?));
+        }
+        assemble_pooled(&self.output_keys, &self.output_dims, outputs)
+    }
+
+    /// Bytes held by the quantized tables.
+    pub fn allocated_bytes(&self) -> usize {
+        self.groups.iter().map(|(q, _)| q.allocated_bytes()).sum()
+    }
 }
 
 /// Pooled embedding tables looked up by sparse features (TorchRec's `EmbeddingBagCollection`
@@ -289,38 +360,32 @@ impl EmbeddingBagCollection {
     /// order), values `[B, Σ dims]`. Takes part in autograd; the backward runs the fused
     /// optimizer (and gives the KJT's weights their gradient if they require it).
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
-        let mut outputs: Vec<(Vec<String>, Tensor)> = Vec::new();
+        let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
         for g in &self.groups {
             let (ids, offsets, weights) = tbe_input_from_kjt(EBC, kjt, &g.features)?;
             let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
-            outputs.push((g.features.clone(), out));
+            outputs.push((&g.features, out));
         }
-        let values = if outputs.len() == 1 && outputs[0].0 == self.output_keys {
-            outputs.pop().expect("one group").1
-        } else {
-            // Several pooling groups: put every feature's columns back in config order.
-            let mut pieces = Vec::new();
-            for key in &self.output_keys {
-                let (features, out) = outputs
-                    .iter()
-                    .find(|(fs, _)| fs.contains(key))
-                    .expect("every feature is in a group");
-                let mut col = 0;
-                let mut width = 0;
-                for f in features {
-                    let d = self.output_dims[self.output_keys.iter().position(|k| k == f).unwrap()];
-                    if f == key {
-                        width = d;
-                        break;
-                    }
-                    col += d;
-                }
-                pieces.push(out.narrow(1, col, width)?);
-            }
-            let refs: Vec<&Tensor> = pieces.iter().collect();
-            Tensor::cat(&refs, 1)?
-        };
-        KeyedTensor::new(self.output_keys.clone(), self.output_dims.clone(), values)
+        assemble_pooled(&self.output_keys, &self.output_dims, outputs)
+    }
+
+    /// An inference copy with every table quantized to `weight_type` (FBGEMM's row formats),
+    /// same features and pooling.
+    pub fn quantize(&self, weight_type: WeightType) -> Result<QuantizedEmbeddingBagCollection> {
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| {
+                let types = vec![weight_type; g.tbe.config().tables.len()];
+                let q = QuantizedTableBatchedEmbedding::from_trained(&g.tbe, &types)?;
+                Ok((q, g.features.clone()))
+            })
+            .collect::<Result<_>>()?;
+        Ok(QuantizedEmbeddingBagCollection {
+            groups,
+            output_keys: self.output_keys.clone(),
+            output_dims: self.output_dims.clone(),
+        })
     }
 
     /// Writes every table and its optimizer state to one safetensors file (atomically).
@@ -333,6 +398,35 @@ impl EmbeddingBagCollection {
     pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let tbes: Vec<&TableBatchedEmbedding> = self.tbes();
         super::checkpoint::load_many(path.as_ref(), &tbes)
+    }
+
+    /// Adds every table and its optimizer state to a larger checkpoint, names prefixed by
+    /// `prefix`.
+    pub fn checkpoint_into(
+        &self,
+        writer: &mut crate::checkpoint::CheckpointWriter,
+        prefix: &str,
+    ) -> Result<()> {
+        super::checkpoint::add_tbes(writer, prefix, &self.tbes())
+    }
+
+    /// Restores what [`checkpoint_into`](Self::checkpoint_into) wrote; everything is checked
+    /// before anything changes.
+    pub fn restore_from(
+        &self,
+        reader: &crate::checkpoint::CheckpointReader,
+        prefix: &str,
+    ) -> Result<()> {
+        self.stage_from(reader, prefix)?.apply(&self.tbes())
+    }
+
+    /// Reads and checks this collection's part of a checkpoint without applying it.
+    pub(crate) fn stage_from(
+        &self,
+        reader: &crate::checkpoint::CheckpointReader,
+        prefix: &str,
+    ) -> Result<super::checkpoint::StagedTables> {
+        super::checkpoint::stage_tbes(reader, prefix, &self.tbes())
     }
 }
 

@@ -40,7 +40,9 @@ mod storage;
 mod tbe;
 
 pub use backward::{BackwardOutput, SparseTableGrad};
-pub use collection::{EmbeddingBagCollection, EmbeddingCollection};
+pub use collection::{
+    EmbeddingBagCollection, EmbeddingCollection, QuantizedEmbeddingBagCollection,
+};
 pub use config::{
     BoundsCheckMode, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit, PoolingMode, TableSpec,
     WeightType,

@@ -359,11 +359,15 @@ impl Dlrm {
         sparse_features: &KeyedJaggedTensor,
     ) -> Result<Tensor> {
         let pooled = self.sparse_arch.forward(sparse_features)?;
+        self.forward_pooled(dense_features, pooled.values())
+    }
+
+    /// The dense half on already pooled embeddings `[B, F·D]` (e.g. from a quantized copy of
+    /// the tables, [`EmbeddingBagCollection::quantize`]) → logits `[B, 1]`.
+    pub fn forward_pooled(&self, dense_features: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         let b = dense_features.shape().first().copied().unwrap_or(0);
         let d = self.dense.dense_arch.out_features();
-        let embedded = pooled
-            .values()
-            .reshape(&[b, self.dense.num_sparse_features, d])?;
+        let embedded = pooled.reshape(&[b, self.dense.num_sparse_features, d])?;
         self.dense.forward(dense_features, &embedded)
     }
 }

@@ -48,6 +48,27 @@ impl Adagrad {
         &self.sums
     }
 
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut state = Vec::with_capacity(self.sums.len() + 1);
+        for (i, s) in self.sums.iter().enumerate() {
+            state.push((format!("sum.{i}"), super::snapshot(s)?));
+        }
+        state.push(("step".to_string(), super::steps_tensor(&self.steps)?));
+        Ok(state)
+    }
+
+    fn load_state_entries(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let sums = (self.sums.iter().enumerate())
+            .map(|(i, s)| super::required_entry("Adagrad", state, &format!("sum.{i}"), s))
+            .collect::<Result<Vec<_>>>()?;
+        let steps = super::state_steps("Adagrad", state, self.params.len())?;
+        for (s, new) in self.sums.iter().zip(sums) {
+            s.copy_from(new)?;
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {

@@ -78,6 +78,42 @@ impl Adam {
         })
     }
 
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut state = Vec::new();
+        for i in 0..self.params.len() {
+            state.push((format!("exp_avg.{i}"), super::snapshot(&self.exp_avg[i])?));
+            state.push((
+                format!("exp_avg_sq.{i}"),
+                super::snapshot(&self.exp_avg_sq[i])?,
+            ));
+            if let Some(m) = &self.max_exp_avg_sq[i] {
+                state.push((format!("max_exp_avg_sq.{i}"), super::snapshot(m)?));
+            }
+        }
+        state.push(("step".to_string(), super::steps_tensor(&self.steps)?));
+        Ok(state)
+    }
+
+    fn load_state_entries(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let mut staged = Vec::new();
+        for i in 0..self.params.len() {
+            let get = |name: &str, like: &Tensor| {
+                super::required_entry("Adam", state, &format!("{name}.{i}"), like)
+            };
+            staged.push((&self.exp_avg[i], get("exp_avg", &self.exp_avg[i])?));
+            staged.push((&self.exp_avg_sq[i], get("exp_avg_sq", &self.exp_avg_sq[i])?));
+            if let Some(m) = &self.max_exp_avg_sq[i] {
+                staged.push((m, get("max_exp_avg_sq", m)?));
+            }
+        }
+        let steps = super::state_steps("Adam", state, self.params.len())?;
+        for (dst, src) in staged {
+            dst.copy_from(src)?;
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {

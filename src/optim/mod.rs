@@ -26,6 +26,12 @@ pub trait Optimizer {
     fn learning_rate(&self) -> f64;
     /// Sets the learning rate (for schedules).
     fn set_learning_rate(&mut self, lr: f64);
+    /// The optimizer's state as named tensors (per-parameter buffers such as `sum.3`, and
+    /// `step`, the per-parameter step counts), for checkpoints. The tensors are copies.
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
+    /// Restores what [`state_dict`](Optimizer::state_dict) returned for the same parameters.
+    /// Every name, dtype and shape is checked before anything changes.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()>;
 }
 
 /// Implements [`Optimizer`] for a type with `params: Vec<Tensor>`, a learning-rate field and
@@ -47,6 +53,12 @@ macro_rules! impl_optimizer {
             }
             fn set_learning_rate(&mut self, lr: f64) {
                 self.$($lr).+ = lr;
+            }
+            fn state_dict(&self) -> $crate::Result<Vec<(String, $crate::Tensor)>> {
+                self.state_entries()
+            }
+            fn load_state_dict(&mut self, state: &[(String, $crate::Tensor)]) -> $crate::Result<()> {
+                self.load_state_entries(state)
             }
         }
     };
@@ -115,4 +127,66 @@ pub(crate) fn check_param(op: &'static str, p: &Tensor) -> Result<()> {
         ));
     }
     with_float!(p.dtype(), op, T => { let _ = std::mem::size_of::<T>(); Ok(()) })
+}
+
+/// A deep copy of a state buffer (state dicts must not alias the optimizer's buffers).
+pub(crate) fn snapshot(t: &Tensor) -> Result<Tensor> {
+    crate::tensor::ops::with_any_dtype!(t.dtype(), T => Tensor::from_vec(t.to_vec::<T>()?, t.shape()))
+}
+
+/// Per-parameter step counts as an `I64 [n]` tensor.
+pub(crate) fn steps_tensor(steps: &[u64]) -> Result<Tensor> {
+    Tensor::from_vec(steps.iter().map(|&s| s as i64).collect(), &[steps.len()])
+}
+
+/// The entry `name` of a state dict, if present, checked to have `like`'s dtype and shape.
+pub(crate) fn state_entry<'a>(
+    op: &'static str,
+    state: &'a [(String, Tensor)],
+    name: &str,
+    like: &Tensor,
+) -> Result<Option<&'a Tensor>> {
+    let Some((_, t)) = state.iter().find(|(n, _)| n == name) else {
+        return Ok(None);
+    };
+    if t.dtype() != like.dtype() || t.shape() != like.shape() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "state `{name}` is {:?} {:?}, the optimizer holds {:?} {:?}",
+                t.dtype(),
+                t.shape(),
+                like.dtype(),
+                like.shape()
+            ),
+        ));
+    }
+    Ok(Some(t))
+}
+
+/// Like [`state_entry`] but the entry must exist.
+pub(crate) fn required_entry<'a>(
+    op: &'static str,
+    state: &'a [(String, Tensor)],
+    name: &str,
+    like: &Tensor,
+) -> Result<&'a Tensor> {
+    state_entry(op, state, name, like)?
+        .ok_or_else(|| Error::invalid(op, format!("state `{name}` is missing")))
+}
+
+/// The `step` entry: one non-negative count per parameter.
+pub(crate) fn state_steps(
+    op: &'static str,
+    state: &[(String, Tensor)],
+    n: usize,
+) -> Result<Vec<u64>> {
+    let like = Tensor::zeros(&[n], crate::DType::I64, crate::Device::Cpu);
+    let steps = required_entry(op, state, "step", &like)?.to_vec::<i64>()?;
+    steps
+        .iter()
+        .map(|&s| {
+            u64::try_from(s).map_err(|_| Error::invalid(op, format!("state `step` holds {s}")))
+        })
+        .collect()
 }

@@ -56,6 +56,28 @@ impl Sgd {
         self
     }
 
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut state = Vec::new();
+        for (i, b) in self.momentum_buffers.iter().enumerate() {
+            if let Some(b) = b {
+                state.push((format!("momentum_buffer.{i}"), super::snapshot(b)?));
+            }
+        }
+        Ok(state)
+    }
+
+    fn load_state_entries(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let buffers = (self.params.iter().enumerate())
+            .map(|(i, p)| {
+                super::state_entry("Sgd", state, &format!("momentum_buffer.{i}"), p)?
+                    .map(super::snapshot)
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.momentum_buffers = buffers;
+        Ok(())
+    }
+
     fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {

@@ -1,0 +1,730 @@
+//! Trains a DLRM (or DLRM-DCNv2) click model and reports what the field reports.
+//!
+//! `cargo run --release --example dlrm` trains on the built-in synthetic Criteo-shaped data
+//! (whose best achievable AUC is known), validating as it goes, then writes to `--out`
+//! (default `dlrm-out/`): `checkpoint.safetensors` (atomic), `metrics.csv`, `metrics.json`
+//! and `curves.png`, and prints a test report with the AUC of quantized copies of the tables.
+//! `--help` lists the flags (Criteo TSV/Parquet and MovieLens data, model sizes, optimizers,
+//! resume).
+
+mod plot;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use embers::embedding::{FusedOptimizer, WeightType};
+use embers::metrics::Throughput;
+use embers::nn::Module;
+use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer, EvalReport};
+use embers::{Error, Result};
+use embers_datasets::{
+    BatchConfig, Batcher, CategoricalMapping, CriteoConfig, CriteoParquetReader, CriteoTsvReader,
+    ExampleSource, FeatureSchema, MovieLensConfig, MovieLensFormat, MovieLensReader, RawBatch,
+    ShuffleConfig, Split, SplitRule, SyntheticCriteo, SyntheticCriteoConfig, MOVIELENS_GENRES,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DataSource {
+    /// Built-in seeded Criteo-shaped data with a planted logistic signal.
+    Synthetic,
+    /// Criteo Kaggle / 1TB TSV files (`--path`, several allowed).
+    CriteoTsv,
+    /// Criteo schema in Parquet (`--path`, several allowed).
+    CriteoParquet,
+    /// MovieLens ratings (`u.data`, `ratings.dat` or RecBole `.inter`), rating >= 4 is a click.
+    Movielens,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DenseOpt {
+    Sgd,
+    Adagrad,
+    Adam,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SparseOpt {
+    Sgd,
+    Adagrad,
+    RowwiseAdagrad,
+    Adam,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum QuantType {
+    Fp16,
+    Int8,
+    Int4,
+    Fp8,
+}
+
+impl QuantType {
+    fn weight_type(self) -> WeightType {
+        match self {
+            QuantType::Fp16 => WeightType::Fp16,
+            QuantType::Int8 => WeightType::Int8,
+            QuantType::Int4 => WeightType::Int4,
+            QuantType::Fp8 => WeightType::Fp8,
+        }
+    }
+}
+
+/// Train a DLRM click model (defaults: synthetic data, a few minutes on 2 cores).
+#[derive(Parser, Debug, Clone)]
+#[command(version, about)]
+struct Args {
+    /// Data source.
+    #[arg(long, value_enum, default_value_t = DataSource::Synthetic)]
+    data: DataSource,
+    /// Data files (Criteo TSV/Parquet: one or more; MovieLens: the ratings file).
+    #[arg(long, num_args = 1..)]
+    path: Vec<PathBuf>,
+    /// MovieLens items file (`u.item`, `movies.dat`, `.item`): adds a multi-hot genres feature.
+    #[arg(long)]
+    items_path: Option<PathBuf>,
+    /// Training examples of the synthetic data.
+    #[arg(long, default_value_t = 1_000_000)]
+    synthetic_train: u64,
+    /// Validation and test examples (each) of the synthetic data.
+    #[arg(long, default_value_t = 100_000)]
+    synthetic_eval: u64,
+    /// Fraction of file examples held out for validation and for test (each).
+    #[arg(long, default_value_t = 0.1)]
+    holdout: f64,
+    /// Passes over the training split.
+    #[arg(long, default_value_t = 1)]
+    epochs: u64,
+    /// Stop after this many steps in total (default: run all epochs).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 512)]
+    batch_size: usize,
+    /// Embedding dimension (also the bottom MLP's output width).
+    #[arg(long, default_value_t = 16)]
+    emb_dim: usize,
+    /// Cap on rows per table (ids are reduced modulo the table size).
+    #[arg(long, default_value_t = 100_000)]
+    table_cap: u64,
+    /// Hidden widths of the bottom MLP (the embedding dim is appended).
+    #[arg(long, value_delimiter = ',', default_value = "64,32")]
+    dense_arch: Vec<usize>,
+    /// Hidden widths of the top MLP (the 1-wide logit layer is appended).
+    #[arg(long, value_delimiter = ',', default_value = "64,32")]
+    over_arch: Vec<usize>,
+    /// Use DLRM-DCNv2 (a low-rank cross network) instead of the dot interaction.
+    #[arg(long)]
+    dcn: bool,
+    /// Cross layers of DCN.
+    #[arg(long, default_value_t = 3)]
+    dcn_layers: usize,
+    /// Rank of DCN's low-rank cross weights.
+    #[arg(long, default_value_t = 16)]
+    dcn_rank: usize,
+    /// Optimizer of the dense half.
+    #[arg(long, value_enum, default_value_t = DenseOpt::Adagrad)]
+    dense_optimizer: DenseOpt,
+    /// Learning rate of the dense half.
+    #[arg(long, default_value_t = 0.05)]
+    dense_lr: f64,
+    /// Optimizer fused into the embedding tables' backward.
+    #[arg(long, value_enum, default_value_t = SparseOpt::RowwiseAdagrad)]
+    sparse_optimizer: SparseOpt,
+    /// Learning rate of the tables.
+    #[arg(long, default_value_t = 0.05)]
+    sparse_lr: f32,
+    /// Seed of the model, the data shuffle and the synthetic data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Validate (and checkpoint) every this many steps (0: only at the end).
+    #[arg(long, default_value_t = 500)]
+    validate_every: u64,
+    /// Examples of the validation split used at each validation (0: all).
+    #[arg(long, default_value_t = 50_000)]
+    validation_examples: u64,
+    /// Output directory (checkpoint, metrics CSV/JSON, PNG plot).
+    #[arg(long, default_value = "dlrm-out")]
+    out: PathBuf,
+    /// Resume from this checkpoint (continues bit-identically with the same flags).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Evaluate quantized copies of the tables on the test split (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "fp16,int8,int4,fp8"
+    )]
+    quantized_eval: Vec<QuantType>,
+    /// Skip the quantized evaluation.
+    #[arg(long)]
+    no_quantized_eval: bool,
+    /// Shuffle buffer size (examples) for file sources.
+    #[arg(long, default_value_t = 100_000)]
+    shuffle_buffer: usize,
+    /// No progress bar (plain log lines instead).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// The dataset chosen on the command line, able to produce batches of any split.
+enum Data {
+    Synthetic(SyntheticCriteo),
+    Files { args: Args, schema: FeatureSchema },
+}
+
+type Batches = Box<dyn Iterator<Item = Result<Batch>>>;
+
+fn to_batches<S: ExampleSource + 'static>(source: S, config: BatchConfig) -> Result<Batches> {
+    let prefetched = Batcher::new(source, config)?.prefetch(4)?;
+    Ok(Box::new(prefetched.map(|raw| {
+        raw.map_err(Error::from).and_then(RawBatch::into_batch)
+    })))
+}
+
+impl Data {
+    fn open(args: &Args) -> Result<(Data, Vec<(String, usize)>)> {
+        let need_path = || -> Result<()> {
+            if args.path.is_empty() {
+                return Err(Error::invalid(
+                    "dlrm",
+                    format!("--data {:?} needs --path", args.data),
+                ));
+            }
+            Ok(())
+        };
+        match args.data {
+            DataSource::Synthetic => {
+                let defaults = SyntheticCriteoConfig::default();
+                let config = SyntheticCriteoConfig {
+                    seed: args.seed,
+                    table_sizes: defaults
+                        .table_sizes
+                        .iter()
+                        .map(|&s| s.min(args.table_cap))
+                        .collect(),
+                    num_train: args.synthetic_train,
+                    num_validation: args.synthetic_eval,
+                    num_test: args.synthetic_eval,
+                    ..defaults
+                };
+                let features = (config.table_sizes.iter().enumerate())
+                    .map(|(f, &rows)| (format!("cat_{f}"), rows as usize))
+                    .collect::<Vec<_>>();
+                let generator = SyntheticCriteo::new(config)?;
+                let keys = &generator.schema().sparse_keys;
+                let features = keys.iter().cloned().zip(features.into_iter().map(|f| f.1));
+                Ok((Data::Synthetic(generator.clone()), features.collect()))
+            }
+            DataSource::CriteoTsv | DataSource::CriteoParquet => {
+                need_path()?;
+                let schema = embers_datasets::criteo_schema();
+                let features = (schema.sparse_keys.iter())
+                    .map(|k| (k.clone(), args.table_cap as usize))
+                    .collect();
+                let data = Data::Files {
+                    args: args.clone(),
+                    schema,
+                };
+                Ok((data, features))
+            }
+            DataSource::Movielens => {
+                need_path()?;
+                let reader = MovieLensReader::open(movielens_config(args)?)?;
+                let schema = reader.schema().clone();
+                let features = (schema.sparse_keys.iter())
+                    .map(|k| {
+                        let rows = if k == "genres" {
+                            MOVIELENS_GENRES.len()
+                        } else {
+                            args.table_cap as usize
+                        };
+                        (k.clone(), rows)
+                    })
+                    .collect();
+                let data = Data::Files {
+                    args: args.clone(),
+                    schema,
+                };
+                Ok((data, features))
+            }
+        }
+    }
+
+    fn num_dense(&self) -> usize {
+        match self {
+            Data::Synthetic(g) => g.schema().num_dense(),
+            Data::Files { schema, .. } => schema.num_dense(),
+        }
+    }
+
+    /// Batches of `split`; training batches are shuffled with a per-epoch seed.
+    fn batches(&self, split: Split, epoch: u64, batch_size: usize, seed: u64) -> Result<Batches> {
+        let shuffle_seed = seed.wrapping_mul(1_000_003).wrapping_add(epoch);
+        match self {
+            Data::Synthetic(g) => {
+                let config = BatchConfig {
+                    batch_size,
+                    drop_last: split == Split::Train,
+                    shuffle: (split == Split::Train).then_some(ShuffleConfig {
+                        buffer_size: 4096,
+                        seed: shuffle_seed,
+                    }),
+                    split_rule: SplitRule::All,
+                    split,
+                };
+                to_batches(g.split(split), config)
+            }
+            Data::Files { args, .. } => {
+                let config = BatchConfig {
+                    batch_size,
+                    drop_last: split == Split::Train,
+                    shuffle: (split == Split::Train).then_some(ShuffleConfig {
+                        buffer_size: args.shuffle_buffer.max(1),
+                        seed: shuffle_seed,
+                    }),
+                    split_rule: SplitRule::Fractions {
+                        validation: args.holdout,
+                        test: args.holdout,
+                        seed,
+                    },
+                    split,
+                };
+                match args.data {
+                    DataSource::CriteoTsv => to_batches(
+                        CriteoTsvReader::open(&args.path, criteo_config(args))?,
+                        config,
+                    ),
+                    DataSource::CriteoParquet => to_batches(
+                        CriteoParquetReader::open(&args.path, criteo_config(args))?,
+                        config,
+                    ),
+                    _ => to_batches(MovieLensReader::open(movielens_config(args)?)?, config),
+                }
+            }
+        }
+    }
+
+    fn best_auc(&self, split: Split, max_examples: Option<u64>) -> Option<f64> {
+        match self {
+            Data::Synthetic(g) => g.best_auc(split, max_examples),
+            Data::Files { .. } => None,
+        }
+    }
+}
+
+fn criteo_config(args: &Args) -> CriteoConfig {
+    CriteoConfig {
+        categorical: CategoricalMapping::Modulo(vec![args.table_cap; 26]),
+        ..CriteoConfig::default()
+    }
+}
+
+fn movielens_config(args: &Args) -> Result<MovieLensConfig> {
+    let path = &args.path[0];
+    let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+    let format = match name.as_deref() {
+        Some(n) if n.ends_with(".inter") => MovieLensFormat::RecBoleInter,
+        Some(n) if n.ends_with(".dat") => MovieLensFormat::Ml1m,
+        Some(_) => MovieLensFormat::Ml100k,
+        None => {
+            return Err(Error::invalid(
+                "dlrm",
+                format!("{} is not a file", path.display()),
+            ))
+        }
+    };
+    let mut config = MovieLensConfig::new(format, path);
+    config.items_path = args.items_path.clone();
+    config.user_table_size = Some(args.table_cap);
+    config.item_table_size = Some(args.table_cap);
+    Ok(config)
+}
+
+fn model_config(args: &Args, num_dense: usize, features: Vec<(String, usize)>) -> DlrmConfig {
+    let lr = args.sparse_lr;
+    DlrmConfig {
+        num_dense,
+        sparse_features: features,
+        embedding_dim: args.emb_dim,
+        dense_arch: args.dense_arch.clone(),
+        over_arch: args.over_arch.clone(),
+        dcn: args.dcn.then_some((args.dcn_layers, args.dcn_rank)),
+        dense_optimizer: match args.dense_optimizer {
+            DenseOpt::Sgd => DenseOptimizer::Sgd { lr: args.dense_lr },
+            DenseOpt::Adagrad => DenseOptimizer::Adagrad { lr: args.dense_lr },
+            DenseOpt::Adam => DenseOptimizer::Adam { lr: args.dense_lr },
+        },
+        sparse_optimizer: match args.sparse_optimizer {
+            SparseOpt::Sgd => FusedOptimizer::Sgd { lr },
+            SparseOpt::Adagrad => FusedOptimizer::Adagrad { lr, eps: 1e-8 },
+            SparseOpt::RowwiseAdagrad => FusedOptimizer::RowWiseAdagrad { lr, eps: 1e-8 },
+            SparseOpt::Adam => FusedOptimizer::Adam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        },
+        seed: args.seed,
+        metrics_window: 100 * args.batch_size,
+    }
+}
+
+/// One row of the training history.
+#[derive(Clone, Debug)]
+struct Record {
+    step: u64,
+    examples: u64,
+    seconds: f64,
+    train_loss: f64,
+    train_window_ne: f64,
+    train_window_auc: f64,
+    examples_per_second: f64,
+    validation: Option<EvalReport>,
+}
+
+fn fmt(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.6}")
+    } else {
+        String::new()
+    }
+}
+
+fn write_csv(path: &Path, history: &[Record]) -> Result<()> {
+    let mut s = String::from(
+        "step,examples,seconds,train_loss,train_window_ne,train_window_auc,examples_per_second,val_auc,val_ne,val_logloss,val_calibration\n",
+    );
+    for r in history {
+        let v = |k: &str| r.validation.as_ref().map_or(f64::NAN, |e| e.get(k));
+        s.push_str(&format!(
+            "{},{},{:.3},{},{},{},{:.1},{},{},{},{}\n",
+            r.step,
+            r.examples,
+            r.seconds,
+            fmt(r.train_loss),
+            fmt(r.train_window_ne),
+            fmt(r.train_window_auc),
+            r.examples_per_second,
+            fmt(v("auc")),
+            fmt(v("ne")),
+            fmt(v("logloss")),
+            fmt(v("calibration")),
+        ));
+    }
+    embers::checkpoint::write_atomically(path, s.as_bytes())
+}
+
+fn json_num(x: f64) -> serde_json::Value {
+    serde_json::Number::from_f64(x).map_or(serde_json::Value::Null, serde_json::Value::Number)
+}
+
+fn json_metrics(m: &BTreeMap<String, f64>) -> serde_json::Value {
+    serde_json::Value::Object(m.iter().map(|(k, v)| (k.clone(), json_num(*v))).collect())
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    if args.batch_size == 0 || args.emb_dim == 0 {
+        return Err(Error::invalid(
+            "dlrm",
+            "--batch-size and --emb-dim must be at least 1",
+        ));
+    }
+    let io = |p: &Path, e: std::io::Error| Error::Io {
+        path: p.display().to_string(),
+        source: e,
+    };
+    std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
+    let (data, features) = Data::open(&args)?;
+    let config = model_config(&args, data.num_dense(), features);
+    let mut trainer = config.build()?;
+    let checkpoint = args.out.join("checkpoint.safetensors");
+
+    let (mut epoch, mut batch_in_epoch) = (0u64, 0u64);
+    if let Some(path) = &args.resume {
+        let user = trainer.load_checkpoint(path)?;
+        let get = |k: &str| user.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        epoch = get("epoch");
+        batch_in_epoch = get("batch_in_epoch");
+        println!(
+            "resumed from {} at step {} (epoch {epoch}, batch {batch_in_epoch})",
+            path.display(),
+            trainer.step()
+        );
+    }
+    let params = trainer.model().dense.num_parameters();
+    println!(
+        "DLRM{}: {} dense + {} sparse features, D={}, bottom {:?}, top {:?}, {} dense parameters, {} table rows",
+        if args.dcn { "-DCNv2" } else { "" },
+        config.num_dense,
+        config.sparse_features.len(),
+        config.embedding_dim,
+        config.dense_arch,
+        config.over_arch,
+        params,
+        config.sparse_features.iter().map(|f| f.1).sum::<usize>()
+    );
+    let best_val = data.best_auc(Split::Validation, Some(args.validation_examples));
+    let best_test = data.best_auc(Split::Test, None);
+    if let Some(b) = best_test {
+        println!(
+            "synthetic data: best achievable test AUC (the generator's own probabilities) {b:.4}"
+        );
+    }
+
+    let steps_per_epoch = match &data {
+        Data::Synthetic(_) => Some(args.synthetic_train / args.batch_size as u64),
+        Data::Files { .. } => None,
+    };
+    let total_steps = match (args.steps, steps_per_epoch) {
+        (Some(s), _) => Some(s),
+        (None, Some(per)) => Some(per * args.epochs),
+        (None, None) => None,
+    };
+    let bar = if args.no_progress {
+        ProgressBar::hidden()
+    } else {
+        let bar = total_steps.map_or_else(ProgressBar::new_spinner, ProgressBar::new);
+        bar.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_position(trainer.step());
+        bar
+    };
+
+    let validate = |trainer: &DlrmTrainer| -> Result<EvalReport> {
+        let limit = if args.validation_examples == 0 {
+            usize::MAX
+        } else {
+            (args.validation_examples as usize).div_ceil(args.batch_size)
+        };
+        let batches = data.batches(Split::Validation, 0, args.batch_size, args.seed)?;
+        trainer.evaluate(batches.take(limit), None)
+    };
+
+    let mut history: Vec<Record> = Vec::new();
+    let mut throughput = Throughput::new(5, 50);
+    let started = Instant::now();
+    let mut loss_sum = 0.0;
+    let mut loss_count = 0u64;
+    let log_every = 50u64;
+    let save = |trainer: &DlrmTrainer, epoch: u64, batch_in_epoch: u64| -> Result<()> {
+        let user = BTreeMap::from([
+            ("epoch".to_string(), epoch.to_string()),
+            ("batch_in_epoch".to_string(), batch_in_epoch.to_string()),
+            ("args".to_string(), format!("{args:?}")),
+        ]);
+        trainer.save_checkpoint(&checkpoint, &user)
+    };
+    'epochs: while epoch < args.epochs {
+        let mut batches = data.batches(Split::Train, epoch, args.batch_size, args.seed)?;
+        // Resuming: skip the batches of this epoch that were already trained on.
+        for _ in 0..batch_in_epoch {
+            match batches.next() {
+                Some(b) => drop(b?),
+                None => break,
+            }
+        }
+        for batch in batches {
+            if total_steps.is_some_and(|t| trainer.step() >= t) {
+                break 'epochs;
+            }
+            let batch = batch?;
+            let out = trainer.train_step(&batch)?;
+            throughput.step(out.batch_size as u64);
+            batch_in_epoch += 1;
+            loss_sum += out.loss;
+            loss_count += 1;
+            let step = trainer.step();
+            bar.set_position(step);
+            let validating = args.validate_every > 0 && step % args.validate_every == 0;
+            if step % log_every == 0 || validating {
+                let m = trainer.train_metrics();
+                let validation = if validating {
+                    let report = validate(&trainer)?;
+                    save(&trainer, epoch, batch_in_epoch)?;
+                    Some(report)
+                } else {
+                    None
+                };
+                let record = Record {
+                    step,
+                    examples: trainer.examples_seen(),
+                    seconds: started.elapsed().as_secs_f64(),
+                    train_loss: loss_sum / loss_count.max(1) as f64,
+                    train_window_ne: m.get("window_ne").copied().unwrap_or(f64::NAN),
+                    train_window_auc: m.get("window_auc").copied().unwrap_or(f64::NAN),
+                    examples_per_second: throughput.window(),
+                    validation,
+                };
+                loss_sum = 0.0;
+                loss_count = 0;
+                bar.set_message(format!(
+                    "loss {:.4} NE {:.4} AUC {:.4} {:.0} ex/s",
+                    record.train_loss,
+                    record.train_window_ne,
+                    record.train_window_auc,
+                    record.examples_per_second
+                ));
+                if let Some(v) = &record.validation {
+                    let say = |line: String| {
+                        if args.no_progress {
+                            println!("{line}");
+                        } else {
+                            bar.println(line);
+                        }
+                    };
+                    say(format!(
+                        "step {step}: validation AUC {:.4} NE {:.4} logloss {:.4}{}",
+                        v.get("auc"),
+                        v.get("ne"),
+                        v.get("logloss"),
+                        best_val.map_or(String::new(), |b| format!(" (best achievable {b:.4})"))
+                    ));
+                } else if args.no_progress {
+                    println!(
+                        "step {step}: loss {:.4} window NE {:.4} AUC {:.4} {:.0} ex/s",
+                        record.train_loss,
+                        record.train_window_ne,
+                        record.train_window_auc,
+                        record.examples_per_second
+                    );
+                }
+                history.push(record);
+            }
+        }
+        epoch += 1;
+        batch_in_epoch = 0;
+    }
+    bar.finish_and_clear();
+    let train_seconds = started.elapsed().as_secs_f64();
+    save(&trainer, epoch, batch_in_epoch)?;
+
+    // Final reports.
+    let validation = validate(&trainer)?;
+    let test = trainer.evaluate(
+        data.batches(Split::Test, 0, args.batch_size, args.seed)?,
+        None,
+    )?;
+    println!(
+        "trained {} steps ({} examples) in {train_seconds:.1} s: {:.0} examples/s",
+        trainer.step(),
+        trainer.examples_seen(),
+        throughput.lifetime()
+    );
+    println!(
+        "validation: AUC {:.4} NE {:.4}",
+        validation.get("auc"),
+        validation.get("ne")
+    );
+    println!(
+        "test ({} examples): AUC {:.4}  NE {:.4}  logloss {:.4}  calibration {:.4}  CTR {:.4}",
+        test.examples,
+        test.get("auc"),
+        test.get("ne"),
+        test.get("logloss"),
+        test.get("calibration"),
+        test.get("ctr")
+    );
+    if let Some(b) = best_test {
+        println!(
+            "          best achievable AUC {b:.4}: the model is {:.4} below it",
+            b - test.get("auc")
+        );
+    }
+    let mut quantized = Vec::new();
+    if !args.no_quantized_eval {
+        for q in &args.quantized_eval {
+            let tables = trainer.model().sparse_arch.quantize(q.weight_type())?;
+            let report = trainer.evaluate(
+                data.batches(Split::Test, 0, args.batch_size, args.seed)?,
+                Some(&tables),
+            )?;
+            println!(
+                "  tables as {:<5} ({:>7.2} MiB): test AUC {:.4} ({:+.5} vs FP32), NE {:.4}",
+                q.weight_type().fbgemm_name(),
+                tables.allocated_bytes() as f64 / (1 << 20) as f64,
+                report.get("auc"),
+                report.get("auc") - test.get("auc"),
+                report.get("ne")
+            );
+            quantized.push((q.weight_type().fbgemm_name().to_string(), report));
+        }
+    }
+    let rss = peak_rss_mib();
+    if let Some(r) = rss {
+        println!("peak RSS {r:.0} MiB");
+    }
+
+    let csv = args.out.join("metrics.csv");
+    write_csv(&csv, &history)?;
+    let json = serde_json::json!({
+        "args": format!("{args:?}"),
+        "steps": trainer.step(),
+        "examples": trainer.examples_seen(),
+        "train_seconds": train_seconds,
+        "examples_per_second": throughput.lifetime(),
+        "peak_rss_mib": rss,
+        "best_achievable_test_auc": best_test,
+        "validation": json_metrics(&validation.metrics),
+        "test": json_metrics(&test.metrics),
+        "quantized_test": quantized.iter().map(|(k, r)| (k.clone(), json_metrics(&r.metrics))).collect::<serde_json::Map<_, _>>(),
+        "history": history.iter().map(|r| serde_json::json!({
+            "step": r.step, "examples": r.examples, "seconds": r.seconds,
+            "train_loss": json_num(r.train_loss), "train_window_ne": json_num(r.train_window_ne),
+            "train_window_auc": json_num(r.train_window_auc),
+            "examples_per_second": json_num(r.examples_per_second),
+            "validation": r.validation.as_ref().map(|v| json_metrics(&v.metrics)),
+        })).collect::<Vec<_>>(),
+    });
+    let json_path = args.out.join("metrics.json");
+    let text = serde_json::to_string_pretty(&json).expect("JSON of plain values");
+    embers::checkpoint::write_atomically(&json_path, text.as_bytes())?;
+    let png = args.out.join("curves.png");
+    plot::training_curves(&png, &history_series(&history), best_val)?;
+    println!(
+        "wrote {}, {}, {}, {}",
+        checkpoint.display(),
+        csv.display(),
+        json_path.display(),
+        png.display()
+    );
+    Ok(())
+}
+
+fn history_series(history: &[Record]) -> plot::Series {
+    let pick = |f: &dyn Fn(&Record) -> Option<f64>| {
+        history
+            .iter()
+            .filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (r.step as f64, v)))
+            .collect()
+    };
+    plot::Series {
+        train_loss: pick(&|r| Some(r.train_loss)),
+        train_ne: pick(&|r| Some(r.train_window_ne)),
+        train_auc: pick(&|r| Some(r.train_window_auc)),
+        val_ne: pick(&|r| r.validation.as_ref().map(|v| v.get("ne"))),
+        val_auc: pick(&|r| r.validation.as_ref().map(|v| v.get("auc"))),
+    }
+}

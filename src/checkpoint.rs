@@ -1,0 +1,326 @@
+//! Checkpoints as safetensors files, written atomically.
+//!
+//! [`CheckpointWriter`] collects named tensors and string metadata and writes them in one
+//! safetensors file under a temporary name in the destination's directory, flushes it to disk
+//! (fsync), renames it over the destination and syncs the directory: a crash at any moment
+//! leaves either the previous file or the new one, never a mix. [`CheckpointReader`] opens such
+//! a file, validates its header, and hands out tensors with their dtype and shape checked, so
+//! callers can read and check everything before changing any state.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, View};
+
+use crate::{DType, Error, Result, Tensor};
+
+struct Entry {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &Entry {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Element types a checkpoint stores, with their safetensors dtype and little-endian bytes.
+pub trait CheckpointElem: Copy {
+    /// The safetensors dtype.
+    const DTYPE: Dtype;
+    /// Bytes per element.
+    const SIZE: usize;
+    /// Appends the element's little-endian bytes.
+    fn put(self, out: &mut Vec<u8>);
+    /// Reads an element from `SIZE` little-endian bytes.
+    fn get(bytes: &[u8]) -> Self;
+}
+
+macro_rules! checkpoint_elem {
+    ($($t:ty => $d:ident),*) => {$(
+        impl CheckpointElem for $t {
+            const DTYPE: Dtype = Dtype::$d;
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("SIZE bytes"))
+            }
+        }
+    )*};
+}
+checkpoint_elem!(f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => BF16, i64 => I64,
+    i32 => I32, u8 => U8);
+
+fn safetensors_dtype(dtype: DType) -> Dtype {
+    crate::tensor::ops::with_any_dtype!(dtype, T => <T as CheckpointElem>::DTYPE)
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> Error {
+    Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn invalid(path: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::invalid("checkpoint", format!("{}: {msg}", path.display()))
+}
+
+/// Collects tensors and metadata for one atomically written safetensors file.
+#[derive(Default)]
+pub struct CheckpointWriter {
+    entries: Vec<(String, Entry)>,
+    names: HashSet<String>,
+    metadata: HashMap<String, String>,
+}
+
+impl CheckpointWriter {
+    /// An empty checkpoint.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `values` (row-major, `shape`) under `name`; names must be unique.
+    pub fn add<T: CheckpointElem>(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        values: &[T],
+    ) -> Result<()> {
+        let name = name.into();
+        if shape.iter().product::<usize>() != values.len() {
+            return Err(Error::invalid(
+                "checkpoint",
+                format!(
+                    "`{name}`: shape {shape:?} does not hold {} values",
+                    values.len()
+                ),
+            ));
+        }
+        if !self.names.insert(name.clone()) {
+            return Err(Error::invalid(
+                "checkpoint",
+                format!("`{name}` is written twice; names must be unique"),
+            ));
+        }
+        let mut data = Vec::with_capacity(values.len() * T::SIZE);
+        values.iter().for_each(|v| v.put(&mut data));
+        self.entries.push((
+            name,
+            Entry {
+                dtype: T::DTYPE,
+                shape: shape.to_vec(),
+                data,
+            },
+        ));
+        Ok(())
+    }
+
+    /// Adds a tensor's values with its dtype and shape.
+    pub fn add_tensor(&mut self, name: impl Into<String>, tensor: &Tensor) -> Result<()> {
+        crate::tensor::ops::with_any_dtype!(tensor.dtype(), T => {
+            let values = tensor.to_vec::<T>()?;
+            self.add(name, tensor.shape(), &values)
+        })
+    }
+
+    /// Sets a metadata string.
+    pub fn set_metadata(&mut self, key: impl Into<String>, value: impl Into<String>) {
+        self.metadata.insert(key.into(), value.into());
+    }
+
+    /// Serialises everything to `path` atomically (temporary file, fsync, rename, directory
+    /// fsync). On error the temporary file is removed and `path` is untouched.
+    pub fn write(self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = safetensors::serialize(
+            self.entries.iter().map(|(n, e)| (n.as_str(), e)),
+            Some(self.metadata),
+        )
+        .map_err(|e| invalid(path, e))?;
+        write_atomically(path, &bytes)
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, fsync and rename,
+/// so readers (and a crash) see the old file or the new one, never part of one.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| invalid(path, "not a file path"))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_err(&tmp, e))?;
+        f.sync_all().map_err(|e| io_err(&tmp, e))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
+        // Persist the rename itself (the directory entry); best effort where directories
+        // cannot be opened.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// A checkpoint file read into memory with its header validated.
+pub struct CheckpointReader {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    data_start: usize,
+    header: Metadata,
+}
+
+impl CheckpointReader {
+    /// Reads and validates `path` (a truncated or corrupt file is an error naming it).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
+        SafeTensors::deserialize(&bytes).map_err(|e| invalid(&path, e))?;
+        let (n, header) = SafeTensors::read_metadata(&bytes).map_err(|e| invalid(&path, e))?;
+        Ok(CheckpointReader {
+            path,
+            bytes,
+            data_start: 8 + n,
+            header,
+        })
+    }
+
+    /// The file this was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A metadata string, if present.
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(key))
+            .map(String::as_str)
+    }
+
+    /// Every metadata entry, sorted by key.
+    pub fn names_of_metadata(&self) -> Vec<(String, String)> {
+        let mut all: Vec<(String, String)> = self
+            .header
+            .metadata()
+            .as_ref()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        all.sort();
+        all
+    }
+
+    /// A metadata string that must be present.
+    pub fn required_metadata(&self, key: &str) -> Result<&str> {
+        self.metadata(key)
+            .ok_or_else(|| invalid(&self.path, format!("metadata `{key}` is missing")))
+    }
+
+    /// Whether a tensor named `name` is stored.
+    pub fn contains(&self, name: &str) -> bool {
+        self.header.info(name).is_some()
+    }
+
+    /// Names of all stored tensors (unordered).
+    pub fn names(&self) -> Vec<String> {
+        self.header.tensors().into_keys().collect()
+    }
+
+    fn raw(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&[u8]> {
+        let info = self
+            .header
+            .info(name)
+            .ok_or_else(|| invalid(&self.path, format!("tensor `{name}` is missing")))?;
+        if info.dtype != dtype || info.shape != shape {
+            return Err(invalid(
+                &self.path,
+                format!(
+                    "`{name}` is {:?} {:?}, expected {dtype:?} {shape:?}",
+                    info.dtype, info.shape
+                ),
+            ));
+        }
+        let (a, b) = info.data_offsets;
+        Ok(&self.bytes[self.data_start + a..self.data_start + b])
+    }
+
+    /// The values of `name`, which must have element type `T` and shape `shape`.
+    pub fn read<T: CheckpointElem>(&self, name: &str, shape: &[usize]) -> Result<Vec<T>> {
+        Ok(self
+            .raw(name, T::DTYPE, shape)?
+            .chunks_exact(T::SIZE)
+            .map(T::get)
+            .collect())
+    }
+
+    /// The stored shape of `name`.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.header.info(name).map(|i| i.shape.clone())
+    }
+
+    /// A new tensor holding `name`, with its stored dtype and shape.
+    pub fn read_tensor(&self, name: &str) -> Result<Tensor> {
+        let info = self
+            .header
+            .info(name)
+            .ok_or_else(|| invalid(&self.path, format!("tensor `{name}` is missing")))?;
+        let shape = info.shape.clone();
+        let dtype = match info.dtype {
+            Dtype::F32 => DType::F32,
+            Dtype::F64 => DType::F64,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            Dtype::I64 => DType::I64,
+            Dtype::I32 => DType::I32,
+            Dtype::U8 => DType::U8,
+            other => {
+                return Err(invalid(
+                    &self.path,
+                    format!("`{name}` has dtype {other:?}, which embers does not store"),
+                ))
+            }
+        };
+        crate::tensor::ops::with_any_dtype!(dtype, T => {
+            Tensor::from_vec(self.read::<T>(name, &shape)?, &shape)
+        })
+    }
+
+    /// A new tensor holding `name`, which must have `like`'s dtype and shape.
+    pub fn read_like(&self, name: &str, like: &Tensor) -> Result<Tensor> {
+        let dtype = safetensors_dtype(like.dtype());
+        let _ = self.raw(name, dtype, like.shape())?;
+        crate::tensor::ops::with_any_dtype!(like.dtype(), T => {
+            Tensor::from_vec(self.read::<T>(name, like.shape())?, like.shape())
+        })
+    }
+}

@@ -1,0 +1,514 @@
+//! Training DLRM-style click models: [`Batch`] (dense features, one KJT, labels),
+//! [`DlrmTrainer`] (forward, BCE loss, backward with the tables' fused optimizer, a dense
+//! optimizer step, running [`RecMetrics`]), evaluation over a split, optionally through a
+//! quantized copy of the tables, and checkpoints that resume bit-identically.
+//!
+//! A checkpoint is one safetensors file written atomically ([`crate::checkpoint`]): the dense
+//! parameters (`dense.*`), the dense optimizer's state (`optim.*`), every table with its fused
+//! optimizer state (`tables.*`), the training metrics' state (`metrics.*`), the step and
+//! example counters, and caller metadata (`user.*`, e.g. the data position and the command
+//! line). Loading reads and checks all of it before changing anything.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::embedding::{
+    EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, QuantizedEmbeddingBagCollection,
+};
+use crate::metrics::{MetricKind, RecMetrics};
+use crate::models::{Dlrm, DlrmDense};
+use crate::nn::Module;
+use crate::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
+use crate::sparse::KeyedJaggedTensor;
+use crate::tensor::ops::loss::Reduction;
+use crate::tensor::rng::seeded;
+use crate::{no_grad, DType, Error, Result, Tensor};
+
+const OP: &str = "DlrmTrainer";
+const FORMAT: &str = "embers.dlrm-trainer.v1";
+const TASK: &str = "click";
+
+/// One training or evaluation batch: dense features `[B, num_dense]` (f32), sparse features
+/// (a KJT with batch size `B`) and click labels `[B]` (f32 in `[0, 1]`).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// Dense features `[B, num_dense]`.
+    pub dense: Tensor,
+    /// Sparse features, stride `B`.
+    pub sparse: KeyedJaggedTensor,
+    /// Labels `[B]`.
+    pub labels: Tensor,
+}
+
+impl Batch {
+    /// Checks the parts fit together: dense is 2-D f32 and finite, labels are `B` finite values
+    /// in `[0, 1]`, the KJT's batch size is `B`.
+    pub fn new(dense: Tensor, sparse: KeyedJaggedTensor, labels: Tensor) -> Result<Self> {
+        const OP: &str = "Batch::new";
+        if dense.dtype() != DType::F32 || dense.shape().len() != 2 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "dense features must be f32 [B, num_dense], got {:?} {:?}",
+                    dense.dtype(),
+                    dense.shape()
+                ),
+            ));
+        }
+        let b = dense.shape()[0];
+        let labels = if labels.shape() == [b, 1] {
+            labels.reshape(&[b])?
+        } else {
+            labels
+        };
+        if labels.dtype() != DType::F32 || labels.shape() != [b] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "labels must be f32 [{b}] (one task), got {:?} {:?}",
+                    labels.dtype(),
+                    labels.shape()
+                ),
+            ));
+        }
+        if sparse.variable_stride_per_key() || sparse.stride() != b {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the KJT's batch size is {}, the dense features have {b} rows",
+                    sparse.stride()
+                ),
+            ));
+        }
+        let d = dense.shape()[1];
+        if let Some(i) = dense.to_vec::<f32>()?.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "dense feature {} of sample {} is not finite",
+                    i % d.max(1),
+                    i / d.max(1)
+                ),
+            ));
+        }
+        if let Some((i, y)) = (labels.to_vec::<f32>()?.into_iter().enumerate())
+            .find(|(_, y)| !(0.0..=1.0).contains(y))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("label of sample {i} is {y}, expected a value in [0, 1]"),
+            ));
+        }
+        Ok(Batch {
+            dense,
+            sparse,
+            labels,
+        })
+    }
+
+    /// Builds a batch from flat buffers in TorchRec's layout: dense `[B × num_dense]`
+    /// row-major, ids and lengths key-major (all samples of key 0, then key 1, …), labels `[B]`.
+    pub fn from_parts(
+        dense: Vec<f32>,
+        num_dense: usize,
+        keys: Vec<String>,
+        ids: Vec<i64>,
+        lengths: Vec<i32>,
+        labels: Vec<f32>,
+    ) -> Result<Self> {
+        let b = labels.len();
+        let n = ids.len();
+        let l = lengths.len();
+        let sparse = KeyedJaggedTensor::from_lengths(
+            keys,
+            Tensor::from_vec(ids, &[n])?,
+            Tensor::from_vec(lengths, &[l])?,
+            None,
+            Some(b),
+        )?;
+        Batch::new(
+            Tensor::from_vec(dense, &[b, num_dense])?,
+            sparse,
+            Tensor::from_vec(labels, &[b])?,
+        )
+    }
+
+    /// Number of samples.
+    pub fn batch_size(&self) -> usize {
+        self.dense.shape()[0]
+    }
+}
+
+/// The dense-parameter optimizer of a [`DlrmConfig`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DenseOptimizer {
+    /// Plain SGD.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+    },
+    /// Adagrad (initial accumulator 0, eps 1e-10), TorchRec's DLRM example default.
+    Adagrad {
+        /// Learning rate.
+        lr: f64,
+    },
+    /// Adam (betas 0.9/0.999, eps 1e-8).
+    Adam {
+        /// Learning rate.
+        lr: f64,
+    },
+}
+
+impl DenseOptimizer {
+    fn build(self, params: Vec<Tensor>) -> Result<Box<dyn Optimizer + Send>> {
+        Ok(match self {
+            DenseOptimizer::Sgd { lr } => Box::new(Sgd::new(params, lr)?),
+            DenseOptimizer::Adagrad { lr } => Box::new(Adagrad::new(params, lr, 0.0)?),
+            DenseOptimizer::Adam { lr } => Box::new(Adam::new(
+                params,
+                AdamConfig {
+                    lr,
+                    ..Default::default()
+                },
+            )?),
+        })
+    }
+}
+
+/// Everything that defines a DLRM and its training: the shape of TorchRec's `DLRM` /
+/// `DLRM_DCN` plus optimizers and seed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DlrmConfig {
+    /// Dense features per sample.
+    pub num_dense: usize,
+    /// Sparse features and the rows of each one's table (one table per feature, named
+    /// `t_<feature>`).
+    pub sparse_features: Vec<(String, usize)>,
+    /// Embedding dimension `D` (also the dense arch's output width).
+    pub embedding_dim: usize,
+    /// Hidden widths of the dense (bottom) arch; `D` is appended as its last layer.
+    pub dense_arch: Vec<usize>,
+    /// Hidden widths of the over (top) arch; the 1-wide logit layer is appended.
+    pub over_arch: Vec<usize>,
+    /// DLRM-DCN: `Some((layers, rank))` replaces the dot interaction by a low-rank cross net.
+    pub dcn: Option<(usize, usize)>,
+    /// Optimizer of the dense half.
+    pub dense_optimizer: DenseOptimizer,
+    /// Optimizer fused into the tables' backward.
+    pub sparse_optimizer: FusedOptimizer,
+    /// Seed of the initialisation.
+    pub seed: u64,
+    /// Samples in the training metrics' sliding window.
+    pub metrics_window: usize,
+}
+
+impl DlrmConfig {
+    /// Builds the model (initialised from `seed`) and its trainer.
+    pub fn build(&self) -> Result<DlrmTrainer> {
+        if self.sparse_features.is_empty() || self.embedding_dim == 0 {
+            return Err(Error::invalid(
+                "DlrmConfig",
+                "need at least one sparse feature and an embedding dim of at least 1",
+            ));
+        }
+        let mut rng = seeded(self.seed);
+        let tables = self
+            .sparse_features
+            .iter()
+            .map(|(f, rows)| {
+                EmbeddingBagConfig::new(format!("t_{f}"), *rows, self.embedding_dim, &[f])
+            })
+            .collect();
+        let ebc = EmbeddingBagCollection::new(tables, self.sparse_optimizer, &mut rng)?;
+        let mut dense_sizes = self.dense_arch.clone();
+        dense_sizes.push(self.embedding_dim);
+        let mut over_sizes = self.over_arch.clone();
+        over_sizes.push(1);
+        let f = self.sparse_features.len();
+        let dense = match self.dcn {
+            None => DlrmDense::dot(
+                self.num_dense,
+                &dense_sizes,
+                f,
+                &over_sizes,
+                DType::F32,
+                &mut rng,
+            )?,
+            Some((layers, rank)) => DlrmDense::dcn(
+                self.num_dense,
+                &dense_sizes,
+                f,
+                &over_sizes,
+                layers,
+                rank,
+                DType::F32,
+                &mut rng,
+            )?,
+        };
+        let optimizer = self.dense_optimizer.build(dense.parameters())?;
+        DlrmTrainer::new(Dlrm::new(ebc, dense)?, optimizer, self.metrics_window)
+    }
+}
+
+/// What one training step reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutput {
+    /// Mean binary cross-entropy of the batch (before the update).
+    pub loss: f64,
+    /// Samples in the batch.
+    pub batch_size: usize,
+}
+
+/// Metrics of an evaluation pass (`lifetime_*` values of [`RecMetrics`], task `click`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalReport {
+    /// Metric name (`auc`, `ne`, `logloss`, `calibration`, `ctr`, …) → value.
+    pub metrics: BTreeMap<String, f64>,
+    /// Examples evaluated.
+    pub examples: u64,
+}
+
+impl EvalReport {
+    /// A metric by short name (`auc`, `ne`, …); NaN if absent.
+    pub fn get(&self, name: &str) -> f64 {
+        self.metrics.get(name).copied().unwrap_or(f64::NAN)
+    }
+}
+
+/// Short metric names out of [`RecMetrics::compute`] keys: `ne-click|lifetime_ne` → `ne`,
+/// `ne-click|window_ne` → `window_ne`.
+fn short_names(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    all.into_iter()
+        .filter_map(|(k, v)| {
+            let (_, rest) = k.split_once('|')?;
+            Some((
+                rest.strip_prefix("lifetime_").unwrap_or(rest).to_string(),
+                v,
+            ))
+        })
+        .collect()
+}
+
+/// Trains a [`Dlrm`]: the tables through their fused optimizer, the dense half through a
+/// dense [`Optimizer`].
+pub struct DlrmTrainer {
+    model: Dlrm,
+    optimizer: Box<dyn Optimizer + Send>,
+    metrics: RecMetrics,
+    step: u64,
+    examples: u64,
+}
+
+impl DlrmTrainer {
+    /// A trainer for `model` whose dense parameters are updated by `optimizer` (built over
+    /// `model.dense`'s parameters); training metrics keep windows of `window` samples.
+    pub fn new(model: Dlrm, optimizer: Box<dyn Optimizer + Send>, window: usize) -> Result<Self> {
+        let metrics = RecMetrics::new(&[TASK], &MetricKind::all(), window)?;
+        Ok(DlrmTrainer {
+            model,
+            optimizer,
+            metrics,
+            step: 0,
+            examples: 0,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Dlrm {
+        &self.model
+    }
+
+    /// The dense optimizer.
+    pub fn optimizer_mut(&mut self) -> &mut (dyn Optimizer + Send) {
+        self.optimizer.as_mut()
+    }
+
+    /// Steps taken so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Training examples seen so far.
+    pub fn examples_seen(&self) -> u64 {
+        self.examples
+    }
+
+    /// One step: forward, mean BCE loss, backward (which updates the looked-up table rows
+    /// through the fused optimizer), dense optimizer step, metrics update. A non-finite loss
+    /// is an error naming the step (the parameters may then hold non-finite values).
+    pub fn train_step(&mut self, batch: &Batch) -> Result<StepOutput> {
+        let b = batch.batch_size();
+        self.optimizer.zero_grad();
+        let logits = self
+            .model
+            .forward(&batch.dense, &batch.sparse)?
+            .reshape(&[b])?;
+        let loss = logits.bce_with_logits(&batch.labels, None, Reduction::Mean)?;
+        let loss_value = loss.item()?;
+        if !loss_value.is_finite() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the loss of step {} is {loss_value}: training diverged (lower the learning rates)",
+                    self.step + 1
+                ),
+            ));
+        }
+        loss.backward()?;
+        self.optimizer.step()?;
+        let probs = no_grad(|| logits.detach().sigmoid())?.to_vec::<f32>()?;
+        let labels = batch.labels.to_vec::<f32>()?;
+        self.metrics.update(&[&probs], &[&labels], None)?;
+        self.step += 1;
+        self.examples += b as u64;
+        Ok(StepOutput {
+            loss: loss_value,
+            batch_size: b,
+        })
+    }
+
+    /// The training metrics so far: lifetime values under their short names (`auc`, `ne`,
+    /// …) and window values as `window_auc`, `window_ne`, ….
+    pub fn train_metrics(&self) -> BTreeMap<String, f64> {
+        short_names(self.metrics.compute())
+    }
+
+    /// Click probabilities for a batch, through the trained tables or, when given, a
+    /// quantized copy of them.
+    pub fn predict(
+        &self,
+        batch: &Batch,
+        tables: Option<&QuantizedEmbeddingBagCollection>,
+    ) -> Result<Vec<f32>> {
+        no_grad(|| {
+            let logits = match tables {
+                None => self.model.forward(&batch.dense, &batch.sparse)?,
+                Some(q) => {
+                    let pooled = q.forward(&batch.sparse)?;
+                    self.model.forward_pooled(&batch.dense, pooled.values())?
+                }
+            };
+            logits.sigmoid()?.to_vec::<f32>()
+        })
+    }
+
+    /// Metrics over every batch of `batches` (no training), through the trained tables or a
+    /// quantized copy of them.
+    pub fn evaluate<I>(
+        &self,
+        batches: I,
+        tables: Option<&QuantizedEmbeddingBagCollection>,
+    ) -> Result<EvalReport>
+    where
+        I: IntoIterator<Item = Result<Batch>>,
+    {
+        let mut metrics = RecMetrics::new(&[TASK], &MetricKind::all(), 1)?;
+        let mut examples = 0;
+        for batch in batches {
+            let batch = batch?;
+            let probs = self.predict(&batch, tables)?;
+            let labels = batch.labels.to_vec::<f32>()?;
+            metrics.update(&[&probs], &[&labels], None)?;
+            examples += batch.batch_size() as u64;
+        }
+        let metrics = short_names(metrics.compute())
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("window_"))
+            .collect();
+        Ok(EvalReport { metrics, examples })
+    }
+
+    /// Writes everything needed to continue training exactly where it stands to `path`
+    /// (atomically), with `user` metadata stored alongside (returned by
+    /// [`load_checkpoint`](Self::load_checkpoint)).
+    pub fn save_checkpoint(
+        &self,
+        path: impl AsRef<Path>,
+        user: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        let mut w = CheckpointWriter::new();
+        w.set_metadata("format", FORMAT);
+        w.set_metadata("step", self.step.to_string());
+        w.set_metadata("examples", self.examples.to_string());
+        for (k, v) in user {
+            w.set_metadata(format!("user.{k}"), v.clone());
+        }
+        for (name, p) in self.model.dense.named_parameters() {
+            w.add_tensor(format!("dense.{name}"), &p)?;
+        }
+        for (name, t) in self.optimizer.state_dict()? {
+            w.add_tensor(format!("optim.{name}"), &t)?;
+        }
+        self.model.sparse_arch.checkpoint_into(&mut w, "tables.")?;
+        for (name, values) in self.metrics.state_dict() {
+            w.add(format!("metrics.{name}"), &[values.len()], &values)?;
+        }
+        w.write(path)
+    }
+
+    /// Restores a checkpoint written by [`save_checkpoint`](Self::save_checkpoint) for the
+    /// same model configuration and optimizers, and returns its user metadata. Everything is
+    /// read and checked before anything changes: a truncated, corrupt or mismatched file
+    /// leaves the trainer as it was.
+    pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+        let r = CheckpointReader::open(path)?;
+        let where_ = r.path().display().to_string();
+        let bad = |msg: String| Error::invalid("checkpoint", format!("{where_}: {msg}"));
+        let format = r.metadata("format").unwrap_or("");
+        if format != FORMAT {
+            return Err(bad(format!(
+                "format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)"
+            )));
+        }
+        let count = |key: &str| -> Result<u64> {
+            let v = r.required_metadata(key)?;
+            v.parse()
+                .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
+        };
+        let (step, examples) = (count("step")?, count("examples")?);
+        // Stage everything.
+        let dense = self
+            .model
+            .dense
+            .named_parameters()
+            .into_iter()
+            .map(|(name, p)| {
+                let new = r.read_like(&format!("dense.{name}"), &p)?;
+                Ok((p, new))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut names = r.names();
+        names.sort();
+        let optim_state = (names.iter())
+            .filter_map(|n| Some((n, n.strip_prefix("optim.")?)))
+            .map(|(full, short)| Ok((short.to_string(), r.read_tensor(full)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let tables = self.model.sparse_arch.stage_from(&r, "tables.")?;
+        let mut metrics_state = BTreeMap::new();
+        for name in &names {
+            if let Some(short) = name.strip_prefix("metrics.") {
+                let len = r.shape(name).unwrap_or_default().iter().product::<usize>();
+                metrics_state.insert(short.to_string(), r.read::<f64>(name, &[len])?);
+            }
+        }
+        let mut metrics = self.metrics.clone();
+        metrics.load_state_dict(&metrics_state)?;
+        let user = r
+            .names_of_metadata()
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v)))
+            .collect();
+        // The optimizer checks its whole state before changing anything; after it, nothing
+        // left can fail on a value already checked.
+        self.optimizer.load_state_dict(&optim_state)?;
+        for (p, new) in dense {
+            p.copy_from(&new)?;
+        }
+        tables.apply(&self.model.sparse_arch.tbes())?;
+        self.metrics = metrics;
+        self.step = step;
+        self.examples = examples;
+        Ok(user)
+    }
+}

@@ -1,0 +1,301 @@
+//! DLRM training end to end: synthetic data → `RawBatch` → `Batch` → `DlrmTrainer`; the AUC
+//! reached against the generator's planted best; resume = uninterrupted run, bit for bit;
+//! a kill during a checkpoint write leaves the previous checkpoint loadable.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use embers::embedding::{FusedOptimizer, WeightType};
+use embers::nn::Module;
+use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer};
+use embers::Result;
+use embers_datasets::{
+    BatchConfig, Batcher, RawBatch, ShuffleConfig, Split, SplitRule, SyntheticCriteo,
+    SyntheticCriteoConfig,
+};
+
+fn data(num_train: u64, tables: usize, rows: u64) -> SyntheticCriteo {
+    SyntheticCriteo::new(SyntheticCriteoConfig {
+        seed: 7,
+        table_sizes: vec![rows; tables],
+        ids_per_feature: vec![1; tables],
+        num_train,
+        num_validation: 20_000,
+        num_test: 20_000,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn batches(
+    g: &SyntheticCriteo,
+    split: Split,
+    batch_size: usize,
+    seed: u64,
+) -> impl Iterator<Item = Result<Batch>> {
+    let config = BatchConfig {
+        batch_size,
+        drop_last: split == Split::Train,
+        shuffle: (split == Split::Train).then_some(ShuffleConfig {
+            buffer_size: 1024,
+            seed,
+        }),
+        split_rule: SplitRule::All,
+        split,
+    };
+    Batcher::new(g.split(split), config).unwrap().map(|r| {
+        r.map_err(embers::Error::from)
+            .and_then(RawBatch::into_batch)
+    })
+}
+
+fn config(g: &SyntheticCriteo, dim: usize) -> DlrmConfig {
+    DlrmConfig {
+        num_dense: g.schema().num_dense(),
+        sparse_features: (g.schema().sparse_keys.iter())
+            .zip(&g.config().table_sizes)
+            .map(|(k, &rows)| (k.clone(), rows as usize))
+            .collect(),
+        embedding_dim: dim,
+        dense_arch: vec![32],
+        over_arch: vec![32],
+        dcn: None,
+        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        seed: 3,
+        metrics_window: 10_000,
+    }
+}
+
+#[test]
+fn synthetic_training_reaches_the_planted_best_auc() -> Result<()> {
+    // 8 features of 200 ids: small enough for a debug-build test, big enough that the ids'
+    // effects must be learned by the tables (the dense features alone give a far lower AUC).
+    let g = data(400_000, 8, 200);
+    let mut trainer = config(&g, 8).build()?;
+    for batch in batches(&g, Split::Train, 256, 1) {
+        trainer.train_step(&batch?)?;
+    }
+    let report = trainer.evaluate(batches(&g, Split::Test, 1024, 0), None)?;
+    let best = g.best_auc(Split::Test, None).unwrap();
+    let auc = report.get("auc");
+    println!("test AUC {auc:.4}, best achievable {best:.4}");
+    assert_eq!(report.examples, 20_000);
+    assert!(
+        auc > best - 0.01 && auc <= best + 0.01,
+        "AUC {auc} vs best {best}"
+    );
+    // Quantized copies of the tables keep the AUC (INT8 within 0.002, INT4 within 0.01).
+    for (ty, tol) in [(WeightType::Int8, 0.002), (WeightType::Int4, 0.01)] {
+        let q = trainer.model().sparse_arch.quantize(ty)?;
+        let qa = trainer
+            .evaluate(batches(&g, Split::Test, 1024, 0), Some(&q))?
+            .get("auc");
+        assert!((qa - auc).abs() < tol, "{ty:?}: {qa} vs {auc}");
+    }
+    Ok(())
+}
+
+/// Every number that defines the training state, as raw bits.
+fn state_bits(t: &DlrmTrainer) -> Vec<(String, Vec<u32>)> {
+    let mut out = Vec::new();
+    for (name, p) in t.model().dense.named_parameters() {
+        out.push((
+            name,
+            p.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+        ));
+    }
+    for c in t.model().sparse_arch.configs() {
+        let w = t.model().sparse_arch.table_weights(&c.name).unwrap();
+        out.push((c.name.clone(), w.iter().map(|x| x.to_bits()).collect()));
+    }
+    for tbe in t.model().sparse_arch.tbes() {
+        for i in 0..tbe.optimizer_state_names().len() {
+            for table in 0..tbe.config().tables.len() {
+                let s = tbe.optimizer_state(i, table).unwrap();
+                out.push((
+                    format!("state{i}.{table}"),
+                    s.iter().map(|x| x.to_bits()).collect(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("embers-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn resume_continues_bit_identically() -> Result<()> {
+    let g = data(60 * 128, 6, 300);
+    let dir = temp_dir("resume");
+    let path = dir.join("ckpt.safetensors");
+    for (dense, dcn) in [
+        (DenseOptimizer::Adagrad { lr: 0.05 }, None),
+        (DenseOptimizer::Adam { lr: 0.01 }, Some((2, 4))),
+    ] {
+        let mut cfg = config(&g, 8);
+        cfg.dense_optimizer = dense;
+        cfg.dcn = dcn;
+        let all: Vec<Batch> = batches(&g, Split::Train, 128, 5).collect::<Result<_>>()?;
+        assert_eq!(all.len(), 60);
+        // Uninterrupted: 60 steps, checkpoint after 25.
+        let mut a = cfg.build()?;
+        let mut losses_a = Vec::new();
+        for (i, b) in all.iter().enumerate() {
+            if i == 25 {
+                let user = BTreeMap::from([("batch".to_string(), "25".to_string())]);
+                a.save_checkpoint(&path, &user)?;
+            }
+            losses_a.push(a.train_step(b)?.loss);
+        }
+        // A fresh trainer (different init seed, so nothing matches by accident) resumes.
+        cfg.seed = 99;
+        let mut b = cfg.build()?;
+        assert_ne!(state_bits(&a), state_bits(&b));
+        let user = b.load_checkpoint(&path)?;
+        assert_eq!(user.get("batch").map(String::as_str), Some("25"));
+        assert_eq!(b.step(), 25);
+        let mut losses_b = Vec::new();
+        for batch in &all[25..] {
+            losses_b.push(b.train_step(batch)?.loss);
+        }
+        assert_eq!(losses_a[25..], losses_b[..]);
+        assert!(
+            state_bits(&a) == state_bits(&b),
+            "state differs after resume"
+        );
+        assert_eq!(a.train_metrics(), b.train_metrics());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn bad_checkpoints_are_refused_and_change_nothing() -> Result<()> {
+    let g = data(20 * 64, 4, 100);
+    let dir = temp_dir("badckpt");
+    let path = dir.join("ckpt.safetensors");
+    let cfg = config(&g, 4);
+    let mut a = cfg.build()?;
+    for b in batches(&g, Split::Train, 64, 1).take(5) {
+        a.train_step(&b?)?;
+    }
+    a.save_checkpoint(&path, &BTreeMap::new())?;
+    let bytes = std::fs::read(&path).unwrap();
+    let mut other = cfg.build()?;
+    let before = state_bits(&other);
+    // Truncated.
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+    let msg = other.load_checkpoint(&path).unwrap_err().to_string();
+    assert!(msg.contains("ckpt.safetensors"), "{msg}");
+    // A different model shape (D=8 instead of 4).
+    let bigger = config(&g, 8).build()?;
+    bigger.save_checkpoint(&path, &BTreeMap::new())?;
+    let msg = other.load_checkpoint(&path).unwrap_err().to_string();
+    assert!(msg.contains("expected F32"), "{msg}");
+    // A different dense optimizer.
+    let mut sgd = cfg.clone();
+    sgd.dense_optimizer = DenseOptimizer::Adam { lr: 0.1 };
+    sgd.build()?.save_checkpoint(&path, &BTreeMap::new())?;
+    let msg = other.load_checkpoint(&path).unwrap_err().to_string();
+    assert!(msg.contains("missing"), "{msg}");
+    // Not a trainer checkpoint at all.
+    a.model().sparse_arch.save(&path)?;
+    let msg = other.load_checkpoint(&path).unwrap_err().to_string();
+    assert!(msg.contains("not a trainer checkpoint"), "{msg}");
+    assert!(state_bits(&other) == before);
+    assert_eq!(other.step(), 0);
+    let _ = bigger.step();
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+const CHILD_ENV: &str = "EMBERS_CHECKPOINT_WRITER_CHILD";
+
+/// Not a test on its own: the body of the child process of
+/// `a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable`. It writes
+/// checkpoints in a loop (each after one more training step) until it is killed.
+#[test]
+fn checkpoint_writer_child() -> Result<()> {
+    let Ok(path) = std::env::var(CHILD_ENV) else {
+        return Ok(());
+    };
+    let g = data(1_000_000, 26, 20_000);
+    let mut t = config(&g, 16).build()?;
+    for (i, b) in batches(&g, Split::Train, 64, 1).enumerate() {
+        t.train_step(&b?)?;
+        let user = BTreeMap::from([("written".to_string(), i.to_string())]);
+        t.save_checkpoint(Path::new(&path), &user)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result<()> {
+    let g = data(1_000_000, 26, 20_000);
+    let dir = temp_dir("kill");
+    let path = dir.join("ckpt.safetensors");
+    let exe = std::env::current_exe().unwrap();
+    let mut loaded = Vec::new();
+    let mut killed_mid_write = 0;
+    // Each round: start the writer, wait until it has written at least once, kill it (SIGKILL,
+    // no cleanup) at a moment that moves around between rounds, then load what is on disk.
+    // Rounds go on until two kills have landed inside a write (a leftover temporary file
+    // proves it), at most 40 rounds.
+    let mut round = 0u64;
+    while round < 4 || (killed_mid_write < 2 && round < 40) {
+        round += 1;
+        let mut child = Command::new(&exe)
+            .args(["--exact", "checkpoint_writer_child", "--nocapture"])
+            .env(CHILD_ENV, &path)
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let first = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        // Wait for a new checkpoint from this child (or the first one ever).
+        loop {
+            let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+            if now.is_some() && now != first {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(300),
+                "child wrote nothing"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
+        let pid = child.id();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let tmp = dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
+        if tmp.exists() {
+            // Killed in the middle of a write: the half-written file is left behind.
+            killed_mid_write += 1;
+            std::fs::remove_file(&tmp).unwrap();
+        }
+        let mut t = config(&g, 16).build()?;
+        let user = t.load_checkpoint(&path)?;
+        let written: u64 = user["written"].parse().unwrap();
+        assert_eq!(t.step(), written + 1);
+        loaded.push(written);
+    }
+    println!("checkpoints loaded after kills: {loaded:?}, {killed_mid_write} kills mid-write");
+    assert!(killed_mid_write > 0, "no kill landed during a write");
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
