@@ -30,7 +30,10 @@ fn trainer() -> DlrmTrainer {
         over_arch: vec![512, 512, 256],
         dcn: None,
         dense_optimizer: DenseOptimizer::Adagrad { lr: 0.01 },
-        sparse_optimizer: FusedOptimizer::RowWiseAdagrad { lr: 0.01, eps: 1e-8 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.01,
+            eps: 1e-8,
+        },
         seed: 0,
         metrics_window: 100 * B,
     }

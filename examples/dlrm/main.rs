@@ -85,8 +85,9 @@ struct Args {
     /// MovieLens items file (`u.item`, `movies.dat`, `.item`): adds a multi-hot genres feature.
     #[arg(long)]
     items_path: Option<PathBuf>,
-    /// Training examples of the synthetic data.
-    #[arg(long, default_value_t = 1_000_000)]
+    /// Training examples of the synthetic data (fresh examples, so one epoch never repeats
+    /// one; 4M reach within 0.005 of the best achievable AUC in under a minute on 2 cores).
+    #[arg(long, default_value_t = 4_000_000)]
     synthetic_train: u64,
     /// Validation and test examples (each) of the synthetic data.
     #[arg(long, default_value_t = 100_000)]
@@ -173,7 +174,10 @@ struct Args {
 /// The dataset chosen on the command line, able to produce batches of any split.
 enum Data {
     Synthetic(SyntheticCriteo),
-    Files { args: Args, schema: FeatureSchema },
+    Files {
+        args: Box<Args>,
+        schema: FeatureSchema,
+    },
 }
 
 type Batches = Box<dyn Iterator<Item = Result<Batch>>>;
@@ -226,7 +230,7 @@ impl Data {
                     .map(|k| (k.clone(), args.table_cap as usize))
                     .collect();
                 let data = Data::Files {
-                    args: args.clone(),
+                    args: Box::new(args.clone()),
                     schema,
                 };
                 Ok((data, features))
@@ -246,7 +250,7 @@ impl Data {
                     })
                     .collect();
                 let data = Data::Files {
-                    args: args.clone(),
+                    args: Box::new(args.clone()),
                     schema,
                 };
                 Ok((data, features))
@@ -589,7 +593,7 @@ fn run(args: Args) -> Result<()> {
                 ));
                 if let Some(v) = &record.validation {
                     let say = |line: String| {
-                        if args.no_progress {
+                        if bar.is_hidden() {
                             println!("{line}");
                         } else {
                             bar.println(line);

@@ -16,6 +16,9 @@ pub struct Series {
     pub val_auc: Vec<(f64, f64)>,
 }
 
+/// Points, colour and legend label of one line.
+type Curve<'a> = (&'a [(f64, f64)], RGBColor, &'a str);
+
 fn range(curves: &[&[(f64, f64)]], extra: Option<f64>) -> ((f64, f64), (f64, f64)) {
     let points = curves.iter().flat_map(|c| c.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
@@ -58,7 +61,7 @@ fn draw(path: &Path, s: &Series, best_auc: Option<f64>) -> std::result::Result<(
         .x_desc("step")
         .draw()
         .map_err(|x| e(&x))?;
-    let curves: [(&[(f64, f64)], RGBColor, &str); 3] = [
+    let curves: [Curve; 3] = [
         (&s.train_loss, BLUE, "train loss (mean since last point)"),
         (&s.train_ne, RED, "train NE (window)"),
         (&s.val_ne, BLACK, "validation NE"),
@@ -90,7 +93,7 @@ fn draw(path: &Path, s: &Series, best_auc: Option<f64>) -> std::result::Result<(
         .x_desc("step")
         .draw()
         .map_err(|x| e(&x))?;
-    let curves: [(&[(f64, f64)], RGBColor, &str); 2] = [
+    let curves: [Curve; 2] = [
         (&s.train_auc, RED, "train AUC (window)"),
         (&s.val_auc, BLACK, "validation AUC"),
     ];

@@ -1,7 +1,10 @@
 //! Adagrad.
 
-use super::{check_param, for_each_range, impl_optimizer, touched};
+use rayon::prelude::*;
+
+use super::{check_param, for_each_range, impl_optimizer, touched, Touched};
 use crate::tensor::dtype::FloatElem;
+use crate::tensor::ops::PAR_THRESHOLD;
 use crate::{Result, Tensor};
 
 /// Adagrad as `torch.optim.Adagrad`: `s += g²`, `w −= lr_t · g / (√s + eps)` with
@@ -80,13 +83,27 @@ impl Adagrad {
         let (wd, eps) = (T::from_f64(self.weight_decay), T::from_f64(self.eps));
         let mut w = p.data_mut::<T>()?;
         let mut s = self.sums[i].data_mut::<T>()?;
-        for_each_range(p, &g, |range, g| {
-            for (k, j) in range.enumerate() {
-                let d = g[k] + wd * w[j];
-                s[j] += d * d;
-                w[j] = w[j] - clr * d / (s[j].sqrt() + eps);
+        let update = |w: &mut [T], s: &mut [T], g: &[T]| {
+            for ((w, s), &g) in w.iter_mut().zip(s.iter_mut()).zip(g) {
+                let d = g + wd * *w;
+                *s += d * d;
+                *w = *w - clr * d / (s.sqrt() + eps);
             }
-        });
+        };
+        match &g {
+            // Large dense updates run in parallel chunks (each element is independent, so the
+            // result does not depend on the split).
+            Touched::All(g) if g.len() >= PAR_THRESHOLD => {
+                const CHUNK: usize = 1 << 14;
+                w.par_chunks_mut(CHUNK)
+                    .zip(s.par_chunks_mut(CHUNK))
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|((w, s), g)| update(w, s, g));
+            }
+            _ => for_each_range(p, &g, |range, g| {
+                update(&mut w[range.clone()], &mut s[range], g)
+            }),
+        }
         Ok(())
     }
 }
