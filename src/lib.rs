@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod cuda;
 pub mod embedding;
 pub mod error;
 pub mod metrics;

@@ -9,16 +9,23 @@ pub enum Device {
     /// Host memory, computed with rayon-parallel kernels.
     #[default]
     Cpu,
-    /// An NVIDIA GPU by ordinal (not yet available in this build).
+    /// An NVIDIA GPU by ordinal (tensors cannot live there yet; see [`crate::cuda`]).
     Cuda(usize),
 }
 
 impl Device {
-    /// Returns the CUDA device `ordinal`, or an error saying why it cannot be used.
+    /// Returns the CUDA device `ordinal`, or an error saying why it cannot be used: no driver,
+    /// no GPU, ordinal out of range, no NVRTC — or, when all of those are present, that tensors
+    /// cannot live on the GPU yet (the device probe and kernel compilation exist, device storage
+    /// does not).
     pub fn cuda(ordinal: usize) -> crate::Result<Device> {
+        let device = crate::cuda::device(ordinal)?;
         Err(crate::Error::DeviceUnavailable {
             device: Device::Cuda(ordinal),
-            reason: "this build of embers has no CUDA backend yet".into(),
+            reason: format!(
+                "GPU found ({}), but tensors on CUDA devices are not implemented yet",
+                device.arch()
+            ),
         })
     }
 }

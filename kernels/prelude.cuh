@@ -1,0 +1,35 @@
+// Shared helpers for every kernel in kernels/: prepended to each source before NVRTC compiles
+// it (NVRTC gets no system headers, so fp16/bf16 conversions are done with PTX and bit moves).
+typedef long long i64;
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+
+// FBGEMM's HFP8 (no inf/NaN): the 7 magnitude bits moved to where an f32 keeps exponent and
+// mantissa give value * 2^(bias - 127); one exact multiply rebases it (sub-normals included).
+__device__ __forceinline__ float hfp8_to_f32(u8 byte, int ebits, int bias) {
+    unsigned int sign = ((unsigned int)(byte & 0x80)) << 24;
+    float shifted = __uint_as_float(((unsigned int)(byte & 0x7f)) << (16 + ebits));
+    float rebase = __uint_as_float(((unsigned int)(127 + (127 - bias))) << 23);
+    return __uint_as_float(__float_as_uint(shifted * rebase) | sign);
+}
+
+// Records the first bad position of an input (smallest index wins) for the host to report.
+__device__ __forceinline__ void report_bad_index(i64* first_bad, i64 position) {
+    atomicMin((unsigned long long*)first_bad, (unsigned long long)position);
+}

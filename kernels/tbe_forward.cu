@@ -1,0 +1,53 @@
+// Table-batched embedding bag forward (pooled), the GPU twin of src/embedding/kernels.rs.
+//
+// Layout (as the CPU TBE): every table's rows back to back in one buffer; feature f reads the
+// table at element offset `table_offsets[f]` with `rows[f]` rows of `dims[f]` values and writes
+// columns `out_offsets[f] .. out_offsets[f] + dims[f]` of the `[B, out_stride]` output.
+// Indices are i64; `offsets` has F*B+1 entries, bag (f, b) is offsets[f*B+b] .. offsets[f*B+b+1].
+//
+// One warp per bag (blockDim = (32, 4)); lanes stride over the dim. An out-of-range id is not
+// read: its position goes to `first_bad` (initialised to INT64_MAX by the host, which then
+// returns an error naming feature, bag and id). Per-sample weights are optional (null).
+// mean != 0 divides by the bag length (empty bags give zeros).
+
+#define TBE_FORWARD(NAME, T, LOAD)                                                            \
+extern "C" __global__ void NAME(                                                              \
+    const T* __restrict__ weights, const i64* __restrict__ table_offsets,                     \
+    const i64* __restrict__ rows, const int* __restrict__ dims,                               \
+    const int* __restrict__ out_offsets, int out_stride, int B, int F,                        \
+    const i64* __restrict__ indices, const i64* __restrict__ offsets,                         \
+    const float* __restrict__ per_sample_weights, int mean, float* __restrict__ out,          \
+    i64* first_bad) {                                                                         \
+    int bag = blockIdx.x * blockDim.y + threadIdx.y;                                          \
+    if (bag >= B * F) return;                                                                 \
+    int f = bag / B;                                                                          \
+    int b = bag - f * B;                                                                      \
+    i64 start = offsets[bag];                                                                 \
+    i64 end = offsets[bag + 1];                                                               \
+    int D = dims[f];                                                                          \
+    i64 base = table_offsets[f];                                                              \
+    i64 nrows = rows[f];                                                                      \
+    float scale = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;                 \
+    float* dst = out + (i64)b * out_stride + out_offsets[f];                                  \
+    for (int d = threadIdx.x; d < D; d += 32) {                                               \
+        float acc = 0.0f;                                                                     \
+        for (i64 l = start; l < end; ++l) {                                                   \
+            i64 id = indices[l];                                                              \
+            if (id < 0 || id >= nrows) {                                                      \
+                if (d == threadIdx.x) report_bad_index(first_bad, l);                         \
+                continue;                                                                     \
+            }                                                                                 \
+            float w = per_sample_weights ? per_sample_weights[l] : 1.0f;                      \
+            acc += w * LOAD(weights[base + id * D + d]);                                      \
+        }                                                                                     \
+        dst[d] = acc * scale;                                                                 \
+    }                                                                                         \
+}
+
+#define LOAD_F32(x) (x)
+#define LOAD_F16(x) f16_to_f32(x)
+#define LOAD_BF16(x) bf16_to_f32(x)
+
+TBE_FORWARD(tbe_forward_f32, float, LOAD_F32)
+TBE_FORWARD(tbe_forward_f16, u16, LOAD_F16)
+TBE_FORWARD(tbe_forward_bf16, u16, LOAD_BF16)
