@@ -4,7 +4,7 @@
 //! Everything is loaded at run time (cudarc with dynamic loading), so embers builds and runs on
 //! machines with no CUDA at all. cudarc panics inside some entry points when a library is
 //! missing, so every path here probes for the library first and returns
-//! [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) saying what is missing: the
+//! [`crate::Error::DeviceUnavailable`] saying what is missing: the
 //! driver (`libcuda.so`), a GPU, or NVRTC (`libnvrtc.so`, e.g. from the PyPI wheel
 //! `nvidia-cuda-nvrtc-cu12`, found through `LD_LIBRARY_PATH`).
 //!
