@@ -127,6 +127,17 @@ mod gpu {
 
     type R<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
+    /// Same length and every element within 1e-5 relative (absolute below 1).
+    fn assert_close(what: &str, got: &[f32], expected: &[f32]) {
+        assert_eq!(got.len(), expected.len(), "{what}: lengths");
+        for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * e.abs().max(1.0),
+                "{what} element {i}: GPU {g} vs CPU {e}"
+            );
+        }
+    }
+
     pub fn tbe_forward_matches_cpu(c: &Case) -> R<()> {
         let device = cuda::device(0)?;
         let stream = device.context().default_stream();
@@ -219,13 +230,7 @@ mod gpu {
         let got = stream.clone_dtoh(&d_out)?;
         let bad = stream.clone_dtoh(&d_bad)?;
         assert_eq!(bad[0], i64::MAX, "no id was out of range");
-        assert_eq!(got.len(), expected.len());
-        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert!(
-                (g - e).abs() <= 1e-5 * e.abs().max(1.0),
-                "element {i}: GPU {g} vs CPU {e}"
-            );
-        }
+        assert_close("FP32", &got, &expected);
 
         // The quantized inference kernel (INT8, INT4, FP8 tables) against the CPU quantized TBE.
         let types = [WeightType::Int8, WeightType::Int4, WeightType::Fp8];
@@ -284,12 +289,7 @@ mod gpu {
         // SAFETY: the arguments match kernels/tbe_forward_quantized.cu.
         unsafe { launch.launch(cfg) }?;
         let got = stream.clone_dtoh(&d_out)?;
-        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert!(
-                (g - e).abs() <= 1e-5 * e.abs().max(1.0),
-                "quantized element {i}: GPU {g} vs CPU {e}"
-            );
-        }
+        assert_close("INT8/INT4/FP8", &got, &expected);
         Ok(())
     }
 }

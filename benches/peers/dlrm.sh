@@ -4,15 +4,8 @@
 # embers' (benches/dlrm.rs) in the same configuration, TorchRec again, then the ratio.
 # Usage: benches/peers/dlrm.sh [--quick]   (--quick skips criterion's own runs)
 # Env: PEERS_PYTHON (default: the peers venv), CARGO_TARGET_DIR as usual.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PEERS_PYTHON:-$HOME/.cache/embers-peers/venv/bin/python}
-if [[ ! -x "$PY" ]]; then PY=$(../shared/peers/setup.sh); fi
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+source "$(dirname "$0")/common.sh" dlrm
 if [[ "${1:-}" == "--quick" ]]; then export EMBERS_DLRM_QUICK=1; fi
-
-cargo bench --bench dlrm --no-run >/dev/null 2>&1 || cargo bench --bench dlrm --no-run
 peak() { /usr/bin/time -f "peak RSS %M KiB" "$@"; }
 echo "== TorchRec (2 threads)"
 peak "$PY" ../shared/peers/dlrm.py 2>&1 | grep -v "^ *[│|]\|^$\|plan" | tee "$OUT/torchrec.txt"

@@ -3,15 +3,8 @@
 # (benches/tbe.rs) at FBGEMM's defaults T=32 B=512 D=128 E=100000 L=20, then the ratios.
 # Usage: benches/peers/tbe.sh [--quick]   (from anywhere; --quick skips criterion's own runs)
 # Env: PEERS_PYTHON (default: the peers venv), CARGO_TARGET_DIR as usual.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PEERS_PYTHON:-$HOME/.cache/embers-peers/venv/bin/python}
-if [[ ! -x "$PY" ]]; then PY=$(../shared/peers/setup.sh); fi
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+source "$(dirname "$0")/common.sh" tbe
 if [[ "${1:-}" == "--quick" ]]; then export EMBERS_TBE_QUICK=1; fi
-
-cargo bench --bench tbe --no-run >/dev/null 2>&1 || cargo bench --bench tbe --no-run
 echo "== FBGEMM_GPU CPU (2 threads)"
 "$PY" ../shared/peers/tbe.py | tee "$OUT/fbgemm.txt"
 echo "== embers"

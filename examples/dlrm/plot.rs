@@ -39,87 +39,87 @@ fn range(curves: &[&[(f64, f64)]], extra: Option<f64>) -> ((f64, f64), (f64, f64
     ((x0.min(x1 - 1.0), x1), (y0 - pad, y1 + pad))
 }
 
-fn draw(path: &Path, s: &Series, best_auc: Option<f64>) -> std::result::Result<(), String> {
-    let e = |x: &dyn std::fmt::Display| x.to_string();
+type DrawResult<T> = std::result::Result<T, String>;
+
+fn err(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+/// One chart: `curves` against the step, plus an optional horizontal reference line.
+fn panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    caption: &str,
+    curves: &[Curve],
+    reference: Option<(f64, &str)>,
+    legend: SeriesLabelPosition,
+) -> DrawResult<()> {
+    let all: Vec<&[(f64, f64)]> = curves.iter().map(|c| c.0).collect();
+    let ((x0, x1), (y0, y1)) = range(&all, reference.map(|r| r.0));
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(56)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .draw()
+        .map_err(err)?;
+    let green = RGBColor(0, 140, 0);
+    let reference_curve = reference.map(|(y, label)| ([(x0, y), (x1, y)], green, label));
+    let lines = curves
+        .iter()
+        .map(|&(points, color, label)| (points, color, label))
+        .chain(reference_curve.iter().map(|(p, c, l)| (&p[..], *c, *l)));
+    for (points, color, label) in lines {
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), color))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .position(legend)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+fn draw(path: &Path, s: &Series, best_auc: Option<f64>) -> DrawResult<()> {
     // Registering twice is harmless; the font is only needed once per process.
     let _ =
         plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
     let root = BitMapBackend::new(path, (1200, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|x| e(&x))?;
+    root.fill(&WHITE).map_err(err)?;
     let (left, right) = root.split_horizontally(600);
-
-    let ((x0, x1), (y0, y1)) = range(&[&s.train_loss, &s.train_ne, &s.val_ne], None);
-    let mut chart = ChartBuilder::on(&left)
-        .caption("loss and normalized entropy", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .build_cartesian_2d(x0..x1, y0..y1)
-        .map_err(|x| e(&x))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .draw()
-        .map_err(|x| e(&x))?;
-    let curves: [Curve; 3] = [
-        (&s.train_loss, BLUE, "train loss (mean since last point)"),
-        (&s.train_ne, RED, "train NE (window)"),
-        (&s.val_ne, BLACK, "validation NE"),
-    ];
-    for (points, color, label) in curves {
-        chart
-            .draw_series(LineSeries::new(points.iter().copied(), color))
-            .map_err(|x| e(&x))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
-
-    let ((x0, x1), (y0, y1)) = range(&[&s.train_auc, &s.val_auc], best_auc);
-    let mut chart = ChartBuilder::on(&right)
-        .caption("AUC", ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .build_cartesian_2d(x0..x1, y0..y1)
-        .map_err(|x| e(&x))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .draw()
-        .map_err(|x| e(&x))?;
-    let curves: [Curve; 2] = [
-        (&s.train_auc, RED, "train AUC (window)"),
-        (&s.val_auc, BLACK, "validation AUC"),
-    ];
-    for (points, color, label) in curves {
-        chart
-            .draw_series(LineSeries::new(points.iter().copied(), color))
-            .map_err(|x| e(&x))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
-    }
-    if let Some(b) = best_auc {
-        let green = RGBColor(0, 140, 0);
-        chart
-            .draw_series(LineSeries::new([(x0, b), (x1, b)], green))
-            .map_err(|x| e(&x))?
-            .label("best achievable (validation)")
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], green));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
-    root.present().map_err(|x| e(&x))?;
+    panel(
+        &left,
+        "loss and normalized entropy",
+        &[
+            (&s.train_loss, BLUE, "train loss (mean since last point)"),
+            (&s.train_ne, RED, "train NE (window)"),
+            (&s.val_ne, BLACK, "validation NE"),
+        ],
+        None,
+        SeriesLabelPosition::UpperRight,
+    )?;
+    panel(
+        &right,
+        "AUC",
+        &[
+            (&s.train_auc, RED, "train AUC (window)"),
+            (&s.val_auc, BLACK, "validation AUC"),
+        ],
+        best_auc.map(|b| (b, "best achievable (validation)")),
+        SeriesLabelPosition::LowerRight,
+    )?;
+    root.present().map_err(err)?;
     Ok(())
 }
 

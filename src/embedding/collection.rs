@@ -34,6 +34,156 @@ struct Group {
 /// Where each collection table lives: (group, table index inside the group's TBE).
 type TablePlace = (usize, usize);
 
+/// The TBEs of a collection and where each of its tables lives: what EBC and EC share.
+#[derive(Clone, Debug)]
+struct TableGroups {
+    op: &'static str,
+    /// Table names in config order.
+    names: Vec<String>,
+    groups: Vec<Group>,
+    places: Vec<TablePlace>,
+}
+
+/// One table of a collection, as the builder of [`TableGroups`] needs it.
+struct TableDef<'a> {
+    name: &'a str,
+    rows: usize,
+    dim: usize,
+    features: &'a [String],
+    init: EmbeddingInit,
+}
+
+impl TableGroups {
+    /// One TBE per `(members, pooling)` partition entry (members index `tables`), each table
+    /// initialised from `rng`.
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        op: &'static str,
+        tables: &[TableDef<'_>],
+        partition: Vec<(Vec<usize>, PoolingMode)>,
+        optimizer: FusedOptimizer,
+        weight_decay: WeightDecay,
+        bounds_check: BoundsCheckMode,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let mut groups = Vec::new();
+        let mut places = vec![(0, 0); tables.len()];
+        for (members, pooling) in partition {
+            let mut specs = Vec::new();
+            let mut ftm = Vec::new();
+            let mut features = Vec::new();
+            for (t, &i) in members.iter().enumerate() {
+                let c = &tables[i];
+                specs.push(TableSpec::new(c.name, c.rows, c.dim));
+                for f in c.features {
+                    ftm.push(t);
+                    features.push(f.clone());
+                }
+                places[i] = (groups.len(), t);
+            }
+            let mut cfg = TbeConfig::new(specs, ftm, pooling, optimizer);
+            cfg.feature_names = Some(features.clone());
+            cfg.weight_decay = weight_decay;
+            cfg.bounds_check = bounds_check;
+            let tbe = TableBatchedEmbedding::new(cfg)?;
+            for (t, &i) in members.iter().enumerate() {
+                init_table(&tbe, t, tables[i].rows, tables[i].init, rng)?;
+            }
+            groups.push(Group { tbe, features });
+        }
+        Ok(TableGroups {
+            op,
+            names: tables.iter().map(|t| t.name.to_string()).collect(),
+            groups,
+            places,
+        })
+    }
+
+    fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
+        self.groups.iter().map(|g| &g.tbe).collect()
+    }
+
+    fn place(&self, table: &str) -> Result<TablePlace> {
+        let i = self
+            .names
+            .iter()
+            .position(|n| n == table)
+            .ok_or_else(|| Error::invalid(self.op, format!("no table named `{table}`")))?;
+        Ok(self.places[i])
+    }
+
+    fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.table_weights(t)
+    }
+
+    fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
+        let (g, t) = self.place(table)?;
+        self.groups[g].tbe.set_table_weights(t, values)
+    }
+}
+
+/// The table accessors and checkpoint methods EBC and EC share, delegating to their
+/// [`TableGroups`].
+macro_rules! table_access {
+    () => {
+        /// The underlying TBEs.
+        pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
+            self.tables.tbes()
+        }
+
+        /// A copy of table `table`'s rows (`[rows, dim]` row-major).
+        pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
+            self.tables.table_weights(table)
+        }
+
+        /// Overwrites table `table`'s rows.
+        pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
+            self.tables.set_table_weights(table, values)
+        }
+
+        /// Writes every table and its optimizer state to one safetensors file (atomically).
+        pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+            super::checkpoint::save_many(path.as_ref(), &self.tbes())
+        }
+
+        /// Loads tables and optimizer state written by [`save`](Self::save); a bad file
+        /// changes nothing.
+        pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+            super::checkpoint::load_many(path.as_ref(), &self.tbes())
+        }
+
+        /// Adds every table and its optimizer state to a larger checkpoint, names prefixed by
+        /// `prefix`.
+        pub fn checkpoint_into(
+            &self,
+            writer: &mut crate::checkpoint::CheckpointWriter,
+            prefix: &str,
+        ) -> Result<()> {
+            super::checkpoint::add_tbes(writer, prefix, &self.tbes())
+        }
+
+        /// Restores what [`checkpoint_into`](Self::checkpoint_into) wrote; everything is
+        /// checked before anything changes.
+        pub fn restore_from(
+            &self,
+            reader: &crate::checkpoint::CheckpointReader,
+            prefix: &str,
+        ) -> Result<()> {
+            self.stage_from(reader, prefix)?.apply(&self.tbes())
+        }
+
+        /// Reads and checks this collection's part of a checkpoint without applying it.
+        pub(crate) fn stage_from(
+            &self,
+            reader: &crate::checkpoint::CheckpointReader,
+            prefix: &str,
+        ) -> Result<super::checkpoint::StagedTables> {
+            super::checkpoint::stage_tbes(reader, prefix, &self.tbes())
+        }
+    };
+}
+
 fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for n in names {
@@ -201,8 +351,7 @@ impl QuantizedEmbeddingBagCollection {
 #[derive(Clone, Debug)]
 pub struct EmbeddingBagCollection {
     configs: Vec<EmbeddingBagConfig>,
-    groups: Vec<Group>,
-    places: Vec<TablePlace>,
+    tables: TableGroups,
     /// Output keys (features in config order) and their widths.
     output_keys: Vec<String>,
     output_dims: Vec<usize>,
@@ -280,41 +429,38 @@ impl EmbeddingBagCollection {
                 output_dims.push(c.embedding_dim);
             }
         }
-        let mut groups = Vec::new();
-        let mut places = vec![(0, 0); configs.len()];
-        for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
-            let members: Vec<usize> = (0..configs.len())
-                .filter(|&i| configs[i].pooling == pooling)
-                .collect();
-            if members.is_empty() {
-                continue;
-            }
-            let mut tables = Vec::new();
-            let mut ftm = Vec::new();
-            let mut features = Vec::new();
-            for (t, &i) in members.iter().enumerate() {
-                let c = &configs[i];
-                tables.push(TableSpec::new(&c.name, c.num_embeddings, c.embedding_dim));
-                for f in &c.feature_names {
-                    ftm.push(t);
-                    features.push(f.clone());
-                }
-                places[i] = (groups.len(), t);
-            }
-            let mut cfg = TbeConfig::new(tables, ftm, pooling, optimizer);
-            cfg.feature_names = Some(features.clone());
-            cfg.weight_decay = weight_decay;
-            cfg.bounds_check = bounds_check;
-            let tbe = TableBatchedEmbedding::new(cfg)?;
-            for (t, &i) in members.iter().enumerate() {
-                init_table(&tbe, t, configs[i].num_embeddings, configs[i].init, rng)?;
-            }
-            groups.push(Group { tbe, features });
-        }
+        let defs: Vec<TableDef<'_>> = configs
+            .iter()
+            .map(|c| TableDef {
+                name: &c.name,
+                rows: c.num_embeddings,
+                dim: c.embedding_dim,
+                features: &c.feature_names,
+                init: c.init,
+            })
+            .collect();
+        let partition = [PoolingMode::Sum, PoolingMode::Mean]
+            .into_iter()
+            .map(|pooling| {
+                let members = (0..configs.len())
+                    .filter(|&i| configs[i].pooling == pooling)
+                    .collect::<Vec<_>>();
+                (members, pooling)
+            })
+            .filter(|(members, _)| !members.is_empty())
+            .collect();
+        let tables = TableGroups::build(
+            EBC,
+            &defs,
+            partition,
+            optimizer,
+            weight_decay,
+            bounds_check,
+            rng,
+        )?;
         Ok(EmbeddingBagCollection {
             configs,
-            groups,
-            places,
+            tables,
             output_keys,
             output_dims,
         })
@@ -330,38 +476,14 @@ impl EmbeddingBagCollection {
         &self.configs
     }
 
-    /// The underlying TBEs (one per pooling mode in use).
-    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
-        self.groups.iter().map(|g| &g.tbe).collect()
-    }
-
-    fn place(&self, table: &str) -> Result<TablePlace> {
-        let i = self
-            .configs
-            .iter()
-            .position(|c| c.name == table)
-            .ok_or_else(|| Error::invalid(EBC, format!("no table named `{table}`")))?;
-        Ok(self.places[i])
-    }
-
-    /// A copy of table `table`'s rows (`[rows, dim]` row-major).
-    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
-        let (g, t) = self.place(table)?;
-        self.groups[g].tbe.table_weights(t)
-    }
-
-    /// Overwrites table `table`'s rows.
-    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
-        let (g, t) = self.place(table)?;
-        self.groups[g].tbe.set_table_weights(t, values)
-    }
+    table_access!();
 
     /// Pooled embeddings of every feature: keys in config order (each table's features in
     /// order), values `[B, Σ dims]`. Takes part in autograd; the backward runs the fused
     /// optimizer (and gives the KJT's weights their gradient if they require it).
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
         let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
-        for g in &self.groups {
+        for g in &self.tables.groups {
             let (ids, offsets, weights) = tbe_input_from_kjt(EBC, kjt, &g.features)?;
             let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
             outputs.push((&g.features, out));
@@ -373,6 +495,7 @@ impl EmbeddingBagCollection {
     /// same features and pooling.
     pub fn quantize(&self, weight_type: WeightType) -> Result<QuantizedEmbeddingBagCollection> {
         let groups = self
+            .tables
             .groups
             .iter()
             .map(|g| {
@@ -386,47 +509,6 @@ impl EmbeddingBagCollection {
             output_keys: self.output_keys.clone(),
             output_dims: self.output_dims.clone(),
         })
-    }
-
-    /// Writes every table and its optimizer state to one safetensors file (atomically).
-    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let tbes: Vec<&TableBatchedEmbedding> = self.tbes();
-        super::checkpoint::save_many(path.as_ref(), &tbes)
-    }
-
-    /// Loads tables and optimizer state written by [`save`](Self::save).
-    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let tbes: Vec<&TableBatchedEmbedding> = self.tbes();
-        super::checkpoint::load_many(path.as_ref(), &tbes)
-    }
-
-    /// Adds every table and its optimizer state to a larger checkpoint, names prefixed by
-    /// `prefix`.
-    pub fn checkpoint_into(
-        &self,
-        writer: &mut crate::checkpoint::CheckpointWriter,
-        prefix: &str,
-    ) -> Result<()> {
-        super::checkpoint::add_tbes(writer, prefix, &self.tbes())
-    }
-
-    /// Restores what [`checkpoint_into`](Self::checkpoint_into) wrote; everything is checked
-    /// before anything changes.
-    pub fn restore_from(
-        &self,
-        reader: &crate::checkpoint::CheckpointReader,
-        prefix: &str,
-    ) -> Result<()> {
-        self.stage_from(reader, prefix)?.apply(&self.tbes())
-    }
-
-    /// Reads and checks this collection's part of a checkpoint without applying it.
-    pub(crate) fn stage_from(
-        &self,
-        reader: &crate::checkpoint::CheckpointReader,
-        prefix: &str,
-    ) -> Result<super::checkpoint::StagedTables> {
-        super::checkpoint::stage_tbes(reader, prefix, &self.tbes())
     }
 }
 
@@ -455,8 +537,7 @@ impl Module for EmbeddingBagCollection {
 #[derive(Clone, Debug)]
 pub struct EmbeddingCollection {
     configs: Vec<EmbeddingConfig>,
-    groups: Vec<Group>,
-    places: Vec<TablePlace>,
+    tables: TableGroups,
     feature_order: Vec<String>,
 }
 
@@ -499,36 +580,37 @@ impl EmbeddingCollection {
         let mut dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
         dims.sort_unstable();
         dims.dedup();
-        let mut groups = Vec::new();
-        let mut places = vec![(0, 0); configs.len()];
-        for dim in dims {
-            let members: Vec<usize> = (0..configs.len())
-                .filter(|&i| configs[i].embedding_dim == dim)
-                .collect();
-            let mut tables = Vec::new();
-            let mut ftm = Vec::new();
-            let mut features = Vec::new();
-            for (t, &i) in members.iter().enumerate() {
-                let c = &configs[i];
-                tables.push(TableSpec::new(&c.name, c.num_embeddings, c.embedding_dim));
-                for f in &c.feature_names {
-                    ftm.push(t);
-                    features.push(f.clone());
-                }
-                places[i] = (groups.len(), t);
-            }
-            let mut cfg = TbeConfig::new(tables, ftm, PoolingMode::None, optimizer);
-            cfg.feature_names = Some(features.clone());
-            let tbe = TableBatchedEmbedding::new(cfg)?;
-            for (t, &i) in members.iter().enumerate() {
-                init_table(&tbe, t, configs[i].num_embeddings, configs[i].init, rng)?;
-            }
-            groups.push(Group { tbe, features });
-        }
+        let defs: Vec<TableDef<'_>> = configs
+            .iter()
+            .map(|c| TableDef {
+                name: &c.name,
+                rows: c.num_embeddings,
+                dim: c.embedding_dim,
+                features: &c.feature_names,
+                init: c.init,
+            })
+            .collect();
+        let partition = dims
+            .into_iter()
+            .map(|dim| {
+                let members = (0..configs.len())
+                    .filter(|&i| configs[i].embedding_dim == dim)
+                    .collect();
+                (members, PoolingMode::None)
+            })
+            .collect();
+        let tables = TableGroups::build(
+            EC,
+            &defs,
+            partition,
+            optimizer,
+            WeightDecay::None,
+            BoundsCheckMode::Error,
+            rng,
+        )?;
         Ok(EmbeddingCollection {
             configs,
-            groups,
-            places,
+            tables,
             feature_order,
         })
     }
@@ -538,38 +620,14 @@ impl EmbeddingCollection {
         &self.configs
     }
 
-    /// The underlying TBEs (one per distinct dim).
-    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
-        self.groups.iter().map(|g| &g.tbe).collect()
-    }
-
-    fn place(&self, table: &str) -> Result<TablePlace> {
-        let i = self
-            .configs
-            .iter()
-            .position(|c| c.name == table)
-            .ok_or_else(|| Error::invalid(EC, format!("no table named `{table}`")))?;
-        Ok(self.places[i])
-    }
-
-    /// A copy of table `table`'s rows.
-    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
-        let (g, t) = self.place(table)?;
-        self.groups[g].tbe.table_weights(t)
-    }
-
-    /// Overwrites table `table`'s rows.
-    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
-        let (g, t) = self.place(table)?;
-        self.groups[g].tbe.set_table_weights(t, values)
-    }
+    table_access!();
 
     /// One jagged tensor per feature (config order): values `[N_f, dim]` (the rows of the
     /// feature's ids, times their weights if the KJT has any), lengths as in the KJT. Takes
     /// part in autograd like [`EmbeddingBagCollection::forward`].
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<(String, JaggedTensor)>> {
         let mut per_feature: Vec<(String, JaggedTensor)> = Vec::new();
-        for g in &self.groups {
+        for g in &self.tables.groups {
             let (ids, offsets, weights) = tbe_input_from_kjt(EC, kjt, &g.features)?;
             let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
             let offs: Vec<i64> = offsets.to_vec::<i64>()?;
@@ -595,16 +653,6 @@ impl EmbeddingCollection {
             ordered.push(per_feature.swap_remove(i));
         }
         Ok(ordered)
-    }
-
-    /// Writes every table and its optimizer state to one safetensors file (atomically).
-    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        super::checkpoint::save_many(path.as_ref(), &self.tbes())
-    }
-
-    /// Loads tables and optimizer state written by [`save`](Self::save).
-    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        super::checkpoint::load_many(path.as_ref(), &self.tbes())
     }
 }
 
