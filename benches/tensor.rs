@@ -77,6 +77,25 @@ fn dot_interaction(c: &mut Criterion) {
             z.zero_grad();
         })
     });
+    // The same interaction through DLRM's fused op (upper triangle only, own backward).
+    let dense = z
+        .narrow(1, 0, 1)
+        .unwrap()
+        .reshape(&[batch, dim])
+        .unwrap()
+        .detach();
+    let dense = dense.with_requires_grad(true);
+    let sparse = z.narrow(1, 1, features - 1).unwrap().detach();
+    let sparse = sparse.with_requires_grad(true);
+    let arch = embers::models::InteractionArch::new(features - 1);
+    c.bench_function("fused dot interaction fwd+bwd B=512 F=27 D=64", |bench| {
+        bench.iter(|| {
+            let out = arch.forward(&dense, &sparse).unwrap();
+            out.sum_all().unwrap().backward().unwrap();
+            dense.zero_grad();
+            sparse.zero_grad();
+        })
+    });
 }
 
 criterion_group! {

@@ -33,7 +33,7 @@ mod collection;
 mod config;
 mod inference;
 mod input;
-mod kernels;
+pub(crate) mod kernels;
 pub mod optimizer;
 pub mod quantize;
 mod storage;

@@ -50,50 +50,33 @@ impl Forward for DenseArch {
     }
 }
 
-/// Pairwise dot-product interaction of the dense output with every pooled embedding.
+/// Pairwise dot-product interaction of the dense output with every pooled embedding (the
+/// fused [`dot_interaction`](super::interaction::dot_interaction) op).
 #[derive(Clone, Debug)]
 pub struct InteractionArch {
     num_sparse_features: usize,
-    /// Flat `(i·(F+1) + j)` positions of the strict upper triangle.
-    upper_triangle: Tensor,
 }
 
 impl InteractionArch {
     /// For `num_sparse_features` pooled embeddings (plus the dense one).
     pub fn new(num_sparse_features: usize) -> Self {
-        let n = num_sparse_features + 1;
-        let (rows, cols) = Tensor::triu_indices(n, 1);
-        let flat: Vec<i64> = rows
-            .to_vec::<i64>()
-            .expect("triu_indices is i64")
-            .iter()
-            .zip(cols.to_vec::<i64>().expect("triu_indices is i64"))
-            .map(|(r, c)| r * n as i64 + c)
-            .collect();
-        let len = flat.len();
         InteractionArch {
             num_sparse_features,
-            upper_triangle: Tensor::from_vec(flat, &[len]).expect("length matches"),
         }
     }
 
     /// Output width for embedding dim `dim`: `D + F(F+1)/2`.
     pub fn out_features(&self, dim: usize) -> usize {
-        dim + self.upper_triangle.numel()
+        let f = self.num_sparse_features;
+        dim + f * (f + 1) / 2
     }
 
-    /// `dense [B, D]`, `sparse [B, F, D]` → `[B, D + F(F+1)/2]`.
+    /// `dense [B, D]`, `sparse [B, F, D]` → `[B, D + F(F+1)/2]`: the dense vector, then the
+    /// strict upper triangle (row-major) of the `(F+1)×(F+1)` dot products of
+    /// `[dense, sparse_0, …]`, as TorchRec's `InteractionArch`.
     pub fn forward(&self, dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
-        let (b, _) = check_inputs("InteractionArch", dense, sparse, self.num_sparse_features)?;
-        let n = self.num_sparse_features + 1;
-        let combined = Tensor::cat(&[&dense.unsqueeze(1)?, sparse], 1)?; // [B, F+1, D]
-        let dots = combined.matmul(&combined.transpose(1, 2)?)?; // [B, F+1, F+1]
-        let upper = dots
-            .reshape(&[b, n * n])?
-            .t()?
-            .index_select(&self.upper_triangle)?
-            .t()?;
-        Tensor::cat(&[dense, &upper], 1)
+        check_inputs("InteractionArch", dense, sparse, self.num_sparse_features)?;
+        super::interaction::dot_interaction(dense, sparse)
     }
 }
 

@@ -2,6 +2,7 @@
 //! with TorchRec's shapes and layer semantics.
 
 pub mod dlrm;
+pub mod interaction;
 
 pub use dlrm::{
     DenseArch, Dlrm, DlrmDense, Interaction, InteractionArch, LowRankCrossNet, OverArch,
