@@ -9,9 +9,9 @@
 //! `nvidia-cuda-nvrtc-cu12`, found through `LD_LIBRARY_PATH`).
 //!
 //! State of the backend: device probe, NVRTC compilation of every kernel (checked in CI without
-//! a GPU) and the per-device module cache are here; device storage, streams, the caching
-//! allocator, cuBLAS and the launch wrappers that run these kernels are not yet (no GPU has
-//! been available to test them on).
+//! a GPU), the per-device module cache and [`CudaTbe`] (pooled TBE forward, FP32 and quantized
+//! rows) are here — none of it has run on a GPU yet. Tensor storage on the device, the caching
+//! allocator, cuBLAS, the fused TBE backward and the jagged/element-wise launch wrappers are not.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -20,6 +20,9 @@ use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::{Device, Error, Result};
+
+mod tbe;
+pub use tbe::CudaTbe;
 
 /// Helpers prepended to every kernel source (NVRTC sees no system headers).
 pub const PRELUDE: &str = include_str!("../../kernels/prelude.cuh");

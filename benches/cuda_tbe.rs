@@ -1,0 +1,78 @@
+//! TBE forward on the GPU at FBGEMM's benchmark defaults (T=32 tables, B=512, D=128,
+//! E=100000 rows, L=20 ids per bag, uniform ids, sum pooling), plus E=10^7 rows with T=4.
+//! First the two numbers that frame the result: the bytes one forward must move (rows read,
+//! ids and offsets read, output written) and this GPU's measured device-to-device copy
+//! bandwidth; then the forward time (CUDA events, mean of 100 after 10 warm-up runs) and the
+//! fraction of copy bandwidth reached. Without a GPU it says why and exits.
+//! Side by side with `torch.nn.EmbeddingBag`: `benches/peers/cuda_tbe.sh`.
+
+use embers::cuda::{self, CudaTbe};
+use embers::embedding::{PoolingMode, TableSpec};
+use rand::Rng;
+
+fn main() {
+    if let Err(reason) = cuda::device_count().and_then(|n| {
+        if n == 0 {
+            Err(embers::Error::invalid("cuda_tbe bench", "no GPU"))
+        } else {
+            Ok(())
+        }
+    }) {
+        println!("skipped: {reason}");
+        return;
+    }
+    let device = cuda::device(0).expect("device 0");
+    let ctx = device.context().clone();
+    let stream = ctx.default_stream();
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let time_ms = |iters: usize, f: &mut dyn FnMut()| -> f64 {
+        for _ in 0..10 {
+            f();
+        }
+        let start = ctx.new_event(timing).unwrap();
+        let end = ctx.new_event(timing).unwrap();
+        start.record(&stream).unwrap();
+        for _ in 0..iters {
+            f();
+        }
+        end.record(&stream).unwrap();
+        start.elapsed_ms(&end).unwrap() as f64 / iters as f64
+    };
+    // Copy bandwidth: 1 GiB device to device (read + write counted).
+    let n = 1 << 28;
+    let src = stream.alloc_zeros::<f32>(n).unwrap();
+    let mut dst = stream.alloc_zeros::<f32>(n).unwrap();
+    let copy_ms = time_ms(20, &mut || stream.memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_gbs = 2.0 * (n * 4) as f64 / (copy_ms * 1e-3) / 1e9;
+    println!("device copy bandwidth: {copy_gbs:.0} GB/s (1 GiB device to device, read + write)");
+    drop((src, dst));
+
+    for (t, e) in [(32usize, 100_000usize), (4, 10_000_000)] {
+        let (b, d, l) = (512usize, 128usize, 20usize);
+        let tables: Vec<TableSpec> = (0..t)
+            .map(|i| TableSpec::new(format!("t{i}"), e, d))
+            .collect();
+        let ftm: Vec<usize> = (0..t).collect();
+        let tbe = CudaTbe::zeros(&tables, &ftm, PoolingMode::Sum, device.clone()).unwrap();
+        let mut rng = embers::tensor::rng::seeded(0);
+        let ids: Vec<i64> = (0..t * b * l)
+            .map(|_| rng.random_range(0..e as i64))
+            .collect();
+        let offsets: Vec<i64> = (0..=t * b).map(|i| (i * l) as i64).collect();
+        let d_ids = stream.clone_htod(&ids).unwrap();
+        let d_offsets = stream.clone_htod(&offsets).unwrap();
+        let mut out = stream.alloc_zeros::<f32>(b * tbe.out_stride()).unwrap();
+        let ms = time_ms(100, &mut || {
+            tbe.forward(&d_ids, &d_offsets, None, b, &mut out).unwrap()
+        });
+        tbe.check_ids(&d_ids, &d_offsets, b)
+            .expect("every id is in range");
+        let bytes = (t * b * l * d * 4 + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4) as f64;
+        let gbs = bytes / (ms * 1e-3) / 1e9;
+        println!(
+            "embers TBE fp32 fwd T={t} B={b} D={d} E={e} L={l}: {ms:.4} ms, {:.1} MB moved, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
+            bytes / 1e6,
+            100.0 * gbs / copy_gbs
+        );
+    }
+}

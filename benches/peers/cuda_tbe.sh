@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Side by side on a GPU machine, in one run: torch.nn.EmbeddingBag (benches/peers/cuda_tbe.py,
+# the PyTorch installed there), embers' GPU TBE forward (benches/cuda_tbe.rs), PyTorch again,
+# then the ratios. Usage: benches/peers/cuda_tbe.sh   Env: PYTHON (default python3).
+PEERS_PYTHON=${PYTHON:-$(command -v python3)}
+source "$(dirname "$0")/common.sh" cuda_tbe
+echo "== torch.nn.EmbeddingBag (CUDA)"
+"$PY" benches/peers/cuda_tbe.py | tee "$OUT/torch.txt"
+echo "== embers"
+cargo bench --bench cuda_tbe 2>&1 | grep -E "skipped|bandwidth|embers" | tee "$OUT/embers.txt"
+echo "== torch.nn.EmbeddingBag again (drift check)"
+"$PY" benches/peers/cuda_tbe.py | tee "$OUT/torch2.txt"
+echo "== ratios (torch ms / embers ms; torch = mean of its two runs; target >= 2x)"
+"$PY" - "$OUT" <<'PYEOF'
+import re, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def times(name):
+    t = {}
+    for line in (out / name).read_text().splitlines():
+        m = re.search(r"T=(\d+) .*E=(\d+) .*: ([0-9.]+) ms", line)
+        if m:
+            t[(m.group(1), m.group(2))] = float(m.group(3))
+    return t
+a, b, e = times("torch.txt"), times("torch2.txt"), times("embers.txt")
+for key in e:
+    if key in a:
+        ref = (a[key] + b.get(key, a[key])) / 2
+        print(f"T={key[0]} E={key[1]}: torch {ref:.4f} ms, embers {e[key]:.4f} ms, {ref / e[key]:.2f}x")
+PYEOF
