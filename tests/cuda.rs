@@ -181,6 +181,80 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
     Ok(())
 }
 
+#[test]
+fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
+    match cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            println!("skipped: the CUDA driver reports no GPU");
+            return Ok(());
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            return Ok(());
+        }
+    }
+    let c = case();
+    let device = cuda::device(0)?;
+    let optimizers = [
+        FusedOptimizer::Sgd { lr: 0.1 },
+        FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+    ];
+    for (optimizer, pooling) in optimizers
+        .into_iter()
+        .flat_map(|o| [(o, PoolingMode::Sum), (o, PoolingMode::Mean)])
+    {
+        let cpu = TableBatchedEmbedding::new(TbeConfig::new(
+            c.tables.clone(),
+            c.feature_table_map.clone(),
+            pooling,
+            optimizer,
+        ))?;
+        let mut rng = embers::tensor::rng::seeded(6);
+        for (t, spec) in c.tables.iter().enumerate() {
+            let w = Tensor::randn(
+                &[spec.rows, spec.dim],
+                0.0,
+                1.0,
+                embers::DType::F32,
+                &mut rng,
+            );
+            cpu.set_table_weights(t, &w.to_vec::<f32>()?)?;
+        }
+        let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+        let n = c.indices.len();
+        let f = c.feature_table_map.len();
+        // Two steps, so the second sees the first's accumulators.
+        for step in 0..2 {
+            let out = cpu.forward(
+                &Tensor::from_vec(c.indices.clone(), &[n])?,
+                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
+                Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
+            )?;
+            let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, &mut rng);
+            out.backward_with(&grad, false)?;
+            gpu.backward_host(
+                &c.indices,
+                &c.offsets,
+                Some(&c.weights),
+                &grad.to_vec::<f32>()?,
+            )?;
+            for t in 0..c.tables.len() {
+                let (w, m) = gpu.table_state(t)?;
+                let what = format!("{optimizer:?} {pooling:?} step {step} table {t}");
+                assert_close(&format!("{what} weights"), &w, &cpu.table_weights(t)?);
+                if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
+                    assert_close(&format!("{what} momentum"), &m, &cpu.optimizer_state(0, t)?);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Same length and every element within 1e-5 relative (absolute below 1).
 fn assert_close(what: &str, got: &[f32], expected: &[f32]) {
     assert_eq!(got.len(), expected.len(), "{what}: lengths");

@@ -40,6 +40,16 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
         &["tbe_forward_quantized"],
     ),
     (
+        "tbe_backward.cu",
+        include_str!("../../kernels/tbe_backward.cu"),
+        &[
+            "tbe_backward_keys",
+            "tbe_backward_pad",
+            "bitonic_step_u64",
+            "tbe_backward_update",
+        ],
+    ),
+    (
         "jagged.cu",
         include_str!("../../kernels/jagged.cu"),
         &["jagged_to_padded_dense_f32", "dense_to_jagged_f32"],

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::CudaDevice;
 use crate::embedding::{
-    PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, WeightType,
+    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, WeightType,
 };
 use crate::{Device, Error, Result};
 
@@ -45,11 +45,25 @@ pub struct CudaTbe {
     dims: CudaSlice<i32>,
     out_offsets: CudaSlice<i32>,
     host_rows: Vec<i64>,
+    host_dims_max: usize,
     /// First out-of-range position seen by any lookup since the last check (`i64::MAX`: none).
     first_bad: parking_lot::Mutex<CudaSlice<i64>>,
     feature_names: Vec<String>,
     out_stride: usize,
     mean: bool,
+    /// Training state (FP32 tables only).
+    train: Option<TrainState>,
+}
+
+/// What the fused backward needs beyond the forward's layout.
+struct TrainState {
+    optimizer: FusedOptimizer,
+    /// Per feature: number of the first row of its table among all tables' rows.
+    row_starts: CudaSlice<i64>,
+    /// Row-wise Adagrad accumulators of every row of every table (one value if unused).
+    momentum: CudaSlice<f32>,
+    /// Per table: (first element, rows, dim, first row), for reading tables back.
+    tables: Vec<(usize, usize, usize, usize)>,
 }
 
 /// Per-feature layout shared by both weight kinds.
@@ -128,6 +142,7 @@ impl CudaTbe {
             out_offsets: stream
                 .clone_htod(&l.out_offsets)
                 .map_err(|e| up("copy", e))?,
+            host_dims_max: l.dims.iter().copied().max().unwrap_or(0) as usize,
             host_rows: l.rows,
             first_bad: parking_lot::Mutex::new(
                 stream.clone_htod(&[i64::MAX]).map_err(|e| up("copy", e))?,
@@ -135,6 +150,7 @@ impl CudaTbe {
             feature_names: names,
             out_stride: l.out_stride,
             mean,
+            train: None,
             stream,
             device,
         })
@@ -159,7 +175,7 @@ impl CudaTbe {
                 .collect()
         });
         let ordinal = device.ordinal();
-        Self::build(
+        let mut gpu = Self::build(
             device,
             |s| {
                 Ok(Weights::F32(
@@ -170,7 +186,228 @@ impl CudaTbe {
             l,
             names,
             mean,
-        )
+        )?;
+        // Training state: row numbering across tables and the row-wise accumulators.
+        let mut table_info = Vec::new();
+        let mut first_row = 0;
+        let mut momentum = Vec::new();
+        for (t, spec) in cfg.tables.iter().enumerate() {
+            table_info.push((starts[t] as usize, spec.rows, spec.dim, first_row));
+            first_row += spec.rows;
+            if let FusedOptimizer::RowWiseAdagrad { .. } = cfg.optimizer {
+                momentum.extend_from_slice(&tbe.optimizer_state(0, t)?);
+            }
+        }
+        if momentum.is_empty() {
+            momentum.push(0.0);
+        }
+        let row_starts: Vec<i64> = (cfg.feature_table_map.iter())
+            .map(|&t| table_info[t].3 as i64)
+            .collect();
+        let up = |e| driver(ordinal, "copy", e);
+        gpu.train = Some(TrainState {
+            optimizer: cfg.optimizer,
+            row_starts: gpu.stream.clone_htod(&row_starts).map_err(up)?,
+            momentum: gpu.stream.clone_htod(&momentum).map_err(up)?,
+            tables: table_info,
+        });
+        Ok(gpu)
+    }
+
+    /// Fused backward on device buffers (FP32 tables made by
+    /// [`from_trained`](Self::from_trained), SGD or row-wise Adagrad): `grad_output` is the
+    /// `[B, out_stride]` gradient of the last forward's output for the same `indices`,
+    /// `offsets` and weights. Each row's gradient is summed once in a fixed order (sort by
+    /// row, then position) and the row updated in place: deterministic.
+    pub fn backward(
+        &mut self,
+        indices: &CudaSlice<i64>,
+        offsets: &CudaSlice<i64>,
+        per_sample_weights: Option<&CudaSlice<f32>>,
+        grad_output: &CudaSlice<f32>,
+        batch_size: usize,
+    ) -> Result<()> {
+        let ordinal = self.device.ordinal();
+        let up = |what: &str, e| driver(ordinal, what, e);
+        let Some(train) = self.train.as_mut() else {
+            return Err(Error::invalid(
+                OP,
+                "backward needs FP32 tables made by from_trained",
+            ));
+        };
+        let (code, lr, eps) = match train.optimizer {
+            FusedOptimizer::Sgd { lr } => (0i32, lr, 0.0f32),
+            FusedOptimizer::RowWiseAdagrad { lr, eps } => (1, lr, eps),
+            other => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("the {} optimizer is not on the GPU yet", other.name()),
+                ))
+            }
+        };
+        let Weights::F32(weights) = &mut self.weights else {
+            return Err(Error::invalid(OP, "backward needs FP32 tables"));
+        };
+        if self.host_dims_max > 512 {
+            return Err(Error::invalid(
+                OP,
+                "dims above 512 are not supported by the GPU backward",
+            ));
+        }
+        let f = self.host_rows.len();
+        let n = indices.len();
+        if n == 0 || n >= 1 << 24 {
+            return Err(Error::invalid(
+                OP,
+                format!("{n} ids: the GPU backward takes 1 to 2^24 − 1 per batch"),
+            ));
+        }
+        if offsets.len() != f * batch_size + 1 || grad_output.len() < batch_size * self.out_stride {
+            return Err(Error::invalid(
+                OP,
+                "offsets or grad_output do not fit the batch size",
+            ));
+        }
+        let npad = n.next_power_of_two();
+        let stream = &self.stream;
+        let mut keys = stream
+            .alloc_zeros::<u64>(npad)
+            .map_err(|e| up("alloc", e))?;
+        let mut bag_of = stream.alloc_zeros::<i32>(n).map_err(|e| up("alloc", e))?;
+        let module = self.device.module("tbe_backward.cu")?;
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| up("loading a kernel", e))
+        };
+        let linear = |threads: usize| LaunchConfig {
+            grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (bi, fi) = (batch_size as i32, f as i32);
+        let keys_fn = load("tbe_backward_keys")?;
+        let mut launch = stream.launch_builder(&keys_fn);
+        launch
+            .arg(indices)
+            .arg(offsets)
+            .arg(&bi)
+            .arg(&fi)
+            .arg(&train.row_starts)
+            .arg(&self.rows)
+            .arg(&mut keys)
+            .arg(&mut bag_of);
+        // SAFETY: arguments as in kernels/tbe_backward.cu; keys has npad ≥ n entries, bag_of n.
+        unsafe { launch.launch(linear(f * batch_size)) }.map_err(|e| up("launch", e))?;
+        let (n64, npad64) = (n as i64, npad as i64);
+        if npad > n {
+            let pad = load("tbe_backward_pad")?;
+            let mut launch = stream.launch_builder(&pad);
+            launch.arg(&mut keys).arg(&n64).arg(&npad64);
+            // SAFETY: fills keys[n..npad).
+            unsafe { launch.launch(linear(npad - n)) }.map_err(|e| up("launch", e))?;
+        }
+        let step = load("bitonic_step_u64")?;
+        let mut k = 2i64;
+        while k <= npad64 {
+            let mut j = k / 2;
+            while j > 0 {
+                let mut launch = stream.launch_builder(&step);
+                launch.arg(&mut keys).arg(&npad64).arg(&j).arg(&k);
+                // SAFETY: one thread per key of the padded array.
+                unsafe { launch.launch(linear(npad)) }.map_err(|e| up("launch", e))?;
+                j /= 2;
+            }
+            k *= 2;
+        }
+        let update = load("tbe_backward_update")?;
+        let null = 0u64;
+        let mean = i32::from(self.mean);
+        let out_stride = self.out_stride as i32;
+        let mut launch = stream.launch_builder(&update);
+        launch
+            .arg(&keys)
+            .arg(&npad64)
+            .arg(&bag_of)
+            .arg(offsets)
+            .arg(&bi);
+        match per_sample_weights {
+            Some(w) => launch.arg(w),
+            None => launch.arg(&null),
+        };
+        launch
+            .arg(&mean)
+            .arg(grad_output)
+            .arg(&out_stride)
+            .arg(&self.out_offsets)
+            .arg(&self.dims)
+            .arg(&self.table_offsets)
+            .arg(&train.row_starts)
+            .arg(&train.row_starts)
+            .arg(weights)
+            .arg(&mut train.momentum)
+            .arg(&code)
+            .arg(&lr)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (npad.div_ceil(4) as u32, 1, 1),
+            block_dim: (32, 4, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments as in kernels/tbe_backward.cu; every row is written by one warp.
+        unsafe { launch.launch(cfg) }.map_err(|e| up("launch", e))?;
+        Ok(())
+    }
+
+    /// [`backward`](Self::backward) from host memory.
+    pub fn backward_host(
+        &mut self,
+        indices: &[i64],
+        offsets: &[i64],
+        per_sample_weights: Option<&[f32]>,
+        grad_output: &[f32],
+    ) -> Result<()> {
+        let f = self.host_rows.len();
+        let b = offsets.len().saturating_sub(1) / f.max(1);
+        let ordinal = self.device.ordinal();
+        let up = |e| driver(ordinal, "copy", e);
+        let d_indices = self.stream.clone_htod(indices).map_err(up)?;
+        let d_offsets = self.stream.clone_htod(offsets).map_err(up)?;
+        let d_weights = per_sample_weights
+            .map(|w| self.stream.clone_htod(w))
+            .transpose()
+            .map_err(up)?;
+        let d_grad = self.stream.clone_htod(grad_output).map_err(up)?;
+        self.backward(&d_indices, &d_offsets, d_weights.as_ref(), &d_grad, b)
+    }
+
+    /// Table `t`'s rows and, for row-wise Adagrad, its accumulators, copied back to the host.
+    pub fn table_state(&self, t: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let ordinal = self.device.ordinal();
+        let (Some(train), Weights::F32(w)) = (&self.train, &self.weights) else {
+            return Err(Error::invalid(
+                OP,
+                "only FP32 training tables can be read back",
+            ));
+        };
+        let &(start, rows, dim, first_row) = train
+            .tables
+            .get(t)
+            .ok_or_else(|| Error::invalid(OP, format!("no table {t}")))?;
+        let all = self
+            .stream
+            .clone_dtoh(w)
+            .map_err(|e| driver(ordinal, "copy", e))?;
+        let momentum = self
+            .stream
+            .clone_dtoh(&train.momentum)
+            .map_err(|e| driver(ordinal, "copy", e))?;
+        let m = if momentum.len() > first_row {
+            momentum[first_row..first_row + rows].to_vec()
+        } else {
+            Vec::new()
+        };
+        Ok((all[start..start + rows * dim].to_vec(), m))
     }
 
     /// FP32 tables of zeros made directly on the GPU (no host copy): for benchmarks of tables

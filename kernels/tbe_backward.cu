@@ -1,0 +1,115 @@
+// Fused TBE backward for FP32 tables, the GPU twin of src/embedding/backward.rs: every
+// occurrence of a row in the batch is found by sorting (row, position) keys, each row's
+// gradient is summed once, in position order, by one warp, and the optimizer updates the row
+// in place. Deterministic: no atomics on weights, a fixed summation order.
+//
+// Keys: (global_row << 24) | position, global_row = row_starts[f] + id (rows of all tables
+// numbered back to back), so positions must be < 2^24 (the host checks). Ids out of range get
+// the key ~0 and sort to the end (the forward already reported them). The key array is padded
+// to a power of two with ~0 for the bitonic sort.
+
+#define POSITION_BITS 24
+#define POSITION_MASK ((1ull << POSITION_BITS) - 1)
+#define NO_KEY 0xffffffffffffffffull
+#define MAX_PER_LANE 16   // dims up to 32 * 16 = 512
+
+// One thread per bag (f, b): writes the keys of its ids and bag_of[position].
+extern "C" __global__ void tbe_backward_keys(
+    const i64* __restrict__ indices, const i64* __restrict__ offsets, int B, int F,
+    const i64* __restrict__ row_starts, const i64* __restrict__ rows,
+    unsigned long long* __restrict__ keys, int* __restrict__ bag_of) {
+    int bag = blockIdx.x * blockDim.x + threadIdx.x;
+    if (bag >= B * F) return;
+    int f = bag / B;
+    for (i64 l = offsets[bag]; l < offsets[bag + 1]; ++l) {
+        i64 id = indices[l];
+        bag_of[l] = bag;
+        keys[l] = (id < 0 || id >= rows[f])
+            ? NO_KEY
+            : (((unsigned long long)(row_starts[f] + id)) << POSITION_BITS) | (unsigned long long)l;
+    }
+}
+
+// Fills keys[from..n) with NO_KEY (the power-of-two padding).
+extern "C" __global__ void tbe_backward_pad(unsigned long long* keys, i64 from, i64 n) {
+    i64 i = from + (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) keys[i] = NO_KEY;
+}
+
+// One compare-exchange step (j, k) of an ascending bitonic sort over n = 2^m keys.
+extern "C" __global__ void bitonic_step_u64(unsigned long long* keys, i64 n, i64 j, i64 k) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    i64 partner = i ^ j;
+    if (partner <= i) return;
+    unsigned long long a = keys[i], b = keys[partner];
+    bool ascending = (i & k) == 0;
+    if ((a > b) == ascending) {
+        keys[i] = b;
+        keys[partner] = a;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One warp per sorted key; the warp that holds the first key of a row sums that row's
+// gradient over all its occurrences and applies the optimizer:
+//   optimizer 0: SGD             w -= lr * g
+//   optimizer 1: row-wise Adagrad m += mean(g^2); w -= lr / (sqrt(m) + eps) * g
+// grad_output is [B, out_stride]; feature f's columns start at out_offsets[f]. With mean
+// pooling each occurrence is scaled by 1 / bag length; per-sample weights (nullable) scale it.
+extern "C" __global__ void tbe_backward_update(
+    const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,
+    const i64* __restrict__ offsets, int B,
+    const float* __restrict__ per_sample_weights, int mean,
+    const float* __restrict__ grad_output, int out_stride, const int* __restrict__ out_offsets,
+    const int* __restrict__ dims, const i64* __restrict__ table_offsets,
+    const i64* __restrict__ row_starts, const i64* __restrict__ momentum_offsets,
+    float* __restrict__ weights, float* __restrict__ momentum,
+    int optimizer, float lr, float eps) {
+    i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (s >= n) return;
+    unsigned long long key = keys[s];
+    if (key == NO_KEY) return;
+    unsigned long long row = key >> POSITION_BITS;
+    if (s > 0 && (keys[s - 1] >> POSITION_BITS) == row) return;
+    int lane = threadIdx.x;
+    int first_bag = bag_of[key & POSITION_MASK];
+    int f0 = first_bag / B;
+    int D = dims[f0];
+    float g[MAX_PER_LANE];
+    for (int k = 0; k < MAX_PER_LANE; ++k) g[k] = 0.0f;
+    for (i64 t = s; t < n && keys[t] != NO_KEY && (keys[t] >> POSITION_BITS) == row; ++t) {
+        i64 l = (i64)(keys[t] & POSITION_MASK);
+        int bag = bag_of[l];
+        int f = bag / B;
+        int b = bag - f * B;
+        float scale = per_sample_weights ? per_sample_weights[l] : 1.0f;
+        if (mean) scale /= (float)(offsets[bag + 1] - offsets[bag]);
+        const float* go = grad_output + (i64)b * out_stride + out_offsets[f];
+        for (int k = 0; k < MAX_PER_LANE; ++k) {
+            int d = lane + 32 * k;
+            if (d < D) g[k] += scale * go[d];
+        }
+    }
+    i64 id = (i64)row - row_starts[f0];
+    float* w = weights + table_offsets[f0] + id * D;
+    float step = lr;
+    if (optimizer == 1) {
+        float sq = 0.0f;
+        for (int k = 0; k < MAX_PER_LANE; ++k) sq += g[k] * g[k];
+        sq = warp_sum(sq);
+        float* m = momentum + momentum_offsets[f0] + id;
+        float updated = *m + sq / (float)D;
+        __syncwarp();
+        if (lane == 0) *m = updated;
+        step = lr / (sqrtf(updated) + eps);
+    }
+    for (int k = 0; k < MAX_PER_LANE; ++k) {
+        int d = lane + 32 * k;
+        if (d < D) w[d] -= step * g[k];
+    }
+}
