@@ -145,21 +145,35 @@ impl CheckpointWriter {
     }
 
     /// Serialises everything to `path` atomically (temporary file, fsync, rename, directory
-    /// fsync). On error the temporary file is removed and `path` is untouched.
+    /// fsync), streaming the tensors to the file rather than building the whole file in
+    /// memory. On error the temporary file is removed and `path` is untouched.
     pub fn write(self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let bytes = safetensors::serialize(
-            self.entries.iter().map(|(n, e)| (n.as_str(), e)),
-            Some(self.metadata),
-        )
-        .map_err(|e| invalid(path, e))?;
-        write_atomically(path, &bytes)
+        let metadata = self.metadata;
+        let entries = self.entries;
+        replace_atomically(path, |tmp| {
+            safetensors::serialize_to_file(
+                entries.iter().map(|(n, e)| (n.as_str(), e)),
+                Some(metadata),
+                tmp,
+            )
+            .map_err(|e| invalid(path, e))
+        })
     }
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory, fsync and rename,
 /// so readers (and a crash) see the old file or the new one, never part of one.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    replace_atomically(path, |tmp| {
+        let mut f = std::fs::File::create(tmp).map_err(|e| io_err(tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_err(tmp, e))
+    })
+}
+
+/// Lets `fill` write the new contents to a temporary file next to `path`, then flushes that
+/// file to disk, renames it over `path` and syncs the directory.
+fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -173,10 +187,10 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         std::process::id()
     ));
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| io_err(&tmp, e))?;
-        f.sync_all().map_err(|e| io_err(&tmp, e))?;
-        drop(f);
+        fill(&tmp)?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io_err(&tmp, e))?;
         std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
         // Persist the rename itself (the directory entry); best effort where directories
         // cannot be opened.
