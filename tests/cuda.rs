@@ -112,19 +112,10 @@ fn case() -> Case {
 
 #[test]
 fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
-    match cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("skipped: the CUDA driver reports no GPU");
-            return Ok(());
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            return Ok(());
-        }
-    }
+    let Some(device) = gpu()? else {
+        return Ok(());
+    };
     let c = case();
-    let device = cuda::device(0)?;
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         // The CPU reference: an FP32 TBE with per-sample weights.
         let cpu = TableBatchedEmbedding::new(TbeConfig::new(
@@ -183,19 +174,10 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
 
 #[test]
 fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
-    match cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("skipped: the CUDA driver reports no GPU");
-            return Ok(());
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            return Ok(());
-        }
-    }
+    let Some(device) = gpu()? else {
+        return Ok(());
+    };
     let c = case();
-    let device = cuda::device(0)?;
     let optimizers = [
         FusedOptimizer::Sgd { lr: 0.1 },
         FusedOptimizer::RowWiseAdagrad {
@@ -253,6 +235,21 @@ fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Device 0, or `None` (with the reason printed) on a machine without a GPU.
+fn gpu() -> embers::Result<Option<std::sync::Arc<cuda::CudaDevice>>> {
+    match cuda::device_count() {
+        Ok(n) if n > 0 => Ok(Some(cuda::device(0)?)),
+        Ok(_) => {
+            println!("skipped: the CUDA driver reports no GPU");
+            Ok(None)
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            Ok(None)
+        }
+    }
 }
 
 /// Same length and every element within 1e-5 relative (absolute below 1).

@@ -123,6 +123,22 @@ impl TableGroups {
     }
 }
 
+/// The [`TableDef`]s of a list of EBC or EC configs (same field names in both).
+macro_rules! table_defs {
+    ($configs:expr) => {
+        $configs
+            .iter()
+            .map(|c| TableDef {
+                name: &c.name,
+                rows: c.num_embeddings,
+                dim: c.embedding_dim,
+                features: &c.feature_names,
+                init: c.init,
+            })
+            .collect::<Vec<TableDef<'_>>>()
+    };
+}
+
 /// The table accessors and checkpoint methods EBC and EC share, delegating to their
 /// [`TableGroups`].
 macro_rules! table_access {
@@ -429,16 +445,7 @@ impl EmbeddingBagCollection {
                 output_dims.push(c.embedding_dim);
             }
         }
-        let defs: Vec<TableDef<'_>> = configs
-            .iter()
-            .map(|c| TableDef {
-                name: &c.name,
-                rows: c.num_embeddings,
-                dim: c.embedding_dim,
-                features: &c.feature_names,
-                init: c.init,
-            })
-            .collect();
+        let defs = table_defs!(configs);
         let partition = [PoolingMode::Sum, PoolingMode::Mean]
             .into_iter()
             .map(|pooling| {
@@ -580,16 +587,7 @@ impl EmbeddingCollection {
         let mut dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
         dims.sort_unstable();
         dims.dedup();
-        let defs: Vec<TableDef<'_>> = configs
-            .iter()
-            .map(|c| TableDef {
-                name: &c.name,
-                rows: c.num_embeddings,
-                dim: c.embedding_dim,
-                features: &c.feature_names,
-                init: c.init,
-            })
-            .collect();
+        let defs = table_defs!(configs);
         let partition = dims
             .into_iter()
             .map(|dim| {
