@@ -9,9 +9,11 @@
 //! `nvidia-cuda-nvrtc-cu12`, found through `LD_LIBRARY_PATH`).
 //!
 //! State of the backend: device probe, NVRTC compilation of every kernel (checked in CI without
-//! a GPU), the per-device module cache and [`CudaTbe`] (pooled TBE forward, FP32 and quantized
-//! rows) are here — none of it has run on a GPU yet. Tensor storage on the device, the caching
-//! allocator, cuBLAS, the fused TBE backward and the jagged/element-wise launch wrappers are not.
+//! a GPU), the per-device module cache, [`CudaTbe`] (pooled TBE forward for FP32 and quantized
+//! rows, fused backward) and the [`CachingAllocator`] (PyTorch's policy; its logic is tested on a
+//! fake device) are here — none of the GPU paths has run on a GPU yet. Tensor storage on the
+//! device (with the allocator wired into it), cuBLAS and the jagged/element-wise launch wrappers
+//! are not.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,7 +23,9 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::{Device, Error, Result};
 
+pub mod allocator;
 mod tbe;
+pub use allocator::{CachingAllocator, DriverAllocator};
 pub use tbe::CudaTbe;
 
 /// Helpers prepended to every kernel source (NVRTC sees no system headers).
