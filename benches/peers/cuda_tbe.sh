@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Side by side on a GPU machine, in one run: torch.nn.EmbeddingBag (benches/peers/cuda_tbe.py,
 # the PyTorch installed there), embers' GPU TBE forward (benches/cuda_tbe.rs), PyTorch again,
-# then the ratios. Usage: benches/peers/cuda_tbe.sh   Env: PYTHON (default python3).
+# then the ratios. Usage: benches/peers/cuda_tbe.sh   Env: PYTHON (default python3);
+# EMBERS_CUDA_TBE_BENCH, a prebuilt bench binary (on a GPU machine without cargo, see
+# .ci/gpu-check), instead of `cargo bench`.
 PEERS_PYTHON=${PYTHON:-$(command -v python3)}
-source "$(dirname "$0")/common.sh" cuda_tbe
+if [[ -n "${EMBERS_CUDA_TBE_BENCH:-}" ]]; then
+  set -euo pipefail
+  cd "$(dirname "$0")/../.."
+  PY=$PEERS_PYTHON
+  OUT=$(mktemp -d)
+  trap 'rm -rf "$OUT"' EXIT
+  bench() { "$EMBERS_CUDA_TBE_BENCH"; }
+else
+  source "$(dirname "$0")/common.sh" cuda_tbe
+  bench() { cargo bench --bench cuda_tbe; }
+fi
 echo "== torch.nn.EmbeddingBag (CUDA)"
 "$PY" benches/peers/cuda_tbe.py | tee "$OUT/torch.txt"
 echo "== embers"
-cargo bench --bench cuda_tbe 2>&1 | grep -E "skipped|bandwidth|embers" | tee "$OUT/embers.txt"
+bench 2>&1 | grep -E "skipped|bandwidth|embers" | tee "$OUT/embers.txt"
 echo "== torch.nn.EmbeddingBag again (drift check)"
 "$PY" benches/peers/cuda_tbe.py | tee "$OUT/torch2.txt"
 echo "== ratios (torch ms / embers ms; torch = mean of its two runs; target >= 2x)"
