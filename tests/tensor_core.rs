@@ -595,3 +595,18 @@ proptest! {
         close(&a.matmul(&b).unwrap().to_vec::<f64>().unwrap(), &expected, 1e-12);
     }
 }
+
+#[test]
+fn optimizer_hyper_parameters_are_checked() {
+    let p = || vec![Tensor::zeros(&[2], DType::F32, Device::Cpu).with_requires_grad(true)];
+    let msg = |e: embers::Result<()>| e.unwrap_err().to_string();
+    assert!(msg(Sgd::new(p(), f64::NAN).map(|_| ())).contains("lr is NaN"));
+    assert!(msg(Adagrad::new(p(), -0.1, 0.0).map(|_| ())).contains("lr is -0.1"));
+    assert!(msg(Adagrad::new(p(), 0.1, f64::INFINITY).map(|_| ())).contains("initial_accumulator"));
+    let bad_betas = AdamConfig {
+        betas: (0.9, 1.0),
+        ..Default::default()
+    };
+    assert!(msg(Adam::new(p(), bad_betas).map(|_| ())).contains("betas"));
+    assert!(Adam::new(p(), AdamConfig::default()).is_ok());
+}

@@ -27,6 +27,12 @@ impl Adagrad {
     /// Adagrad with learning rate `lr`, eps 1e-10 and an initial accumulator of
     /// `initial_accumulator_value`.
     pub fn new(params: Vec<Tensor>, lr: f64, initial_accumulator_value: f64) -> Result<Self> {
+        super::check_hyper("Adagrad", "lr", lr)?;
+        super::check_hyper(
+            "Adagrad",
+            "initial_accumulator_value",
+            initial_accumulator_value,
+        )?;
         for p in &params {
             check_param("Adagrad", p)?;
         }

@@ -61,6 +61,15 @@ pub struct Adam {
 impl Adam {
     /// A new optimizer over `params`.
     pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<Self> {
+        super::check_hyper("Adam", "lr", config.lr)?;
+        super::check_hyper("Adam", "eps", config.eps)?;
+        super::check_hyper("Adam", "weight_decay", config.weight_decay)?;
+        if !(0.0..1.0).contains(&config.betas.0) || !(0.0..1.0).contains(&config.betas.1) {
+            return Err(crate::Error::invalid(
+                "Adam",
+                format!("betas {:?} must lie in [0, 1)", config.betas),
+            ));
+        }
         for p in &params {
             check_param("Adam", p)?;
         }

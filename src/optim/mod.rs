@@ -115,6 +115,19 @@ pub(crate) fn for_each_range<T: Copy>(
     }
 }
 
+/// Checks a hyper-parameter is finite and not negative (a NaN learning rate would silently
+/// turn every parameter into NaN at the first step).
+pub(crate) fn check_hyper(op: &'static str, name: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            op,
+            format!("{name} is {value}; it must be finite and not negative"),
+        ))
+    }
+}
+
 /// Checks a parameter can be optimised (a contiguous float leaf).
 pub(crate) fn check_param(op: &'static str, p: &Tensor) -> Result<()> {
     if !p.is_leaf() || !p.is_contiguous() {

@@ -23,6 +23,7 @@ pub struct Sgd {
 impl Sgd {
     /// Plain SGD with learning rate `lr`.
     pub fn new(params: Vec<Tensor>, lr: f64) -> Result<Self> {
+        super::check_hyper("Sgd", "lr", lr)?;
         for p in &params {
             check_param("Sgd", p)?;
         }
