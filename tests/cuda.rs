@@ -77,6 +77,34 @@ struct Case {
     weights: Vec<f32>,
 }
 
+impl Case {
+    /// The CPU TBE of this case's tables, filled with seeded normal values.
+    fn cpu_tbe(
+        &self,
+        pooling: PoolingMode,
+        optimizer: FusedOptimizer,
+    ) -> embers::Result<TableBatchedEmbedding> {
+        let cpu = TableBatchedEmbedding::new(TbeConfig::new(
+            self.tables.clone(),
+            self.feature_table_map.clone(),
+            pooling,
+            optimizer,
+        ))?;
+        let mut rng = embers::tensor::rng::seeded(5);
+        for (t, spec) in self.tables.iter().enumerate() {
+            let w = Tensor::randn(
+                &[spec.rows, spec.dim],
+                0.0,
+                1.0,
+                embers::DType::F32,
+                &mut rng,
+            );
+            cpu.set_table_weights(t, &w.to_vec::<f32>()?)?;
+        }
+        Ok(cpu)
+    }
+}
+
 fn case() -> Case {
     use rand::Rng;
     let mut rng = embers::tensor::rng::seeded(11);
@@ -118,23 +146,7 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
     let c = case();
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         // The CPU reference: an FP32 TBE with per-sample weights.
-        let cpu = TableBatchedEmbedding::new(TbeConfig::new(
-            c.tables.clone(),
-            c.feature_table_map.clone(),
-            pooling,
-            FusedOptimizer::None,
-        ))?;
-        let mut rng = embers::tensor::rng::seeded(5);
-        for (t, spec) in c.tables.iter().enumerate() {
-            let w = Tensor::randn(
-                &[spec.rows, spec.dim],
-                0.0,
-                1.0,
-                embers::DType::F32,
-                &mut rng,
-            );
-            cpu.set_table_weights(t, &w.to_vec::<f32>()?)?;
-        }
+        let cpu = c.cpu_tbe(pooling, FusedOptimizer::None)?;
         let n = c.indices.len();
         let f = c.feature_table_map.len();
         let expected = cpu
@@ -189,23 +201,8 @@ fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
         .into_iter()
         .flat_map(|o| [(o, PoolingMode::Sum), (o, PoolingMode::Mean)])
     {
-        let cpu = TableBatchedEmbedding::new(TbeConfig::new(
-            c.tables.clone(),
-            c.feature_table_map.clone(),
-            pooling,
-            optimizer,
-        ))?;
+        let cpu = c.cpu_tbe(pooling, optimizer)?;
         let mut rng = embers::tensor::rng::seeded(6);
-        for (t, spec) in c.tables.iter().enumerate() {
-            let w = Tensor::randn(
-                &[spec.rows, spec.dim],
-                0.0,
-                1.0,
-                embers::DType::F32,
-                &mut rng,
-            );
-            cpu.set_table_weights(t, &w.to_vec::<f32>()?)?;
-        }
         let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
         let n = c.indices.len();
         let f = c.feature_table_map.len();
