@@ -22,30 +22,27 @@ fn main() {
         return;
     }
     let device = cuda::device(0).expect("device 0");
-    let ctx = device.context().clone();
-    let stream = ctx.default_stream();
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    println!("device: {} ({})", device.name(), device.arch());
     let time_ms = |iters: usize, f: &mut dyn FnMut()| -> f64 {
         for _ in 0..10 {
             f();
         }
-        let start = ctx.new_event(timing).unwrap();
-        let end = ctx.new_event(timing).unwrap();
-        start.record(&stream).unwrap();
+        let start = device.record_event().unwrap();
         for _ in 0..iters {
             f();
         }
-        end.record(&stream).unwrap();
-        start.elapsed_ms(&end).unwrap() as f64 / iters as f64
+        let end = device.record_event().unwrap();
+        start.elapsed_ms(&end).unwrap() / iters as f64
     };
     // Copy bandwidth: 1 GiB device to device (read + write counted).
     let n = 1 << 28;
-    let src = stream.alloc_zeros::<f32>(n).unwrap();
-    let mut dst = stream.alloc_zeros::<f32>(n).unwrap();
-    let copy_ms = time_ms(20, &mut || stream.memcpy_dtod(&src, &mut dst).unwrap());
+    let src = device.zeros::<f32>(n).unwrap();
+    let mut dst = device.zeros::<f32>(n).unwrap();
+    let copy_ms = time_ms(20, &mut || dst.copy_from(&src).unwrap());
     let copy_gbs = 2.0 * (n * 4) as f64 / (copy_ms * 1e-3) / 1e9;
     println!("device copy bandwidth: {copy_gbs:.0} GB/s (1 GiB device to device, read + write)");
     drop((src, dst));
+    device.empty_cache();
 
     for (t, e) in [(32usize, 100_000usize), (4, 10_000_000)] {
         let (b, d, l) = (512usize, 128usize, 20usize);
@@ -59,9 +56,9 @@ fn main() {
             .map(|_| rng.random_range(0..e as i64))
             .collect();
         let offsets: Vec<i64> = (0..=t * b).map(|i| (i * l) as i64).collect();
-        let d_ids = stream.clone_htod(&ids).unwrap();
-        let d_offsets = stream.clone_htod(&offsets).unwrap();
-        let mut out = stream.alloc_zeros::<f32>(b * tbe.out_stride()).unwrap();
+        let d_ids = device.htod(&ids).unwrap();
+        let d_offsets = device.htod(&offsets).unwrap();
+        let mut out = device.zeros::<f32>(b * tbe.out_stride()).unwrap();
         let ms = time_ms(100, &mut || {
             tbe.forward(&d_ids, &d_offsets, None, b, &mut out).unwrap()
         });

@@ -1,9 +1,25 @@
 // Shared helpers for every kernel in kernels/: prepended to each source before NVRTC compiles
-// it (NVRTC gets no system headers, so fp16/bf16 conversions are done with PTX and bit moves).
+// it (NVRTC gets no system headers, so fp16/bf16 conversions are done with PTX and bit moves),
+// and before the host emulation compiles it (EMBERS_HOST_SIM, see host_sim.hpp).
 typedef long long i64;
 typedef unsigned char u8;
 typedef unsigned short u16;
 
+#ifdef EMBERS_HOST_SIM
+// The host emulation (kernels/host_sim.hpp): the compiler's own IEEE half type.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;
+    u16 h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+#else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -15,6 +31,12 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+
+// `DYNAMIC_SHARED(float, buf)` declares the dynamic shared memory buffer of a launch.
+#define DYNAMIC_SHARED(T, name)                                                    \
+    extern __shared__ __align__(16) unsigned char embers_dynamic_shared_[];        \
+    T* name = reinterpret_cast<T*>(embers_dynamic_shared_)
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(u16 b) {
     return __uint_as_float(((unsigned int)b) << 16);

@@ -66,6 +66,17 @@ pub enum Error {
         /// Why it cannot be used.
         reason: String,
     },
+    /// An operation on a device failed: allocation, copy, kernel launch or a fault a kernel
+    /// reported.
+    #[error("{op} on {device}: {msg}")]
+    Device {
+        /// The device.
+        device: crate::Device,
+        /// The operation that failed.
+        op: &'static str,
+        /// What happened.
+        msg: String,
+    },
     /// A dimension index is out of range.
     #[error("{op}: dimension {dim} is out of range for a tensor of rank {rank}")]
     DimOutOfRange {

@@ -1,7 +1,8 @@
-//! The CUDA backend as far as it exists: the device probe, NVRTC compilation of every kernel in
-//! `kernels/` (needs NVRTC, not a GPU; CI installs it and sets `EMBERS_REQUIRE_NVRTC=1` so this
-//! cannot silently skip there), and — on a machine with a GPU — the TBE forward kernels against
-//! the CPU TBE. Without a GPU the GPU test prints why it is skipped.
+//! The CUDA backend: the device probe, NVRTC compilation of every kernel in `kernels/` (needs
+//! NVRTC, not a GPU; CI installs it and sets `EMBERS_REQUIRE_NVRTC=1` so this cannot silently
+//! skip there), and the kernels against their CPU twins — on the GPU when the machine has one,
+//! and always on the host emulation (`cuda::simulated_device`, the same kernel sources built by
+//! the system C++ compiler; CI sets `EMBERS_REQUIRE_CUDA_SIM=1` so that cannot skip either).
 
 use embers::cuda::{self, CudaTbe, KERNELS};
 use embers::embedding::{FusedOptimizer, QuantizedTableBatchedEmbedding, TbeInput, WeightType};
@@ -139,10 +140,14 @@ fn case() -> Case {
 }
 
 #[test]
-fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
-    let Some(device) = gpu()? else {
-        return Ok(());
-    };
+fn tbe_forward_kernels_match_the_cpu_tbe() -> embers::Result<()> {
+    for device in devices()? {
+        tbe_forward_on(device)?;
+    }
+    Ok(())
+}
+
+fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()> {
     let c = case();
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         // The CPU reference: an FP32 TBE with per-sample weights.
@@ -158,7 +163,8 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
             .to_vec::<f32>()?;
         let gpu = CudaTbe::from_trained(&cpu, device.clone())?;
         let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-        assert_close(&format!("FP32 {pooling:?}"), &got, &expected);
+        let on = device.name();
+        assert_close(&format!("{on}: FP32 {pooling:?}"), &got, &expected);
 
         // Quantized rows (INT8, INT4, FP8 tables) against the CPU quantized TBE.
         let types = [WeightType::Int8, WeightType::Int4, WeightType::Fp8];
@@ -167,7 +173,7 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
         let expected = q.forward(input)?.to_vec::<f32>()?;
         let gpu_q = CudaTbe::from_quantized(&q, device.clone())?;
         let got = gpu_q.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-        assert_close(&format!("INT8/INT4/FP8 {pooling:?}"), &got, &expected);
+        assert_close(&format!("{on}: INT8/INT4/FP8 {pooling:?}"), &got, &expected);
 
         // An out-of-range id is an error naming it, not a read past the table.
         let mut bad = c.indices.clone();
@@ -185,10 +191,14 @@ fn tbe_forward_kernels_match_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
 }
 
 #[test]
-fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
-    let Some(device) = gpu()? else {
-        return Ok(());
-    };
+fn tbe_fused_backward_matches_the_cpu_tbe() -> embers::Result<()> {
+    for device in devices()? {
+        tbe_backward_on(device)?;
+    }
+    Ok(())
+}
+
+fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()> {
     let c = case();
     let optimizers = [
         FusedOptimizer::Sgd { lr: 0.1 },
@@ -223,7 +233,10 @@ fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
             )?;
             for t in 0..c.tables.len() {
                 let (w, m) = gpu.table_state(t)?;
-                let what = format!("{optimizer:?} {pooling:?} step {step} table {t}");
+                let what = format!(
+                    "{}: {optimizer:?} {pooling:?} step {step} table {t}",
+                    device.name()
+                );
                 assert_close(&format!("{what} weights"), &w, &cpu.table_weights(t)?);
                 if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
                     assert_close(&format!("{what} momentum"), &m, &cpu.optimizer_state(0, t)?);
@@ -234,19 +247,27 @@ fn tbe_fused_backward_matches_the_cpu_tbe_on_a_gpu() -> embers::Result<()> {
     Ok(())
 }
 
-/// Device 0, or `None` (with the reason printed) on a machine without a GPU.
-fn gpu() -> embers::Result<Option<std::sync::Arc<cuda::CudaDevice>>> {
+/// The devices to check the kernels on: GPU 0 when there is one, and the host emulation (skipped
+/// with the reason printed when no C++ compiler is found, unless `EMBERS_REQUIRE_CUDA_SIM=1`).
+fn devices() -> embers::Result<Vec<std::sync::Arc<cuda::CudaDevice>>> {
+    let mut out = Vec::new();
     match cuda::device_count() {
-        Ok(n) if n > 0 => Ok(Some(cuda::device(0)?)),
-        Ok(_) => {
-            println!("skipped: the CUDA driver reports no GPU");
-            Ok(None)
-        }
+        Ok(n) if n > 0 && cuda::emulated_devices() == 0 => out.push(cuda::device(0)?),
+        Ok(_) => println!("no GPU: the CUDA driver reports none"),
+        Err(e) => println!("no GPU: {e}"),
+    }
+    match cuda::simulated_device(0) {
+        Ok(d) => out.push(d),
         Err(e) => {
-            println!("skipped: {e}");
-            Ok(None)
+            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
+            println!("skipped the host emulation: {e}");
         }
     }
+    for d in &out {
+        println!("checking on {} ({})", d.name(), d.arch());
+    }
+    Ok(out)
 }
 
 /// Same length and every element within 1e-5 relative (absolute below 1).

@@ -284,11 +284,19 @@ pub struct DriverAllocator {
 }
 
 impl DriverAllocator {
-    /// Allocates in `device`'s context.
-    pub fn new(device: &super::CudaDevice) -> Self {
-        DriverAllocator {
-            context: device.context().clone(),
-        }
+    /// Allocates in `context`.
+    pub fn new(context: std::sync::Arc<cudarc::driver::CudaContext>) -> Self {
+        DriverAllocator { context }
+    }
+}
+
+impl<R: RawAllocator + ?Sized> RawAllocator for Box<R> {
+    fn alloc(&mut self, bytes: usize) -> Option<u64> {
+        (**self).alloc(bytes)
+    }
+
+    fn free(&mut self, ptr: u64, bytes: usize) {
+        (**self).free(ptr, bytes)
     }
 }
 

@@ -1,5 +1,6 @@
-//! The CUDA side: probing for the driver and NVRTC, opening devices, and compiling the kernels
-//! of `kernels/` with NVRTC for the GPU present (cached per device).
+//! The CUDA backend: probing for the driver and NVRTC, opening devices, compiling the kernels of
+//! `kernels/` with NVRTC for the GPU present (cached per device), device memory from a caching
+//! allocator, kernel launches, and [`CudaTbe`].
 //!
 //! Everything is loaded at run time (cudarc with dynamic loading), so embers builds and runs on
 //! machines with no CUDA at all. cudarc panics inside some entry points when a library is
@@ -8,24 +9,37 @@
 //! driver (`libcuda.so`), a GPU, or NVRTC (`libnvrtc.so`, e.g. from the PyPI wheel
 //! `nvidia-cuda-nvrtc-cu12`, found through `LD_LIBRARY_PATH`).
 //!
-//! State of the backend: device probe, NVRTC compilation of every kernel (checked in CI without
-//! a GPU), the per-device module cache, [`CudaTbe`] (pooled TBE forward for FP32 and quantized
-//! rows, fused backward) and the [`CachingAllocator`] (PyTorch's policy; its logic is tested on a
-//! fake device) are here — none of the GPU paths has run on a GPU yet. Tensor storage on the
-//! device (with the allocator wired into it), cuBLAS and the jagged/element-wise launch wrappers
-//! are not.
+//! # Host emulation
+//!
+//! [`simulated_device`] (or `EMBERS_CUDA_SIM=<n>`, which makes [`device`] hand out `n`
+//! emulated devices) is a CUDA device emulated on the CPU: the same kernel sources, compiled by
+//! the system C++ compiler against `kernels/host_sim.hpp` (one fiber per CUDA thread, barriers
+//! and warp shuffles emulated, divergent barriers reported), launched through the same
+//! [`KernelArgs`] as on a GPU — and each launch checked against the kernel's real parameter list.
+//! It is how every launch path is tested in CI, where there is no GPU; it proves logic, not speed.
+//!
+//! State: the kernels and their launch paths are tested on the emulation in CI; none of the
+//! GPU paths has run on a real GPU yet.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::driver::CudaContext;
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::{Device, Error, Result};
 
 pub mod allocator;
+mod buffer;
+mod driver;
+mod launch;
+mod sim;
 mod tbe;
-pub use allocator::{CachingAllocator, DriverAllocator};
+pub use allocator::{AllocatorStats, CachingAllocator, DriverAllocator};
+use allocator::{Block, RawAllocator, StreamId};
+pub use buffer::{DeviceBuffer, DeviceElem};
+pub use launch::{ArgKind, KernelArgs, LaunchConfig};
+pub use sim::HOST_SIM_HEADER;
 pub use tbe::CudaTbe;
 
 /// Helpers prepended to every kernel source (NVRTC sees no system headers).
@@ -138,22 +152,49 @@ pub fn compile_ptx(name: &str, arch: &'static str) -> Result<Ptx> {
     .map_err(|e| Error::invalid("cuda::compile_ptx", format!("{file} for {arch}: {e}")))
 }
 
-/// An open CUDA device with its compiled kernel modules.
+/// The file of `kernels/` that defines entry point `kernel`.
+pub(crate) fn file_of(kernel: &str) -> Result<&'static str> {
+    KERNELS
+        .iter()
+        .find(|(_, _, entries)| entries.contains(&kernel))
+        .map(|(file, _, _)| *file)
+        .ok_or_else(|| Error::invalid("cuda", format!("no kernel `{kernel}` in kernels/")))
+}
+
+/// How a [`CudaDevice`] executes: the CUDA driver, or the host emulation.
+enum Backend {
+    Driver(driver::Driver),
+    Sim(Arc<sim::Library>),
+}
+
+type DeviceAllocator = CachingAllocator<Box<dyn RawAllocator + Send>>;
+
+/// An open CUDA device — a GPU through the driver, or the host emulation of one — with its
+/// compiled kernels, its stream and its caching allocator.
+///
+/// All work on a device is queued on one stream, in order, and runs asynchronously on a GPU:
+/// the host only waits when it reads a value back ([`DeviceBuffer::to_host`],
+/// [`CudaDevice::synchronize`]).
 pub struct CudaDevice {
     ordinal: usize,
-    context: Arc<CudaContext>,
     arch: &'static str,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    name: String,
+    backend: Backend,
+    allocator: Mutex<DeviceAllocator>,
 }
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaDevice")
             .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
             .field("arch", &self.arch)
             .finish()
     }
 }
+
+/// The stream id the allocator files every block under (one stream per device).
+const STREAM: StreamId = 0;
 
 impl CudaDevice {
     /// The device's ordinal.
@@ -161,35 +202,209 @@ impl CudaDevice {
         self.ordinal
     }
 
-    /// The NVRTC architecture the kernels are compiled for.
+    /// The NVRTC architecture the kernels are compiled for (`compute_90`, ...; the emulation
+    /// reports `host`).
     pub fn arch(&self) -> &'static str {
         self.arch
     }
 
-    /// The cudarc context.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.context
+    /// The GPU's name, or `host emulation`.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
-    /// The module of kernel file `name`, compiled for this device at first use.
-    pub fn module(&self, name: &'static str) -> Result<Arc<CudaModule>> {
-        let mut modules = self.modules.lock().expect("module cache");
-        if let Some(m) = modules.get(name) {
-            return Ok(m.clone());
+    /// True for the host emulation ([`simulated_device`]).
+    pub fn is_emulated(&self) -> bool {
+        matches!(self.backend, Backend::Sim(_))
+    }
+
+    /// The allocator's counters (bytes in use and reserved, peaks, raw allocations).
+    pub fn memory_stats(&self) -> AllocatorStats {
+        self.allocator.lock().expect("allocator").stats()
+    }
+
+    /// Returns every wholly free cached segment to the device.
+    pub fn empty_cache(&self) {
+        self.allocator.lock().expect("allocator").empty_cache();
+    }
+
+    /// Uninitialised device memory for `len` values.
+    pub fn alloc<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::alloc(self, len)
+    }
+
+    /// Device memory for `len` zeros.
+    pub fn zeros<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer<T>> {
+        let mut b = DeviceBuffer::alloc(self, len)?;
+        b.fill_zero()?;
+        Ok(b)
+    }
+
+    /// A device copy of `host`.
+    pub fn htod<T: DeviceElem>(self: &Arc<Self>, host: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut b = DeviceBuffer::alloc(self, host.len())?;
+        b.copy_from_host(host)?;
+        Ok(b)
+    }
+
+    /// Waits for all work queued on the device; reports a kernel fault.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.synchronize(self.ordinal),
+            Backend::Sim(_) => Ok(()),
         }
-        let ptx = compile_ptx(name, self.arch)?;
-        let module = self
-            .context
-            .load_module(ptx)
-            .map_err(|e| unavailable(self.ordinal, format!("loading {name}: {e}")))?;
-        modules.insert(name, module.clone());
-        Ok(module)
+    }
+
+    /// Queues kernel `kernel` (an entry point of [`KERNELS`]) with `args`.
+    ///
+    /// # Safety
+    /// `args` must follow the kernel's parameter list in `kernels/` and every buffer must be
+    /// as large as the kernel reads and writes for this shape. The host emulation checks the
+    /// parameter list (count, sizes, pointers); the driver cannot.
+    pub unsafe fn launch(
+        &self,
+        kernel: &'static str,
+        cfg: LaunchConfig,
+        args: &mut KernelArgs,
+    ) -> Result<()> {
+        let mut params = args.params();
+        match &self.backend {
+            // SAFETY: per this function's contract.
+            Backend::Driver(d) => unsafe {
+                d.launch(self.ordinal, self.arch, kernel, &cfg, &mut params)
+            },
+            // SAFETY: per this function's contract; emulated device memory is host memory.
+            Backend::Sim(lib) => unsafe {
+                lib.launch(self.ordinal, kernel, &cfg, &mut params, args.kinds())
+            },
+        }
+    }
+
+    /// Marks the current point of the device's stream, for timing ([`DeviceEvent::elapsed_ms`]).
+    pub fn record_event(&self) -> Result<DeviceEvent> {
+        match &self.backend {
+            Backend::Driver(d) => d.record_event(self.ordinal).map(DeviceEvent::Driver),
+            Backend::Sim(_) => Ok(DeviceEvent::Host(std::time::Instant::now())),
+        }
+    }
+
+    pub(crate) fn alloc_block(&self, bytes: usize) -> Result<Block> {
+        self.allocator
+            .lock()
+            .expect("allocator")
+            .alloc(bytes, STREAM)
+    }
+
+    pub(crate) fn free_block(&self, block: Block) {
+        // A block this allocator handed out always goes back; an error here is a bug.
+        let freed = self.allocator.lock().expect("allocator").free(block);
+        debug_assert!(freed.is_ok(), "{freed:?}");
+    }
+
+    pub(crate) fn copy_from_host(&self, dst: u64, src: &[u8]) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.copy_from_host(self.ordinal, dst, src),
+            Backend::Sim(_) => {
+                // SAFETY: emulated device memory is host memory of at least `src.len()` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.copy_to_host(self.ordinal, dst, src),
+            Backend::Sim(_) => {
+                // SAFETY: as above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+                };
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.copy_on_device(self.ordinal, dst, src, bytes),
+            Backend::Sim(_) => {
+                // SAFETY: as above (`copy` allows overlap).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn zero_bytes(&self, dst: u64, bytes: usize) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.zero_bytes(self.ordinal, dst, bytes),
+            Backend::Sim(_) => {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+                Ok(())
+            }
+        }
     }
 }
 
+/// A point in a device's stream ([`CudaDevice::record_event`]).
+pub enum DeviceEvent {
+    /// A CUDA event (timed on the GPU).
+    Driver(cudarc::driver::CudaEvent),
+    /// The host emulation runs launches synchronously: the wall clock.
+    Host(std::time::Instant),
+}
+
+impl DeviceEvent {
+    /// Milliseconds from this event to `later` (waits for `later` to be reached).
+    pub fn elapsed_ms(&self, later: &DeviceEvent) -> Result<f64> {
+        match (self, later) {
+            (DeviceEvent::Driver(a), DeviceEvent::Driver(b)) => {
+                b.synchronize().map_err(|e| Error::Device {
+                    device: Device::Cuda(0),
+                    op: "event synchronize",
+                    msg: e.to_string(),
+                })?;
+                a.elapsed_ms(b).map(f64::from).map_err(|e| Error::Device {
+                    device: Device::Cuda(0),
+                    op: "event timing",
+                    msg: e.to_string(),
+                })
+            }
+            (DeviceEvent::Host(a), DeviceEvent::Host(b)) => {
+                Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3)
+            }
+            _ => Err(Error::invalid(
+                "DeviceEvent::elapsed_ms",
+                "events of different kinds of device",
+            )),
+        }
+    }
+}
+
+/// Number of emulated devices asked for with `EMBERS_CUDA_SIM=<n>` (0 when unset).
+pub fn emulated_devices() -> usize {
+    std::env::var("EMBERS_CUDA_SIM")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Opens CUDA device `ordinal` (cached: later calls return the same device), or says why it
-/// cannot: no driver, no GPU, ordinal out of range, no NVRTC.
+/// cannot: no driver, no GPU, ordinal out of range, no NVRTC. With `EMBERS_CUDA_SIM=<n>` set,
+/// devices `0..n` are the host emulation instead ([`simulated_device`]).
 pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    let emulated = emulated_devices();
+    if emulated > 0 {
+        if ordinal >= emulated {
+            return Err(unavailable(
+                ordinal,
+                format!("EMBERS_CUDA_SIM={emulated}: only {emulated} emulated device(s)"),
+            ));
+        }
+        return simulated_device(ordinal);
+    }
     static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let mut devices = DEVICES
         .get_or_init(Default::default)
@@ -225,11 +440,39 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     let (major, minor) = context
         .compute_capability()
         .map_err(|e| unavailable(ordinal, format!("reading the compute capability: {e}")))?;
+    let name = context.name().unwrap_or_else(|_| "unknown GPU".to_string());
+    let raw: Box<dyn RawAllocator + Send> = Box::new(DriverAllocator::new(context.clone()));
     let d = Arc::new(CudaDevice {
         ordinal,
-        context,
         arch: arch_name(major, minor),
-        modules: Mutex::new(HashMap::new()),
+        name,
+        backend: Backend::Driver(driver::Driver::new(context, ordinal)?),
+        allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
+    });
+    devices.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// Emulated CUDA device `ordinal`: the kernels compiled for the CPU by the system C++
+/// compiler (see [`sim`](self#host-emulation)); needs no GPU, driver or NVRTC. Cached like
+/// [`device`].
+pub fn simulated_device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    let mut devices = DEVICES
+        .get_or_init(Default::default)
+        .lock()
+        .expect("device cache");
+    if let Some(d) = devices.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let lib = sim::Library::get(ordinal)?;
+    let raw: Box<dyn RawAllocator + Send> = Box::new(sim::HostMemory::default());
+    let d = Arc::new(CudaDevice {
+        ordinal,
+        arch: "host",
+        name: "host emulation".to_string(),
+        backend: Backend::Sim(lib),
+        allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
     });
     devices.insert(ordinal, d.clone());
     Ok(d)

@@ -1,53 +1,43 @@
 //! Table-batched embedding bags on a GPU: a device copy of a CPU TBE's FP32 tables (or of a
 //! quantized TBE's rows) and the pooled forward kernels of `kernels/tbe_forward*.cu`.
 //!
-//! Inputs and outputs are device buffers ([`CudaSlice`]); [`CudaTbe::forward_host`] wraps the
+//! Inputs and outputs are device buffers ([`DeviceBuffer`]); [`CudaTbe::forward_host`] wraps the
 //! copies for tests and small callers. An out-of-range id is never read: the kernel records
 //! the first bad position and the call returns an error naming feature, bag and id.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-
-use super::CudaDevice;
+use super::{CudaDevice, DeviceBuffer, KernelArgs, LaunchConfig};
 use crate::embedding::{
     FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, WeightType,
 };
-use crate::{Device, Error, Result};
+use crate::{Error, Result};
 
 const OP: &str = "CudaTbe";
 
-fn driver(ordinal: usize, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::DeviceUnavailable {
-        device: Device::Cuda(ordinal),
-        reason: format!("{OP}: {what}: {e}"),
-    }
-}
-
 /// The weights of a [`CudaTbe`]: FP32 rows or FBGEMM's quantized row bytes.
 enum Weights {
-    F32(CudaSlice<f32>),
+    F32(DeviceBuffer<f32>),
     Quantized {
-        bytes: CudaSlice<u8>,
-        row_bytes: CudaSlice<i32>,
-        types: CudaSlice<i32>,
+        bytes: DeviceBuffer<u8>,
+        row_bytes: DeviceBuffer<i32>,
+        types: DeviceBuffer<i32>,
     },
 }
 
 /// A pooled TBE whose tables live on a GPU.
 pub struct CudaTbe {
     device: Arc<CudaDevice>,
-    stream: Arc<CudaStream>,
     weights: Weights,
     /// Per feature: element (FP32) or byte (quantized) offset of its table.
-    table_offsets: CudaSlice<i64>,
-    rows: CudaSlice<i64>,
-    dims: CudaSlice<i32>,
-    out_offsets: CudaSlice<i32>,
+    table_offsets: DeviceBuffer<i64>,
+    rows: DeviceBuffer<i64>,
+    dims: DeviceBuffer<i32>,
+    out_offsets: DeviceBuffer<i32>,
     host_rows: Vec<i64>,
     host_dims_max: usize,
     /// First out-of-range position seen by any lookup since the last check (`i64::MAX`: none).
-    first_bad: parking_lot::Mutex<CudaSlice<i64>>,
+    first_bad: parking_lot::Mutex<DeviceBuffer<i64>>,
     feature_names: Vec<String>,
     out_stride: usize,
     mean: bool,
@@ -59,9 +49,9 @@ pub struct CudaTbe {
 struct TrainState {
     optimizer: FusedOptimizer,
     /// Per feature: number of the first row of its table among all tables' rows.
-    row_starts: CudaSlice<i64>,
+    row_starts: DeviceBuffer<i64>,
     /// Row-wise Adagrad accumulators of every row of every table (one value if unused).
-    momentum: CudaSlice<f32>,
+    momentum: DeviceBuffer<f32>,
     /// Per table: (first element, rows, dim, first row), for reading tables back.
     tables: Vec<(usize, usize, usize, usize)>,
 }
@@ -124,34 +114,24 @@ fn pooled(op: &'static str, pooling: PoolingMode) -> Result<bool> {
 impl CudaTbe {
     fn build(
         device: Arc<CudaDevice>,
-        weights: impl FnOnce(&Arc<CudaStream>) -> Result<Weights>,
+        weights: Weights,
         l: Layout,
         names: Vec<String>,
         mean: bool,
     ) -> Result<Self> {
-        let ordinal = device.ordinal();
-        let stream = device.context().default_stream();
-        let up = |what: &str, e| driver(ordinal, what, e);
         Ok(CudaTbe {
-            weights: weights(&stream)?,
-            table_offsets: stream
-                .clone_htod(&l.table_offsets)
-                .map_err(|e| up("copy", e))?,
-            rows: stream.clone_htod(&l.rows).map_err(|e| up("copy", e))?,
-            dims: stream.clone_htod(&l.dims).map_err(|e| up("copy", e))?,
-            out_offsets: stream
-                .clone_htod(&l.out_offsets)
-                .map_err(|e| up("copy", e))?,
+            weights,
+            table_offsets: device.htod(&l.table_offsets)?,
+            rows: device.htod(&l.rows)?,
+            dims: device.htod(&l.dims)?,
+            out_offsets: device.htod(&l.out_offsets)?,
             host_dims_max: l.dims.iter().copied().max().unwrap_or(0) as usize,
             host_rows: l.rows,
-            first_bad: parking_lot::Mutex::new(
-                stream.clone_htod(&[i64::MAX]).map_err(|e| up("copy", e))?,
-            ),
+            first_bad: parking_lot::Mutex::new(device.htod(&[i64::MAX])?),
             feature_names: names,
             out_stride: l.out_stride,
             mean,
             train: None,
-            stream,
             device,
         })
     }
@@ -174,19 +154,8 @@ impl CudaTbe {
                 .map(|f| format!("feature {f}"))
                 .collect()
         });
-        let ordinal = device.ordinal();
-        let mut gpu = Self::build(
-            device,
-            |s| {
-                Ok(Weights::F32(
-                    s.clone_htod(&flat)
-                        .map_err(|e| driver(ordinal, "copy", e))?,
-                ))
-            },
-            l,
-            names,
-            mean,
-        )?;
+        let weights = Weights::F32(device.htod(&flat)?);
+        let mut gpu = Self::build(device, weights, l, names, mean)?;
         // Training state: row numbering across tables and the row-wise accumulators.
         let mut table_info = Vec::new();
         let mut first_row = 0;
@@ -204,11 +173,10 @@ impl CudaTbe {
         let row_starts: Vec<i64> = (cfg.feature_table_map.iter())
             .map(|&t| table_info[t].3 as i64)
             .collect();
-        let up = |e| driver(ordinal, "copy", e);
         gpu.train = Some(TrainState {
             optimizer: cfg.optimizer,
-            row_starts: gpu.stream.clone_htod(&row_starts).map_err(up)?,
-            momentum: gpu.stream.clone_htod(&momentum).map_err(up)?,
+            row_starts: gpu.device.htod(&row_starts)?,
+            momentum: gpu.device.htod(&momentum)?,
             tables: table_info,
         });
         Ok(gpu)
@@ -221,14 +189,12 @@ impl CudaTbe {
     /// row, then position) and the row updated in place: deterministic.
     pub fn backward(
         &mut self,
-        indices: &CudaSlice<i64>,
-        offsets: &CudaSlice<i64>,
-        per_sample_weights: Option<&CudaSlice<f32>>,
-        grad_output: &CudaSlice<f32>,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
+        grad_output: &DeviceBuffer<f32>,
         batch_size: usize,
     ) -> Result<()> {
-        let ordinal = self.device.ordinal();
-        let up = |what: &str, e| driver(ordinal, what, e);
         let Some(train) = self.train.as_mut() else {
             return Err(Error::invalid(
                 OP,
@@ -255,108 +221,117 @@ impl CudaTbe {
             ));
         }
         let f = self.host_rows.len();
-        let n = indices.len();
-        if n == 0 || n >= 1 << 24 {
-            return Err(Error::invalid(
-                OP,
-                format!("{n} ids: the GPU backward takes 1 to 2^24 − 1 per batch"),
-            ));
-        }
         if offsets.len() != f * batch_size + 1 || grad_output.len() < batch_size * self.out_stride {
             return Err(Error::invalid(
                 OP,
-                "offsets or grad_output do not fit the batch size",
+                format!(
+                    "expected {} offsets and a gradient of {} values, got {} and {}",
+                    f * batch_size + 1,
+                    batch_size * self.out_stride,
+                    offsets.len(),
+                    grad_output.len()
+                ),
             ));
         }
+        if per_sample_weights.is_some_and(|w| w.len() < indices.len()) {
+            return Err(Error::invalid(
+                OP,
+                "one per-sample weight per index is needed",
+            ));
+        }
+        let n = indices.len();
+        if n >= 1 << 24 {
+            return Err(Error::invalid(
+                OP,
+                format!("{n} ids: the GPU backward takes at most 2^24 − 1 per batch"),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
         let npad = n.next_power_of_two();
-        let stream = &self.stream;
-        let mut keys = stream
-            .alloc_zeros::<u64>(npad)
-            .map_err(|e| up("alloc", e))?;
-        let mut bag_of = stream.alloc_zeros::<i32>(n).map_err(|e| up("alloc", e))?;
-        let module = self.device.module("tbe_backward.cu")?;
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| up("loading a kernel", e))
-        };
-        let linear = |threads: usize| LaunchConfig {
-            grid_dim: (threads.div_ceil(256).max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let device = &self.device;
+        let keys = device.alloc::<u64>(npad)?;
+        let bag_of = device.alloc::<i32>(n)?;
         let (bi, fi) = (batch_size as i32, f as i32);
-        let keys_fn = load("tbe_backward_keys")?;
-        let mut launch = stream.launch_builder(&keys_fn);
-        launch
-            .arg(indices)
-            .arg(offsets)
-            .arg(&bi)
-            .arg(&fi)
-            .arg(&train.row_starts)
-            .arg(&self.rows)
-            .arg(&mut keys)
-            .arg(&mut bag_of);
-        // SAFETY: arguments as in kernels/tbe_backward.cu; keys has npad ≥ n entries, bag_of n.
-        unsafe { launch.launch(linear(f * batch_size)) }.map_err(|e| up("launch", e))?;
+        let mut args = KernelArgs::new();
+        args.buffer(indices)
+            .buffer(offsets)
+            .i32(bi)
+            .i32(fi)
+            .buffer(&train.row_starts)
+            .buffer(&self.rows)
+            .buffer(&keys)
+            .buffer(&bag_of);
+        // SAFETY: arguments as in kernels/tbe_backward.cu; keys has npad ≥ n entries, bag_of
+        // n, offsets F·B+1 (checked above).
+        unsafe {
+            device.launch(
+                "tbe_backward_keys",
+                LaunchConfig::covering(f * batch_size, 256),
+                &mut args,
+            )?
+        };
         let (n64, npad64) = (n as i64, npad as i64);
         if npad > n {
-            let pad = load("tbe_backward_pad")?;
-            let mut launch = stream.launch_builder(&pad);
-            launch.arg(&mut keys).arg(&n64).arg(&npad64);
+            let mut args = KernelArgs::new();
+            args.buffer(&keys).i64(n64).i64(npad64);
             // SAFETY: fills keys[n..npad).
-            unsafe { launch.launch(linear(npad - n)) }.map_err(|e| up("launch", e))?;
+            unsafe {
+                device.launch(
+                    "tbe_backward_pad",
+                    LaunchConfig::covering(npad - n, 256),
+                    &mut args,
+                )?
+            };
         }
-        let step = load("bitonic_step_u64")?;
         let mut k = 2i64;
         while k <= npad64 {
             let mut j = k / 2;
             while j > 0 {
-                let mut launch = stream.launch_builder(&step);
-                launch.arg(&mut keys).arg(&npad64).arg(&j).arg(&k);
+                let mut args = KernelArgs::new();
+                args.buffer(&keys).i64(npad64).i64(j).i64(k);
                 // SAFETY: one thread per key of the padded array.
-                unsafe { launch.launch(linear(npad)) }.map_err(|e| up("launch", e))?;
+                unsafe {
+                    device.launch(
+                        "bitonic_step_u64",
+                        LaunchConfig::covering(npad, 256),
+                        &mut args,
+                    )?
+                };
                 j /= 2;
             }
             k *= 2;
         }
-        let update = load("tbe_backward_update")?;
-        let null = 0u64;
-        let mean = i32::from(self.mean);
-        let out_stride = self.out_stride as i32;
-        let mut launch = stream.launch_builder(&update);
-        launch
-            .arg(&keys)
-            .arg(&npad64)
-            .arg(&bag_of)
-            .arg(offsets)
-            .arg(&bi);
-        match per_sample_weights {
-            Some(w) => launch.arg(w),
-            None => launch.arg(&null),
-        };
-        launch
-            .arg(&mean)
-            .arg(grad_output)
-            .arg(&out_stride)
-            .arg(&self.out_offsets)
-            .arg(&self.dims)
-            .arg(&self.table_offsets)
-            .arg(&train.row_starts)
-            .arg(&train.row_starts)
-            .arg(weights)
-            .arg(&mut train.momentum)
-            .arg(&code)
-            .arg(&lr)
-            .arg(&eps);
-        let cfg = LaunchConfig {
-            grid_dim: (npad.div_ceil(4) as u32, 1, 1),
-            block_dim: (32, 4, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments as in kernels/tbe_backward.cu; every row is written by one warp.
-        unsafe { launch.launch(cfg) }.map_err(|e| up("launch", e))?;
-        Ok(())
+        let mut args = KernelArgs::new();
+        args.buffer(&keys)
+            .i64(npad64)
+            .buffer(&bag_of)
+            .buffer(offsets)
+            .i32(bi)
+            .opt_buffer(per_sample_weights)
+            .i32(i32::from(self.mean))
+            .buffer(grad_output)
+            .i32(self.out_stride as i32)
+            .buffer(&self.out_offsets)
+            .buffer(&self.dims)
+            .buffer(&self.table_offsets)
+            .buffer(&train.row_starts)
+            .buffer(&train.row_starts)
+            .buffer(weights)
+            .buffer(&train.momentum)
+            .i32(code)
+            .f32(lr)
+            .f32(eps);
+        // SAFETY: arguments as in kernels/tbe_backward.cu (the momentum offset of a feature's
+        // table is its first row number); every row is written by one warp.
+        unsafe {
+            device.launch(
+                "tbe_backward_update",
+                LaunchConfig::warp_per_item(npad, 4),
+                &mut args,
+            )
+        }
     }
 
     /// [`backward`](Self::backward) from host memory.
@@ -367,23 +342,18 @@ impl CudaTbe {
         per_sample_weights: Option<&[f32]>,
         grad_output: &[f32],
     ) -> Result<()> {
-        let f = self.host_rows.len();
-        let b = offsets.len().saturating_sub(1) / f.max(1);
-        let ordinal = self.device.ordinal();
-        let up = |e| driver(ordinal, "copy", e);
-        let d_indices = self.stream.clone_htod(indices).map_err(up)?;
-        let d_offsets = self.stream.clone_htod(offsets).map_err(up)?;
+        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
+        let d_indices = self.device.htod(indices)?;
+        let d_offsets = self.device.htod(offsets)?;
         let d_weights = per_sample_weights
-            .map(|w| self.stream.clone_htod(w))
-            .transpose()
-            .map_err(up)?;
-        let d_grad = self.stream.clone_htod(grad_output).map_err(up)?;
+            .map(|w| self.device.htod(w))
+            .transpose()?;
+        let d_grad = self.device.htod(grad_output)?;
         self.backward(&d_indices, &d_offsets, d_weights.as_ref(), &d_grad, b)
     }
 
     /// Table `t`'s rows and, for row-wise Adagrad, its accumulators, copied back to the host.
     pub fn table_state(&self, t: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let ordinal = self.device.ordinal();
         let (Some(train), Weights::F32(w)) = (&self.train, &self.weights) else {
             return Err(Error::invalid(
                 OP,
@@ -394,18 +364,12 @@ impl CudaTbe {
             .tables
             .get(t)
             .ok_or_else(|| Error::invalid(OP, format!("no table {t}")))?;
-        let all = self
-            .stream
-            .clone_dtoh(w)
-            .map_err(|e| driver(ordinal, "copy", e))?;
-        let momentum = self
-            .stream
-            .clone_dtoh(&train.momentum)
-            .map_err(|e| driver(ordinal, "copy", e))?;
-        let m = if momentum.len() > first_row {
-            momentum[first_row..first_row + rows].to_vec()
-        } else {
-            Vec::new()
+        let all = w.to_host()?;
+        let m = match train.optimizer {
+            FusedOptimizer::RowWiseAdagrad { .. } => {
+                train.momentum.to_host()?[first_row..first_row + rows].to_vec()
+            }
+            _ => Vec::new(),
         };
         Ok((all[start..start + rows * dim].to_vec(), m))
     }
@@ -437,18 +401,8 @@ impl CudaTbe {
         let names = (0..feature_table_map.len())
             .map(|f| format!("feature {f}"))
             .collect();
-        let ordinal = device.ordinal();
-        Self::build(
-            device,
-            |s| {
-                Ok(Weights::F32(s.alloc_zeros::<f32>(total.max(1)).map_err(
-                    |e| driver(ordinal, "allocating the tables", e),
-                )?))
-            },
-            l,
-            names,
-            mean,
-        )
+        let weights = Weights::F32(device.zeros::<f32>(total)?);
+        Self::build(device, weights, l, names, mean)
     }
 
     /// A GPU copy of a quantized TBE's rows (FBGEMM's TBE row bytes, any weight types).
@@ -475,26 +429,17 @@ impl CudaTbe {
             .map(|&t| type_code(q.weight_types()[t]))
             .collect();
         let names = (0..ftm.len()).map(|f| format!("feature {f}")).collect();
-        let ordinal = device.ordinal();
-        Self::build(
-            device,
-            |s| {
-                let up = |e| driver(ordinal, "copy", e);
-                Ok(Weights::Quantized {
-                    bytes: s.clone_htod(&bytes).map_err(up)?,
-                    row_bytes: s.clone_htod(&row_bytes).map_err(up)?,
-                    types: s.clone_htod(&types).map_err(up)?,
-                })
-            },
-            l,
-            names,
-            mean,
-        )
+        let weights = Weights::Quantized {
+            bytes: device.htod(&bytes)?,
+            row_bytes: device.htod(&row_bytes)?,
+            types: device.htod(&types)?,
+        };
+        Self::build(device, weights, l, names, mean)
     }
 
-    /// The stream the lookups run on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// The device the tables live on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
     }
 
     /// Output width `ΣD` of one sample.
@@ -504,19 +449,17 @@ impl CudaTbe {
 
     /// Pooled lookup on device buffers: `indices` (i64), `offsets` (`F·B + 1`, i64, checked
     /// on the host by the caller or by [`forward_host`](Self::forward_host)), optional
-    /// per-sample weights; writes `out` (`B × out_stride` f32). Asynchronous on
-    /// [`stream`](Self::stream): out-of-range ids are skipped and remembered on the device;
+    /// per-sample weights; writes `out` (`B × out_stride` f32). Asynchronous on the device's
+    /// stream: out-of-range ids are skipped and remembered on the device;
     /// [`check_ids`](Self::check_ids) (which synchronises) reports them.
     pub fn forward(
         &self,
-        indices: &CudaSlice<i64>,
-        offsets: &CudaSlice<i64>,
-        per_sample_weights: Option<&CudaSlice<f32>>,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
         batch_size: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut DeviceBuffer<f32>,
     ) -> Result<()> {
-        let ordinal = self.device.ordinal();
-        let up = |what: &str, e| driver(ordinal, what, e);
         let f = self.host_rows.len();
         if out.len() < batch_size * self.out_stride || offsets.len() != f * batch_size + 1 {
             return Err(Error::invalid(
@@ -530,96 +473,83 @@ impl CudaTbe {
                 ),
             ));
         }
-        let mut first_bad = self.first_bad.lock();
-        let (b, fi, mean) = (batch_size as i32, f as i32, i32::from(self.mean));
-        let out_stride = self.out_stride as i32;
-        let null = 0u64;
-        let bags = (f * batch_size) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (bags.div_ceil(4).max(1), 1, 1),
-            block_dim: (32, 4, 1),
-            shared_mem_bytes: 0,
-        };
-        let (module, name) = match &self.weights {
-            Weights::F32(_) => ("tbe_forward.cu", "tbe_forward_f32"),
-            Weights::Quantized { .. } => ("tbe_forward_quantized.cu", "tbe_forward_quantized"),
-        };
-        let kernel = self
-            .device
-            .module(module)?
-            .load_function(name)
-            .map_err(|e| up("loading the kernel", e))?;
-        let mut launch = self.stream.launch_builder(&kernel);
-        match &self.weights {
+        if per_sample_weights.is_some_and(|w| w.len() < indices.len()) {
+            return Err(Error::invalid(
+                OP,
+                "one per-sample weight per index is needed",
+            ));
+        }
+        let first_bad = self.first_bad.lock();
+        let mut args = KernelArgs::new();
+        let kernel = match &self.weights {
             Weights::F32(w) => {
-                launch
-                    .arg(w)
-                    .arg(&self.table_offsets)
-                    .arg(&self.rows)
-                    .arg(&self.dims);
+                args.buffer(w)
+                    .buffer(&self.table_offsets)
+                    .buffer(&self.rows)
+                    .buffer(&self.dims);
+                "tbe_forward_f32"
             }
             Weights::Quantized {
                 bytes,
                 row_bytes,
                 types,
             } => {
-                launch
-                    .arg(bytes)
-                    .arg(&self.table_offsets)
-                    .arg(&self.rows)
-                    .arg(row_bytes)
-                    .arg(&self.dims)
-                    .arg(types);
+                args.buffer(bytes)
+                    .buffer(&self.table_offsets)
+                    .buffer(&self.rows)
+                    .buffer(row_bytes)
+                    .buffer(&self.dims)
+                    .buffer(types);
+                "tbe_forward_quantized"
             }
-        }
-        launch
-            .arg(&self.out_offsets)
-            .arg(&out_stride)
-            .arg(&b)
-            .arg(&fi)
-            .arg(indices)
-            .arg(offsets);
-        match per_sample_weights {
-            Some(w) => launch.arg(w),
-            None => launch.arg(&null),
         };
-        launch.arg(&mean).arg(out).arg(&mut *first_bad);
+        args.buffer(&self.out_offsets)
+            .i32(self.out_stride as i32)
+            .i32(batch_size as i32)
+            .i32(f as i32)
+            .buffer(indices)
+            .buffer(offsets)
+            .opt_buffer(per_sample_weights)
+            .i32(i32::from(self.mean))
+            .buffer(out)
+            .buffer(&*first_bad);
         // SAFETY: the arguments follow the kernels' signatures in kernels/tbe_forward*.cu; the
-        // sizes were checked above (offsets F·B+1, output B·ΣD).
-        unsafe { launch.launch(cfg) }.map_err(|e| up("launch", e))?;
-        Ok(())
+        // sizes were checked above (offsets F·B+1, output B·ΣD, weights per index).
+        unsafe {
+            self.device.launch(
+                kernel,
+                LaunchConfig::warp_per_item(f * batch_size, 4),
+                &mut args,
+            )
+        }
     }
 
     /// Waits for the lookups so far and fails if any of them met an out-of-range id, naming the
     /// first one (given the inputs of that lookup to describe it); the record is then cleared.
     pub fn check_ids(
         &self,
-        indices: &CudaSlice<i64>,
-        offsets: &CudaSlice<i64>,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
         batch_size: usize,
     ) -> Result<()> {
-        let ordinal = self.device.ordinal();
-        let up = |e| driver(ordinal, "copy", e);
         let mut first_bad = self.first_bad.lock();
-        let bad = self.stream.clone_dtoh(&*first_bad).map_err(up)?[0];
+        let bad = first_bad.to_host()?[0];
         if bad == i64::MAX {
             return Ok(());
         }
-        self.stream
-            .memcpy_htod(&[i64::MAX], &mut *first_bad)
-            .map_err(up)?;
+        first_bad.copy_from_host(&[i64::MAX])?;
         Err(self.bad_id_error(bad, offsets, indices, batch_size))
     }
 
     fn bad_id_error(
         &self,
         position: i64,
-        offsets: &CudaSlice<i64>,
-        indices: &CudaSlice<i64>,
+        offsets: &DeviceBuffer<i64>,
+        indices: &DeviceBuffer<i64>,
         batch_size: usize,
     ) -> Error {
-        let offs = self.stream.clone_dtoh(offsets).unwrap_or_default();
-        let ids = self.stream.clone_dtoh(indices).unwrap_or_default();
+        let offs = offsets.to_host().unwrap_or_default();
+        let ids = indices.to_host().unwrap_or_default();
         let bag = offs.partition_point(|&o| o <= position).saturating_sub(1);
         let f = bag / batch_size.max(1);
         Error::invalid(
@@ -635,13 +565,14 @@ impl CudaTbe {
         )
     }
 
-    /// [`forward`](Self::forward) from and to host memory (offsets are checked here first).
-    pub fn forward_host(
+    /// Checks host inputs (offsets form `F·B + 1` entries from 0, never decrease, end at the
+    /// number of ids; one weight per id) and returns the batch size.
+    fn check_host_input(
         &self,
         indices: &[i64],
         offsets: &[i64],
         per_sample_weights: Option<&[f32]>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<usize> {
         let f = self.host_rows.len();
         if offsets.is_empty() || (offsets.len() - 1) % f != 0 {
             return Err(Error::invalid(
@@ -664,29 +595,25 @@ impl CudaTbe {
                 "one per-sample weight per index is needed",
             ));
         }
-        let b = (offsets.len() - 1) / f;
-        let ordinal = self.device.ordinal();
-        let up = |e| driver(ordinal, "copy", e);
-        // Empty inputs still need a valid device buffer.
-        let ids: Vec<i64> = if indices.is_empty() {
-            vec![0]
-        } else {
-            indices.to_vec()
-        };
-        let d_indices = self.stream.clone_htod(&ids).map_err(up)?;
-        let d_offsets = self.stream.clone_htod(offsets).map_err(up)?;
+        Ok((offsets.len() - 1) / f)
+    }
+
+    /// [`forward`](Self::forward) from and to host memory (offsets are checked here first).
+    pub fn forward_host(
+        &self,
+        indices: &[i64],
+        offsets: &[i64],
+        per_sample_weights: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
+        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
+        let d_indices = self.device.htod(indices)?;
+        let d_offsets = self.device.htod(offsets)?;
         let d_weights = per_sample_weights
-            .map(|w| self.stream.clone_htod(w))
-            .transpose()
-            .map_err(up)?;
-        let mut out = self
-            .stream
-            .alloc_zeros::<f32>((b * self.out_stride).max(1))
-            .map_err(up)?;
+            .map(|w| self.device.htod(w))
+            .transpose()?;
+        let mut out = self.device.alloc::<f32>(b * self.out_stride)?;
         self.forward(&d_indices, &d_offsets, d_weights.as_ref(), b, &mut out)?;
         self.check_ids(&d_indices, &d_offsets, b)?;
-        let mut host = self.stream.clone_dtoh(&out).map_err(up)?;
-        host.truncate(b * self.out_stride);
-        Ok(host)
+        out.to_host()
     }
 }

@@ -1,0 +1,148 @@
+//! Typed device buffers. Memory comes from the device's [`CachingAllocator`](super::CachingAllocator)
+//! and goes back to it when the buffer is dropped; all work of a device is ordered on its one
+//! stream, so a block freed while kernels that use it are still queued is only handed out
+//! again to work queued after them.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use super::allocator::Block;
+use super::CudaDevice;
+use crate::Result;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Plain element types a device buffer can hold (every bit pattern is a valid value).
+pub trait DeviceElem: Copy + Send + Sync + 'static + sealed::Sealed {}
+
+macro_rules! device_elem {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl DeviceElem for $t {}
+    )*};
+}
+device_elem!(u8, u16, i32, u32, i64, u64, f32, f64, half::f16, half::bf16);
+
+/// `len` values of `T` in a device's memory.
+pub struct DeviceBuffer<T: DeviceElem> {
+    device: Arc<CudaDevice>,
+    block: Option<Block>,
+    len: usize,
+    _elem: PhantomData<T>,
+}
+
+impl<T: DeviceElem> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("device", &self.device.ordinal())
+            .field("len", &self.len)
+            .field("elem", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<T: DeviceElem> DeviceBuffer<T> {
+    /// Uninitialised memory for `len` values (any bit pattern is a valid `T`).
+    pub(crate) fn alloc(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
+        let bytes = len * std::mem::size_of::<T>();
+        let block = device.alloc_block(bytes)?;
+        Ok(DeviceBuffer {
+            device: device.clone(),
+            block: Some(block),
+            len,
+            _elem: PhantomData,
+        })
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a buffer of no value.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// The device address of the first value.
+    pub fn ptr(&self) -> u64 {
+        self.block.as_ref().map_or(0, |b| b.ptr)
+    }
+
+    /// The device address of value `i` (`i ≤ len`).
+    pub fn ptr_at(&self, i: usize) -> u64 {
+        assert!(i <= self.len, "ptr_at({i}) past a buffer of {}", self.len);
+        self.ptr() + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Copies the values back to the host (waits for the work queued before).
+    pub fn to_host(&self) -> Result<Vec<T>> {
+        let mut out = Vec::<T>::with_capacity(self.len);
+        // SAFETY: `out` has room for `len` values; the copy fills all of them before `set_len`.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, self.bytes());
+            self.device.copy_to_host(dst, self.ptr())?;
+            out.set_len(self.len);
+        }
+        Ok(out)
+    }
+
+    /// Overwrites the buffer with `host` (same length).
+    pub fn copy_from_host(&mut self, host: &[T]) -> Result<()> {
+        self.check_len("copy_from_host", host.len())?;
+        // SAFETY: `host` is `bytes()` bytes of plain values.
+        let src = unsafe {
+            std::slice::from_raw_parts(host.as_ptr() as *const u8, std::mem::size_of_val(host))
+        };
+        self.device.copy_from_host(self.ptr(), src)
+    }
+
+    /// Overwrites the buffer with another buffer of the same device and length.
+    pub fn copy_from(&mut self, other: &DeviceBuffer<T>) -> Result<()> {
+        self.check_len("copy_from", other.len)?;
+        if !Arc::ptr_eq(&self.device, &other.device) {
+            return Err(crate::Error::DeviceMismatch {
+                op: "DeviceBuffer::copy_from",
+                lhs: crate::Device::Cuda(self.device.ordinal()),
+                rhs: crate::Device::Cuda(other.device.ordinal()),
+            });
+        }
+        self.device
+            .copy_on_device(self.ptr(), other.ptr(), self.bytes())
+    }
+
+    /// Sets every byte to zero.
+    pub fn fill_zero(&mut self) -> Result<()> {
+        self.device.zero_bytes(self.ptr(), self.bytes())
+    }
+
+    fn check_len(&self, op: &'static str, n: usize) -> Result<()> {
+        if n != self.len {
+            return Err(crate::Error::invalid(
+                op,
+                format!("{n} values for a device buffer of {}", self.len),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<T: DeviceElem> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            self.device.free_block(block);
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! The real CUDA device: a context, one stream all work is ordered on, the kernel modules
+//! compiled by NVRTC for the device's architecture, and raw memory operations.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
+
+use super::launch::LaunchConfig;
+use super::{compile_ptx, file_of};
+use crate::{Device, Error, Result};
+
+pub(crate) struct Driver {
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+fn failed(ordinal: usize, op: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Device {
+        device: Device::Cuda(ordinal),
+        op,
+        msg: e.to_string(),
+    }
+}
+
+impl Driver {
+    pub(crate) fn new(context: Arc<CudaContext>, ordinal: usize) -> Result<Self> {
+        let stream = context
+            .new_stream()
+            .map_err(|e| failed(ordinal, "creating a stream", e))?;
+        Ok(Driver {
+            context,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn bind(&self, ordinal: usize) -> Result<()> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| failed(ordinal, "binding the context", e))
+    }
+
+    fn function(
+        &self,
+        ordinal: usize,
+        arch: &'static str,
+        kernel: &'static str,
+    ) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().expect("function cache").get(kernel) {
+            return Ok(f.clone());
+        }
+        let file = file_of(kernel)?;
+        let module = {
+            let mut modules = self.modules.lock().expect("module cache");
+            match modules.get(file) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = compile_ptx(file, arch)?;
+                    let m = self
+                        .context
+                        .load_module(ptx)
+                        .map_err(|e| failed(ordinal, "loading a kernel module", e))?;
+                    modules.insert(file, m.clone());
+                    m
+                }
+            }
+        };
+        let f = module
+            .load_function(kernel)
+            .map_err(|e| failed(ordinal, "loading a kernel", e))?;
+        self.functions
+            .lock()
+            .expect("function cache")
+            .insert(kernel, f.clone());
+        Ok(f)
+    }
+
+    pub(crate) fn copy_from_host(&self, ordinal: usize, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind(ordinal)?;
+        // SAFETY: `dst` is a device allocation of at least `src.len()` bytes (the caller's
+        // buffer); a copy from pageable memory is staged before this returns.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| failed(ordinal, "host-to-device copy", e))
+    }
+
+    pub(crate) fn copy_to_host(&self, ordinal: usize, dst: &mut [u8], src: u64) -> Result<()> {
+        self.bind(ordinal)?;
+        // SAFETY: `src` holds at least `dst.len()` bytes; the stream is synchronised before
+        // `dst` is used.
+        unsafe {
+            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| failed(ordinal, "device-to-host copy", e))?;
+        }
+        self.synchronize(ordinal)
+    }
+
+    pub(crate) fn copy_on_device(
+        &self,
+        ordinal: usize,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        self.bind(ordinal)?;
+        // SAFETY: both are device allocations of at least `bytes` bytes.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| failed(ordinal, "device-to-device copy", e))
+    }
+
+    pub(crate) fn zero_bytes(&self, ordinal: usize, dst: u64, bytes: usize) -> Result<()> {
+        self.bind(ordinal)?;
+        // SAFETY: `dst` holds at least `bytes` bytes.
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| failed(ordinal, "memset", e))
+    }
+
+    pub(crate) fn synchronize(&self, ordinal: usize) -> Result<()> {
+        self.stream.synchronize().map_err(|e| {
+            failed(
+                ordinal,
+                "synchronize (an earlier kernel may have failed)",
+                e,
+            )
+        })
+    }
+
+    pub(crate) fn record_event(&self, ordinal: usize) -> Result<cudarc::driver::CudaEvent> {
+        self.stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| failed(ordinal, "recording an event", e))
+    }
+
+    /// # Safety
+    /// `params` match the kernel's parameters; the buffers they point to are large enough.
+    pub(crate) unsafe fn launch(
+        &self,
+        ordinal: usize,
+        arch: &'static str,
+        kernel: &'static str,
+        cfg: &LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = self.function(ordinal, arch, kernel)?;
+        self.bind(ordinal)?;
+        // SAFETY: per this function's contract; the driver copies the argument values before
+        // returning.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                self.stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| failed(ordinal, "kernel launch", format!("{kernel}: {e}")))
+    }
+}
