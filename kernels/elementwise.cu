@@ -46,3 +46,127 @@ extern "C" __global__ void axpby_f32(const float* a, float alpha, const float* b
                                      float* out, i64 n) {
     GRID_STRIDE(i, n) out[i] = a[i] * alpha + b[i] * beta;
 }
+
+// ---- Strided views (the tensor core's layouts) ----------------------------------------------
+// `meta` describes a view: [rank, shape[rank], then per operand strides[rank] and an offset],
+// all in elements. Element i of the (row-major) output is found at strided_offset(i, meta, k)
+// in operand k; a broadcast dimension has stride 0.
+__device__ __forceinline__ i64 strided_offset(i64 i, const i64* meta, int operand) {
+    int rank = (int)meta[0];
+    const i64* shape = meta + 1;
+    const i64* strides = meta + 1 + rank + operand * (rank + 1);
+    i64 off = strides[rank];
+    for (int d = rank - 1; d >= 0; --d) {
+        i64 s = shape[d];
+        off += (i % s) * strides[d];
+        i /= s;
+    }
+    return off;
+}
+
+// Contiguous copy of a strided view, by element size (1, 2, 4, 8 bytes).
+#define GATHER(NAME, T)                                                                  \
+extern "C" __global__ void NAME(const T* src, T* out, i64 n, const i64* meta) {           \
+    GRID_STRIDE(i, n) out[i] = src[strided_offset(i, meta, 0)];                           \
+}
+GATHER(gather_b1, u8)
+GATHER(gather_b2, u16)
+GATHER(gather_b4, unsigned int)
+GATHER(gather_b8, unsigned long long)
+
+__device__ __forceinline__ float binary_op(int op, float x, float y) {
+    switch (op) {
+    case 0: return x + y;
+    case 1: return x - y;
+    case 2: return x * y;
+    case 3: return x / y;
+    case 4: return (x >= y || y != y) ? x : y;  // maximum (NaN in y propagates, as on the CPU)
+    default: return (x <= y || y != y) ? x : y;  // minimum
+    }
+}
+
+// out[i] = a[..] op b[..] over broadcast strided operands (meta: two operands).
+extern "C" __global__ void binary_strided_f32(const float* a, const float* b, float* out,
+                                              int op, i64 n, const i64* meta) {
+    GRID_STRIDE(i, n) out[i] = binary_op(op, a[strided_offset(i, meta, 0)],
+                                         b[strided_offset(i, meta, 1)]);
+}
+
+// The tensor core's float functions, value and derivative side by side (src/tensor/ops/unary.rs):
+// 0 neg, 1 exp, 2 log, 3 sqrt, 4 abs, 5 relu, 6 tanh, 7 sigmoid, 8 gelu, 9 gelu_tanh,
+// 10 affine (x·p0 + p1), 11 pow (x^p0), 12 clamp (p0 ≤ x ≤ p1).
+__device__ __forceinline__ float unary_value(int op, float x, float p0, float p1) {
+    switch (op) {
+    case 0: return -x;
+    case 1: return expf(x);
+    case 2: return logf(x);
+    case 3: return sqrtf(x);
+    case 4: return fabsf(x);
+    case 5: return x > 0.0f ? x : 0.0f;
+    case 6: return tanhf(x);
+    case 7: {
+        if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+        float e = expf(x);
+        return e / (1.0f + e);
+    }
+    case 8: return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+    case 9: {
+        const float k = 0.79788456080286536f;
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+    case 10: return x * p0 + p1;
+    case 11: return powf(x, p0);
+    default: return x < p0 ? p0 : (x > p1 ? p1 : x);
+    }
+}
+
+__device__ __forceinline__ float unary_derivative(int op, float x, float y, float p0, float p1) {
+    switch (op) {
+    case 0: return -1.0f;
+    case 1: return y;
+    case 2: return 1.0f / x;
+    case 3: return 0.5f / y;
+    case 4: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+    case 5: return x > 0.0f ? 1.0f : 0.0f;
+    case 6: return 1.0f - y * y;
+    case 7: return y * (1.0f - y);
+    case 8: {
+        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;
+        return cdf + x * pdf;
+    }
+    case 9: {
+        const float k = 0.79788456080286536f;
+        float t = tanhf(k * (x + 0.044715f * x * x * x));
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x);
+    }
+    case 10: return p0;
+    case 11: return p0 * powf(x, p0 - 1.0f);
+    default: return (x >= p0 && x <= p1) ? 1.0f : 0.0f;
+    }
+}
+
+extern "C" __global__ void unary_fn_f32(const float* x, float* y, int op, float p0, float p1,
+                                        i64 n) {
+    GRID_STRIDE(i, n) y[i] = unary_value(op, x[i], p0, p1);
+}
+
+// gx = g · f'(x, y).
+extern "C" __global__ void unary_backward_f32(const float* x, const float* y, const float* g,
+                                              float* gx, int op, float p0, float p1, i64 n) {
+    GRID_STRIDE(i, n) gx[i] = g[i] * unary_derivative(op, x[i], y[i], p0, p1);
+}
+
+// Sums a contiguous [outer, r, inner] buffer over its middle dimension, one thread per output,
+// in index order with a double accumulator (deterministic, no atomics).
+extern "C" __global__ void sum_middle_f32(const float* x, float* out, i64 outer, i64 r,
+                                          i64 inner) {
+    GRID_STRIDE(i, outer * inner) {
+        i64 o = i / inner;
+        i64 j = i - o * inner;
+        const float* p = x + o * r * inner + j;
+        double acc = 0.0;
+        for (i64 k = 0; k < r; ++k) acc += (double)p[k * inner];
+        out[i] = (float)acc;
+    }
+}

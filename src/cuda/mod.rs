@@ -30,6 +30,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use crate::{Device, Error, Result};
 
 pub mod allocator;
+mod blas;
 mod buffer;
 mod driver;
 mod launch;
@@ -37,6 +38,7 @@ mod sim;
 mod tbe;
 pub use allocator::{AllocatorStats, CachingAllocator, DriverAllocator};
 use allocator::{Block, RawAllocator, StreamId};
+pub(crate) use blas::Gemm;
 pub use buffer::{DeviceBuffer, DeviceElem};
 pub use launch::{ArgKind, KernelArgs, LaunchConfig};
 pub use sim::HOST_SIM_HEADER;
@@ -75,7 +77,20 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "elementwise.cu",
         include_str!("../../kernels/elementwise.cu"),
-        &["fill_f32", "binary_f32", "unary_f32", "axpby_f32"],
+        &[
+            "fill_f32",
+            "binary_f32",
+            "unary_f32",
+            "axpby_f32",
+            "gather_b1",
+            "gather_b2",
+            "gather_b4",
+            "gather_b8",
+            "binary_strided_f32",
+            "unary_fn_f32",
+            "unary_backward_f32",
+            "sum_middle_f32",
+        ],
     ),
 ];
 
@@ -181,6 +196,8 @@ pub struct CudaDevice {
     name: String,
     backend: Backend,
     allocator: Mutex<DeviceAllocator>,
+    blas: blas::BlasSlot,
+    tf32: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -216,6 +233,18 @@ impl CudaDevice {
     /// True for the host emulation ([`simulated_device`]).
     pub fn is_emulated(&self) -> bool {
         matches!(self.backend, Backend::Sim(_))
+    }
+
+    /// Lets f32 matrix products use TF32 tensor cores (10-bit mantissa inputs, f32
+    /// accumulation; PyTorch's `allow_tf32`). Off by default: f32 products are exact FP32.
+    /// Takes effect before the first product on the device.
+    pub fn set_allow_tf32(&self, allow: bool) {
+        self.tf32.store(allow, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether f32 matrix products may use TF32.
+    pub fn allow_tf32(&self) -> bool {
+        self.tf32.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The allocator's counters (bytes in use and reserved, peaks, raw allocations).
@@ -383,12 +412,22 @@ impl DeviceEvent {
     }
 }
 
-/// Number of emulated devices asked for with `EMBERS_CUDA_SIM=<n>` (0 when unset).
+static EMULATED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Number of emulated devices [`device`] hands out: `EMBERS_CUDA_SIM=<n>`, or what
+/// [`use_emulation`] set (the larger; 0: real GPUs only).
 pub fn emulated_devices() -> usize {
-    std::env::var("EMBERS_CUDA_SIM")
+    let env = std::env::var("EMBERS_CUDA_SIM")
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    env.max(EMULATED.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// From now on, in this process, `Device::Cuda(0..n)` are host-emulated devices (as
+/// `EMBERS_CUDA_SIM=<n>` would make them): for tests and demos on machines without a GPU.
+pub fn use_emulation(n: usize) {
+    EMULATED.store(n, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Opens CUDA device `ordinal` (cached: later calls return the same device), or says why it
@@ -448,6 +487,8 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         name,
         backend: Backend::Driver(driver::Driver::new(context, ordinal)?),
         allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
+        blas: Mutex::new(None),
+        tf32: std::sync::atomic::AtomicBool::new(false),
     });
     devices.insert(ordinal, d.clone());
     Ok(d)
@@ -473,6 +514,8 @@ pub fn simulated_device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         name: "host emulation".to_string(),
         backend: Backend::Sim(lib),
         allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
+        blas: Mutex::new(None),
+        tf32: std::sync::atomic::AtomicBool::new(false),
     });
     devices.insert(ordinal, d.clone());
     Ok(d)

@@ -9,24 +9,22 @@ pub enum Device {
     /// Host memory, computed with rayon-parallel kernels.
     #[default]
     Cpu,
-    /// An NVIDIA GPU by ordinal (tensors cannot live there yet; see [`crate::cuda`]).
+    /// An NVIDIA GPU by ordinal (see [`crate::cuda`]; with `EMBERS_CUDA_SIM=<n>` the host
+    /// emulation of one).
     Cuda(usize),
 }
 
 impl Device {
-    /// Returns the CUDA device `ordinal`, or an error saying why it cannot be used: no driver,
-    /// no GPU, ordinal out of range, no NVRTC — or, when all of those are present, that tensors
-    /// cannot live on the GPU yet (the device probe and kernel compilation exist, device storage
-    /// does not).
+    /// Returns the CUDA device `ordinal` once it has been opened, or an error saying why it
+    /// cannot be used: no driver, no GPU, ordinal out of range, no NVRTC.
     pub fn cuda(ordinal: usize) -> crate::Result<Device> {
-        let device = crate::cuda::device(ordinal)?;
-        Err(crate::Error::DeviceUnavailable {
-            device: Device::Cuda(ordinal),
-            reason: format!(
-                "GPU found ({}), but tensors on CUDA devices are not implemented yet",
-                device.arch()
-            ),
-        })
+        crate::cuda::device(ordinal)?;
+        Ok(Device::Cuda(ordinal))
+    }
+
+    /// True for CUDA devices.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
     }
 }
 

@@ -2,6 +2,7 @@
 //! kernels, and reverse-mode autograd.
 
 pub mod autograd;
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod layout;
@@ -16,6 +17,7 @@ pub use autograd::{
     is_grad_enabled, no_grad, record_op, record_op_with_state, BackwardOp, Gradient, NoGradGuard,
     RowSparseGrad,
 };
+pub use cuda::CudaStorage;
 pub use device::Device;
 pub use dtype::{DType, FloatElem, NumElem, WithDType};
 pub use layout::Layout;

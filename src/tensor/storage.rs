@@ -3,7 +3,7 @@
 use half::{bf16, f16};
 
 use super::dtype::DType;
-use crate::{Device, Result};
+use crate::{Device, Error, Result};
 
 /// A host buffer of one dtype.
 #[derive(Clone, Debug)]
@@ -78,11 +78,23 @@ impl CpuStorage {
     }
 }
 
-/// Storage on some device. CUDA storage joins as a second variant.
+/// Storage on some device.
 #[derive(Debug)]
 pub enum Storage {
     /// Host memory.
     Cpu(CpuStorage),
+    /// Memory of a CUDA device (or of its host emulation).
+    Cuda(super::cuda::CudaStorage),
+}
+
+fn not_on_cpu(op: &'static str, device: Device) -> Error {
+    Error::invalid(
+        op,
+        format!(
+            "has no CUDA path yet and the tensor is on {device}: move it with \
+             to_device(Device::Cpu) first"
+        ),
+    )
 }
 
 impl Storage {
@@ -90,20 +102,24 @@ impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(s) => Device::Cuda(s.device().ordinal()),
         }
     }
 
     /// The host buffer, or an error naming `op` if the storage is elsewhere.
-    pub fn cpu(&self, _op: &'static str) -> Result<&CpuStorage> {
+    pub fn cpu(&self, op: &'static str) -> Result<&CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s),
+            Storage::Cuda(_) => Err(not_on_cpu(op, self.device())),
         }
     }
 
     /// The host buffer, mutably.
-    pub fn cpu_mut(&mut self, _op: &'static str) -> Result<&mut CpuStorage> {
+    pub fn cpu_mut(&mut self, op: &'static str) -> Result<&mut CpuStorage> {
+        let device = self.device();
         match self {
             Storage::Cpu(s) => Ok(s),
+            Storage::Cuda(_) => Err(not_on_cpu(op, device)),
         }
     }
 }

@@ -98,6 +98,17 @@ impl Tensor {
         )
     }
 
+    /// Internal constructor over device storage of `numel(shape)` elements.
+    pub(crate) fn from_cuda(storage: super::cuda::CudaStorage, shape: &[usize]) -> Tensor {
+        debug_assert_eq!(storage.len, shape.iter().product::<usize>());
+        let dtype = storage.dtype;
+        Tensor::from_parts(
+            Arc::new(RwLock::new(Storage::Cuda(storage))),
+            Layout::contiguous(shape),
+            dtype,
+        )
+    }
+
     /// A tensor of `shape` holding `data` in row-major order.
     pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
         Tensor::from_storage(T::into_storage(data), shape)
@@ -113,9 +124,22 @@ impl Tensor {
         Tensor::from_cpu(T::into_storage(vec![value]), &[])
     }
 
-    /// A tensor filled with `value` (converted to `dtype`).
+    /// A tensor filled with `value` (converted to `dtype`) on `device`.
+    ///
+    /// # Panics
+    /// On a CUDA device that cannot be opened or is out of memory (a `Device::Cuda` comes from
+    /// [`Device::cuda`], which opened it, or from an existing tensor); [`Tensor::try_full`]
+    /// returns the error instead.
     pub fn full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Tensor {
-        let _ = device; // only the CPU exists yet; call sites already name the device.
+        Tensor::try_full(value, shape, dtype, device)
+            .unwrap_or_else(|e| panic!("Tensor::full on {device}: {e}"))
+    }
+
+    /// [`Tensor::full`], with device errors returned.
+    pub fn try_full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        if device.is_cuda() {
+            return super::cuda::full(value, shape, dtype, device);
+        }
         let n = shape.iter().product();
         let storage = match dtype {
             DType::F32 => CpuStorage::F32(vec![value as f32; n]),
@@ -126,12 +150,14 @@ impl Tensor {
             DType::I32 => CpuStorage::I32(vec![value as i32; n]),
             DType::U8 => CpuStorage::U8(vec![value as u8; n]),
         };
-        Tensor::from_cpu(storage, shape)
+        Ok(Tensor::from_cpu(storage, shape))
     }
 
-    /// A tensor of zeros.
+    /// A tensor of zeros on `device` (panics as [`Tensor::full`] does).
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Tensor {
-        let _ = device;
+        if device.is_cuda() {
+            return Tensor::full(0.0, shape, dtype, device);
+        }
         Tensor::from_cpu(CpuStorage::zeros(dtype, shape.iter().product()), shape)
     }
 
@@ -223,7 +249,7 @@ impl Tensor {
 
     /// Device of the storage.
     pub fn device(&self) -> Device {
-        self.0.storage.read().device()
+        self.0.storage.read_recursive().device()
     }
 
     /// The strided layout.
@@ -314,9 +340,12 @@ impl Tensor {
         let (o, n) = (self.0.layout.offset(), self.numel());
         let dtype = self.dtype();
         let guard = self.0.storage.write();
-        RwLockWriteGuard::try_map(guard, |s| {
-            let Storage::Cpu(cpu) = s;
-            T::slice_mut(cpu).map(|d| &mut d[o..o + n])
+        if guard.device().is_cuda() {
+            guard.cpu("data_mut")?;
+        }
+        RwLockWriteGuard::try_map(guard, |s| match s {
+            Storage::Cpu(cpu) => T::slice_mut(cpu).map(|d| &mut d[o..o + n]),
+            Storage::Cuda(_) => None,
         })
         .map_err(|_| Error::DTypeMismatch {
             op: "data_mut",
@@ -337,13 +366,21 @@ impl Tensor {
         Ok(())
     }
 
-    /// The elements in row-major order. `T` must be the tensor's dtype.
+    /// The elements in row-major order. `T` must be the tensor's dtype. A tensor on a CUDA
+    /// device is copied back (waiting for the work queued before).
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
+        if self.device().is_cuda() {
+            return super::cuda::move_values(self, Device::Cpu)?.to_vec();
+        }
         self.with_contiguous(|s: &[T]| s.to_vec())
     }
 
-    /// The elements in row-major order, converted to f64 (any dtype).
+    /// The elements in row-major order, converted to f64 (any dtype; copied back from a CUDA
+    /// device).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        if self.device().is_cuda() {
+            return super::cuda::move_values(self, Device::Cpu)?.to_vec_f64();
+        }
         let guard = self.storage_read();
         let cpu = guard.cpu("to_vec_f64")?;
         Ok(
@@ -393,6 +430,9 @@ impl Tensor {
         {
             return Ok(self.detach());
         }
+        if self.device().is_cuda() {
+            return super::cuda::contiguous(self);
+        }
         let guard = self.storage_read();
         let cpu = guard.cpu("contiguous")?;
         let storage = match_storage!(cpu, v => WithDType::into_storage(self.0.layout.gather(v)));
@@ -402,6 +442,7 @@ impl Tensor {
     fn storage_len(&self) -> usize {
         match &*self.storage_read() {
             Storage::Cpu(s) => s.len(),
+            Storage::Cuda(s) => s.len,
         }
     }
 

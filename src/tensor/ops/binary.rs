@@ -92,6 +92,7 @@ fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
 /// The elementwise arithmetic ops.
 #[derive(Clone, Copy, Debug)]
 enum BinaryKind {
+    // The discriminants are the op codes of `binary_strided_f32` in kernels/elementwise.cu.
     Add,
     Sub,
     Mul,
@@ -115,6 +116,10 @@ impl BinaryKind {
     fn forward(self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         let op = self.name();
         check_same_dtype(op, a, b)?;
+        if a.device().is_cuda() {
+            // Codes of kernels/elementwise.cu.
+            return crate::tensor::cuda::binary_f32(op, self as i32, a, b);
+        }
         if matches!(a.dtype(), DType::F16 | DType::BF16) {
             let (a32, storage) = float_compute(op, a)?;
             let (b32, _) = float_compute(op, b)?;

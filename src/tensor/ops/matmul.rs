@@ -129,6 +129,10 @@ fn batch_offsets(l: &Layout, batch: &[usize]) -> Vec<usize> {
 
 fn matmul_values(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (m, k, n, batch) = check_matmul(a, b)?;
+    if a.device().is_cuda() || b.device().is_cuda() {
+        let _ = (m, k, n);
+        return crate::tensor::cuda::matmul_f32(a, b, &batch);
+    }
     let (ac, storage) = float_compute("matmul", a)?;
     let (bc, _) = float_compute("matmul", b)?;
     let nb: usize = batch.iter().product();
@@ -293,6 +297,27 @@ impl Tensor {
             }
         }
         let rows = self.numel() / in_f.max(1);
+        if self.device().is_cuda() {
+            let x2 = self.reshape(&[rows, in_f])?.detach();
+            let mut out = matmul_values(&x2, &weight.detach().t()?)?;
+            if let Some(b) = bias {
+                out = crate::no_grad(|| out.add(&b.detach()))?;
+            }
+            let mut shape = self.shape().to_vec();
+            *shape.last_mut().expect("rank >= 1") = out_f;
+            let out = out.reshape(&shape)?;
+            let mut inputs = vec![self, weight];
+            inputs.extend(bias);
+            return Ok(record_op(
+                out,
+                &inputs,
+                LinearBackward {
+                    x: self.clone_for_backward(),
+                    w: weight.clone_for_backward(),
+                    has_bias: bias.is_some(),
+                },
+            ));
+        }
         let (xc, storage) = float_compute("linear", &self.reshape(&[rows, in_f])?.detach())?;
         let (wc, _) = float_compute("linear", weight)?;
         let bc = bias

@@ -12,6 +12,10 @@ trait UnaryFn: Send + Sync + 'static {
     const NAME: &'static str;
     fn f<T: FloatElem>(&self, x: T) -> T;
     fn df<T: FloatElem>(&self, x: T, y: T) -> T;
+    /// The function's parameters, as the CUDA kernels take them.
+    fn params(&self) -> (f64, f64) {
+        (0.0, 0.0)
+    }
 }
 
 fn c<T: FloatElem>(v: f64) -> T {
@@ -109,6 +113,9 @@ impl UnaryFn for Affine {
     fn df<T: FloatElem>(&self, _x: T, _y: T) -> T {
         c(self.mul)
     }
+    fn params(&self) -> (f64, f64) {
+        (self.mul, self.add)
+    }
 }
 
 struct Powf {
@@ -121,6 +128,9 @@ impl UnaryFn for Powf {
     }
     fn df<T: FloatElem>(&self, x: T, _y: T) -> T {
         c::<T>(self.exponent) * x.powf(c(self.exponent - 1.0))
+    }
+    fn params(&self) -> (f64, f64) {
+        (self.exponent, 0.0)
     }
 }
 
@@ -146,6 +156,9 @@ impl UnaryFn for Clamp {
             c(0.0)
         }
     }
+    fn params(&self) -> (f64, f64) {
+        (self.min, self.max)
+    }
 }
 
 struct UnaryBackward<F: UnaryFn> {
@@ -159,6 +172,11 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
         F::NAME
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        if self.x.device().is_cuda() {
+            let p = self.f.params();
+            let gx = crate::tensor::cuda::unary_backward_f32(F::NAME, p, &self.x, &self.y, g)?;
+            return Ok(vec![Some(Gradient::Dense(gx))]);
+        }
         let (x, storage) = float_compute(F::NAME, &self.x)?;
         let (y, _) = float_compute(F::NAME, &self.y)?;
         let (g, _) = float_compute(F::NAME, g)?;
@@ -183,12 +201,16 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
 }
 
 fn unary<F: UnaryFn>(x: &Tensor, f: F) -> Result<Tensor> {
-    let (xc, storage) = float_compute(F::NAME, x)?;
-    let y = with_float!(xc.dtype(), F::NAME, T => {
-        let v = xc.with_contiguous(|s: &[T]| super::par_map(s, |v| f.f(v)))?;
-        Tensor::from_vec(v, x.shape())?
-    })
-    .cast_values(storage)?;
+    let y = if x.device().is_cuda() {
+        crate::tensor::cuda::unary_f32(F::NAME, f.params(), x)?
+    } else {
+        let (xc, storage) = float_compute(F::NAME, x)?;
+        with_float!(xc.dtype(), F::NAME, T => {
+            let v = xc.with_contiguous(|s: &[T]| super::par_map(s, |v| f.f(v)))?;
+            Tensor::from_vec(v, x.shape())?
+        })
+        .cast_values(storage)?
+    };
     if !x.requires_grad() {
         return Ok(y);
     }

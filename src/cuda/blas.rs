@@ -1,0 +1,142 @@
+//! Matrix products on a device: cuBLAS on a GPU (strided-batched SGEMM, FP32 math unless TF32
+//! is allowed), a plain loop with an f64 accumulator on the host emulation.
+
+use std::sync::Mutex;
+
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+
+use super::{Backend, CudaDevice};
+use crate::{Device, Error, Result};
+
+/// A cuBLAS handle bound to the device's stream.
+pub(crate) struct BlasHandle(cublas_sys::cublasHandle_t);
+
+// SAFETY: the handle is only used behind the device's mutex, one call at a time.
+unsafe impl Send for BlasHandle {}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once.
+        let _ = unsafe { cublas::destroy_handle(self.0) };
+    }
+}
+
+/// Row-major batched product `C[b] = A[b] · B[b]` of contiguous f32 matrices: A `[m, k]`,
+/// B `[k, n]`, C `[m, n]`, consecutive batch entries `stride_*` elements apart (0: the same
+/// matrix for every batch entry).
+pub(crate) struct Gemm {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: u64,
+    pub stride_a: usize,
+    pub b: u64,
+    pub stride_b: usize,
+    pub c: u64,
+}
+
+fn blas_error(device: &CudaDevice, msg: impl Into<String>) -> Error {
+    Error::Device {
+        device: Device::Cuda(device.ordinal()),
+        op: "matmul (cuBLAS)",
+        msg: msg.into(),
+    }
+}
+
+impl CudaDevice {
+    /// Runs `g` (every pointer a live allocation of this device, sized as `g` says).
+    pub(crate) fn gemm_f32(&self, g: &Gemm) -> Result<()> {
+        if g.batch == 0 || g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        let too_big = [g.m, g.n, g.k].iter().any(|&d| d > i32::MAX as usize);
+        if too_big {
+            return Err(blas_error(self, "a matrix dimension exceeds 2^31 − 1"));
+        }
+        match &self.backend {
+            Backend::Driver(d) => {
+                let mut slot = self.blas.lock().expect("cuBLAS handle");
+                if slot.is_none() {
+                    // SAFETY: only probes for the library.
+                    if !unsafe { cublas_sys::is_culib_present() } {
+                        return Err(blas_error(
+                            self,
+                            "libcublas.so could not be loaded (install the CUDA toolkit or the \
+                             nvidia-cublas wheel and put it on LD_LIBRARY_PATH)",
+                        ));
+                    }
+                    d.context
+                        .bind_to_thread()
+                        .map_err(|e| blas_error(self, e.to_string()))?;
+                    let h = cublas::create_handle().map_err(|e| blas_error(self, e.to_string()))?;
+                    let handle = BlasHandle(h);
+                    // SAFETY: a live handle and the device's live stream.
+                    unsafe {
+                        cublas::set_stream(handle.0, d.stream.cu_stream() as _)
+                            .map_err(|e| blas_error(self, e.to_string()))?;
+                        let mode = if self.allow_tf32() {
+                            cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+                        } else {
+                            cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+                        };
+                        cublas_sys::cublasSetMathMode(handle.0, mode)
+                            .result()
+                            .map_err(|e| blas_error(self, e.to_string()))?;
+                    }
+                    *slot = Some(handle);
+                }
+                let handle = slot.as_ref().expect("created above");
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands.
+                // SAFETY: per `Gemm`'s contract; alpha/beta are host values.
+                unsafe {
+                    cublas::sgemm_strided_batched(
+                        handle.0,
+                        cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        g.n as i32,
+                        g.m as i32,
+                        g.k as i32,
+                        &alpha,
+                        g.b as *const f32,
+                        g.n as i32,
+                        g.stride_b as i64,
+                        g.a as *const f32,
+                        g.k as i32,
+                        g.stride_a as i64,
+                        &beta,
+                        g.c as *mut f32,
+                        g.n as i32,
+                        (g.m * g.n) as i64,
+                        g.batch as i32,
+                    )
+                }
+                .map_err(|e| blas_error(self, e.to_string()))
+            }
+            Backend::Sim(_) => {
+                // SAFETY: emulated device memory is host memory, sized per `Gemm`'s contract.
+                unsafe {
+                    for bi in 0..g.batch {
+                        let a = (g.a as *const f32).add(bi * g.stride_a);
+                        let b = (g.b as *const f32).add(bi * g.stride_b);
+                        let c = (g.c as *mut f32).add(bi * g.m * g.n);
+                        for i in 0..g.m {
+                            for j in 0..g.n {
+                                let mut acc = 0.0f64;
+                                for p in 0..g.k {
+                                    acc += *a.add(i * g.k + p) as f64 * *b.add(p * g.n + j) as f64;
+                                }
+                                *c.add(i * g.n + j) = acc as f32;
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The cuBLAS handle slot of a device.
+pub(crate) type BlasSlot = Mutex<Option<BlasHandle>>;

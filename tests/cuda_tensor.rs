@@ -1,0 +1,305 @@
+//! Tensors on a CUDA device against the same ops on the CPU: moves for every dtype (views
+//! included), broadcasting arithmetic, the float functions and their derivatives, sums,
+//! matrix products (cuBLAS on a GPU) and a whole autograd step through a small MLP. Runs on
+//! GPU 0 when the machine has one, else on the host emulation (`cuda::use_emulation`; skipped
+//! with the reason printed only when no C++ compiler exists, and CI makes that an error).
+
+use embers::cuda;
+use embers::nn::{Activation, Forward, Mlp, Module};
+use embers::tensor::rng::seeded;
+use embers::{DType, Device, Error, Tensor};
+
+/// The CUDA device under test, or `None` (reason printed).
+fn device() -> Option<Device> {
+    let gpu = cuda::emulated_devices() == 0 && cuda::device_count().is_ok_and(|n| n > 0);
+    if !gpu {
+        if let Err(e) = cuda::simulated_device(0) {
+            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
+            println!("skipped: no GPU and no host emulation: {e}");
+            return None;
+        }
+        cuda::use_emulation(1);
+    }
+    let d = Device::cuda(0).expect("device 0 opens");
+    println!("on {}", cuda::device(0).unwrap().name());
+    Some(d)
+}
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::randn(shape, 0.0, 1.0, DType::F32, &mut seeded(seed))
+}
+
+/// Element-wise agreement within `rel` of the magnitude (absolute below 1).
+fn assert_close(what: &str, got: &Tensor, expected: &Tensor, rel: f64) {
+    assert_eq!(got.shape(), expected.shape(), "{what}: shapes");
+    assert_eq!(got.device(), Device::Cpu, "{what}: compare on the host");
+    let (g, e) = (got.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        let ok = (a - b).abs() <= rel * b.abs().max(1.0) || (a.is_nan() && b.is_nan());
+        assert!(ok, "{what} element {i}: CUDA {a} vs CPU {b}");
+    }
+}
+
+fn host(t: &Tensor) -> Tensor {
+    t.to_device(Device::Cpu).unwrap()
+}
+
+#[test]
+fn moves_keep_every_dtype_and_view_exact() {
+    let Some(dev) = device() else { return };
+    let base = randn(&[4, 6], 1);
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::U8,
+    ] {
+        let t = base.affine(10.0, 50.0).unwrap().to_dtype(dtype).unwrap();
+        let d = t.to_device(dev).unwrap();
+        assert_eq!(d.device(), dev);
+        assert_eq!(d.dtype(), dtype);
+        assert_eq!(host(&d).to_vec_f64().unwrap(), t.to_vec_f64().unwrap());
+        // A strided view read on the device (transpose, narrow) comes back element-exact.
+        let view = d.t().unwrap().narrow(0, 1, 3).unwrap();
+        let expected = t.t().unwrap().narrow(0, 1, 3).unwrap();
+        assert_eq!(view.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
+    }
+    // Filled tensors are made on the device.
+    let z = Tensor::zeros(&[3, 2], DType::F32, dev);
+    assert_eq!(z.device(), dev);
+    assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+    let o = Tensor::full(2.5, &[5], DType::I32, dev);
+    assert_eq!(o.to_vec::<i32>().unwrap(), vec![2; 5]);
+}
+
+#[test]
+fn arithmetic_functions_and_sums_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    let a = randn(&[3, 4, 5], 2);
+    let b = randn(&[4, 1], 3);
+    let (da, db) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+    type Op = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
+    let ops: [(&str, Op); 6] = [
+        ("add", Tensor::add),
+        ("sub", Tensor::sub),
+        ("mul", Tensor::mul),
+        ("div", Tensor::div),
+        ("maximum", Tensor::maximum),
+        ("minimum", Tensor::minimum),
+    ];
+    for (name, op) in ops {
+        assert_close(
+            name,
+            &host(&op(&da, &db).unwrap()),
+            &op(&a, &b).unwrap(),
+            1e-6,
+        );
+        // Operands swapped, and a transposed view as an operand.
+        assert_close(
+            name,
+            &host(&op(&db, &da).unwrap()),
+            &op(&b, &a).unwrap(),
+            1e-6,
+        );
+        let at = a.transpose(1, 2).unwrap();
+        let dat = da.transpose(1, 2).unwrap();
+        let c = randn(&[5, 4], 4);
+        let dc = c.to_device(dev).unwrap();
+        assert_close(
+            name,
+            &host(&op(&dat, &dc).unwrap()),
+            &op(&at, &c).unwrap(),
+            1e-6,
+        );
+    }
+    // Positive inputs for log/sqrt/pow.
+    let p = a.abs().unwrap().add_scalar(0.1).unwrap();
+    let dp = p.to_device(dev).unwrap();
+    type Fun = fn(&Tensor) -> embers::Result<Tensor>;
+    let funs: [(&str, Fun, bool); 14] = [
+        ("neg", Tensor::neg, false),
+        ("exp", Tensor::exp, false),
+        ("log", Tensor::log, true),
+        ("sqrt", Tensor::sqrt, true),
+        ("abs", Tensor::abs, false),
+        ("relu", Tensor::relu, false),
+        ("tanh", Tensor::tanh, false),
+        ("sigmoid", Tensor::sigmoid, false),
+        ("gelu", Tensor::gelu, false),
+        ("gelu_tanh", Tensor::gelu_tanh, false),
+        ("affine", |t| t.affine(1.5, -0.25), false),
+        ("pow", |t| t.pow_scalar(2.5), true),
+        ("clamp", |t| t.clamp(-0.5, 0.7), false),
+        ("square", Tensor::square, false),
+    ];
+    for (name, f, positive) in funs {
+        let (x, dx) = if positive { (&p, &dp) } else { (&a, &da) };
+        // Value and derivative: d/dx Σ f(x)·w for random w.
+        let w = randn(x.shape(), 9);
+        let dw = w.to_device(dev).unwrap();
+        let xg = x.with_requires_grad(true);
+        let dxg = dx.detach().with_requires_grad(true);
+        let y = f(&xg).unwrap();
+        let dy = f(&dxg).unwrap();
+        assert_close(name, &host(&dy), &y, 2e-6);
+        y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        dy.mul(&dw).unwrap().sum_all().unwrap().backward().unwrap();
+        let (g, dg) = (xg.grad().unwrap(), dxg.grad().unwrap());
+        assert_eq!(dg.device(), dev, "{name}: the gradient stays on the device");
+        assert_close(&format!("{name} gradient"), &host(&dg), &g, 1e-5);
+    }
+    for dims in [vec![0isize], vec![1], vec![2], vec![0, 2], vec![0, 1, 2]] {
+        for keep in [false, true] {
+            let s = a.sum(&dims, keep).unwrap();
+            let ds = da.sum(&dims, keep).unwrap();
+            assert_close(&format!("sum {dims:?} {keep}"), &host(&ds), &s, 1e-5);
+        }
+    }
+    let m = a.mean(&[1], false).unwrap();
+    assert_close("mean", &host(&da.mean(&[1], false).unwrap()), &m, 1e-6);
+}
+
+/// |got − expected| ≤ 1e-5 · Σ_k |a_ik|·|b_kj| + 1e-6: the error bound of an f32 dot product.
+fn assert_matmul_close(what: &str, got: &Tensor, a: &Tensor, b: &Tensor) {
+    let expected = a.matmul(b).unwrap();
+    let bound = a.abs().unwrap().matmul(&b.abs().unwrap()).unwrap();
+    let (g, e, m) = (
+        got.to_vec_f64().unwrap(),
+        expected.to_vec_f64().unwrap(),
+        bound.to_vec_f64().unwrap(),
+    );
+    assert_eq!(got.shape(), expected.shape(), "{what}");
+    for i in 0..g.len() {
+        assert!(
+            (g[i] - e[i]).abs() <= 1e-5 * m[i] + 1e-6,
+            "{what} element {i}: CUDA {} vs CPU {}",
+            g[i],
+            e[i]
+        );
+    }
+}
+
+#[test]
+fn matrix_products_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    let cases: [(&[usize], &[usize]); 5] = [
+        (&[7, 33], &[33, 5]),
+        (&[1, 1], &[1, 1]),
+        (&[3, 4, 9], &[3, 9, 6]),
+        (&[4, 9], &[2, 9, 6]),
+        (&[2, 1, 4, 9], &[3, 9, 2]),
+    ];
+    for (i, (sa, sb)) in cases.iter().enumerate() {
+        let (a, b) = (randn(sa, 10 + i as u64), randn(sb, 20 + i as u64));
+        let got = a
+            .to_device(dev)
+            .unwrap()
+            .matmul(&b.to_device(dev).unwrap())
+            .unwrap();
+        assert_matmul_close(&format!("{sa:?}·{sb:?}"), &host(&got), &a, &b);
+    }
+    // Transposed operands (views) and an empty inner dimension.
+    let (a, b) = (randn(&[9, 7], 30), randn(&[5, 9], 31));
+    let got = a
+        .to_device(dev)
+        .unwrap()
+        .t()
+        .unwrap()
+        .matmul(&b.to_device(dev).unwrap().t().unwrap())
+        .unwrap();
+    assert_matmul_close("aᵀ·bᵀ", &host(&got), &a.t().unwrap(), &b.t().unwrap());
+    let e = Tensor::zeros(&[3, 0], DType::F32, dev)
+        .matmul(&Tensor::zeros(&[0, 2], DType::F32, dev))
+        .unwrap();
+    assert_eq!(e.to_vec::<f32>().unwrap(), vec![0.0; 6]);
+}
+
+#[test]
+fn an_mlp_training_step_matches_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = seeded(40);
+    let cpu = Mlp::new(13, &[32, 16, 1], Activation::Relu, &mut rng)
+        .unwrap()
+        .activate_last(false);
+    let mut rng = seeded(40);
+    let gpu = Mlp::new(13, &[32, 16, 1], Activation::Relu, &mut rng)
+        .unwrap()
+        .activate_last(false);
+    let x = randn(&[64, 13], 41);
+    let t = Tensor::rand_uniform(&[64, 1], 0.0, 1.0, DType::F32, &mut seeded(42));
+    let loss = |m: &Mlp, x: &Tensor, t: &Tensor| -> Tensor {
+        let y = m.forward(x).unwrap().sigmoid().unwrap();
+        y.sub(t)
+            .unwrap()
+            .square()
+            .unwrap()
+            .mean(&[0, 1], false)
+            .unwrap()
+    };
+    let l_cpu = loss(&cpu, &x, &t);
+    l_cpu.backward().unwrap();
+    // The same model evaluated on the device: parameters moved with autograd, so gradients
+    // flow back to the host leaves through `to_device`.
+    let gpu_params = gpu.parameters();
+    let moved: Vec<Tensor> = gpu_params
+        .iter()
+        .map(|p| p.to_device(dev).unwrap())
+        .collect();
+    let dx = x.to_device(dev).unwrap();
+    let dt = t.to_device(dev).unwrap();
+    // Run the MLP's layers by hand on the moved parameters (Linear = x·Wᵀ + b).
+    let mut h = dx;
+    let layers = moved.len() / 2;
+    for l in 0..layers {
+        h = h.linear(&moved[2 * l], Some(&moved[2 * l + 1])).unwrap();
+        if l + 1 < layers {
+            h = h.relu().unwrap();
+        }
+    }
+    let l_gpu = h
+        .sigmoid()
+        .unwrap()
+        .sub(&dt)
+        .unwrap()
+        .square()
+        .unwrap()
+        .mean(&[0, 1], false)
+        .unwrap();
+    assert_eq!(l_gpu.device(), dev);
+    assert!((l_gpu.item().unwrap() - l_cpu.item().unwrap()).abs() < 1e-6);
+    l_gpu.backward().unwrap();
+    for (i, (pc, pg)) in cpu.parameters().iter().zip(&gpu_params).enumerate() {
+        let (gc, gg) = (pc.grad().unwrap(), pg.grad().unwrap());
+        assert_eq!(gg.device(), Device::Cpu, "the leaf is on the host");
+        // Gradients are small: compare against the tensor's largest magnitude.
+        let (g, e) = (gg.to_vec_f64().unwrap(), gc.to_vec_f64().unwrap());
+        let scale = e.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "parameter {i}: a zero gradient proves nothing");
+        for (j, (a, b)) in g.iter().zip(&e).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-5 * scale,
+                "parameter {i} gradient element {j}: CUDA {a} vs CPU {b} (scale {scale})"
+            );
+        }
+    }
+}
+
+#[test]
+fn ops_without_a_cuda_path_and_mixed_devices_are_errors() {
+    let Some(dev) = device() else { return };
+    let a = randn(&[4, 5], 50);
+    let da = a.to_device(dev).unwrap();
+    let err = da.add(&a).unwrap_err();
+    assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
+    let err = da.softmax(1).unwrap_err().to_string();
+    assert!(
+        err.contains(&dev.to_string()) && err.contains("to_device"),
+        "{err}"
+    );
+    let err = da.to_dtype(DType::I32).unwrap_err().to_string();
+    assert!(err.contains(&dev.to_string()), "{err}");
+}
