@@ -3,11 +3,12 @@
 //! First the two numbers that frame the result: the bytes one forward must move (rows read,
 //! ids and offsets read, output written) and this GPU's measured device-to-device copy
 //! bandwidth; then the forward time (CUDA events, mean of 100 after 10 warm-up runs) and the
-//! fraction of copy bandwidth reached. Without a GPU it says why and exits.
+//! fraction of copy bandwidth reached; the same for the fused backward (row-wise Adagrad).
+//! Without a GPU it says why and exits.
 //! Side by side with `torch.nn.EmbeddingBag`: `benches/peers/cuda_tbe.sh`.
 
 use embers::cuda::{self, CudaTbe};
-use embers::embedding::{PoolingMode, TableSpec};
+use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec};
 use rand::Rng;
 
 fn main() {
@@ -50,7 +51,13 @@ fn main() {
             .map(|i| TableSpec::new(format!("t{i}"), e, d))
             .collect();
         let ftm: Vec<usize> = (0..t).collect();
-        let tbe = CudaTbe::zeros(&tables, &ftm, PoolingMode::Sum, device.clone()).unwrap();
+        let mut tbe = CudaTbe::zeros(&tables, &ftm, PoolingMode::Sum, device.clone())
+            .unwrap()
+            .with_optimizer(FusedOptimizer::RowWiseAdagrad {
+                lr: 0.01,
+                eps: 1e-8,
+            })
+            .unwrap();
         let mut rng = embers::tensor::rng::seeded(0);
         let ids: Vec<i64> = (0..t * b * l)
             .map(|_| rng.random_range(0..e as i64))
@@ -68,6 +75,19 @@ fn main() {
         let gbs = bytes / (ms * 1e-3) / 1e9;
         println!(
             "embers TBE fp32 fwd T={t} B={b} D={d} E={e} L={l}: {ms:.4} ms, {:.1} MB moved, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
+            bytes / 1e6,
+            100.0 * gbs / copy_gbs
+        );
+        // Fused backward (row-wise Adagrad), counted as FBGEMM's benchmark counts it: every
+        // lookup reads and writes its row, plus the output gradient read once.
+        let grad = device.zeros::<f32>(b * tbe.out_stride()).unwrap();
+        let ms = time_ms(20, &mut || {
+            tbe.backward(&d_ids, &d_offsets, None, &grad, b).unwrap()
+        });
+        let bytes = (2 * t * b * l * d * 4 + b * t * d * 4 + t * b * l * 8) as f64;
+        let gbs = bytes / (ms * 1e-3) / 1e9;
+        println!(
+            "embers TBE fp32 fused backward (row-wise Adagrad) T={t} B={b} D={d} E={e} L={l}: {ms:.4} ms, {:.1} MB counted, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
             bytes / 1e6,
             100.0 * gbs / copy_gbs
         );

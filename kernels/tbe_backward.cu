@@ -61,10 +61,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 //   optimizer 1: row-wise Adagrad m += mean(g^2); w -= lr / (sqrt(m) + eps) * g
 // grad_output is [B, out_stride]; feature f's columns start at out_offsets[f]. With mean
 // pooling each occurrence is scaled by 1 / bag length; per-sample weights (nullable) scale it.
+// Unpooled (sequence != 0): grad_output is [N, D], occurrence l's gradient is its row l.
 extern "C" __global__ void tbe_backward_update(
     const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,
     const i64* __restrict__ offsets, int B,
-    const float* __restrict__ per_sample_weights, int mean,
+    const float* __restrict__ per_sample_weights, int mean, int sequence,
     const float* __restrict__ grad_output, int out_stride, const int* __restrict__ out_offsets,
     const int* __restrict__ dims, const i64* __restrict__ table_offsets,
     const i64* __restrict__ row_starts, const i64* __restrict__ momentum_offsets,
@@ -89,7 +90,8 @@ extern "C" __global__ void tbe_backward_update(
         int b = bag - f * B;
         float scale = per_sample_weights ? per_sample_weights[l] : 1.0f;
         if (mean) scale /= (float)(offsets[bag + 1] - offsets[bag]);
-        const float* go = grad_output + (i64)b * out_stride + out_offsets[f];
+        const float* go = sequence ? grad_output + l * out_stride
+                                   : grad_output + (i64)b * out_stride + out_offsets[f];
         for (int k = 0; k < MAX_PER_LANE; ++k) {
             int d = lane + 32 * k;
             if (d < D) g[k] += scale * go[d];

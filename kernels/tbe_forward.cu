@@ -51,3 +51,36 @@ extern "C" __global__ void NAME(                                                
 TBE_FORWARD(tbe_forward_f32, float, LOAD_F32)
 TBE_FORWARD(tbe_forward_f16, u16, LOAD_F16)
 TBE_FORWARD(tbe_forward_bf16, u16, LOAD_BF16)
+
+// Unpooled (sequence) lookup, PoolingMode::None: output row l (of [N, D], one D for every
+// feature) is row indices[l] of its feature's table, times its per-sample weight. One warp per
+// position; the position's bag (hence feature) is found by binary search in the offsets. An
+// out-of-range id gives a zero row and is reported like the pooled kernel's.
+#define TBE_SEQUENCE(NAME, T, LOAD)                                                           \
+extern "C" __global__ void NAME(                                                              \
+    const T* __restrict__ weights, const i64* __restrict__ table_offsets,                     \
+    const i64* __restrict__ rows, int D, int B, int F,                                        \
+    const i64* __restrict__ indices, const i64* __restrict__ offsets,                         \
+    const float* __restrict__ per_sample_weights, i64 n, float* __restrict__ out,             \
+    i64* first_bad) {                                                                         \
+    i64 l = (i64)blockIdx.x * blockDim.y + threadIdx.y;                                       \
+    if (l >= n) return;                                                                       \
+    int lo = 0, hi = B * F; /* offsets[lo] <= l < offsets[hi] */                              \
+    while (hi - lo > 1) {                                                                     \
+        int mid = (lo + hi) / 2;                                                              \
+        if (offsets[mid] <= l) lo = mid; else hi = mid;                                       \
+    }                                                                                         \
+    int f = lo / B;                                                                           \
+    i64 id = indices[l];                                                                      \
+    float* dst = out + l * D;                                                                 \
+    if (id < 0 || id >= rows[f]) {                                                            \
+        if (threadIdx.x == 0) report_bad_index(first_bad, l);                                 \
+        for (int d = threadIdx.x; d < D; d += 32) dst[d] = 0.0f;                              \
+        return;                                                                               \
+    }                                                                                         \
+    float w = per_sample_weights ? per_sample_weights[l] : 1.0f;                              \
+    const T* src = weights + table_offsets[f] + id * D;                                       \
+    for (int d = threadIdx.x; d < D; d += 32) dst[d] = w * LOAD(src[d]);                      \
+}
+
+TBE_SEQUENCE(tbe_sequence_f32, float, LOAD_F32)

@@ -280,3 +280,64 @@ fn assert_close(what: &str, got: &[f32], expected: &[f32]) {
         );
     }
 }
+
+#[test]
+fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()> {
+    for device in devices()? {
+        let mut c = case();
+        // Pooling NONE needs one dim for every table.
+        for spec in &mut c.tables {
+            spec.dim = 24;
+        }
+        let n = c.indices.len();
+        let f = c.feature_table_map.len();
+        let optimizers = [
+            FusedOptimizer::Sgd { lr: 0.1 },
+            FusedOptimizer::RowWiseAdagrad {
+                lr: 0.05,
+                eps: 1e-8,
+            },
+        ];
+        for optimizer in optimizers {
+            let cpu = c.cpu_tbe(PoolingMode::None, optimizer)?;
+            let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+            assert_eq!(gpu.output_len(c.batch, n), n * 24);
+            let mut rng = embers::tensor::rng::seeded(8);
+            for step in 0..2 {
+                let out = cpu.forward(
+                    &Tensor::from_vec(c.indices.clone(), &[n])?,
+                    &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
+                    Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
+                )?;
+                assert_eq!(out.shape(), &[n, 24]);
+                let what = format!("{}: unpooled {optimizer:?} step {step}", device.name());
+                let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+                assert_close(&format!("{what} forward"), &got, &out.to_vec::<f32>()?);
+                let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, &mut rng);
+                out.backward_with(&grad, false)?;
+                gpu.backward_host(
+                    &c.indices,
+                    &c.offsets,
+                    Some(&c.weights),
+                    &grad.to_vec::<f32>()?,
+                )?;
+                for t in 0..c.tables.len() {
+                    let (w, m) = gpu.table_state(t)?;
+                    assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);
+                    if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
+                        let m_cpu = cpu.optimizer_state(0, t)?;
+                        assert_close(&format!("{what} table {t} momentum"), &m, &m_cpu);
+                    }
+                }
+            }
+        }
+        // Quantized rows are pooled only on the GPU: a clear refusal.
+        let cpu = c.cpu_tbe(PoolingMode::None, FusedOptimizer::None)?;
+        let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &[WeightType::Int8; 3])?;
+        match CudaTbe::from_quantized(&q, device.clone()) {
+            Err(e) => assert!(e.to_string().contains("unpooled"), "{e}"),
+            Ok(_) => panic!("unpooled quantized lookups were accepted on the GPU"),
+        }
+    }
+    Ok(())
+}

@@ -52,7 +52,12 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "tbe_forward.cu",
         include_str!("../../kernels/tbe_forward.cu"),
-        &["tbe_forward_f32", "tbe_forward_f16", "tbe_forward_bf16"],
+        &[
+            "tbe_forward_f32",
+            "tbe_forward_f16",
+            "tbe_forward_bf16",
+            "tbe_sequence_f32",
+        ],
     ),
     (
         "tbe_forward_quantized.cu",

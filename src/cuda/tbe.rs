@@ -39,8 +39,14 @@ pub struct CudaTbe {
     /// First out-of-range position seen by any lookup since the last check (`i64::MAX`: none).
     first_bad: parking_lot::Mutex<DeviceBuffer<i64>>,
     feature_names: Vec<String>,
+    /// Per feature: its table.
+    feature_tables: Vec<usize>,
+    /// Per table: rows and dim.
+    table_shapes: Vec<(usize, usize)>,
     out_stride: usize,
     mean: bool,
+    /// Unpooled (PoolingMode::None): one output row per id.
+    sequence: bool,
     /// Training state (FP32 tables only).
     train: Option<TrainState>,
 }
@@ -63,6 +69,8 @@ struct Layout {
     dims: Vec<i32>,
     out_offsets: Vec<i32>,
     out_stride: usize,
+    feature_tables: Vec<usize>,
+    table_shapes: Vec<(usize, usize)>,
 }
 
 fn layout(
@@ -83,6 +91,8 @@ fn layout(
         dims: feature_table_map.iter().map(|&t| dims[t] as i32).collect(),
         out_offsets,
         out_stride: stride,
+        feature_tables: feature_table_map.to_vec(),
+        table_shapes: rows.iter().copied().zip(dims.iter().copied()).collect(),
     }
 }
 
@@ -100,13 +110,15 @@ fn type_code(ty: WeightType) -> i32 {
     }
 }
 
-fn pooled(op: &'static str, pooling: PoolingMode) -> Result<bool> {
+/// Whether the pooling is a mean; refuses what the GPU lookups cannot do.
+fn pooled(op: &'static str, pooling: PoolingMode, quantized: bool) -> Result<bool> {
     match pooling {
         PoolingMode::Sum => Ok(false),
         PoolingMode::Mean => Ok(true),
+        PoolingMode::None if !quantized => Ok(false),
         PoolingMode::None => Err(Error::invalid(
             op,
-            "unpooled (PoolingMode::None) lookups are not on the GPU yet",
+            "unpooled (PoolingMode::None) lookups of quantized rows are not on the GPU yet",
         )),
     }
 }
@@ -115,11 +127,28 @@ impl CudaTbe {
     fn build(
         device: Arc<CudaDevice>,
         weights: Weights,
-        l: Layout,
+        mut l: Layout,
         names: Vec<String>,
-        mean: bool,
+        pooling: PoolingMode,
     ) -> Result<Self> {
+        let quantized = matches!(weights, Weights::Quantized { .. });
+        let mean = pooled(OP, pooling, quantized)?;
+        let sequence = pooling == PoolingMode::None;
+        if sequence {
+            let d0 = l.dims.first().copied().unwrap_or(0);
+            if l.dims.iter().any(|&d| d != d0) {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "pooling NONE needs one dim for every feature, got {:?}",
+                        l.dims
+                    ),
+                ));
+            }
+            l.out_stride = d0 as usize;
+        }
         Ok(CudaTbe {
+            sequence,
             weights,
             table_offsets: device.htod(&l.table_offsets)?,
             rows: device.htod(&l.rows)?,
@@ -129,6 +158,8 @@ impl CudaTbe {
             host_rows: l.rows,
             first_bad: parking_lot::Mutex::new(device.htod(&[i64::MAX])?),
             feature_names: names,
+            feature_tables: l.feature_tables,
+            table_shapes: l.table_shapes,
             out_stride: l.out_stride,
             mean,
             train: None,
@@ -139,7 +170,6 @@ impl CudaTbe {
     /// A GPU copy of a training TBE's FP32 tables (same features, pooling).
     pub fn from_trained(tbe: &TableBatchedEmbedding, device: Arc<CudaDevice>) -> Result<Self> {
         let cfg = tbe.config();
-        let mean = pooled(OP, cfg.pooling)?;
         let mut flat = Vec::new();
         let mut starts = Vec::new();
         for t in 0..cfg.tables.len() {
@@ -155,7 +185,7 @@ impl CudaTbe {
                 .collect()
         });
         let weights = Weights::F32(device.htod(&flat)?);
-        let mut gpu = Self::build(device, weights, l, names, mean)?;
+        let mut gpu = Self::build(device, weights, l, names, cfg.pooling)?;
         // Training state: row numbering across tables and the row-wise accumulators.
         let mut table_info = Vec::new();
         let mut first_row = 0;
@@ -182,6 +212,44 @@ impl CudaTbe {
         Ok(gpu)
     }
 
+    /// Makes FP32 tables trainable on the device with `optimizer` (SGD or row-wise Adagrad;
+    /// accumulators start at zero), e.g. for tables made by [`zeros`](Self::zeros).
+    pub fn with_optimizer(mut self, optimizer: FusedOptimizer) -> Result<Self> {
+        if !matches!(
+            optimizer,
+            FusedOptimizer::Sgd { .. } | FusedOptimizer::RowWiseAdagrad { .. }
+        ) {
+            return Err(Error::invalid(
+                OP,
+                format!("the {} optimizer is not on the GPU yet", optimizer.name()),
+            ));
+        }
+        if !matches!(self.weights, Weights::F32(_)) {
+            return Err(Error::invalid(OP, "only FP32 tables train"));
+        }
+        let mut tables = Vec::new();
+        let (mut first_row, mut start) = (0usize, 0usize);
+        for &(r, d) in &self.table_shapes {
+            tables.push((start, r, d, first_row));
+            first_row += r;
+            start += r * d;
+        }
+        let momentum = match optimizer {
+            FusedOptimizer::RowWiseAdagrad { .. } => self.device.zeros::<f32>(first_row.max(1))?,
+            _ => self.device.zeros::<f32>(1)?,
+        };
+        let row_starts: Vec<i64> = (self.feature_tables.iter())
+            .map(|&t| tables[t].3 as i64)
+            .collect();
+        self.train = Some(TrainState {
+            optimizer,
+            row_starts: self.device.htod(&row_starts)?,
+            momentum,
+            tables,
+        });
+        Ok(self)
+    }
+
     /// Fused backward on device buffers (FP32 tables made by
     /// [`from_trained`](Self::from_trained), SGD or row-wise Adagrad): `grad_output` is the
     /// `[B, out_stride]` gradient of the last forward's output for the same `indices`,
@@ -195,7 +263,7 @@ impl CudaTbe {
         grad_output: &DeviceBuffer<f32>,
         batch_size: usize,
     ) -> Result<()> {
-        let Some(train) = self.train.as_mut() else {
+        let Some(train) = self.train.as_ref() else {
             return Err(Error::invalid(
                 OP,
                 "backward needs FP32 tables made by from_trained",
@@ -211,7 +279,7 @@ impl CudaTbe {
                 ))
             }
         };
-        let Weights::F32(weights) = &mut self.weights else {
+        let Weights::F32(weights) = &self.weights else {
             return Err(Error::invalid(OP, "backward needs FP32 tables"));
         };
         if self.host_dims_max > 512 {
@@ -221,13 +289,13 @@ impl CudaTbe {
             ));
         }
         let f = self.host_rows.len();
-        if offsets.len() != f * batch_size + 1 || grad_output.len() < batch_size * self.out_stride {
+        let grad_len = self.output_len(batch_size, indices.len());
+        if offsets.len() != f * batch_size + 1 || grad_output.len() < grad_len {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "expected {} offsets and a gradient of {} values, got {} and {}",
+                    "expected {} offsets and a gradient of {grad_len} values, got {} and {}",
                     f * batch_size + 1,
-                    batch_size * self.out_stride,
                     offsets.len(),
                     grad_output.len()
                 ),
@@ -311,6 +379,7 @@ impl CudaTbe {
             .i32(bi)
             .opt_buffer(per_sample_weights)
             .i32(i32::from(self.mean))
+            .i32(i32::from(self.sequence))
             .buffer(grad_output)
             .i32(self.out_stride as i32)
             .buffer(&self.out_offsets)
@@ -382,7 +451,6 @@ impl CudaTbe {
         pooling: PoolingMode,
         device: Arc<CudaDevice>,
     ) -> Result<Self> {
-        let mean = pooled(OP, pooling)?;
         if let Some(&t) = feature_table_map.iter().find(|&&t| t >= tables.len()) {
             return Err(Error::invalid(
                 OP,
@@ -402,7 +470,7 @@ impl CudaTbe {
             .map(|f| format!("feature {f}"))
             .collect();
         let weights = Weights::F32(device.zeros::<f32>(total)?);
-        Self::build(device, weights, l, names, mean)
+        Self::build(device, weights, l, names, pooling)
     }
 
     /// A GPU copy of a quantized TBE's rows (FBGEMM's TBE row bytes, any weight types).
@@ -410,7 +478,6 @@ impl CudaTbe {
         q: &QuantizedTableBatchedEmbedding,
         device: Arc<CudaDevice>,
     ) -> Result<Self> {
-        let mean = pooled(OP, q.pooling())?;
         let mut bytes = Vec::new();
         let mut starts = Vec::new();
         for t in 0..q.tables().len() {
@@ -434,7 +501,7 @@ impl CudaTbe {
             row_bytes: device.htod(&row_bytes)?,
             types: device.htod(&types)?,
         };
-        Self::build(device, weights, l, names, mean)
+        Self::build(device, weights, l, names, q.pooling())
     }
 
     /// The device the tables live on.
@@ -442,7 +509,7 @@ impl CudaTbe {
         &self.device
     }
 
-    /// Output width `ΣD` of one sample.
+    /// Output width: `ΣD` of one sample pooled, `D` unpooled.
     pub fn out_stride(&self) -> usize {
         self.out_stride
     }
@@ -461,13 +528,13 @@ impl CudaTbe {
         out: &mut DeviceBuffer<f32>,
     ) -> Result<()> {
         let f = self.host_rows.len();
-        if out.len() < batch_size * self.out_stride || offsets.len() != f * batch_size + 1 {
+        let out_len = self.output_len(batch_size, indices.len());
+        if out.len() < out_len || offsets.len() != f * batch_size + 1 {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "expected {} offsets and an output of {} values, got {} and {}",
+                    "expected {} offsets and an output of {out_len} values, got {} and {}",
                     f * batch_size + 1,
-                    batch_size * self.out_stride,
                     offsets.len(),
                     out.len()
                 ),
@@ -481,6 +548,36 @@ impl CudaTbe {
         }
         let first_bad = self.first_bad.lock();
         let mut args = KernelArgs::new();
+        if self.sequence {
+            let Weights::F32(w) = &self.weights else {
+                unreachable!("build refuses unpooled quantized tables")
+            };
+            let n = indices.len();
+            args.buffer(w)
+                .buffer(&self.table_offsets)
+                .buffer(&self.rows)
+                .i32(self.out_stride as i32)
+                .i32(batch_size as i32)
+                .i32(f as i32)
+                .buffer(indices)
+                .buffer(offsets)
+                .opt_buffer(per_sample_weights)
+                .i64(n as i64)
+                .buffer(out)
+                .buffer(&*first_bad);
+            if n == 0 {
+                return Ok(());
+            }
+            // SAFETY: arguments as in kernels/tbe_forward.cu (tbe_sequence_f32); offsets F·B+1
+            // ending at n (the caller's contract, checked by forward_host), output N·D.
+            return unsafe {
+                self.device.launch(
+                    "tbe_sequence_f32",
+                    LaunchConfig::warp_per_item(n, 4),
+                    &mut args,
+                )
+            };
+        }
         let kernel = match &self.weights {
             Weights::F32(w) => {
                 args.buffer(w)
@@ -521,6 +618,15 @@ impl CudaTbe {
                 LaunchConfig::warp_per_item(f * batch_size, 4),
                 &mut args,
             )
+        }
+    }
+
+    /// Values the output of a lookup holds: `B × ΣD` pooled, `N × D` unpooled.
+    pub fn output_len(&self, batch_size: usize, num_ids: usize) -> usize {
+        if self.sequence {
+            num_ids * self.out_stride
+        } else {
+            batch_size * self.out_stride
         }
     }
 
@@ -611,7 +717,9 @@ impl CudaTbe {
         let d_weights = per_sample_weights
             .map(|w| self.device.htod(w))
             .transpose()?;
-        let mut out = self.device.alloc::<f32>(b * self.out_stride)?;
+        let mut out = self
+            .device
+            .alloc::<f32>(self.output_len(b, indices.len()))?;
         self.forward(&d_indices, &d_offsets, d_weights.as_ref(), b, &mut out)?;
         self.check_ids(&d_indices, &d_offsets, b)?;
         out.to_host()

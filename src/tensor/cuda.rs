@@ -131,6 +131,7 @@ pub(crate) fn move_values(t: &Tensor, device: Device) -> Result<Tensor> {
     }
 }
 
+#[allow(clippy::unnecessary_cast)] // the u8 arm of the macro
 fn cpu_bytes(s: &CpuStorage) -> &[u8] {
     super::storage::match_storage!(s, v => {
         // SAFETY: plain numeric elements viewed as their bytes.
@@ -138,6 +139,7 @@ fn cpu_bytes(s: &CpuStorage) -> &[u8] {
     })
 }
 
+#[allow(clippy::unnecessary_cast)] // the u8 arm of the macro
 fn cpu_bytes_mut(s: &mut CpuStorage) -> &mut [u8] {
     super::storage::match_storage!(s, v => {
         // SAFETY: as above; every bit pattern is a valid element.
