@@ -36,6 +36,7 @@ fn trainer() -> DlrmTrainer {
         },
         seed: 0,
         metrics_window: 100 * B,
+        device: embers::Device::Cpu,
     }
     .build()
     .expect("valid config")

@@ -74,6 +74,16 @@ GATHER(gather_b2, u16)
 GATHER(gather_b4, unsigned int)
 GATHER(gather_b8, unsigned long long)
 
+// Contiguous source written into a strided view of the destination (cat, copies into views).
+#define SCATTER(NAME, T)                                                                 \
+extern "C" __global__ void NAME(const T* src, T* dst, i64 n, const i64* meta) {           \
+    GRID_STRIDE(i, n) dst[strided_offset(i, meta, 0)] = src[i];                           \
+}
+SCATTER(scatter_b1, u8)
+SCATTER(scatter_b2, u16)
+SCATTER(scatter_b4, unsigned int)
+SCATTER(scatter_b8, unsigned long long)
+
 __device__ __forceinline__ float binary_op(int op, float x, float y) {
     switch (op) {
     case 0: return x + y;
@@ -168,5 +178,23 @@ extern "C" __global__ void sum_middle_f32(const float* x, float* out, i64 outer,
         double acc = 0.0;
         for (i64 k = 0; k < r; ++k) acc += (double)p[k * inner];
         out[i] = (float)acc;
+    }
+}
+
+// Binary cross-entropy with logits per element, and its derivative in x (sigmoid(x) − y),
+// written as src/tensor/ops/loss.rs does (stable for large |x|).
+extern "C" __global__ void bce_logits_f32(const float* x, const float* y, float* loss,
+                                          float* dx, i64 n) {
+    GRID_STRIDE(i, n) {
+        float xi = x[i], yi = y[i];
+        loss[i] = fmaxf(xi, 0.0f) - xi * yi + log1pf(expf(-fabsf(xi)));
+        float sig;
+        if (xi >= 0.0f) {
+            sig = 1.0f / (1.0f + expf(-xi));
+        } else {
+            float e = expf(xi);
+            sig = e / (1.0f + e);
+        }
+        dx[i] = sig - yi;
     }
 }

@@ -69,6 +69,7 @@ fn config(g: &SyntheticCriteo, dim: usize) -> DlrmConfig {
         },
         seed: 3,
         metrics_window: 10_000,
+        device: embers::Device::Cpu,
     }
 }
 

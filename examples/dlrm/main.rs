@@ -169,6 +169,10 @@ struct Args {
     /// No progress bar (plain log lines instead).
     #[arg(long)]
     no_progress: bool,
+    /// Where to train: cpu, cuda or cuda:N (a GPU; `EMBERS_CUDA_SIM=1` makes cuda:0 the
+    /// host emulation of one, slow, for checking only).
+    #[arg(long, default_value = "cpu")]
+    device: embers::Device,
 }
 
 /// The dataset chosen on the command line, able to produce batches of any split.
@@ -375,6 +379,7 @@ fn model_config(args: &Args, num_dense: usize, features: Vec<(String, usize)>) -
         },
         seed: args.seed,
         metrics_window: 100 * args.batch_size,
+        device: args.device,
     }
 }
 
@@ -659,6 +664,8 @@ fn run(args: Args) -> Result<()> {
     }
     let mut quantized = Vec::new();
     if !args.no_quantized_eval {
+        // Tables trained on a GPU: their values are on the device until copied back.
+        trainer.model().sync_tables_to_host()?;
         for q in &args.quantized_eval {
             let tables = trainer.model().sparse_arch.quantize(q.weight_type())?;
             let report = trainer.evaluate(

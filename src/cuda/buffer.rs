@@ -123,6 +123,16 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             .copy_on_device(self.ptr(), other.ptr(), self.bytes())
     }
 
+    /// The same memory as raw bytes (for tensor storage).
+    pub(crate) fn into_bytes(mut self) -> DeviceBuffer<u8> {
+        DeviceBuffer {
+            device: self.device.clone(),
+            block: self.block.take(),
+            len: self.bytes(),
+            _elem: PhantomData,
+        }
+    }
+
     /// Sets every byte to zero.
     pub fn fill_zero(&mut self) -> Result<()> {
         self.device.zero_bytes(self.ptr(), self.bytes())

@@ -33,6 +33,7 @@ pub mod allocator;
 mod blas;
 mod buffer;
 mod driver;
+mod ebc;
 mod launch;
 mod sim;
 mod tbe;
@@ -40,6 +41,7 @@ pub use allocator::{AllocatorStats, CachingAllocator, DriverAllocator};
 use allocator::{Block, RawAllocator, StreamId};
 pub(crate) use blas::Gemm;
 pub use buffer::{DeviceBuffer, DeviceElem};
+pub use ebc::CudaEmbeddingBagCollection;
 pub use launch::{ArgKind, KernelArgs, LaunchConfig};
 pub use sim::HOST_SIM_HEADER;
 pub use tbe::CudaTbe;
@@ -91,11 +93,26 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
             "gather_b2",
             "gather_b4",
             "gather_b8",
+            "scatter_b1",
+            "scatter_b2",
+            "scatter_b4",
+            "scatter_b8",
             "binary_strided_f32",
             "unary_fn_f32",
             "unary_backward_f32",
             "sum_middle_f32",
+            "bce_logits_f32",
         ],
+    ),
+    (
+        "optim.cu",
+        include_str!("../../kernels/optim.cu"),
+        &["sgd_step_f32", "adagrad_step_f32", "adam_step_f32"],
+    ),
+    (
+        "interaction.cu",
+        include_str!("../../kernels/interaction.cu"),
+        &["dot_interaction_f32", "dot_interaction_backward_f32"],
     ),
 ];
 

@@ -263,6 +263,36 @@ impl CudaTbe {
         grad_output: &DeviceBuffer<f32>,
         batch_size: usize,
     ) -> Result<()> {
+        if !Arc::ptr_eq(grad_output.device(), &self.device) {
+            return Err(Error::invalid(OP, "the gradient is on another device"));
+        }
+        // SAFETY: the address and length are those of a live buffer on this device.
+        unsafe {
+            self.backward_raw(
+                indices,
+                offsets,
+                per_sample_weights,
+                grad_output.ptr(),
+                grad_output.len(),
+                batch_size,
+            )
+        }
+    }
+
+    /// [`backward`](Self::backward) with the gradient given by its device address and length.
+    ///
+    /// # Safety
+    /// `grad_output` must address `grad_len` f32 values on this TBE's device that stay
+    /// allocated until the queued work has run.
+    pub(crate) unsafe fn backward_raw(
+        &mut self,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
+        grad_output: u64,
+        grad_len_given: usize,
+        batch_size: usize,
+    ) -> Result<()> {
         let Some(train) = self.train.as_ref() else {
             return Err(Error::invalid(
                 OP,
@@ -290,14 +320,14 @@ impl CudaTbe {
         }
         let f = self.host_rows.len();
         let grad_len = self.output_len(batch_size, indices.len());
-        if offsets.len() != f * batch_size + 1 || grad_output.len() < grad_len {
+        if offsets.len() != f * batch_size + 1 || grad_len_given < grad_len {
             return Err(Error::invalid(
                 OP,
                 format!(
                     "expected {} offsets and a gradient of {grad_len} values, got {} and {}",
                     f * batch_size + 1,
                     offsets.len(),
-                    grad_output.len()
+                    grad_len_given
                 ),
             ));
         }
@@ -380,7 +410,7 @@ impl CudaTbe {
             .opt_buffer(per_sample_weights)
             .i32(i32::from(self.mean))
             .i32(i32::from(self.sequence))
-            .buffer(grad_output)
+            .pointer(grad_output)
             .i32(self.out_stride as i32)
             .buffer(&self.out_offsets)
             .buffer(&self.dims)
@@ -702,6 +732,36 @@ impl CudaTbe {
             ));
         }
         Ok((offsets.len() - 1) / f)
+    }
+
+    /// Checks a lookup's host inputs completely (as `check_host_input`, and every id in range
+    /// of its feature's table, naming the first that is not), so that the device lookup needs
+    /// no read-back; returns the batch size.
+    pub(crate) fn check_host_lookup(
+        &self,
+        indices: &[i64],
+        offsets: &[i64],
+        per_sample_weights: Option<&[f32]>,
+    ) -> Result<usize> {
+        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
+        for (bag, w) in offsets.windows(2).enumerate() {
+            let f = bag / b.max(1);
+            let rows = self.host_rows[f];
+            let (start, end) = (w[0] as usize, w[1] as usize);
+            for (p, &id) in (start..end).zip(&indices[start..end]) {
+                if id < 0 || id >= rows {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "{}: id {id} at position {p} (bag {bag} of sample {}) is out of range for {rows} rows",
+                            self.feature_names[f],
+                            bag % b.max(1)
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(b)
     }
 
     /// [`forward`](Self::forward) from and to host memory (offsets are checked here first).

@@ -215,7 +215,7 @@ fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>
 
 /// Builds the TBE input of `features` from a KJT: zero-copy when the KJT holds exactly those
 /// keys in that order, else one gather of their ids (and weights).
-fn tbe_input_from_kjt(
+pub(crate) fn tbe_input_from_kjt(
     op: &'static str,
     kjt: &KeyedJaggedTensor,
     features: &[String],
@@ -295,7 +295,7 @@ fn tbe_input_from_kjt(
 }
 
 /// Puts each group's pooled output columns back in the collection's feature order.
-fn assemble_pooled(
+pub(crate) fn assemble_pooled(
     output_keys: &[String],
     output_dims: &[usize],
     mut outputs: Vec<(&[String], Tensor)>,
@@ -481,6 +481,13 @@ impl EmbeddingBagCollection {
     /// The table configs.
     pub fn configs(&self) -> &[EmbeddingBagConfig] {
         &self.configs
+    }
+
+    /// The TBEs (one per pooling group) and the features each serves, in order.
+    pub(crate) fn groups(&self) -> Vec<(&TableBatchedEmbedding, &[String])> {
+        (self.tables.groups.iter())
+            .map(|g| (&g.tbe, g.features.as_slice()))
+            .collect()
     }
 
     table_access!();

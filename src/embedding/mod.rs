@@ -40,6 +40,7 @@ mod storage;
 mod tbe;
 
 pub use backward::{BackwardOutput, SparseTableGrad};
+pub(crate) use collection::{assemble_pooled, tbe_input_from_kjt};
 pub use collection::{
     EmbeddingBagCollection, EmbeddingCollection, QuantizedEmbeddingBagCollection,
 };

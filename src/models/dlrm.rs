@@ -7,11 +7,14 @@
 //! feeds `[B, (F+1)·D]` through a low-rank cross network; the over arch ends in one
 //! un-activated linear layer producing logits.
 
+use std::sync::Arc;
+
+use crate::cuda::CudaEmbeddingBagCollection;
 use crate::embedding::EmbeddingBagCollection;
 use crate::nn::{prefixed, Activation, Forward, Init, Linear, Mlp, Module};
 use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::rng::Rng;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// The bottom MLP over dense features (ReLU after every layer, as TorchRec).
 #[derive(Clone, Debug)]
@@ -314,6 +317,8 @@ pub struct Dlrm {
     pub sparse_arch: EmbeddingBagCollection,
     /// Everything after the lookup.
     pub dense: DlrmDense,
+    /// The tables' copy on a CUDA device, after [`to_device`](Self::to_device).
+    device_tables: Option<Arc<CudaEmbeddingBagCollection>>,
 }
 
 impl Dlrm {
@@ -331,7 +336,11 @@ impl Dlrm {
                 ),
             ));
         }
-        Ok(Dlrm { sparse_arch, dense })
+        Ok(Dlrm {
+            sparse_arch,
+            dense,
+            device_tables: None,
+        })
     }
 
     /// `dense_features [B, dense_in]`, `sparse_features` (a KJT with the tables' features) →
@@ -341,8 +350,60 @@ impl Dlrm {
         dense_features: &Tensor,
         sparse_features: &KeyedJaggedTensor,
     ) -> Result<Tensor> {
-        let pooled = self.sparse_arch.forward(sparse_features)?;
+        let pooled = match &self.device_tables {
+            Some(tables) => tables.forward(sparse_features)?,
+            None => self.sparse_arch.forward(sparse_features)?,
+        };
         self.forward_pooled(dense_features, pooled.values())
+    }
+
+    /// The device the model computes on (the dense half's and the tables').
+    pub fn device(&self) -> Device {
+        match &self.device_tables {
+            Some(t) => Device::Cuda(t.device().ordinal()),
+            None => Device::Cpu,
+        }
+    }
+
+    /// Moves the model to `device`: the dense parameters in place (build the dense optimizer
+    /// after this), the tables as a device copy that [`forward`](Self::forward) then uses and
+    /// whose backward trains them there. Moving back to the CPU copies the tables back first.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        if device == self.device() {
+            return Ok(());
+        }
+        if self.device_tables.is_some() {
+            self.sync_tables_to_host()?;
+            self.device_tables = None;
+        }
+        self.dense.to_device(device)?;
+        if device.is_cuda() {
+            let tables = CudaEmbeddingBagCollection::new(&self.sparse_arch, device)?;
+            self.device_tables = Some(Arc::new(tables));
+        }
+        Ok(())
+    }
+
+    /// Copies the device tables (values and fused-optimizer state) into
+    /// [`sparse_arch`](Self::sparse_arch); nothing to do for a model on the CPU.
+    pub fn sync_tables_to_host(&self) -> Result<()> {
+        match &self.device_tables {
+            Some(t) => t.copy_to(&self.sparse_arch),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the device tables a fresh copy of [`sparse_arch`](Self::sparse_arch) (after its
+    /// values were changed on the host, e.g. by a checkpoint restore).
+    pub fn sync_tables_to_device(&mut self) -> Result<()> {
+        if self.device_tables.is_some() {
+            let device = self.device();
+            self.device_tables = Some(Arc::new(CudaEmbeddingBagCollection::new(
+                &self.sparse_arch,
+                device,
+            )?));
+        }
+        Ok(())
     }
 
     /// The dense half on already pooled embeddings `[B, F·D]` (e.g. from a quantized copy of
@@ -350,7 +411,10 @@ impl Dlrm {
     pub fn forward_pooled(&self, dense_features: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         let b = dense_features.shape().first().copied().unwrap_or(0);
         let d = self.dense.dense_arch.out_features();
-        let embedded = pooled.reshape(&[b, self.dense.num_sparse_features, d])?;
-        self.dense.forward(dense_features, &embedded)
+        let device = self.device();
+        let embedded =
+            (pooled.to_device(device)?).reshape(&[b, self.dense.num_sparse_features, d])?;
+        self.dense
+            .forward(&dense_features.to_device(device)?, &embedded)
     }
 }

@@ -420,6 +420,14 @@ impl BackwardOp for DotInteractionBackward {
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let (n, d) = (self.n, self.d);
         let b = self.dense.shape()[0];
+        if self.dense.device().is_cuda() {
+            let (gd, gs) = crate::tensor::cuda::dot_interaction_backward_f32(
+                &self.dense,
+                &self.sparse,
+                grad_output,
+            )?;
+            return Ok(vec![Some(Gradient::Dense(gd)), Some(Gradient::Dense(gs))]);
+        }
         let grad_output = grad_output.to_dtype(self.dense.dtype())?;
         let (grad_dense, grad_sparse) = with_float!(self.dense.dtype(), OP, T => {
             let (gd, gs) = run_backward::<T>(self, &grad_output)?;
@@ -449,6 +457,7 @@ pub fn dot_interaction(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
     }
     let width = d + n * (n - 1) / 2;
     let out = match dense.dtype() {
+        _ if dense.device().is_cuda() => crate::tensor::cuda::dot_interaction_f32(dense, sparse)?,
         crate::DType::F32 => Tensor::from_vec(run::<f32>(dense, sparse, b, n, d)?, &[b, width])?,
         crate::DType::F64 => Tensor::from_vec(run::<f64>(dense, sparse, b, n, d)?, &[b, width])?,
         other => {

@@ -61,6 +61,15 @@ pub trait Module {
         Ok(())
     }
 
+    /// Moves every parameter to `device` in place (handles held elsewhere, e.g. by an
+    /// optimizer built later or earlier, follow; build optimizer state after the move).
+    fn to_device(&self, device: crate::Device) -> Result<()> {
+        for p in self.parameters() {
+            p.move_to_device(device)?;
+        }
+        Ok(())
+    }
+
     /// Clears every parameter's gradient.
     fn zero_grad(&self) {
         for p in self.parameters() {

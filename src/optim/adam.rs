@@ -132,6 +132,36 @@ impl Adam {
         self.steps[i] += 1;
         let t = self.steps[i] as i32;
         let l2 = c.weight_decay != 0.0 && !c.decoupled_weight_decay;
+        if let Some(g) = super::cuda_grad("Adam", p, &grad)? {
+            let decay = if c.decoupled_weight_decay {
+                1.0 - c.lr * c.weight_decay
+            } else {
+                1.0
+            };
+            let state = [
+                Some(&self.exp_avg[i]),
+                Some(&self.exp_avg_sq[i]),
+                self.max_exp_avg_sq[i].as_ref(),
+            ];
+            return crate::tensor::cuda::optimizer_step(
+                "Adam",
+                "adam_step_f32",
+                p,
+                &state,
+                &g,
+                |a| {
+                    a.f32(c.betas.0 as f32)
+                        .f32(c.betas.1 as f32)
+                        .f32((1.0 - c.betas.0.powi(t)) as f32)
+                        .f32((1.0 - c.betas.1.powi(t)).sqrt() as f32)
+                        .f32(c.lr as f32)
+                        .f32(c.eps as f32)
+                        .f32(c.weight_decay as f32)
+                        .i32(i32::from(l2))
+                        .f32(decay as f32);
+                },
+            );
+        }
         let g = touched::<T>(p, &grad, l2)?;
         let f = T::from_f64;
         let (b1, b2) = (f(c.betas.0), f(c.betas.1));

@@ -95,6 +95,25 @@ pub(crate) fn touched<T: FloatElem>(
     }
 }
 
+/// The gradient of a parameter on a CUDA device (`None` for parameters on the CPU): dense
+/// gradients only, the device kernels update every element.
+pub(crate) fn cuda_grad(op: &'static str, p: &Tensor, grad: &Gradient) -> Result<Option<Tensor>> {
+    if !p.device().is_cuda() {
+        return Ok(None);
+    }
+    match grad {
+        Gradient::Dense(g) => Ok(Some(g.clone())),
+        Gradient::RowSparse(_) => Err(Error::invalid(
+            op,
+            format!(
+                "row-sparse gradients of parameters on {} are not supported yet (keep that \
+                 parameter on the CPU)",
+                p.device()
+            ),
+        )),
+    }
+}
+
 /// Runs `update(range, grad)` over either every element or each touched row's element range.
 pub(crate) fn for_each_range<T: Copy>(
     param: &Tensor,

@@ -71,7 +71,7 @@ impl Sgd {
         let buffers = (self.params.iter().enumerate())
             .map(|(i, p)| {
                 super::state_entry("Sgd", state, &format!("momentum_buffer.{i}"), p)?
-                    .map(super::snapshot)
+                    .map(|t| super::snapshot(t)?.to_device(p.device()))
                     .transpose()
             })
             .collect::<Result<Vec<_>>>()?;
@@ -86,6 +86,30 @@ impl Sgd {
         };
         let use_momentum = self.momentum != 0.0;
         // Momentum and weight decay touch every element: densify sparse gradients for them.
+        let first = self.momentum_buffers[i].is_none();
+        if use_momentum && first {
+            self.momentum_buffers[i] = Some(p.zeros_like());
+        }
+        if let Some(g) = super::cuda_grad("Sgd", p, &grad)? {
+            let buf = self.momentum_buffers[i].as_ref().filter(|_| use_momentum);
+            let (lr, mom, damp, wd) = (self.lr, self.momentum, self.dampening, self.weight_decay);
+            let nesterov = self.nesterov;
+            return crate::tensor::cuda::optimizer_step(
+                "Sgd",
+                "sgd_step_f32",
+                p,
+                &[buf],
+                &g,
+                |a| {
+                    a.f32(lr as f32)
+                        .f32(mom as f32)
+                        .f32(damp as f32)
+                        .f32(wd as f32)
+                        .i32(i32::from(nesterov))
+                        .i32(i32::from(first));
+                },
+            );
+        }
         let g = touched::<T>(p, &grad, use_momentum || self.weight_decay != 0.0)?;
         let (lr, mom, damp, wd) = (
             T::from_f64(self.lr),
@@ -93,10 +117,6 @@ impl Sgd {
             T::from_f64(self.dampening),
             T::from_f64(self.weight_decay),
         );
-        let first = self.momentum_buffers[i].is_none();
-        if use_momentum && first {
-            self.momentum_buffers[i] = Some(p.zeros_like());
-        }
         let mut w = p.data_mut::<T>()?;
         let mut buf = match &self.momentum_buffers[i] {
             Some(b) if use_momentum => Some(b.data_mut::<T>()?),

@@ -460,3 +460,249 @@ impl Tensor {
         ))
     }
 }
+
+/// Address of a contiguous f32 CUDA tensor of `numel` elements on `dev` (checked).
+fn f32_operand(op: &'static str, what: &str, t: &Tensor, like: &Tensor) -> Result<u64> {
+    expect_f32(op, t)?;
+    same_device(op, like, t)?;
+    if !t.is_contiguous() || t.numel() != like.numel() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{what} must be a contiguous tensor of {} elements, got shape {:?}",
+                like.numel(),
+                t.shape()
+            ),
+        ));
+    }
+    Ok(view_ptr(t)?.1)
+}
+
+/// One in-place optimizer step on a CUDA parameter: launches `kernel` of `kernels/optim.cu`
+/// with `(w, state…, g, n, scalars…)`, where absent state buffers are null pointers.
+pub(crate) fn optimizer_step(
+    op: &'static str,
+    kernel: &'static str,
+    w: &Tensor,
+    state: &[Option<&Tensor>],
+    grad: &Tensor,
+    scalars: impl FnOnce(&mut KernelArgs),
+) -> Result<()> {
+    let (dev, pw) = view_ptr(w)?;
+    f32_operand(op, "the parameter", w, w)?;
+    let grad = contiguous(grad)?;
+    let mut args = KernelArgs::new();
+    args.pointer(pw);
+    for s in state {
+        match s {
+            Some(t) => args.pointer(f32_operand(op, "optimizer state", t, w)?),
+            None => args.pointer(0),
+        };
+    }
+    args.pointer(f32_operand(op, "the gradient", &grad, w)?);
+    let n = w.numel();
+    args.i64(n as i64);
+    scalars(&mut args);
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: every operand is a contiguous f32 buffer of n elements on `dev` (checked above).
+    unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args) }
+}
+
+/// Binary cross-entropy with logits per element and its derivative in `x` (f32).
+pub(crate) fn bce_logits_f32(x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "bce_with_logits";
+    expect_f32(OP, x)?;
+    same_device(OP, x, y)?;
+    let (x, y) = (contiguous(x)?, contiguous(y)?);
+    let (dev, px) = raw(&x)?;
+    let py = f32_operand(OP, "the target", &y, &x)?;
+    let loss = empty(&dev, DType::F32, x.shape())?;
+    let dx = empty(&dev, DType::F32, x.shape())?;
+    let n = x.numel();
+    if n > 0 {
+        let mut args = KernelArgs::new();
+        args.pointer(px)
+            .pointer(py)
+            .pointer(raw(&loss)?.1)
+            .pointer(raw(&dx)?.1)
+            .i64(n as i64);
+        // SAFETY: contiguous inputs and outputs of n elements each.
+        unsafe {
+            dev.launch(
+                "bce_logits_f32",
+                LaunchConfig::linear(n, THREADS),
+                &mut args,
+            )?
+        };
+    }
+    Ok((loss, dx))
+}
+
+/// The strict upper triangle's pairs `(i, j)` of `n` rows, row-major, as two device arrays.
+fn interaction_pairs(
+    dev: &Arc<CudaDevice>,
+    n: usize,
+) -> Result<(DeviceBuffer<i32>, DeviceBuffer<i32>)> {
+    let (mut pi, mut pj) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        for j in i + 1..n {
+            pi.push(i as i32);
+            pj.push(j as i32);
+        }
+    }
+    Ok((dev.htod(&pi)?, dev.htod(&pj)?))
+}
+
+/// DLRM's dot interaction (values only): `dense [B, D]`, `sparse [B, F, D]` →
+/// `[B, D + F(F+1)/2]`.
+pub(crate) fn dot_interaction_f32(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
+    const OP: &str = "dot_interaction";
+    expect_f32(OP, dense)?;
+    expect_f32(OP, sparse)?;
+    same_device(OP, dense, sparse)?;
+    let (b, d, f) = (dense.shape()[0], dense.shape()[1], sparse.shape()[1]);
+    let p = (f + 1) * f / 2;
+    let (dense, sparse) = (contiguous(dense)?, contiguous(sparse)?);
+    let (dev, pd) = raw(&dense)?;
+    let (_, ps) = raw(&sparse)?;
+    let out = empty(&dev, DType::F32, &[b, d + p])?;
+    if b == 0 {
+        return Ok(out);
+    }
+    let (pair_i, pair_j) = interaction_pairs(&dev, f + 1)?;
+    let mut args = KernelArgs::new();
+    args.pointer(pd)
+        .pointer(ps)
+        .i32(f as i32)
+        .i32(d as i32)
+        .buffer(&pair_i)
+        .buffer(&pair_j)
+        .i32(p as i32)
+        .pointer(raw(&out)?.1);
+    let config = LaunchConfig {
+        grid: (b as u32, 1, 1),
+        block: (128, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: contiguous [B, D] and [B, F, D] inputs, [B, D + P] output, P pairs.
+    unsafe { dev.launch("dot_interaction_f32", config, &mut args)? };
+    Ok(out)
+}
+
+/// Gradients of [`dot_interaction_f32`] in `dense` and `sparse` from the output's gradient.
+pub(crate) fn dot_interaction_backward_f32(
+    dense: &Tensor,
+    sparse: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "dot_interaction";
+    expect_f32(OP, grad)?;
+    same_device(OP, dense, grad)?;
+    let (b, d, f) = (dense.shape()[0], dense.shape()[1], sparse.shape()[1]);
+    let (dense, sparse, grad) = (contiguous(dense)?, contiguous(sparse)?, contiguous(grad)?);
+    let (dev, pd) = raw(&dense)?;
+    let gd = empty(&dev, DType::F32, &[b, d])?;
+    let gs = empty(&dev, DType::F32, &[b, f, d])?;
+    if b == 0 {
+        return Ok((gd, gs));
+    }
+    let mut args = KernelArgs::new();
+    args.pointer(pd)
+        .pointer(raw(&sparse)?.1)
+        .i32(f as i32)
+        .i32(d as i32)
+        .pointer(raw(&grad)?.1)
+        .pointer(raw(&gd)?.1)
+        .pointer(raw(&gs)?.1);
+    let config = LaunchConfig {
+        grid: (b as u32, 1, 1),
+        block: (128, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: contiguous inputs as in the forward, gradient [B, D + P], outputs [B, D] and
+    // [B, F, D].
+    unsafe { dev.launch("dot_interaction_backward_f32", config, &mut args)? };
+    Ok((gd, gs))
+}
+
+/// Overwrites the values of `dst` (a contiguous CUDA tensor) with those of `src` (same shape,
+/// any device, cast to `dst`'s dtype).
+pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if !dst.is_contiguous() {
+        return Err(Error::invalid(
+            "copy_from",
+            "the destination on a CUDA device must be contiguous",
+        ));
+    }
+    let host = move_values(src, Device::Cpu)?
+        .cast_values(dst.dtype())?
+        .contiguous_values()?;
+    let (dev, ptr) = view_ptr(dst)?;
+    let guard = host.storage_read();
+    let cpu = guard.cpu("copy_from")?;
+    dev.copy_from_host(ptr, cpu_bytes(cpu))
+}
+
+/// Concatenation along `dim` of same-device CUDA tensors (shapes checked by the caller) into a
+/// new contiguous tensor of `shape`: each part is written into its slice of the output.
+pub(crate) fn cat(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
+    let first = &parts[0];
+    let (dev, _) = raw(first)?;
+    let out = empty(&dev, first.dtype(), shape)?;
+    let (_, base) = raw(&out)?;
+    let strides = out.layout().strides().to_vec();
+    let kernel = match first.dtype().size_in_bytes() {
+        1 => "scatter_b1",
+        2 => "scatter_b2",
+        4 => "scatter_b4",
+        _ => "scatter_b8",
+    };
+    let mut start = 0;
+    for p in parts {
+        same_device("cat", first, p)?;
+        let n = p.numel();
+        if n > 0 {
+            let src = contiguous(p)?;
+            let (_, ps) = raw(&src)?;
+            let m = meta(&dev, p.shape(), &[(&strides, start * strides[dim])])?;
+            let mut args = KernelArgs::new();
+            args.pointer(ps).pointer(base).i64(n as i64).buffer(&m);
+            // SAFETY: the part's slice of the output (its shape at offset `start` along `dim`,
+            // the output's strides) lies inside the output; the source holds n elements.
+            unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
+        }
+        start += p.shape()[dim];
+    }
+    Ok(out)
+}
+
+/// A contiguous f32 tensor of `shape` over a device buffer holding exactly its values.
+pub(crate) fn from_buffer_f32(buffer: DeviceBuffer<f32>, shape: &[usize]) -> Result<Tensor> {
+    let len: usize = shape.iter().product();
+    if buffer.len() != len {
+        return Err(Error::invalid(
+            "cuda",
+            format!("a buffer of {} values for shape {shape:?}", buffer.len()),
+        ));
+    }
+    let buffer = buffer.into_bytes();
+    Ok(Tensor::from_cuda(
+        CudaStorage {
+            buffer,
+            dtype: DType::F32,
+            len,
+        },
+        shape,
+    ))
+}
+
+/// Device address and length of a contiguous f32 CUDA tensor's values.
+pub(crate) fn f32_address(t: &Tensor) -> Result<(u64, usize)> {
+    expect_f32("cuda", t)?;
+    if !t.is_contiguous() {
+        return Err(Error::invalid("cuda", "the tensor must be contiguous"));
+    }
+    Ok((view_ptr(t)?.1, t.numel()))
+}

@@ -2,8 +2,8 @@
 
 use std::fmt;
 
-/// A compute device. Only the CPU exists today; CUDA devices slot in here without changing call
-/// sites (every constructor takes a `Device`, every op checks its operands agree).
+/// A compute device: the CPU or a CUDA GPU (every constructor takes a `Device`, every op checks
+/// its operands agree).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     /// Host memory, computed with rayon-parallel kernels.
@@ -33,6 +33,28 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => write!(f, "cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = crate::Error;
+
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> crate::Result<Device> {
+        let bad = || {
+            crate::Error::invalid(
+                "Device",
+                format!("`{s}` is not a device (expected cpu, cuda or cuda:N)"),
+            )
+        };
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => {
+                let n = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                Ok(Device::Cuda(n.parse().map_err(|_| bad())?))
+            }
         }
     }
 }

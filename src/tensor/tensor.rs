@@ -354,11 +354,50 @@ impl Tensor {
         })
     }
 
+    /// Moves this leaf's values to `device` in place: every handle on it (a module's parameter,
+    /// an optimizer's list of parameters) then lives on `device`. Its gradient is cleared. Only
+    /// for contiguous leaves that are their storage's only view (parameters, buffers).
+    pub fn move_to_device(&self, device: Device) -> Result<()> {
+        if self.device() == device {
+            return Ok(());
+        }
+        let whole = {
+            let g = self.storage_read();
+            let len = match &*g {
+                Storage::Cpu(c) => c.len(),
+                Storage::Cuda(c) => c.len,
+            };
+            len == self.numel() && self.0.layout.offset() == 0
+        };
+        if !self.is_leaf() || !self.is_contiguous() || !whole {
+            return Err(Error::invalid(
+                "move_to_device",
+                format!(
+                    "only a contiguous leaf owning its whole storage moves in place (shape {:?}); \
+                     use to_device for a moved copy",
+                    self.shape()
+                ),
+            ));
+        }
+        let moved = super::cuda::move_values(self, device)?;
+        let storage = std::mem::replace(
+            &mut *moved.0.storage.write(),
+            Storage::Cpu(CpuStorage::zeros(self.dtype(), 0)),
+        );
+        *self.0.storage.write() = storage;
+        self.zero_grad();
+        Ok(())
+    }
+
     /// Copies `src`'s values into this tensor in place (same shape; cast to this dtype).
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::shape("copy_from", self.shape(), src.shape()));
         }
+        if self.device().is_cuda() {
+            return super::cuda::copy_into(self, src);
+        }
+        let src = super::cuda::move_values(src, Device::Cpu)?;
         let src = src.cast_values(self.dtype())?.contiguous_values()?;
         let guard = src.storage_read();
         let cpu = guard.cpu("copy_from")?;

@@ -23,7 +23,7 @@ use crate::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
 use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::ops::loss::Reduction;
 use crate::tensor::rng::seeded;
-use crate::{no_grad, DType, Error, Result, Tensor};
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
 const OP: &str = "DlrmTrainer";
 const FORMAT: &str = "embers.dlrm-trainer.v1";
@@ -201,6 +201,8 @@ pub struct DlrmConfig {
     pub seed: u64,
     /// Samples in the training metrics' sliding window.
     pub metrics_window: usize,
+    /// Where the model trains (`Device::Cuda(n)`: dense half and tables on that GPU).
+    pub device: Device,
 }
 
 impl DlrmConfig {
@@ -246,8 +248,10 @@ impl DlrmConfig {
                 &mut rng,
             )?,
         };
-        let optimizer = self.dense_optimizer.build(dense.parameters())?;
-        DlrmTrainer::new(Dlrm::new(ebc, dense)?, optimizer, self.metrics_window)
+        let mut model = Dlrm::new(ebc, dense)?;
+        model.to_device(self.device)?;
+        let optimizer = self.dense_optimizer.build(model.dense.parameters())?;
+        DlrmTrainer::new(model, optimizer, self.metrics_window)
     }
 }
 
@@ -344,7 +348,8 @@ impl DlrmTrainer {
             .model
             .forward(&batch.dense, &batch.sparse)?
             .reshape(&[b])?;
-        let loss = logits.bce_with_logits(&batch.labels, None, Reduction::Mean)?;
+        let labels = batch.labels.to_device(self.model.device())?;
+        let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let loss_value = loss.item()?;
         if !loss_value.is_finite() {
             return Err(Error::invalid(
@@ -440,6 +445,7 @@ impl DlrmTrainer {
         for (name, t) in self.optimizer.state_dict()? {
             w.add_tensor(format!("optim.{name}"), &t)?;
         }
+        self.model.sync_tables_to_host()?;
         self.model.sparse_arch.checkpoint_into(&mut w, "tables.")?;
         for (name, values) in self.metrics.state_dict() {
             w.add(format!("metrics.{name}"), &[values.len()], &values)?;
@@ -506,6 +512,7 @@ impl DlrmTrainer {
             p.copy_from(&new)?;
         }
         tables.apply(&self.model.sparse_arch.tbes())?;
+        self.model.sync_tables_to_device()?;
         self.metrics = metrics;
         self.step = step;
         self.examples = examples;

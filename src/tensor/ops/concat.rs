@@ -75,6 +75,20 @@ impl Tensor {
             shape[d] += t.shape()[d];
         }
         let parts: Vec<Tensor> = tensors.iter().map(|t| t.detach()).collect();
+        if first.device().is_cuda() {
+            let out = crate::tensor::cuda::cat(&parts, d, &shape)?;
+            if !first.dtype().is_float() {
+                return Ok(out);
+            }
+            return Ok(record_op(
+                out,
+                tensors,
+                CatBackward {
+                    dim: d,
+                    sizes: tensors.iter().map(|t| t.shape()[d]).collect(),
+                },
+            ));
+        }
         let storage = {
             let guard = first.storage_read();
             let probe = guard.cpu("cat")?;

@@ -1,0 +1,211 @@
+//! [`CudaEmbeddingBagCollection`]: an [`EmbeddingBagCollection`]'s tables on a CUDA device,
+//! looked up into device tensors that take part in autograd; the backward runs the fused
+//! optimizer on the device ([`CudaTbe::backward`]).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{CudaDevice, CudaTbe};
+use crate::embedding::{EmbeddingBagCollection, FusedOptimizer, WeightDecay};
+use crate::sparse::{KeyedJaggedTensor, KeyedTensor};
+use crate::tensor::autograd::{record_op_with_state, BackwardOp, Gradient};
+use crate::{DType, Device, Error, Result, Tensor};
+
+const OP: &str = "CudaEmbeddingBagCollection";
+
+/// One pooling group: its tables on the device and the features it serves, in order.
+struct Group {
+    tbe: Arc<Mutex<CudaTbe>>,
+    features: Vec<String>,
+}
+
+/// The tables of an [`EmbeddingBagCollection`] on a CUDA device (TorchRec's EBC moved to
+/// `cuda`): same features, pooling and fused optimizer (SGD or row-wise Adagrad; the tables'
+/// values and row-wise accumulators are copied over). [`forward`](Self::forward) takes the KJT
+/// from host memory, checks it there, and returns pooled embeddings on the device;
+/// `backward` on anything computed from them updates the tables in place.
+pub struct CudaEmbeddingBagCollection {
+    groups: Vec<Group>,
+    output_keys: Vec<String>,
+    output_dims: Vec<usize>,
+    device: Arc<CudaDevice>,
+}
+
+impl std::fmt::Debug for CudaEmbeddingBagCollection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEmbeddingBagCollection")
+            .field("device", &self.device.name())
+            .field("output_keys", &self.output_keys)
+            .finish()
+    }
+}
+
+impl CudaEmbeddingBagCollection {
+    /// A copy of `ebc`'s tables and optimizer state on CUDA device `device`.
+    pub fn new(ebc: &EmbeddingBagCollection, device: Device) -> Result<Self> {
+        let dev = crate::tensor::cuda::open(device)?;
+        let mut groups = Vec::new();
+        for (tbe, features) in ebc.groups() {
+            let cfg = tbe.config();
+            if !matches!(
+                cfg.optimizer,
+                FusedOptimizer::Sgd { .. } | FusedOptimizer::RowWiseAdagrad { .. }
+            ) {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the fused {} optimizer is not on the GPU yet (SGD and row-wise Adagrad are)",
+                        cfg.optimizer.name()
+                    ),
+                ));
+            }
+            if cfg.weight_decay != WeightDecay::None {
+                return Err(Error::invalid(
+                    OP,
+                    "weight decay of the fused optimizer is not on the GPU yet",
+                ));
+            }
+            groups.push(Group {
+                tbe: Arc::new(Mutex::new(CudaTbe::from_trained(tbe, dev.clone())?)),
+                features: features.to_vec(),
+            });
+        }
+        let (keys, dims) = ebc.output_keys_and_dims();
+        Ok(CudaEmbeddingBagCollection {
+            groups,
+            output_keys: keys.to_vec(),
+            output_dims: dims.to_vec(),
+            device: dev,
+        })
+    }
+
+    /// The device the tables live on.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Output keys and the pooled width of each (as the source collection's).
+    pub fn output_keys_and_dims(&self) -> (&[String], &[usize]) {
+        (&self.output_keys, &self.output_dims)
+    }
+
+    /// Pooled embeddings of every feature on the device: keys in config order, values
+    /// `[B, Σ dims]`, differentiable (the backward updates the tables). Per-sample weights of
+    /// the KJT scale the rows but get no gradient here.
+    pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
+        if kjt.weights().is_some_and(Tensor::requires_grad) {
+            return Err(Error::invalid(
+                OP,
+                "gradients of per-sample weights are not computed on the GPU yet",
+            ));
+        }
+        let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
+        for g in &self.groups {
+            let (ids, offsets, weights) =
+                crate::embedding::tbe_input_from_kjt(OP, kjt, &g.features)?;
+            let ids = host_i64(&ids)?;
+            let offsets = host_i64(&offsets)?;
+            let weights = weights
+                .map(|w| w.to_dtype(DType::F32)?.to_vec::<f32>())
+                .transpose()?;
+            let tbe = g.tbe.lock();
+            let batch = tbe.check_host_lookup(&ids, &offsets, weights.as_deref())?;
+            let d_ids = self.device.htod(&ids)?;
+            let d_offsets = self.device.htod(&offsets)?;
+            let d_weights = weights.map(|w| self.device.htod(&w)).transpose()?;
+            let mut out = self.device.alloc::<f32>(batch * tbe.out_stride())?;
+            tbe.forward(&d_ids, &d_offsets, d_weights.as_ref(), batch, &mut out)?;
+            let values = crate::tensor::cuda::from_buffer_f32(out, &[batch, tbe.out_stride()])?;
+            drop(tbe);
+            let values = record_op_with_state(
+                values,
+                &[],
+                LookupBackward {
+                    tbe: g.tbe.clone(),
+                    ids: d_ids,
+                    offsets: d_offsets,
+                    weights: d_weights,
+                    batch,
+                },
+            );
+            outputs.push((&g.features, values));
+        }
+        crate::embedding::assemble_pooled(&self.output_keys, &self.output_dims, outputs)
+    }
+
+    /// Copies the device tables and their optimizer state back into `ebc` (the collection
+    /// this one was made from), e.g. before a checkpoint or a CPU evaluation.
+    pub fn copy_to(&self, ebc: &EmbeddingBagCollection) -> Result<()> {
+        let host = ebc.groups();
+        if host.len() != self.groups.len() {
+            return Err(Error::invalid(
+                OP,
+                "the collection does not have this one's tables",
+            ));
+        }
+        for ((tbe, features), g) in host.into_iter().zip(&self.groups) {
+            if features != g.features.as_slice() {
+                return Err(Error::invalid(
+                    OP,
+                    "the collection does not have this one's tables",
+                ));
+            }
+            let gpu = g.tbe.lock();
+            for t in 0..tbe.config().tables.len() {
+                let (w, m) = gpu.table_state(t)?;
+                tbe.set_table_weights(t, &w)?;
+                if !m.is_empty() {
+                    tbe.set_optimizer_state(0, t, &m)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The host copy of an id or offset tensor as i64.
+fn host_i64(t: &Tensor) -> Result<Vec<i64>> {
+    match t.dtype() {
+        DType::I32 => Ok(t.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
+        DType::I64 => t.to_vec::<i64>(),
+        other => Err(Error::UnsupportedDType {
+            op: OP,
+            dtype: other,
+            expected: "i32 or i64 ids and offsets",
+        }),
+    }
+}
+
+/// Autograd node of one group's lookup: the fused update with the output's gradient.
+struct LookupBackward {
+    tbe: Arc<Mutex<CudaTbe>>,
+    ids: super::DeviceBuffer<i64>,
+    offsets: super::DeviceBuffer<i64>,
+    weights: Option<super::DeviceBuffer<f32>>,
+    batch: usize,
+}
+
+impl BackwardOp for LookupBackward {
+    fn name(&self) -> &'static str {
+        "cuda_embedding_bag_collection"
+    }
+
+    fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let grad = crate::tensor::cuda::contiguous(grad_output)?;
+        let (ptr, len) = crate::tensor::cuda::f32_address(&grad)?;
+        // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
+        // (the launches are queued on the device's one stream before `grad` can be freed).
+        unsafe {
+            self.tbe.lock().backward_raw(
+                &self.ids,
+                &self.offsets,
+                self.weights.as_ref(),
+                ptr,
+                len,
+                self.batch,
+            )?;
+        }
+        Ok(Vec::new())
+    }
+}

@@ -1,0 +1,415 @@
+//! The model-level CUDA paths against the CPU: dense optimizers, BCE with logits, cat, DLRM's
+//! dot interaction, parameter moves, the embedding-bag collection on the device (forward and
+//! fused backward) and whole DLRM training steps. Runs on GPU 0 when the machine has one, else
+//! on the host emulation (skipped with the reason printed only when no C++ compiler exists,
+//! and CI makes that an error).
+
+use embers::cuda::{self, CudaEmbeddingBagCollection};
+use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode};
+use embers::models::interaction::dot_interaction;
+use embers::nn::Module;
+use embers::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
+use embers::sparse::KeyedJaggedTensor;
+use embers::tensor::ops::loss::Reduction;
+use embers::tensor::rng::seeded;
+use embers::train::{Batch, DenseOptimizer, DlrmConfig};
+use embers::{DType, Device, Tensor};
+
+/// The CUDA device under test, or `None` (reason printed).
+fn device() -> Option<Device> {
+    let gpu = cuda::emulated_devices() == 0 && cuda::device_count().is_ok_and(|n| n > 0);
+    if !gpu {
+        if let Err(e) = cuda::simulated_device(0) {
+            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
+            println!("skipped: no GPU and no host emulation: {e}");
+            return None;
+        }
+        cuda::use_emulation(1);
+    }
+    let d = Device::cuda(0).expect("device 0 opens");
+    println!("on {}", cuda::device(0).unwrap().name());
+    Some(d)
+}
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::randn(shape, 0.0, 1.0, DType::F32, &mut seeded(seed))
+}
+
+/// Element-wise agreement within `rel` of the magnitude (absolute below 1), compared on the
+/// host whatever the devices.
+fn assert_close(what: &str, got: &Tensor, expected: &Tensor, rel: f64) {
+    assert_eq!(got.shape(), expected.shape(), "{what}: shapes");
+    let (g, e) = (got.to_vec_f64().unwrap(), expected.to_vec_f64().unwrap());
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        assert!(
+            (a - b).abs() <= rel * b.abs().max(1.0),
+            "{what} element {i}: CUDA {a} vs CPU {b}"
+        );
+    }
+}
+
+/// Gives `p` (a leaf) the gradient `g` through autograd: `sum(p ⊙ g)`.
+fn set_grad(p: &Tensor, g: &Tensor) {
+    p.mul(g).unwrap().sum_all().unwrap().backward().unwrap();
+}
+
+#[test]
+fn dense_optimizers_step_as_on_the_cpu() {
+    let Some(dev) = device() else { return };
+    type Build = Box<dyn Fn(Vec<Tensor>) -> Box<dyn Optimizer>>;
+    let builds: Vec<(&str, Build)> = vec![
+        (
+            "sgd",
+            Box::new(|p| Box::new(Sgd::new(p, 0.1).unwrap()) as Box<dyn Optimizer>),
+        ),
+        (
+            "sgd nesterov momentum weight decay",
+            Box::new(|p| {
+                Box::new(
+                    Sgd::new(p, 0.1)
+                        .unwrap()
+                        .momentum(0.9)
+                        .weight_decay(0.01)
+                        .nesterov(true),
+                )
+            }),
+        ),
+        (
+            "adagrad",
+            Box::new(|p| Box::new(Adagrad::new(p, 0.05, 0.1).unwrap())),
+        ),
+        (
+            "adam amsgrad l2",
+            Box::new(|p| {
+                let c = AdamConfig {
+                    lr: 0.01,
+                    weight_decay: 0.1,
+                    amsgrad: true,
+                    ..Default::default()
+                };
+                Box::new(Adam::new(p, c).unwrap())
+            }),
+        ),
+        (
+            "adamw",
+            Box::new(|p| {
+                let c = AdamConfig {
+                    lr: 0.01,
+                    weight_decay: 0.1,
+                    decoupled_weight_decay: true,
+                    ..Default::default()
+                };
+                Box::new(Adam::new(p, c).unwrap())
+            }),
+        ),
+    ];
+    for (name, build) in builds {
+        let init = randn(&[7, 5], 1);
+        let cpu_p = init.detach().with_requires_grad(true);
+        let gpu_p = init.to_device(dev).unwrap().with_requires_grad(true);
+        let mut cpu_opt = build(vec![cpu_p.clone()]);
+        let mut gpu_opt = build(vec![gpu_p.clone()]);
+        for step in 0..3 {
+            let g = randn(&[7, 5], 10 + step);
+            cpu_opt.zero_grad();
+            gpu_opt.zero_grad();
+            set_grad(&cpu_p, &g);
+            set_grad(&gpu_p, &g.to_device(dev).unwrap());
+            cpu_opt.step().unwrap();
+            gpu_opt.step().unwrap();
+            assert_eq!(gpu_p.device(), dev);
+            assert_close(&format!("{name} step {step}"), &gpu_p, &cpu_p, 1e-5);
+        }
+        // State dicts come back to the host and load onto the device again.
+        let (sc, sg) = (cpu_opt.state_dict().unwrap(), gpu_opt.state_dict().unwrap());
+        assert_eq!(sc.len(), sg.len(), "{name}: state entries");
+        for ((nc, tc), (ng, tg)) in sc.iter().zip(&sg) {
+            assert_eq!(nc, ng);
+            assert_close(&format!("{name} state {nc}"), tg, tc, 1e-5);
+        }
+        gpu_opt.load_state_dict(&sc).unwrap();
+        let g = randn(&[7, 5], 99);
+        set_grad(&cpu_p, &g);
+        set_grad(&gpu_p, &g.to_device(dev).unwrap());
+        cpu_opt.step().unwrap();
+        gpu_opt.step().unwrap();
+        assert_close(
+            &format!("{name} after a state reload"),
+            &gpu_p,
+            &cpu_p,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn bce_cat_and_dot_interaction_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    // BCE with logits, large logits included, and its gradient.
+    let x = randn(&[33], 2).mul_scalar(8.0).unwrap();
+    let y = Tensor::rand_uniform(&[33], 0.0, 1.0, DType::F32, &mut seeded(3));
+    let xc = x.detach().with_requires_grad(true);
+    let xg = x.to_device(dev).unwrap().with_requires_grad(true);
+    let lc = xc.bce_with_logits(&y, None, Reduction::Mean).unwrap();
+    let lg = (xg.bce_with_logits(&y.to_device(dev).unwrap(), None, Reduction::Mean)).unwrap();
+    assert_eq!(lg.device(), dev);
+    assert_close("bce", &lg, &lc, 1e-5);
+    lc.backward().unwrap();
+    lg.backward().unwrap();
+    assert_close("bce grad", &xg.grad().unwrap(), &xc.grad().unwrap(), 1e-5);
+
+    // cat of views (a transposed one included) along both dims, for f32 and i64.
+    let a = randn(&[4, 3], 4);
+    let b = randn(&[3, 4], 5).t().unwrap();
+    let (ad, bd) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+    for dim in [0, 1] {
+        let got = Tensor::cat(&[&ad, &bd, &ad], dim).unwrap();
+        let want = Tensor::cat(&[&a, &b, &a], dim).unwrap();
+        assert_eq!(got.device(), dev);
+        assert_close(&format!("cat dim {dim}"), &got, &want, 0.0);
+    }
+    let ints = Tensor::from_vec((0..12i64).collect(), &[3, 4]).unwrap();
+    let got = Tensor::cat(
+        &[
+            &ints.to_device(dev).unwrap(),
+            &ints.narrow(1, 1, 2).unwrap().to_device(dev).unwrap(),
+        ],
+        1,
+    );
+    let want = Tensor::cat(&[&ints, &ints.narrow(1, 1, 2).unwrap()], 1).unwrap();
+    assert_eq!(
+        got.unwrap().to_vec::<i64>().unwrap(),
+        want.to_vec::<i64>().unwrap()
+    );
+
+    // Dot interaction and its gradients (through cat's backward on the way, too).
+    let (bsz, f, d) = (5, 4, 12);
+    let dense = randn(&[bsz, d], 6);
+    let sparse = randn(&[bsz, f, d], 7);
+    let (dc, sc) = (
+        dense.with_requires_grad(true),
+        sparse.with_requires_grad(true),
+    );
+    let dg = dense.to_device(dev).unwrap().with_requires_grad(true);
+    let sg = sparse.to_device(dev).unwrap().with_requires_grad(true);
+    let oc = dot_interaction(&dc, &sc).unwrap();
+    let og = dot_interaction(&dg, &sg).unwrap();
+    assert_eq!(og.device(), dev);
+    assert_close("dot interaction", &og, &oc, 1e-5);
+    let w = randn(oc.shape(), 8);
+    set_grad(&oc, &w);
+    set_grad(&og, &w.to_device(dev).unwrap());
+    assert_close(
+        "dot interaction dense grad",
+        &dg.grad().unwrap(),
+        &dc.grad().unwrap(),
+        1e-5,
+    );
+    assert_close(
+        "dot interaction sparse grad",
+        &sg.grad().unwrap(),
+        &sc.grad().unwrap(),
+        1e-5,
+    );
+}
+
+#[test]
+fn parameters_move_in_place_and_copy_back() {
+    let Some(dev) = device() else { return };
+    let p = randn(&[3, 4], 9).with_requires_grad(true);
+    let handle = p.clone();
+    let before = p.to_vec::<f32>().unwrap();
+    p.move_to_device(dev).unwrap();
+    assert_eq!(handle.device(), dev, "every handle follows the move");
+    assert_eq!(handle.to_vec::<f32>().unwrap(), before);
+    let new = randn(&[3, 4], 10);
+    handle.copy_from(&new).unwrap();
+    assert_eq!(p.to_vec::<f32>().unwrap(), new.to_vec::<f32>().unwrap());
+    p.move_to_device(Device::Cpu).unwrap();
+    assert_eq!(p.device(), Device::Cpu);
+    // A view is not moved in place.
+    let err = randn(&[4, 4], 11)
+        .narrow(0, 1, 2)
+        .unwrap()
+        .move_to_device(dev)
+        .unwrap_err();
+    assert!(err.to_string().contains("in place"), "{err}");
+}
+
+/// Two sum-pooled tables (one read by two features) and a mean-pooled one.
+fn ebc(optimizer: FusedOptimizer) -> EmbeddingBagCollection {
+    let configs = vec![
+        EmbeddingBagConfig::new("a", 50, 8, &["f0", "f1"]),
+        EmbeddingBagConfig::new("b", 20, 8, &["f2"]).with_pooling(PoolingMode::Mean),
+        EmbeddingBagConfig::new("c", 30, 8, &["f3"]),
+    ];
+    EmbeddingBagCollection::new(configs, optimizer, &mut seeded(12)).unwrap()
+}
+
+fn kjt(seed: u64, batch: usize, rows: &[i64]) -> KeyedJaggedTensor {
+    use rand::Rng;
+    let mut rng = seeded(seed);
+    let (mut values, mut lengths) = (Vec::new(), Vec::new());
+    for &r in rows {
+        for _ in 0..batch {
+            let n = rng.random_range(0..4);
+            lengths.push(n as i64);
+            for _ in 0..n {
+                values.push(rng.random_range(0..r));
+            }
+        }
+    }
+    let n = values.len();
+    KeyedJaggedTensor::from_lengths(
+        // Keys in another order than the tables': the collection picks its features.
+        vec!["f3".into(), "f0".into(), "f1".into(), "f2".into()],
+        Tensor::from_vec(values, &[n]).unwrap(),
+        Tensor::from_vec(lengths, &[rows.len() * batch]).unwrap(),
+        None,
+        Some(batch),
+    )
+    .unwrap()
+}
+
+#[test]
+fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
+    let Some(dev) = device() else { return };
+    for optimizer in [
+        FusedOptimizer::Sgd { lr: 0.1 },
+        FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+    ] {
+        let cpu = ebc(optimizer);
+        let host_copy = ebc(optimizer);
+        let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+        for step in 0..2 {
+            let input = kjt(20 + step, 6, &[30, 50, 50, 20]);
+            let oc = cpu.forward(&input).unwrap();
+            let og = gpu.forward(&input).unwrap();
+            assert_eq!(og.keys(), oc.keys());
+            assert_eq!(og.values().device(), dev);
+            let what = format!("{optimizer:?} step {step}");
+            assert_close(&format!("{what} pooled"), og.values(), oc.values(), 1e-5);
+            let w = randn(oc.values().shape(), 30 + step);
+            set_grad(oc.values(), &w);
+            set_grad(og.values(), &w.to_device(dev).unwrap());
+        }
+        gpu.copy_to(&host_copy).unwrap();
+        for t in ["a", "b", "c"] {
+            let (got, want) = (
+                host_copy.table_weights(t).unwrap(),
+                cpu.table_weights(t).unwrap(),
+            );
+            let n = got.len();
+            assert_close(
+                &format!("{optimizer:?} table {t}"),
+                &Tensor::from_vec(got, &[n]).unwrap(),
+                &Tensor::from_vec(want, &[n]).unwrap(),
+                1e-5,
+            );
+        }
+    }
+    // An out-of-range id is an error naming the feature, position and table size.
+    let gpu = CudaEmbeddingBagCollection::new(&ebc(FusedOptimizer::Sgd { lr: 0.1 }), dev).unwrap();
+    let bad = KeyedJaggedTensor::from_lengths(
+        vec!["f3".into(), "f0".into(), "f1".into(), "f2".into()],
+        Tensor::from_vec(vec![0i64, 1, 2, 20], &[4]).unwrap(),
+        Tensor::from_vec(vec![1i64; 4], &[4]).unwrap(),
+        None,
+        Some(1),
+    )
+    .unwrap();
+    let err = gpu.forward(&bad).unwrap_err().to_string();
+    assert!(err.contains("f2") && err.contains("20 rows"), "{err}");
+    // The fused optimizers without a device kernel are refused by name.
+    let adam = FusedOptimizer::Adam {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let err = CudaEmbeddingBagCollection::new(&ebc(adam), dev).unwrap_err();
+    assert!(err.to_string().contains("not on the GPU"), "{err}");
+}
+
+#[test]
+fn dlrm_training_steps_on_the_device_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    let features: Vec<(String, usize)> = (0..3).map(|i| (format!("s{i}"), 40)).collect();
+    let config = |device| DlrmConfig {
+        num_dense: 5,
+        sparse_features: features.clone(),
+        embedding_dim: 8,
+        dense_arch: vec![16],
+        over_arch: vec![16],
+        dcn: None,
+        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        seed: 4,
+        metrics_window: 1000,
+        device,
+    };
+    let mut cpu = config(Device::Cpu).build().unwrap();
+    let mut gpu = config(dev).build().unwrap();
+    assert_eq!(gpu.model().device(), dev);
+    let batch_size = 16;
+    for step in 0..3 {
+        use rand::Rng;
+        let mut rng = seeded(50 + step);
+        let dense = randn(&[batch_size, 5], 60 + step);
+        let labels: Vec<f32> = (0..batch_size)
+            .map(|_| f32::from(rng.random_bool(0.3)))
+            .collect();
+        let (mut values, mut lengths) = (Vec::new(), Vec::new());
+        for _ in 0..3 * batch_size {
+            let n = rng.random_range(1..3);
+            lengths.push(n);
+            values.extend((0..n).map(|_| rng.random_range(0..40i64)));
+        }
+        let n = values.len();
+        let kjt = KeyedJaggedTensor::from_lengths(
+            features.iter().map(|(f, _)| f.clone()).collect(),
+            Tensor::from_vec(values, &[n]).unwrap(),
+            Tensor::from_vec(lengths, &[3 * batch_size]).unwrap(),
+            None,
+            Some(batch_size),
+        )
+        .unwrap();
+        let batch =
+            Batch::new(dense, kjt, Tensor::from_vec(labels, &[batch_size]).unwrap()).unwrap();
+        let lc = cpu.train_step(&batch).unwrap().loss;
+        let lg = gpu.train_step(&batch).unwrap().loss;
+        assert!(
+            (lc - lg).abs() <= 1e-5 * lc.abs().max(1.0),
+            "step {step} loss: CUDA {lg} vs CPU {lc}"
+        );
+    }
+    for ((name, pc), (_, pg)) in cpu
+        .model()
+        .dense
+        .named_parameters()
+        .iter()
+        .zip(&gpu.model().dense.named_parameters())
+    {
+        assert_eq!(pg.device(), dev);
+        assert_close(&format!("dense {name}"), pg, pc, 1e-4);
+    }
+    gpu.model().sync_tables_to_host().unwrap();
+    for (f, _) in &features {
+        let t = format!("t_{f}");
+        let (got, want) = (
+            gpu.model().sparse_arch.table_weights(&t).unwrap(),
+            cpu.model().sparse_arch.table_weights(&t).unwrap(),
+        );
+        let n = got.len();
+        assert_close(
+            &format!("table {t}"),
+            &Tensor::from_vec(got, &[n]).unwrap(),
+            &Tensor::from_vec(want, &[n]).unwrap(),
+            1e-4,
+        );
+    }
+}
