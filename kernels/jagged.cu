@@ -17,7 +17,8 @@ extern "C" __global__ void jagged_to_padded_dense_f32(
     out[i] = j < len ? values[(start + j) * D + d] : padding;
 }
 
-// values[offsets[b] + j, d] = dense[b, j, d] for j < len(b); rows past max_len get 0.
+// values[offsets[b] + j, d] = dense[b, j, d] for j < len(b); rows past max_len (or past the
+// last bag) get 0.
 extern "C" __global__ void dense_to_jagged_f32(
     const float* __restrict__ dense, const i64* __restrict__ offsets, int B, int max_len,
     int D, i64 N, float* __restrict__ values) {
@@ -25,6 +26,10 @@ extern "C" __global__ void dense_to_jagged_f32(
     if (i >= N * D) return;
     i64 n = i / D;
     int d = (int)(i % D);
+    if (n >= offsets[B]) {  // rows past the last bag (total_L larger than the last offset)
+        values[i] = 0.0f;
+        return;
+    }
     // Binary search for the bag holding row n.
     int lo = 0, hi = B;
     while (hi - lo > 1) {

@@ -166,14 +166,20 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
         let on = device.name();
         assert_close(&format!("{on}: FP32 {pooling:?}"), &got, &expected);
 
-        // Quantized rows (INT8, INT4, FP8 tables) against the CPU quantized TBE.
-        let types = [WeightType::Int8, WeightType::Int4, WeightType::Fp8];
-        let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &types)?;
-        let input = TbeInput::new(&c.indices[..], &c.offsets[..]).with_weights(&c.weights);
-        let expected = q.forward(input)?.to_vec::<f32>()?;
-        let gpu_q = CudaTbe::from_quantized(&q, device.clone())?;
-        let got = gpu_q.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-        assert_close(&format!("{on}: INT8/INT4/FP8 {pooling:?}"), &got, &expected);
+        // Rows of every weight type (FBGEMM's row layouts) against the CPU quantized TBE.
+        use WeightType::*;
+        for types in [
+            [Int8, Int4, Fp8],
+            [Fp16, Bf16, Int2],
+            [Fp32, Fp8E4m3fn, Int8],
+        ] {
+            let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &types)?;
+            let input = TbeInput::new(&c.indices[..], &c.offsets[..]).with_weights(&c.weights);
+            let expected = q.forward(input)?.to_vec::<f32>()?;
+            let gpu_q = CudaTbe::from_quantized(&q, device.clone())?;
+            let got = gpu_q.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+            assert_close(&format!("{on}: {types:?} {pooling:?}"), &got, &expected);
+        }
 
         // An out-of-range id is an error naming it, not a read past the table.
         let mut bad = c.indices.clone();

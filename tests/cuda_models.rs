@@ -413,3 +413,112 @@ fn dlrm_training_steps_on_the_device_match_the_cpu() {
         );
     }
 }
+
+#[test]
+fn jagged_ops_and_row_indexing_match_the_cpu() {
+    use embers::sparse::ops::{
+        dense_to_jagged, index_select_dim0, jagged_to_padded_dense, permute_2d_sparse_data,
+    };
+    let Some(dev) = device() else { return };
+    // Jagged [N, D] ↔ padded dense, with truncation (max length 3 < the longest bag), an
+    // empty bag, and the gradients both ways.
+    let offsets = Tensor::from_vec(vec![0i64, 2, 2, 7, 8], &[5]).unwrap();
+    let values = randn(&[8, 5], 70);
+    let vc = values.with_requires_grad(true);
+    let vg = values.to_device(dev).unwrap().with_requires_grad(true);
+    let pc = jagged_to_padded_dense(&vc, &[&offsets], &[3], -1.5).unwrap();
+    let pg = jagged_to_padded_dense(&vg, &[&offsets], &[3], -1.5).unwrap();
+    assert_eq!(pg.device(), dev);
+    assert_close("jagged_to_padded_dense", &pg, &pc, 0.0);
+    let w = randn(pc.shape(), 71);
+    set_grad(&pc, &w);
+    set_grad(&pg, &w.to_device(dev).unwrap());
+    assert_close(
+        "jagged_to_padded_dense grad",
+        &vg.grad().unwrap(),
+        &vc.grad().unwrap(),
+        0.0,
+    );
+    let dense = randn(&[4, 3, 5], 72);
+    let dc = dense.with_requires_grad(true);
+    let dg = dense.to_device(dev).unwrap().with_requires_grad(true);
+    let jc = dense_to_jagged(&dc, &[&offsets], Some(10)).unwrap();
+    let jg = dense_to_jagged(&dg, &[&offsets], Some(10)).unwrap();
+    assert_close("dense_to_jagged", &jg, &jc, 0.0);
+    let w = randn(jc.shape(), 73);
+    set_grad(&jc, &w);
+    set_grad(&jg, &w.to_device(dev).unwrap());
+    assert_close(
+        "dense_to_jagged grad",
+        &dg.grad().unwrap(),
+        &dc.grad().unwrap(),
+        0.0,
+    );
+
+    // index_select_dim0 with repeated rows; the row-sparse gradient densified on the device
+    // sums the repeats (and an SGD step applies it).
+    let table = randn(&[6, 4], 74);
+    let idx = Tensor::from_vec(vec![5i64, 0, 5, 2, 5], &[5]).unwrap();
+    let tc = table.with_requires_grad(true);
+    let tg = table.to_device(dev).unwrap().with_requires_grad(true);
+    let sc = index_select_dim0(&tc, &idx).unwrap();
+    let sg = index_select_dim0(&tg, &idx).unwrap();
+    assert_close("index_select_dim0", &sg, &sc, 0.0);
+    let w = randn(sc.shape(), 75);
+    set_grad(&sc, &w);
+    set_grad(&sg, &w.to_device(dev).unwrap());
+    let (gc, gg) = (tc.gradient().unwrap(), tg.gradient().unwrap());
+    assert_close(
+        "index_select_dim0 grad",
+        &gg.to_dense().unwrap(),
+        &gc.to_dense().unwrap(),
+        1e-6,
+    );
+    let (mut oc, mut og) = (
+        Sgd::new(vec![tc.clone()], 0.5).unwrap(),
+        Sgd::new(vec![tg.clone()], 0.5).unwrap(),
+    );
+    oc.step().unwrap();
+    og.step().unwrap();
+    assert_close("sgd on a row-sparse gradient", &tg, &tc, 1e-6);
+    let ints = Tensor::from_vec((0..12i64).collect(), &[6, 2]).unwrap();
+    let got = index_select_dim0(&ints.to_device(dev).unwrap(), &idx).unwrap();
+    assert_eq!(
+        got.to_vec::<i64>().unwrap(),
+        index_select_dim0(&ints, &idx)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap()
+    );
+
+    // permute_2D_sparse_data: features reordered, one dropped, one repeated; values, weights
+    // and lengths on the device.
+    let lengths = Tensor::from_vec(vec![1i32, 2, 0, 3, 1, 1], &[3, 2]).unwrap();
+    let vals = Tensor::from_vec((0..8i64).collect(), &[8]).unwrap();
+    let wts = randn(&[8], 76);
+    let perm = Tensor::from_vec(vec![2i32, 0, 2], &[3]).unwrap();
+    let c = permute_2d_sparse_data(&perm, &lengths, &vals, Some(&wts), None).unwrap();
+    let g = permute_2d_sparse_data(
+        &perm,
+        &lengths.to_device(dev).unwrap(),
+        &vals.to_device(dev).unwrap(),
+        Some(&wts.to_device(dev).unwrap()),
+        None,
+    )
+    .unwrap();
+    assert_eq!(g.values.device(), dev);
+    assert_eq!(
+        g.values.to_vec::<i64>().unwrap(),
+        c.values.to_vec::<i64>().unwrap()
+    );
+    assert_eq!(
+        g.lengths.to_vec::<i32>().unwrap(),
+        c.lengths.to_vec::<i32>().unwrap()
+    );
+    assert_close(
+        "permuted weights",
+        g.weights.as_ref().unwrap(),
+        c.weights.as_ref().unwrap(),
+        0.0,
+    );
+}

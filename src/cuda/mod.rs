@@ -110,6 +110,17 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
         &["sgd_step_f32", "adagrad_step_f32", "adam_step_f32"],
     ),
     (
+        "index.cu",
+        include_str!("../../kernels/index.cu"),
+        &[
+            "index_select_b1",
+            "index_select_b2",
+            "index_select_b4",
+            "index_select_b8",
+            "index_add_rows_f32",
+        ],
+    ),
+    (
         "interaction.cu",
         include_str!("../../kernels/interaction.cu"),
         &["dot_interaction_f32", "dot_interaction_backward_f32"],

@@ -85,7 +85,7 @@ impl Adagrad {
         };
         self.steps[i] += 1;
         let clr = self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay);
-        if let Some(g) = super::cuda_grad("Adagrad", p, &grad)? {
+        if let Some(g) = super::cuda_grad(p, &grad)? {
             let (wd, eps) = (self.weight_decay, self.eps);
             let sums = Some(&self.sums[i]);
             return crate::tensor::cuda::optimizer_step(

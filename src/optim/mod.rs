@@ -95,22 +95,15 @@ pub(crate) fn touched<T: FloatElem>(
     }
 }
 
-/// The gradient of a parameter on a CUDA device (`None` for parameters on the CPU): dense
-/// gradients only, the device kernels update every element.
-pub(crate) fn cuda_grad(op: &'static str, p: &Tensor, grad: &Gradient) -> Result<Option<Tensor>> {
+/// The dense gradient of a parameter on a CUDA device (`None` for parameters on the CPU).
+pub(crate) fn cuda_grad(p: &Tensor, grad: &Gradient) -> Result<Option<Tensor>> {
     if !p.device().is_cuda() {
         return Ok(None);
     }
     match grad {
         Gradient::Dense(g) => Ok(Some(g.clone())),
-        Gradient::RowSparse(_) => Err(Error::invalid(
-            op,
-            format!(
-                "row-sparse gradients of parameters on {} are not supported yet (keep that \
-                 parameter on the CPU)",
-                p.device()
-            ),
-        )),
+        // The device kernels update every element: densify (on the device).
+        Gradient::RowSparse(s) => Ok(Some(s.to_dense()?)),
     }
 }
 

@@ -90,7 +90,7 @@ impl Sgd {
         if use_momentum && first {
             self.momentum_buffers[i] = Some(p.zeros_like());
         }
-        if let Some(g) = super::cuda_grad("Sgd", p, &grad)? {
+        if let Some(g) = super::cuda_grad(p, &grad)? {
             let buf = self.momentum_buffers[i].as_ref().filter(|_| use_momentum);
             let (lr, mom, damp, wd) = (self.lr, self.momentum, self.dampening, self.weight_decay);
             let nesterov = self.nesterov;

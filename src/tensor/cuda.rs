@@ -706,3 +706,161 @@ pub(crate) fn f32_address(t: &Tensor) -> Result<(u64, usize)> {
     }
     Ok((view_ptr(t)?.1, t.numel()))
 }
+
+/// Rows `rows` (checked by the caller) of a CUDA tensor, any dtype: `[rows.len(), ...]`.
+pub(crate) fn index_select(t: &Tensor, rows: &[usize], shape: &[usize]) -> Result<Tensor> {
+    let src = contiguous(t)?;
+    let (dev, ps) = raw(&src)?;
+    let out = empty(&dev, t.dtype(), shape)?;
+    let row_len: usize = t.shape()[1..].iter().product();
+    let n = rows.len() * row_len;
+    if n == 0 {
+        return Ok(out);
+    }
+    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    let d_rows = dev.htod(&rows)?;
+    let kernel = match t.dtype().size_in_bytes() {
+        1 => "index_select_b1",
+        2 => "index_select_b2",
+        4 => "index_select_b4",
+        _ => "index_select_b8",
+    };
+    let mut args = KernelArgs::new();
+    args.pointer(ps)
+        .buffer(&d_rows)
+        .i64(rows.len() as i64)
+        .i64(row_len as i64)
+        .pointer(raw(&out)?.1);
+    // SAFETY: every row number is below the source's row count (checked by the caller); the
+    // output holds rows.len() rows of row_len elements.
+    unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
+    Ok(out)
+}
+
+/// `t` with `values[i]` added to row `rows[i]` (rows checked by the caller; repeats summed in
+/// position order, deterministic), f32.
+pub(crate) fn index_add_rows_f32(t: &Tensor, rows: &[usize], values: &Tensor) -> Result<Tensor> {
+    const OP: &str = "index_add_rows";
+    expect_f32(OP, t)?;
+    expect_f32(OP, values)?;
+    same_device(OP, t, values)?;
+    // A fresh copy of `t` to add into.
+    let out = {
+        let c = contiguous(t)?;
+        let (dev, pc) = raw(&c)?;
+        let out = empty(&dev, DType::F32, t.shape())?;
+        dev.copy_on_device(raw(&out)?.1, pc, t.numel() * 4)?;
+        out
+    };
+    let row_len: usize = t.shape()[1..].iter().product();
+    if rows.is_empty() || row_len == 0 {
+        return Ok(out);
+    }
+    let mut order: Vec<i64> = (0..rows.len() as i64).collect();
+    order.sort_by_key(|&k| rows[k as usize]);
+    let (mut unique, mut starts) = (Vec::new(), Vec::new());
+    for (k, &p) in order.iter().enumerate() {
+        let r = rows[p as usize] as i64;
+        if unique.last() != Some(&r) {
+            unique.push(r);
+            starts.push(k as i64);
+        }
+    }
+    starts.push(order.len() as i64);
+    let values = contiguous(values)?;
+    let (dev, pv) = raw(&values)?;
+    let (du, ds, dord) = (dev.htod(&unique)?, dev.htod(&starts)?, dev.htod(&order)?);
+    let mut args = KernelArgs::new();
+    args.pointer(raw(&out)?.1)
+        .buffer(&du)
+        .buffer(&ds)
+        .buffer(&dord)
+        .pointer(pv)
+        .i64(unique.len() as i64)
+        .i64(row_len as i64);
+    let n = unique.len() * row_len;
+    // SAFETY: unique rows lie inside `out` (checked by the caller), `order` indexes the
+    // `values` rows, `starts` has unique.len() + 1 entries ending at order.len().
+    unsafe {
+        dev.launch(
+            "index_add_rows_f32",
+            LaunchConfig::linear(n, THREADS),
+            &mut args,
+        )?
+    };
+    Ok(out)
+}
+
+/// The rows `start .. start + len` of each range, back to back (one device copy per range).
+pub(crate) fn gather_row_ranges(
+    src: &Tensor,
+    ranges: &[(usize, usize)],
+    shape: &[usize],
+) -> Result<Tensor> {
+    let c = contiguous(src)?;
+    let (dev, ps) = raw(&c)?;
+    let out = empty(&dev, src.dtype(), shape)?;
+    let (_, po) = raw(&out)?;
+    let row_bytes = src.shape()[1..].iter().product::<usize>() * src.dtype().size_in_bytes();
+    let mut at = 0;
+    for &(start, len) in ranges {
+        if len > 0 && row_bytes > 0 {
+            dev.copy_on_device(
+                po + (at * row_bytes) as u64,
+                ps + (start * row_bytes) as u64,
+                len * row_bytes,
+            )?;
+        }
+        at += len;
+    }
+    Ok(out)
+}
+
+/// Jagged `[N, D]` f32 values with `offsets` (`[B + 1]`, checked) padded to `[B, max_len, D]`,
+/// or the reverse (`to_dense` false: `dense [B, max_len, D]` → `[total, D]`, positions past
+/// `max_len` zero).
+pub(crate) fn jagged_dense_f32(
+    src: &Tensor,
+    offsets: &[i64],
+    max_len: usize,
+    d: usize,
+    padding: f64,
+    to_dense: bool,
+    total: usize,
+) -> Result<Tensor> {
+    const OP: &str = "jagged_to_padded_dense";
+    expect_f32(OP, src)?;
+    let c = contiguous(src)?;
+    let (dev, ps) = raw(&c)?;
+    let b = offsets.len() - 1;
+    let d_offsets = dev.htod(offsets)?;
+    let mut args = KernelArgs::new();
+    let (out, n, kernel) = if to_dense {
+        let out = empty(&dev, DType::F32, &[b, max_len, d])?;
+        args.pointer(ps)
+            .buffer(&d_offsets)
+            .i32(b as i32)
+            .i32(max_len as i32)
+            .i32(d as i32)
+            .f32(padding as f32)
+            .pointer(raw(&out)?.1);
+        (out, b * max_len * d, "jagged_to_padded_dense_f32")
+    } else {
+        let out = empty(&dev, DType::F32, &[total, d])?;
+        args.pointer(ps)
+            .buffer(&d_offsets)
+            .i32(b as i32)
+            .i32(max_len as i32)
+            .i32(d as i32)
+            .i64(total as i64)
+            .pointer(raw(&out)?.1);
+        (out, total * d, "dense_to_jagged_f32")
+    };
+    if n == 0 {
+        return Ok(out);
+    }
+    // SAFETY: offsets are validated (start at 0, never decrease, end ≤ the jagged rows);
+    // shapes as in kernels/jagged.cu. The kernels take no grid-stride loop: `covering`.
+    unsafe { dev.launch(kernel, LaunchConfig::covering(n, THREADS), &mut args)? };
+    Ok(out)
+}

@@ -207,6 +207,13 @@ fn pad_tensor(
     fill: f64,
     shape: &[usize],
 ) -> Result<Tensor> {
+    if values.device().is_cuda() {
+        let (offsets, max_len) = cuda_layout(layout)?;
+        return crate::tensor::cuda::jagged_dense_f32(
+            values, offsets, max_len, row_len, fill, true, 0,
+        )?
+        .reshape(shape);
+    }
     with_any_dtype!(values.dtype(), T => {
         let fill = <T as WithDType>::from_f64(fill);
         let out = values.with_contiguous(|v: &[T]| pad(v, layout, row_len, fill))?;
@@ -221,10 +228,32 @@ fn unpad_tensor(
     rows: usize,
     shape: &[usize],
 ) -> Result<Tensor> {
+    if dense.device().is_cuda() {
+        let (offsets, max_len) = cuda_layout(layout)?;
+        return crate::tensor::cuda::jagged_dense_f32(
+            dense, offsets, max_len, row_len, 0.0, false, rows,
+        )?
+        .reshape(shape);
+    }
     with_any_dtype!(dense.dtype(), T => {
         let out = dense.with_contiguous(|v: &[T]| unpad(v, layout, row_len, rows))?;
         Tensor::from_vec(out, shape)
     })
+}
+
+/// The offsets and max length of a one-jagged-dimension layout, the only one the CUDA kernels
+/// take.
+fn cuda_layout(layout: &SlotLayout) -> Result<(&[i64], usize)> {
+    match layout {
+        SlotLayout::Single {
+            offsets,
+            max_length,
+        } => Ok((offsets, *max_length)),
+        SlotLayout::Mapped { .. } => Err(Error::invalid(
+            "jagged_to_padded_dense",
+            "on CUDA devices only one jagged dimension is supported yet (move to the CPU)",
+        )),
+    }
 }
 
 /// Backward of the padding conversions: each direction's gradient is the other direction.

@@ -104,7 +104,7 @@ mod helpers {
     pub(crate) fn read_ints(op: &'static str, what: &str, t: &Tensor) -> Result<Vec<i64>> {
         match t.dtype() {
             DType::I64 => t.to_vec::<i64>(),
-            DType::I32 => t.with_contiguous(|v: &[i32]| v.iter().map(|&x| i64::from(x)).collect()),
+            DType::I32 => Ok(t.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
             d => Err(Error::invalid(
                 op,
                 format!("{what} must be an i64 or i32 tensor, got {d:?}"),
@@ -344,6 +344,9 @@ mod helpers {
         let rows: usize = ranges.iter().map(|r| r.1).sum();
         let mut shape = src.shape().to_vec();
         shape[0] = rows;
+        if src.device().is_cuda() {
+            return crate::tensor::cuda::gather_row_ranges(src, ranges, &shape);
+        }
         with_any_dtype!(src.dtype(), T => {
             let out = src.with_contiguous(|v: &[T]| gather_ranges(v, &element_ranges))?;
             Tensor::from_vec(out, &shape)

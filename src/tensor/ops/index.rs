@@ -171,6 +171,28 @@ impl Tensor {
         }
         let rows = checked_indices("index_select", indices, self.shape()[0])?;
         let row_len: usize = self.shape()[1..].iter().product();
+        let mut shape = indices.shape().to_vec();
+        shape.extend_from_slice(&self.shape()[1..]);
+        let out = if self.device().is_cuda() {
+            super::super::cuda::index_select(self, &rows, &shape)?
+        } else {
+            self.index_select_cpu(&rows, row_len, &shape)?
+        };
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            &[self, indices],
+            IndexSelectBackward {
+                rows: rows.iter().map(|&r| r as i64).collect(),
+                num_rows: self.shape()[0],
+                values_shape: [&[rows.len()], &self.shape()[1..]].concat(),
+            },
+        ))
+    }
+
+    fn index_select_cpu(&self, rows: &[usize], row_len: usize, shape: &[usize]) -> Result<Tensor> {
         let src = self.contiguous_values()?;
         let guard = src.storage_read();
         let cpu = guard.cpu("index_select")?;
@@ -187,21 +209,7 @@ impl Tensor {
             WithDType::into_storage(out)
         });
         drop(guard);
-        let mut shape = indices.shape().to_vec();
-        shape.extend_from_slice(&self.shape()[1..]);
-        let out = Tensor::from_storage(storage, &shape)?;
-        if !self.dtype().is_float() {
-            return Ok(out);
-        }
-        Ok(record_op(
-            out,
-            &[self, indices],
-            IndexSelectBackward {
-                rows: rows.iter().map(|&r| r as i64).collect(),
-                num_rows: self.shape()[0],
-                values_shape: [&[rows.len()], &self.shape()[1..]].concat(),
-            },
-        ))
+        Tensor::from_storage(storage, shape)
     }
 
     /// `out[i, j, ...] = self[index[i, j, ...], j, ...]` (gather along dim 0). `index` has this
@@ -263,6 +271,9 @@ impl Tensor {
             });
         }
         let rows = checked_index_slice("index_add_rows", rows, self.shape()[0])?;
+        if self.device().is_cuda() {
+            return super::super::cuda::index_add_rows_f32(self, &rows, values);
+        }
         let (dst, storage) = if self.dtype().is_float() {
             float_compute("index_add_rows", self)?
         } else {
