@@ -36,10 +36,17 @@ fn trainer() -> DlrmTrainer {
         },
         seed: 0,
         metrics_window: 100 * B,
-        device: embers::Device::Cpu,
+        device: device(),
     }
     .build()
     .expect("valid config")
+}
+
+/// The device from `EMBERS_DLRM_DEVICE` (default: the CPU).
+fn device() -> embers::Device {
+    std::env::var("EMBERS_DLRM_DEVICE")
+        .map(|d| d.parse().expect("EMBERS_DLRM_DEVICE: cpu, cuda or cuda:N"))
+        .unwrap_or_default()
 }
 
 fn batches() -> Vec<Batch> {
@@ -104,7 +111,8 @@ fn main() {
     let median = times[times.len() / 2];
     println!("\n== summary");
     println!(
-        "embers DLRM cpu B={B} D={D} E={E} tables={F}: {:.0} samples/s ({:.1} ms/step, median of 30)",
+        "embers DLRM {} B={B} D={D} E={E} tables={F}: {:.0} samples/s ({:.1} ms/step, median of 30)",
+        device(),
         B as f64 / median.as_secs_f64(),
         median.as_secs_f64() * 1e3
     );

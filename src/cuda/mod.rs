@@ -1,6 +1,8 @@
 //! The CUDA backend: probing for the driver and NVRTC, opening devices, compiling the kernels of
 //! `kernels/` with NVRTC for the GPU present (cached per device), device memory from a caching
-//! allocator, kernel launches, and [`CudaTbe`].
+//! allocator, kernel launches, cuBLAS products, [`CudaTbe`] and
+//! [`CudaEmbeddingBagCollection`]. Tensors on a device (`Device::Cuda(n)`, `Tensor::to_device`)
+//! use the same launches from `src/tensor/cuda.rs`.
 //!
 //! Everything is loaded at run time (cudarc with dynamic loading), so embers builds and runs on
 //! machines with no CUDA at all. cudarc panics inside some entry points when a library is
