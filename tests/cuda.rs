@@ -220,37 +220,54 @@ fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<(
         let cpu = c.cpu_tbe(pooling, optimizer)?;
         let mut rng = embers::tensor::rng::seeded(6);
         let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
-        let n = c.indices.len();
-        let f = c.feature_table_map.len();
         // Two steps, so the second sees the first's accumulators.
         for step in 0..2 {
-            let out = cpu.forward(
-                &Tensor::from_vec(c.indices.clone(), &[n])?,
-                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-                Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
-            )?;
-            let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, &mut rng);
-            out.backward_with(&grad, false)?;
-            gpu.backward_host(
-                &c.indices,
-                &c.offsets,
-                Some(&c.weights),
-                &grad.to_vec::<f32>()?,
-            )?;
-            for t in 0..c.tables.len() {
-                let (w, m) = gpu.table_state(t)?;
-                let what = format!(
-                    "{}: {optimizer:?} {pooling:?} step {step} table {t}",
-                    device.name()
-                );
-                assert_close(&format!("{what} weights"), &w, &cpu.table_weights(t)?);
-                if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
-                    assert_close(&format!("{what} momentum"), &m, &cpu.optimizer_state(0, t)?);
-                }
-            }
+            let what = format!("{}: {optimizer:?} {pooling:?} step {step}", device.name());
+            step_both(&what, &c, &cpu, &mut gpu, optimizer, &mut rng)?;
         }
     }
     Ok(())
+}
+
+/// One training step on both TBEs: the CPU forward (compared with the GPU's) and autograd
+/// backward, the GPU's fused backward with the same output gradient; then every table and
+/// row-wise accumulator compared. Returns the CPU forward's output.
+fn step_both(
+    what: &str,
+    c: &Case,
+    cpu: &TableBatchedEmbedding,
+    gpu: &mut CudaTbe,
+    optimizer: FusedOptimizer,
+    rng: &mut embers::tensor::rng::Rng,
+) -> embers::Result<Tensor> {
+    let (n, f) = (c.indices.len(), c.feature_table_map.len());
+    let out = cpu.forward(
+        &Tensor::from_vec(c.indices.clone(), &[n])?,
+        &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
+        Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
+    )?;
+    let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+    assert_close(&format!("{what} forward"), &got, &out.to_vec::<f32>()?);
+    let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, rng);
+    out.backward_with(&grad, false)?;
+    gpu.backward_host(
+        &c.indices,
+        &c.offsets,
+        Some(&c.weights),
+        &grad.to_vec::<f32>()?,
+    )?;
+    for t in 0..c.tables.len() {
+        let (w, m) = gpu.table_state(t)?;
+        assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);
+        if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
+            assert_close(
+                &format!("{what} table {t} momentum"),
+                &m,
+                &cpu.optimizer_state(0, t)?,
+            );
+        }
+    }
+    Ok(out)
 }
 
 /// The devices to check the kernels on: GPU 0 when there is one, and the host emulation (skipped
@@ -296,7 +313,6 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
             spec.dim = 24;
         }
         let n = c.indices.len();
-        let f = c.feature_table_map.len();
         let optimizers = [
             FusedOptimizer::Sgd { lr: 0.1 },
             FusedOptimizer::RowWiseAdagrad {
@@ -310,31 +326,9 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
             assert_eq!(gpu.output_len(c.batch, n), n * 24);
             let mut rng = embers::tensor::rng::seeded(8);
             for step in 0..2 {
-                let out = cpu.forward(
-                    &Tensor::from_vec(c.indices.clone(), &[n])?,
-                    &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-                    Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
-                )?;
-                assert_eq!(out.shape(), &[n, 24]);
                 let what = format!("{}: unpooled {optimizer:?} step {step}", device.name());
-                let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-                assert_close(&format!("{what} forward"), &got, &out.to_vec::<f32>()?);
-                let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, &mut rng);
-                out.backward_with(&grad, false)?;
-                gpu.backward_host(
-                    &c.indices,
-                    &c.offsets,
-                    Some(&c.weights),
-                    &grad.to_vec::<f32>()?,
-                )?;
-                for t in 0..c.tables.len() {
-                    let (w, m) = gpu.table_state(t)?;
-                    assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);
-                    if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
-                        let m_cpu = cpu.optimizer_state(0, t)?;
-                        assert_close(&format!("{what} table {t} momentum"), &m, &m_cpu);
-                    }
-                }
+                let out = step_both(&what, &c, &cpu, &mut gpu, optimizer, &mut rng)?;
+                assert_eq!(out.shape(), &[n, 24]);
             }
         }
         // Quantized rows are pooled only on the GPU: a clear refusal.

@@ -4,27 +4,13 @@
 //! GPU 0 when the machine has one, else on the host emulation (`cuda::use_emulation`; skipped
 //! with the reason printed only when no C++ compiler exists, and CI makes that an error).
 
-use embers::cuda;
 use embers::nn::{Activation, Forward, Mlp, Module};
 use embers::tensor::rng::seeded;
 use embers::{DType, Device, Error, Tensor};
 
-/// The CUDA device under test, or `None` (reason printed).
-fn device() -> Option<Device> {
-    let gpu = cuda::emulated_devices() == 0 && cuda::device_count().is_ok_and(|n| n > 0);
-    if !gpu {
-        if let Err(e) = cuda::simulated_device(0) {
-            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
-            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
-            println!("skipped: no GPU and no host emulation: {e}");
-            return None;
-        }
-        cuda::use_emulation(1);
-    }
-    let d = Device::cuda(0).expect("device 0 opens");
-    println!("on {}", cuda::device(0).unwrap().name());
-    Some(d)
-}
+#[path = "support/cuda_device.rs"]
+mod cuda_device;
+use cuda_device::device;
 
 fn randn(shape: &[usize], seed: u64) -> Tensor {
     Tensor::randn(shape, 0.0, 1.0, DType::F32, &mut seeded(seed))
