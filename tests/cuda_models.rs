@@ -509,3 +509,14 @@ fn jagged_ops_and_row_indexing_match_the_cpu() {
         0.0,
     );
 }
+
+#[test]
+fn device_names_parse_and_bad_ones_are_named() {
+    assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+    assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+    assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+    for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1"] {
+        let err = bad.parse::<Device>().unwrap_err().to_string();
+        assert!(err.contains(&format!("`{bad}`")), "{err}");
+    }
+}
