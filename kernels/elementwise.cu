@@ -1,8 +1,5 @@
 // Element-wise f32 kernels over contiguous buffers, one thread per element (grid-stride).
 
-#define GRID_STRIDE(i, n) \
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
-
 extern "C" __global__ void fill_f32(float* out, float value, i64 n) {
     GRID_STRIDE(i, n) out[i] = value;
 }

@@ -1,9 +1,6 @@
 // Row indexing of contiguous [rows, row_len] buffers (index_select_dim0 and its gradient), the
 // GPU twins of src/tensor/ops/index.rs. Row numbers were checked on the host.
 
-#define GRID_STRIDE(i, n) \
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
-
 // out[i, :] = src[rows[i], :], by element size.
 #define INDEX_SELECT(NAME, T)                                                               \
 extern "C" __global__ void NAME(const T* __restrict__ src, const i64* __restrict__ rows,     \

@@ -8,11 +8,6 @@ __device__ __forceinline__ const float* interaction_row(const float* dense, cons
     return r == 0 ? dense + b * D : sparse + (b * F + (r - 1)) * (i64)D;
 }
 
-__device__ __forceinline__ float interaction_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // out [B, D + P]; pair_i/pair_j [P] list the triangle's (i, j), i < j, in output order.
 // blockDim.x is a multiple of 32: one warp per pair.
 extern "C" __global__ void dot_interaction_f32(const float* __restrict__ dense,
@@ -29,7 +24,7 @@ extern "C" __global__ void dot_interaction_f32(const float* __restrict__ dense,
         const float* y = interaction_row(dense, sparse, b, pair_j[p], F, D);
         float acc = 0.0f;
         for (int d = lane; d < D; d += 32) acc += x[d] * y[d];
-        acc = interaction_warp_sum(acc);
+        acc = warp_sum(acc);
         if (lane == 0) o[D + p] = acc;
     }
 }

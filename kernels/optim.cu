@@ -1,9 +1,6 @@
 // Dense-parameter optimizer steps over contiguous f32 buffers, one thread per element
 // (grid-stride), the GPU twins of src/optim (same formulas and order of operations, f32).
 
-#define GRID_STRIDE(i, n) \
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
-
 // torch.optim.SGD: d = g + wd·w; with momentum (buf nullable) buf = d on the first step, else
 // mom·buf + (1 − damp)·d, and d = d + mom·buf (Nesterov) or buf; w −= lr·d.
 extern "C" __global__ void sgd_step_f32(float* w, float* buf, const float* g, i64 n, float lr,

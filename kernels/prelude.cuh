@@ -55,3 +55,13 @@ __device__ __forceinline__ float hfp8_to_f32(u8 byte, int ebits, int bias) {
 __device__ __forceinline__ void report_bad_index(i64* first_bad, i64 position) {
     atomicMin((unsigned long long*)first_bad, (unsigned long long)position);
 }
+
+// Grid-stride loop over 0 .. n: `GRID_STRIDE(i, n) body;` (launched with LaunchConfig::linear).
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+// Sum of `v` over the 32 lanes of a (fully active) warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}

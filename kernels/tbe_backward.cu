@@ -50,11 +50,6 @@ extern "C" __global__ void bitonic_step_u64(unsigned long long* keys, i64 n, i64
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // One warp per sorted key; the warp that holds the first key of a row sums that row's
 // gradient over all its occurrences and applies the optimizer:
 //   optimizer 0: SGD             w -= lr * g

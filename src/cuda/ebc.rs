@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 
 use super::{CudaDevice, CudaTbe};
 use crate::embedding::{EmbeddingBagCollection, FusedOptimizer, WeightDecay};
+use crate::sparse::ops::read_ints;
 use crate::sparse::{KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::autograd::{record_op_with_state, BackwardOp, Gradient};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -104,8 +105,8 @@ impl CudaEmbeddingBagCollection {
         for g in &self.groups {
             let (ids, offsets, weights) =
                 crate::embedding::tbe_input_from_kjt(OP, kjt, &g.features)?;
-            let ids = host_i64(&ids)?;
-            let offsets = host_i64(&offsets)?;
+            let ids = read_ints(OP, "ids", &ids)?;
+            let offsets = read_ints(OP, "offsets", &offsets)?;
             let weights = weights
                 .map(|w| w.to_dtype(DType::F32)?.to_vec::<f32>())
                 .transpose()?;
@@ -164,19 +165,6 @@ impl CudaEmbeddingBagCollection {
     }
 }
 
-/// The host copy of an id or offset tensor as i64.
-fn host_i64(t: &Tensor) -> Result<Vec<i64>> {
-    match t.dtype() {
-        DType::I32 => Ok(t.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
-        DType::I64 => t.to_vec::<i64>(),
-        other => Err(Error::UnsupportedDType {
-            op: OP,
-            dtype: other,
-            expected: "i32 or i64 ids and offsets",
-        }),
-    }
-}
-
 /// Autograd node of one group's lookup: the fused update with the output's gradient.
 struct LookupBackward {
     tbe: Arc<Mutex<CudaTbe>>,
@@ -193,7 +181,8 @@ impl BackwardOp for LookupBackward {
 
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let grad = crate::tensor::cuda::contiguous(grad_output)?;
-        let (ptr, len) = crate::tensor::cuda::f32_address(&grad)?;
+        let ptr = crate::tensor::cuda::f32_operand(OP, "the gradient", &grad, &grad)?;
+        let len = grad.numel();
         // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
         // (the launches are queued on the device's one stream before `grad` can be freed).
         unsafe {

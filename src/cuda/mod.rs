@@ -249,6 +249,24 @@ impl std::fmt::Debug for CudaDevice {
 const STREAM: StreamId = 0;
 
 impl CudaDevice {
+    fn new(
+        ordinal: usize,
+        arch: &'static str,
+        name: String,
+        backend: Backend,
+        raw: Box<dyn RawAllocator + Send>,
+    ) -> Self {
+        CudaDevice {
+            ordinal,
+            arch,
+            name,
+            backend,
+            allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
+            blas: Mutex::new(None),
+            tf32: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.ordinal
@@ -465,6 +483,28 @@ pub fn use_emulation(n: usize) {
     EMULATED.store(n, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Opened devices by ordinal.
+type DeviceCache = OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>>;
+
+/// Device `ordinal` from `cache`, opened by `open` the first time (under the cache's lock, so
+/// it is opened once).
+fn cached(
+    cache: &'static DeviceCache,
+    ordinal: usize,
+    open: impl FnOnce() -> Result<CudaDevice>,
+) -> Result<Arc<CudaDevice>> {
+    let mut devices = cache
+        .get_or_init(Default::default)
+        .lock()
+        .expect("device cache");
+    if let Some(d) = devices.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let d = Arc::new(open()?);
+    devices.insert(ordinal, d.clone());
+    Ok(d)
+}
+
 /// Opens CUDA device `ordinal` (cached: later calls return the same device), or says why it
 /// cannot: no driver, no GPU, ordinal out of range, no NVRTC. With `EMBERS_CUDA_SIM=<n>` set,
 /// devices `0..n` are the host emulation instead ([`simulated_device`]).
@@ -479,79 +519,63 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         }
         return simulated_device(ordinal);
     }
-    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
-    let mut devices = DEVICES
-        .get_or_init(Default::default)
-        .lock()
-        .expect("device cache");
-    if let Some(d) = devices.get(&ordinal) {
-        return Ok(d.clone());
-    }
-    let count = device_count().map_err(|e| match e {
-        Error::DeviceUnavailable { reason, .. } => unavailable(ordinal, reason),
-        other => other,
-    })?;
-    if count == 0 {
-        return Err(unavailable(
+    static DEVICES: DeviceCache = OnceLock::new();
+    cached(&DEVICES, ordinal, || {
+        let count = device_count().map_err(|e| match e {
+            Error::DeviceUnavailable { reason, .. } => unavailable(ordinal, reason),
+            other => other,
+        })?;
+        if count == 0 {
+            return Err(unavailable(
+                ordinal,
+                "the CUDA driver is installed but reports no GPU",
+            ));
+        }
+        if ordinal >= count {
+            return Err(unavailable(
+                ordinal,
+                format!("only {count} GPU(s) present (ordinals 0..{count})"),
+            ));
+        }
+        if !nvrtc_present() {
+            return Err(unavailable(
+                ordinal,
+                "NVRTC not found: libnvrtc.so could not be loaded, so kernels cannot be compiled",
+            ));
+        }
+        let context = CudaContext::new(ordinal)
+            .map_err(|e| unavailable(ordinal, format!("creating a context failed: {e}")))?;
+        let (major, minor) = context
+            .compute_capability()
+            .map_err(|e| unavailable(ordinal, format!("reading the compute capability: {e}")))?;
+        let name = context.name().unwrap_or_else(|_| "unknown GPU".to_string());
+        let raw: Box<dyn RawAllocator + Send> = Box::new(DriverAllocator::new(context.clone()));
+        let backend = Backend::Driver(driver::Driver::new(context, ordinal)?);
+        Ok(CudaDevice::new(
             ordinal,
-            "the CUDA driver is installed but reports no GPU",
-        ));
-    }
-    if ordinal >= count {
-        return Err(unavailable(
-            ordinal,
-            format!("only {count} GPU(s) present (ordinals 0..{count})"),
-        ));
-    }
-    if !nvrtc_present() {
-        return Err(unavailable(
-            ordinal,
-            "NVRTC not found: libnvrtc.so could not be loaded, so kernels cannot be compiled",
-        ));
-    }
-    let context = CudaContext::new(ordinal)
-        .map_err(|e| unavailable(ordinal, format!("creating a context failed: {e}")))?;
-    let (major, minor) = context
-        .compute_capability()
-        .map_err(|e| unavailable(ordinal, format!("reading the compute capability: {e}")))?;
-    let name = context.name().unwrap_or_else(|_| "unknown GPU".to_string());
-    let raw: Box<dyn RawAllocator + Send> = Box::new(DriverAllocator::new(context.clone()));
-    let d = Arc::new(CudaDevice {
-        ordinal,
-        arch: arch_name(major, minor),
-        name,
-        backend: Backend::Driver(driver::Driver::new(context, ordinal)?),
-        allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
-        blas: Mutex::new(None),
-        tf32: std::sync::atomic::AtomicBool::new(false),
-    });
-    devices.insert(ordinal, d.clone());
-    Ok(d)
+            arch_name(major, minor),
+            name,
+            backend,
+            raw,
+        ))
+    })
 }
 
 /// Emulated CUDA device `ordinal`: the kernels compiled for the CPU by the system C++
 /// compiler (see [`sim`](self#host-emulation)); needs no GPU, driver or NVRTC. Cached like
 /// [`device`].
 pub fn simulated_device(ordinal: usize) -> Result<Arc<CudaDevice>> {
-    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
-    let mut devices = DEVICES
-        .get_or_init(Default::default)
-        .lock()
-        .expect("device cache");
-    if let Some(d) = devices.get(&ordinal) {
-        return Ok(d.clone());
-    }
-    let lib = sim::Library::get(ordinal)?;
-    let raw: Box<dyn RawAllocator + Send> = Box::new(sim::HostMemory::default());
-    let d = Arc::new(CudaDevice {
-        ordinal,
-        arch: "host",
-        name: "host emulation".to_string(),
-        backend: Backend::Sim(lib),
-        allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
-        blas: Mutex::new(None),
-        tf32: std::sync::atomic::AtomicBool::new(false),
-    });
-    devices.insert(ordinal, d.clone());
-    Ok(d)
+    static DEVICES: DeviceCache = OnceLock::new();
+    cached(&DEVICES, ordinal, || {
+        let lib = sim::Library::get(ordinal)?;
+        let raw: Box<dyn RawAllocator + Send> = Box::new(sim::HostMemory::default());
+        let name = "host emulation".to_string();
+        Ok(CudaDevice::new(
+            ordinal,
+            "host",
+            name,
+            Backend::Sim(lib),
+            raw,
+        ))
+    })
 }

@@ -687,14 +687,18 @@ impl CudaTbe {
         let offs = offsets.to_host().unwrap_or_default();
         let ids = indices.to_host().unwrap_or_default();
         let bag = offs.partition_point(|&o| o <= position).saturating_sub(1);
+        let id = ids.get(position as usize).copied().unwrap_or(-1);
+        self.out_of_range(id, position as usize, bag, batch_size)
+    }
+
+    /// The error for id `id` at `position`, in bag `bag` of a batch of `batch_size`.
+    fn out_of_range(&self, id: i64, position: usize, bag: usize, batch_size: usize) -> Error {
         let f = bag / batch_size.max(1);
         Error::invalid(
             OP,
             format!(
-                "{}: id {} at position {position} (bag {} of sample {}) is out of range for {} rows",
+                "{}: id {id} at position {position} (bag {bag} of sample {}) is out of range for {} rows",
                 self.feature_names.get(f).map_or("?", String::as_str),
-                ids.get(position as usize).copied().unwrap_or(-1),
-                bag,
                 bag % batch_size.max(1),
                 self.host_rows.get(f).copied().unwrap_or(0)
             ),
@@ -745,19 +749,11 @@ impl CudaTbe {
     ) -> Result<usize> {
         let b = self.check_host_input(indices, offsets, per_sample_weights)?;
         for (bag, w) in offsets.windows(2).enumerate() {
-            let f = bag / b.max(1);
-            let rows = self.host_rows[f];
+            let rows = self.host_rows[bag / b.max(1)];
             let (start, end) = (w[0] as usize, w[1] as usize);
             for (p, &id) in (start..end).zip(&indices[start..end]) {
                 if id < 0 || id >= rows {
-                    return Err(Error::invalid(
-                        OP,
-                        format!(
-                            "{}: id {id} at position {p} (bag {bag} of sample {}) is out of range for {rows} rows",
-                            self.feature_names[f],
-                            bag % b.max(1)
-                        ),
-                    ));
+                    return Err(self.out_of_range(id, p, bag, b));
                 }
             }
         }

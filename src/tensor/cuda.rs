@@ -74,6 +74,13 @@ fn empty(device: &Arc<CudaDevice>, dtype: DType, shape: &[usize]) -> Result<Tens
     Ok(Tensor::from_cuda(CudaStorage { buffer, dtype, len }, shape))
 }
 
+/// A new contiguous tensor of zeros on `device`.
+fn zeroed(device: &Arc<CudaDevice>, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    let out = empty(device, dtype, shape)?;
+    device.zero_bytes(raw(&out)?.1, out.numel() * dtype.size_in_bytes())?;
+    Ok(out)
+}
+
 /// The `meta` array the strided kernels take: rank, shape, then strides and offset per operand.
 fn meta(
     device: &Arc<CudaDevice>,
@@ -110,13 +117,7 @@ pub(crate) fn move_values(t: &Tensor, device: Device) -> Result<Tensor> {
             let guard = host.storage_read();
             let cpu = guard.cpu("to_device")?;
             let out = empty(&dev, t.dtype(), t.shape())?;
-            {
-                let g = out.storage_read();
-                let Storage::Cuda(s) = &*g else {
-                    unreachable!("just made on a CUDA device")
-                };
-                dev.copy_from_host(s.buffer.ptr(), cpu_bytes(cpu))?;
-            }
+            dev.copy_from_host(raw(&out)?.1, cpu_bytes(cpu))?;
             Ok(out)
         }
         (Device::Cuda(_), Device::Cpu) => {
@@ -385,16 +386,11 @@ pub(crate) fn matmul_f32(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tens
     shape.extend([m, n]);
     let (dev, pa) = raw(&ac)?;
     let (_, pb) = raw(&bc)?;
-    let out = empty(&dev, DType::F32, &shape)?;
     if k == 0 {
         // An empty inner dimension: the product is all zeros.
-        let g = out.storage_read();
-        if let Storage::Cuda(s) = &*g {
-            dev.zero_bytes(s.buffer.ptr(), s.buffer.bytes())?;
-        }
-        drop(g);
-        return Ok(out);
+        return zeroed(&dev, DType::F32, &shape);
     }
+    let out = empty(&dev, DType::F32, &shape)?;
     let (_, pc) = raw(&out)?;
     dev.gemm_f32(&cuda::Gemm {
         batch: nb,
@@ -412,15 +408,8 @@ pub(crate) fn matmul_f32(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tens
 
 /// A tensor of `shape` filled with `value` on CUDA device `device`.
 pub(crate) fn full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-    let dev = open(device)?;
-    let out = empty(&dev, dtype, shape)?;
     if value == 0.0 {
-        let g = out.storage_read();
-        if let Storage::Cuda(s) = &*g {
-            dev.zero_bytes(s.buffer.ptr(), s.buffer.bytes())?;
-        }
-        drop(g);
-        return Ok(out);
+        return zeroed(&open(device)?, dtype, shape);
     }
     // Other values: made on the host (one copy), for every dtype alike.
     let host = Tensor::full(value, shape, dtype, Device::Cpu);
@@ -461,8 +450,8 @@ impl Tensor {
     }
 }
 
-/// Address of a contiguous f32 CUDA tensor of `numel` elements on `dev` (checked).
-fn f32_operand(op: &'static str, what: &str, t: &Tensor, like: &Tensor) -> Result<u64> {
+/// Address of `t`, checked to be a contiguous f32 tensor of `like`'s device and element count.
+pub(crate) fn f32_operand(op: &'static str, what: &str, t: &Tensor, like: &Tensor) -> Result<u64> {
     expect_f32(op, t)?;
     same_device(op, like, t)?;
     if !t.is_contiguous() || t.numel() != like.numel() {
@@ -696,15 +685,6 @@ pub(crate) fn from_buffer_f32(buffer: DeviceBuffer<f32>, shape: &[usize]) -> Res
         },
         shape,
     ))
-}
-
-/// Device address and length of a contiguous f32 CUDA tensor's values.
-pub(crate) fn f32_address(t: &Tensor) -> Result<(u64, usize)> {
-    expect_f32("cuda", t)?;
-    if !t.is_contiguous() {
-        return Err(Error::invalid("cuda", "the tensor must be contiguous"));
-    }
-    Ok((view_ptr(t)?.1, t.numel()))
 }
 
 /// Rows `rows` (checked by the caller) of a CUDA tensor, any dtype: `[rows.len(), ...]`.

@@ -75,31 +75,19 @@ impl Tensor {
             shape[d] += t.shape()[d];
         }
         let parts: Vec<Tensor> = tensors.iter().map(|t| t.detach()).collect();
-        if first.device().is_cuda() {
-            let out = crate::tensor::cuda::cat(&parts, d, &shape)?;
-            if !first.dtype().is_float() {
-                return Ok(out);
-            }
-            return Ok(record_op(
-                out,
-                tensors,
-                CatBackward {
-                    dim: d,
-                    sizes: tensors.iter().map(|t| t.shape()[d]).collect(),
-                },
-            ));
-        }
-        let storage = {
+        let out = if first.device().is_cuda() {
+            crate::tensor::cuda::cat(&parts, d, &shape)?
+        } else {
             let guard = first.storage_read();
             let probe = guard.cpu("cat")?;
-            match_storage!(probe, v => {
+            let storage = match_storage!(probe, v => {
                 fn typed<T: WithDType>(_: &[T], parts: &[Tensor], d: usize, shape: &[usize]) -> Result<CpuStorage> {
                     cat_typed::<T>(parts, d, shape)
                 }
                 typed(v, &parts, d, &shape)?
-            })
+            });
+            Tensor::from_storage(storage, &shape)?
         };
-        let out = Tensor::from_storage(storage, &shape)?;
         if !first.dtype().is_float() {
             return Ok(out);
         }
