@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use super::device::same_device;
 use super::dtype::DType;
 use super::storage::{CpuStorage, Storage};
 use crate::cuda::{self, CudaDevice, DeviceBuffer, KernelArgs, LaunchConfig};
@@ -181,17 +182,6 @@ fn storage_len(t: &Tensor) -> usize {
         Storage::Cuda(s) => s.len,
         Storage::Cpu(s) => s.len(),
     }
-}
-
-fn same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.device() != b.device() {
-        return Err(Error::DeviceMismatch {
-            op,
-            lhs: a.device(),
-            rhs: b.device(),
-        });
-    }
-    Ok(())
 }
 
 /// Broadcasting `a op b` (op codes of `kernels/elementwise.cu`: add, sub, mul, div, max, min).

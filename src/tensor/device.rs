@@ -58,3 +58,19 @@ impl std::str::FromStr for Device {
         }
     }
 }
+
+/// Checks that `a` and `b` live on the same device (an error naming `op` and both otherwise).
+pub(crate) fn same_device(
+    op: &'static str,
+    a: &super::Tensor,
+    b: &super::Tensor,
+) -> crate::Result<()> {
+    if a.device() != b.device() {
+        return Err(crate::Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
+    }
+    Ok(())
+}

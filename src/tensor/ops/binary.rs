@@ -79,14 +79,7 @@ fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
             rhs: b.dtype(),
         });
     }
-    if a.device() != b.device() {
-        return Err(Error::DeviceMismatch {
-            op,
-            lhs: a.device(),
-            rhs: b.device(),
-        });
-    }
-    Ok(())
+    crate::tensor::device::same_device(op, a, b)
 }
 
 /// The elementwise arithmetic ops.
