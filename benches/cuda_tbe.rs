@@ -8,7 +8,7 @@
 //! Side by side with `torch.nn.EmbeddingBag`: `benches/peers/cuda_tbe.sh`.
 
 use embers::cuda::{self, CudaTbe};
-use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec};
+use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec, WeightDecay};
 use rand::Rng;
 
 fn main() {
@@ -53,10 +53,13 @@ fn main() {
         let ftm: Vec<usize> = (0..t).collect();
         let mut tbe = CudaTbe::zeros(&tables, &ftm, PoolingMode::Sum, device.clone())
             .unwrap()
-            .with_optimizer(FusedOptimizer::RowWiseAdagrad {
-                lr: 0.01,
-                eps: 1e-8,
-            })
+            .with_optimizer(
+                FusedOptimizer::RowWiseAdagrad {
+                    lr: 0.01,
+                    eps: 1e-8,
+                },
+                WeightDecay::None,
+            )
             .unwrap();
         let mut rng = embers::tensor::rng::seeded(0);
         let ids: Vec<i64> = (0..t * b * l)

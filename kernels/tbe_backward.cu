@@ -51,21 +51,28 @@ extern "C" __global__ void bitonic_step_u64(unsigned long long* keys, i64 n, i64
 }
 
 // One warp per sorted key; the warp that holds the first key of a row sums that row's
-// gradient over all its occurrences and applies the optimizer:
-//   optimizer 0: SGD             w -= lr * g
-//   optimizer 1: row-wise Adagrad m += mean(g^2); w -= lr / (sqrt(m) + eps) * g
+// gradient over all its occurrences and applies the optimizer (src/embedding/optimizer.rs has
+// the same rules for the CPU):
+//   optimizer 0: SGD              w -= lr * g
+//   optimizer 1: row-wise Adagrad m += mean(g^2) (m1 per row); w -= lr / (sqrt(m) + eps) * g
+//   optimizer 2: Adagrad          m += g^2 (m1 per element);  w -= lr * g / (sqrt(m) + eps)
+//   optimizer 3: lazy Adam        m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2 (m1, m2 per
+//                                 element); w -= lr * (m/c1) / (sqrt(v/c2) + eps)
+// Weight decay: decay 1 (L2) adds lambda * w to g first; decay 2 (decoupled) also subtracts
+// lr * lambda * w (w before the step).
 // grad_output is [B, out_stride]; feature f's columns start at out_offsets[f]. With mean
 // pooling each occurrence is scaled by 1 / bag length; per-sample weights (nullable) scale it.
 // Unpooled (sequence != 0): grad_output is [N, D], occurrence l's gradient is its row l.
+// Per-element state sits at the weight's own offset; per-row state at the row's number.
 extern "C" __global__ void tbe_backward_update(
     const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,
     const i64* __restrict__ offsets, int B,
     const float* __restrict__ per_sample_weights, int mean, int sequence,
     const float* __restrict__ grad_output, int out_stride, const int* __restrict__ out_offsets,
     const int* __restrict__ dims, const i64* __restrict__ table_offsets,
-    const i64* __restrict__ row_starts, const i64* __restrict__ momentum_offsets,
-    float* __restrict__ weights, float* __restrict__ momentum,
-    int optimizer, float lr, float eps) {
+    const i64* __restrict__ row_starts, float* __restrict__ weights,
+    float* __restrict__ m1, float* __restrict__ m2, int optimizer, float lr, float eps,
+    float beta1, float beta2, float correction1, float correction2, int decay, float lambda) {
     i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (s >= n) return;
     unsigned long long key = keys[s];
@@ -93,13 +100,21 @@ extern "C" __global__ void tbe_backward_update(
         }
     }
     i64 id = (i64)row - row_starts[f0];
-    float* w = weights + table_offsets[f0] + id * D;
+    i64 base = table_offsets[f0] + id * D;
+    float* w = weights + base;
+    if (decay == 1) {
+        for (int k = 0; k < MAX_PER_LANE; ++k) {
+            int d = lane + 32 * k;
+            if (d < D) g[k] += lambda * w[d];
+        }
+    }
+    float decoupled = decay == 2 ? lr * lambda : 0.0f;
     float step = lr;
     if (optimizer == 1) {
         float sq = 0.0f;
         for (int k = 0; k < MAX_PER_LANE; ++k) sq += g[k] * g[k];
         sq = warp_sum(sq);
-        float* m = momentum + momentum_offsets[f0] + id;
+        float* m = m1 + row;
         float updated = *m + sq / (float)D;
         __syncwarp();
         if (lane == 0) *m = updated;
@@ -107,6 +122,22 @@ extern "C" __global__ void tbe_backward_update(
     }
     for (int k = 0; k < MAX_PER_LANE; ++k) {
         int d = lane + 32 * k;
-        if (d < D) w[d] -= step * g[k];
+        if (d >= D) continue;
+        float wd = w[d];
+        float delta;
+        if (optimizer == 2) {
+            float m = m1[base + d] + g[k] * g[k];
+            m1[base + d] = m;
+            delta = lr * g[k] / (sqrtf(m) + eps);
+        } else if (optimizer == 3) {
+            float m = beta1 * m1[base + d] + (1.0f - beta1) * g[k];
+            float v = beta2 * m2[base + d] + (1.0f - beta2) * g[k] * g[k];
+            m1[base + d] = m;
+            m2[base + d] = v;
+            delta = lr * (m / correction1) / (sqrtf(v / correction2) + eps);
+        } else {
+            delta = step * g[k];
+        }
+        w[d] = wd - (delta + decoupled * wd);
     }
 }

@@ -6,7 +6,7 @@
 
 use embers::cuda::{self, CudaTbe, KERNELS};
 use embers::embedding::{FusedOptimizer, QuantizedTableBatchedEmbedding, TbeInput, WeightType};
-use embers::embedding::{PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig};
+use embers::embedding::{PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig, WeightDecay};
 use embers::{Device, Error, Tensor};
 
 #[test]
@@ -84,13 +84,16 @@ impl Case {
         &self,
         pooling: PoolingMode,
         optimizer: FusedOptimizer,
+        decay: WeightDecay,
     ) -> embers::Result<TableBatchedEmbedding> {
-        let cpu = TableBatchedEmbedding::new(TbeConfig::new(
+        let mut config = TbeConfig::new(
             self.tables.clone(),
             self.feature_table_map.clone(),
             pooling,
             optimizer,
-        ))?;
+        );
+        config.weight_decay = decay;
+        let cpu = TableBatchedEmbedding::new(config)?;
         let mut rng = embers::tensor::rng::seeded(5);
         for (t, spec) in self.tables.iter().enumerate() {
             let w = Tensor::randn(
@@ -151,7 +154,7 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
     let c = case();
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         // The CPU reference: an FP32 TBE with per-sample weights.
-        let cpu = c.cpu_tbe(pooling, FusedOptimizer::None)?;
+        let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
         let n = c.indices.len();
         let f = c.feature_table_map.len();
         let expected = cpu
@@ -206,26 +209,61 @@ fn tbe_fused_backward_matches_the_cpu_tbe() -> embers::Result<()> {
 
 fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()> {
     let c = case();
+    // Every fused optimizer, each with every kind of weight decay, sum and mean pooling.
     let optimizers = [
         FusedOptimizer::Sgd { lr: 0.1 },
         FusedOptimizer::RowWiseAdagrad {
             lr: 0.05,
             eps: 1e-8,
         },
+        FusedOptimizer::Adagrad {
+            lr: 0.05,
+            eps: 1e-6,
+        },
+        FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
     ];
-    for (optimizer, pooling) in optimizers
-        .into_iter()
-        .flat_map(|o| [(o, PoolingMode::Sum), (o, PoolingMode::Mean)])
-    {
-        let cpu = c.cpu_tbe(pooling, optimizer)?;
-        let mut rng = embers::tensor::rng::seeded(6);
-        let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
-        // Two steps, so the second sees the first's accumulators.
-        for step in 0..2 {
-            let what = format!("{}: {optimizer:?} {pooling:?} step {step}", device.name());
-            step_both(&what, &c, &cpu, &mut gpu, optimizer, &mut rng)?;
+    let decays = [
+        WeightDecay::None,
+        WeightDecay::L2(0.01),
+        WeightDecay::Decoupled(0.1),
+    ];
+    for (i, optimizer) in optimizers.into_iter().enumerate() {
+        for (j, decay) in decays.into_iter().enumerate() {
+            // Both poolings for the first decay, alternating for the others (emulation time).
+            let poolings: &[PoolingMode] = match j {
+                0 => &[PoolingMode::Sum, PoolingMode::Mean],
+                _ if (i + j) % 2 == 0 => &[PoolingMode::Sum],
+                _ => &[PoolingMode::Mean],
+            };
+            for &pooling in poolings {
+                let cpu = c.cpu_tbe(pooling, optimizer, decay)?;
+                let mut rng = embers::tensor::rng::seeded(6);
+                let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+                // Three steps: the later ones see the accumulators and Adam's bias correction.
+                for step in 0..3 {
+                    let what = format!(
+                        "{}: {optimizer:?} {decay:?} {pooling:?} step {step}",
+                        device.name()
+                    );
+                    step_both(&what, &c, &cpu, &mut gpu, &mut rng)?;
+                }
+                assert_eq!(gpu.step(), cpu.step(), "step count");
+            }
         }
     }
+    // A forward-only copy (no fused optimizer) refuses a backward by saying why.
+    let cpu = c.cpu_tbe(PoolingMode::Sum, FusedOptimizer::None, WeightDecay::None)?;
+    let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+    let grad = vec![0.0f32; c.batch * gpu.out_stride()];
+    let err = gpu
+        .backward_host(&c.indices, &c.offsets, None, &grad)
+        .unwrap_err();
+    assert!(err.to_string().contains("fused optimizer"), "{err}");
     Ok(())
 }
 
@@ -237,7 +275,6 @@ fn step_both(
     c: &Case,
     cpu: &TableBatchedEmbedding,
     gpu: &mut CudaTbe,
-    optimizer: FusedOptimizer,
     rng: &mut embers::tensor::rng::Rng,
 ) -> embers::Result<Tensor> {
     let (n, f) = (c.indices.len(), c.feature_table_map.len());
@@ -257,13 +294,14 @@ fn step_both(
         &grad.to_vec::<f32>()?,
     )?;
     for t in 0..c.tables.len() {
-        let (w, m) = gpu.table_state(t)?;
+        let (w, state) = gpu.table_state(t)?;
         assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);
-        if let FusedOptimizer::RowWiseAdagrad { .. } = optimizer {
+        assert_eq!(state.len(), cpu.optimizer_state_names().len(), "{what}");
+        for (i, m) in state.iter().enumerate() {
             assert_close(
-                &format!("{what} table {t} momentum"),
-                &m,
-                &cpu.optimizer_state(0, t)?,
+                &format!("{what} table {t} state {i}"),
+                m,
+                &cpu.optimizer_state(i, t)?,
             );
         }
     }
@@ -321,18 +359,18 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
             },
         ];
         for optimizer in optimizers {
-            let cpu = c.cpu_tbe(PoolingMode::None, optimizer)?;
+            let cpu = c.cpu_tbe(PoolingMode::None, optimizer, WeightDecay::None)?;
             let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
             assert_eq!(gpu.output_len(c.batch, n), n * 24);
             let mut rng = embers::tensor::rng::seeded(8);
             for step in 0..2 {
                 let what = format!("{}: unpooled {optimizer:?} step {step}", device.name());
-                let out = step_both(&what, &c, &cpu, &mut gpu, optimizer, &mut rng)?;
+                let out = step_both(&what, &c, &cpu, &mut gpu, &mut rng)?;
                 assert_eq!(out.shape(), &[n, 24]);
             }
         }
         // Quantized rows are pooled only on the GPU: a clear refusal.
-        let cpu = c.cpu_tbe(PoolingMode::None, FusedOptimizer::None)?;
+        let cpu = c.cpu_tbe(PoolingMode::None, FusedOptimizer::None, WeightDecay::None)?;
         let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &[WeightType::Int8; 3])?;
         match CudaTbe::from_quantized(&q, device.clone()) {
             Err(e) => assert!(e.to_string().contains("unpooled"), "{e}"),

@@ -5,7 +5,10 @@
 //! and CI makes that an error).
 
 use embers::cuda::CudaEmbeddingBagCollection;
-use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode};
+use embers::embedding::{
+    BoundsCheckMode, EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode,
+    WeightDecay,
+};
 use embers::models::interaction::dot_interaction;
 use embers::nn::Module;
 use embers::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
@@ -225,13 +228,20 @@ fn parameters_move_in_place_and_copy_back() {
 }
 
 /// Two sum-pooled tables (one read by two features) and a mean-pooled one.
-fn ebc(optimizer: FusedOptimizer) -> EmbeddingBagCollection {
+fn ebc(optimizer: FusedOptimizer, decay: WeightDecay) -> EmbeddingBagCollection {
     let configs = vec![
         EmbeddingBagConfig::new("a", 50, 8, &["f0", "f1"]),
         EmbeddingBagConfig::new("b", 20, 8, &["f2"]).with_pooling(PoolingMode::Mean),
         EmbeddingBagConfig::new("c", 30, 8, &["f3"]),
     ];
-    EmbeddingBagCollection::new(configs, optimizer, &mut seeded(12)).unwrap()
+    EmbeddingBagCollection::with_options(
+        configs,
+        optimizer,
+        decay,
+        BoundsCheckMode::Error,
+        &mut seeded(12),
+    )
+    .unwrap()
 }
 
 fn kjt(seed: u64, batch: usize, rows: &[i64]) -> KeyedJaggedTensor {
@@ -262,12 +272,22 @@ fn kjt(seed: u64, batch: usize, rows: &[i64]) -> KeyedJaggedTensor {
 #[test]
 fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
     let Some(dev) = device() else { return };
-    for optimizer in [
-        FusedOptimizer::Sgd { lr: 0.1 },
-        FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+    let adam = FusedOptimizer::Adam {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    for (optimizer, decay) in [
+        (FusedOptimizer::Sgd { lr: 0.1 }, WeightDecay::None),
+        (
+            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+            WeightDecay::L2(0.01),
+        ),
+        (adam, WeightDecay::Decoupled(0.1)),
     ] {
-        let cpu = ebc(optimizer);
-        let host_copy = ebc(optimizer);
+        let cpu = ebc(optimizer, decay);
+        let host_copy = ebc(optimizer, decay);
         let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
         for step in 0..2 {
             let input = kjt(20 + step, 6, &[30, 50, 50, 20]);
@@ -282,6 +302,13 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
             set_grad(og.values(), &w.to_device(dev).unwrap());
         }
         gpu.copy_to(&host_copy).unwrap();
+        // The optimizer state and step count come back too: one more step on each CPU copy
+        // stays equal.
+        let input = kjt(40, 6, &[30, 50, 50, 20]);
+        for c in [&cpu, &host_copy] {
+            let out = c.forward(&input).unwrap();
+            set_grad(out.values(), &randn(out.values().shape(), 41));
+        }
         for t in ["a", "b", "c"] {
             let (got, want) = (
                 host_copy.table_weights(t).unwrap(),
@@ -297,7 +324,8 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
         }
     }
     // An out-of-range id is an error naming the feature, position and table size.
-    let gpu = CudaEmbeddingBagCollection::new(&ebc(FusedOptimizer::Sgd { lr: 0.1 }), dev).unwrap();
+    let sgd = ebc(FusedOptimizer::Sgd { lr: 0.1 }, WeightDecay::None);
+    let gpu = CudaEmbeddingBagCollection::new(&sgd, dev).unwrap();
     let bad = KeyedJaggedTensor::from_lengths(
         vec!["f3".into(), "f0".into(), "f1".into(), "f2".into()],
         Tensor::from_vec(vec![0i64, 1, 2, 20], &[4]).unwrap(),
@@ -308,15 +336,10 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
     .unwrap();
     let err = gpu.forward(&bad).unwrap_err().to_string();
     assert!(err.contains("f2") && err.contains("20 rows"), "{err}");
-    // The fused optimizers without a device kernel are refused by name.
-    let adam = FusedOptimizer::Adam {
-        lr: 0.1,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-    };
-    let err = CudaEmbeddingBagCollection::new(&ebc(adam), dev).unwrap_err();
-    assert!(err.to_string().contains("not on the GPU"), "{err}");
+    // Tables without a fused optimizer cannot train on the device: refused up front.
+    let plain = ebc(FusedOptimizer::None, WeightDecay::None);
+    let err = CudaEmbeddingBagCollection::new(&plain, dev).unwrap_err();
+    assert!(err.to_string().contains("fused optimizer"), "{err}");
 }
 
 #[test]

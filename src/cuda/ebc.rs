@@ -7,7 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{CudaDevice, CudaTbe};
-use crate::embedding::{EmbeddingBagCollection, FusedOptimizer, WeightDecay};
+use crate::embedding::{EmbeddingBagCollection, FusedOptimizer};
 use crate::sparse::ops::read_ints;
 use crate::sparse::{KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::autograd::{record_op_with_state, BackwardOp, Gradient};
@@ -22,8 +22,8 @@ struct Group {
 }
 
 /// The tables of an [`EmbeddingBagCollection`] on a CUDA device (TorchRec's EBC moved to
-/// `cuda`): same features, pooling and fused optimizer (SGD or row-wise Adagrad; the tables'
-/// values and row-wise accumulators are copied over). [`forward`](Self::forward) takes the KJT
+/// `cuda`): same features, pooling, fused optimizer and weight decay (the tables' values,
+/// optimizer state and step count are copied over). [`forward`](Self::forward) takes the KJT
 /// from host memory, checks it there, and returns pooled embeddings on the device;
 /// `backward` on anything computed from them updates the tables in place.
 pub struct CudaEmbeddingBagCollection {
@@ -49,22 +49,10 @@ impl CudaEmbeddingBagCollection {
         let mut groups = Vec::new();
         for (tbe, features) in ebc.groups() {
             let cfg = tbe.config();
-            if !matches!(
-                cfg.optimizer,
-                FusedOptimizer::Sgd { .. } | FusedOptimizer::RowWiseAdagrad { .. }
-            ) {
+            if cfg.optimizer == FusedOptimizer::None {
                 return Err(Error::invalid(
                     OP,
-                    format!(
-                        "the fused {} optimizer is not on the GPU yet (SGD and row-wise Adagrad are)",
-                        cfg.optimizer.name()
-                    ),
-                ));
-            }
-            if cfg.weight_decay != WeightDecay::None {
-                return Err(Error::invalid(
-                    OP,
-                    "weight decay of the fused optimizer is not on the GPU yet",
+                    "tables on the GPU train with a fused optimizer; this collection has none",
                 ));
             }
             groups.push(Group {
@@ -154,12 +142,13 @@ impl CudaEmbeddingBagCollection {
             }
             let gpu = g.tbe.lock();
             for t in 0..tbe.config().tables.len() {
-                let (w, m) = gpu.table_state(t)?;
+                let (w, state) = gpu.table_state(t)?;
                 tbe.set_table_weights(t, &w)?;
-                if !m.is_empty() {
-                    tbe.set_optimizer_state(0, t, &m)?;
+                for (i, m) in state.iter().enumerate() {
+                    tbe.set_optimizer_state(i, t, m)?;
                 }
             }
+            tbe.set_step(gpu.step());
         }
         Ok(())
     }

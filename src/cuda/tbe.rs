@@ -1,5 +1,7 @@
 //! Table-batched embedding bags on a GPU: a device copy of a CPU TBE's FP32 tables (or of a
-//! quantized TBE's rows) and the pooled forward kernels of `kernels/tbe_forward*.cu`.
+//! quantized TBE's rows), the forward kernels of `kernels/tbe_forward*.cu` and the fused
+//! backward of `kernels/tbe_backward.cu` (every [`FusedOptimizer`] but `None`, with
+//! [`WeightDecay`], the same update rules as the CPU TBE).
 //!
 //! Inputs and outputs are device buffers ([`DeviceBuffer`]); [`CudaTbe::forward_host`] wraps the
 //! copies for tests and small callers. An out-of-range id is never read: the kernel records
@@ -9,7 +11,8 @@ use std::sync::Arc;
 
 use super::{CudaDevice, DeviceBuffer, KernelArgs, LaunchConfig};
 use crate::embedding::{
-    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, WeightType,
+    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, StateShape, TableBatchedEmbedding,
+    WeightDecay, WeightType,
 };
 use crate::{Error, Result};
 
@@ -54,12 +57,37 @@ pub struct CudaTbe {
 /// What the fused backward needs beyond the forward's layout.
 struct TrainState {
     optimizer: FusedOptimizer,
+    decay: WeightDecay,
+    /// Backward calls so far (Adam's bias correction), as the CPU TBE's `step`.
+    step: u64,
     /// Per feature: number of the first row of its table among all tables' rows.
     row_starts: DeviceBuffer<i64>,
-    /// Row-wise Adagrad accumulators of every row of every table (one value if unused).
-    momentum: DeviceBuffer<f32>,
+    /// The optimizer's state buffers ([`FusedOptimizer::state_buffers`]) over every table:
+    /// per-row state indexed by row number, per-element state laid out as the weights.
+    state: Vec<DeviceBuffer<f32>>,
     /// Per table: (first element, rows, dim, first row), for reading tables back.
     tables: Vec<(usize, usize, usize, usize)>,
+}
+
+/// Table `t`'s slice of a state buffer of shape `shape`.
+fn state_range(shape: StateShape, table: (usize, usize, usize, usize)) -> std::ops::Range<usize> {
+    let (start, rows, dim, first_row) = table;
+    match shape {
+        StateShape::PerRow => first_row..first_row + rows,
+        StateShape::PerElement => start..start + rows * dim,
+    }
+}
+
+/// Refuses the optimizers the fused GPU backward does not run.
+fn check_optimizer(optimizer: FusedOptimizer) -> Result<()> {
+    if optimizer == FusedOptimizer::None {
+        return Err(Error::invalid(
+            OP,
+            "the GPU backward needs a fused optimizer (row-sparse gradients are not produced \
+             on the GPU)",
+        ));
+    }
+    optimizer.validate()
 }
 
 /// Per-feature layout shared by both weight kinds.
@@ -167,7 +195,9 @@ impl CudaTbe {
         })
     }
 
-    /// A GPU copy of a training TBE's FP32 tables (same features, pooling).
+    /// A GPU copy of a training TBE's FP32 tables (same features, pooling), its fused
+    /// optimizer, weight decay, optimizer state and step count (a TBE without a fused
+    /// optimizer gives a forward-only copy).
     pub fn from_trained(tbe: &TableBatchedEmbedding, device: Arc<CudaDevice>) -> Result<Self> {
         let cfg = tbe.config();
         let mut flat = Vec::new();
@@ -186,44 +216,41 @@ impl CudaTbe {
         });
         let weights = Weights::F32(device.htod(&flat)?);
         let mut gpu = Self::build(device, weights, l, names, cfg.pooling)?;
-        // Training state: row numbering across tables and the row-wise accumulators.
-        let mut table_info = Vec::new();
+        // Training state: row numbering across tables and the optimizer's state buffers
+        // (none without a fused optimizer: a forward-only copy).
+        if cfg.optimizer == FusedOptimizer::None {
+            return Ok(gpu);
+        }
+        let mut tables = Vec::new();
         let mut first_row = 0;
-        let mut momentum = Vec::new();
         for (t, spec) in cfg.tables.iter().enumerate() {
-            table_info.push((starts[t] as usize, spec.rows, spec.dim, first_row));
+            tables.push((starts[t] as usize, spec.rows, spec.dim, first_row));
             first_row += spec.rows;
-            if let FusedOptimizer::RowWiseAdagrad { .. } = cfg.optimizer {
-                momentum.extend_from_slice(&tbe.optimizer_state(0, t)?);
+        }
+        let mut state = Vec::new();
+        for i in 0..cfg.optimizer.state_buffers().len() {
+            let mut host = Vec::new();
+            for t in 0..cfg.tables.len() {
+                host.extend_from_slice(&tbe.optimizer_state(i, t)?);
             }
+            host.push(0.0); // never empty
+            state.push(gpu.device.htod(&host)?);
         }
-        if momentum.is_empty() {
-            momentum.push(0.0);
-        }
-        let row_starts: Vec<i64> = (cfg.feature_table_map.iter())
-            .map(|&t| table_info[t].3 as i64)
-            .collect();
-        gpu.train = Some(TrainState {
-            optimizer: cfg.optimizer,
-            row_starts: gpu.device.htod(&row_starts)?,
-            momentum: gpu.device.htod(&momentum)?,
-            tables: table_info,
-        });
+        gpu.train = Some(TrainState::new(
+            &gpu,
+            cfg.optimizer,
+            cfg.weight_decay,
+            tbe.step(),
+            state,
+            tables,
+        )?);
         Ok(gpu)
     }
 
-    /// Makes FP32 tables trainable on the device with `optimizer` (SGD or row-wise Adagrad;
-    /// accumulators start at zero), e.g. for tables made by [`zeros`](Self::zeros).
-    pub fn with_optimizer(mut self, optimizer: FusedOptimizer) -> Result<Self> {
-        if !matches!(
-            optimizer,
-            FusedOptimizer::Sgd { .. } | FusedOptimizer::RowWiseAdagrad { .. }
-        ) {
-            return Err(Error::invalid(
-                OP,
-                format!("the {} optimizer is not on the GPU yet", optimizer.name()),
-            ));
-        }
+    /// Makes FP32 tables trainable on the device with `optimizer` and `decay` (state buffers
+    /// start at zero, step 0), e.g. for tables made by [`zeros`](Self::zeros).
+    pub fn with_optimizer(mut self, optimizer: FusedOptimizer, decay: WeightDecay) -> Result<Self> {
+        check_optimizer(optimizer)?;
         if !matches!(self.weights, Weights::F32(_)) {
             return Err(Error::invalid(OP, "only FP32 tables train"));
         }
@@ -234,24 +261,25 @@ impl CudaTbe {
             first_row += r;
             start += r * d;
         }
-        let momentum = match optimizer {
-            FusedOptimizer::RowWiseAdagrad { .. } => self.device.zeros::<f32>(first_row.max(1))?,
-            _ => self.device.zeros::<f32>(1)?,
-        };
-        let row_starts: Vec<i64> = (self.feature_tables.iter())
-            .map(|&t| tables[t].3 as i64)
-            .collect();
-        self.train = Some(TrainState {
-            optimizer,
-            row_starts: self.device.htod(&row_starts)?,
-            momentum,
-            tables,
-        });
+        let state = (optimizer.state_buffers().iter())
+            .map(|&(_, shape)| match shape {
+                StateShape::PerRow => self.device.zeros::<f32>(first_row + 1),
+                StateShape::PerElement => self.device.zeros::<f32>(start + 1),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.train = Some(TrainState::new(&self, optimizer, decay, 0, state, tables)?);
         Ok(self)
     }
 
+    /// Backward calls so far (none: 0); a copy from [`from_trained`](Self::from_trained)
+    /// continues the CPU TBE's count.
+    pub fn step(&self) -> u64 {
+        self.train.as_ref().map_or(0, |t| t.step)
+    }
+
     /// Fused backward on device buffers (FP32 tables made by
-    /// [`from_trained`](Self::from_trained), SGD or row-wise Adagrad): `grad_output` is the
+    /// [`from_trained`](Self::from_trained) or [`with_optimizer`](Self::with_optimizer), any
+    /// fused optimizer and weight decay): `grad_output` is the
     /// `[B, out_stride]` gradient of the last forward's output for the same `indices`,
     /// `offsets` and weights. Each row's gradient is summed once in a fixed order (sort by
     /// row, then position) and the row updated in place: deterministic.
@@ -296,18 +324,9 @@ impl CudaTbe {
         let Some(train) = self.train.as_ref() else {
             return Err(Error::invalid(
                 OP,
-                "backward needs FP32 tables made by from_trained",
+                "backward needs FP32 tables with a fused optimizer (from_trained of a TBE \
+                 with one, or with_optimizer)",
             ));
-        };
-        let (code, lr, eps) = match train.optimizer {
-            FusedOptimizer::Sgd { lr } => (0i32, lr, 0.0f32),
-            FusedOptimizer::RowWiseAdagrad { lr, eps } => (1, lr, eps),
-            other => {
-                return Err(Error::invalid(
-                    OP,
-                    format!("the {} optimizer is not on the GPU yet", other.name()),
-                ))
-            }
         };
         let Weights::F32(weights) = &self.weights else {
             return Err(Error::invalid(OP, "backward needs FP32 tables"));
@@ -344,7 +363,9 @@ impl CudaTbe {
                 format!("{n} ids: the GPU backward takes at most 2^24 − 1 per batch"),
             ));
         }
+        let step = train.step + 1;
         if n == 0 {
+            self.train.as_mut().expect("checked above").step = step;
             return Ok(());
         }
         let npad = n.next_power_of_two();
@@ -416,21 +437,32 @@ impl CudaTbe {
             .buffer(&self.dims)
             .buffer(&self.table_offsets)
             .buffer(&train.row_starts)
-            .buffer(&train.row_starts)
-            .buffer(weights)
-            .buffer(&train.momentum)
-            .i32(code)
-            .f32(lr)
-            .f32(eps);
-        // SAFETY: arguments as in kernels/tbe_backward.cu (the momentum offset of a feature's
-        // table is its first row number); every row is written by one warp.
+            .buffer(weights);
+        let h = Hyper::of(train.optimizer, train.decay, step);
+        let m2 = train.state.get(1).or(train.state.first());
+        args.opt_buffer(train.state.first())
+            .opt_buffer(m2)
+            .i32(h.code)
+            .f32(h.lr)
+            .f32(h.eps)
+            .f32(h.beta1)
+            .f32(h.beta2)
+            .f32(h.correction1)
+            .f32(h.correction2)
+            .i32(h.decay)
+            .f32(h.lambda);
+        // SAFETY: arguments as in kernels/tbe_backward.cu; the state buffers have the shapes
+        // the optimizer code reads (per row: every row number; per element: as the weights);
+        // every row is written by one warp.
         unsafe {
             device.launch(
                 "tbe_backward_update",
                 LaunchConfig::warp_per_item(npad, 4),
                 &mut args,
-            )
-        }
+            )?
+        };
+        self.train.as_mut().expect("checked above").step = step;
+        Ok(())
     }
 
     /// [`backward`](Self::backward) from host memory.
@@ -451,26 +483,25 @@ impl CudaTbe {
         self.backward(&d_indices, &d_offsets, d_weights.as_ref(), &d_grad, b)
     }
 
-    /// Table `t`'s rows and, for row-wise Adagrad, its accumulators, copied back to the host.
-    pub fn table_state(&self, t: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// Table `t`'s rows and its optimizer state buffers (in the order of
+    /// [`FusedOptimizer::state_buffers`], shaped as the CPU TBE's), copied back to the host.
+    pub fn table_state(&self, t: usize) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let (Some(train), Weights::F32(w)) = (&self.train, &self.weights) else {
             return Err(Error::invalid(
                 OP,
                 "only FP32 training tables can be read back",
             ));
         };
-        let &(start, rows, dim, first_row) = train
+        let &table = train
             .tables
             .get(t)
             .ok_or_else(|| Error::invalid(OP, format!("no table {t}")))?;
-        let all = w.to_host()?;
-        let m = match train.optimizer {
-            FusedOptimizer::RowWiseAdagrad { .. } => {
-                train.momentum.to_host()?[first_row..first_row + rows].to_vec()
-            }
-            _ => Vec::new(),
-        };
-        Ok((all[start..start + rows * dim].to_vec(), m))
+        let weights = w.to_host()?[state_range(StateShape::PerElement, table)].to_vec();
+        let state = (train.optimizer.state_buffers().iter())
+            .zip(&train.state)
+            .map(|(&(_, shape), buf)| Ok(buf.to_host()?[state_range(shape, table)].to_vec()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((weights, state))
     }
 
     /// FP32 tables of zeros made directly on the GPU (no host copy): for benchmarks of tables
@@ -779,5 +810,99 @@ impl CudaTbe {
         self.forward(&d_indices, &d_offsets, d_weights.as_ref(), b, &mut out)?;
         self.check_ids(&d_indices, &d_offsets, b)?;
         out.to_host()
+    }
+}
+
+impl TrainState {
+    fn new(
+        tbe: &CudaTbe,
+        optimizer: FusedOptimizer,
+        decay: WeightDecay,
+        step: u64,
+        state: Vec<DeviceBuffer<f32>>,
+        tables: Vec<(usize, usize, usize, usize)>,
+    ) -> Result<Self> {
+        let lambda_ok = match decay {
+            WeightDecay::None => true,
+            WeightDecay::L2(l) | WeightDecay::Decoupled(l) => l.is_finite(),
+        };
+        if !lambda_ok {
+            return Err(Error::invalid(
+                OP,
+                format!("invalid weight decay {decay:?}"),
+            ));
+        }
+        let row_starts: Vec<i64> = (tbe.feature_tables.iter())
+            .map(|&t| tables[t].3 as i64)
+            .collect();
+        Ok(TrainState {
+            optimizer,
+            decay,
+            step,
+            row_starts: tbe.device.htod(&row_starts)?,
+            state,
+            tables,
+        })
+    }
+}
+
+/// The scalar arguments of `tbe_backward_update` for one step.
+struct Hyper {
+    code: i32,
+    lr: f32,
+    eps: f32,
+    beta1: f32,
+    beta2: f32,
+    correction1: f32,
+    correction2: f32,
+    decay: i32,
+    lambda: f32,
+}
+
+impl Hyper {
+    /// `step` is 1-based (this backward's number), as the CPU's bias correction.
+    fn of(optimizer: FusedOptimizer, decay: WeightDecay, step: u64) -> Self {
+        let (decay, lambda) = match decay {
+            WeightDecay::None => (0, 0.0),
+            WeightDecay::L2(l) => (1, l),
+            WeightDecay::Decoupled(l) => (2, l),
+        };
+        let mut h = Hyper {
+            code: 0,
+            lr: 0.0,
+            eps: 0.0,
+            beta1: 0.0,
+            beta2: 0.0,
+            correction1: 1.0,
+            correction2: 1.0,
+            decay,
+            lambda,
+        };
+        match optimizer {
+            FusedOptimizer::None => {}
+            FusedOptimizer::Sgd { lr } => h.lr = lr,
+            FusedOptimizer::RowWiseAdagrad { lr, eps } => (h.code, h.lr, h.eps) = (1, lr, eps),
+            FusedOptimizer::Adagrad { lr, eps } => (h.code, h.lr, h.eps) = (2, lr, eps),
+            FusedOptimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                // The same f32 arithmetic as the CPU's update_row.
+                let t = step.min(i32::MAX as u64) as i32;
+                h = Hyper {
+                    code: 3,
+                    lr,
+                    eps,
+                    beta1,
+                    beta2,
+                    correction1: 1.0 - beta1.powi(t),
+                    correction2: 1.0 - beta2.powi(t),
+                    ..h
+                };
+            }
+        }
+        h
     }
 }
