@@ -228,7 +228,8 @@ T shuffle(T value, int src_lane) {
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
-#define __shared__ static
+// thread_local: tests launch the same kernel from several threads at once.
+#define __shared__ static thread_local
 #define __constant__ static
 #define __launch_bounds__(...)
 #define threadIdx (embers_sim::active->current->tid)

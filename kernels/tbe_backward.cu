@@ -5,8 +5,8 @@
 //
 // Keys: (global_row << 24) | position, global_row = row_starts[f] + id (rows of all tables
 // numbered back to back), so positions must be < 2^24 (the host checks). Ids out of range get
-// the key ~0 and sort to the end (the forward already reported them). The key array is padded
-// to a power of two with ~0 for the bitonic sort.
+// the key ~0 and sort to the end (the forward already reported them). The keys are sorted by
+// their row bits with the stable radix sort of sort.cu (equal rows stay in position order).
 
 #define POSITION_BITS 24
 #define POSITION_MASK ((1ull << POSITION_BITS) - 1)
@@ -27,26 +27,6 @@ extern "C" __global__ void tbe_backward_keys(
         keys[l] = (id < 0 || id >= rows[f])
             ? NO_KEY
             : (((unsigned long long)(row_starts[f] + id)) << POSITION_BITS) | (unsigned long long)l;
-    }
-}
-
-// Fills keys[from..n) with NO_KEY (the power-of-two padding).
-extern "C" __global__ void tbe_backward_pad(unsigned long long* keys, i64 from, i64 n) {
-    i64 i = from + (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) keys[i] = NO_KEY;
-}
-
-// One compare-exchange step (j, k) of an ascending bitonic sort over n = 2^m keys.
-extern "C" __global__ void bitonic_step_u64(unsigned long long* keys, i64 n, i64 j, i64 k) {
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    i64 partner = i ^ j;
-    if (partner <= i) return;
-    unsigned long long a = keys[i], b = keys[partner];
-    bool ascending = (i & k) == 0;
-    if ((a > b) == ascending) {
-        keys[i] = b;
-        keys[partner] = a;
     }
 }
 

@@ -379,3 +379,51 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
     }
     Ok(())
 }
+
+#[test]
+fn radix_sort_is_a_stable_sort_by_the_chosen_bits() -> embers::Result<()> {
+    use rand::Rng;
+    for device in devices()? {
+        let mut rng = embers::tensor::rng::seeded(21);
+        // One partial tile, and several tiles with a ragged end; few distinct digits, so
+        // stability is visible (the low bits record the input order).
+        for (n, low, bits) in [
+            (300usize, 24u32, 11u32),
+            (2048 * 3 + 17, 24, 20),
+            (5000, 0, 64),
+        ] {
+            let keys: Vec<u64> = (0..n as u64)
+                .map(|i| {
+                    let field = if bits == 64 {
+                        rng.random::<u64>()
+                    } else {
+                        rng.random_range(0..50u64) << low
+                    };
+                    if rng.random_range(0..20) == 0 {
+                        u64::MAX // out-of-range ids' key
+                    } else {
+                        field | (i & ((1 << low.max(1)) - 1))
+                    }
+                })
+                .collect();
+            let sorted = cuda::radix_sort_u64(device.htod(&keys)?, low, bits)?.to_host()?;
+            let mask = if low + bits >= 64 {
+                u64::MAX >> low
+            } else {
+                (1u64 << bits) - 1
+            };
+            let mut expected = keys.clone();
+            expected.sort_by_key(|k| (k >> low) & mask); // stable
+            assert_eq!(
+                sorted,
+                expected,
+                "{}: n {n}, bits {low}+{bits}",
+                device.name()
+            );
+        }
+        // Bits beyond a u64 are an error.
+        let err = cuda::radix_sort_u64(device.htod(&[1u64, 0])?, 60, 8).unwrap_err();
+        assert!(err.to_string().contains("u64"), "{err}");
+    }
+    Ok(())
+}

@@ -38,6 +38,7 @@ mod driver;
 mod ebc;
 mod launch;
 mod sim;
+mod sort;
 mod tbe;
 pub use allocator::{AllocatorStats, CachingAllocator, DriverAllocator};
 use allocator::{Block, RawAllocator, StreamId};
@@ -46,6 +47,7 @@ pub use buffer::{DeviceBuffer, DeviceElem};
 pub use ebc::CudaEmbeddingBagCollection;
 pub use launch::{ArgKind, KernelArgs, LaunchConfig};
 pub use sim::HOST_SIM_HEADER;
+pub use sort::radix_sort_u64;
 pub use tbe::CudaTbe;
 
 /// Helpers prepended to every kernel source (NVRTC sees no system headers).
@@ -71,12 +73,12 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "tbe_backward.cu",
         include_str!("../../kernels/tbe_backward.cu"),
-        &[
-            "tbe_backward_keys",
-            "tbe_backward_pad",
-            "bitonic_step_u64",
-            "tbe_backward_update",
-        ],
+        &["tbe_backward_keys", "tbe_backward_update"],
+    ),
+    (
+        "sort.cu",
+        include_str!("../../kernels/sort.cu"),
+        &["radix_histogram", "radix_scan", "radix_scatter"],
     ),
     (
         "jagged.cu",

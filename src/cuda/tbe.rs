@@ -368,9 +368,8 @@ impl CudaTbe {
             self.train.as_mut().expect("checked above").step = step;
             return Ok(());
         }
-        let npad = n.next_power_of_two();
         let device = &self.device;
-        let keys = device.alloc::<u64>(npad)?;
+        let keys = device.alloc::<u64>(n)?;
         let bag_of = device.alloc::<i32>(n)?;
         let (bi, fi) = (batch_size as i32, f as i32);
         let mut args = KernelArgs::new();
@@ -382,8 +381,8 @@ impl CudaTbe {
             .buffer(&self.rows)
             .buffer(&keys)
             .buffer(&bag_of);
-        // SAFETY: arguments as in kernels/tbe_backward.cu; keys has npad ≥ n entries, bag_of
-        // n, offsets F·B+1 (checked above).
+        // SAFETY: arguments as in kernels/tbe_backward.cu; keys and bag_of have n entries,
+        // offsets F·B+1 (checked above).
         unsafe {
             device.launch(
                 "tbe_backward_keys",
@@ -391,40 +390,19 @@ impl CudaTbe {
                 &mut args,
             )?
         };
-        let (n64, npad64) = (n as i64, npad as i64);
-        if npad > n {
-            let mut args = KernelArgs::new();
-            args.buffer(&keys).i64(n64).i64(npad64);
-            // SAFETY: fills keys[n..npad).
-            unsafe {
-                device.launch(
-                    "tbe_backward_pad",
-                    LaunchConfig::covering(npad - n, 256),
-                    &mut args,
-                )?
-            };
+        // Sort by the row bits: enough bits that the all-ones pattern (the key of an
+        // out-of-range id) lies above every row number.
+        let total_rows = train.tables.last().map_or(0, |t| t.3 + t.1) as u64;
+        if total_rows >= 1 << 40 {
+            return Err(Error::invalid(
+                OP,
+                format!("{total_rows} rows: the GPU backward numbers at most 2^40 rows"),
+            ));
         }
-        let mut k = 2i64;
-        while k <= npad64 {
-            let mut j = k / 2;
-            while j > 0 {
-                let mut args = KernelArgs::new();
-                args.buffer(&keys).i64(npad64).i64(j).i64(k);
-                // SAFETY: one thread per key of the padded array.
-                unsafe {
-                    device.launch(
-                        "bitonic_step_u64",
-                        LaunchConfig::covering(npad, 256),
-                        &mut args,
-                    )?
-                };
-                j /= 2;
-            }
-            k *= 2;
-        }
+        let keys = super::sort::radix_sort_u64(keys, 24, 64 - total_rows.leading_zeros())?;
         let mut args = KernelArgs::new();
         args.buffer(&keys)
-            .i64(npad64)
+            .i64(n as i64)
             .buffer(&bag_of)
             .buffer(offsets)
             .i32(bi)
@@ -457,7 +435,7 @@ impl CudaTbe {
         unsafe {
             device.launch(
                 "tbe_backward_update",
-                LaunchConfig::warp_per_item(npad, 4),
+                LaunchConfig::warp_per_item(n, 4),
                 &mut args,
             )?
         };

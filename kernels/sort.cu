@@ -1,0 +1,123 @@
+// Stable LSD radix sort of u64 keys by a range of their bits, 8 bits per pass (the TBE
+// backward sorts (row << 24 | position) keys by their row bits; stability keeps each row's
+// occurrences in position order). One pass over n keys:
+//   radix_histogram: per tile of SORT_TILE keys, how many have each digit value;
+//   radix_scan:      exclusive scan of those counts, digit-major (digit d of every tile, then
+//                    digit d + 1): the first output slot of each (digit, tile);
+//   radix_scatter:   each tile sorts itself by the digit in shared memory (8 stable one-bit
+//                    splits) and writes every key to its slot.
+// Deterministic: no atomics decide an order (the histogram's atomics only count).
+
+#define SORT_THREADS 256
+#define SORT_ITEMS 8
+#define SORT_TILE (SORT_THREADS * SORT_ITEMS)
+#define RADIX 256
+
+// Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32,
+// at most 1024; every thread must call it). `scratch` is shared, 32 ints. Sets *total.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int t = lane < warps ? scratch[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        scratch[lane] = t;
+    }
+    __syncthreads();
+    int before = warp > 0 ? scratch[warp - 1] : 0;
+    *total = scratch[warps - 1];
+    __syncthreads();  // scratch is free again for the next call
+    return before + x - v;
+}
+
+__device__ __forceinline__ int digit_of(unsigned long long key, int shift) {
+    return (int)((key >> shift) & (RADIX - 1));
+}
+
+// counts[d * tiles + tile] = number of keys of `tile` whose digit at `shift` is d.
+// Grid: one block of SORT_THREADS per tile.
+extern "C" __global__ void radix_histogram(const unsigned long long* __restrict__ keys, i64 n,
+                                           int shift, int* __restrict__ counts) {
+    __shared__ int hist[RADIX];
+    for (int d = threadIdx.x; d < RADIX; d += blockDim.x) hist[d] = 0;
+    __syncthreads();
+    i64 base = (i64)blockIdx.x * SORT_TILE;
+    for (int k = 0; k < SORT_ITEMS; ++k) {
+        i64 i = base + k * SORT_THREADS + threadIdx.x;
+        if (i < n) atomicAdd(&hist[digit_of(keys[i], shift)], 1);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < RADIX; d += blockDim.x) counts[(i64)d * gridDim.x + blockIdx.x] = hist[d];
+}
+
+// In-place exclusive scan of counts[0..m) by one block of 1024 threads (each thread scans a
+// contiguous chunk; the chunk sums are scanned across the block).
+extern "C" __global__ void radix_scan(int* counts, i64 m) {
+    __shared__ int scratch[32];
+    i64 chunk = (m + blockDim.x - 1) / blockDim.x;
+    i64 from = threadIdx.x * chunk;
+    i64 to = from + chunk < m ? from + chunk : m;
+    int sum = 0;
+    for (i64 i = from; i < to; ++i) sum += counts[i];
+    int total;
+    int running = block_exclusive_scan(sum, scratch, &total);
+    for (i64 i = from; i < to; ++i) {
+        int c = counts[i];
+        counts[i] = running;
+        running += c;
+    }
+}
+
+// Writes every key of the tile to out[slots[digit * tiles + tile] + its rank among the tile's
+// keys of that digit], ranks in input order (stable). Grid: one block of SORT_THREADS per tile.
+extern "C" __global__ void radix_scatter(const unsigned long long* __restrict__ keys_in,
+                                         unsigned long long* __restrict__ keys_out, i64 n,
+                                         int shift, const int* __restrict__ slots) {
+    __shared__ unsigned long long tile[SORT_TILE];
+    __shared__ int scratch[32];
+    __shared__ int start[RADIX];
+    i64 base = (i64)blockIdx.x * SORT_TILE;
+    int count = n - base < SORT_TILE ? (int)(n - base) : SORT_TILE;
+    int first = threadIdx.x * SORT_ITEMS;  // this thread's items: first .. first + SORT_ITEMS
+    unsigned long long key[SORT_ITEMS];
+    // Past the end: digit RADIX - 1 and last in the tile, so they stay at its end.
+    for (int k = 0; k < SORT_ITEMS; ++k)
+        key[k] = first + k < count ? keys_in[base + first + k] : ~0ull;
+    for (int bit = 0; bit < 8; ++bit) {
+        int zeros = 0;
+        for (int k = 0; k < SORT_ITEMS; ++k) zeros += !((key[k] >> (shift + bit)) & 1);
+        int total_zeros;
+        int zeros_before = block_exclusive_scan(zeros, scratch, &total_zeros);
+        int ones_before = first - zeros_before;
+        for (int k = 0; k < SORT_ITEMS; ++k) {
+            if ((key[k] >> (shift + bit)) & 1)
+                tile[total_zeros + ones_before++] = key[k];
+            else
+                tile[zeros_before++] = key[k];
+        }
+        __syncthreads();
+        for (int k = 0; k < SORT_ITEMS; ++k) key[k] = tile[first + k];
+        // The next split's scan synchronises before anyone writes the tile again.
+    }
+    for (int k = 0; k < SORT_ITEMS; ++k) {
+        int j = first + k;
+        if (j < count && (j == 0 || digit_of(tile[j - 1], shift) != digit_of(key[k], shift)))
+            start[digit_of(key[k], shift)] = j;
+    }
+    __syncthreads();
+    for (int k = 0; k < SORT_ITEMS; ++k) {
+        int j = first + k;
+        if (j >= count) continue;
+        int d = digit_of(key[k], shift);
+        keys_out[slots[(i64)d * gridDim.x + blockIdx.x] + (j - start[d])] = key[k];
+    }
+}
