@@ -336,3 +336,44 @@ fn ebc_weighted_kjt_weights_receive_gradients() {
         vec![3., 15., 7.]
     );
 }
+
+#[test]
+fn weights_keep_their_gradients_when_the_kjt_keys_are_in_another_order() {
+    // Two tables; the KJT lists the features in the other order, so the collection gathers
+    // each group's values: the weights' gradient must still reach the caller's tensor.
+    let ebc = EmbeddingBagCollection::new(
+        vec![
+            EmbeddingBagConfig::new("a", 3, 2, &["f"]),
+            EmbeddingBagConfig::new("b", 3, 2, &["g"]),
+        ],
+        FusedOptimizer::Sgd { lr: 0.0 },
+        &mut seeded(5),
+    )
+    .unwrap();
+    let (ta, tb) = ([1., 2., 3., 4., 5., 6.], [10., 20., 30., 40., 50., 60.]);
+    ebc.set_table_weights("a", &ta).unwrap();
+    ebc.set_table_weights("b", &tb).unwrap();
+    // Keys (g, f), batch 1: g = [2, 0], f = [1].
+    let w = Tensor::from_vec(vec![0.5f32, 2.0, 3.0], &[3])
+        .unwrap()
+        .with_requires_grad(true);
+    let kjt = KeyedJaggedTensor::from_lengths(
+        vec!["g".into(), "f".into()],
+        Tensor::from_vec(vec![2i64, 0, 1], &[3]).unwrap(),
+        Tensor::from_vec(vec![2i64, 1], &[2]).unwrap(),
+        Some(w.clone()),
+        Some(1),
+    )
+    .unwrap();
+    let kt = ebc.forward(&kjt).unwrap();
+    kt.values().sum_all().unwrap().backward().unwrap();
+    // d/dw_k = Σ of the row it scales: g's rows 2 and 0 of b, f's row 1 of a.
+    let row_sum = |t: &[f32; 6], r: usize| t[2 * r] + t[2 * r + 1];
+    assert_eq!(
+        w.grad()
+            .expect("the weights got a gradient")
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![row_sum(&tb, 2), row_sum(&tb, 0), row_sum(&ta, 1)]
+    );
+}

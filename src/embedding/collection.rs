@@ -271,26 +271,29 @@ pub(crate) fn tbe_input_from_kjt(
             })
         }
     };
-    let weights = kjt.weights().map(|w| w.to_vec::<f32>()).transpose()?;
     let mut new_ids = Vec::new();
-    let mut new_weights = weights.as_ref().map(|_| Vec::new());
+    // Where each picked value sits in the KJT: the weights are gathered with index_select,
+    // so weights that require grad keep their gradient path.
+    let mut picked = Vec::new();
     let mut new_offsets = vec![0i64];
     for &k in &positions {
         for s in 0..b {
             let (start, end) = (offs[k * b + s] as usize, offs[k * b + s + 1] as usize);
             new_ids.extend_from_slice(&values[start..end]);
-            if let (Some(nw), Some(w)) = (new_weights.as_mut(), weights.as_ref()) {
-                nw.extend_from_slice(&w[start..end]);
-            }
+            picked.extend(start as i64..end as i64);
             new_offsets.push(new_ids.len() as i64);
         }
     }
     let n = new_ids.len();
     let n_off = new_offsets.len();
+    let weights = match kjt.weights() {
+        Some(w) => Some(w.index_select(&Tensor::from_vec(picked, &[n])?)?),
+        None => None,
+    };
     Ok((
         Tensor::from_vec(new_ids, &[n])?,
         Tensor::from_vec(new_offsets, &[n_off])?,
-        new_weights.map(|w| Tensor::from_vec(w, &[n])).transpose()?,
+        weights,
     ))
 }
 
