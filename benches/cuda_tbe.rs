@@ -85,7 +85,8 @@ fn main() {
         // lookup reads and writes its row, plus the output gradient read once.
         let grad = device.zeros::<f32>(b * tbe.out_stride()).unwrap();
         let ms = time_ms(20, &mut || {
-            tbe.backward(&d_ids, &d_offsets, None, &grad, b).unwrap()
+            tbe.backward(&d_ids, &d_offsets, None, &grad, b, None)
+                .unwrap()
         });
         let bytes = (2 * t * b * l * d * 4 + b * t * d * 4 + t * b * l * 8) as f64;
         let gbs = bytes / (ms * 1e-3) / 1e9;

@@ -44,6 +44,8 @@ extern "C" __global__ void tbe_backward_keys(
 // pooling each occurrence is scaled by 1 / bag length; per-sample weights (nullable) scale it.
 // Unpooled (sequence != 0): grad_output is [N, D], occurrence l's gradient is its row l.
 // Per-element state sits at the weight's own offset; per-row state at the row's number.
+// weights_grad (nullable, zeroed by the caller): each occurrence's per-sample-weight gradient,
+// row . its output gradient (/ bag length with mean pooling), with the row before its update.
 extern "C" __global__ void tbe_backward_update(
     const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,
     const i64* __restrict__ offsets, int B,
@@ -52,7 +54,8 @@ extern "C" __global__ void tbe_backward_update(
     const int* __restrict__ dims, const i64* __restrict__ table_offsets,
     const i64* __restrict__ row_starts, float* __restrict__ weights,
     float* __restrict__ m1, float* __restrict__ m2, int optimizer, float lr, float eps,
-    float beta1, float beta2, float correction1, float correction2, int decay, float lambda) {
+    float beta1, float beta2, float correction1, float correction2, int decay, float lambda,
+    float* __restrict__ weights_grad) {
     i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (s >= n) return;
     unsigned long long key = keys[s];
@@ -63,6 +66,9 @@ extern "C" __global__ void tbe_backward_update(
     int first_bag = bag_of[key & POSITION_MASK];
     int f0 = first_bag / B;
     int D = dims[f0];
+    i64 id = (i64)row - row_starts[f0];
+    i64 base = table_offsets[f0] + id * D;
+    float* w = weights + base;
     float g[MAX_PER_LANE];
     for (int k = 0; k < MAX_PER_LANE; ++k) g[k] = 0.0f;
     for (i64 t = s; t < n && keys[t] != NO_KEY && (keys[t] >> POSITION_BITS) == row; ++t) {
@@ -74,14 +80,20 @@ extern "C" __global__ void tbe_backward_update(
         if (mean) scale /= (float)(offsets[bag + 1] - offsets[bag]);
         const float* go = sequence ? grad_output + l * out_stride
                                    : grad_output + (i64)b * out_stride + out_offsets[f];
+        float dot = 0.0f;
         for (int k = 0; k < MAX_PER_LANE; ++k) {
             int d = lane + 32 * k;
-            if (d < D) g[k] += scale * go[d];
+            if (d < D) {
+                g[k] += scale * go[d];
+                dot += w[d] * go[d];
+            }
+        }
+        if (weights_grad) {
+            dot = warp_sum(dot);
+            if (mean) dot /= (float)(offsets[bag + 1] - offsets[bag]);
+            if (lane == 0) weights_grad[l] = dot;
         }
     }
-    i64 id = (i64)row - row_starts[f0];
-    i64 base = table_offsets[f0] + id * D;
-    float* w = weights + base;
     if (decay == 1) {
         for (int k = 0; k < MAX_PER_LANE; ++k) {
             int d = lane + 32 * k;

@@ -268,8 +268,9 @@ fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<(
 }
 
 /// One training step on both TBEs: the CPU forward (compared with the GPU's) and autograd
-/// backward, the GPU's fused backward with the same output gradient; then every table and
-/// row-wise accumulator compared. Returns the CPU forward's output.
+/// backward, the GPU's fused backward with the same output gradient; then the per-sample
+/// weights' gradients, every table and every optimizer state buffer compared. Returns the CPU
+/// forward's output.
 fn step_both(
     what: &str,
     c: &Case,
@@ -278,21 +279,30 @@ fn step_both(
     rng: &mut embers::tensor::rng::Rng,
 ) -> embers::Result<Tensor> {
     let (n, f) = (c.indices.len(), c.feature_table_map.len());
+    let weights = Tensor::from_vec(c.weights.clone(), &[n])?.with_requires_grad(true);
     let out = cpu.forward(
         &Tensor::from_vec(c.indices.clone(), &[n])?,
         &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-        Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
+        Some(&weights),
     )?;
     let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
     assert_close(&format!("{what} forward"), &got, &out.to_vec::<f32>()?);
     let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, rng);
     out.backward_with(&grad, false)?;
-    gpu.backward_host(
+    let weights_grad = gpu.backward_host(
         &c.indices,
         &c.offsets,
         Some(&c.weights),
         &grad.to_vec::<f32>()?,
     )?;
+    assert_close(
+        &format!("{what} per-sample weights' gradient"),
+        &weights_grad.expect("weights were given"),
+        &weights
+            .grad()
+            .expect("CPU weight gradient")
+            .to_vec::<f32>()?,
+    );
     for t in 0..c.tables.len() {
         let (w, state) = gpu.table_state(t)?;
         assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);

@@ -343,6 +343,59 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
 }
 
 #[test]
+fn per_sample_weights_get_their_gradient_from_the_device() {
+    let Some(dev) = device() else { return };
+    let opt = FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
+    let (cpu, host_copy) = (ebc(opt, WeightDecay::None), ebc(opt, WeightDecay::None));
+    let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+    let plain = kjt(50, 5, &[30, 50, 50, 20]);
+    let n = plain.values().numel();
+    let w = randn(&[n], 51);
+    let mut grads = Vec::new();
+    for (model, on_device) in [(None, false), (Some(&gpu), true)] {
+        // Fresh leaf weights per run; keys are in another order than the tables' features.
+        let weights = w.clone().detach().with_requires_grad(true);
+        let input = KeyedJaggedTensor::from_lengths(
+            plain.keys().to_vec(),
+            plain.values().clone(),
+            plain.lengths().clone(),
+            Some(weights.clone()),
+            Some(5),
+        )
+        .unwrap();
+        let out = match model {
+            Some(g) => g.forward(&input).unwrap(),
+            None => cpu.forward(&input).unwrap(),
+        };
+        let g = randn(out.values().shape(), 52);
+        let g = if on_device {
+            g.to_device(dev).unwrap()
+        } else {
+            g
+        };
+        set_grad(out.values(), &g);
+        grads.push(weights.grad().expect("the weights got a gradient"));
+    }
+    assert_eq!(grads[1].device(), Device::Cpu);
+    assert_close("per-sample weights' gradient", &grads[1], &grads[0], 1e-5);
+    // The rows moved as on the CPU (the weights scale their gradient).
+    gpu.copy_to(&host_copy).unwrap();
+    for t in ["a", "b", "c"] {
+        let (got, want) = (
+            host_copy.table_weights(t).unwrap(),
+            cpu.table_weights(t).unwrap(),
+        );
+        let len = got.len();
+        assert_close(
+            &format!("table {t}"),
+            &Tensor::from_vec(got, &[len]).unwrap(),
+            &Tensor::from_vec(want, &[len]).unwrap(),
+            1e-5,
+        );
+    }
+}
+
+#[test]
 fn dlrm_training_steps_on_the_device_match_the_cpu() {
     let Some(dev) = device() else { return };
     let features: Vec<(String, usize)> = (0..3).map(|i| (format!("s{i}"), 40)).collect();

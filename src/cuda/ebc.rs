@@ -81,20 +81,17 @@ impl CudaEmbeddingBagCollection {
 
     /// Pooled embeddings of every feature on the device: keys in config order, values
     /// `[B, Σ dims]`, differentiable (the backward updates the tables). Per-sample weights of
-    /// the KJT scale the rows but get no gradient here.
+    /// the KJT scale the rows; when they require grad, the backward computes their gradient
+    /// on the device and hands it back to them (on the host, where the KJT lives).
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
-        if kjt.weights().is_some_and(Tensor::requires_grad) {
-            return Err(Error::invalid(
-                OP,
-                "gradients of per-sample weights are not computed on the GPU yet",
-            ));
-        }
         let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
         for g in &self.groups {
             let (ids, offsets, weights) =
                 crate::embedding::tbe_input_from_kjt(OP, kjt, &g.features)?;
             let ids = read_ints(OP, "ids", &ids)?;
             let offsets = read_ints(OP, "offsets", &offsets)?;
+            // The group's weights as a tensor (linked to the KJT's when they require grad).
+            let weight_input = weights.clone().filter(|w| w.requires_grad());
             let weights = weights
                 .map(|w| w.to_dtype(DType::F32)?.to_vec::<f32>())
                 .transpose()?;
@@ -109,12 +106,13 @@ impl CudaEmbeddingBagCollection {
             drop(tbe);
             let values = record_op_with_state(
                 values,
-                &[],
+                &weight_input.iter().collect::<Vec<_>>(),
                 LookupBackward {
                     tbe: g.tbe.clone(),
                     ids: d_ids,
                     offsets: d_offsets,
                     weights: d_weights,
+                    weights_dtype: weight_input.as_ref().map(Tensor::dtype),
                     batch,
                 },
             );
@@ -160,6 +158,8 @@ struct LookupBackward {
     ids: super::DeviceBuffer<i64>,
     offsets: super::DeviceBuffer<i64>,
     weights: Option<super::DeviceBuffer<f32>>,
+    /// The dtype of the per-sample weights when they want a gradient.
+    weights_dtype: Option<DType>,
     batch: usize,
 }
 
@@ -172,6 +172,10 @@ impl BackwardOp for LookupBackward {
         let grad = crate::tensor::cuda::contiguous(grad_output)?;
         let ptr = crate::tensor::cuda::f32_operand(OP, "the gradient", &grad, &grad)?;
         let len = grad.numel();
+        let mut weights_grad = match (self.weights_dtype, &self.weights) {
+            (Some(_), Some(w)) => Some(w.device().alloc::<f32>(w.len())?),
+            _ => None,
+        };
         // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
         // (the launches are queued on the device's one stream before `grad` can be freed).
         unsafe {
@@ -182,8 +186,17 @@ impl BackwardOp for LookupBackward {
                 ptr,
                 len,
                 self.batch,
+                weights_grad.as_mut(),
             )?;
         }
-        Ok(Vec::new())
+        match (weights_grad, self.weights_dtype) {
+            (Some(g), Some(dtype)) => {
+                // The KJT's weights live on the host: their gradient goes back there.
+                let n = g.len();
+                let host = Tensor::from_vec(g.to_host()?, &[n])?.to_dtype(dtype)?;
+                Ok(vec![Some(Gradient::Dense(host))])
+            }
+            _ => Ok(Vec::new()),
+        }
     }
 }

@@ -282,7 +282,10 @@ impl CudaTbe {
     /// fused optimizer and weight decay): `grad_output` is the
     /// `[B, out_stride]` gradient of the last forward's output for the same `indices`,
     /// `offsets` and weights. Each row's gradient is summed once in a fixed order (sort by
-    /// row, then position) and the row updated in place: deterministic.
+    /// row, then position) and the row updated in place: deterministic. With `weights_grad`
+    /// (per-sample weights given), each occurrence's per-sample-weight gradient is written
+    /// there (row before the update · its output gradient, / bag length with mean pooling; 0
+    /// for out-of-range ids).
     pub fn backward(
         &mut self,
         indices: &DeviceBuffer<i64>,
@@ -290,6 +293,7 @@ impl CudaTbe {
         per_sample_weights: Option<&DeviceBuffer<f32>>,
         grad_output: &DeviceBuffer<f32>,
         batch_size: usize,
+        weights_grad: Option<&mut DeviceBuffer<f32>>,
     ) -> Result<()> {
         if !Arc::ptr_eq(grad_output.device(), &self.device) {
             return Err(Error::invalid(OP, "the gradient is on another device"));
@@ -303,6 +307,7 @@ impl CudaTbe {
                 grad_output.ptr(),
                 grad_output.len(),
                 batch_size,
+                weights_grad,
             )
         }
     }
@@ -312,6 +317,7 @@ impl CudaTbe {
     /// # Safety
     /// `grad_output` must address `grad_len` f32 values on this TBE's device that stay
     /// allocated until the queued work has run.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn backward_raw(
         &mut self,
         indices: &DeviceBuffer<i64>,
@@ -320,6 +326,7 @@ impl CudaTbe {
         grad_output: u64,
         grad_len_given: usize,
         batch_size: usize,
+        mut weights_grad: Option<&mut DeviceBuffer<f32>>,
     ) -> Result<()> {
         let Some(train) = self.train.as_ref() else {
             return Err(Error::invalid(
@@ -355,6 +362,26 @@ impl CudaTbe {
                 OP,
                 "one per-sample weight per index is needed",
             ));
+        }
+        if let Some(g) = weights_grad.as_deref_mut() {
+            if per_sample_weights.is_none() || g.len() < indices.len() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "a per-sample-weight gradient needs per-sample weights and room for {} \
+                         values (got {})",
+                        indices.len(),
+                        g.len()
+                    ),
+                ));
+            }
+            if !Arc::ptr_eq(g.device(), &self.device) {
+                return Err(Error::invalid(
+                    OP,
+                    "the weight gradient is on another device",
+                ));
+            }
+            g.fill_zero()?;
         }
         let n = indices.len();
         if n >= 1 << 24 {
@@ -428,7 +455,8 @@ impl CudaTbe {
             .f32(h.correction1)
             .f32(h.correction2)
             .i32(h.decay)
-            .f32(h.lambda);
+            .f32(h.lambda)
+            .opt_buffer(weights_grad.as_deref());
         // SAFETY: arguments as in kernels/tbe_backward.cu; the state buffers have the shapes
         // the optimizer code reads (per row: every row number; per element: as the weights);
         // every row is written by one warp.
@@ -443,14 +471,15 @@ impl CudaTbe {
         Ok(())
     }
 
-    /// [`backward`](Self::backward) from host memory.
+    /// [`backward`](Self::backward) from host memory; returns the per-sample weights'
+    /// gradient when weights are given.
     pub fn backward_host(
         &mut self,
         indices: &[i64],
         offsets: &[i64],
         per_sample_weights: Option<&[f32]>,
         grad_output: &[f32],
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<f32>>> {
         let b = self.check_host_input(indices, offsets, per_sample_weights)?;
         let d_indices = self.device.htod(indices)?;
         let d_offsets = self.device.htod(offsets)?;
@@ -458,7 +487,19 @@ impl CudaTbe {
             .map(|w| self.device.htod(w))
             .transpose()?;
         let d_grad = self.device.htod(grad_output)?;
-        self.backward(&d_indices, &d_offsets, d_weights.as_ref(), &d_grad, b)
+        let mut weights_grad = d_weights
+            .as_ref()
+            .map(|w| self.device.alloc::<f32>(w.len()))
+            .transpose()?;
+        self.backward(
+            &d_indices,
+            &d_offsets,
+            d_weights.as_ref(),
+            &d_grad,
+            b,
+            weights_grad.as_mut(),
+        )?;
+        weights_grad.map(|g| g.to_host()).transpose()
     }
 
     /// Table `t`'s rows and its optimizer state buffers (in the order of
