@@ -14,29 +14,54 @@
 #define RADIX 256
 
 // Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32,
-// at most 1024; every thread must call it). `scratch` is shared, 32 ints. Sets *total.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+// at most 1024; every thread must call it). `scratch` is shared, 32 values. Sets *total.
+template <class T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* scratch, T* total) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int x = v;
+    T x = v;
     for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, x, o);
+        T y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
     if (lane == 31) scratch[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        int t = lane < warps ? scratch[lane] : 0;
+        T t = lane < warps ? scratch[lane] : (T)0;
         for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, t, o);
+            T y = __shfl_up_sync(0xffffffffu, t, o);
             if (lane >= o) t += y;
         }
         scratch[lane] = t;
     }
     __syncthreads();
-    int before = warp > 0 ? scratch[warp - 1] : 0;
+    T before = warp > 0 ? scratch[warp - 1] : (T)0;
     *total = scratch[warps - 1];
     __syncthreads();  // scratch is free again for the next call
     return before + x - v;
+}
+
+// out[i] = in[0] + ... + in[i - 1] over m values, by one block of 1024 threads (each thread
+// scans a contiguous chunk; the chunk sums are scanned across the block). `out` may be `in`.
+template <class T>
+__device__ __forceinline__ void block_scan_chunks(const T* in, T* out, i64 m, T* scratch) {
+    i64 chunk = (m + blockDim.x - 1) / blockDim.x;
+    i64 from = threadIdx.x * chunk;
+    i64 to = from + chunk < m ? from + chunk : m;
+    T sum = 0;
+    for (i64 i = from; i < to; ++i) sum += in[i];
+    T total;
+    T running = block_exclusive_scan(sum, scratch, &total);
+    for (i64 i = from; i < to; ++i) {
+        T c = in[i];
+        out[i] = running;
+        running += c;
+    }
+}
+
+// Exclusive scan of i64 values (one block of 1024 threads): bucketize's slot starts.
+extern "C" __global__ void scan_exclusive_i64(const i64* in, i64* out, i64 m) {
+    __shared__ i64 scratch[32];
+    block_scan_chunks(in, out, m, scratch);
 }
 
 __device__ __forceinline__ int digit_of(unsigned long long key, int shift) {
@@ -59,22 +84,10 @@ extern "C" __global__ void radix_histogram(const unsigned long long* __restrict_
     for (int d = threadIdx.x; d < RADIX; d += blockDim.x) counts[(i64)d * gridDim.x + blockIdx.x] = hist[d];
 }
 
-// In-place exclusive scan of counts[0..m) by one block of 1024 threads (each thread scans a
-// contiguous chunk; the chunk sums are scanned across the block).
+// In-place exclusive scan of counts[0..m) (one block of 1024 threads).
 extern "C" __global__ void radix_scan(int* counts, i64 m) {
     __shared__ int scratch[32];
-    i64 chunk = (m + blockDim.x - 1) / blockDim.x;
-    i64 from = threadIdx.x * chunk;
-    i64 to = from + chunk < m ? from + chunk : m;
-    int sum = 0;
-    for (i64 i = from; i < to; ++i) sum += counts[i];
-    int total;
-    int running = block_exclusive_scan(sum, scratch, &total);
-    for (i64 i = from; i < to; ++i) {
-        int c = counts[i];
-        counts[i] = running;
-        running += c;
-    }
+    block_scan_chunks(counts, counts, m, scratch);
 }
 
 // Writes every key of the tile to out[slots[digit * tiles + tile] + its rank among the tile's

@@ -596,3 +596,108 @@ fn device_names_parse_and_bad_ones_are_named() {
         assert!(err.contains(&format!("`{bad}`")), "{err}");
     }
 }
+
+/// The bucketize options of test case `case` (0..4): each case turns a different set on.
+fn options<'a>(
+    case: usize,
+    w: &'a Tensor,
+    bounds: &'a [Tensor],
+    total_blocks: &'a Tensor,
+) -> embers::sparse::ops::BlockBucketizeOptions<'a> {
+    embers::sparse::ops::BlockBucketizeOptions {
+        bucketize_pos: case != 2,
+        sequence: case != 1,
+        weights: (case != 3).then_some(w),
+        block_bucketize_pos: (case == 1).then_some(bounds),
+        keep_orig_idx: case == 2,
+        total_num_blocks: (case == 3).then_some(total_blocks),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn block_bucketize_on_the_device_matches_the_cpu() {
+    use embers::sparse::ops::{block_bucketize_sparse_features, BlockBucketizeOptions};
+    use rand::Rng;
+    let Some(dev) = device() else { return };
+    let mut rng = seeded(90);
+    // 3 features × 7 samples, ids past each feature's block range too (they go cyclically).
+    let (t, b, my_size) = (3usize, 7usize, 4usize);
+    let lens: Vec<i64> = (0..t * b).map(|_| rng.random_range(0..5)).collect();
+    let n = lens.iter().sum::<i64>() as usize;
+    let ids: Vec<i64> = (0..n).map(|_| rng.random_range(0..60)).collect();
+    let weights = randn(&[n], 91);
+    let block_sizes = Tensor::from_vec(vec![5i64, 3, 12], &[t]).unwrap();
+    let bounds: Vec<Tensor> = [[0i64, 4, 4, 20, 31], [0, 1, 2, 3, 4], [0, 10, 20, 30, 40]]
+        .iter()
+        .map(|p| Tensor::from_vec(p.to_vec(), &[5]).unwrap())
+        .collect();
+    let total_blocks = Tensor::from_vec(vec![8i64, 4, 12], &[t]).unwrap();
+    for (case, i32_ids) in [(0, false), (1, true), (2, false), (3, true)] {
+        let lengths = Tensor::from_vec(lens.clone(), &[t * b]).unwrap();
+        let indices = if i32_ids {
+            let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+            Tensor::from_vec(v, &[n]).unwrap()
+        } else {
+            Tensor::from_vec(ids.clone(), &[n]).unwrap()
+        };
+        let (w_cpu, w_dev) = (weights.clone(), weights.to_device(dev).unwrap());
+        let cpu = block_bucketize_sparse_features(
+            &lengths,
+            &indices,
+            &block_sizes,
+            my_size,
+            &options(case, &w_cpu, &bounds, &total_blocks),
+        )
+        .unwrap();
+        let gpu = block_bucketize_sparse_features(
+            &lengths,
+            &indices.to_device(dev).unwrap(),
+            &block_sizes,
+            my_size,
+            &options(case, &w_dev, &bounds, &total_blocks),
+        )
+        .unwrap();
+        let what = format!("case {case}");
+        assert_eq!(gpu.indices.device(), dev, "{what}");
+        assert_eq!(gpu.lengths.dtype(), cpu.lengths.dtype(), "{what}");
+        assert_eq!(gpu.indices.dtype(), cpu.indices.dtype(), "{what}");
+        let ints = |t: &Tensor| t.to_vec_f64().unwrap();
+        assert_eq!(ints(&gpu.lengths), ints(&cpu.lengths), "{what} lengths");
+        assert_eq!(ints(&gpu.indices), ints(&cpu.indices), "{what} indices");
+        for (name, g, c) in [
+            ("positions", &gpu.positions, &cpu.positions),
+            (
+                "unbucketize_permute",
+                &gpu.unbucketize_permute,
+                &cpu.unbucketize_permute,
+            ),
+            ("weights", &gpu.weights, &cpu.weights),
+        ] {
+            assert_eq!(g.is_some(), c.is_some(), "{what} {name}");
+            if let (Some(g), Some(c)) = (g, c) {
+                assert_eq!(ints(g), ints(c), "{what} {name}");
+            }
+        }
+    }
+    // A negative id is an error naming the feature, sample and position, as on the CPU.
+    let mut bad = ids.clone();
+    let at = n - 1;
+    bad[at] = -3;
+    let lengths = Tensor::from_vec(lens.clone(), &[t * b]).unwrap();
+    let run = |indices: Tensor| {
+        block_bucketize_sparse_features(
+            &lengths,
+            &indices,
+            &block_sizes,
+            my_size,
+            &BlockBucketizeOptions::default(),
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let host = Tensor::from_vec(bad, &[n]).unwrap();
+    let (e_gpu, e_cpu) = (run(host.to_device(dev).unwrap()), run(host));
+    assert_eq!(e_gpu, e_cpu);
+    assert!(e_gpu.contains("id -3 is negative"), "{e_gpu}");
+}

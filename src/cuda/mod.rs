@@ -78,7 +78,22 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "sort.cu",
         include_str!("../../kernels/sort.cu"),
-        &["radix_histogram", "radix_scan", "radix_scatter"],
+        &[
+            "radix_histogram",
+            "radix_scan",
+            "radix_scatter",
+            "scan_exclusive_i64",
+        ],
+    ),
+    (
+        "bucketize.cu",
+        include_str!("../../kernels/bucketize.cu"),
+        &[
+            "block_bucketize_count_i64",
+            "block_bucketize_count_i32",
+            "block_bucketize_scatter_i64",
+            "block_bucketize_scatter_i32",
+        ],
     ),
     (
         "jagged.cu",

@@ -834,3 +834,155 @@ pub(crate) fn jagged_dense_f32(
     unsafe { dev.launch(kernel, LaunchConfig::covering(n, THREADS), &mut args)? };
     Ok(out)
 }
+
+/// What [`block_bucketize`] computes on the device.
+pub(crate) struct DeviceBucketized {
+    /// `[my_size · bags]` counts, bucket-major (read back: small).
+    pub lengths: Vec<i64>,
+    pub indices: Tensor,
+    pub weights: Option<Tensor>,
+    pub positions: Option<Tensor>,
+    /// `unbucketize_permute`, when `options.sequence`.
+    pub destination: Option<Tensor>,
+}
+
+/// `block_bucketize_sparse_features` of device `indices` (i64/i32) whose bag `offsets` and
+/// per-bag features were checked on the host: routing, rebasing and the bucket-major scatter
+/// run on the device (`kernels/bucketize.cu`). A negative id is an error naming
+/// `describe(bag)` and its position.
+pub(crate) fn block_bucketize(
+    indices: &Tensor,
+    offsets: &[i64],
+    bag_feature: &[i32],
+    routers: &crate::sparse::ops::RouterTable,
+    my_size: usize,
+    options: &crate::sparse::ops::BlockBucketizeOptions<'_>,
+    describe: &dyn Fn(usize) -> String,
+) -> Result<DeviceBucketized> {
+    const OP: &str = "block_bucketize_sparse_features";
+    let ids = contiguous(indices)?;
+    let (dev, pi) = raw(&ids)?;
+    let (dtype, count_kernel, scatter_kernel) = match ids.dtype() {
+        DType::I64 => (
+            DType::I64,
+            "block_bucketize_count_i64",
+            "block_bucketize_scatter_i64",
+        ),
+        DType::I32 => (
+            DType::I32,
+            "block_bucketize_count_i32",
+            "block_bucketize_scatter_i32",
+        ),
+        d => {
+            return Err(Error::invalid(
+                OP,
+                format!("indices must be i64 or i32, got {d:?}"),
+            ))
+        }
+    };
+    let n = ids.numel();
+    let bags = offsets.len() - 1;
+    let weights = match options.weights {
+        Some(w) if w.dtype() != DType::F32 => {
+            return Err(Error::invalid(
+                OP,
+                format!("weights on a CUDA device must be f32, got {:?}", w.dtype()),
+            ))
+        }
+        Some(w) => Some(contiguous(&w.to_device(indices.device())?)?),
+        None => None,
+    };
+    let d_offsets = dev.htod(offsets)?;
+    let d_features = dev.htod(bag_feature)?;
+    let d_kind = dev.htod(&routers.kind)?;
+    let d_params = dev.htod(&routers.params)?;
+    let d_bounds = dev.htod(&routers.bounds)?;
+    let counts = dev.zeros::<i64>((my_size * bags).max(1))?;
+    let first_bad = dev.htod(&[i64::MAX])?;
+    let grid = LaunchConfig::covering(bags, 128);
+    let route_args = |args: &mut KernelArgs| {
+        args.pointer(pi)
+            .buffer(&d_offsets)
+            .buffer(&d_features)
+            .i64(bags as i64)
+            .buffer(&d_kind)
+            .buffer(&d_params)
+            .buffer(&d_bounds)
+            .i32(my_size as i32);
+    };
+    let mut args = KernelArgs::new();
+    route_args(&mut args);
+    args.buffer(&counts).buffer(&first_bad);
+    // SAFETY: one thread per bag; offsets (checked on the host) index the n ids; counts holds
+    // my_size slots per bag and every routed bucket is < my_size.
+    unsafe { dev.launch(count_kernel, grid, &mut args)? };
+    let bad = first_bad.to_host()?[0];
+    if bad != i64::MAX {
+        let id = read_back_int(&ids, bad as usize)?;
+        let bag = offsets.partition_point(|&o| o <= bad) - 1;
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "{}, position {}: id {id} is negative",
+                describe(bag),
+                bad - offsets[bag]
+            ),
+        ));
+    }
+    let cursor = dev.alloc::<i64>((my_size * bags).max(1))?;
+    let mut args = KernelArgs::new();
+    args.buffer(&counts)
+        .buffer(&cursor)
+        .i64((my_size * bags) as i64);
+    let one_block = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (1024, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: scans my_size·bags counts into cursor.
+    unsafe { dev.launch("scan_exclusive_i64", one_block, &mut args)? };
+    let mut lengths = counts.to_host()?;
+    lengths.truncate(my_size * bags);
+    let out_ids = empty(&dev, dtype, &[n])?;
+    let destination = options
+        .sequence
+        .then(|| empty(&dev, dtype, &[n]))
+        .transpose()?;
+    let positions = options
+        .bucketize_pos
+        .then(|| empty(&dev, dtype, &[n]))
+        .transpose()?;
+    let out_weights = weights
+        .as_ref()
+        .map(|_| empty(&dev, DType::F32, &[n]))
+        .transpose()?;
+    let address = |t: &Option<Tensor>| t.as_ref().map(|t| raw(t).map(|r| r.1)).transpose();
+    let mut args = KernelArgs::new();
+    route_args(&mut args);
+    args.i32(i32::from(options.keep_orig_idx))
+        .buffer(&cursor)
+        .pointer(raw(&out_ids)?.1)
+        .pointer(address(&destination)?.unwrap_or(0))
+        .pointer(address(&positions)?.unwrap_or(0))
+        .pointer(address(&weights)?.unwrap_or(0))
+        .pointer(address(&out_weights)?.unwrap_or(0));
+    // SAFETY: as the count launch; the cursors start at each (bucket, bag)'s first slot and
+    // advance over exactly the ids counted there, so every slot is < n and written once; the
+    // optional outputs (0: absent) hold n values of the ids' type (weights f32).
+    unsafe { dev.launch(scatter_kernel, grid, &mut args)? };
+    Ok(DeviceBucketized {
+        lengths,
+        indices: out_ids,
+        weights: out_weights,
+        positions,
+        destination,
+    })
+}
+
+/// Element `i` of an i64/i32 device tensor (for error messages).
+fn read_back_int(t: &Tensor, i: usize) -> Result<i64> {
+    Ok(match t.dtype() {
+        DType::I32 => i64::from(t.narrow(0, i, 1)?.to_vec::<i32>()?[0]),
+        _ => t.narrow(0, i, 1)?.to_vec::<i64>()?[0],
+    })
+}

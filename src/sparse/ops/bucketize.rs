@@ -129,6 +129,15 @@ impl Router {
     }
 }
 
+/// The routers flattened for the device kernels (`kernels/bucketize.cu`): per feature a kind
+/// (0 uniform, 1 boundaries), four uniform parameters (bucket span, blocks per bucket, total
+/// blocks, range) and `my_size + 1` boundaries.
+pub(crate) struct RouterTable {
+    pub kind: Vec<i32>,
+    pub params: Vec<i64>,
+    pub bounds: Vec<i64>,
+}
+
 /// Index element types the router reads and writes.
 trait IndexElem: Copy + Send + Sync + Default + crate::tensor::WithDType {
     fn to_i64(self) -> i64;
@@ -433,6 +442,60 @@ pub fn block_bucketize_sparse_features(
                 ),
             ));
         }
+    }
+
+    if indices.device().is_cuda() {
+        let mut table = RouterTable {
+            kind: Vec::new(),
+            params: Vec::new(),
+            bounds: Vec::new(),
+        };
+        for r in &routers {
+            match r {
+                Router::Uniform {
+                    bucket_span,
+                    blocks_per_bucket,
+                    total_blocks,
+                    range,
+                } => {
+                    table.kind.push(0);
+                    let p = [
+                        bucket_span.divisor,
+                        *blocks_per_bucket,
+                        *total_blocks,
+                        *range,
+                    ];
+                    table
+                        .params
+                        .extend(p.map(|v| v.min(i64::MAX as u64) as i64));
+                    table.bounds.extend(std::iter::repeat_n(0, my_size + 1));
+                }
+                Router::Boundaries(pos) => {
+                    table.kind.push(1);
+                    table.params.extend([1, 1, 1, 0]);
+                    table.bounds.extend_from_slice(pos);
+                }
+            }
+        }
+        let bag_feature: Vec<i32> = bag_feature.iter().map(|&f| f as i32).collect();
+        let routed = crate::tensor::cuda::block_bucketize(
+            indices,
+            &offsets,
+            &bag_feature,
+            &table,
+            my_size,
+            options,
+            &describe,
+        )?;
+        let n = routed.lengths.len();
+        return Ok(BlockBucketized {
+            lengths: int_tensor(routed.lengths, &[n], lengths.dtype())?
+                .to_device(indices.device())?,
+            indices: routed.indices,
+            weights: routed.weights,
+            positions: routed.positions,
+            unbucketize_permute: routed.destination,
+        });
     }
 
     let need_destination = options.weights.is_some() || options.bucketize_pos || options.sequence;

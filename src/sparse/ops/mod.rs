@@ -16,6 +16,7 @@ mod softmax;
 
 pub use baddbmm::permute102_baddbmm_permute102;
 pub use bmm::{batched_dense_vec_jagged_2d_mul, jagged_dense_bmm, jagged_jagged_bmm};
+pub(crate) use bucketize::RouterTable;
 pub use bucketize::{block_bucketize_sparse_features, BlockBucketizeOptions, BlockBucketized};
 pub use cumsum::{complete_cumsum, exclusive_cumsum, inclusive_cumsum};
 pub use dense::{
