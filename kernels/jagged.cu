@@ -39,3 +39,14 @@ extern "C" __global__ void dense_to_jagged_f32(
     i64 j = n - offsets[lo];
     values[i] = j < max_len ? dense[((i64)lo * max_len + j) * D + d] : 0.0f;
 }
+
+// Several jagged dimensions: out[r, d] = src[map[r], d], or `fill` where map[r] < 0 (the host
+// builds the slot -> row map for padding and the row -> slot map for the reverse).
+extern "C" __global__ void gather_rows_or_fill_f32(
+    const float* __restrict__ src, const i64* __restrict__ map, i64 rows, i64 row_len,
+    float fill, float* __restrict__ out) {
+    GRID_STRIDE(i, rows * row_len) {
+        i64 m = map[i / row_len];
+        out[i] = m >= 0 ? src[m * row_len + i % row_len] : fill;
+    }
+}

@@ -518,6 +518,42 @@ fn jagged_ops_and_row_indexing_match_the_cpu() {
         0.0,
     );
 
+    // Two jagged dimensions (3 outer bags of 0..3 inner bags of 0..4 rows), truncated both
+    // ways, padding and gradients in both directions.
+    let outer = Tensor::from_vec(vec![0i64, 2, 2, 5], &[4]).unwrap();
+    let inner = Tensor::from_vec(vec![0i64, 3, 4, 4, 8, 9], &[6]).unwrap();
+    let values = randn(&[9, 2], 76);
+    let vc = values.with_requires_grad(true);
+    let vg = values.to_device(dev).unwrap().with_requires_grad(true);
+    let pc = jagged_to_padded_dense(&vc, &[&outer, &inner], &[2, 3], 0.5).unwrap();
+    let pg = jagged_to_padded_dense(&vg, &[&outer, &inner], &[2, 3], 0.5).unwrap();
+    assert_eq!(pg.shape(), &[3, 2, 3, 2]);
+    assert_close("2-D jagged_to_padded_dense", &pg, &pc, 0.0);
+    let w = randn(pc.shape(), 77);
+    set_grad(&pc, &w);
+    set_grad(&pg, &w.to_device(dev).unwrap());
+    assert_close(
+        "2-D jagged_to_padded_dense grad",
+        &vg.grad().unwrap(),
+        &vc.grad().unwrap(),
+        0.0,
+    );
+    let dense = randn(&[3, 2, 3, 2], 78);
+    let dc = dense.with_requires_grad(true);
+    let dg = dense.to_device(dev).unwrap().with_requires_grad(true);
+    let jc = dense_to_jagged(&dc, &[&outer, &inner], None).unwrap();
+    let jg = dense_to_jagged(&dg, &[&outer, &inner], None).unwrap();
+    assert_close("2-D dense_to_jagged", &jg, &jc, 0.0);
+    let w = randn(jc.shape(), 79);
+    set_grad(&jc, &w);
+    set_grad(&jg, &w.to_device(dev).unwrap());
+    assert_close(
+        "2-D dense_to_jagged grad",
+        &dg.grad().unwrap(),
+        &dc.grad().unwrap(),
+        0.0,
+    );
+
     // index_select_dim0 with repeated rows; the row-sparse gradient densified on the device
     // sums the repeats (and an SGD step applies it).
     let table = randn(&[6, 4], 74);

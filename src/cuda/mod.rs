@@ -98,7 +98,11 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "jagged.cu",
         include_str!("../../kernels/jagged.cu"),
-        &["jagged_to_padded_dense_f32", "dense_to_jagged_f32"],
+        &[
+            "jagged_to_padded_dense_f32",
+            "dense_to_jagged_f32",
+            "gather_rows_or_fill_f32",
+        ],
     ),
     (
         "elementwise.cu",

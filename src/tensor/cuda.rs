@@ -986,3 +986,40 @@ fn read_back_int(t: &Tensor, i: usize) -> Result<i64> {
         _ => t.narrow(0, i, 1)?.to_vec::<i64>()?[0],
     })
 }
+
+/// `[map.len(), row_len]` f32 rows: row `r` is row `map[r]` of `src` (`[*, row_len]`, rows
+/// checked by the caller), or `fill` where `map[r] < 0`. The several-jagged-dimension layouts
+/// of `jagged_to_padded_dense` / `dense_to_jagged` use it both ways.
+pub(crate) fn gather_rows_or_fill_f32(
+    src: &Tensor,
+    map: &[i64],
+    row_len: usize,
+    fill: f64,
+) -> Result<Tensor> {
+    expect_f32("jagged_to_padded_dense", src)?;
+    let c = contiguous(src)?;
+    let (dev, ps) = raw(&c)?;
+    let out = empty(&dev, DType::F32, &[map.len(), row_len])?;
+    let n = map.len() * row_len;
+    if n == 0 {
+        return Ok(out);
+    }
+    let d_map = dev.htod(map)?;
+    let mut args = KernelArgs::new();
+    args.pointer(ps)
+        .buffer(&d_map)
+        .i64(map.len() as i64)
+        .i64(row_len as i64)
+        .f32(fill as f32)
+        .pointer(raw(&out)?.1);
+    // SAFETY: every non-negative map entry is a row of `src` (the caller's layout); the
+    // output holds map.len() rows of row_len values.
+    unsafe {
+        dev.launch(
+            "gather_rows_or_fill_f32",
+            LaunchConfig::linear(n, THREADS),
+            &mut args,
+        )?
+    };
+    Ok(out)
+}

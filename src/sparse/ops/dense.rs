@@ -208,11 +208,24 @@ fn pad_tensor(
     shape: &[usize],
 ) -> Result<Tensor> {
     if values.device().is_cuda() {
-        let (offsets, max_len) = cuda_layout(layout)?;
-        return crate::tensor::cuda::jagged_dense_f32(
-            values, offsets, max_len, row_len, fill, true, 0,
-        )?
-        .reshape(shape);
+        let out = match layout {
+            SlotLayout::Single {
+                offsets,
+                max_length,
+            } => crate::tensor::cuda::jagged_dense_f32(
+                values,
+                offsets,
+                *max_length,
+                row_len,
+                fill,
+                true,
+                0,
+            )?,
+            SlotLayout::Mapped { slot_to_row, .. } => {
+                crate::tensor::cuda::gather_rows_or_fill_f32(values, slot_to_row, row_len, fill)?
+            }
+        };
+        return out.reshape(shape);
     }
     with_any_dtype!(values.dtype(), T => {
         let fill = <T as WithDType>::from_f64(fill);
@@ -229,31 +242,29 @@ fn unpad_tensor(
     shape: &[usize],
 ) -> Result<Tensor> {
     if dense.device().is_cuda() {
-        let (offsets, max_len) = cuda_layout(layout)?;
-        return crate::tensor::cuda::jagged_dense_f32(
-            dense, offsets, max_len, row_len, 0.0, false, rows,
-        )?
-        .reshape(shape);
+        let out = match layout {
+            SlotLayout::Single {
+                offsets,
+                max_length,
+            } => crate::tensor::cuda::jagged_dense_f32(
+                dense,
+                offsets,
+                *max_length,
+                row_len,
+                0.0,
+                false,
+                rows,
+            )?,
+            SlotLayout::Mapped { row_to_slot, .. } => {
+                crate::tensor::cuda::gather_rows_or_fill_f32(dense, row_to_slot, row_len, 0.0)?
+            }
+        };
+        return out.reshape(shape);
     }
     with_any_dtype!(dense.dtype(), T => {
         let out = dense.with_contiguous(|v: &[T]| unpad(v, layout, row_len, rows))?;
         Tensor::from_vec(out, shape)
     })
-}
-
-/// The offsets and max length of a one-jagged-dimension layout, the only one the CUDA kernels
-/// take.
-fn cuda_layout(layout: &SlotLayout) -> Result<(&[i64], usize)> {
-    match layout {
-        SlotLayout::Single {
-            offsets,
-            max_length,
-        } => Ok((offsets, *max_length)),
-        SlotLayout::Mapped { .. } => Err(Error::invalid(
-            "jagged_to_padded_dense",
-            "on CUDA devices only one jagged dimension is supported yet (move to the CPU)",
-        )),
-    }
 }
 
 /// Backward of the padding conversions: each direction's gradient is the other direction.
