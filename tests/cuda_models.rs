@@ -244,6 +244,23 @@ fn ebc(optimizer: FusedOptimizer, decay: WeightDecay) -> EmbeddingBagCollection 
     .unwrap()
 }
 
+/// Every table of [`ebc`]'s collections equal to 1e-5.
+fn assert_tables_close(what: &str, got: &EmbeddingBagCollection, want: &EmbeddingBagCollection) {
+    for t in ["a", "b", "c"] {
+        let (g, w) = (
+            got.table_weights(t).unwrap(),
+            want.table_weights(t).unwrap(),
+        );
+        let n = g.len();
+        assert_close(
+            &format!("{what} table {t}"),
+            &Tensor::from_vec(g, &[n]).unwrap(),
+            &Tensor::from_vec(w, &[n]).unwrap(),
+            1e-5,
+        );
+    }
+}
+
 fn kjt(seed: u64, batch: usize, rows: &[i64]) -> KeyedJaggedTensor {
     use rand::Rng;
     let mut rng = seeded(seed);
@@ -309,19 +326,7 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
             let out = c.forward(&input).unwrap();
             set_grad(out.values(), &randn(out.values().shape(), 41));
         }
-        for t in ["a", "b", "c"] {
-            let (got, want) = (
-                host_copy.table_weights(t).unwrap(),
-                cpu.table_weights(t).unwrap(),
-            );
-            let n = got.len();
-            assert_close(
-                &format!("{optimizer:?} table {t}"),
-                &Tensor::from_vec(got, &[n]).unwrap(),
-                &Tensor::from_vec(want, &[n]).unwrap(),
-                1e-5,
-            );
-        }
+        assert_tables_close(&format!("{optimizer:?}"), &host_copy, &cpu);
     }
     // An out-of-range id is an error naming the feature, position and table size.
     let sgd = ebc(FusedOptimizer::Sgd { lr: 0.1 }, WeightDecay::None);
@@ -380,19 +385,7 @@ fn per_sample_weights_get_their_gradient_from_the_device() {
     assert_close("per-sample weights' gradient", &grads[1], &grads[0], 1e-5);
     // The rows moved as on the CPU (the weights scale their gradient).
     gpu.copy_to(&host_copy).unwrap();
-    for t in ["a", "b", "c"] {
-        let (got, want) = (
-            host_copy.table_weights(t).unwrap(),
-            cpu.table_weights(t).unwrap(),
-        );
-        let len = got.len();
-        assert_close(
-            &format!("table {t}"),
-            &Tensor::from_vec(got, &[len]).unwrap(),
-            &Tensor::from_vec(want, &[len]).unwrap(),
-            1e-5,
-        );
-    }
+    assert_tables_close("weighted", &host_copy, &cpu);
 }
 
 #[test]
