@@ -40,6 +40,15 @@ impl LaunchConfig {
         }
     }
 
+    /// One block of `threads` threads (the whole-array scans).
+    pub fn single_block(threads: u32) -> Self {
+        LaunchConfig {
+            grid: (1, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+
     /// One warp per item, `warps` warps per block: blocks of `(32, warps)` threads.
     pub fn warp_per_item(items: usize, warps: u32) -> Self {
         LaunchConfig {

@@ -56,11 +56,7 @@ pub fn radix_sort_u64(
         unsafe { device.launch("radix_histogram", grid, &mut args)? };
         let mut args = KernelArgs::new();
         args.buffer(&counts).i64(counts.len() as i64);
-        let one_block = LaunchConfig {
-            grid: (1, 1, 1),
-            block: (1024, 1, 1),
-            shared_bytes: 0,
-        };
+        let one_block = LaunchConfig::single_block(1024);
         // SAFETY: scans counts in place.
         unsafe { device.launch("radix_scan", one_block, &mut args)? };
         let mut args = KernelArgs::new();

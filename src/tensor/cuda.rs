@@ -934,11 +934,7 @@ pub(crate) fn block_bucketize(
     args.buffer(&counts)
         .buffer(&cursor)
         .i64((my_size * bags) as i64);
-    let one_block = LaunchConfig {
-        grid: (1, 1, 1),
-        block: (1024, 1, 1),
-        shared_bytes: 0,
-    };
+    let one_block = LaunchConfig::single_block(1024);
     // SAFETY: scans my_size·bags counts into cursor.
     unsafe { dev.launch("scan_exclusive_i64", one_block, &mut args)? };
     let mut lengths = counts.to_host()?;
