@@ -1,4 +1,5 @@
-// Element-wise f32 kernels over contiguous buffers, one thread per element (grid-stride).
+// Element-wise kernels, one thread per element (grid-stride): contiguous f32 helpers first, then
+// the strided and typed kernels behind the tensor core's ops.
 
 extern "C" __global__ void fill_f32(float* out, float value, i64 n) {
     GRID_STRIDE(i, n) out[i] = value;
@@ -92,12 +93,6 @@ __device__ __forceinline__ float binary_op(int op, float x, float y) {
     }
 }
 
-// out[i] = a[..] op b[..] over broadcast strided operands (meta: two operands).
-extern "C" __global__ void binary_strided_f32(const float* a, const float* b, float* out,
-                                              int op, i64 n, const i64* meta) {
-    GRID_STRIDE(i, n) out[i] = binary_op(op, a[strided_offset(i, meta, 0)],
-                                         b[strided_offset(i, meta, 1)]);
-}
 
 // The tensor core's float functions, value and derivative side by side (src/tensor/ops/unary.rs):
 // 0 neg, 1 exp, 2 log, 3 sqrt, 4 abs, 5 relu, 6 tanh, 7 sigmoid, 8 gelu, 9 gelu_tanh,
@@ -153,29 +148,119 @@ __device__ __forceinline__ float unary_derivative(int op, float x, float y, floa
     }
 }
 
-extern "C" __global__ void unary_fn_f32(const float* x, float* y, int op, float p0, float p1,
-                                        i64 n) {
-    GRID_STRIDE(i, n) y[i] = unary_value(op, x[i], p0, p1);
+// ---- Float tensors of every storage type (f32, f16, bf16), computed in f32 --------------------
+// Each value is loaded to f32, computed on, and rounded once to the storage type, as the CPU
+// does for f16/bf16 (src/tensor/ops: compute in f32, cast back), so both agree bit for bit
+// wherever the f32 arithmetic itself does.
+
+// out[i] = a[..] op b[..] over broadcast strided operands (meta: two operands).
+template <class E>
+__device__ __forceinline__ void binary_strided(const typename E::T* a, const typename E::T* b,
+                                               typename E::T* out, int op, i64 n,
+                                               const i64* meta) {
+    GRID_STRIDE(i, n) out[i] = E::store(binary_op(op, E::load(a[strided_offset(i, meta, 0)]),
+                                                  E::load(b[strided_offset(i, meta, 1)])));
+}
+
+template <class E>
+__device__ __forceinline__ void unary_fn(const typename E::T* x, typename E::T* y, int op,
+                                         float p0, float p1, i64 n) {
+    GRID_STRIDE(i, n) y[i] = E::store(unary_value(op, E::load(x[i]), p0, p1));
 }
 
 // gx = g · f'(x, y).
-extern "C" __global__ void unary_backward_f32(const float* x, const float* y, const float* g,
-                                              float* gx, int op, float p0, float p1, i64 n) {
-    GRID_STRIDE(i, n) gx[i] = g[i] * unary_derivative(op, x[i], y[i], p0, p1);
+template <class E>
+__device__ __forceinline__ void unary_backward(const typename E::T* x, const typename E::T* y,
+                                               const typename E::T* g, typename E::T* gx, int op,
+                                               float p0, float p1, i64 n) {
+    GRID_STRIDE(i, n) {
+        float d = unary_derivative(op, E::load(x[i]), E::load(y[i]), p0, p1);
+        gx[i] = E::store(E::load(g[i]) * d);
+    }
 }
 
 // Sums a contiguous [outer, r, inner] buffer over its middle dimension, one thread per output,
-// in index order with a double accumulator (deterministic, no atomics).
-extern "C" __global__ void sum_middle_f32(const float* x, float* out, i64 outer, i64 r,
-                                          i64 inner) {
+// in index order with a double accumulator (deterministic, no atomics), rounded to f32 and then
+// to the storage type.
+template <class E>
+__device__ __forceinline__ void sum_middle(const typename E::T* x, typename E::T* out, i64 outer,
+                                           i64 r, i64 inner) {
     GRID_STRIDE(i, outer * inner) {
         i64 o = i / inner;
         i64 j = i - o * inner;
-        const float* p = x + o * r * inner + j;
+        const typename E::T* p = x + o * r * inner + j;
         double acc = 0.0;
-        for (i64 k = 0; k < r; ++k) acc += (double)p[k * inner];
-        out[i] = (float)acc;
+        for (i64 k = 0; k < r; ++k) acc += (double)E::load(p[k * inner]);
+        out[i] = E::store((float)acc);
     }
+}
+
+#define FLOAT_KERNELS(S, E)                                                                       \
+extern "C" __global__ void binary_strided_##S(const E::T* a, const E::T* b, E::T* out, int op,    \
+                                              i64 n, const i64* meta) {                          \
+    binary_strided<E>(a, b, out, op, n, meta);                                                    \
+}                                                                                                 \
+extern "C" __global__ void unary_fn_##S(const E::T* x, E::T* y, int op, float p0, float p1,       \
+                                        i64 n) {                                                  \
+    unary_fn<E>(x, y, op, p0, p1, n);                                                             \
+}                                                                                                 \
+extern "C" __global__ void unary_backward_##S(const E::T* x, const E::T* y, const E::T* g,        \
+                                              E::T* gx, int op, float p0, float p1, i64 n) {     \
+    unary_backward<E>(x, y, g, gx, op, p0, p1, n);                                                \
+}                                                                                                 \
+extern "C" __global__ void sum_middle_##S(const E::T* x, E::T* out, i64 outer, i64 r, i64 inner) { \
+    sum_middle<E>(x, out, outer, r, inner);                                                       \
+}
+FLOAT_KERNELS(f32, F32Elem)
+FLOAT_KERNELS(f16, F16Elem)
+FLOAT_KERNELS(bf16, BF16Elem)
+
+// ---- Casts between any two dtypes -----------------------------------------------------------
+// Dtype codes in DType's order: 0 f32, 1 f64, 2 f16, 3 bf16, 4 i64, 5 i32, 6 u8. As on the CPU
+// (src/tensor/ops/cast.rs) every value is widened to f64 and rounded once: floats to nearest
+// (f16/bf16 through f64_to_f32_odd), integers as Rust's `as` does (toward zero, saturating,
+// NaN to 0).
+__device__ __forceinline__ double load_as_f64(const u8* base, int dt, i64 i) {
+    switch (dt) {
+    case 0: return (double)reinterpret_cast<const float*>(base)[i];
+    case 1: return reinterpret_cast<const double*>(base)[i];
+    case 2: return (double)f16_to_f32(reinterpret_cast<const u16*>(base)[i]);
+    case 3: return (double)bf16_to_f32(reinterpret_cast<const u16*>(base)[i]);
+    case 4: return (double)reinterpret_cast<const i64*>(base)[i];
+    case 5: return (double)reinterpret_cast<const int*>(base)[i];
+    default: return (double)base[i];
+    }
+}
+
+__device__ __forceinline__ double saturate(double v, double lo, double hi) {
+    return v != v ? 0.0 : (v <= lo ? lo : (v >= hi ? hi : v));
+}
+
+__device__ __forceinline__ void store_from_f64(u8* base, int dt, i64 i, double v) {
+    switch (dt) {
+    case 0: reinterpret_cast<float*>(base)[i] = (float)v; break;
+    case 1: reinterpret_cast<double*>(base)[i] = v; break;
+    case 2: reinterpret_cast<u16*>(base)[i] = f64_to_f16(v); break;
+    case 3: reinterpret_cast<u16*>(base)[i] = f64_to_bf16(v); break;
+    case 4: {
+        // 2^63 is the first double past i64::MAX.
+        i64 r;
+        if (v != v) r = 0;
+        else if (v >= 9223372036854775808.0) r = 0x7fffffffffffffffLL;
+        else if (v <= -9223372036854775808.0) r = (-0x7fffffffffffffffLL - 1);
+        else r = (i64)v;
+        reinterpret_cast<i64*>(base)[i] = r;
+        break;
+    }
+    case 5: reinterpret_cast<int*>(base)[i] = (int)saturate(v, -2147483648.0, 2147483647.0); break;
+    default: base[i] = (u8)saturate(v, 0.0, 255.0); break;
+    }
+}
+
+// out[i] (contiguous, dtype dst_type) = the strided view `meta` of src (dtype src_type).
+extern "C" __global__ void cast_strided(const u8* src, int src_type, u8* out, int dst_type,
+                                        i64 n, const i64* meta) {
+    GRID_STRIDE(i, n) store_from_f64(out, dst_type, i, load_as_f64(src, src_type, strided_offset(i, meta, 0)));
 }
 
 // Binary cross-entropy with logits per element, and its derivative in x (sigmoid(x) − y),

@@ -42,6 +42,44 @@ __device__ __forceinline__ float bf16_to_f32(u16 b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
 
+// f32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN. As half::bf16::from_f32.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);
+    return (u16)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// f64 -> f32 rounded to odd (truncate, then set the last bit if anything was cut off): rounding
+// that result to f16/bf16 is then the correctly rounded f64 -> f16/bf16 (24 >= 11 + 2 bits).
+// src/tensor/dtype.rs does the same on the CPU, so both agree bit for bit.
+__device__ __forceinline__ float f64_to_f32_odd(double d) {
+    float f = (float)d;
+    if ((double)f == d || d != d) return f;
+    unsigned int b = __float_as_uint(f);
+    if (fabs((double)f) > fabs(d)) b -= 1u;  // f was rounded away from zero: step back
+    return __uint_as_float(b | 1u);
+}
+
+__device__ __forceinline__ u16 f64_to_f16(double d) { return f32_to_f16(f64_to_f32_odd(d)); }
+__device__ __forceinline__ u16 f64_to_bf16(double d) { return f32_to_bf16(f64_to_f32_odd(d)); }
+
+// The storage types of float tensors, each loaded to and stored from the f32 it computes in.
+struct F32Elem {
+    typedef float T;
+    static __device__ __forceinline__ float load(float v) { return v; }
+    static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct F16Elem {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+};
+struct BF16Elem {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+};
+
 // FBGEMM's HFP8 (no inf/NaN): the 7 magnitude bits moved to where an f32 keeps exponent and
 // mantissa give value * 2^(bias - 127); one exact multiply rebases it (sub-normals included).
 __device__ __forceinline__ float hfp8_to_f32(u8 byte, int ebits, int bias) {

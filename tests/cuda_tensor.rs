@@ -286,6 +286,246 @@ fn ops_without_a_cuda_path_and_mixed_devices_are_errors() {
         err.contains(&dev.to_string()) && err.contains("to_device"),
         "{err}"
     );
-    let err = da.to_dtype(DType::I32).unwrap_err().to_string();
-    assert!(err.contains(&dev.to_string()), "{err}");
+    // Integer arithmetic has no CUDA kernel: the error names the op, dtype and device.
+    let di = da.to_dtype(DType::I32).unwrap();
+    let err = di.add(&di).unwrap_err().to_string();
+    assert!(
+        err.contains(&dev.to_string()) && err.contains("add") && err.contains("I32"),
+        "{err}"
+    );
+}
+
+/// Bit-level equality of two tensors' values (NaN equal to NaN, the sign of zero kept).
+fn assert_same_values(what: &str, got: &Tensor, expected: &Tensor) {
+    assert_eq!(got.shape(), expected.shape(), "{what}: shapes");
+    assert_eq!(got.dtype(), expected.dtype(), "{what}: dtypes");
+    let (g, e) = (
+        host(got).to_vec_f64().unwrap(),
+        expected.to_vec_f64().unwrap(),
+    );
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        let same = a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        assert!(same, "{what} element {i}: CUDA {a:e} vs CPU {b:e}");
+    }
+}
+
+const ALL_DTYPES: [DType; 7] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+];
+
+#[test]
+fn casts_between_every_dtype_match_the_cpu_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    // Random values at several scales, and the edges of every conversion: NaN, infinities,
+    // signed zeros, overflow and underflow of each float format, f16/bf16 sub-normals, ties
+    // (1 + 2^-11 is halfway between two f16 values; with 2^-40 added it lies just above, which
+    // rounding through f32 first would lose), and integers past i32/u8/i64 ranges.
+    let mut values: Vec<f64> = randn(&[96], 60)
+        .to_vec_f64()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * [1e-6, 1e-2, 1.0, 3e2, 7e4, 1e9][i % 6])
+        .collect();
+    let p = |e: i32| 2f64.powi(e);
+    values.extend([
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1e300,
+        -1e300,
+        1e-300,
+        3.4e38,
+        3.5e38,
+        65504.0,
+        65520.0,
+        6e-8,
+        3e-8,
+        1e-40,
+        1.0 + p(-11),
+        1.0 + p(-11) + p(-40),
+        1.0 + 3.0 * p(-11),
+        1.0 + p(-8),
+        1.0 + p(-8) + p(-40),
+        -2.5,
+        -0.7,
+        255.5,
+        256.0,
+        -1.0,
+        2147483647.0,
+        2147483648.0,
+        -2147483649.0,
+        9.3e18,
+        -9.3e18,
+        4096.5,
+        0.1,
+    ]);
+    let n = values.len();
+    assert_eq!(n % 8, 0);
+    let base = Tensor::from_vec(values, &[n]).unwrap();
+    for src in ALL_DTYPES {
+        let s = base.to_dtype(src).unwrap();
+        let ds = s.to_device(dev).unwrap();
+        for dst in ALL_DTYPES {
+            let what = format!("{src:?} -> {dst:?}");
+            assert_same_values(&what, &ds.to_dtype(dst).unwrap(), &s.to_dtype(dst).unwrap());
+        }
+        // A strided view converts as its values.
+        let view = s.reshape(&[n / 8, 8]).unwrap().t().unwrap();
+        let dview = ds.reshape(&[n / 8, 8]).unwrap().t().unwrap();
+        for dst in [DType::F32, DType::F16, DType::I64] {
+            let what = format!("{src:?} view -> {dst:?}");
+            assert_same_values(
+                &what,
+                &dview.to_dtype(dst).unwrap(),
+                &view.to_dtype(dst).unwrap(),
+            );
+        }
+    }
+}
+
+/// Within `ulps` units in the last place of the storage format (f16: 2^-10, bf16: 2^-7
+/// relative), measured against the larger of |expected| and `floor`.
+fn assert_close_ulps(what: &str, got: &Tensor, expected: &Tensor, ulps: f64, floor: f64) {
+    let unit = match expected.dtype() {
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+        _ => 2f64.powi(-23),
+    };
+    assert_eq!(got.shape(), expected.shape(), "{what}: shapes");
+    assert_eq!(got.dtype(), expected.dtype(), "{what}: dtypes");
+    let (g, e) = (
+        host(got).to_vec_f64().unwrap(),
+        expected.to_vec_f64().unwrap(),
+    );
+    for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+        let ok = (a - b).abs() <= ulps * unit * b.abs().max(floor) || (a.is_nan() && b.is_nan());
+        assert!(ok, "{what} element {i}: CUDA {a} vs CPU {b}");
+    }
+}
+
+#[test]
+fn half_precision_math_matches_the_cpu() {
+    let Some(dev) = device() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        let a = randn(&[3, 4, 5], 61).to_dtype(dtype).unwrap();
+        let b = randn(&[4, 1], 62).to_dtype(dtype).unwrap();
+        let (da, db) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+        // f32 arithmetic rounded once: exact, as on the CPU.
+        type Op = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
+        let ops: [(&str, Op); 6] = [
+            ("add", Tensor::add),
+            ("sub", Tensor::sub),
+            ("mul", Tensor::mul),
+            ("div", Tensor::div),
+            ("maximum", Tensor::maximum),
+            ("minimum", Tensor::minimum),
+        ];
+        for (name, op) in ops {
+            let what = format!("{dtype:?} {name}");
+            assert_same_values(&what, &op(&da, &db).unwrap(), &op(&a, &b).unwrap());
+            // A transposed view against the broadcast operand, and the operands swapped.
+            let dat = da.transpose(0, 2).unwrap();
+            let at = a.transpose(0, 2).unwrap();
+            assert_same_values(&what, &op(&dat, &db).unwrap(), &op(&at, &b).unwrap());
+            assert_same_values(&what, &op(&db, &dat).unwrap(), &op(&b, &at).unwrap());
+        }
+        // The float functions: f32 libm and CUDA's differ by an f32 ulp or two, which can move
+        // the rounded result by one unit of the storage format.
+        let p = a.abs().unwrap().add_scalar(0.1).unwrap();
+        let dp = p.to_device(dev).unwrap();
+        type Fun = fn(&Tensor) -> embers::Result<Tensor>;
+        let funs: [(&str, Fun); 8] = [
+            ("exp", Tensor::exp),
+            ("log", Tensor::log),
+            ("sqrt", Tensor::sqrt),
+            ("tanh", Tensor::tanh),
+            ("sigmoid", Tensor::sigmoid),
+            ("relu", Tensor::relu),
+            ("gelu", Tensor::gelu),
+            ("neg", Tensor::neg),
+        ];
+        for (name, f) in funs {
+            let what = format!("{dtype:?} {name}");
+            assert_close_ulps(&what, &f(&dp).unwrap(), &f(&p).unwrap(), 1.0, 1e-3);
+        }
+        // Sums (f64 accumulation on the device, f32 on the CPU, both rounded once to f32).
+        for dims in [&[0][..], &[1, 2], &[0, 1, 2]] {
+            let what = format!("{dtype:?} sum over {dims:?}");
+            let got = da.sum(dims, false).unwrap();
+            assert_close_ulps(&what, &got, &a.sum(dims, false).unwrap(), 1.0, 1e-3);
+        }
+        // Matrix products: f32 accumulation, one rounding of each result.
+        let cases: [(&[usize], &[usize]); 3] = [
+            (&[7, 33], &[33, 5]),
+            (&[3, 4, 9], &[3, 9, 6]),
+            (&[4, 9], &[2, 9, 6]),
+        ];
+        for (i, (sa, sb)) in cases.iter().enumerate() {
+            let x = randn(sa, 70 + i as u64).to_dtype(dtype).unwrap();
+            let y = randn(sb, 80 + i as u64).to_dtype(dtype).unwrap();
+            let got = x
+                .to_device(dev)
+                .unwrap()
+                .matmul(&y.to_device(dev).unwrap())
+                .unwrap();
+            let what = format!("{dtype:?} {sa:?}·{sb:?}");
+            assert_close_ulps(&what, &got, &x.matmul(&y).unwrap(), 1.0, 1.0);
+        }
+    }
+}
+
+#[test]
+fn mixed_precision_gradients_match_the_cpu() {
+    // An f32 master weight cast to bf16/f16 for the forward pass, as mixed-precision training
+    // does: the gradient flows back through the casts, products and functions in half
+    // precision and arrives in f32.
+    let Some(dev) = device() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        let x = randn(&[16, 12], 90).to_dtype(dtype).unwrap();
+        let w_host = randn(&[12, 8], 91).affine(0.3, 0.0).unwrap();
+        let run = |device: Device| -> Tensor {
+            let w = w_host.to_device(device).unwrap().with_requires_grad(true);
+            let y = x
+                .to_device(device)
+                .unwrap()
+                .matmul(&w.to_dtype(dtype).unwrap())
+                .unwrap()
+                .tanh()
+                .unwrap()
+                .mul_scalar(0.5)
+                .unwrap()
+                .sum(&[0, 1], false)
+                .unwrap();
+            assert_eq!(y.dtype(), dtype);
+            y.backward().unwrap();
+            let g = w.grad().unwrap();
+            assert_eq!((g.dtype(), g.device()), (DType::F32, device));
+            host(&g)
+        };
+        let (g_dev, g_cpu) = (run(dev), run(Device::Cpu));
+        let (g, e) = (g_dev.to_vec_f64().unwrap(), g_cpu.to_vec_f64().unwrap());
+        let scale = e.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "a zero gradient proves nothing");
+        // Each gradient is a half-precision product of 16 terms: a few units of the format.
+        let unit = if dtype == DType::F16 {
+            2f64.powi(-10)
+        } else {
+            2f64.powi(-7)
+        };
+        for (i, (a, b)) in g.iter().zip(&e).enumerate() {
+            assert!(
+                (a - b).abs() <= 4.0 * unit * scale,
+                "{dtype:?} gradient element {i}: CUDA {a} vs CPU {b}"
+            );
+        }
+    }
 }

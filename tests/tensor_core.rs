@@ -610,3 +610,27 @@ fn optimizer_hyper_parameters_are_checked() {
     assert!(msg(Adam::new(p(), bad_betas).map(|_| ())).contains("betas"));
     assert!(Adam::new(p(), AdamConfig::default()).is_ok());
 }
+
+#[test]
+fn f64_to_half_precision_rounds_once() {
+    // 1 + 2^-11 + 2^-40 lies just above the midpoint of the f16 neighbours 1 and 1 + 2^-10:
+    // rounding it to f32 first lands on the midpoint exactly, which would then tie to 1.
+    let p = |e: i32| 2f64.powi(e);
+    for (dtype, half_ulp) in [(DType::F16, -11), (DType::BF16, -8)] {
+        let above = 1.0 + p(half_ulp) + p(-40);
+        let t = Tensor::from_vec(vec![above, -above, 1.0 + p(half_ulp)], &[3]).unwrap();
+        let up = 1.0 + p(half_ulp + 1);
+        assert_eq!(
+            t.to_dtype(dtype).unwrap().to_vec_f64().unwrap(),
+            vec![up, -up, 1.0],
+            "{dtype:?}"
+        );
+        assert_eq!(
+            Tensor::full(above, &[1], dtype, Device::Cpu)
+                .to_vec_f64()
+                .unwrap(),
+            vec![up],
+            "{dtype:?} full"
+        );
+    }
+}

@@ -1,12 +1,14 @@
 //! Matrix products on a device: cuBLAS on a GPU (strided-batched SGEMM, FP32 math unless TF32
-//! is allowed), a plain loop with an f64 accumulator on the host emulation.
+//! is allowed; f16/bf16 operands through `cublasGemmStridedBatchedEx` with f32 compute), a plain
+//! loop with an f64 accumulator on the host emulation (each result rounded to f32, then to the
+//! storage type).
 
 use std::sync::Mutex;
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 
 use super::{Backend, CudaDevice};
-use crate::{Device, Error, Result};
+use crate::{DType, Device, Error, Result};
 
 /// A cuBLAS handle bound to the device's stream.
 pub(crate) struct BlasHandle(cublas_sys::cublasHandle_t);
@@ -21,10 +23,11 @@ impl Drop for BlasHandle {
     }
 }
 
-/// Row-major batched product `C[b] = A[b] · B[b]` of contiguous f32 matrices: A `[m, k]`,
-/// B `[k, n]`, C `[m, n]`, consecutive batch entries `stride_*` elements apart (0: the same
-/// matrix for every batch entry).
+/// Row-major batched product `C[b] = A[b] · B[b]` of contiguous matrices of one float dtype
+/// (f32, f16 or bf16): A `[m, k]`, B `[k, n]`, C `[m, n]`, consecutive batch entries `stride_*`
+/// elements apart (0: the same matrix for every batch entry).
 pub(crate) struct Gemm {
+    pub dtype: DType,
     pub batch: usize,
     pub m: usize,
     pub n: usize,
@@ -46,7 +49,18 @@ fn blas_error(device: &CudaDevice, msg: impl Into<String>) -> Error {
 
 impl CudaDevice {
     /// Runs `g` (every pointer a live allocation of this device, sized as `g` says).
-    pub(crate) fn gemm_f32(&self, g: &Gemm) -> Result<()> {
+    pub(crate) fn gemm(&self, g: &Gemm) -> Result<()> {
+        let data_type = match g.dtype {
+            DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
+            DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => cublas_sys::cudaDataType::CUDA_R_16BF,
+            other => {
+                return Err(blas_error(
+                    self,
+                    format!("no matrix product for {other:?} (f32, f16 or bf16)"),
+                ))
+            }
+        };
         if g.batch == 0 || g.m == 0 || g.n == 0 {
             return Ok(());
         }
@@ -89,6 +103,40 @@ impl CudaDevice {
                 let handle = slot.as_ref().expect("created above");
                 let (alpha, beta) = (1.0f32, 0.0f32);
                 // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands.
+                if g.dtype != DType::F32 {
+                    // f32 compute: products accumulate in f32 (cuBLAS may add split-K partial
+                    // sums in the output type, as PyTorch allows by default).
+                    // SAFETY: per `Gemm`'s contract; alpha/beta are host f32 values, as the
+                    // f32 compute type requires.
+                    return unsafe {
+                        cublas::gemm_strided_batched_ex(
+                            handle.0,
+                            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                            g.n as i32,
+                            g.m as i32,
+                            g.k as i32,
+                            (&alpha as *const f32).cast(),
+                            g.b as *const std::ffi::c_void,
+                            data_type,
+                            g.n as i32,
+                            g.stride_b as i64,
+                            g.a as *const std::ffi::c_void,
+                            data_type,
+                            g.k as i32,
+                            g.stride_a as i64,
+                            (&beta as *const f32).cast(),
+                            g.c as *mut std::ffi::c_void,
+                            data_type,
+                            g.n as i32,
+                            (g.m * g.n) as i64,
+                            g.batch as i32,
+                            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    }
+                    .map_err(|e| blas_error(self, e.to_string()));
+                }
                 // SAFETY: per `Gemm`'s contract; alpha/beta are host values.
                 unsafe {
                     cublas::sgemm_strided_batched(
@@ -115,24 +163,35 @@ impl CudaDevice {
                 .map_err(|e| blas_error(self, e.to_string()))
             }
             Backend::Sim(_) => {
-                // SAFETY: emulated device memory is host memory, sized per `Gemm`'s contract.
-                unsafe {
-                    for bi in 0..g.batch {
-                        let a = (g.a as *const f32).add(bi * g.stride_a);
-                        let b = (g.b as *const f32).add(bi * g.stride_b);
-                        let c = (g.c as *mut f32).add(bi * g.m * g.n);
-                        for i in 0..g.m {
-                            for j in 0..g.n {
-                                let mut acc = 0.0f64;
-                                for p in 0..g.k {
-                                    acc += *a.add(i * g.k + p) as f64 * *b.add(p * g.n + j) as f64;
-                                }
-                                *c.add(i * g.n + j) = acc as f32;
-                            }
-                        }
-                    }
+                let _ = data_type;
+                match g.dtype {
+                    DType::F16 => sim_gemm(g, |v: half::f16| v.to_f32(), half::f16::from_f32),
+                    DType::BF16 => sim_gemm(g, |v: half::bf16| v.to_f32(), half::bf16::from_f32),
+                    _ => sim_gemm(g, |v: f32| v, |v| v),
                 }
                 Ok(())
+            }
+        }
+    }
+}
+
+/// The emulation's product: f64 accumulation of the loaded values, each result rounded to f32
+/// and stored as `T`.
+fn sim_gemm<T: Copy>(g: &Gemm, load: impl Fn(T) -> f32, store: impl Fn(f32) -> T) {
+    // SAFETY: emulated device memory is host memory, sized per `Gemm`'s contract.
+    unsafe {
+        for bi in 0..g.batch {
+            let a = (g.a as *const T).add(bi * g.stride_a);
+            let b = (g.b as *const T).add(bi * g.stride_b);
+            let c = (g.c as *mut T).add(bi * g.m * g.n);
+            for i in 0..g.m {
+                for j in 0..g.n {
+                    let mut acc = 0.0f64;
+                    for p in 0..g.k {
+                        acc += load(*a.add(i * g.k + p)) as f64 * load(*b.add(p * g.n + j)) as f64;
+                    }
+                    *c.add(i * g.n + j) = store(acc as f32);
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! The tensor core on CUDA devices: storage in device memory, host↔device moves, and the value
-//! kernels behind the ops that have a CUDA path — strided copies (any dtype), broadcasting
-//! binary arithmetic, the float functions and their derivatives, sums over dimensions and
-//! matrix products (f32). The ops in `ops/` call these when their operands live on a CUDA
+//! kernels behind the ops that have a CUDA path — strided copies and dtype casts (any dtype),
+//! and for f32, f16 and bf16 (computed in f32, rounded once, as on the CPU) broadcasting binary
+//! arithmetic, the float functions and their derivatives, sums over dimensions and matrix
+//! products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
 //! device; autograd needs nothing more, since backward passes are built from the same ops. An
 //! op without a CUDA path fails with an error naming it and the device.
 
@@ -97,6 +98,35 @@ fn meta(
     device.htod(&m)
 }
 
+/// The three instantiations (f32, f16, bf16) of a float kernel of `kernels/elementwise.cu`.
+macro_rules! float_kernels {
+    ($base:literal) => {
+        [
+            concat!($base, "_f32"),
+            concat!($base, "_f16"),
+            concat!($base, "_bf16"),
+        ]
+    };
+}
+
+/// The instantiation of `kernels` (see [`float_kernels`]) for `t`'s dtype; other dtypes are
+/// refused naming `op`.
+fn float_kernel(op: &'static str, t: &Tensor, kernels: [&'static str; 3]) -> Result<&'static str> {
+    match t.dtype() {
+        DType::F32 => Ok(kernels[0]),
+        DType::F16 => Ok(kernels[1]),
+        DType::BF16 => Ok(kernels[2]),
+        dtype => Err(Error::Device {
+            device: t.device(),
+            op,
+            msg: format!(
+                "no CUDA kernel for {dtype:?} tensors (f32, f16 and bf16 have one; move other \
+                 dtypes to the CPU with to_device)"
+            ),
+        }),
+    }
+}
+
 fn expect_f32(op: &'static str, t: &Tensor) -> Result<()> {
     if t.dtype() != DType::F32 {
         return Err(Error::UnsupportedDType {
@@ -184,15 +214,15 @@ fn storage_len(t: &Tensor) -> usize {
     }
 }
 
-/// Broadcasting `a op b` (op codes of `kernels/elementwise.cu`: add, sub, mul, div, max, min).
-pub(crate) fn binary_f32(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// Broadcasting `a op b` (op codes of `kernels/elementwise.cu`: add, sub, mul, div, max, min)
+/// of float tensors of one dtype (the caller checks that they match).
+pub(crate) fn binary_float(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_device(op, a, b)?;
-    expect_f32(op, a)?;
-    expect_f32(op, b)?;
+    let kernel = float_kernel(op, a, float_kernels!("binary_strided"))?;
     let shape = super::layout::broadcast_shapes(op, a.shape(), b.shape())?;
     let (dev, pa) = raw(a)?;
     let (_, pb) = raw(b)?;
-    let out = empty(&dev, DType::F32, &shape)?;
+    let out = empty(&dev, a.dtype(), &shape)?;
     let n: usize = shape.iter().product();
     if n == 0 {
         return Ok(out);
@@ -215,13 +245,7 @@ pub(crate) fn binary_f32(op: &'static str, code: i32, a: &Tensor, b: &Tensor) ->
         .i64(n as i64)
         .buffer(&m);
     // SAFETY: the views lie inside their storages; the output holds n elements.
-    unsafe {
-        dev.launch(
-            "binary_strided_f32",
-            LaunchConfig::linear(n, THREADS),
-            &mut args,
-        )?
-    };
+    unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
     Ok(out)
 }
 
@@ -255,12 +279,12 @@ fn unary_code_or_err(name: &'static str) -> Result<i32> {
 }
 
 /// `f(x)` for float function `name` with parameters `p`.
-pub(crate) fn unary_f32(name: &'static str, p: (f64, f64), x: &Tensor) -> Result<Tensor> {
-    expect_f32(name, x)?;
+pub(crate) fn unary_float(name: &'static str, p: (f64, f64), x: &Tensor) -> Result<Tensor> {
+    let kernel = float_kernel(name, x, float_kernels!("unary_fn"))?;
     let code = unary_code_or_err(name)?;
     let x = contiguous(x)?;
     let (dev, px) = raw(&x)?;
-    let out = empty(&dev, DType::F32, x.shape())?;
+    let out = empty(&dev, x.dtype(), x.shape())?;
     let n = x.numel();
     if n > 0 {
         let (_, po) = raw(&out)?;
@@ -272,13 +296,13 @@ pub(crate) fn unary_f32(name: &'static str, p: (f64, f64), x: &Tensor) -> Result
             .f32(p.1 as f32)
             .i64(n as i64);
         // SAFETY: contiguous input and output of n elements.
-        unsafe { dev.launch("unary_fn_f32", LaunchConfig::linear(n, THREADS), &mut args)? };
+        unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
     }
     Ok(out)
 }
 
-/// `g · f'(x, y)` for float function `name`.
-pub(crate) fn unary_backward_f32(
+/// `g · f'(x, y)` for float function `name` (all three of one float dtype).
+pub(crate) fn unary_backward_float(
     name: &'static str,
     p: (f64, f64),
     x: &Tensor,
@@ -286,13 +310,20 @@ pub(crate) fn unary_backward_f32(
     g: &Tensor,
 ) -> Result<Tensor> {
     let code = unary_code_or_err(name)?;
-    for t in [x, y, g] {
-        expect_f32(name, t)?;
+    let kernel = float_kernel(name, x, float_kernels!("unary_backward"))?;
+    for t in [y, g] {
         same_device(name, x, t)?;
+        if t.dtype() != x.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: name,
+                lhs: x.dtype(),
+                rhs: t.dtype(),
+            });
+        }
     }
     let (x, y, g) = (contiguous(x)?, contiguous(y)?, contiguous(g)?);
     let (dev, px) = raw(&x)?;
-    let out = empty(&dev, DType::F32, x.shape())?;
+    let out = empty(&dev, x.dtype(), x.shape())?;
     let n = x.numel();
     if n > 0 {
         let (_, py) = raw(&y)?;
@@ -308,20 +339,15 @@ pub(crate) fn unary_backward_f32(
             .f32(p.1 as f32)
             .i64(n as i64);
         // SAFETY: contiguous inputs and output of n elements each.
-        unsafe {
-            dev.launch(
-                "unary_backward_f32",
-                LaunchConfig::linear(n, THREADS),
-                &mut args,
-            )?
-        };
+        unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
     }
     Ok(out)
 }
 
-/// Sum over `dims` (sorted, distinct), keeping them as size 1.
-pub(crate) fn sum_dims_f32(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    expect_f32("sum", x)?;
+/// Sum over `dims` (sorted, distinct), keeping them as size 1 (f64 accumulation, rounded to
+/// f32 and then to the float dtype of `x`).
+pub(crate) fn sum_dims_float(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let kernel = float_kernel("sum", x, float_kernels!("sum_middle"))?;
     let mut cur = contiguous(x)?;
     for &d in dims {
         let shape = cur.shape().to_vec();
@@ -329,7 +355,7 @@ pub(crate) fn sum_dims_f32(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
         let (dev, pi) = raw(&cur)?;
         let mut out_shape = shape.clone();
         out_shape[d] = 1;
-        let out = empty(&dev, DType::F32, &out_shape)?;
+        let out = empty(&dev, x.dtype(), &out_shape)?;
         if outer * inner > 0 {
             let (_, po) = raw(&out)?;
             let mut args = KernelArgs::new();
@@ -341,7 +367,7 @@ pub(crate) fn sum_dims_f32(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
             // SAFETY: contiguous [outer, r, inner] input and [outer, inner] output.
             unsafe {
                 dev.launch(
-                    "sum_middle_f32",
+                    kernel,
                     LaunchConfig::linear(outer * inner, THREADS),
                     &mut args,
                 )?
@@ -352,11 +378,13 @@ pub(crate) fn sum_dims_f32(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
     Ok(cur)
 }
 
-/// `a · b` over the last two dimensions with broadcast batch dimensions (f32).
-pub(crate) fn matmul_f32(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
+/// `a · b` over the last two dimensions with broadcast batch dimensions, for f32 (TF32 when
+/// the device allows it) and f16/bf16 (f32 accumulation, one rounding of each result); the
+/// operands have one dtype (the caller checks).
+pub(crate) fn matmul_float(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
     same_device("matmul", a, b)?;
-    expect_f32("matmul", a)?;
-    expect_f32("matmul", b)?;
+    let dtype = a.dtype();
+    float_kernel("matmul", a, ["f32", "f16", "bf16"])?;
     let (ar, br) = (a.rank(), b.rank());
     let (m, k, n) = (a.shape()[ar - 2], a.shape()[ar - 1], b.shape()[br - 1]);
     let nb: usize = batch.iter().product();
@@ -378,11 +406,12 @@ pub(crate) fn matmul_f32(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tens
     let (_, pb) = raw(&bc)?;
     if k == 0 {
         // An empty inner dimension: the product is all zeros.
-        return zeroed(&dev, DType::F32, &shape);
+        return zeroed(&dev, dtype, &shape);
     }
-    let out = empty(&dev, DType::F32, &shape)?;
+    let out = empty(&dev, dtype, &shape)?;
     let (_, pc) = raw(&out)?;
-    dev.gemm_f32(&cuda::Gemm {
+    dev.gemm(&cuda::Gemm {
+        dtype,
         batch: nb,
         m,
         n,
@@ -394,6 +423,43 @@ pub(crate) fn matmul_f32(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tens
         c: pc,
     })?;
     Ok(out)
+}
+
+/// `t`'s values converted to `dtype` on its device, as the CPU's `to_dtype` converts them
+/// (`kernels/elementwise.cu`, `cast_strided`).
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (dev, base) = raw(t)?;
+    let out = empty(&dev, dtype, t.shape())?;
+    let n = t.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let l = t.layout();
+    let m = meta(&dev, t.shape(), &[(l.strides(), l.offset())])?;
+    let (_, dst) = raw(&out)?;
+    let mut args = KernelArgs::new();
+    args.pointer(base)
+        .i32(dtype_code(t.dtype()))
+        .pointer(dst)
+        .i32(dtype_code(dtype))
+        .i64(n as i64)
+        .buffer(&m);
+    // SAFETY: `meta` describes a view inside the source storage; the output holds n elements.
+    unsafe { dev.launch("cast_strided", LaunchConfig::linear(n, THREADS), &mut args)? };
+    Ok(out)
+}
+
+/// The dtype codes of `kernels/elementwise.cu` (`cast_strided`).
+fn dtype_code(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        DType::I64 => 4,
+        DType::I32 => 5,
+        DType::U8 => 6,
+    }
 }
 
 /// A tensor of `shape` filled with `value` on CUDA device `device`.

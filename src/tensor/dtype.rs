@@ -98,8 +98,34 @@ macro_rules! with_dtype {
 
 with_dtype!(f32, F32, |v: f64| v as f32, |v: f32| v as f64);
 with_dtype!(f64, F64, |v: f64| v, |v: f64| v);
-with_dtype!(f16, F16, f16::from_f64, f16::to_f64);
-with_dtype!(bf16, BF16, bf16::from_f64, bf16::to_f64);
+with_dtype!(f16, F16, f16_from_f64, f16::to_f64);
+with_dtype!(bf16, BF16, bf16_from_f64, bf16::to_f64);
+
+/// `v` rounded to f32 by rounding to odd: truncated, with the last bit set when anything was
+/// cut off. Rounding that to a format of at most 22 significant bits (f16, bf16) to nearest
+/// gives the correctly rounded result of `v` itself, which rounding through `v as f32` (two
+/// roundings) does not always. The CUDA kernels use the same steps (`kernels/prelude.cuh`).
+fn f64_to_f32_round_odd(v: f64) -> f32 {
+    let f = v as f32;
+    if f as f64 == v || v.is_nan() {
+        return f;
+    }
+    let mut bits = f.to_bits();
+    if (f as f64).abs() > v.abs() {
+        bits -= 1; // rounded away from zero: step back toward it
+    }
+    f32::from_bits(bits | 1)
+}
+
+/// `v` correctly rounded (to nearest, ties to even) to f16.
+fn f16_from_f64(v: f64) -> f16 {
+    f16::from_f32(f64_to_f32_round_odd(v))
+}
+
+/// `v` correctly rounded (to nearest, ties to even) to bf16.
+fn bf16_from_f64(v: f64) -> bf16 {
+    bf16::from_f32(f64_to_f32_round_odd(v))
+}
 with_dtype!(i64, I64, |v: f64| v as i64, |v: i64| v as f64);
 with_dtype!(i32, I32, |v: f64| v as i32, |v: i32| v as f64);
 with_dtype!(u8, U8, |v: f64| v as u8, |v: u8| v as f64);

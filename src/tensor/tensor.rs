@@ -144,8 +144,8 @@ impl Tensor {
         let storage = match dtype {
             DType::F32 => CpuStorage::F32(vec![value as f32; n]),
             DType::F64 => CpuStorage::F64(vec![value; n]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::from_f64(value); n]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::from_f64(value); n]),
+            DType::F16 => CpuStorage::F16(vec![<half::f16 as WithDType>::from_f64(value); n]),
+            DType::BF16 => CpuStorage::BF16(vec![<half::bf16 as WithDType>::from_f64(value); n]),
             DType::I64 => CpuStorage::I64(vec![value as i64; n]),
             DType::I32 => CpuStorage::I32(vec![value as i32; n]),
             DType::U8 => CpuStorage::U8(vec![value as u8; n]),
@@ -489,6 +489,9 @@ impl Tensor {
     pub(crate) fn cast_values(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.detach());
+        }
+        if self.device().is_cuda() {
+            return super::cuda::cast(self, dtype);
         }
         let guard = self.storage_read();
         let cpu = guard.cpu("to_dtype")?;

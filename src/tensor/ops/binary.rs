@@ -111,7 +111,7 @@ impl BinaryKind {
         check_same_dtype(op, a, b)?;
         if a.device().is_cuda() {
             // Codes of kernels/elementwise.cu.
-            return crate::tensor::cuda::binary_f32(op, self as i32, a, b);
+            return crate::tensor::cuda::binary_float(op, self as i32, a, b);
         }
         if matches!(a.dtype(), DType::F16 | DType::BF16) {
             let (a32, storage) = float_compute(op, a)?;

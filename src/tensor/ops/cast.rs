@@ -17,8 +17,8 @@ pub(crate) fn cast_vec<T: WithDType>(v: &[T], dtype: DType) -> CpuStorage {
     match dtype {
         DType::F32 => CpuStorage::F32(conv(v, |x| x as f32)),
         DType::F64 => CpuStorage::F64(conv(v, |x| x)),
-        DType::F16 => CpuStorage::F16(conv(v, f16::from_f64)),
-        DType::BF16 => CpuStorage::BF16(conv(v, bf16::from_f64)),
+        DType::F16 => CpuStorage::F16(conv(v, <f16 as WithDType>::from_f64)),
+        DType::BF16 => CpuStorage::BF16(conv(v, <bf16 as WithDType>::from_f64)),
         DType::I64 => CpuStorage::I64(conv(v, |x| x as i64)),
         DType::I32 => CpuStorage::I32(conv(v, |x| x as i32)),
         DType::U8 => CpuStorage::U8(conv(v, |x| x as u8)),

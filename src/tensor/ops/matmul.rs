@@ -131,7 +131,7 @@ fn matmul_values(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (m, k, n, batch) = check_matmul(a, b)?;
     if a.device().is_cuda() || b.device().is_cuda() {
         let _ = (m, k, n);
-        return crate::tensor::cuda::matmul_f32(a, b, &batch);
+        return crate::tensor::cuda::matmul_float(a, b, &batch);
     }
     let (ac, storage) = float_compute("matmul", a)?;
     let (bc, _) = float_compute("matmul", b)?;

@@ -79,7 +79,7 @@ fn sum_one_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// Sums over `dims` (sorted, unique, resolved) keeping them as size 1, no autograd.
 fn sum_values(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
     if x.device().is_cuda() {
-        return crate::tensor::cuda::sum_dims_f32(x, dims);
+        return crate::tensor::cuda::sum_dims_float(x, dims);
     }
     let (xc, storage) = if x.dtype().is_float() {
         float_compute("sum", x)?
@@ -316,7 +316,7 @@ impl Tensor {
     /// `mul·x` without autograd (float dtypes).
     pub(crate) fn affine_values(&self, mul: f64) -> Result<Tensor> {
         if self.device().is_cuda() {
-            return crate::tensor::cuda::unary_f32("affine", (mul, 0.0), self);
+            return crate::tensor::cuda::unary_float("affine", (mul, 0.0), self);
         }
         let (xc, storage) = float_compute("affine", self)?;
         let v = with_float!(xc.dtype(), "affine", T => {

@@ -174,7 +174,7 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         if self.x.device().is_cuda() {
             let p = self.f.params();
-            let gx = crate::tensor::cuda::unary_backward_f32(F::NAME, p, &self.x, &self.y, g)?;
+            let gx = crate::tensor::cuda::unary_backward_float(F::NAME, p, &self.x, &self.y, g)?;
             return Ok(vec![Some(Gradient::Dense(gx))]);
         }
         let (x, storage) = float_compute(F::NAME, &self.x)?;
@@ -202,7 +202,7 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
 
 fn unary<F: UnaryFn>(x: &Tensor, f: F) -> Result<Tensor> {
     let y = if x.device().is_cuda() {
-        crate::tensor::cuda::unary_f32(F::NAME, f.params(), x)?
+        crate::tensor::cuda::unary_float(F::NAME, f.params(), x)?
     } else {
         let (xc, storage) = float_compute(F::NAME, x)?;
         with_float!(xc.dtype(), F::NAME, T => {
