@@ -437,3 +437,43 @@ fn radix_sort_is_a_stable_sort_by_the_chosen_bits() -> embers::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn pinned_buffers_copy_both_ways_and_staged_uploads_keep_their_bytes() -> embers::Result<()> {
+    for device in devices()? {
+        // Host -> pinned -> device -> pinned -> host, with the host reusing the source right
+        // after queuing (writing waits for the copy).
+        let n = 10_000;
+        let mut up = device.pinned::<f32>(n)?;
+        assert_eq!((up.len(), up.bytes()), (n, 4 * n));
+        assert!(
+            up.as_slice()?.iter().all(|&v| v == 0.0),
+            "pinned memory starts zeroed"
+        );
+        for (i, v) in up.as_mut_slice()?.iter_mut().enumerate() {
+            *v = i as f32 * 0.5;
+        }
+        let mut on_device = device.alloc::<f32>(n)?;
+        on_device.copy_from_pinned(&up)?;
+        up.as_mut_slice()?.fill(-1.0); // after the upload: the device keeps the old values
+        let mut down = device.pinned::<f32>(n)?;
+        on_device.copy_to_pinned(&mut down)?;
+        let expected: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        assert_eq!(down.as_slice()?, &expected[..], "{}", device.name());
+        // Many small uploads from pageable memory (through the 16 MiB staging ring on a GPU,
+        // about three times around it), each source dropped at once, and one upload too large
+        // for a staging chunk: every buffer keeps its own bytes.
+        let buffers: Vec<_> = (0..3000u64)
+            .map(|i| device.htod(&vec![i; 1 + (i as usize * 37) % 4000]))
+            .chain([device.htod(&vec![3000u64; 300_000])])
+            .collect::<embers::Result<_>>()?;
+        for (i, b) in buffers.iter().enumerate() {
+            assert!(b.to_host()?.iter().all(|&v| v == i as u64), "upload {i}");
+        }
+        // Lengths must agree.
+        let short = device.pinned::<f32>(n - 1)?;
+        let err = on_device.copy_from_pinned(&short).unwrap_err();
+        assert!(err.to_string().contains("copy_from_pinned"), "{err}");
+    }
+    Ok(())
+}

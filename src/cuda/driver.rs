@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
 
 use super::launch::LaunchConfig;
+use super::pinned::{Staging, STAGING_CHUNK};
 use super::{compile_ptx, file_of};
 use crate::{Device, Error, Result};
 
@@ -16,7 +17,20 @@ pub(crate) struct Driver {
     pub(crate) stream: Arc<CudaStream>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// The pinned chunks small host-to-device copies are staged through.
+    staging: Mutex<Staging>,
 }
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // Copies may still read the staging chunks, which are freed with the fields.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// `cuMemHostAlloc`'s write-combined flag: fast for memory the host only writes and the GPU
+/// reads (the staging ring), slow for host reads.
+const WRITE_COMBINED: u32 = cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED;
 
 fn failed(ordinal: usize, op: &'static str, e: impl std::fmt::Display) -> Error {
     Error::Device {
@@ -36,6 +50,7 @@ impl Driver {
             stream,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Staging::new()),
         })
     }
 
@@ -80,12 +95,102 @@ impl Driver {
         Ok(f)
     }
 
+    /// Queues a copy of `src` to `dst`. Small copies go through the pinned staging ring, so
+    /// they never wait for the stream; larger ones are staged by the driver.
     pub(crate) fn copy_from_host(&self, ordinal: usize, dst: u64, src: &[u8]) -> Result<()> {
         self.bind(ordinal)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        if src.len() <= STAGING_CHUNK {
+            let mut staging = self.staging.lock().expect("staging ring");
+            let chunk = staging.reserve(
+                ordinal,
+                src.len(),
+                || self.record_event(ordinal),
+                || self.malloc_pinned_with_flags(ordinal, STAGING_CHUNK, WRITE_COMBINED),
+            )?;
+            // SAFETY: the reserved room holds `src.len()` bytes and no queued copy reads it;
+            // `dst` is a device allocation of at least that many (the caller's buffer).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), chunk, src.len());
+                let staged = std::slice::from_raw_parts(chunk as *const u8, src.len());
+                return result::memcpy_htod_async(dst, staged, self.stream.cu_stream())
+                    .map_err(|e| failed(ordinal, "host-to-device copy", e));
+            }
+        }
         // SAFETY: `dst` is a device allocation of at least `src.len()` bytes (the caller's
         // buffer); a copy from pageable memory is staged before this returns.
         unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
             .map_err(|e| failed(ordinal, "host-to-device copy", e))
+    }
+
+    /// `bytes` of page-locked host memory.
+    pub(crate) fn malloc_pinned(&self, ordinal: usize, bytes: usize) -> Result<*mut u8> {
+        self.malloc_pinned_with_flags(ordinal, bytes, 0)
+    }
+
+    fn malloc_pinned_with_flags(
+        &self,
+        ordinal: usize,
+        bytes: usize,
+        flags: u32,
+    ) -> Result<*mut u8> {
+        self.bind(ordinal)?;
+        // SAFETY: a plain allocation; the memory is owned by the caller from here on.
+        let p = unsafe { result::malloc_host(bytes.max(1), flags) }
+            .map_err(|e| failed(ordinal, "allocating pinned host memory", e))?;
+        Ok(p.cast())
+    }
+
+    /// Queues a copy of `bytes` from pinned `src` to `dst` and returns an event reached when
+    /// it is done.
+    ///
+    /// # Safety
+    /// `src` is pinned memory and `dst` a device allocation, both of at least `bytes` bytes;
+    /// `src` stays allocated and unwritten until the event is reached.
+    pub(crate) unsafe fn copy_pinned_to_device(
+        &self,
+        ordinal: usize,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<cudarc::driver::CudaEvent> {
+        self.bind(ordinal)?;
+        if bytes > 0 {
+            // SAFETY: per this function's contract.
+            unsafe {
+                let src = std::slice::from_raw_parts(src, bytes);
+                result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                    .map_err(|e| failed(ordinal, "host-to-device copy (pinned)", e))?;
+            }
+        }
+        self.record_event(ordinal)
+    }
+
+    /// Queues a copy of `bytes` from `src` to pinned `dst` and returns an event reached when
+    /// it is done.
+    ///
+    /// # Safety
+    /// `dst` is pinned memory and `src` a device allocation, both of at least `bytes` bytes;
+    /// `dst` stays allocated and untouched by the host until the event is reached.
+    pub(crate) unsafe fn copy_device_to_pinned(
+        &self,
+        ordinal: usize,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+    ) -> Result<cudarc::driver::CudaEvent> {
+        self.bind(ordinal)?;
+        if bytes > 0 {
+            // SAFETY: per this function's contract.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(dst, bytes);
+                result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                    .map_err(|e| failed(ordinal, "device-to-host copy (pinned)", e))?;
+            }
+        }
+        self.record_event(ordinal)
     }
 
     pub(crate) fn copy_to_host(&self, ordinal: usize, dst: &mut [u8], src: u64) -> Result<()> {

@@ -1,6 +1,7 @@
 //! The CUDA backend: probing for the driver and NVRTC, opening devices, compiling the kernels of
 //! `kernels/` with NVRTC for the GPU present (cached per device), device memory from a caching
-//! allocator, kernel launches, cuBLAS products, [`CudaTbe`] and
+//! allocator, pinned host memory ([`PinnedBuffer`]; small uploads are staged through a pinned
+//! ring so they never stall the stream), kernel launches, cuBLAS products, [`CudaTbe`] and
 //! [`CudaEmbeddingBagCollection`]. Tensors on a device (`Device::Cuda(n)`, `Tensor::to_device`)
 //! use the same launches from `src/tensor/cuda.rs`.
 //!
@@ -37,6 +38,7 @@ mod buffer;
 mod driver;
 mod ebc;
 mod launch;
+mod pinned;
 mod sim;
 mod sort;
 mod tbe;
@@ -46,6 +48,7 @@ pub(crate) use blas::Gemm;
 pub use buffer::{DeviceBuffer, DeviceElem};
 pub use ebc::CudaEmbeddingBagCollection;
 pub use launch::{ArgKind, KernelArgs, LaunchConfig};
+pub use pinned::PinnedBuffer;
 pub use sim::HOST_SIM_HEADER;
 pub use sort::radix_sort_u64;
 pub use tbe::CudaTbe;
@@ -350,6 +353,20 @@ impl CudaDevice {
         let mut b = DeviceBuffer::alloc(self, len)?;
         b.fill_zero()?;
         Ok(b)
+    }
+
+    /// `len` zeros in page-locked host memory, for asynchronous copies to and from this device
+    /// ([`DeviceBuffer::copy_from_pinned`]; ordinary host memory on the emulation).
+    pub fn pinned<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer<T>> {
+        PinnedBuffer::zeros(self, len)
+    }
+
+    /// The driver behind a GPU (`None` on the host emulation).
+    pub(crate) fn driver(&self) -> Option<&driver::Driver> {
+        match &self.backend {
+            Backend::Driver(d) => Some(d),
+            Backend::Sim(_) => None,
+        }
     }
 
     /// A device copy of `host`.
