@@ -38,8 +38,14 @@ extern "C" __global__ void tbe_backward_keys(
 //   optimizer 2: Adagrad          m += g^2 (m1 per element);  w -= lr * g / (sqrt(m) + eps)
 //   optimizer 3: lazy Adam        m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2 (m1, m2 per
 //                                 element); w -= lr * (m/c1) / (sqrt(v/c2) + eps)
+//   optimizer 4: LAMB             Adam's moments; r = (m/c1) / (sqrt(v/c2) + eps) (+ lambda w
+//                                 with decoupled decay); w -= lr * (|w| / |r|) * r, row norms,
+//                                 ratio 1 when either norm is 0
+//   optimizer 5: partial row-wise LAMB: as 4 with one v per row (m2 per row),
+//                                 v = b2 v + (1-b2) mean(g^2)
+//   optimizer 6: partial row-wise Adam: as 3 with that per-row v
 // Weight decay: decay 1 (L2) adds lambda * w to g first; decay 2 (decoupled) also subtracts
-// lr * lambda * w (w before the step).
+// lr * lambda * w (w before the step), except for LAMB (above).
 // grad_output is [B, out_stride]; feature f's columns start at out_offsets[f]. With mean
 // pooling each occurrence is scaled by 1 / bag length; per-sample weights (nullable) scale it.
 // Unpooled (sequence != 0): grad_output is [N, D], occurrence l's gradient is its row l.
@@ -101,6 +107,48 @@ extern "C" __global__ void tbe_backward_update(
         }
     }
     float decoupled = decay == 2 ? lr * lambda : 0.0f;
+    // The per-row second moment of the partial row-wise rules: Adam's denominator.
+    float row_denom = 0.0f;
+    if (optimizer == 5 || optimizer == 6) {
+        float sq = 0.0f;
+        for (int k = 0; k < MAX_PER_LANE; ++k) sq += g[k] * g[k];
+        sq = warp_sum(sq);
+        float v = beta2 * m2[row] + (1.0f - beta2) * (sq / (float)D);
+        __syncwarp();
+        if (lane == 0) m2[row] = v;
+        row_denom = sqrtf(v / correction2) + eps;
+    }
+    if (optimizer == 4 || optimizer == 5) {
+        // LAMB: the direction r replaces g, then one step scaled by the row's trust ratio.
+        float lam = decay == 2 ? lambda : 0.0f;
+        float w_sq = 0.0f, r_sq = 0.0f;
+        for (int k = 0; k < MAX_PER_LANE; ++k) {
+            int d = lane + 32 * k;
+            if (d >= D) continue;
+            float m = beta1 * m1[base + d] + (1.0f - beta1) * g[k];
+            m1[base + d] = m;
+            float denom = row_denom;
+            if (optimizer == 4) {
+                float v = beta2 * m2[base + d] + (1.0f - beta2) * g[k] * g[k];
+                m2[base + d] = v;
+                denom = sqrtf(v / correction2) + eps;
+            }
+            float wd = w[d];
+            g[k] = (m / correction1) / denom + lam * wd;
+            w_sq += wd * wd;
+            r_sq += g[k] * g[k];
+        }
+        float w_norm = sqrtf(warp_sum(w_sq));
+        float r_norm = sqrtf(warp_sum(r_sq));
+        float ratio = (w_norm > 0.0f && r_norm > 0.0f) ? w_norm / r_norm : 1.0f;
+        float size = lr * ratio;
+        __syncwarp();
+        for (int k = 0; k < MAX_PER_LANE; ++k) {
+            int d = lane + 32 * k;
+            if (d < D) w[d] -= size * g[k];
+        }
+        return;
+    }
     float step = lr;
     if (optimizer == 1) {
         float sq = 0.0f;
@@ -127,6 +175,10 @@ extern "C" __global__ void tbe_backward_update(
             m1[base + d] = m;
             m2[base + d] = v;
             delta = lr * (m / correction1) / (sqrtf(v / correction2) + eps);
+        } else if (optimizer == 6) {
+            float m = beta1 * m1[base + d] + (1.0f - beta1) * g[k];
+            m1[base + d] = m;
+            delta = lr * (m / correction1) / row_denom;
         } else {
             delta = step * g[k];
         }

@@ -226,6 +226,24 @@ fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<(
             beta2: 0.99,
             eps: 1e-8,
         },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
+        FusedOptimizer::Lamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
     ];
     let decays = [
         WeightDecay::None,

@@ -15,16 +15,20 @@ fn tmp_dir(name: &str) -> std::path::PathBuf {
 }
 
 fn adam_tbe() -> TableBatchedEmbedding {
+    tbe_with(FusedOptimizer::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    })
+}
+
+fn tbe_with(optimizer: FusedOptimizer) -> TableBatchedEmbedding {
     TableBatchedEmbedding::new(TbeConfig::new(
         vec![TableSpec::new("users", 7, 3), TableSpec::new("items", 5, 6)],
         vec![0, 1, 0],
         PoolingMode::Sum,
-        FusedOptimizer::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        },
+        optimizer,
     ))
     .unwrap()
 }
@@ -264,4 +268,37 @@ fn a_trained_table_quantises_into_every_weight_type() {
             assert!((g - e).abs() <= tol, "{ty:?}: {g} vs fp32 {e}");
         }
     }
+}
+
+#[test]
+fn per_row_and_per_element_state_side_by_side_round_trip() {
+    // Partial row-wise LAMB keeps momentum1 per element and momentum2 per row.
+    let lamb = FusedOptimizer::PartialRowWiseLamb {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-6,
+    };
+    let dir = tmp_dir("lamb");
+    let path = dir.join("tbe.safetensors");
+    let a = tbe_with(lamb);
+    a.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(2))
+        .unwrap();
+    step(&a, 1);
+    step(&a, 2);
+    assert_eq!(a.optimizer_state(0, 1).unwrap().len(), 5 * 6);
+    assert_eq!(a.optimizer_state(1, 1).unwrap().len(), 5);
+    assert!(a.optimizer_state(1, 0).unwrap().iter().any(|&v| v > 0.0));
+    a.save(&path).unwrap();
+    let b = tbe_with(lamb);
+    b.load(&path).unwrap();
+    assert_eq!(snapshot(&a), snapshot(&b));
+    step(&a, 3);
+    step(&b, 3);
+    assert_eq!(snapshot(&a), snapshot(&b));
+    // A checkpoint of another optimizer is refused.
+    let c = adam_tbe();
+    let err = c.load(&path).unwrap_err().to_string();
+    assert!(err.contains("partial_rowwise_lamb"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -75,6 +75,39 @@ fn to_ref_opt(o: FusedOptimizer) -> RefOptimizer {
             beta2: beta2 as f64,
             eps: eps as f64,
         },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => RefOptimizer::PartialRowWiseAdam {
+            lr: lr as f64,
+            beta1: beta1 as f64,
+            beta2: beta2 as f64,
+            eps: eps as f64,
+        },
+        FusedOptimizer::Lamb {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => RefOptimizer::Lamb {
+            lr: lr as f64,
+            beta1: beta1 as f64,
+            beta2: beta2 as f64,
+            eps: eps as f64,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => RefOptimizer::PartialRowWiseLamb {
+            lr: lr as f64,
+            beta1: beta1 as f64,
+            beta2: beta2 as f64,
+            eps: eps as f64,
+        },
     }
 }
 
@@ -275,6 +308,24 @@ fn every_optimizer_and_pooling_with_odd_dims_follows_the_f64_reference() {
             beta2: 0.999,
             eps: 1e-8,
         },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+        FusedOptimizer::Lamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-6,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-6,
+        },
     ];
     let mut seed = 0;
     for opt in optimizers {
@@ -317,6 +368,24 @@ fn weight_decay_is_applied_to_the_touched_rows() {
         FusedOptimizer::Adagrad { lr: 0.1, eps: 1e-3 },
         FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-3 },
         FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+        FusedOptimizer::Lamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
             lr: 0.01,
             beta1: 0.9,
             beta2: 0.99,

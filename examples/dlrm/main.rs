@@ -51,6 +51,9 @@ enum SparseOpt {
     Adagrad,
     RowwiseAdagrad,
     Adam,
+    PartialRowwiseAdam,
+    Lamb,
+    PartialRowwiseLamb,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -375,6 +378,24 @@ fn model_config(args: &Args, num_dense: usize, features: Vec<(String, usize)>) -
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
+            },
+            SparseOpt::PartialRowwiseAdam => FusedOptimizer::PartialRowWiseAdam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            SparseOpt::Lamb => FusedOptimizer::Lamb {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-6,
+            },
+            SparseOpt::PartialRowwiseLamb => FusedOptimizer::PartialRowWiseLamb {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-6,
             },
         },
         seed: args.seed,

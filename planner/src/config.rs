@@ -114,6 +114,12 @@ pub enum OptimizerKind {
     RowWiseAdagrad,
     /// Adagrad: 1x the weights.
     Adagrad,
+    /// LAMB: two moments, 2x the weights.
+    Lamb,
+    /// Partial row-wise Adam: a first moment per element, a second per row (1 + 1/dim).
+    PartialRowWiseAdam,
+    /// Partial row-wise LAMB: as partial row-wise Adam (1 + 1/dim).
+    PartialRowWiseLamb,
     /// Any other optimizer: `state_multiplier` x the weights (default 1).
     Custom,
 }
@@ -134,7 +140,10 @@ impl OptimizerConfig {
     pub fn multiplier(&self, dim: u64) -> f64 {
         match self.kind {
             OptimizerKind::None | OptimizerKind::Sgd => 0.0,
-            OptimizerKind::Adam => 2.0,
+            OptimizerKind::Adam | OptimizerKind::Lamb => 2.0,
+            OptimizerKind::PartialRowWiseAdam | OptimizerKind::PartialRowWiseLamb => {
+                1.0 + 1.0 / dim as f64
+            }
             OptimizerKind::RowWiseAdagrad => 1.0 / dim as f64,
             OptimizerKind::Adagrad => 1.0,
             OptimizerKind::Custom => self.state_multiplier.unwrap_or(1.0),

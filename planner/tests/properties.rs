@@ -151,3 +151,18 @@ fn examples_parse_and_plan() {
     }
     assert!(n >= 2);
 }
+
+#[test]
+fn optimizer_kinds_parse_and_size_their_state() {
+    let cases = [
+        ("adam", 2.0),
+        ("lamb", 2.0),
+        ("partial_row_wise_adam", 1.0 + 1.0 / 128.0),
+        ("partial_row_wise_lamb", 1.0 + 1.0 / 128.0),
+        ("row_wise_adagrad", 1.0 / 128.0),
+    ];
+    for (name, expected) in cases {
+        let cfg: OptimizerConfig = toml::from_str(&format!("kind = \"{name}\"")).unwrap();
+        assert_eq!(cfg.multiplier(128), expected, "{name}");
+    }
+}

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use super::{CudaDevice, DeviceBuffer, KernelArgs, LaunchConfig};
 use crate::embedding::{
-    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, StateShape, TableBatchedEmbedding,
-    WeightDecay, WeightType,
+    bias_corrections, FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, StateShape,
+    TableBatchedEmbedding, WeightDecay, WeightType,
 };
 use crate::{Error, Result};
 
@@ -902,22 +902,26 @@ impl Hyper {
             FusedOptimizer::Sgd { lr } => h.lr = lr,
             FusedOptimizer::RowWiseAdagrad { lr, eps } => (h.code, h.lr, h.eps) = (1, lr, eps),
             FusedOptimizer::Adagrad { lr, eps } => (h.code, h.lr, h.eps) = (2, lr, eps),
-            FusedOptimizer::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                // The same f32 arithmetic as the CPU's update_row.
-                let t = step.min(i32::MAX as u64) as i32;
+            FusedOptimizer::Adam { .. }
+            | FusedOptimizer::Lamb { .. }
+            | FusedOptimizer::PartialRowWiseLamb { .. }
+            | FusedOptimizer::PartialRowWiseAdam { .. } => {
+                let (beta1, beta2, eps) = optimizer.moments().expect("the Adam family");
+                // The same f32 values as the CPU's update_row.
+                let (correction1, correction2) = bias_corrections(beta1, beta2, step);
                 h = Hyper {
-                    code: 3,
-                    lr,
+                    code: match optimizer {
+                        FusedOptimizer::Adam { .. } => 3,
+                        FusedOptimizer::Lamb { .. } => 4,
+                        FusedOptimizer::PartialRowWiseLamb { .. } => 5,
+                        _ => 6,
+                    },
+                    lr: optimizer.lr(),
                     eps,
                     beta1,
                     beta2,
-                    correction1: 1.0 - beta1.powi(t),
-                    correction2: 1.0 - beta2.powi(t),
+                    correction1,
+                    correction2,
                     ..h
                 };
             }

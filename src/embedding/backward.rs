@@ -19,7 +19,9 @@ use rayon::prelude::*;
 
 use super::config::PoolingMode;
 use super::input::Batch;
-use super::optimizer::{dot, update_row, FusedOptimizer, RowState, StateShape, WeightDecay};
+use super::optimizer::{
+    dot, state_row, state_row_range, update_row, FusedOptimizer, RowState, WeightDecay,
+};
 
 /// What the optimizer needs to update one table.
 pub(crate) struct TableUpdate<'a> {
@@ -101,24 +103,11 @@ pub(crate) fn fused_backward(
     step: u64,
 ) -> BackwardOutput {
     let want_psw = batch.weights.is_some();
-    let per_row_state = optimizer
-        .state_buffers()
-        .first()
-        .is_some_and(|(_, s)| *s == StateShape::PerRow);
     let results: Vec<TableResult> = tables
         .into_par_iter()
         .map(|table| {
             backward_table(
-                batch,
-                pooling,
-                grad_out,
-                out_stride,
-                table,
-                optimizer,
-                decay,
-                step,
-                want_psw,
-                per_row_state,
+                batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
             )
         })
         .collect();
@@ -158,37 +147,18 @@ fn backward_table(
     decay: WeightDecay,
     step: u64,
     want_psw: bool,
-    per_row_state: bool,
 ) -> TableResult {
     #[cfg(target_arch = "x86_64")]
     if super::kernels::has_avx2() {
         // SAFETY: the CPU supports every feature the function was compiled for (checked above).
         return unsafe {
             backward_table_avx2(
-                batch,
-                pooling,
-                grad_out,
-                out_stride,
-                table,
-                optimizer,
-                decay,
-                step,
-                want_psw,
-                per_row_state,
+                batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
             )
         };
     }
     backward_table_body(
-        batch,
-        pooling,
-        grad_out,
-        out_stride,
-        table,
-        optimizer,
-        decay,
-        step,
-        want_psw,
-        per_row_state,
+        batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
     )
 }
 
@@ -205,19 +175,9 @@ unsafe fn backward_table_avx2(
     decay: WeightDecay,
     step: u64,
     want_psw: bool,
-    per_row_state: bool,
 ) -> TableResult {
     backward_table_body(
-        batch,
-        pooling,
-        grad_out,
-        out_stride,
-        table,
-        optimizer,
-        decay,
-        step,
-        want_psw,
-        per_row_state,
+        batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
     )
 }
 
@@ -233,9 +193,9 @@ fn backward_table_body(
     decay: WeightDecay,
     step: u64,
     want_psw: bool,
-    per_row_state: bool,
 ) -> TableResult {
     let dim = table.dim;
+    let shapes = [optimizer.state_shape(0), optimizer.state_shape(1)];
     let b_total = batch.batch_size;
     let weights = batch.weights.as_deref();
     // Occurrences in (feature, bag, position) order; keys sort them by (row, that order), so
@@ -317,12 +277,9 @@ fn backward_table_body(
         // Rows are visited in increasing id order but far apart: fetch a few ahead.
         if let Some(&(ahead, _)) = order.get(end + PREFETCH_GROUPS) {
             prefetch_f32(&table.weights[ahead * dim..(ahead + 1) * dim]);
-            if per_row_state {
-                prefetch_f32(&table.m1[ahead..ahead + 1]);
-            } else if !table.m1.is_empty() {
-                prefetch_f32(&table.m1[ahead * dim..(ahead + 1) * dim]);
-                if !table.m2.is_empty() {
-                    prefetch_f32(&table.m2[ahead * dim..(ahead + 1) * dim]);
+            for (buf, shape) in [(&*table.m1, shapes[0]), (&*table.m2, shapes[1])] {
+                if let Some(shape) = shape {
+                    prefetch_f32(&buf[state_row_range(shape, ahead, dim)]);
                 }
             }
         }
@@ -342,26 +299,9 @@ fn backward_table_body(
             sparse_rows.push(id as i64);
             sparse_values.extend_from_slice(&grad);
         } else {
-            let state = if per_row_state {
-                RowState {
-                    m1: &mut table.m1[id..id + 1],
-                    m2: &mut [],
-                }
-            } else if table.m1.is_empty() {
-                RowState {
-                    m1: &mut [],
-                    m2: &mut [],
-                }
-            } else if table.m2.is_empty() {
-                RowState {
-                    m1: &mut table.m1[id * dim..(id + 1) * dim],
-                    m2: &mut [],
-                }
-            } else {
-                RowState {
-                    m1: &mut table.m1[id * dim..(id + 1) * dim],
-                    m2: &mut table.m2[id * dim..(id + 1) * dim],
-                }
+            let state = RowState {
+                m1: state_row(&mut *table.m1, shapes[0], id, dim),
+                m2: state_row(&mut *table.m2, shapes[1], id, dim),
             };
             update_row(optimizer, decay, step, row, &mut grad, state);
         }

@@ -50,6 +50,7 @@ pub use config::{
 };
 pub use inference::{OutputDType, QuantizedTableBatchedEmbedding};
 pub use input::{IndexSlice, TbeInput};
+pub(crate) use optimizer::bias_corrections;
 pub use optimizer::{FusedOptimizer, StateShape, WeightDecay};
 pub use storage::{RowBuffer, RowElement};
 pub use tbe::{TableBatchedEmbedding, TbeConfig};

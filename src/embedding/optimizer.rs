@@ -8,10 +8,17 @@
 //! * row-wise Adagrad (exact): `m += mean(g²)` (one value per row), `w −= lr·g / (√m + eps)`
 //! * Adam (lazy: only touched rows move), with `t` the number of backward calls so far:
 //!   `m = β₁m + (1−β₁)g`, `v = β₂v + (1−β₂)g²`, `w −= lr·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + eps)`
+//! * partial row-wise Adam: Adam with one second moment per row, `v = β₂v + (1−β₂)·mean(g²)`
+//! * LAMB, per row as FBGEMM's TBE applies it: Adam's direction
+//!   `r = (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + eps)`, then `w −= lr·(‖w‖/‖r‖)·r` with the row's norms
+//!   (the trust ratio is 1 when either norm is 0, where FBGEMM divides by zero)
+//! * partial row-wise LAMB: LAMB with partial row-wise Adam's per-row second moment
 //!
 //! Weight decay, on the touched rows: [`WeightDecay::L2`] adds `λ·w` to `g` before the rule;
-//! [`WeightDecay::Decoupled`] subtracts `lr·λ·w` (w before the step) after it. FBGEMM's CPU build
-//! silently ignores weight decay; embers applies it.
+//! [`WeightDecay::Decoupled`] subtracts `lr·λ·w` (w before the step) after it, except for the
+//! LAMB rules, where it adds `λ·w` to `r` before the trust ratio (LAMB's own decay, FBGEMM's
+//! `weight_decay` for LAMB). FBGEMM's CPU build silently ignores weight decay, and has no LAMB
+//! or partial row-wise Adam at all; embers applies both.
 
 use crate::{Error, Result};
 
@@ -62,6 +69,39 @@ pub enum FusedOptimizer {
         /// Added to √v̂.
         eps: f32,
     },
+    /// Lazy Adam with one second moment per row (FBGEMM's `PARTIAL_ROWWISE_ADAM`).
+    PartialRowWiseAdam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to √v̂.
+        eps: f32,
+    },
+    /// LAMB with a per-row trust ratio (FBGEMM's `LAMB`).
+    Lamb {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to √v̂.
+        eps: f32,
+    },
+    /// LAMB with one second moment per row (FBGEMM's `PARTIAL_ROWWISE_LAMB`).
+    PartialRowWiseLamb {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to √v̂.
+        eps: f32,
+    },
 }
 
 /// Shape of one optimizer state buffer.
@@ -80,14 +120,67 @@ impl FusedOptimizer {
             FusedOptimizer::None | FusedOptimizer::Sgd { .. } => &[],
             FusedOptimizer::Adagrad { .. } => &[("momentum1", StateShape::PerElement)],
             FusedOptimizer::RowWiseAdagrad { .. } => &[("momentum1", StateShape::PerRow)],
-            FusedOptimizer::Adam { .. } => &[
+            FusedOptimizer::Adam { .. } | FusedOptimizer::Lamb { .. } => &[
                 ("momentum1", StateShape::PerElement),
                 ("momentum2", StateShape::PerElement),
+            ],
+            FusedOptimizer::PartialRowWiseAdam { .. }
+            | FusedOptimizer::PartialRowWiseLamb { .. } => &[
+                ("momentum1", StateShape::PerElement),
+                ("momentum2", StateShape::PerRow),
             ],
         }
     }
 
-    /// A short name (`none`, `sgd`, `adagrad`, `rowwise_adagrad`, `adam`).
+    /// The shape of state buffer `i` (0: `momentum1`, 1: `momentum2`), if the optimizer keeps
+    /// one.
+    pub fn state_shape(&self, i: usize) -> Option<StateShape> {
+        self.state_buffers().get(i).map(|&(_, shape)| shape)
+    }
+
+    /// The learning rate (0 for `None`).
+    pub fn lr(&self) -> f32 {
+        match *self {
+            FusedOptimizer::None => 0.0,
+            FusedOptimizer::Sgd { lr }
+            | FusedOptimizer::Adagrad { lr, .. }
+            | FusedOptimizer::RowWiseAdagrad { lr, .. }
+            | FusedOptimizer::Adam { lr, .. }
+            | FusedOptimizer::PartialRowWiseAdam { lr, .. }
+            | FusedOptimizer::Lamb { lr, .. }
+            | FusedOptimizer::PartialRowWiseLamb { lr, .. } => lr,
+        }
+    }
+
+    /// The Adam-family moments' parameters `(β₁, β₂, eps)`, for the optimizers that have them.
+    pub(crate) fn moments(&self) -> Option<(f32, f32, f32)> {
+        match *self {
+            FusedOptimizer::Adam {
+                beta1, beta2, eps, ..
+            }
+            | FusedOptimizer::PartialRowWiseAdam {
+                beta1, beta2, eps, ..
+            }
+            | FusedOptimizer::Lamb {
+                beta1, beta2, eps, ..
+            }
+            | FusedOptimizer::PartialRowWiseLamb {
+                beta1, beta2, eps, ..
+            } => Some((beta1, beta2, eps)),
+            _ => None,
+        }
+    }
+
+    /// True for the LAMB rules (decoupled weight decay goes inside the trust ratio).
+    pub(crate) fn is_lamb(&self) -> bool {
+        matches!(
+            self,
+            FusedOptimizer::Lamb { .. } | FusedOptimizer::PartialRowWiseLamb { .. }
+        )
+    }
+
+    /// A short name (`none`, `sgd`, `adagrad`, `rowwise_adagrad`, `adam`,
+    /// `partial_rowwise_adam`, `lamb`, `partial_rowwise_lamb`).
     pub fn name(&self) -> &'static str {
         match self {
             FusedOptimizer::None => "none",
@@ -95,6 +188,9 @@ impl FusedOptimizer {
             FusedOptimizer::Adagrad { .. } => "adagrad",
             FusedOptimizer::RowWiseAdagrad { .. } => "rowwise_adagrad",
             FusedOptimizer::Adam { .. } => "adam",
+            FusedOptimizer::PartialRowWiseAdam { .. } => "partial_rowwise_adam",
+            FusedOptimizer::Lamb { .. } => "lamb",
+            FusedOptimizer::PartialRowWiseLamb { .. } => "partial_rowwise_lamb",
         }
     }
 
@@ -106,13 +202,9 @@ impl FusedOptimizer {
             FusedOptimizer::Adagrad { lr, eps } | FusedOptimizer::RowWiseAdagrad { lr, eps } => {
                 finite(lr) && finite(eps) && eps >= 0.0
             }
-            FusedOptimizer::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                finite(lr)
+            opt => {
+                let (beta1, beta2, eps) = opt.moments().expect("the Adam family");
+                finite(opt.lr())
                     && (0.0..1.0).contains(&beta1)
                     && (0.0..1.0).contains(&beta2)
                     && finite(eps)
@@ -150,6 +242,36 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     total
 }
 
+/// Where row `id` (of `dim` values) keeps its state in a table's buffer of `shape`.
+#[inline(always)]
+pub(crate) fn state_row_range(shape: StateShape, id: usize, dim: usize) -> std::ops::Range<usize> {
+    match shape {
+        StateShape::PerRow => id..id + 1,
+        StateShape::PerElement => id * dim..(id + 1) * dim,
+    }
+}
+
+/// Row `id`'s state in a table's buffer of `shape` (empty when the optimizer keeps none).
+#[inline(always)]
+pub(crate) fn state_row(
+    buf: &mut [f32],
+    shape: Option<StateShape>,
+    id: usize,
+    dim: usize,
+) -> &mut [f32] {
+    match shape {
+        Some(shape) => &mut buf[state_row_range(shape, id, dim)],
+        None => &mut [],
+    }
+}
+
+/// Adam's bias corrections `(1 − β₁ᵗ, 1 − β₂ᵗ)` for 1-based step `step`, in f32 (the GPU
+/// backward is handed these same values).
+pub(crate) fn bias_corrections(beta1: f32, beta2: f32, step: u64) -> (f32, f32) {
+    let t = step.min(i32::MAX as u64) as i32;
+    (1.0 - beta1.powi(t), 1.0 - beta2.powi(t))
+}
+
 /// Mutable optimizer state of one row.
 pub(crate) struct RowState<'a> {
     pub m1: &'a mut [f32],
@@ -172,22 +294,11 @@ pub(crate) fn update_row(
             *g += lambda * w;
         }
     }
-    let (lr, decoupled) = match (*opt, decay) {
-        (FusedOptimizer::None, _) => return,
-        (
-            FusedOptimizer::Sgd { lr }
-            | FusedOptimizer::Adagrad { lr, .. }
-            | FusedOptimizer::RowWiseAdagrad { lr, .. }
-            | FusedOptimizer::Adam { lr, .. },
-            WeightDecay::Decoupled(lambda),
-        ) => (lr, lr * lambda),
-        (
-            FusedOptimizer::Sgd { lr }
-            | FusedOptimizer::Adagrad { lr, .. }
-            | FusedOptimizer::RowWiseAdagrad { lr, .. }
-            | FusedOptimizer::Adam { lr, .. },
-            _,
-        ) => (lr, 0.0),
+    let lr = opt.lr();
+    // LAMB's decoupled decay joins its direction instead (below).
+    let decoupled = match decay {
+        WeightDecay::Decoupled(lambda) if !opt.is_lamb() => lr * lambda,
+        _ => 0.0,
     };
     match *opt {
         FusedOptimizer::None => {}
@@ -214,9 +325,7 @@ pub(crate) fn update_row(
         FusedOptimizer::Adam {
             beta1, beta2, eps, ..
         } => {
-            let t = step.min(i32::MAX as u64) as i32;
-            let correction1 = 1.0 - beta1.powi(t);
-            let correction2 = 1.0 - beta2.powi(t);
+            let (correction1, correction2) = bias_corrections(beta1, beta2, step);
             for (((w, &g), m), v) in row
                 .iter_mut()
                 .zip(grad.iter())
@@ -230,5 +339,75 @@ pub(crate) fn update_row(
                 *w -= lr * m_hat / (v_hat.sqrt() + eps) + decoupled * *w;
             }
         }
+        FusedOptimizer::PartialRowWiseAdam {
+            beta1, beta2, eps, ..
+        } => {
+            let (correction1, correction2) = bias_corrections(beta1, beta2, step);
+            let denom = row_second_moment(grad, &mut state.m2[0], beta2, correction2, eps);
+            for ((w, &g), m) in row.iter_mut().zip(grad.iter()).zip(state.m1.iter_mut()) {
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *w -= lr * (*m / correction1) / denom + decoupled * *w;
+            }
+        }
+        FusedOptimizer::Lamb {
+            beta1, beta2, eps, ..
+        }
+        | FusedOptimizer::PartialRowWiseLamb {
+            beta1, beta2, eps, ..
+        } => {
+            let (correction1, correction2) = bias_corrections(beta1, beta2, step);
+            let lambda = match decay {
+                WeightDecay::Decoupled(l) => l,
+                _ => 0.0,
+            };
+            let row_denom = match opt {
+                FusedOptimizer::PartialRowWiseLamb { .. } => Some(row_second_moment(
+                    grad,
+                    &mut state.m2[0],
+                    beta2,
+                    correction2,
+                    eps,
+                )),
+                _ => None,
+            };
+            // The direction r replaces the gradient in place.
+            for (j, (r, w)) in grad.iter_mut().zip(row.iter()).enumerate() {
+                let g = *r;
+                let m = &mut state.m1[j];
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                let denom = match row_denom {
+                    Some(d) => d,
+                    None => {
+                        let v = &mut state.m2[j];
+                        *v = beta2 * *v + (1.0 - beta2) * g * g;
+                        (*v / correction2).sqrt() + eps
+                    }
+                };
+                *r = (*m / correction1) / denom + lambda * w;
+            }
+            let step_size = lr * trust_ratio(dot(row, row).sqrt(), dot(grad, grad).sqrt());
+            for (w, &r) in row.iter_mut().zip(grad.iter()) {
+                *w -= step_size * r;
+            }
+        }
+    }
+}
+
+/// Updates a row's second moment with the row's mean square gradient and returns the Adam
+/// denominator `√(v/(1−β₂ᵗ)) + eps` (the partial row-wise rules).
+#[inline(always)]
+fn row_second_moment(grad: &[f32], v: &mut f32, beta2: f32, correction2: f32, eps: f32) -> f32 {
+    let mean_square = dot(grad, grad) / grad.len() as f32;
+    *v = beta2 * *v + (1.0 - beta2) * mean_square;
+    (*v / correction2).sqrt() + eps
+}
+
+/// LAMB's trust ratio `‖w‖ / ‖r‖`, 1 when either norm is 0 (a zero row, or no direction).
+#[inline(always)]
+pub(crate) fn trust_ratio(w_norm: f32, r_norm: f32) -> f32 {
+    if w_norm > 0.0 && r_norm > 0.0 {
+        w_norm / r_norm
+    } else {
+        1.0
     }
 }

@@ -531,10 +531,11 @@ impl TableBatchedEmbedding {
         let state = &mut *guard;
         state.step += 1;
         let step = state.step;
-        let buffers = cfg.optimizer.state_buffers();
-        let per_row = buffers
-            .first()
-            .is_some_and(|(_, s)| *s == StateShape::PerRow);
+        let state_len = |i: usize, rows: usize, elems: usize| match cfg.optimizer.state_shape(i) {
+            None => 0,
+            Some(StateShape::PerRow) => rows,
+            Some(StateShape::PerElement) => elems,
+        };
         let mut weights_rest: &mut [f32] = &mut state.weights;
         let mut m1_rest: &mut [f32] = &mut state.m1;
         let mut m2_rest: &mut [f32] = &mut state.m2;
@@ -543,15 +544,11 @@ impl TableBatchedEmbedding {
             let elems = spec.rows * spec.dim;
             let (w, rest) = std::mem::take(&mut weights_rest).split_at_mut(elems);
             weights_rest = rest;
-            let m1_len = match buffers.first() {
-                None => 0,
-                Some(_) if per_row => spec.rows,
-                Some(_) => elems,
-            };
-            let (m1, rest) = std::mem::take(&mut m1_rest).split_at_mut(m1_len);
+            let (m1, rest) =
+                std::mem::take(&mut m1_rest).split_at_mut(state_len(0, spec.rows, elems));
             m1_rest = rest;
-            let m2_len = if buffers.len() > 1 { elems } else { 0 };
-            let (m2, rest) = std::mem::take(&mut m2_rest).split_at_mut(m2_len);
+            let (m2, rest) =
+                std::mem::take(&mut m2_rest).split_at_mut(state_len(1, spec.rows, elems));
             m2_rest = rest;
             let features: Vec<(usize, usize)> = cfg
                 .feature_table_map

@@ -35,6 +35,27 @@ pub enum RefOptimizer {
         beta2: f64,
         eps: f64,
     },
+    /// Adam with one second moment per row: the mean of g² over the row.
+    PartialRowWiseAdam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+    /// LAMB with per-row norms: w -= lr · (‖w‖/‖r‖) · r, r Adam's direction (+ λw decoupled).
+    Lamb {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+    /// LAMB with partial row-wise Adam's per-row second moment.
+    PartialRowWiseLamb {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -73,14 +94,20 @@ impl RefTbe {
             .iter()
             .map(|&(r, d)| match optimizer {
                 RefOptimizer::RowWiseAdagrad { .. } => vec![0.0; r],
-                RefOptimizer::Adagrad { .. } | RefOptimizer::Adam { .. } => vec![0.0; r * d],
+                RefOptimizer::Adagrad { .. }
+                | RefOptimizer::Adam { .. }
+                | RefOptimizer::PartialRowWiseAdam { .. }
+                | RefOptimizer::Lamb { .. }
+                | RefOptimizer::PartialRowWiseLamb { .. } => vec![0.0; r * d],
                 _ => vec![],
             })
             .collect();
         let m2 = tables
             .iter()
             .map(|&(r, d)| match optimizer {
-                RefOptimizer::Adam { .. } => vec![0.0; r * d],
+                RefOptimizer::Adam { .. } | RefOptimizer::Lamb { .. } => vec![0.0; r * d],
+                RefOptimizer::PartialRowWiseAdam { .. }
+                | RefOptimizer::PartialRowWiseLamb { .. } => vec![0.0; r],
                 _ => vec![],
             })
             .collect();
@@ -248,8 +275,12 @@ impl RefTbe {
                         grad[j] += l * w[j];
                     }
                 }
+                let lamb = matches!(
+                    self.optimizer,
+                    RefOptimizer::Lamb { .. } | RefOptimizer::PartialRowWiseLamb { .. }
+                );
                 let decoupled = |lr: f64| match decay {
-                    RefDecay::Decoupled(l) => lr * l,
+                    RefDecay::Decoupled(l) if !lamb => lr * l,
                     _ => 0.0,
                 };
                 match self.optimizer {
@@ -290,6 +321,66 @@ impl RefTbe {
                             *v = beta2 * *v + (1.0 - beta2) * grad[j] * grad[j];
                             let vh = *v / c2;
                             w[j] -= lr * mh / (vh.sqrt() + eps) + decoupled(lr) * w[j];
+                        }
+                    }
+                    RefOptimizer::PartialRowWiseAdam {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                    }
+                    | RefOptimizer::Lamb {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                    }
+                    | RefOptimizer::PartialRowWiseLamb {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                    } => {
+                        let t_step = self.step as i32;
+                        let (c1, c2) = (1.0 - beta1.powi(t_step), 1.0 - beta2.powi(t_step));
+                        let per_row = !matches!(self.optimizer, RefOptimizer::Lamb { .. });
+                        if per_row {
+                            let ms = grad.iter().map(|g| g * g).sum::<f64>() / d as f64;
+                            let v = &mut self.m2[t][id];
+                            *v = beta2 * *v + (1.0 - beta2) * ms;
+                        }
+                        // Adam's direction per element.
+                        let mut r = vec![0.0; d];
+                        for j in 0..d {
+                            let m = &mut self.m1[t][id * d + j];
+                            *m = beta1 * *m + (1.0 - beta1) * grad[j];
+                            let v = if per_row {
+                                self.m2[t][id]
+                            } else {
+                                let v = &mut self.m2[t][id * d + j];
+                                *v = beta2 * *v + (1.0 - beta2) * grad[j] * grad[j];
+                                *v
+                            };
+                            r[j] = (*m / c1) / ((v / c2).sqrt() + eps);
+                        }
+                        if lamb {
+                            let lambda = match decay {
+                                RefDecay::Decoupled(l) => l,
+                                _ => 0.0,
+                            };
+                            for j in 0..d {
+                                r[j] += lambda * w[j];
+                            }
+                            let norm = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+                            let (wn, rn) = (norm(w), norm(&r));
+                            let ratio = if wn > 0.0 && rn > 0.0 { wn / rn } else { 1.0 };
+                            for j in 0..d {
+                                w[j] -= lr * ratio * r[j];
+                            }
+                        } else {
+                            for j in 0..d {
+                                w[j] -= lr * r[j] + decoupled(lr) * w[j];
+                            }
                         }
                     }
                 }
