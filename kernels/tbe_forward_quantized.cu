@@ -74,3 +74,33 @@ extern "C" __global__ void tbe_forward_quantized(
         dst[d] = acc * scale;
     }
 }
+
+// Unpooled (PoolingMode::None) lookup of quantized rows: output row l (of [N, D], one D for
+// every feature) is row indices[l] of its feature's table dequantized, times its per-sample
+// weight. The layout and the bag search are tbe_sequence_f32's (tbe_forward.cu).
+extern "C" __global__ void tbe_sequence_quantized(
+    const u8* __restrict__ weights, const i64* __restrict__ table_offsets,
+    const i64* __restrict__ rows, const int* __restrict__ row_bytes,
+    const int* __restrict__ types, int D, int B, int F, const i64* __restrict__ indices,
+    const i64* __restrict__ offsets, const float* __restrict__ per_sample_weights, i64 n,
+    float* __restrict__ out, i64* first_bad) {
+    i64 l = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (l >= n) return;
+    int lo = 0, hi = B * F;  // offsets[lo] <= l < offsets[hi]
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (offsets[mid] <= l) lo = mid; else hi = mid;
+    }
+    int f = lo / B;
+    i64 id = indices[l];
+    float* dst = out + l * D;
+    if (id < 0 || id >= rows[f]) {
+        if (threadIdx.x == 0) report_bad_index(first_bad, l);
+        for (int d = threadIdx.x; d < D; d += 32) dst[d] = 0.0f;
+        return;
+    }
+    float w = per_sample_weights ? per_sample_weights[l] : 1.0f;
+    const u8* row = weights + table_offsets[f] + id * (i64)row_bytes[f];
+    int type = types[f];
+    for (int d = threadIdx.x; d < D; d += 32) dst[d] = w * load_quantized(row, type, d);
+}

@@ -282,6 +282,39 @@ fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<(
         .backward_host(&c.indices, &c.offsets, None, &grad)
         .unwrap_err();
     assert!(err.to_string().contains("fused optimizer"), "{err}");
+    // A per-sample-weight gradient needs per-sample weights, and room for one value per id;
+    // a refused call changes nothing.
+    let cpu = c.cpu_tbe(
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+        WeightDecay::None,
+    )?;
+    let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+    let before = gpu.table_state(0)?;
+    let n = c.indices.len();
+    let indices = device.htod(&c.indices)?;
+    let offsets = device.htod(&c.offsets)?;
+    let weights = device.htod(&c.weights)?;
+    let grad = device.htod(&vec![0.5f32; c.batch * gpu.out_stride()])?;
+    let mut room = device.alloc::<f32>(n)?;
+    let err = gpu
+        .backward(&indices, &offsets, None, &grad, c.batch, Some(&mut room))
+        .unwrap_err();
+    assert!(err.to_string().contains("per-sample weights"), "{err}");
+    let mut short = device.alloc::<f32>(n - 1)?;
+    let err = gpu
+        .backward(
+            &indices,
+            &offsets,
+            Some(&weights),
+            &grad,
+            c.batch,
+            Some(&mut short),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains(&format!("room for {n}")), "{err}");
+    assert_eq!(gpu.table_state(0)?, before);
+    assert_eq!(gpu.step(), 0);
     Ok(())
 }
 
@@ -397,12 +430,30 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
                 assert_eq!(out.shape(), &[n, 24]);
             }
         }
-        // Quantized rows are pooled only on the GPU: a clear refusal.
+        // Quantized rows of every type, unpooled, with per-sample weights, against the CPU
+        // quantized TBE; an out-of-range id is reported, not read.
         let cpu = c.cpu_tbe(PoolingMode::None, FusedOptimizer::None, WeightDecay::None)?;
-        let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &[WeightType::Int8; 3])?;
-        match CudaTbe::from_quantized(&q, device.clone()) {
-            Err(e) => assert!(e.to_string().contains("unpooled"), "{e}"),
-            Ok(_) => panic!("unpooled quantized lookups were accepted on the GPU"),
+        use WeightType::*;
+        for types in [
+            [Int8, Int4, Fp8],
+            [Fp16, Bf16, Int2],
+            [Fp32, Fp8E4m3fn, Int4],
+        ] {
+            let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &types)?;
+            let input = TbeInput::new(&c.indices[..], &c.offsets[..]).with_weights(&c.weights);
+            let expected = q.forward(input)?.to_vec::<f32>()?;
+            let gpu_q = CudaTbe::from_quantized(&q, device.clone())?;
+            let got = gpu_q.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+            assert_eq!(got.len(), n * 24);
+            assert_close(
+                &format!("{}: unpooled {types:?}", device.name()),
+                &got,
+                &expected,
+            );
+            let mut bad = c.indices.clone();
+            bad[5] = -2;
+            let err = gpu_q.forward_host(&bad, &c.offsets, None).unwrap_err();
+            assert!(err.to_string().contains("position 5"), "{err}");
         }
     }
     Ok(())

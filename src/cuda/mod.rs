@@ -71,7 +71,7 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "tbe_forward_quantized.cu",
         include_str!("../../kernels/tbe_forward_quantized.cu"),
-        &["tbe_forward_quantized"],
+        &["tbe_forward_quantized", "tbe_sequence_quantized"],
     ),
     (
         "tbe_backward.cu",

@@ -138,19 +138,6 @@ fn type_code(ty: WeightType) -> i32 {
     }
 }
 
-/// Whether the pooling is a mean; refuses what the GPU lookups cannot do.
-fn pooled(op: &'static str, pooling: PoolingMode, quantized: bool) -> Result<bool> {
-    match pooling {
-        PoolingMode::Sum => Ok(false),
-        PoolingMode::Mean => Ok(true),
-        PoolingMode::None if !quantized => Ok(false),
-        PoolingMode::None => Err(Error::invalid(
-            op,
-            "unpooled (PoolingMode::None) lookups of quantized rows are not on the GPU yet",
-        )),
-    }
-}
-
 impl CudaTbe {
     fn build(
         device: Arc<CudaDevice>,
@@ -159,8 +146,7 @@ impl CudaTbe {
         names: Vec<String>,
         pooling: PoolingMode,
     ) -> Result<Self> {
-        let quantized = matches!(weights, Weights::Quantized { .. });
-        let mean = pooled(OP, pooling, quantized)?;
+        let mean = pooling == PoolingMode::Mean;
         let sequence = pooling == PoolingMode::None;
         if sequence {
             let d0 = l.dims.first().copied().unwrap_or(0);
@@ -629,14 +615,28 @@ impl CudaTbe {
         let first_bad = self.first_bad.lock();
         let mut args = KernelArgs::new();
         if self.sequence {
-            let Weights::F32(w) = &self.weights else {
-                unreachable!("build refuses unpooled quantized tables")
-            };
             let n = indices.len();
-            args.buffer(w)
-                .buffer(&self.table_offsets)
-                .buffer(&self.rows)
-                .i32(self.out_stride as i32)
+            let kernel = match &self.weights {
+                Weights::F32(w) => {
+                    args.buffer(w)
+                        .buffer(&self.table_offsets)
+                        .buffer(&self.rows);
+                    "tbe_sequence_f32"
+                }
+                Weights::Quantized {
+                    bytes,
+                    row_bytes,
+                    types,
+                } => {
+                    args.buffer(bytes)
+                        .buffer(&self.table_offsets)
+                        .buffer(&self.rows)
+                        .buffer(row_bytes)
+                        .buffer(types);
+                    "tbe_sequence_quantized"
+                }
+            };
+            args.i32(self.out_stride as i32)
                 .i32(batch_size as i32)
                 .i32(f as i32)
                 .buffer(indices)
@@ -648,14 +648,11 @@ impl CudaTbe {
             if n == 0 {
                 return Ok(());
             }
-            // SAFETY: arguments as in kernels/tbe_forward.cu (tbe_sequence_f32); offsets F·B+1
+            // SAFETY: arguments as in kernels/tbe_forward*.cu (tbe_sequence_*); offsets F·B+1
             // ending at n (the caller's contract, checked by forward_host), output N·D.
             return unsafe {
-                self.device.launch(
-                    "tbe_sequence_f32",
-                    LaunchConfig::warp_per_item(n, 4),
-                    &mut args,
-                )
+                self.device
+                    .launch(kernel, LaunchConfig::warp_per_item(n, 4), &mut args)
             };
         }
         let kernel = match &self.weights {
