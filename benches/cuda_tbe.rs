@@ -69,18 +69,25 @@ fn main() {
         let d_ids = device.htod(&ids).unwrap();
         let d_offsets = device.htod(&offsets).unwrap();
         let mut out = device.zeros::<f32>(b * tbe.out_stride()).unwrap();
-        let ms = time_ms(100, &mut || {
-            tbe.forward(&d_ids, &d_offsets, None, b, &mut out).unwrap()
-        });
-        tbe.check_ids(&d_ids, &d_offsets, b)
-            .expect("every id is in range");
-        let bytes = (t * b * l * d * 4 + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4) as f64;
-        let gbs = bytes / (ms * 1e-3) / 1e9;
-        println!(
-            "embers TBE fp32 fwd T={t} B={b} D={d} E={e} L={l}: {ms:.4} ms, {:.1} MB moved, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
-            bytes / 1e6,
-            100.0 * gbs / copy_gbs
-        );
+        // Both FP32 lookup kernels: 16-byte loads (the default here) and one float per lane.
+        for vectorized in [true, false] {
+            tbe.set_vectorized(vectorized);
+            let ms = time_ms(100, &mut || {
+                tbe.forward(&d_ids, &d_offsets, None, b, &mut out).unwrap()
+            });
+            tbe.check_ids(&d_ids, &d_offsets, b)
+                .expect("every id is in range");
+            let bytes =
+                (t * b * l * d * 4 + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4) as f64;
+            let gbs = bytes / (ms * 1e-3) / 1e9;
+            let kernel = if vectorized { "float4" } else { "scalar" };
+            println!(
+                "embers TBE fp32 fwd ({kernel}) T={t} B={b} D={d} E={e} L={l}: {ms:.4} ms, {:.1} MB moved, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
+                bytes / 1e6,
+                100.0 * gbs / copy_gbs
+            );
+        }
+        tbe.set_vectorized(true);
         // Fused backward (row-wise Adagrad), counted as FBGEMM's benchmark counts it: every
         // lookup reads and writes its row, plus the output gradient read once.
         let grad = device.zeros::<f32>(b * tbe.out_stride()).unwrap();

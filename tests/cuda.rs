@@ -196,6 +196,43 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
             "{err}"
         );
     }
+    // Dims that are multiples of 4: the 16-byte-load kernel, against the CPU and bit for bit
+    // against the one-float-per-lane kernel, with an out-of-range id reported as before.
+    let mut c = case();
+    c.tables[2].dim = 132;
+    for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+        let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
+        let n = c.indices.len();
+        let f = c.feature_table_map.len();
+        let expected = cpu
+            .forward(
+                &Tensor::from_vec(c.indices.clone(), &[n])?,
+                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
+                Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
+            )?
+            .to_vec::<f32>()?;
+        let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+        assert!(
+            gpu.set_vectorized(true),
+            "dims 64, 12, 132 allow 16-byte loads"
+        );
+        let vec4 = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+        assert_close(
+            &format!("{}: v4 {pooling:?}", device.name()),
+            &vec4,
+            &expected,
+        );
+        let mut bad = c.indices.clone();
+        bad[7] = -1;
+        let err = gpu.forward_host(&bad, &c.offsets, None).unwrap_err();
+        assert!(err.to_string().contains("position 7"), "{err}");
+        assert!(!gpu.set_vectorized(false));
+        let scalar = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+        assert_eq!(
+            vec4, scalar,
+            "the two kernels add the same terms in the same order"
+        );
+    }
     Ok(())
 }
 

@@ -63,6 +63,7 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
         include_str!("../../kernels/tbe_forward.cu"),
         &[
             "tbe_forward_f32",
+            "tbe_forward_f32_v4",
             "tbe_forward_f16",
             "tbe_forward_bf16",
             "tbe_sequence_f32",

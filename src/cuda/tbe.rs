@@ -50,6 +50,8 @@ pub struct CudaTbe {
     mean: bool,
     /// Unpooled (PoolingMode::None): one output row per id.
     sequence: bool,
+    /// The FP32 pooled lookups use `tbe_forward_f32_v4` (16-byte loads).
+    vectorized: bool,
     /// Training state (FP32 tables only).
     train: Option<TrainState>,
 }
@@ -161,8 +163,13 @@ impl CudaTbe {
             }
             l.out_stride = d0 as usize;
         }
+        // Every table's dim a multiple of 4 keeps every table (and output slice) 16-byte
+        // aligned, unused tables included.
+        let vectorized = matches!(weights, Weights::F32(_))
+            && l.table_shapes.iter().all(|&(_, d)| d % 4 == 0 && d <= 512);
         Ok(CudaTbe {
             sequence,
+            vectorized,
             weights,
             table_offsets: device.htod(&l.table_offsets)?,
             rows: device.htod(&l.rows)?,
@@ -570,6 +577,20 @@ impl CudaTbe {
         Self::build(device, weights, l, names, q.pooling())
     }
 
+    /// Chooses between the FP32 pooled lookup kernels: 16-byte loads (`true`, the default
+    /// where every dim is a multiple of 4 and at most 512) or one float per lane. Returns
+    /// whether the vectorized kernel is now in use (`false` when the layout does not allow
+    /// it). Both give the same sums; the choice is for benchmarks.
+    pub fn set_vectorized(&mut self, on: bool) -> bool {
+        let allowed = matches!(self.weights, Weights::F32(_))
+            && self
+                .table_shapes
+                .iter()
+                .all(|&(_, d)| d % 4 == 0 && d <= 512);
+        self.vectorized = on && allowed;
+        self.vectorized
+    }
+
     /// The device the tables live on.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
@@ -661,7 +682,11 @@ impl CudaTbe {
                     .buffer(&self.table_offsets)
                     .buffer(&self.rows)
                     .buffer(&self.dims);
-                "tbe_forward_f32"
+                if self.vectorized {
+                    "tbe_forward_f32_v4"
+                } else {
+                    "tbe_forward_f32"
+                }
             }
             Weights::Quantized {
                 bytes,
