@@ -529,3 +529,62 @@ fn mixed_precision_gradients_match_the_cpu() {
         }
     }
 }
+
+#[test]
+fn side_streams_run_ops_and_keep_their_own_memory_pools() {
+    let Some(dev) = device() else { return };
+    let cuda = embers::cuda::device(0).unwrap();
+    let side = cuda.new_stream().unwrap();
+    let other = cuda.new_stream().unwrap();
+    assert_ne!(side.id(), other.id());
+    assert_ne!(side.id(), cuda.default_stream().id());
+    // `run` makes a stream current for the closure only, nested runs included.
+    assert_eq!(cuda.current_stream(), cuda.default_stream());
+    side.run(|| {
+        assert_eq!(cuda.current_stream(), side);
+        other.run(|| assert_eq!(cuda.current_stream(), other));
+        assert_eq!(cuda.current_stream(), side);
+    });
+    assert_eq!(cuda.current_stream(), cuda.default_stream());
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        side.run(|| panic!("inside run"));
+    }));
+    assert!(caught.is_err());
+    assert_eq!(
+        cuda.current_stream(),
+        cuda.default_stream(),
+        "restored after a panic"
+    );
+
+    // Work on a side stream: inputs made on the default stream, the side stream waits for
+    // them, the default stream waits for the result; then the values agree with the CPU.
+    let (a, b) = (randn(&[6, 5], 100), randn(&[5, 3], 101));
+    let (da, db) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+    side.wait_for(&cuda.default_stream()).unwrap();
+    let dc = side.run(|| {
+        da.record_stream(&side).unwrap();
+        db.record_stream(&side).unwrap();
+        da.matmul(&db).unwrap().tanh().unwrap()
+    });
+    cuda.default_stream().wait_for(&side).unwrap();
+    side.synchronize().unwrap();
+    assert_close(
+        "matmul + tanh on a side stream",
+        &host(&dc),
+        &a.matmul(&b).unwrap().tanh().unwrap(),
+        1e-5,
+    );
+    drop((da, db, dc));
+
+    // A block freed on one stream is not handed to another: allocating on a fresh stream
+    // takes a new segment even though the default stream's cache has room.
+    let fresh = cuda.new_stream().unwrap();
+    let before = cuda.memory_stats().raw_allocs;
+    drop(cuda.alloc::<f32>(1000).unwrap());
+    let after_default = cuda.memory_stats().raw_allocs;
+    fresh.run(|| drop(cuda.alloc::<f32>(1000).unwrap()));
+    assert_eq!(cuda.memory_stats().raw_allocs, after_default + 1);
+    assert!(after_default <= before + 1);
+    // Recording a CPU tensor is an error.
+    assert!(a.record_stream(&side).is_err());
+}

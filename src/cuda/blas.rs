@@ -10,7 +10,7 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use super::{Backend, CudaDevice};
 use crate::{DType, Device, Error, Result};
 
-/// A cuBLAS handle bound to the device's stream.
+/// A device's cuBLAS handle (set to the calling thread's current stream before each product).
 pub(crate) struct BlasHandle(cublas_sys::cublasHandle_t);
 
 // SAFETY: the handle is only used behind the device's mutex, one call at a time.
@@ -84,23 +84,24 @@ impl CudaDevice {
                         .bind_to_thread()
                         .map_err(|e| blas_error(self, e.to_string()))?;
                     let h = cublas::create_handle().map_err(|e| blas_error(self, e.to_string()))?;
-                    let handle = BlasHandle(h);
-                    // SAFETY: a live handle and the device's live stream.
-                    unsafe {
-                        cublas::set_stream(handle.0, d.stream.cu_stream() as _)
-                            .map_err(|e| blas_error(self, e.to_string()))?;
-                        let mode = if self.allow_tf32() {
-                            cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-                        } else {
-                            cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-                        };
-                        cublas_sys::cublasSetMathMode(handle.0, mode)
-                            .result()
-                            .map_err(|e| blas_error(self, e.to_string()))?;
-                    }
-                    *slot = Some(handle);
+                    *slot = Some(BlasHandle(h));
                 }
                 let handle = slot.as_ref().expect("created above");
+                // The calling thread's current stream, and the TF32 setting of now.
+                let stream = d.stream(self.at())?;
+                // SAFETY: a live handle and a live stream of this device.
+                unsafe {
+                    cublas::set_stream(handle.0, stream.cu_stream() as _)
+                        .map_err(|e| blas_error(self, e.to_string()))?;
+                    let mode = if self.allow_tf32() {
+                        cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+                    } else {
+                        cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+                    };
+                    cublas_sys::cublasSetMathMode(handle.0, mode)
+                        .result()
+                        .map_err(|e| blas_error(self, e.to_string()))?;
+                }
                 let (alpha, beta) = (1.0f32, 0.0f32);
                 // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands.
                 if g.dtype != DType::F32 {

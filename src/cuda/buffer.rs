@@ -1,12 +1,13 @@
 //! Typed device buffers. Memory comes from the device's [`CachingAllocator`](super::CachingAllocator)
-//! and goes back to it when the buffer is dropped; all work of a device is ordered on its one
-//! stream, so a block freed while kernels that use it are still queued is only handed out
-//! again to work queued after them.
+//! on the calling thread's current stream and goes back to it when the buffer is dropped; work
+//! on one stream runs in order, so a block freed while kernels of its stream that use it are
+//! still queued is only handed out again to work queued after them. A buffer also used on
+//! other streams says so ([`DeviceBuffer::record_stream`]) and its block waits for them.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use super::allocator::Block;
+use super::allocator::{Block, StreamId};
 use super::CudaDevice;
 use crate::Result;
 
@@ -30,6 +31,8 @@ pub struct DeviceBuffer<T: DeviceElem> {
     device: Arc<CudaDevice>,
     block: Option<Block>,
     len: usize,
+    /// Streams besides the block's own that used the buffer ([`DeviceBuffer::record_stream`]).
+    other_streams: parking_lot::Mutex<Vec<StreamId>>,
     _elem: PhantomData<T>,
 }
 
@@ -52,6 +55,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             device: device.clone(),
             block: Some(block),
             len,
+            other_streams: parking_lot::Mutex::new(Vec::new()),
             _elem: PhantomData,
         })
     }
@@ -129,7 +133,17 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             device: self.device.clone(),
             block: self.block.take(),
             len: self.bytes(),
+            other_streams: parking_lot::Mutex::new(std::mem::take(self.other_streams.get_mut())),
             _elem: PhantomData,
+        }
+    }
+
+    /// Adds `stream` to the streams the buffer's memory must wait for when freed.
+    pub(crate) fn note_stream(&self, stream: StreamId) {
+        let own = self.block.as_ref().map(|b| b.stream);
+        let mut others = self.other_streams.lock();
+        if own != Some(stream) && !others.contains(&stream) {
+            others.push(stream);
         }
     }
 
@@ -152,7 +166,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
 impl<T: DeviceElem> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            self.device.free_block(block);
+            self.device.free_block(block, self.other_streams.get_mut());
         }
     }
 }

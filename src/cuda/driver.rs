@@ -1,5 +1,6 @@
-//! The real CUDA device: a context, one stream all work is ordered on, the kernel modules
-//! compiled by NVRTC for the device's architecture, and raw memory operations.
+//! The real CUDA device: a context, its streams (the default one and those made by
+//! `CudaDevice::new_stream`), the kernel modules compiled by NVRTC for the device's
+//! architecture, and raw memory operations, each queued on the stream it is given.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -7,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
 
+use super::allocator::StreamId;
 use super::launch::LaunchConfig;
 use super::pinned::{Staging, STAGING_CHUNK};
 use super::{compile_ptx, file_of};
@@ -14,18 +16,26 @@ use crate::{Device, Error, Result};
 
 pub(crate) struct Driver {
     pub(crate) context: Arc<CudaContext>,
-    pub(crate) stream: Arc<CudaStream>,
+    /// By id; 0 is the default stream.
+    streams: Mutex<HashMap<StreamId, Arc<CudaStream>>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
-    /// The pinned chunks small host-to-device copies are staged through.
-    staging: Mutex<Staging>,
+    /// Per stream: the pinned chunks small host-to-device copies are staged through.
+    staging: Mutex<HashMap<StreamId, Staging>>,
 }
 
 impl Drop for Driver {
     fn drop(&mut self) {
         // Copies may still read the staging chunks, which are freed with the fields.
-        let _ = self.stream.synchronize();
+        let _ = self.context.synchronize();
     }
+}
+
+/// Where an operation goes: the device (for errors) and the stream it is queued on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct At {
+    pub(crate) ordinal: usize,
+    pub(crate) stream: StreamId,
 }
 
 /// `cuMemHostAlloc`'s write-combined flag: fast for memory the host only writes and the GPU
@@ -47,10 +57,54 @@ impl Driver {
             .map_err(|e| failed(ordinal, "creating a stream", e))?;
         Ok(Driver {
             context,
-            stream,
+            streams: Mutex::new(HashMap::from([(0, stream)])),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
-            staging: Mutex::new(Staging::new()),
+            staging: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Creates stream `id`.
+    pub(crate) fn add_stream(&self, ordinal: usize, id: StreamId) -> Result<()> {
+        let stream = self
+            .context
+            .new_stream()
+            .map_err(|e| failed(ordinal, "creating a stream", e))?;
+        self.streams.lock().expect("streams").insert(id, stream);
+        Ok(())
+    }
+
+    /// The stream an operation goes to.
+    pub(crate) fn stream(&self, at: At) -> Result<Arc<CudaStream>> {
+        self.streams
+            .lock()
+            .expect("streams")
+            .get(&at.stream)
+            .cloned()
+            .ok_or_else(|| failed(at.ordinal, "stream", format!("no stream {}", at.stream)))
+    }
+
+    /// Makes later work on `waiter` wait for the work queued on `on` so far.
+    pub(crate) fn stream_wait(&self, waiter: At, on: At) -> Result<()> {
+        let event = self.record_event(on)?;
+        self.wait_event(waiter, &event)
+    }
+
+    /// Makes later work on the stream of `at` wait for `event`.
+    pub(crate) fn wait_event(&self, at: At, event: &cudarc::driver::CudaEvent) -> Result<()> {
+        self.stream(at)?
+            .wait(event)
+            .map_err(|e| failed(at.ordinal, "making a stream wait for an event", e))
+    }
+
+    /// Waits for the work queued on every stream of the device.
+    pub(crate) fn synchronize_all(&self, ordinal: usize) -> Result<()> {
+        self.context.synchronize().map_err(|e| {
+            failed(
+                ordinal,
+                "synchronize (an earlier kernel may have failed)",
+                e,
+            )
         })
     }
 
@@ -97,32 +151,33 @@ impl Driver {
 
     /// Queues a copy of `src` to `dst`. Small copies go through the pinned staging ring, so
     /// they never wait for the stream; larger ones are staged by the driver.
-    pub(crate) fn copy_from_host(&self, ordinal: usize, dst: u64, src: &[u8]) -> Result<()> {
-        self.bind(ordinal)?;
+    pub(crate) fn copy_from_host(&self, at: At, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind(at.ordinal)?;
         if src.is_empty() {
             return Ok(());
         }
         if src.len() <= STAGING_CHUNK {
-            let mut staging = self.staging.lock().expect("staging ring");
+            let mut rings = self.staging.lock().expect("staging ring");
+            let staging = rings.entry(at.stream).or_insert_with(Staging::new);
             let chunk = staging.reserve(
-                ordinal,
+                at.ordinal,
                 src.len(),
-                || self.record_event(ordinal),
-                || self.malloc_pinned_with_flags(ordinal, STAGING_CHUNK, WRITE_COMBINED),
+                || self.record_event(at),
+                || self.malloc_pinned_with_flags(at.ordinal, STAGING_CHUNK, WRITE_COMBINED),
             )?;
             // SAFETY: the reserved room holds `src.len()` bytes and no queued copy reads it;
             // `dst` is a device allocation of at least that many (the caller's buffer).
             unsafe {
                 std::ptr::copy_nonoverlapping(src.as_ptr(), chunk, src.len());
                 let staged = std::slice::from_raw_parts(chunk as *const u8, src.len());
-                return result::memcpy_htod_async(dst, staged, self.stream.cu_stream())
-                    .map_err(|e| failed(ordinal, "host-to-device copy", e));
+                return result::memcpy_htod_async(dst, staged, self.stream(at)?.cu_stream())
+                    .map_err(|e| failed(at.ordinal, "host-to-device copy", e));
             }
         }
         // SAFETY: `dst` is a device allocation of at least `src.len()` bytes (the caller's
         // buffer); a copy from pageable memory is staged before this returns.
-        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| failed(ordinal, "host-to-device copy", e))
+        unsafe { result::memcpy_htod_async(dst, src, self.stream(at)?.cu_stream()) }
+            .map_err(|e| failed(at.ordinal, "host-to-device copy", e))
     }
 
     /// `bytes` of page-locked host memory.
@@ -151,21 +206,21 @@ impl Driver {
     /// `src` stays allocated and unwritten until the event is reached.
     pub(crate) unsafe fn copy_pinned_to_device(
         &self,
-        ordinal: usize,
+        at: At,
         dst: u64,
         src: *const u8,
         bytes: usize,
     ) -> Result<cudarc::driver::CudaEvent> {
-        self.bind(ordinal)?;
+        self.bind(at.ordinal)?;
         if bytes > 0 {
             // SAFETY: per this function's contract.
             unsafe {
                 let src = std::slice::from_raw_parts(src, bytes);
-                result::memcpy_htod_async(dst, src, self.stream.cu_stream())
-                    .map_err(|e| failed(ordinal, "host-to-device copy (pinned)", e))?;
+                result::memcpy_htod_async(dst, src, self.stream(at)?.cu_stream())
+                    .map_err(|e| failed(at.ordinal, "host-to-device copy (pinned)", e))?;
             }
         }
-        self.record_event(ordinal)
+        self.record_event(at)
     }
 
     /// Queues a copy of `bytes` from `src` to pinned `dst` and returns an event reached when
@@ -176,82 +231,76 @@ impl Driver {
     /// `dst` stays allocated and untouched by the host until the event is reached.
     pub(crate) unsafe fn copy_device_to_pinned(
         &self,
-        ordinal: usize,
+        at: At,
         dst: *mut u8,
         src: u64,
         bytes: usize,
     ) -> Result<cudarc::driver::CudaEvent> {
-        self.bind(ordinal)?;
+        self.bind(at.ordinal)?;
         if bytes > 0 {
             // SAFETY: per this function's contract.
             unsafe {
                 let dst = std::slice::from_raw_parts_mut(dst, bytes);
-                result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-                    .map_err(|e| failed(ordinal, "device-to-host copy (pinned)", e))?;
+                result::memcpy_dtoh_async(dst, src, self.stream(at)?.cu_stream())
+                    .map_err(|e| failed(at.ordinal, "device-to-host copy (pinned)", e))?;
             }
         }
-        self.record_event(ordinal)
+        self.record_event(at)
     }
 
-    pub(crate) fn copy_to_host(&self, ordinal: usize, dst: &mut [u8], src: u64) -> Result<()> {
-        self.bind(ordinal)?;
+    pub(crate) fn copy_to_host(&self, at: At, dst: &mut [u8], src: u64) -> Result<()> {
+        self.bind(at.ordinal)?;
         // SAFETY: `src` holds at least `dst.len()` bytes; the stream is synchronised before
         // `dst` is used.
         unsafe {
-            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-                .map_err(|e| failed(ordinal, "device-to-host copy", e))?;
+            result::memcpy_dtoh_async(dst, src, self.stream(at)?.cu_stream())
+                .map_err(|e| failed(at.ordinal, "device-to-host copy", e))?;
         }
-        self.synchronize(ordinal)
+        self.synchronize(at)
     }
 
-    pub(crate) fn copy_on_device(
-        &self,
-        ordinal: usize,
-        dst: u64,
-        src: u64,
-        bytes: usize,
-    ) -> Result<()> {
-        self.bind(ordinal)?;
+    pub(crate) fn copy_on_device(&self, at: At, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind(at.ordinal)?;
         // SAFETY: both are device allocations of at least `bytes` bytes.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(|e| failed(ordinal, "device-to-device copy", e))
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream(at)?.cu_stream()) }
+            .map_err(|e| failed(at.ordinal, "device-to-device copy", e))
     }
 
-    pub(crate) fn zero_bytes(&self, ordinal: usize, dst: u64, bytes: usize) -> Result<()> {
-        self.bind(ordinal)?;
+    pub(crate) fn zero_bytes(&self, at: At, dst: u64, bytes: usize) -> Result<()> {
+        self.bind(at.ordinal)?;
         // SAFETY: `dst` holds at least `bytes` bytes.
-        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| failed(ordinal, "memset", e))
+        unsafe { result::memset_d8_async(dst, 0, bytes, self.stream(at)?.cu_stream()) }
+            .map_err(|e| failed(at.ordinal, "memset", e))
     }
 
-    pub(crate) fn synchronize(&self, ordinal: usize) -> Result<()> {
-        self.stream.synchronize().map_err(|e| {
+    pub(crate) fn synchronize(&self, at: At) -> Result<()> {
+        self.stream(at)?.synchronize().map_err(|e| {
             failed(
-                ordinal,
+                at.ordinal,
                 "synchronize (an earlier kernel may have failed)",
                 e,
             )
         })
     }
 
-    pub(crate) fn record_event(&self, ordinal: usize) -> Result<cudarc::driver::CudaEvent> {
-        self.stream
+    pub(crate) fn record_event(&self, at: At) -> Result<cudarc::driver::CudaEvent> {
+        self.stream(at)?
             .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| failed(ordinal, "recording an event", e))
+            .map_err(|e| failed(at.ordinal, "recording an event", e))
     }
 
     /// # Safety
     /// `params` match the kernel's parameters; the buffers they point to are large enough.
     pub(crate) unsafe fn launch(
         &self,
-        ordinal: usize,
+        at: At,
         arch: &'static str,
         kernel: &'static str,
         cfg: &LaunchConfig,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        let f = self.function(ordinal, arch, kernel)?;
-        self.bind(ordinal)?;
+        let f = self.function(at.ordinal, arch, kernel)?;
+        self.bind(at.ordinal)?;
         // SAFETY: per this function's contract; the driver copies the argument values before
         // returning.
         unsafe {
@@ -260,10 +309,10 @@ impl Driver {
                 cfg.grid,
                 cfg.block,
                 cfg.shared_bytes,
-                self.stream.cu_stream(),
+                self.stream(at)?.cu_stream(),
                 params,
             )
         }
-        .map_err(|e| failed(ordinal, "kernel launch", format!("{kernel}: {e}")))
+        .map_err(|e| failed(at.ordinal, "kernel launch", format!("{kernel}: {e}")))
     }
 }

@@ -41,6 +41,7 @@ mod launch;
 mod pinned;
 mod sim;
 mod sort;
+mod stream;
 mod tbe;
 pub use allocator::{AllocatorStats, CachingAllocator, DriverAllocator};
 use allocator::{Block, RawAllocator, StreamId};
@@ -51,6 +52,7 @@ pub use launch::{ArgKind, KernelArgs, LaunchConfig};
 pub use pinned::PinnedBuffer;
 pub use sim::HOST_SIM_HEADER;
 pub use sort::radix_sort_u64;
+pub use stream::Stream;
 pub use tbe::CudaTbe;
 
 /// Helpers prepended to every kernel source (NVRTC sees no system headers).
@@ -247,7 +249,7 @@ pub(crate) fn file_of(kernel: &str) -> Result<&'static str> {
 
 /// How a [`CudaDevice`] executes: the CUDA driver, or the host emulation.
 enum Backend {
-    Driver(driver::Driver),
+    Driver(Box<driver::Driver>),
     Sim(Arc<sim::Library>),
 }
 
@@ -256,8 +258,9 @@ type DeviceAllocator = CachingAllocator<Box<dyn RawAllocator + Send>>;
 /// An open CUDA device — a GPU through the driver, or the host emulation of one — with its
 /// compiled kernels, its stream and its caching allocator.
 ///
-/// All work on a device is queued on one stream, in order, and runs asynchronously on a GPU:
-/// the host only waits when it reads a value back ([`DeviceBuffer::to_host`],
+/// Work is queued on the calling thread's current stream of the device (the default stream
+/// unless [`Stream::run`] says otherwise), in order, and runs asynchronously on a GPU: the host
+/// only waits when it reads a value back ([`DeviceBuffer::to_host`],
 /// [`CudaDevice::synchronize`]).
 pub struct CudaDevice {
     ordinal: usize,
@@ -265,6 +268,10 @@ pub struct CudaDevice {
     name: String,
     backend: Backend,
     allocator: Mutex<DeviceAllocator>,
+    /// Freed blocks other streams may still be using ([`DeviceBuffer::record_stream`]).
+    pending_frees: Mutex<stream::PendingFrees<cudarc::driver::CudaEvent>>,
+    /// The id the next [`CudaDevice::new_stream`] hands out.
+    next_stream: std::sync::atomic::AtomicU64,
     blas: blas::BlasSlot,
     tf32: std::sync::atomic::AtomicBool,
 }
@@ -278,9 +285,6 @@ impl std::fmt::Debug for CudaDevice {
             .finish()
     }
 }
-
-/// The stream id the allocator files every block under (one stream per device).
-const STREAM: StreamId = 0;
 
 impl CudaDevice {
     fn new(
@@ -296,6 +300,8 @@ impl CudaDevice {
             name,
             backend,
             allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
+            pending_frees: Mutex::new(stream::PendingFrees::new()),
+            next_stream: std::sync::atomic::AtomicU64::new(1),
             blas: Mutex::new(None),
             tf32: std::sync::atomic::AtomicBool::new(false),
         }
@@ -324,7 +330,7 @@ impl CudaDevice {
 
     /// Lets f32 matrix products use TF32 tensor cores (10-bit mantissa inputs, f32
     /// accumulation; PyTorch's `allow_tf32`). Off by default: f32 products are exact FP32.
-    /// Takes effect before the first product on the device.
+    /// Applies to the products queued from then on.
     pub fn set_allow_tf32(&self, allow: bool) {
         self.tf32.store(allow, std::sync::atomic::Ordering::Relaxed);
     }
@@ -377,10 +383,10 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// Waits for all work queued on the device; reports a kernel fault.
+    /// Waits for all work queued on the device, on every stream; reports a kernel fault.
     pub fn synchronize(&self) -> Result<()> {
         match &self.backend {
-            Backend::Driver(d) => d.synchronize(self.ordinal),
+            Backend::Driver(d) => d.synchronize_all(self.ordinal),
             Backend::Sim(_) => Ok(()),
         }
     }
@@ -401,7 +407,7 @@ impl CudaDevice {
         match &self.backend {
             // SAFETY: per this function's contract.
             Backend::Driver(d) => unsafe {
-                d.launch(self.ordinal, self.arch, kernel, &cfg, &mut params)
+                d.launch(self.at(), self.arch, kernel, &cfg, &mut params)
             },
             // SAFETY: per this function's contract; emulated device memory is host memory.
             Backend::Sim(lib) => unsafe {
@@ -413,19 +419,136 @@ impl CudaDevice {
     /// Marks the current point of the device's stream, for timing ([`DeviceEvent::elapsed_ms`]).
     pub fn record_event(&self) -> Result<DeviceEvent> {
         match &self.backend {
-            Backend::Driver(d) => d.record_event(self.ordinal).map(DeviceEvent::Driver),
+            Backend::Driver(d) => d.record_event(self.at()).map(DeviceEvent::Driver),
             Backend::Sim(_) => Ok(DeviceEvent::Host(std::time::Instant::now())),
         }
     }
 
-    pub(crate) fn alloc_block(&self, bytes: usize) -> Result<Block> {
-        self.allocator
-            .lock()
-            .expect("allocator")
-            .alloc(bytes, STREAM)
+    /// Where the calling thread's work on this device goes (for the driver).
+    pub(crate) fn at(&self) -> driver::At {
+        driver::At {
+            ordinal: self.ordinal,
+            stream: stream::current_stream_id(self),
+        }
     }
 
-    pub(crate) fn free_block(&self, block: Block) {
+    /// A new stream of this device ([`Stream`]).
+    pub fn new_stream(self: &Arc<Self>) -> Result<Stream> {
+        let id = self
+            .next_stream
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Backend::Driver(d) = &self.backend {
+            d.add_stream(self.ordinal, id)?;
+        }
+        Ok(Stream::new(self.clone(), id))
+    }
+
+    /// The device's default stream.
+    pub fn default_stream(self: &Arc<Self>) -> Stream {
+        Stream::new(self.clone(), stream::DEFAULT_STREAM)
+    }
+
+    /// The calling thread's current stream of this device ([`Stream::run`]).
+    pub fn current_stream(self: &Arc<Self>) -> Stream {
+        Stream::new(self.clone(), stream::current_stream_id(self))
+    }
+
+    pub(crate) fn stream_wait(&self, waiter: StreamId, on: StreamId) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.stream_wait(
+                driver::At {
+                    ordinal: self.ordinal,
+                    stream: waiter,
+                },
+                driver::At {
+                    ordinal: self.ordinal,
+                    stream: on,
+                },
+            ),
+            // The emulation runs every launch to completion before returning.
+            Backend::Sim(_) => Ok(()),
+        }
+    }
+
+    pub(crate) fn synchronize_stream(&self, id: StreamId) -> Result<()> {
+        match &self.backend {
+            Backend::Driver(d) => d.synchronize(driver::At {
+                ordinal: self.ordinal,
+                stream: id,
+            }),
+            Backend::Sim(_) => Ok(()),
+        }
+    }
+
+    /// Hands the blocks whose other streams are done back to the allocator.
+    fn reclaim_pending(&self, allocator: &mut DeviceAllocator, wait: bool) {
+        let ready = {
+            let mut pending = self.pending_frees.lock().expect("pending frees");
+            if pending.len() == 0 {
+                return;
+            }
+            if wait {
+                pending.take_all()
+            } else {
+                pending.take_ready()
+            }
+        };
+        for block in ready {
+            let freed = allocator.free(block);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+        }
+    }
+
+    /// A block for `bytes` on the calling thread's current stream.
+    pub(crate) fn alloc_block(&self, bytes: usize) -> Result<Block> {
+        let stream = stream::current_stream_id(self);
+        let mut allocator = self.allocator.lock().expect("allocator");
+        self.reclaim_pending(&mut allocator, false);
+        match allocator.alloc(bytes, stream) {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                // Out of memory: wait for the blocks other streams hold back, then retry.
+                if self.pending_frees.lock().expect("pending frees").len() == 0 {
+                    return Err(e);
+                }
+                self.reclaim_pending(&mut allocator, true);
+                allocator.alloc(bytes, stream)
+            }
+        }
+    }
+
+    /// Returns `block` to the allocator, once the work queued so far on `also_used_on`
+    /// (streams other than the block's own) is done.
+    pub(crate) fn free_block(&self, block: Block, also_used_on: &[StreamId]) {
+        let others: Vec<StreamId> = also_used_on
+            .iter()
+            .copied()
+            .filter(|&s| s != block.stream)
+            .collect();
+        if let (Backend::Driver(d), false) = (&self.backend, others.is_empty()) {
+            let events: Result<Vec<_>> = others
+                .iter()
+                .map(|&stream| {
+                    d.record_event(driver::At {
+                        ordinal: self.ordinal,
+                        stream,
+                    })
+                })
+                .collect();
+            match events {
+                Ok(events) => {
+                    self.pending_frees
+                        .lock()
+                        .expect("pending frees")
+                        .push(block, events);
+                    return;
+                }
+                // No event: wait for the whole device instead.
+                Err(_) => {
+                    let _ = d.synchronize_all(self.ordinal);
+                }
+            }
+        }
         // A block this allocator handed out always goes back; an error here is a bug.
         let freed = self.allocator.lock().expect("allocator").free(block);
         debug_assert!(freed.is_ok(), "{freed:?}");
@@ -433,7 +556,7 @@ impl CudaDevice {
 
     pub(crate) fn copy_from_host(&self, dst: u64, src: &[u8]) -> Result<()> {
         match &self.backend {
-            Backend::Driver(d) => d.copy_from_host(self.ordinal, dst, src),
+            Backend::Driver(d) => d.copy_from_host(self.at(), dst, src),
             Backend::Sim(_) => {
                 // SAFETY: emulated device memory is host memory of at least `src.len()` bytes.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
@@ -444,7 +567,7 @@ impl CudaDevice {
 
     pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: u64) -> Result<()> {
         match &self.backend {
-            Backend::Driver(d) => d.copy_to_host(self.ordinal, dst, src),
+            Backend::Driver(d) => d.copy_to_host(self.at(), dst, src),
             Backend::Sim(_) => {
                 // SAFETY: as above.
                 unsafe {
@@ -457,7 +580,7 @@ impl CudaDevice {
 
     pub(crate) fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         match &self.backend {
-            Backend::Driver(d) => d.copy_on_device(self.ordinal, dst, src, bytes),
+            Backend::Driver(d) => d.copy_on_device(self.at(), dst, src, bytes),
             Backend::Sim(_) => {
                 // SAFETY: as above (`copy` allows overlap).
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
@@ -468,7 +591,7 @@ impl CudaDevice {
 
     pub(crate) fn zero_bytes(&self, dst: u64, bytes: usize) -> Result<()> {
         match &self.backend {
-            Backend::Driver(d) => d.zero_bytes(self.ordinal, dst, bytes),
+            Backend::Driver(d) => d.zero_bytes(self.at(), dst, bytes),
             Backend::Sim(_) => {
                 // SAFETY: as above.
                 unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
@@ -598,7 +721,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
             .map_err(|e| unavailable(ordinal, format!("reading the compute capability: {e}")))?;
         let name = context.name().unwrap_or_else(|_| "unknown GPU".to_string());
         let raw: Box<dyn RawAllocator + Send> = Box::new(DriverAllocator::new(context.clone()));
-        let backend = Backend::Driver(driver::Driver::new(context, ordinal)?);
+        let backend = Backend::Driver(Box::new(driver::Driver::new(context, ordinal)?));
         Ok(CudaDevice::new(
             ordinal,
             arch_name(major, minor),

@@ -169,6 +169,15 @@ impl<T: DeviceElem> PinnedBuffer<T> {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.memory.ptr() as *mut T, self.len) })
     }
 
+    /// Makes the stream of `at` wait (on the device, not the host) for the copies queued on
+    /// the buffer so far.
+    fn order_after_pending(&self, d: &super::driver::Driver, at: super::driver::At) -> Result<()> {
+        match &*self.pending.lock() {
+            Some(e) => d.wait_event(at, e),
+            None => Ok(()),
+        }
+    }
+
     /// Notes a queued copy touching the memory (GPU only).
     fn track(&self, event: Option<CudaEvent>) {
         if let Some(e) = event {
@@ -225,15 +234,12 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         let device = self.device().clone();
         match device.driver() {
             Some(d) => {
+                // A copy into `src` queued on another stream comes first.
+                src.order_after_pending(d, device.at())?;
                 // SAFETY: both allocations hold `bytes()` bytes; the event keeps the host from
                 // writing or freeing `src` before the copy is done.
                 let e = unsafe {
-                    d.copy_pinned_to_device(
-                        device.ordinal(),
-                        self.ptr(),
-                        src.host_ptr(),
-                        self.bytes(),
-                    )?
+                    d.copy_pinned_to_device(device.at(), self.ptr(), src.host_ptr(), self.bytes())?
                 };
                 src.track(Some(e));
                 Ok(())
@@ -253,16 +259,12 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         let device = self.device().clone();
         match device.driver() {
             Some(d) => {
-                // Earlier copies touching `dst` are ahead on the same stream: no wait needed.
+                // Earlier copies touching `dst`, on any stream, come first.
+                dst.order_after_pending(d, device.at())?;
                 // SAFETY: both allocations hold `bytes()` bytes; `dst` is borrowed mutably and
                 // its readers wait for the event.
                 let e = unsafe {
-                    d.copy_device_to_pinned(
-                        device.ordinal(),
-                        dst.host_ptr(),
-                        self.ptr(),
-                        self.bytes(),
-                    )?
+                    d.copy_device_to_pinned(device.at(), dst.host_ptr(), self.ptr(), self.bytes())?
                 };
                 dst.track(Some(e));
                 Ok(())

@@ -489,6 +489,24 @@ impl super::autograd::BackwardOp for ToDeviceBackward {
 }
 
 impl Tensor {
+    /// Notes that work queued on `stream` uses this CUDA tensor's memory (PyTorch's
+    /// `record_stream`): when the storage is freed, the memory is not handed out again before
+    /// that work is done. Needed when a tensor made on one stream is used on another.
+    pub fn record_stream(&self, stream: &cuda::Stream) -> Result<()> {
+        let guard = self.storage_read();
+        match &*guard {
+            Storage::Cuda(s) if Arc::ptr_eq(s.device(), stream.device()) => {
+                s.buffer.note_stream(stream.id());
+                Ok(())
+            }
+            _ => Err(Error::DeviceMismatch {
+                op: "record_stream",
+                lhs: self.device(),
+                rhs: Device::Cuda(stream.device().ordinal()),
+            }),
+        }
+    }
+
     /// This tensor's values on `device` (the same tensor when already there). Differentiable:
     /// the gradient moves back to this tensor's device.
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
