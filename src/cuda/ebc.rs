@@ -177,7 +177,7 @@ impl BackwardOp for LookupBackward {
             _ => None,
         };
         // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
-        // (the launches are queued on the device's one stream before `grad` can be freed).
+        // (the launches are queued on the current stream, before `grad` can be freed).
         unsafe {
             self.tbe.lock().backward_raw(
                 &self.ids,
