@@ -42,7 +42,12 @@ pub(crate) fn current_stream_id(device: &CudaDevice) -> StreamId {
     })
 }
 
-/// A queue of work on a device (see the [module docs](self)).
+/// A queue of work on a device, as PyTorch's `torch.cuda.Stream`. Work on one stream runs in
+/// order; work on different streams may overlap, so a stream that needs another's results
+/// waits for them ([`Stream::wait_for`]). Kernels, copies, products and allocations go to the
+/// calling thread's current stream of the device ([`Stream::run`]); a buffer used on a stream
+/// other than the one it was allocated on must be recorded there
+/// ([`DeviceBuffer::record_stream`]).
 #[derive(Clone)]
 pub struct Stream {
     device: Arc<CudaDevice>,
