@@ -27,15 +27,17 @@ echo "== ratios (torch ms / embers ms; torch = mean of its two runs; target >= 2
 import re, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 def times(name):
+    """Forward lines only: (kernel label or "", T, E) -> ms."""
     t = {}
     for line in (out / name).read_text().splitlines():
-        m = re.search(r"T=(\d+) .*E=(\d+) .*: ([0-9.]+) ms", line)
+        m = re.search(r"fwd (?:\((\w+)\) )?T=(\d+) .*E=(\d+) .*: ([0-9.]+) ms", line)
         if m:
-            t[(m.group(1), m.group(2))] = float(m.group(3))
+            t[(m.group(1) or "", m.group(2), m.group(3))] = float(m.group(4))
     return t
 a, b, e = times("torch.txt"), times("torch2.txt"), times("embers.txt")
-for key in e:
+for (kernel, T, E), ms in e.items():
+    key = ("", T, E)
     if key in a:
         ref = (a[key] + b.get(key, a[key])) / 2
-        print(f"T={key[0]} E={key[1]}: torch {ref:.4f} ms, embers {e[key]:.4f} ms, {ref / e[key]:.2f}x")
+        print(f"T={T} E={E}: torch {ref:.4f} ms, embers ({kernel}) {ms:.4f} ms, {ref / ms:.2f}x")
 PYEOF
