@@ -59,7 +59,7 @@ __device__ __forceinline__ void block_scan_chunks(const T* in, T* out, i64 m, T*
 }
 
 // Exclusive scan of i64 values (one block of 1024 threads): bucketize's slot starts.
-extern "C" __global__ void scan_exclusive_i64(const i64* in, i64* out, i64 m) {
+extern "C" __global__ void __launch_bounds__(1024) scan_exclusive_i64(const i64* in, i64* out, i64 m) {
     __shared__ i64 scratch[32];
     block_scan_chunks(in, out, m, scratch);
 }
@@ -70,7 +70,7 @@ __device__ __forceinline__ int digit_of(unsigned long long key, int shift) {
 
 // counts[d * tiles + tile] = number of keys of `tile` whose digit at `shift` is d.
 // Grid: one block of SORT_THREADS per tile.
-extern "C" __global__ void radix_histogram(const unsigned long long* __restrict__ keys, i64 n,
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_histogram(const unsigned long long* __restrict__ keys, i64 n,
                                            int shift, int* __restrict__ counts) {
     __shared__ int hist[RADIX];
     for (int d = threadIdx.x; d < RADIX; d += blockDim.x) hist[d] = 0;
@@ -85,14 +85,14 @@ extern "C" __global__ void radix_histogram(const unsigned long long* __restrict_
 }
 
 // In-place exclusive scan of counts[0..m) (one block of 1024 threads).
-extern "C" __global__ void radix_scan(int* counts, i64 m) {
+extern "C" __global__ void __launch_bounds__(1024) radix_scan(int* counts, i64 m) {
     __shared__ int scratch[32];
     block_scan_chunks(counts, counts, m, scratch);
 }
 
 // Writes every key of the tile to out[slots[digit * tiles + tile] + its rank among the tile's
 // keys of that digit], ranks in input order (stable). Grid: one block of SORT_THREADS per tile.
-extern "C" __global__ void radix_scatter(const unsigned long long* __restrict__ keys_in,
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_scatter(const unsigned long long* __restrict__ keys_in,
                                          unsigned long long* __restrict__ keys_out, i64 n,
                                          int shift, const int* __restrict__ slots) {
     __shared__ unsigned long long tile[SORT_TILE];

@@ -171,10 +171,13 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
 
         // Rows of every weight type (FBGEMM's row layouts) against the CPU quantized TBE.
         use WeightType::*;
+        // All-FP16 and all-BF16 tables take the typed kernels (tbe_forward_f16/_bf16).
         for types in [
             [Int8, Int4, Fp8],
             [Fp16, Bf16, Int2],
             [Fp32, Fp8E4m3fn, Int8],
+            [Fp16; 3],
+            [Bf16; 3],
         ] {
             let q = QuantizedTableBatchedEmbedding::from_trained(&cpu, &types)?;
             let input = TbeInput::new(&c.indices[..], &c.offsets[..]).with_weights(&c.weights);

@@ -25,6 +25,10 @@ enum Weights {
         bytes: DeviceBuffer<u8>,
         row_bytes: DeviceBuffer<i32>,
         types: DeviceBuffer<i32>,
+        /// When every table holds FP16 (or every one BF16) rows: the typed pooled kernel
+        /// (`tbe_forward_f16`/`_bf16`, no per-value type switch) and the features' table
+        /// offsets in 2-byte elements.
+        half: Option<(&'static str, DeviceBuffer<i64>)>,
     },
 }
 
@@ -569,10 +573,26 @@ impl CudaTbe {
             .map(|&t| type_code(q.weight_types()[t]))
             .collect();
         let names = (0..ftm.len()).map(|f| format!("feature {f}")).collect();
+        let all = |ty: WeightType| q.weight_types().iter().all(|&t| t == ty);
+        let half_kernel = if all(WeightType::Fp16) {
+            Some("tbe_forward_f16")
+        } else if all(WeightType::Bf16) {
+            Some("tbe_forward_bf16")
+        } else {
+            None
+        };
+        let half = match half_kernel {
+            Some(kernel) => {
+                let elements: Vec<i64> = l.table_offsets.iter().map(|&b| b / 2).collect();
+                Some((kernel, device.htod(&elements)?))
+            }
+            None => None,
+        };
         let weights = Weights::Quantized {
             bytes: device.htod(&bytes)?,
             row_bytes: device.htod(&row_bytes)?,
             types: device.htod(&types)?,
+            half,
         };
         Self::build(device, weights, l, names, q.pooling())
     }
@@ -648,6 +668,7 @@ impl CudaTbe {
                     bytes,
                     row_bytes,
                     types,
+                    ..
                 } => {
                     args.buffer(bytes)
                         .buffer(&self.table_offsets)
@@ -690,8 +711,22 @@ impl CudaTbe {
             }
             Weights::Quantized {
                 bytes,
+                half: Some((kernel, element_offsets)),
+                ..
+            } => {
+                // SAFETY (of the launch below): FP16/BF16 rows are `2·dim` bytes, so the
+                // bytes are the tables' u16 values and the offsets count them.
+                args.pointer(bytes.ptr())
+                    .buffer(element_offsets)
+                    .buffer(&self.rows)
+                    .buffer(&self.dims);
+                kernel
+            }
+            Weights::Quantized {
+                bytes,
                 row_bytes,
                 types,
+                half: None,
             } => {
                 args.buffer(bytes)
                     .buffer(&self.table_offsets)
