@@ -19,6 +19,7 @@ use crate::{Error, Result};
 const OP: &str = "CudaTbe";
 
 /// The weights of a [`CudaTbe`]: FP32 rows or FBGEMM's quantized row bytes.
+#[allow(clippy::large_enum_variant)] // one per TBE: boxing would buy nothing
 enum Weights {
     F32(DeviceBuffer<f32>),
     Quantized {
