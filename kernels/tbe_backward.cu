@@ -30,6 +30,17 @@ extern "C" __global__ void tbe_backward_keys(
     }
 }
 
+// heads[s] = 1 where sorted key s is the first of its row (out-of-range ids' keys: 0), else 0;
+// their exclusive scan numbers the distinct rows (the row-sparse gradient's slots).
+extern "C" __global__ void tbe_sparse_heads(const unsigned long long* __restrict__ keys, i64 n,
+                                            i64* __restrict__ heads) {
+    GRID_STRIDE(s, n) {
+        unsigned long long key = keys[s];
+        unsigned long long row = key >> POSITION_BITS;
+        heads[s] = key != NO_KEY && (s == 0 || (keys[s - 1] >> POSITION_BITS) != row) ? 1 : 0;
+    }
+}
+
 // One warp per sorted key; the warp that holds the first key of a row sums that row's
 // gradient over all its occurrences and applies the optimizer (src/embedding/optimizer.rs has
 // the same rules for the CPU):
@@ -44,6 +55,9 @@ extern "C" __global__ void tbe_backward_keys(
 //   optimizer 5: partial row-wise LAMB: as 4 with one v per row (m2 per row),
 //                                 v = b2 v + (1-b2) mean(g^2)
 //   optimizer 6: partial row-wise Adam: as 3 with that per-row v
+//   optimizer 7: no update — the row's summed gradient goes to the row-sparse output instead:
+//                rows_out[slots[s]] = global row, values_out[slots[s] * max_dim + d] = g[d]
+//                (slots: the exclusive scan of tbe_sparse_heads; decay is not applied)
 // Weight decay: decay 1 (L2) adds lambda * w to g first; decay 2 (decoupled) also subtracts
 // lr * lambda * w (w before the step), except for LAMB (above).
 // grad_output is [B, out_stride]; feature f's columns start at out_offsets[f]. With mean
@@ -61,7 +75,8 @@ extern "C" __global__ void tbe_backward_update(
     const i64* __restrict__ row_starts, float* __restrict__ weights,
     float* __restrict__ m1, float* __restrict__ m2, int optimizer, float lr, float eps,
     float beta1, float beta2, float correction1, float correction2, int decay, float lambda,
-    float* __restrict__ weights_grad) {
+    float* __restrict__ weights_grad, const i64* __restrict__ slots, i64* __restrict__ rows_out,
+    float* __restrict__ values_out, int max_dim) {
     i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (s >= n) return;
     unsigned long long key = keys[s];
@@ -99,6 +114,16 @@ extern "C" __global__ void tbe_backward_update(
             if (mean) dot /= (float)(offsets[bag + 1] - offsets[bag]);
             if (lane == 0) weights_grad[l] = dot;
         }
+    }
+    if (optimizer == 7) {
+        i64 slot = slots[s];
+        if (lane == 0) rows_out[slot] = (i64)row;
+        float* dst = values_out + slot * max_dim;
+        for (int k = 0; k < MAX_PER_LANE; ++k) {
+            int d = lane + 32 * k;
+            if (d < D) dst[d] = g[k];
+        }
+        return;
     }
     if (decay == 1) {
         for (int k = 0; k < MAX_PER_LANE; ++k) {

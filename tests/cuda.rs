@@ -586,3 +586,79 @@ fn pinned_buffers_copy_both_ways_and_staged_uploads_keep_their_bytes() -> embers
     }
     Ok(())
 }
+
+#[test]
+fn row_sparse_gradients_of_tables_without_an_optimizer_match_the_cpu() -> embers::Result<()> {
+    for device in devices()? {
+        let mut c = case();
+        // Rows that repeat across bags and across the two features sharing table 0.
+        for id in c.indices.iter_mut().step_by(3) {
+            *id %= 7;
+        }
+        for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+            let what = format!("{}: row-sparse {pooling:?}", device.name());
+            let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
+            let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+            let (n, f) = (c.indices.len(), c.feature_table_map.len());
+            let weights = Tensor::from_vec(c.weights.clone(), &[n])?.with_requires_grad(true);
+            let out = cpu.forward(
+                &Tensor::from_vec(c.indices.clone(), &[n])?,
+                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
+                Some(&weights),
+            )?;
+            let mut rng = embers::tensor::rng::seeded(9);
+            let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, &mut rng);
+            out.backward_with(&grad, false)?;
+            let before = gpu.forward_host(&c.indices, &c.offsets, None)?;
+            let (grads, weights_grad) = gpu.backward_sparse_host(
+                &c.indices,
+                &c.offsets,
+                Some(&c.weights),
+                &grad.to_vec::<f32>()?,
+            )?;
+            assert_eq!(grads.len(), c.tables.len());
+            for (t, g) in grads.iter().enumerate() {
+                let expected = cpu.sparse_gradient(t).expect("every table is read");
+                assert_eq!(g.rows, expected.rows, "{what} table {t} rows");
+                assert_eq!(g.dim, c.tables[t].dim);
+                assert_close(
+                    &format!("{what} table {t} values"),
+                    &g.values,
+                    &expected.values.to_vec::<f32>()?,
+                );
+            }
+            assert_close(
+                &format!("{what} per-sample weights' gradient"),
+                &weights_grad.expect("weights were given"),
+                &weights
+                    .grad()
+                    .expect("CPU weight gradient")
+                    .to_vec::<f32>()?,
+            );
+            // The tables did not move, the step was counted; a fused backward is refused.
+            let after = gpu.forward_host(&c.indices, &c.offsets, None)?;
+            assert_eq!(before, after, "{what}: tables unchanged");
+            assert_eq!(gpu.step(), 1);
+            let err = gpu
+                .backward_host(&c.indices, &c.offsets, None, &grad.to_vec::<f32>()?)
+                .unwrap_err();
+            assert!(err.to_string().contains("fused optimizer"), "{err}");
+        }
+        // Tables with a fused optimizer refuse the row-sparse backward.
+        let cpu = c.cpu_tbe(
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.1 },
+            WeightDecay::None,
+        )?;
+        let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+        let grad = vec![0.0f32; c.batch * gpu.out_stride()];
+        let err = gpu
+            .backward_sparse_host(&c.indices, &c.offsets, None, &grad)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("without a fused optimizer"),
+            "{err}"
+        );
+    }
+    Ok(())
+}

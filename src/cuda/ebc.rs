@@ -52,7 +52,8 @@ impl CudaEmbeddingBagCollection {
             if cfg.optimizer == FusedOptimizer::None {
                 return Err(Error::invalid(
                     OP,
-                    "tables on the GPU train with a fused optimizer; this collection has none",
+                    "a collection on the GPU trains with a fused optimizer; this one has none \
+                     (for row-sparse gradients on the GPU, use CudaTbe::backward_sparse)",
                 ));
             }
             groups.push(Group {

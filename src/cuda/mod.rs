@@ -79,7 +79,11 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "tbe_backward.cu",
         include_str!("../../kernels/tbe_backward.cu"),
-        &["tbe_backward_keys", "tbe_backward_update"],
+        &[
+            "tbe_backward_keys",
+            "tbe_sparse_heads",
+            "tbe_backward_update",
+        ],
     ),
     (
         "sort.cu",

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use super::{CudaDevice, DeviceBuffer, KernelArgs, LaunchConfig};
 use crate::embedding::{
-    bias_corrections, FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, StateShape,
-    TableBatchedEmbedding, WeightDecay, WeightType,
+    bias_corrections, FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, SparseTableGrad,
+    StateShape, TableBatchedEmbedding, WeightDecay, WeightType,
 };
 use crate::{Error, Result};
 
@@ -90,8 +90,8 @@ fn check_optimizer(optimizer: FusedOptimizer) -> Result<()> {
     if optimizer == FusedOptimizer::None {
         return Err(Error::invalid(
             OP,
-            "the GPU backward needs a fused optimizer (row-sparse gradients are not produced \
-             on the GPU)",
+            "with_optimizer needs a fused optimizer (tables without one give row-sparse \
+             gradients through backward_sparse)",
         ));
     }
     optimizer.validate()
@@ -252,13 +252,10 @@ impl CudaTbe {
         if !matches!(self.weights, Weights::F32(_)) {
             return Err(Error::invalid(OP, "only FP32 tables train"));
         }
-        let mut tables = Vec::new();
-        let (mut first_row, mut start) = (0usize, 0usize);
-        for &(r, d) in &self.table_shapes {
-            tables.push((start, r, d, first_row));
-            first_row += r;
-            start += r * d;
-        }
+        let tables = self.table_layout();
+        let (first_row, start) = tables
+            .last()
+            .map_or((0, 0), |&(s, r, d, f)| (f + r, s + r * d));
         let state = (optimizer.state_buffers().iter())
             .map(|&(_, shape)| match shape {
                 StateShape::PerRow => self.device.zeros::<f32>(first_row + 1),
@@ -267,6 +264,18 @@ impl CudaTbe {
             .collect::<Result<Vec<_>>>()?;
         self.train = Some(TrainState::new(&self, optimizer, decay, 0, state, tables)?);
         Ok(self)
+    }
+
+    /// Per table: (first element, rows, dim, first row among all tables' rows).
+    fn table_layout(&self) -> Vec<(usize, usize, usize, usize)> {
+        let mut tables = Vec::new();
+        let (mut first_row, mut start) = (0usize, 0usize);
+        for &(r, d) in &self.table_shapes {
+            tables.push((start, r, d, first_row));
+            first_row += r;
+            start += r * d;
+        }
+        tables
     }
 
     /// Backward calls so far (none: 0); a copy from [`from_trained`](Self::from_trained)
@@ -324,15 +333,132 @@ impl CudaTbe {
         grad_output: u64,
         grad_len_given: usize,
         batch_size: usize,
-        mut weights_grad: Option<&mut DeviceBuffer<f32>>,
+        weights_grad: Option<&mut DeviceBuffer<f32>>,
     ) -> Result<()> {
-        let Some(train) = self.train.as_ref() else {
-            return Err(Error::invalid(
-                OP,
-                "backward needs FP32 tables with a fused optimizer (from_trained of a TBE \
-                 with one, or with_optimizer)",
-            ));
+        // SAFETY: per this function's contract.
+        unsafe {
+            self.backward_inner(
+                indices,
+                offsets,
+                per_sample_weights,
+                grad_output,
+                grad_len_given,
+                batch_size,
+                weights_grad,
+                false,
+            )
+        }
+        .map(|_| ())
+    }
+
+    /// The backward of a TBE without a fused optimizer (a [`from_trained`](Self::from_trained)
+    /// copy of one, or tables from [`zeros`](Self::zeros)): the tables stay as they are and
+    /// each table's row-sparse gradient comes back — its distinct rows, sorted, and their
+    /// summed gradients, as the CPU TBE's [`sparse_gradient`](TableBatchedEmbedding::sparse_gradient).
+    /// Arguments as [`backward`](Self::backward). Reads the number of distinct rows back, so
+    /// it waits for the device.
+    pub fn backward_sparse(
+        &mut self,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
+        grad_output: &DeviceBuffer<f32>,
+        batch_size: usize,
+        weights_grad: Option<&mut DeviceBuffer<f32>>,
+    ) -> Result<Vec<SparseTableGrad>> {
+        if !Arc::ptr_eq(grad_output.device(), &self.device) {
+            return Err(Error::invalid(OP, "the gradient is on another device"));
+        }
+        if self.train.is_none() && matches!(self.weights, Weights::F32(_)) {
+            let tables = self.table_layout();
+            self.train = Some(TrainState::new(
+                self,
+                FusedOptimizer::None,
+                WeightDecay::None,
+                0,
+                Vec::new(),
+                tables,
+            )?);
+        }
+        // SAFETY: the address and length are those of a live buffer on this device.
+        let grads = unsafe {
+            self.backward_inner(
+                indices,
+                offsets,
+                per_sample_weights,
+                grad_output.ptr(),
+                grad_output.len(),
+                batch_size,
+                weights_grad,
+                true,
+            )?
         };
+        Ok(grads.expect("the sparse mode returns the gradients"))
+    }
+
+    /// [`backward_sparse`](Self::backward_sparse) on host slices: the per-table gradients and,
+    /// with per-sample weights, their gradient.
+    pub fn backward_sparse_host(
+        &mut self,
+        indices: &[i64],
+        offsets: &[i64],
+        per_sample_weights: Option<&[f32]>,
+        grad_output: &[f32],
+    ) -> Result<(Vec<SparseTableGrad>, Option<Vec<f32>>)> {
+        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
+        let d_indices = self.device.htod(indices)?;
+        let d_offsets = self.device.htod(offsets)?;
+        let d_weights = per_sample_weights
+            .map(|w| self.device.htod(w))
+            .transpose()?;
+        let d_grad = self.device.htod(grad_output)?;
+        let mut weights_grad = d_weights
+            .as_ref()
+            .map(|w| self.device.alloc::<f32>(w.len()))
+            .transpose()?;
+        let grads = self.backward_sparse(
+            &d_indices,
+            &d_offsets,
+            d_weights.as_ref(),
+            &d_grad,
+            b,
+            weights_grad.as_mut(),
+        )?;
+        Ok((grads, weights_grad.map(|g| g.to_host()).transpose()?))
+    }
+
+    /// The fused (`sparse` false) or row-sparse backward.
+    ///
+    /// # Safety
+    /// As [`backward_raw`](Self::backward_raw).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn backward_inner(
+        &mut self,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
+        grad_output: u64,
+        grad_len_given: usize,
+        batch_size: usize,
+        mut weights_grad: Option<&mut DeviceBuffer<f32>>,
+        sparse: bool,
+    ) -> Result<Option<Vec<SparseTableGrad>>> {
+        let train =
+            match self.train.as_ref() {
+                Some(t) if sparse == (t.optimizer == FusedOptimizer::None) => t,
+                _ if sparse => return Err(Error::invalid(
+                    OP,
+                    "backward_sparse is for FP32 tables without a fused optimizer (these update \
+                     themselves in backward)",
+                )),
+                _ => {
+                    return Err(Error::invalid(
+                        OP,
+                        "backward needs FP32 tables with a fused optimizer (from_trained of a TBE \
+                     with one, or with_optimizer; without one, backward_sparse)",
+                    ))
+                }
+            };
         let Weights::F32(weights) = &self.weights else {
             return Err(Error::invalid(OP, "backward needs FP32 tables"));
         };
@@ -390,8 +516,9 @@ impl CudaTbe {
         }
         let step = train.step + 1;
         if n == 0 {
+            let empty = sparse.then(|| split_sparse(&train.tables, &[], &[], 0));
             self.train.as_mut().expect("checked above").step = step;
-            return Ok(());
+            return Ok(empty);
         }
         let device = &self.device;
         let keys = device.alloc::<u64>(n)?;
@@ -445,7 +572,7 @@ impl CudaTbe {
         let m2 = train.state.get(1).or(train.state.first());
         args.opt_buffer(train.state.first())
             .opt_buffer(m2)
-            .i32(h.code)
+            .i32(if sparse { 7 } else { h.code })
             .f32(h.lr)
             .f32(h.eps)
             .f32(h.beta1)
@@ -455,9 +582,27 @@ impl CudaTbe {
             .i32(h.decay)
             .f32(h.lambda)
             .opt_buffer(weights_grad.as_deref());
+        let sparse_out = if sparse {
+            Some(self.sparse_slots(&keys, n)?)
+        } else {
+            None
+        };
+        match &sparse_out {
+            Some((slots, rows_out, values_out, max_dim, _)) => args
+                .buffer(slots)
+                .buffer(rows_out)
+                .buffer(values_out)
+                .i32(*max_dim as i32),
+            None => args
+                .opt_buffer::<i64>(None)
+                .opt_buffer::<i64>(None)
+                .opt_buffer::<f32>(None)
+                .i32(0),
+        };
         // SAFETY: arguments as in kernels/tbe_backward.cu; the state buffers have the shapes
         // the optimizer code reads (per row: every row number; per element: as the weights);
-        // every row is written by one warp.
+        // every row is written by one warp; in sparse mode every distinct row has its slot
+        // below the outputs' row count.
         unsafe {
             device.launch(
                 "tbe_backward_update",
@@ -465,8 +610,61 @@ impl CudaTbe {
                 &mut args,
             )?
         };
-        self.train.as_mut().expect("checked above").step = step;
-        Ok(())
+        let train = self.train.as_mut().expect("checked above");
+        train.step = step;
+        let Some((_, rows_out, values_out, max_dim, distinct)) = sparse_out else {
+            return Ok(None);
+        };
+        let (rows, values) = (rows_out.to_host()?, values_out.to_host()?);
+        Ok(Some(split_sparse(
+            &train.tables,
+            &rows[..distinct],
+            &values[..distinct * max_dim],
+            max_dim,
+        )))
+    }
+
+    /// The distinct rows of sorted `keys` (n of them): per key its slot among the distinct
+    /// rows, and zeroed outputs for their numbers and `[rows, max_dim]` gradients. Reads the
+    /// count back (waits for the device): (slots, rows, values, max_dim, distinct rows).
+    #[allow(clippy::type_complexity)]
+    fn sparse_slots(
+        &self,
+        keys: &DeviceBuffer<u64>,
+        n: usize,
+    ) -> Result<(
+        DeviceBuffer<i64>,
+        DeviceBuffer<i64>,
+        DeviceBuffer<f32>,
+        usize,
+        usize,
+    )> {
+        let device = &self.device;
+        let heads = device.alloc::<i64>(n)?;
+        let mut args = KernelArgs::new();
+        args.buffer(keys).i64(n as i64).buffer(&heads);
+        // SAFETY: keys and heads hold n values.
+        unsafe { device.launch("tbe_sparse_heads", LaunchConfig::linear(n, 256), &mut args)? };
+        let slots = device.alloc::<i64>(n)?;
+        let mut args = KernelArgs::new();
+        args.buffer(&heads).buffer(&slots).i64(n as i64);
+        // SAFETY: scans n heads into n slots.
+        unsafe {
+            device.launch(
+                "scan_exclusive_i64",
+                LaunchConfig::single_block(1024),
+                &mut args,
+            )?
+        };
+        let mut last = [0u8; 16];
+        device.copy_to_host(&mut last[..8], slots.ptr_at(n - 1))?;
+        device.copy_to_host(&mut last[8..], heads.ptr_at(n - 1))?;
+        let word = |b: &[u8]| i64::from_le_bytes(b.try_into().expect("8 bytes"));
+        let distinct = (word(&last[..8]) + word(&last[8..])) as usize;
+        let max_dim = self.host_dims_max;
+        let rows_out = device.zeros::<i64>(distinct.max(1))?;
+        let values_out = device.zeros::<f32>((distinct * max_dim).max(1))?;
+        Ok((slots, rows_out, values_out, max_dim, distinct))
     }
 
     /// [`backward`](Self::backward) from host memory; returns the per-sample weights'
@@ -921,6 +1119,33 @@ impl TrainState {
             tables,
         })
     }
+}
+
+/// Splits the row-sparse output (the distinct global row numbers, sorted, and their
+/// `[rows, max_dim]` values) by table: local ids and `[rows, dim]` values each.
+fn split_sparse(
+    tables: &[(usize, usize, usize, usize)],
+    rows: &[i64],
+    values: &[f32],
+    max_dim: usize,
+) -> Vec<SparseTableGrad> {
+    let mut out: Vec<SparseTableGrad> = (tables.iter())
+        .map(|&(_, _, dim, _)| SparseTableGrad {
+            rows: Vec::new(),
+            values: Vec::new(),
+            dim,
+        })
+        .collect();
+    for (u, &row) in rows.iter().enumerate() {
+        let row = row as usize;
+        let t = tables.partition_point(|&(_, _, _, first)| first <= row) - 1;
+        let (_, _, dim, first) = tables[t];
+        out[t].rows.push((row - first) as i64);
+        out[t]
+            .values
+            .extend_from_slice(&values[u * max_dim..u * max_dim + dim]);
+    }
+    out
 }
 
 /// The scalar arguments of `tbe_backward_update` for one step.
