@@ -94,6 +94,17 @@ __device__ __forceinline__ void report_bad_index(i64* first_bad, i64 position) {
     atomicMin((unsigned long long*)first_bad, (unsigned long long)position);
 }
 
+// The bag holding position l: the last bag b of `bags` with offsets[b] <= l (binary search;
+// offsets has bags + 1 monotone entries and l < offsets[bags]).
+__device__ __forceinline__ int bag_of_position(const i64* offsets, int bags, i64 l) {
+    int lo = 0, hi = bags;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (offsets[mid] <= l) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
 // Grid-stride loop over 0 .. n: `GRID_STRIDE(i, n) body;` (launched with LaunchConfig::linear).
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)

@@ -86,12 +86,7 @@ extern "C" __global__ void tbe_sequence_quantized(
     float* __restrict__ out, i64* first_bad) {
     i64 l = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (l >= n) return;
-    int lo = 0, hi = B * F;  // offsets[lo] <= l < offsets[hi]
-    while (hi - lo > 1) {
-        int mid = (lo + hi) / 2;
-        if (offsets[mid] <= l) lo = mid; else hi = mid;
-    }
-    int f = lo / B;
+    int f = bag_of_position(offsets, B * F, l) / B;
     i64 id = indices[l];
     float* dst = out + l * D;
     if (id < 0 || id >= rows[f]) {

@@ -109,6 +109,19 @@ impl Case {
     }
 }
 
+impl Case {
+    /// The CPU TBE's forward of the case's batch, with its per-sample weights.
+    fn cpu_forward(&self, cpu: &TableBatchedEmbedding) -> embers::Result<Vec<f32>> {
+        let (n, f) = (self.indices.len(), self.feature_table_map.len());
+        cpu.forward(
+            &Tensor::from_vec(self.indices.clone(), &[n])?,
+            &Tensor::from_vec(self.offsets.clone(), &[f * self.batch + 1])?,
+            Some(&Tensor::from_vec(self.weights.clone(), &[n])?),
+        )?
+        .to_vec::<f32>()
+    }
+}
+
 fn case() -> Case {
     use rand::Rng;
     let mut rng = embers::tensor::rng::seeded(11);
@@ -155,15 +168,7 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         // The CPU reference: an FP32 TBE with per-sample weights.
         let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
-        let n = c.indices.len();
-        let f = c.feature_table_map.len();
-        let expected = cpu
-            .forward(
-                &Tensor::from_vec(c.indices.clone(), &[n])?,
-                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-                Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
-            )?
-            .to_vec::<f32>()?;
+        let expected = c.cpu_forward(&cpu)?;
         let gpu = CudaTbe::from_trained(&cpu, device.clone())?;
         let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
         let on = device.name();
@@ -205,15 +210,7 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
     c.tables[2].dim = 132;
     for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
         let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
-        let n = c.indices.len();
-        let f = c.feature_table_map.len();
-        let expected = cpu
-            .forward(
-                &Tensor::from_vec(c.indices.clone(), &[n])?,
-                &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-                Some(&Tensor::from_vec(c.weights.clone(), &[n])?),
-            )?
-            .to_vec::<f32>()?;
+        let expected = c.cpu_forward(&cpu)?;
         let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
         assert!(
             gpu.set_vectorized(true),

@@ -27,6 +27,18 @@ fn assert_close(what: &str, got: &Tensor, expected: &Tensor, rel: f64) {
     }
 }
 
+type BinaryOp = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
+
+/// The broadcasting binary ops with a CUDA kernel.
+const BINARY_OPS: [(&str, BinaryOp); 6] = [
+    ("add", Tensor::add),
+    ("sub", Tensor::sub),
+    ("mul", Tensor::mul),
+    ("div", Tensor::div),
+    ("maximum", Tensor::maximum),
+    ("minimum", Tensor::minimum),
+];
+
 fn host(t: &Tensor) -> Tensor {
     t.to_device(Device::Cpu).unwrap()
 }
@@ -68,16 +80,7 @@ fn arithmetic_functions_and_sums_match_the_cpu() {
     let a = randn(&[3, 4, 5], 2);
     let b = randn(&[4, 1], 3);
     let (da, db) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
-    type Op = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
-    let ops: [(&str, Op); 6] = [
-        ("add", Tensor::add),
-        ("sub", Tensor::sub),
-        ("mul", Tensor::mul),
-        ("div", Tensor::div),
-        ("maximum", Tensor::maximum),
-        ("minimum", Tensor::minimum),
-    ];
-    for (name, op) in ops {
+    for (name, op) in BINARY_OPS {
         assert_close(
             name,
             &host(&op(&da, &db).unwrap()),
@@ -420,16 +423,7 @@ fn half_precision_math_matches_the_cpu() {
         let b = randn(&[4, 1], 62).to_dtype(dtype).unwrap();
         let (da, db) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
         // f32 arithmetic rounded once: exact, as on the CPU.
-        type Op = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
-        let ops: [(&str, Op); 6] = [
-            ("add", Tensor::add),
-            ("sub", Tensor::sub),
-            ("mul", Tensor::mul),
-            ("div", Tensor::div),
-            ("maximum", Tensor::maximum),
-            ("minimum", Tensor::minimum),
-        ];
-        for (name, op) in ops {
+        for (name, op) in BINARY_OPS {
             let what = format!("{dtype:?} {name}");
             assert_same_values(&what, &op(&da, &db).unwrap(), &op(&a, &b).unwrap());
             // A transposed view against the broadcast operand, and the operands swapped.

@@ -405,26 +405,43 @@ impl CudaTbe {
         per_sample_weights: Option<&[f32]>,
         grad_output: &[f32],
     ) -> Result<(Vec<SparseTableGrad>, Option<Vec<f32>>)> {
-        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
-        let d_indices = self.device.htod(indices)?;
-        let d_offsets = self.device.htod(offsets)?;
-        let d_weights = per_sample_weights
+        let mut u = self.upload_backward(indices, offsets, per_sample_weights, grad_output)?;
+        let grads = self.backward_sparse(
+            &u.indices,
+            &u.offsets,
+            u.weights.as_ref(),
+            &u.grad,
+            u.batch,
+            u.weights_grad.as_mut(),
+        )?;
+        Ok((grads, u.weights_grad.map(|g| g.to_host()).transpose()?))
+    }
+
+    /// A host backward's inputs checked and on the device, with room for the per-sample
+    /// weights' gradient when there are weights.
+    fn upload_backward(
+        &self,
+        indices: &[i64],
+        offsets: &[i64],
+        per_sample_weights: Option<&[f32]>,
+        grad_output: &[f32],
+    ) -> Result<BackwardUpload> {
+        let batch = self.check_host_input(indices, offsets, per_sample_weights)?;
+        let weights = per_sample_weights
             .map(|w| self.device.htod(w))
             .transpose()?;
-        let d_grad = self.device.htod(grad_output)?;
-        let mut weights_grad = d_weights
+        let weights_grad = weights
             .as_ref()
             .map(|w| self.device.alloc::<f32>(w.len()))
             .transpose()?;
-        let grads = self.backward_sparse(
-            &d_indices,
-            &d_offsets,
-            d_weights.as_ref(),
-            &d_grad,
-            b,
-            weights_grad.as_mut(),
-        )?;
-        Ok((grads, weights_grad.map(|g| g.to_host()).transpose()?))
+        Ok(BackwardUpload {
+            batch,
+            indices: self.device.htod(indices)?,
+            offsets: self.device.htod(offsets)?,
+            grad: self.device.htod(grad_output)?,
+            weights,
+            weights_grad,
+        })
     }
 
     /// The fused (`sparse` false) or row-sparse backward.
@@ -676,26 +693,16 @@ impl CudaTbe {
         per_sample_weights: Option<&[f32]>,
         grad_output: &[f32],
     ) -> Result<Option<Vec<f32>>> {
-        let b = self.check_host_input(indices, offsets, per_sample_weights)?;
-        let d_indices = self.device.htod(indices)?;
-        let d_offsets = self.device.htod(offsets)?;
-        let d_weights = per_sample_weights
-            .map(|w| self.device.htod(w))
-            .transpose()?;
-        let d_grad = self.device.htod(grad_output)?;
-        let mut weights_grad = d_weights
-            .as_ref()
-            .map(|w| self.device.alloc::<f32>(w.len()))
-            .transpose()?;
+        let mut u = self.upload_backward(indices, offsets, per_sample_weights, grad_output)?;
         self.backward(
-            &d_indices,
-            &d_offsets,
-            d_weights.as_ref(),
-            &d_grad,
-            b,
-            weights_grad.as_mut(),
+            &u.indices,
+            &u.offsets,
+            u.weights.as_ref(),
+            &u.grad,
+            u.batch,
+            u.weights_grad.as_mut(),
         )?;
-        weights_grad.map(|g| g.to_host()).transpose()
+        u.weights_grad.map(|g| g.to_host()).transpose()
     }
 
     /// Table `t`'s rows and its optimizer state buffers (in the order of
@@ -1119,6 +1126,16 @@ impl TrainState {
             tables,
         })
     }
+}
+
+/// The device copies of a host backward's inputs ([`CudaTbe::upload_backward`]).
+struct BackwardUpload {
+    batch: usize,
+    indices: DeviceBuffer<i64>,
+    offsets: DeviceBuffer<i64>,
+    grad: DeviceBuffer<f32>,
+    weights: Option<DeviceBuffer<f32>>,
+    weights_grad: Option<DeviceBuffer<f32>>,
 }
 
 /// Splits the row-sparse output (the distinct global row numbers, sorted, and their
