@@ -280,3 +280,112 @@ extern "C" __global__ void bce_logits_f32(const float* x, const float* y, float*
         dx[i] = sig - yi;
     }
 }
+
+// ---- Comparisons, selection, softmax, max along a dimension ---------------------------------
+
+// out[i] = a[..] op b[..] as a u8 mask, over broadcast strided operands of one dtype (codes as
+// cast_strided), both widened to f64 as the CPU compares them. op: 0 ==, 1 <, 2 <=, 3 >, 4 >=.
+extern "C" __global__ void compare_strided(const u8* a, const u8* b, int dtype, u8* out, int op,
+                                           i64 n, const i64* meta) {
+    GRID_STRIDE(i, n) {
+        double x = load_as_f64(a, dtype, strided_offset(i, meta, 0));
+        double y = load_as_f64(b, dtype, strided_offset(i, meta, 1));
+        bool r;
+        switch (op) {
+        case 0: r = x == y; break;
+        case 1: r = x < y; break;
+        case 2: r = x <= y; break;
+        case 3: r = x > y; break;
+        default: r = x >= y; break;
+        }
+        out[i] = r ? 1 : 0;
+    }
+}
+
+// out[i] = cond[..] ? a[..] : b[..] over three broadcast strided operands (meta: cond, a, b),
+// by element size.
+#define WHERE(NAME, T)                                                                    \
+extern "C" __global__ void NAME(const u8* cond, const T* a, const T* b, T* out, i64 n,      \
+                                const i64* meta) {                                          \
+    GRID_STRIDE(i, n) out[i] = cond[strided_offset(i, meta, 0)] ? a[strided_offset(i, meta, 1)] \
+                                                                : b[strided_offset(i, meta, 2)]; \
+}
+WHERE(where_b1, u8)
+WHERE(where_b2, u16)
+WHERE(where_b4, unsigned int)
+WHERE(where_b8, unsigned long long)
+
+// softmax (log != 0: log_softmax) of a contiguous [outer, r, inner] buffer along its middle
+// dimension, one thread per (outer, inner) line, in f32 as the CPU: the maximum subtracted
+// (NaNs skipped by fmaxf, as f32::max), exponentials summed in index order.
+template <class E>
+__device__ __forceinline__ void softmax_middle(const typename E::T* x, typename E::T* y,
+                                               i64 outer, i64 r, i64 inner, int log) {
+    GRID_STRIDE(i, outer * inner) {
+        i64 o = i / inner;
+        i64 j = i - o * inner;
+        const typename E::T* p = x + o * r * inner + j;
+        typename E::T* q = y + o * r * inner + j;
+        float m = __uint_as_float(0xff800000u);  // -inf
+        for (i64 k = 0; k < r; ++k) m = fmaxf(m, E::load(p[k * inner]));
+        float s = 0.0f;
+        for (i64 k = 0; k < r; ++k) s += expf(E::load(p[k * inner]) - m);
+        float ls = logf(s);
+        for (i64 k = 0; k < r; ++k) {
+            float z = E::load(p[k * inner]) - m;
+            q[k * inner] = E::store(log ? z - ls : expf(z) / s);
+        }
+    }
+}
+
+// The maximum of each (outer, inner) line of a contiguous [outer, r, inner] buffer and the
+// index of its first occurrence (a NaN wins, as on the CPU and in PyTorch).
+template <class E>
+__device__ __forceinline__ void max_middle(const typename E::T* x, typename E::T* values,
+                                           i64* indices, i64 outer, i64 r, i64 inner) {
+    GRID_STRIDE(i, outer * inner) {
+        i64 o = i / inner;
+        i64 j = i - o * inner;
+        const typename E::T* p = x + o * r * inner + j;
+        float best = E::load(p[0]);
+        i64 at = 0;
+        for (i64 k = 1; k < r; ++k) {
+            float v = E::load(p[k * inner]);
+            if (v > best || (v != v && best == best)) {
+                best = v;
+                at = k;
+            }
+        }
+        values[i] = E::store(best);
+        indices[i] = at;
+    }
+}
+
+// The gradient of max_middle: gx (zeroed, [outer, r, inner]) gets g[i] at line i's maximum.
+template <class E>
+__device__ __forceinline__ void max_middle_backward(const typename E::T* g, const i64* indices,
+                                                    typename E::T* gx, i64 outer, i64 r,
+                                                    i64 inner) {
+    GRID_STRIDE(i, outer * inner) {
+        i64 o = i / inner;
+        i64 j = i - o * inner;
+        gx[(o * r + indices[i]) * inner + j] = g[i];
+    }
+}
+
+#define REDUCE_KERNELS(S, E)                                                                      \
+extern "C" __global__ void softmax_middle_##S(const E::T* x, E::T* y, i64 outer, i64 r, i64 inner, \
+                                              int log) {                                          \
+    softmax_middle<E>(x, y, outer, r, inner, log);                                                \
+}                                                                                                 \
+extern "C" __global__ void max_middle_##S(const E::T* x, E::T* values, i64* indices, i64 outer,   \
+                                          i64 r, i64 inner) {                                     \
+    max_middle<E>(x, values, indices, outer, r, inner);                                           \
+}                                                                                                 \
+extern "C" __global__ void max_middle_backward_##S(const E::T* g, const i64* indices, E::T* gx,   \
+                                                   i64 outer, i64 r, i64 inner) {                 \
+    max_middle_backward<E>(g, indices, gx, outer, r, inner);                                      \
+}
+REDUCE_KERNELS(f32, F32Elem)
+REDUCE_KERNELS(f16, F16Elem)
+REDUCE_KERNELS(bf16, BF16Elem)

@@ -284,7 +284,8 @@ fn ops_without_a_cuda_path_and_mixed_devices_are_errors() {
     let da = a.to_device(dev).unwrap();
     let err = da.add(&a).unwrap_err();
     assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
-    let err = da.softmax(1).unwrap_err().to_string();
+    let index = Tensor::from_vec(vec![0i64, 1, 2, 3], &[4, 1]).unwrap();
+    let err = da.gather(&index).unwrap_err().to_string();
     assert!(
         err.contains(&dev.to_string()) && err.contains("to_device"),
         "{err}"
@@ -581,4 +582,153 @@ fn side_streams_run_ops_and_keep_their_own_memory_pools() {
     assert!(after_default <= before + 1);
     // Recording a CPU tensor is an error.
     assert!(a.record_stream(&side).is_err());
+}
+
+#[test]
+fn comparisons_selection_softmax_and_max_match_the_cpu() {
+    let Some(dev) = device() else { return };
+    let d = |t: &Tensor| t.to_device(dev).unwrap();
+    // Comparisons of every kind, broadcasting, with NaN and ties, in f32, f16 and i64: exact.
+    let mut av = randn(&[4, 6], 110).to_vec::<f32>().unwrap();
+    av[3] = f32::NAN;
+    av[7] = 0.5;
+    let a = Tensor::from_vec(av, &[4, 6]).unwrap();
+    let b = Tensor::from_vec(vec![0.5f32, -0.25, f32::NAN, 0.0, 1.0, -1.0], &[1, 6]).unwrap();
+    type Cmp = fn(&Tensor, &Tensor) -> embers::Result<Tensor>;
+    let cmps: [(&str, Cmp); 5] = [
+        ("eq", Tensor::eq),
+        ("lt", Tensor::lt),
+        ("le", Tensor::le),
+        ("gt", Tensor::gt),
+        ("ge", Tensor::ge),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::I64] {
+        let (a, b) = (a.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+        for (name, cmp) in cmps {
+            let what = format!("{dtype:?} {name}");
+            assert_same_values(&what, &cmp(&d(&a), &d(&b)).unwrap(), &cmp(&a, &b).unwrap());
+            let (at, bt) = (a.t().unwrap(), b.t().unwrap());
+            assert_same_values(
+                &what,
+                &cmp(&d(&at), &d(&bt)).unwrap(),
+                &cmp(&at, &bt).unwrap(),
+            );
+        }
+    }
+    // Selection: where_cond and masked_fill with broadcasting, values of two sizes, and the
+    // gradients of maximum/minimum (built from comparisons and where_cond).
+    let mask = a.gt_scalar(0.0).unwrap();
+    let x = randn(&[4, 6], 111);
+    let y = randn(&[6], 112);
+    let got = Tensor::where_cond(&d(&mask), &d(&x), &d(&y)).unwrap();
+    assert_same_values(
+        "where f32",
+        &got,
+        &Tensor::where_cond(&mask, &x, &y).unwrap(),
+    );
+    let (xi, yi) = (
+        x.to_dtype(DType::I64).unwrap(),
+        y.to_dtype(DType::I64).unwrap(),
+    );
+    let got = Tensor::where_cond(
+        &d(&mask.t().unwrap()),
+        &d(&xi.t().unwrap()),
+        &d(&yi.unsqueeze(1).unwrap()),
+    );
+    let expected = Tensor::where_cond(
+        &mask.t().unwrap(),
+        &xi.t().unwrap(),
+        &yi.unsqueeze(1).unwrap(),
+    );
+    assert_same_values("where i64", &got.unwrap(), &expected.unwrap());
+    assert!(
+        Tensor::where_cond(&mask, &d(&x), &d(&y)).is_err(),
+        "mixed devices"
+    );
+    let grads = |device: Device| -> Vec<Tensor> {
+        let xs = x.to_device(device).unwrap().with_requires_grad(true);
+        let ys = y.to_device(device).unwrap().with_requires_grad(true);
+        let m = mask.to_device(device).unwrap();
+        let z = xs
+            .maximum(&ys)
+            .unwrap()
+            .add(&xs.minimum(&ys).unwrap().mul_scalar(3.0).unwrap())
+            .unwrap()
+            .masked_fill(&m, 2.0)
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        z.backward().unwrap();
+        vec![host(&xs.grad().unwrap()), host(&ys.grad().unwrap())]
+    };
+    for (g, e) in grads(dev).iter().zip(grads(Device::Cpu)) {
+        assert_close("maximum/minimum/masked_fill gradient", g, &e, 1e-5);
+    }
+    // softmax / log_softmax along every dimension, values and gradients.
+    let s = randn(&[3, 5, 7], 113).affine(3.0, 0.0).unwrap();
+    for dim in [0isize, 1, -1] {
+        for log in [false, true] {
+            let run = |device: Device| -> (Tensor, Tensor) {
+                let xs = s.to_device(device).unwrap().with_requires_grad(true);
+                let y = if log {
+                    xs.log_softmax(dim).unwrap()
+                } else {
+                    xs.softmax(dim).unwrap()
+                };
+                let w = randn(s.shape(), 114).to_device(device).unwrap();
+                y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                (host(&y), host(&xs.grad().unwrap()))
+            };
+            let ((y, g), (ey, eg)) = (run(dev), run(Device::Cpu));
+            let what = format!("softmax dim {dim} log {log}");
+            assert_close(&what, &y, &ey, 1e-5);
+            assert_close(&format!("{what} gradient"), &g, &eg, 1e-5);
+        }
+    }
+    let h = s.to_dtype(DType::BF16).unwrap();
+    assert_close_ulps(
+        "bf16 softmax",
+        &d(&h).softmax(-1).unwrap(),
+        &h.softmax(-1).unwrap(),
+        1.0,
+        1e-2,
+    );
+    // max along a dimension: values, first index of the maximum (ties, NaN), gradient.
+    let mut mv = randn(&[4, 5, 3], 115).to_vec::<f32>().unwrap();
+    mv[4] = mv[1]; // a tie along dim 1 (positions 1 and 4 of line (0, 1))
+    mv[20] = f32::NAN;
+    let m = Tensor::from_vec(mv, &[4, 5, 3]).unwrap();
+    for dim in [0isize, 1, 2] {
+        for keepdim in [false, true] {
+            let run = |device: Device| -> (Tensor, Tensor, Tensor) {
+                let xs = m.to_device(device).unwrap().with_requires_grad(true);
+                let (v, i) = xs.max_dim(dim, keepdim).unwrap();
+                let w = Tensor::full(1.5, v.shape(), DType::F32, device);
+                v.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                (host(&v), host(&i), host(&xs.grad().unwrap()))
+            };
+            let ((v, i, g), (ev, ei, eg)) = (run(dev), run(Device::Cpu));
+            let what = format!("max dim {dim} keepdim {keepdim}");
+            assert_same_values(&what, &v, &ev);
+            assert_eq!(
+                i.to_vec::<i64>().unwrap(),
+                ei.to_vec::<i64>().unwrap(),
+                "{what}"
+            );
+            assert_same_values(&format!("{what} gradient"), &g, &eg);
+        }
+    }
+    let argmax = d(&m).argmax(-1, false).unwrap();
+    assert_eq!(
+        host(&argmax).to_vec::<i64>().unwrap(),
+        m.argmax(-1, false).unwrap().to_vec::<i64>().unwrap()
+    );
+    let dm = d(&m.abs().unwrap().narrow(0, 1, 3).unwrap());
+    assert_same_values(
+        "max_all",
+        &dm.max_all().unwrap(),
+        &m.abs().unwrap().narrow(0, 1, 3).unwrap().max_all().unwrap(),
+    );
 }

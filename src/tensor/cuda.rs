@@ -1,8 +1,8 @@
 //! The tensor core on CUDA devices: storage in device memory, host↔device moves, and the value
 //! kernels behind the ops that have a CUDA path — strided copies and dtype casts (any dtype),
-//! and for f32, f16 and bf16 (computed in f32, rounded once, as on the CPU) broadcasting binary
-//! arithmetic, the float functions and their derivatives, sums over dimensions and matrix
-//! products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
+//! comparisons and `where` (any dtype), and for f32, f16 and bf16 (computed in f32, rounded
+//! once, as on the CPU) broadcasting binary arithmetic, the float functions and their
+//! derivatives, sums, maxima and softmax over dimensions and matrix products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
 //! device; autograd needs nothing more, since backward passes are built from the same ops. An
 //! op without a CUDA path fails with an error naming it and the device.
 
@@ -447,6 +447,179 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     // SAFETY: `meta` describes a view inside the source storage; the output holds n elements.
     unsafe { dev.launch("cast_strided", LaunchConfig::linear(n, THREADS), &mut args)? };
     Ok(out)
+}
+
+/// `a op b` as a u8 mask over broadcast operands of one dtype (any dtype; op codes of
+/// `compare_strided`: 0 ==, 1 <, 2 <=, 3 >, 4 >=).
+pub(crate) fn compare(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    same_device(op, a, b)?;
+    let shape = super::layout::broadcast_shapes(op, a.shape(), b.shape())?;
+    let (dev, pa) = raw(a)?;
+    let (_, pb) = raw(b)?;
+    let out = empty(&dev, DType::U8, &shape)?;
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return Ok(out);
+    }
+    let (sa, sb) = (
+        a.layout().broadcast_strides(&shape),
+        b.layout().broadcast_strides(&shape),
+    );
+    let m = meta(
+        &dev,
+        &shape,
+        &[(&sa, a.layout().offset()), (&sb, b.layout().offset())],
+    )?;
+    let (_, po) = raw(&out)?;
+    let mut args = KernelArgs::new();
+    args.pointer(pa)
+        .pointer(pb)
+        .i32(dtype_code(a.dtype()))
+        .pointer(po)
+        .i32(code)
+        .i64(n as i64)
+        .buffer(&m);
+    // SAFETY: the views lie inside their storages; the output holds n bytes.
+    unsafe {
+        dev.launch(
+            "compare_strided",
+            LaunchConfig::linear(n, THREADS),
+            &mut args,
+        )?
+    };
+    Ok(out)
+}
+
+/// `cond ? a : b` broadcast to `shape` (cond u8; a and b of one dtype, any).
+pub(crate) fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    same_device("where", cond, a)?;
+    same_device("where", a, b)?;
+    let (dev, pc) = raw(cond)?;
+    let (_, pa) = raw(a)?;
+    let (_, pb) = raw(b)?;
+    let out = empty(&dev, a.dtype(), shape)?;
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return Ok(out);
+    }
+    let strides: Vec<(Vec<usize>, usize)> = [cond, a, b]
+        .iter()
+        .map(|t| (t.layout().broadcast_strides(shape), t.layout().offset()))
+        .collect();
+    let operands: Vec<(&[usize], usize)> = strides.iter().map(|(s, o)| (&s[..], *o)).collect();
+    let m = meta(&dev, shape, &operands)?;
+    let kernel = match a.dtype().size_in_bytes() {
+        1 => "where_b1",
+        2 => "where_b2",
+        4 => "where_b4",
+        _ => "where_b8",
+    };
+    let (_, po) = raw(&out)?;
+    let mut args = KernelArgs::new();
+    args.pointer(pc)
+        .pointer(pa)
+        .pointer(pb)
+        .pointer(po)
+        .i64(n as i64)
+        .buffer(&m);
+    // SAFETY: the views lie inside their storages; the output holds n elements.
+    unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
+    Ok(out)
+}
+
+/// softmax (or log_softmax) of `x` along dimension `d`, no autograd.
+pub(crate) fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
+    let op = if log { "log_softmax" } else { "softmax" };
+    let kernel = float_kernel(op, x, float_kernels!("softmax_middle"))?;
+    let x = contiguous(x)?;
+    let (outer, r, inner) = super::ops::reduce::split_at_dim(x.shape(), d);
+    let (dev, px) = raw(&x)?;
+    let out = empty(&dev, x.dtype(), x.shape())?;
+    if outer * inner > 0 && r > 0 {
+        let (_, po) = raw(&out)?;
+        let mut args = KernelArgs::new();
+        args.pointer(px)
+            .pointer(po)
+            .i64(outer as i64)
+            .i64(r as i64)
+            .i64(inner as i64)
+            .i32(i32::from(log));
+        // SAFETY: contiguous [outer, r, inner] input and output.
+        unsafe {
+            dev.launch(
+                kernel,
+                LaunchConfig::linear(outer * inner, THREADS),
+                &mut args,
+            )?
+        };
+    }
+    Ok(out)
+}
+
+/// The maximum of `x` along dimension `d` (non-empty) and the index of its first occurrence,
+/// both shaped `[outer, inner]` (the caller reshapes); no autograd.
+pub(crate) fn max_dim(x: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
+    let kernel = float_kernel("max", x, float_kernels!("max_middle"))?;
+    let x = contiguous(x)?;
+    let (outer, r, inner) = super::ops::reduce::split_at_dim(x.shape(), d);
+    let (dev, px) = raw(&x)?;
+    let values = empty(&dev, x.dtype(), &[outer, inner])?;
+    let indices = empty(&dev, DType::I64, &[outer, inner])?;
+    if outer * inner > 0 {
+        let (_, pv) = raw(&values)?;
+        let (_, pi) = raw(&indices)?;
+        let mut args = KernelArgs::new();
+        args.pointer(px)
+            .pointer(pv)
+            .pointer(pi)
+            .i64(outer as i64)
+            .i64(r as i64)
+            .i64(inner as i64);
+        // SAFETY: contiguous [outer, r, inner] input, [outer, inner] outputs.
+        unsafe {
+            dev.launch(
+                kernel,
+                LaunchConfig::linear(outer * inner, THREADS),
+                &mut args,
+            )?
+        };
+    }
+    Ok((values, indices))
+}
+
+/// The gradient of [`max_dim`]: `g` (`[outer, inner]` values in order) placed at the maxima
+/// `indices` of an `input_shape` tensor of zeros.
+pub(crate) fn max_dim_backward(
+    g: &Tensor,
+    indices: &Tensor,
+    input_shape: &[usize],
+    d: usize,
+) -> Result<Tensor> {
+    let kernel = float_kernel("max", g, float_kernels!("max_middle_backward"))?;
+    let g = contiguous(g)?;
+    let (outer, r, inner) = super::ops::reduce::split_at_dim(input_shape, d);
+    let (dev, pg) = raw(&g)?;
+    let (_, pi) = raw(indices)?;
+    let gx = zeroed(&dev, g.dtype(), input_shape)?;
+    if outer * inner > 0 {
+        let (_, px) = raw(&gx)?;
+        let mut args = KernelArgs::new();
+        args.pointer(pg)
+            .pointer(pi)
+            .pointer(px)
+            .i64(outer as i64)
+            .i64(r as i64)
+            .i64(inner as i64);
+        // SAFETY: g and indices hold outer·inner values (indices < r), gx the input's shape.
+        unsafe {
+            dev.launch(
+                kernel,
+                LaunchConfig::linear(outer * inner, THREADS),
+                &mut args,
+            )?
+        };
+    }
+    Ok(gx)
 }
 
 /// The dtype codes of `kernels/elementwise.cu` (`cast_strided`).

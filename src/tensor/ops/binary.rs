@@ -213,8 +213,19 @@ fn binary(kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// Comparison predicates, producing u8 masks (1 = true).
-fn compare(op: &'static str, a: &Tensor, b: &Tensor, pred: fn(f64, f64) -> bool) -> Result<Tensor> {
+/// `code` names the predicate for the CUDA kernel (`compare_strided`: 0 ==, 1 <, 2 <=, 3 >,
+/// 4 >=).
+fn compare(
+    op: &'static str,
+    code: i32,
+    a: &Tensor,
+    b: &Tensor,
+    pred: fn(f64, f64) -> bool,
+) -> Result<Tensor> {
     check_same_dtype(op, a, b)?;
+    if a.device().is_cuda() {
+        return crate::tensor::cuda::compare(op, code, a, b);
+    }
     let (a, b) = if matches!(a.dtype(), DType::F16 | DType::BF16) {
         (a.cast_values(DType::F32)?, b.cast_values(DType::F32)?)
     } else {
@@ -251,23 +262,23 @@ impl Tensor {
 
     /// Mask of `self > rhs` (u8, broadcasting).
     pub fn gt(&self, rhs: &Tensor) -> Result<Tensor> {
-        compare("gt", self, rhs, |x, y| x > y)
+        compare("gt", 3, self, rhs, |x, y| x > y)
     }
     /// Mask of `self >= rhs`.
     pub fn ge(&self, rhs: &Tensor) -> Result<Tensor> {
-        compare("ge", self, rhs, |x, y| x >= y)
+        compare("ge", 4, self, rhs, |x, y| x >= y)
     }
     /// Mask of `self < rhs`.
     pub fn lt(&self, rhs: &Tensor) -> Result<Tensor> {
-        compare("lt", self, rhs, |x, y| x < y)
+        compare("lt", 1, self, rhs, |x, y| x < y)
     }
     /// Mask of `self <= rhs`.
     pub fn le(&self, rhs: &Tensor) -> Result<Tensor> {
-        compare("le", self, rhs, |x, y| x <= y)
+        compare("le", 2, self, rhs, |x, y| x <= y)
     }
     /// Mask of `self == rhs`.
     pub fn eq(&self, rhs: &Tensor) -> Result<Tensor> {
-        compare("eq", self, rhs, |x, y| x == y)
+        compare("eq", 0, self, rhs, |x, y| x == y)
     }
 
     fn scalar_like(&self, v: f64) -> Tensor {

@@ -326,14 +326,37 @@ impl Tensor {
                 rhs: b.dtype(),
             });
         }
+        crate::tensor::device::same_device("where", cond, a)?;
+        crate::tensor::device::same_device("where", a, b)?;
         let shape = broadcast_shapes(
             "where",
             &broadcast_shapes("where", cond.shape(), a.shape())?,
             b.shape(),
         )?;
-        let c = cond.detach().expand(&shape)?.to_vec::<u8>()?;
-        let av = a.detach().expand(&shape)?.contiguous_values()?;
-        let bv = b.detach().expand(&shape)?.contiguous_values()?;
+        let out = if a.device().is_cuda() {
+            crate::tensor::cuda::where_cond(cond, a, b, &shape)?
+        } else {
+            Self::where_cpu(cond, a, b, &shape)?
+        };
+        if !a.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(record_op(
+            out,
+            &[cond, a, b],
+            WhereBackward {
+                cond: cond.detach(),
+                a_shape: a.shape().to_vec(),
+                b_shape: b.shape().to_vec(),
+            },
+        ))
+    }
+
+    /// The CPU values of `cond ? a : b` broadcast to `shape`.
+    fn where_cpu(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+        let c = cond.detach().expand(shape)?.to_vec::<u8>()?;
+        let av = a.detach().expand(shape)?.contiguous_values()?;
+        let bv = b.detach().expand(shape)?.contiguous_values()?;
         let ga = av.storage_read();
         let gb = bv.storage_read();
         let (x, y) = (ga.cpu("where")?, gb.cpu("where")?);
@@ -347,19 +370,7 @@ impl Tensor {
             })
         };
         drop((ga, gb));
-        let out = Tensor::from_storage(storage, &shape)?;
-        if !a.dtype().is_float() {
-            return Ok(out);
-        }
-        Ok(record_op(
-            out,
-            &[cond, a, b],
-            WhereBackward {
-                cond: cond.detach(),
-                a_shape: a.shape().to_vec(),
-                b_shape: b.shape().to_vec(),
-            },
-        ))
+        Tensor::from_storage(storage, shape)
     }
 
     /// Row and column indices (i64) of the upper triangle of an `n×n` matrix, starting at

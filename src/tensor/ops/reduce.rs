@@ -169,7 +169,13 @@ fn reduce_sum(x: &Tensor, dims: &[isize], keepdim: bool, mean: bool) -> Result<T
 struct MaxBackward {
     input_shape: Vec<usize>,
     dim: usize,
-    argmax: Vec<usize>,
+    argmax: Argmax,
+}
+
+/// Where each maximum was: host positions, or a device tensor of them (CUDA inputs).
+enum Argmax {
+    Host(Vec<usize>),
+    Device(Tensor),
 }
 
 impl BackwardOp for MaxBackward {
@@ -177,6 +183,14 @@ impl BackwardOp for MaxBackward {
         "max"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let argmax = match &self.argmax {
+            Argmax::Host(a) => a,
+            Argmax::Device(indices) => {
+                let gx =
+                    crate::tensor::cuda::max_dim_backward(g, indices, &self.input_shape, self.dim)?;
+                return Ok(vec![Some(Gradient::Dense(gx))]);
+            }
+        };
         let (outer, n, inner) = split_at_dim(&self.input_shape, self.dim);
         let (gc, storage) = float_compute("max", g)?;
         let gx = with_float!(gc.dtype(), "max", T => {
@@ -184,7 +198,7 @@ impl BackwardOp for MaxBackward {
             gc.with_contiguous(|gs: &[T]| {
                 for o in 0..outer {
                     for i in 0..inner {
-                        let k = self.argmax[o * inner + i];
+                        let k = argmax[o * inner + i];
                         gx[(o * n + k) * inner + i] = gs[o * inner + i];
                     }
                 }
@@ -229,6 +243,26 @@ impl Tensor {
                 format!("dimension {d} of {:?} is empty", self.shape()),
             ));
         }
+        let mut shape = self.shape().to_vec();
+        if keepdim {
+            shape[d] = 1;
+        } else {
+            shape.remove(d);
+        }
+        if self.device().is_cuda() {
+            let (values, indices) = crate::tensor::cuda::max_dim(self, d)?;
+            let out = values.reshape(&shape)?;
+            let out = record_op(
+                out,
+                &[self],
+                MaxBackward {
+                    input_shape: self.shape().to_vec(),
+                    dim: d,
+                    argmax: Argmax::Device(indices.clone()),
+                },
+            );
+            return Ok((out, indices.reshape(&shape)?));
+        }
         let (xc, storage) = if self.dtype().is_float() {
             float_compute("max", self)?
         } else {
@@ -257,12 +291,6 @@ impl Tensor {
                 (T::into_storage(vals), arg)
             })?
         });
-        let mut shape = self.shape().to_vec();
-        if keepdim {
-            shape[d] = 1;
-        } else {
-            shape.remove(d);
-        }
         let out = Tensor::from_storage(values, &shape)?.cast_values(storage)?;
         let indices = Tensor::from_vec(argmax.iter().map(|&i| i as i64).collect(), &shape)?;
         if !self.dtype().is_float() {
@@ -274,7 +302,7 @@ impl Tensor {
             MaxBackward {
                 input_shape: self.shape().to_vec(),
                 dim: d,
-                argmax,
+                argmax: Argmax::Host(argmax),
             },
         );
         Ok((out, indices))

@@ -66,13 +66,17 @@ impl BackwardOp for SoftmaxBackward {
 fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     let op = if log { "log_softmax" } else { "softmax" };
     let d = resolve_dim(op, dim, x.rank())?;
-    let (xc, storage) = float_compute(op, x)?;
-    let (outer, n, inner) = split_at_dim(x.shape(), d);
-    let y = with_float!(xc.dtype(), op, T => {
-        let v = xc.with_contiguous(|s: &[T]| softmax_kernel(s, outer, n, inner, log))?;
-        Tensor::from_vec(v, x.shape())?
-    })
-    .cast_values(storage)?;
+    let y = if x.device().is_cuda() {
+        crate::tensor::cuda::softmax(x, d, log)?
+    } else {
+        let (xc, storage) = float_compute(op, x)?;
+        let (outer, n, inner) = split_at_dim(x.shape(), d);
+        with_float!(xc.dtype(), op, T => {
+            let v = xc.with_contiguous(|s: &[T]| softmax_kernel(s, outer, n, inner, log))?;
+            Tensor::from_vec(v, x.shape())?
+        })
+        .cast_values(storage)?
+    };
     Ok(record_op(
         y.clone(),
         &[x],
