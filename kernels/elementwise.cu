@@ -389,3 +389,39 @@ extern "C" __global__ void max_middle_backward_##S(const E::T* g, const i64* ind
 REDUCE_KERNELS(f32, F32Elem)
 REDUCE_KERNELS(f16, F16Elem)
 REDUCE_KERNELS(bf16, BF16Elem)
+
+// ---- Gather by flat offsets and its deterministic adjoint --------------------------------------
+
+// out[i] = src[offsets[i]], by element size (gather along dim 0 with host-checked offsets).
+#define TAKE(NAME, T)                                                                     \
+extern "C" __global__ void NAME(const T* src, const i64* offsets, T* out, i64 n) {         \
+    GRID_STRIDE(i, n) out[i] = src[offsets[i]];                                            \
+}
+TAKE(take_b1, u8)
+TAKE(take_b2, u16)
+TAKE(take_b4, unsigned int)
+TAKE(take_b8, unsigned long long)
+
+// The adjoint of take: for each of m distinct targets t, out[targets[t]] = the f32 sum, in
+// order, of g[positions[k]] for k in starts[t] .. starts[t + 1] (positions grouped by target on
+// the host, so no atomics and a fixed order); other elements of out are left (zero).
+template <class E>
+__device__ __forceinline__ void put_add_sorted(const typename E::T* g, const i64* positions,
+                                               const i64* starts, const i64* targets,
+                                               typename E::T* out, i64 m) {
+    GRID_STRIDE(t, m) {
+        float acc = 0.0f;
+        for (i64 k = starts[t]; k < starts[t + 1]; ++k) acc += E::load(g[positions[k]]);
+        out[targets[t]] = E::store(acc);
+    }
+}
+
+#define PUT_ADD(S, E)                                                                         \
+extern "C" __global__ void put_add_sorted_##S(const E::T* g, const i64* positions,              \
+                                              const i64* starts, const i64* targets, E::T* out, \
+                                              i64 m) {                                          \
+    put_add_sorted<E>(g, positions, starts, targets, out, m);                                   \
+}
+PUT_ADD(f32, F32Elem)
+PUT_ADD(f16, F16Elem)
+PUT_ADD(bf16, BF16Elem)

@@ -1,6 +1,6 @@
 //! The tensor core on CUDA devices: storage in device memory, host↔device moves, and the value
 //! kernels behind the ops that have a CUDA path — strided copies and dtype casts (any dtype),
-//! comparisons and `where` (any dtype), and for f32, f16 and bf16 (computed in f32, rounded
+//! comparisons, `where` and gather (any dtype), and for f32, f16 and bf16 (computed in f32, rounded
 //! once, as on the CPU) broadcasting binary arithmetic, the float functions and their
 //! derivatives, sums, maxima and softmax over dimensions and matrix products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
 //! device; autograd needs nothing more, since backward passes are built from the same ops. An
@@ -620,6 +620,72 @@ pub(crate) fn max_dim_backward(
         };
     }
     Ok(gx)
+}
+
+/// `out[i] = src[sources[i]]` (flat offsets into `src`'s contiguous values, checked by the
+/// caller), shaped `shape`.
+pub(crate) fn take(src: &Tensor, sources: &[i64], shape: &[usize]) -> Result<Tensor> {
+    let src = contiguous(src)?;
+    let (dev, ps) = raw(&src)?;
+    let out = empty(&dev, src.dtype(), shape)?;
+    let n = sources.len();
+    if n == 0 {
+        return Ok(out);
+    }
+    let offsets = dev.htod(sources)?;
+    let kernel = match src.dtype().size_in_bytes() {
+        1 => "take_b1",
+        2 => "take_b2",
+        4 => "take_b4",
+        _ => "take_b8",
+    };
+    let (_, po) = raw(&out)?;
+    let mut args = KernelArgs::new();
+    args.pointer(ps).buffer(&offsets).pointer(po).i64(n as i64);
+    // SAFETY: every offset lies inside `src` (the caller's check); the output holds n values.
+    unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args)? };
+    Ok(out)
+}
+
+/// The adjoint of [`take`]: a zero tensor of `shape` with `g[p]` added at `targets[p]`,
+/// duplicates summed in position order (deterministic; f32, f16 or bf16).
+pub(crate) fn put_add(g: &Tensor, targets: &[i64], shape: &[usize]) -> Result<Tensor> {
+    let kernel = float_kernel("gather", g, float_kernels!("put_add_sorted"))?;
+    let g = contiguous(g)?;
+    let (dev, pg) = raw(&g)?;
+    let out = zeroed(&dev, g.dtype(), shape)?;
+    if targets.is_empty() {
+        return Ok(out);
+    }
+    // Positions grouped by target (a stable sort keeps each group in position order).
+    let mut positions: Vec<i64> = (0..targets.len() as i64).collect();
+    positions.sort_by_key(|&p| targets[p as usize]);
+    let (mut starts, mut distinct) = (Vec::new(), Vec::new());
+    for (k, &p) in positions.iter().enumerate() {
+        let t = targets[p as usize];
+        if distinct.last() != Some(&t) {
+            starts.push(k as i64);
+            distinct.push(t);
+        }
+    }
+    starts.push(positions.len() as i64);
+    let m = distinct.len();
+    let (positions, starts, distinct) = (
+        dev.htod(&positions)?,
+        dev.htod(&starts)?,
+        dev.htod(&distinct)?,
+    );
+    let (_, po) = raw(&out)?;
+    let mut args = KernelArgs::new();
+    args.pointer(pg)
+        .buffer(&positions)
+        .buffer(&starts)
+        .buffer(&distinct)
+        .pointer(po)
+        .i64(m as i64);
+    // SAFETY: positions index g, targets lie inside the output (the caller's check).
+    unsafe { dev.launch(kernel, LaunchConfig::linear(m, THREADS), &mut args)? };
+    Ok(out)
 }
 
 /// The dtype codes of `kernels/elementwise.cu` (`cast_strided`).

@@ -80,8 +80,24 @@ impl BackwardOp for GatherBackward {
         "gather"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let (gc, storage) = float_compute("gather", g)?;
         let rest_in: usize = self.input_shape[1..].iter().product();
+        if g.device().is_cuda() {
+            let targets: Vec<i64> = (0..self.index.len())
+                .map(|p| {
+                    let t = gather_source(
+                        p,
+                        &self.index,
+                        &self.index_shape,
+                        &self.input_shape,
+                        rest_in,
+                    );
+                    t as i64
+                })
+                .collect();
+            let gx = crate::tensor::cuda::put_add(g, &targets, &self.input_shape)?;
+            return Ok(vec![Some(Gradient::Dense(gx)), None]);
+        }
+        let (gc, storage) = float_compute("gather", g)?;
         let out = with_num!(gc.dtype(), "gather", T => {
             let mut out = vec![T::ZERO; self.input_shape.iter().product()];
             gc.with_contiguous(|gs: &[T]| {
@@ -228,6 +244,25 @@ impl Tensor {
         }
         let idx = checked_indices("gather", index, self.shape()[0])?;
         let rest_in: usize = self.shape()[1..].iter().product();
+        if self.device().is_cuda() {
+            crate::tensor::device::same_device("gather", self, index)?;
+            let sources: Vec<i64> = (0..idx.len())
+                .map(|p| gather_source(p, &idx, index.shape(), self.shape(), rest_in) as i64)
+                .collect();
+            let out = crate::tensor::cuda::take(self, &sources, index.shape())?;
+            if !self.dtype().is_float() {
+                return Ok(out);
+            }
+            return Ok(record_op(
+                out,
+                &[self, index],
+                GatherBackward {
+                    input_shape: self.shape().to_vec(),
+                    index: idx,
+                    index_shape: index.shape().to_vec(),
+                },
+            ));
+        }
         let src = self.contiguous_values()?;
         let guard = src.storage_read();
         let cpu = guard.cpu("gather")?;
