@@ -300,3 +300,31 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
+
+#[test]
+fn a_diverging_run_is_an_error_naming_the_step() -> Result<()> {
+    // Learning rates of 1e38 throw the weights past f32's range after one update: the next
+    // loss is not finite, and the step that saw it is named.
+    let g = data(20_000, 4, 50);
+    let mut cfg = config(&g, 8);
+    cfg.dense_optimizer = DenseOptimizer::Adagrad { lr: 1e38 };
+    cfg.sparse_optimizer = FusedOptimizer::RowWiseAdagrad {
+        lr: 1e38,
+        eps: 1e-8,
+    };
+    let mut trainer = cfg.build()?;
+    let mut error = None;
+    for (i, batch) in batches(&g, Split::Train, 256, 1).take(10).enumerate() {
+        if let Err(e) = trainer.train_step(&batch?) {
+            error = Some((i + 1, e.to_string()));
+            break;
+        }
+    }
+    let (step, msg) = error.expect("a non-finite loss within 10 steps");
+    assert!(step >= 2, "the first loss is finite (step {step})");
+    assert!(
+        msg.contains("diverged") && msg.contains(&format!("step {step}")),
+        "{msg}"
+    );
+    Ok(())
+}

@@ -340,7 +340,11 @@ impl DlrmTrainer {
 
     /// One step: forward, mean BCE loss, backward (which updates the looked-up table rows
     /// through the fused optimizer), dense optimizer step, metrics update. A non-finite loss
-    /// is an error naming the step (the parameters may then hold non-finite values).
+    /// is an error naming the step; that step's update has then been applied, so the
+    /// parameters may hold non-finite values (restore a checkpoint).
+    ///
+    /// The loss and predictions are read back only once the whole step is queued: on a GPU
+    /// the host waits for the device once per step, not between forward and backward.
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepOutput> {
         let b = batch.batch_size();
         self.optimizer.zero_grad();
@@ -350,19 +354,21 @@ impl DlrmTrainer {
             .reshape(&[b])?;
         let labels = batch.labels.to_device(self.model.device())?;
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
+        let probs = no_grad(|| logits.detach().sigmoid())?;
+        loss.backward()?;
+        self.optimizer.step()?;
         let loss_value = loss.item()?;
         if !loss_value.is_finite() {
+            self.step += 1;
             return Err(Error::invalid(
                 OP,
                 format!(
                     "the loss of step {} is {loss_value}: training diverged (lower the learning rates)",
-                    self.step + 1
+                    self.step
                 ),
             ));
         }
-        loss.backward()?;
-        self.optimizer.step()?;
-        let probs = no_grad(|| logits.detach().sigmoid())?.to_vec::<f32>()?;
+        let probs = probs.to_vec::<f32>()?;
         let labels = batch.labels.to_vec::<f32>()?;
         self.metrics.update(&[&probs], &[&labels], None)?;
         self.step += 1;
