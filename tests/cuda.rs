@@ -66,6 +66,29 @@ fn every_kernel_compiles_to_ptx_with_nvrtc() {
     // A name that is not a kernel file is an error naming it.
     let err = cuda::compile_ptx("nope.cu", "compute_90").unwrap_err();
     assert!(err.to_string().contains("nope.cu"), "{err}");
+    // The PTX was kept on disk; a damaged cache file is recompiled and replaced.
+    if let Some(dir) = cuda::kernel_cache_dir() {
+        let first = cuda::compile_ptx("sort.cu", "compute_90").unwrap().to_src();
+        let file = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                name.starts_with("sort.cu-compute_90-")
+                    && std::fs::read_to_string(p).is_ok_and(|t| t.ends_with(&first))
+            })
+            .expect("sort.cu's PTX in the kernel cache");
+        let whole = std::fs::read_to_string(&file).unwrap();
+        assert!(
+            whole.starts_with("// embers kernel cache "),
+            "{}",
+            file.display()
+        );
+        std::fs::write(&file, &whole[..whole.len() / 2]).unwrap();
+        let again = cuda::compile_ptx("sort.cu", "compute_90").unwrap().to_src();
+        assert_eq!(again, first);
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), whole);
+    }
 }
 
 /// Random tables and bags for the GPU comparison.
