@@ -425,3 +425,34 @@ extern "C" __global__ void put_add_sorted_##S(const E::T* g, const i64* position
 PUT_ADD(f32, F32Elem)
 PUT_ADD(f16, F16Elem)
 PUT_ADD(bf16, BF16Elem)
+
+// ---- Integer arithmetic ------------------------------------------------------------------------
+// out[i] = a[..] op b[..] for integer tensors (broadcast strided operands, meta: two), with the
+// CPU's semantics: + − · wrap around, / truncates toward zero and wraps (MIN / −1 = MIN; the
+// host rules out a zero divisor first), maximum and minimum. Ops as binary_strided_*.
+template <class T, class U>
+__device__ __forceinline__ T int_op(int op, T x, T y) {
+    switch (op) {
+    case 0: return (T)((U)x + (U)y);
+    case 1: return (T)((U)x - (U)y);
+    case 2: return (T)((U)x * (U)y);
+    case 3: {
+        if (y == 0) return 0;  // unreachable: the host checks divisors
+        // x / −1 of a signed type: negate with wrap-around (MIN stays MIN, as wrapping_div).
+        if ((T)-1 < (T)0 && y == (T)-1) return (T)((U)0 - (U)x);
+        return x / y;
+    }
+    case 4: return x >= y ? x : y;
+    default: return x <= y ? x : y;
+    }
+}
+
+#define INT_BINARY(S, T, U)                                                                   \
+extern "C" __global__ void binary_strided_##S(const T* a, const T* b, T* out, int op, i64 n,   \
+                                              const i64* meta) {                              \
+    GRID_STRIDE(i, n) out[i] = int_op<T, U>(op, a[strided_offset(i, meta, 0)],                 \
+                                            b[strided_offset(i, meta, 1)]);                    \
+}
+INT_BINARY(i64, i64, unsigned long long)
+INT_BINARY(i32, int, unsigned int)
+INT_BINARY(u8, u8, u8)

@@ -290,11 +290,11 @@ fn ops_without_a_cuda_path_and_mixed_devices_are_errors() {
         err.contains(&dev.to_string()) && err.contains("to_device"),
         "{err}"
     );
-    // Integer arithmetic has no CUDA kernel: the error names the op, dtype and device.
+    // Integer sums have no CUDA kernel: the error names the op, dtype and device.
     let di = da.to_dtype(DType::I32).unwrap();
-    let err = di.add(&di).unwrap_err().to_string();
+    let err = di.sum(&[0], false).unwrap_err().to_string();
     assert!(
-        err.contains(&dev.to_string()) && err.contains("add") && err.contains("I32"),
+        err.contains(&dev.to_string()) && err.contains("sum") && err.contains("I32"),
         "{err}"
     );
 }
@@ -784,4 +784,50 @@ fn gather_and_cross_entropy_match_the_cpu_with_gradients() {
     let ((loss, g), (eloss, eg)) = (run(dev), run(Device::Cpu));
     assert_close("cross entropy", &loss, &eloss, 1e-6);
     assert_close("cross entropy gradient", &g, &eg, 1e-6);
+}
+
+#[test]
+fn integer_arithmetic_wraps_and_checks_divisors_as_on_the_cpu() {
+    let Some(dev) = device() else { return };
+    let d = |t: &Tensor| t.to_device(dev).unwrap();
+    let a = Tensor::from_vec(
+        vec![i64::MAX, i64::MIN, -7, 7, 0, 123_456_789_012, -1, 5],
+        &[2, 4],
+    )
+    .unwrap();
+    let b = Tensor::from_vec(vec![1i64, -1, 2, -3], &[1, 4]).unwrap();
+    for dtype in [DType::I64, DType::I32, DType::U8] {
+        let (a, b) = (a.to_dtype(dtype).unwrap(), b.to_dtype(dtype).unwrap());
+        for (name, op) in BINARY_OPS {
+            if name == "div" && dtype == DType::U8 {
+                continue; // u8 casts of the divisors above include a 0
+            }
+            let what = format!("{dtype:?} {name}");
+            assert_same_values(&what, &op(&d(&a), &d(&b)).unwrap(), &op(&a, &b).unwrap());
+            // Swapped and transposed: a holds a 0, so b / a is the CPU's error on both.
+            let (at, bt) = (a.t().unwrap(), b.t().unwrap());
+            match (op(&d(&bt), &d(&at)), op(&bt, &at)) {
+                (Ok(got), Ok(expected)) => assert_same_values(&what, &got, &expected),
+                (Err(e), Err(expected)) => assert_eq!(e.to_string(), expected.to_string()),
+                (got, expected) => panic!("{what}: CUDA {got:?} vs CPU {expected:?}"),
+            }
+        }
+    }
+    // The i32 edges: MAX + 1 and MIN · −1 wrap, MIN / −1 = MIN.
+    let edge = Tensor::from_vec(vec![i32::MAX, i32::MIN, i32::MIN], &[3]).unwrap();
+    let by = Tensor::from_vec(vec![1i32, -1, -1], &[3]).unwrap();
+    for (name, op) in BINARY_OPS {
+        let what = format!("i32 edge {name}");
+        assert_same_values(
+            &what,
+            &op(&d(&edge), &d(&by)).unwrap(),
+            &op(&edge, &by).unwrap(),
+        );
+    }
+    // Division by zero is an error naming the position, on the device as on the CPU.
+    let zero = Tensor::from_vec(vec![3i64, 0, 1], &[3]).unwrap();
+    let num = Tensor::from_vec(vec![9i64, 9, 9], &[3]).unwrap();
+    let err = d(&num).div(&d(&zero)).unwrap_err().to_string();
+    assert_eq!(err, num.div(&zero).unwrap_err().to_string());
+    assert!(err.contains("position 1"), "{err}");
 }

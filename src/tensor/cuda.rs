@@ -1,6 +1,6 @@
 //! The tensor core on CUDA devices: storage in device memory, host↔device moves, and the value
 //! kernels behind the ops that have a CUDA path — strided copies and dtype casts (any dtype),
-//! comparisons, `where` and gather (any dtype), and for f32, f16 and bf16 (computed in f32, rounded
+//! comparisons, `where`, gather and arithmetic (any dtype; integers wrap around), and for f32, f16 and bf16 (computed in f32, rounded
 //! once, as on the CPU) broadcasting binary arithmetic, the float functions and their
 //! derivatives, sums, maxima and softmax over dimensions and matrix products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
 //! device; autograd needs nothing more, since backward passes are built from the same ops. An
@@ -215,10 +215,27 @@ fn storage_len(t: &Tensor) -> usize {
 }
 
 /// Broadcasting `a op b` (op codes of `kernels/elementwise.cu`: add, sub, mul, div, max, min)
-/// of float tensors of one dtype (the caller checks that they match).
-pub(crate) fn binary_float(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// of tensors of one dtype (the caller checks that they match): floats computed in f32,
+/// integers wrapping around, an integer division by zero an error (as on the CPU).
+pub(crate) fn binary(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_device(op, a, b)?;
-    let kernel = float_kernel(op, a, float_kernels!("binary_strided"))?;
+    let kernel = match a.dtype() {
+        DType::I64 => "binary_strided_i64",
+        DType::I32 => "binary_strided_i32",
+        DType::U8 => "binary_strided_u8",
+        _ => float_kernel(op, a, float_kernels!("binary_strided"))?,
+    };
+    if code == 3 && !a.dtype().is_float() {
+        // Integer division: find a zero divisor before dividing (reads the divisor back).
+        let zeros = compare("div", 0, b, &Tensor::zeros(&[], b.dtype(), b.device()))?;
+        let host = zeros.contiguous_values()?.to_vec::<u8>()?;
+        if let Some(p) = host.iter().position(|&z| z != 0) {
+            return Err(Error::invalid(
+                op,
+                format!("integer division by zero at position {p} of the divisor"),
+            ));
+        }
+    }
     let shape = super::layout::broadcast_shapes(op, a.shape(), b.shape())?;
     let (dev, pa) = raw(a)?;
     let (_, pb) = raw(b)?;

@@ -148,26 +148,87 @@ pub trait NumElem:
     const MIN: Self;
     /// True for a float NaN (never for integers).
     fn is_nan_value(self) -> bool;
+    /// `self + o`; integers wrap around (as the CUDA kernels do), never panic.
+    fn add_wrap(self, o: Self) -> Self;
+    /// `self − o`; integers wrap around.
+    fn sub_wrap(self, o: Self) -> Self;
+    /// `self · o`; integers wrap around.
+    fn mul_wrap(self, o: Self) -> Self;
+    /// `self / o`; integers wrap around (`MIN / −1 = MIN`); the caller rules out `o = 0`.
+    fn div_wrap(self, o: Self) -> Self;
+    /// The sum of `it` in order (floats as `Iterator::sum`; integers wrap around).
+    fn sum_of(it: impl Iterator<Item = Self>) -> Self;
 }
 
 macro_rules! num_elem {
-    ($t:ty, $min:expr, $nan:expr) => {
+    (float $t:ty) => {
         impl NumElem for $t {
-            const ZERO: Self = 0 as $t;
-            const ONE: Self = 1 as $t;
-            const MIN: Self = $min;
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const MIN: Self = <$t>::NEG_INFINITY;
             #[inline(always)]
             fn is_nan_value(self) -> bool {
-                $nan(self)
+                self.is_nan()
+            }
+            #[inline(always)]
+            fn add_wrap(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn sub_wrap(self, o: Self) -> Self {
+                self - o
+            }
+            #[inline(always)]
+            fn mul_wrap(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn div_wrap(self, o: Self) -> Self {
+                self / o
+            }
+            #[inline(always)]
+            fn sum_of(it: impl Iterator<Item = Self>) -> Self {
+                it.sum()
+            }
+        }
+    };
+    (int $t:ty) => {
+        impl NumElem for $t {
+            const ZERO: Self = 0;
+            const ONE: Self = 1;
+            const MIN: Self = <$t>::MIN;
+            #[inline(always)]
+            fn is_nan_value(self) -> bool {
+                false
+            }
+            #[inline(always)]
+            fn add_wrap(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn sub_wrap(self, o: Self) -> Self {
+                self.wrapping_sub(o)
+            }
+            #[inline(always)]
+            fn mul_wrap(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn div_wrap(self, o: Self) -> Self {
+                self.wrapping_div(o)
+            }
+            #[inline(always)]
+            fn sum_of(it: impl Iterator<Item = Self>) -> Self {
+                it.fold(0, |a, b| a.wrapping_add(b))
             }
         }
     };
 }
-num_elem!(f32, f32::NEG_INFINITY, f32::is_nan);
-num_elem!(f64, f64::NEG_INFINITY, f64::is_nan);
-num_elem!(i64, i64::MIN, |_| false);
-num_elem!(i32, i32::MIN, |_| false);
-num_elem!(u8, u8::MIN, |_| false);
+num_elem!(float f32);
+num_elem!(float f64);
+num_elem!(int i64);
+num_elem!(int i32);
+num_elem!(int u8);
 
 /// Floating-point compute types (f32, f64).
 pub trait FloatElem:

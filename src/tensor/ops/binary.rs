@@ -111,7 +111,7 @@ impl BinaryKind {
         check_same_dtype(op, a, b)?;
         if a.device().is_cuda() {
             // Codes of kernels/elementwise.cu.
-            return crate::tensor::cuda::binary_float(op, self as i32, a, b);
+            return crate::tensor::cuda::binary(op, self as i32, a, b);
         }
         if matches!(a.dtype(), DType::F16 | DType::BF16) {
             let (a32, storage) = float_compute(op, a)?;
@@ -120,10 +120,10 @@ impl BinaryKind {
         }
         with_num!(a.dtype(), op, T => {
             let f = match self {
-                BinaryKind::Add => |x: T, y: T| x + y,
-                BinaryKind::Sub => |x: T, y: T| x - y,
-                BinaryKind::Mul => |x: T, y: T| x * y,
-                BinaryKind::Div => |x: T, y: T| x / y,
+                BinaryKind::Add => |x: T, y: T| x.add_wrap(y),
+                BinaryKind::Sub => |x: T, y: T| x.sub_wrap(y),
+                BinaryKind::Mul => |x: T, y: T| x.mul_wrap(y),
+                BinaryKind::Div => |x: T, y: T| x.div_wrap(y),
                 BinaryKind::Maximum => |x: T, y: T| if x >= y || y.is_nan_value() { x } else { y },
                 BinaryKind::Minimum => |x: T, y: T| if x <= y || y.is_nan_value() { x } else { y },
             };

@@ -21,7 +21,7 @@ pub(crate) fn split_at_dim(shape: &[usize], dim: usize) -> (usize, usize, usize)
 /// Sums a contiguous `[outer, n, inner]` buffer over its middle dimension.
 fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<T> {
     if inner == 1 {
-        let row = |o: usize| x[o * n..(o + 1) * n].iter().copied().sum::<T>();
+        let row = |o: usize| T::sum_of(x[o * n..(o + 1) * n].iter().copied());
         if outer * n >= PAR_THRESHOLD && outer > 1 {
             return (0..outer).into_par_iter().map(row).collect();
         }
@@ -29,16 +29,18 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
             // One long row: fixed-size chunks keep the summation order deterministic.
             let partial: Vec<T> = x
                 .par_chunks(PAR_THRESHOLD)
-                .map(|c| c.iter().copied().sum())
+                .map(|c| T::sum_of(c.iter().copied()))
                 .collect();
-            return vec![partial.into_iter().sum()];
+            return vec![T::sum_of(partial.into_iter())];
         }
         return (0..outer).map(row).collect();
     }
     let block = |o: usize, out: &mut [T]| {
         for k in 0..n {
             let src = &x[(o * n + k) * inner..(o * n + k + 1) * inner];
-            out.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
+            out.iter_mut()
+                .zip(src)
+                .for_each(|(d, &s)| *d = d.add_wrap(s));
         }
     };
     let mut out = vec![T::ZERO; outer * inner];
@@ -54,7 +56,9 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
                 let start = ci * cols;
                 for k in 0..n {
                     let src = &x[k * inner + start..k * inner + start + dst.len()];
-                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
+                    dst.iter_mut()
+                        .zip(src)
+                        .for_each(|(d, &s)| *d = d.add_wrap(s));
                 }
             });
         }
