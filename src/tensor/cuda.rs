@@ -1,10 +1,11 @@
 //! The tensor core on CUDA devices: storage in device memory, host↔device moves, and the value
-//! kernels behind the ops that have a CUDA path — strided copies and dtype casts (any dtype),
-//! comparisons, `where`, gather and arithmetic (any dtype; integers wrap around), and for f32, f16 and bf16 (computed in f32, rounded
-//! once, as on the CPU) broadcasting binary arithmetic, the float functions and their
-//! derivatives, sums, maxima and softmax over dimensions and matrix products (cuBLAS). The ops in `ops/` call these when their operands live on a CUDA
-//! device; autograd needs nothing more, since backward passes are built from the same ops. An
-//! op without a CUDA path fails with an error naming it and the device.
+//! kernels behind the ops that have a CUDA path — strided copies, dtype casts, comparisons,
+//! `where`, gather and arithmetic for every dtype (integers wrap around), and for f32, f16 and
+//! bf16 (computed in f32, rounded once, as on the CPU) the float functions and their
+//! derivatives, sums, maxima and softmax over dimensions and matrix products (cuBLAS). The ops
+//! in `ops/` call these when their operands live on a CUDA device; autograd needs nothing
+//! more, since backward passes are built from the same ops. An op without a CUDA path fails
+//! with an error naming it and the device.
 
 use std::sync::Arc;
 
