@@ -456,3 +456,19 @@ extern "C" __global__ void binary_strided_##S(const T* a, const T* b, T* out, in
 INT_BINARY(i64, i64, unsigned long long)
 INT_BINARY(i32, int, unsigned int)
 INT_BINARY(u8, u8, u8)
+
+// Integer sums over the middle dimension of a contiguous [outer, r, inner] buffer, wrapping
+// around in the element type as the CPU's (modular, so the order does not matter).
+#define INT_SUM(S, T, U)                                                                      \
+extern "C" __global__ void sum_middle_##S(const T* x, T* out, i64 outer, i64 r, i64 inner) {   \
+    GRID_STRIDE(i, outer * inner) {                                                           \
+        i64 o = i / inner;                                                                    \
+        const T* p = x + o * r * inner + (i - o * inner);                                     \
+        U acc = 0;                                                                            \
+        for (i64 k = 0; k < r; ++k) acc += (U)p[k * inner];                                   \
+        out[i] = (T)acc;                                                                      \
+    }                                                                                         \
+}
+INT_SUM(i64, i64, unsigned long long)
+INT_SUM(i32, int, unsigned int)
+INT_SUM(u8, u8, u8)

@@ -290,11 +290,12 @@ fn ops_without_a_cuda_path_and_mixed_devices_are_errors() {
         err.contains(&dev.to_string()) && err.contains("to_device"),
         "{err}"
     );
-    // Integer sums have no CUDA kernel: the error names the op, dtype and device.
+    // Float functions of integers have no kernel (nor a CPU path): the error names the op,
+    // dtype and device.
     let di = da.to_dtype(DType::I32).unwrap();
-    let err = di.sum(&[0], false).unwrap_err().to_string();
+    let err = di.exp().unwrap_err().to_string();
     assert!(
-        err.contains(&dev.to_string()) && err.contains("sum") && err.contains("I32"),
+        err.contains(&dev.to_string()) && err.contains("exp") && err.contains("I32"),
         "{err}"
     );
 }
@@ -811,6 +812,15 @@ fn integer_arithmetic_wraps_and_checks_divisors_as_on_the_cpu() {
                 (Err(e), Err(expected)) => assert_eq!(e.to_string(), expected.to_string()),
                 (got, expected) => panic!("{what}: CUDA {got:?} vs CPU {expected:?}"),
             }
+        }
+    }
+    // Sums over every set of dimensions, wrapping in the element type.
+    for dtype in [DType::I64, DType::I32, DType::U8] {
+        let big = a.to_dtype(dtype).unwrap();
+        for dims in [&[0isize][..], &[1], &[0, 1]] {
+            let what = format!("{dtype:?} sum over {dims:?}");
+            let got = d(&big).sum(dims, false).unwrap();
+            assert_same_values(&what, &got, &big.sum(dims, false).unwrap());
         }
     }
     // The i32 edges: MAX + 1 and MIN · −1 wrap, MIN / −1 = MIN.

@@ -362,10 +362,15 @@ pub(crate) fn unary_backward_float(
     Ok(out)
 }
 
-/// Sum over `dims` (sorted, distinct), keeping them as size 1 (f64 accumulation, rounded to
-/// f32 and then to the float dtype of `x`).
-pub(crate) fn sum_dims_float(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    let kernel = float_kernel("sum", x, float_kernels!("sum_middle"))?;
+/// Sum over `dims` (sorted, distinct), keeping them as size 1: floats with f64 accumulation,
+/// rounded to f32 and then to the dtype of `x`; integers wrapping around, as on the CPU.
+pub(crate) fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let kernel = match x.dtype() {
+        DType::I64 => "sum_middle_i64",
+        DType::I32 => "sum_middle_i32",
+        DType::U8 => "sum_middle_u8",
+        _ => float_kernel("sum", x, float_kernels!("sum_middle"))?,
+    };
     let mut cur = contiguous(x)?;
     for &d in dims {
         let shape = cur.shape().to_vec();

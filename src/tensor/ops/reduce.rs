@@ -83,7 +83,7 @@ fn sum_one_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// Sums over `dims` (sorted, unique, resolved) keeping them as size 1, no autograd.
 fn sum_values(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
     if x.device().is_cuda() {
-        return crate::tensor::cuda::sum_dims_float(x, dims);
+        return crate::tensor::cuda::sum_dims(x, dims);
     }
     let (xc, storage) = if x.dtype().is_float() {
         float_compute("sum", x)?
