@@ -341,10 +341,70 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
     .unwrap();
     let err = gpu.forward(&bad).unwrap_err().to_string();
     assert!(err.contains("f2") && err.contains("20 rows"), "{err}");
-    // Tables without a fused optimizer cannot train on the device: refused up front.
-    let plain = ebc(FusedOptimizer::None, WeightDecay::None);
-    let err = CudaEmbeddingBagCollection::new(&plain, dev).unwrap_err();
-    assert!(err.to_string().contains("fused optimizer"), "{err}");
+}
+
+#[test]
+fn tables_without_an_optimizer_sum_row_sparse_gradients_on_the_device() {
+    let Some(dev) = device() else { return };
+    let cpu = ebc(FusedOptimizer::None, WeightDecay::None);
+    let host_copy = ebc(FusedOptimizer::None, WeightDecay::None);
+    let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+    // Two backward calls sum into the kept gradients, as on the CPU.
+    for step in 0..2 {
+        let input = kjt(60 + step, 6, &[30, 50, 50, 20]);
+        let (oc, og) = (cpu.forward(&input).unwrap(), gpu.forward(&input).unwrap());
+        let w = randn(oc.values().shape(), 61 + step);
+        set_grad(oc.values(), &w);
+        set_grad(og.values(), &w.to_device(dev).unwrap());
+    }
+    // Dense [rows, dim] forms of both, compared table by table.
+    let dense = |rows: &[i64], values: &[f32], num_rows: usize, dim: usize| -> Tensor {
+        let mut d = vec![0.0f32; num_rows * dim];
+        for (k, &r) in rows.iter().enumerate() {
+            for j in 0..dim {
+                d[r as usize * dim + j] += values[k * dim + j];
+            }
+        }
+        Tensor::from_vec(d, &[num_rows, dim]).unwrap()
+    };
+    for (name, num_rows) in [("a", 50), ("b", 20), ("c", 30)] {
+        let (tbe, t) = cpu
+            .tbes()
+            .into_iter()
+            .find_map(|tbe| {
+                let t = tbe.config().tables.iter().position(|s| s.name == name)?;
+                Some((tbe, t))
+            })
+            .unwrap();
+        let expected = tbe
+            .sparse_gradient(t)
+            .expect("the CPU table has a gradient");
+        let got = gpu
+            .sparse_gradient(name)
+            .unwrap()
+            .expect("a gradient on the device");
+        assert!(
+            got.rows.windows(2).all(|w| w[0] < w[1]),
+            "sorted distinct rows"
+        );
+        assert_close(
+            &format!("table {name} row-sparse gradient"),
+            &dense(&got.rows, &got.values, num_rows, got.dim),
+            &dense(
+                &expected.rows,
+                &expected.values.to_vec::<f32>().unwrap(),
+                num_rows,
+                8,
+            ),
+            1e-5,
+        );
+    }
+    // The tables did not move; zeroing clears the kept gradients; unknown tables are errors.
+    gpu.copy_to(&host_copy).unwrap();
+    assert_tables_close("no optimizer", &host_copy, &cpu);
+    gpu.zero_sparse_gradients();
+    assert!(gpu.sparse_gradient("a").unwrap().is_none());
+    assert!(gpu.sparse_gradient("nope").is_err());
 }
 
 #[test]

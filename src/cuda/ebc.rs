@@ -7,7 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::{CudaDevice, CudaTbe};
-use crate::embedding::{EmbeddingBagCollection, FusedOptimizer};
+use crate::embedding::{EmbeddingBagCollection, SparseTableGrad};
 use crate::sparse::ops::read_ints;
 use crate::sparse::{KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::autograd::{record_op_with_state, BackwardOp, Gradient};
@@ -19,13 +19,20 @@ const OP: &str = "CudaEmbeddingBagCollection";
 struct Group {
     tbe: Arc<Mutex<CudaTbe>>,
     features: Vec<String>,
+    /// Names of the group's tables, in the TBE's order.
+    tables: Vec<String>,
+    /// Without a fused optimizer: each table's row-sparse gradient summed over the backward
+    /// calls since the last [`CudaEmbeddingBagCollection::zero_sparse_gradients`].
+    sparse: Arc<Mutex<Vec<Option<SparseTableGrad>>>>,
 }
 
 /// The tables of an [`EmbeddingBagCollection`] on a CUDA device (TorchRec's EBC moved to
 /// `cuda`): same features, pooling, fused optimizer and weight decay (the tables' values,
 /// optimizer state and step count are copied over). [`forward`](Self::forward) takes the KJT
 /// from host memory, checks it there, and returns pooled embeddings on the device;
-/// `backward` on anything computed from them updates the tables in place.
+/// `backward` on anything computed from them updates the tables in place — or, for tables
+/// without a fused optimizer, leaves them as they are and sums their row-sparse gradients
+/// ([`sparse_gradient`](Self::sparse_gradient)), as the CPU collection does.
 pub struct CudaEmbeddingBagCollection {
     groups: Vec<Group>,
     output_keys: Vec<String>,
@@ -48,17 +55,12 @@ impl CudaEmbeddingBagCollection {
         let dev = crate::tensor::cuda::open(device)?;
         let mut groups = Vec::new();
         for (tbe, features) in ebc.groups() {
-            let cfg = tbe.config();
-            if cfg.optimizer == FusedOptimizer::None {
-                return Err(Error::invalid(
-                    OP,
-                    "a collection on the GPU trains with a fused optimizer; this one has none \
-                     (for row-sparse gradients on the GPU, use CudaTbe::backward_sparse)",
-                ));
-            }
+            let tables: Vec<String> = tbe.config().tables.iter().map(|t| t.name.clone()).collect();
             groups.push(Group {
                 tbe: Arc::new(Mutex::new(CudaTbe::from_trained(tbe, dev.clone())?)),
                 features: features.to_vec(),
+                sparse: Arc::new(Mutex::new(vec![None; tables.len()])),
+                tables,
             });
         }
         let (keys, dims) = ebc.output_keys_and_dims();
@@ -73,6 +75,26 @@ impl CudaEmbeddingBagCollection {
     /// The device the tables live on.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
+    }
+
+    /// The row-sparse gradient of `table` (a table without a fused optimizer) summed over the
+    /// backward calls since the last [`zero_sparse_gradients`](Self::zero_sparse_gradients):
+    /// its distinct rows, sorted, and their gradients. `None` before any backward reached it,
+    /// or for a table that trains with a fused optimizer.
+    pub fn sparse_gradient(&self, table: &str) -> Result<Option<SparseTableGrad>> {
+        for g in &self.groups {
+            if let Some(t) = g.tables.iter().position(|n| n == table) {
+                return Ok(g.sparse.lock()[t].clone());
+            }
+        }
+        Err(Error::invalid(OP, format!("no table `{table}`")))
+    }
+
+    /// Clears the gradients kept for [`sparse_gradient`](Self::sparse_gradient).
+    pub fn zero_sparse_gradients(&self) {
+        for g in &self.groups {
+            g.sparse.lock().iter_mut().for_each(|s| *s = None);
+        }
     }
 
     /// Output keys and the pooled width of each (as the source collection's).
@@ -110,6 +132,7 @@ impl CudaEmbeddingBagCollection {
                 &weight_input.iter().collect::<Vec<_>>(),
                 LookupBackward {
                     tbe: g.tbe.clone(),
+                    sparse: g.sparse.clone(),
                     ids: d_ids,
                     offsets: d_offsets,
                     weights: d_weights,
@@ -156,6 +179,8 @@ impl CudaEmbeddingBagCollection {
 /// Autograd node of one group's lookup: the fused update with the output's gradient.
 struct LookupBackward {
     tbe: Arc<Mutex<CudaTbe>>,
+    /// Where a table without a fused optimizer sums its row-sparse gradients.
+    sparse: Arc<Mutex<Vec<Option<SparseTableGrad>>>>,
     ids: super::DeviceBuffer<i64>,
     offsets: super::DeviceBuffer<i64>,
     weights: Option<super::DeviceBuffer<f32>>,
@@ -177,19 +202,43 @@ impl BackwardOp for LookupBackward {
             (Some(_), Some(w)) => Some(w.device().alloc::<f32>(w.len())?),
             _ => None,
         };
-        // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
-        // (the launches are queued on the current stream, before `grad` can be freed).
-        unsafe {
-            self.tbe.lock().backward_raw(
-                &self.ids,
-                &self.offsets,
-                self.weights.as_ref(),
-                ptr,
-                len,
-                self.batch,
-                weights_grad.as_mut(),
-            )?;
+        let mut tbe = self.tbe.lock();
+        if tbe.has_fused_optimizer() {
+            // SAFETY: `ptr` addresses `len` f32 values of `grad`, alive until the call returns
+            // (the launches are queued on the current stream, before `grad` can be freed).
+            unsafe {
+                tbe.backward_raw(
+                    &self.ids,
+                    &self.offsets,
+                    self.weights.as_ref(),
+                    ptr,
+                    len,
+                    self.batch,
+                    weights_grad.as_mut(),
+                )?;
+            }
+        } else {
+            // SAFETY: as above; this call also waits for the device (it reads the rows back).
+            let grads = unsafe {
+                tbe.backward_sparse_raw(
+                    &self.ids,
+                    &self.offsets,
+                    self.weights.as_ref(),
+                    ptr,
+                    len,
+                    self.batch,
+                    weights_grad.as_mut(),
+                )?
+            };
+            let mut kept = self.sparse.lock();
+            for (slot, g) in kept.iter_mut().zip(grads) {
+                match slot {
+                    Some(sum) => sum.accumulate(&g),
+                    None => *slot = Some(g),
+                }
+            }
         }
+        drop(tbe);
         match (weights_grad, self.weights_dtype) {
             (Some(g), Some(dtype)) => {
                 // The KJT's weights live on the host: their gradient goes back there.

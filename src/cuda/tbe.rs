@@ -278,6 +278,14 @@ impl CudaTbe {
         tables
     }
 
+    /// True when the tables train with a fused optimizer ([`backward`](Self::backward));
+    /// false for tables whose backward is [`backward_sparse`](Self::backward_sparse).
+    pub fn has_fused_optimizer(&self) -> bool {
+        self.train
+            .as_ref()
+            .is_some_and(|t| t.optimizer != FusedOptimizer::None)
+    }
+
     /// Backward calls so far (none: 0); a copy from [`from_trained`](Self::from_trained)
     /// continues the CPU TBE's count.
     pub fn step(&self) -> u64 {
@@ -369,6 +377,36 @@ impl CudaTbe {
         if !Arc::ptr_eq(grad_output.device(), &self.device) {
             return Err(Error::invalid(OP, "the gradient is on another device"));
         }
+        // SAFETY: the address and length are those of a live buffer on this device.
+        unsafe {
+            self.backward_sparse_raw(
+                indices,
+                offsets,
+                per_sample_weights,
+                grad_output.ptr(),
+                grad_output.len(),
+                batch_size,
+                weights_grad,
+            )
+        }
+    }
+
+    /// [`backward_sparse`](Self::backward_sparse) with the gradient given by its device
+    /// address and length.
+    ///
+    /// # Safety
+    /// As [`backward_raw`](Self::backward_raw).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn backward_sparse_raw(
+        &mut self,
+        indices: &DeviceBuffer<i64>,
+        offsets: &DeviceBuffer<i64>,
+        per_sample_weights: Option<&DeviceBuffer<f32>>,
+        grad_output: u64,
+        grad_len: usize,
+        batch_size: usize,
+        weights_grad: Option<&mut DeviceBuffer<f32>>,
+    ) -> Result<Vec<SparseTableGrad>> {
         if self.train.is_none() && matches!(self.weights, Weights::F32(_)) {
             let tables = self.table_layout();
             self.train = Some(TrainState::new(
@@ -380,14 +418,14 @@ impl CudaTbe {
                 tables,
             )?);
         }
-        // SAFETY: the address and length are those of a live buffer on this device.
+        // SAFETY: per this function's contract.
         let grads = unsafe {
             self.backward_inner(
                 indices,
                 offsets,
                 per_sample_weights,
-                grad_output.ptr(),
-                grad_output.len(),
+                grad_output,
+                grad_len,
                 batch_size,
                 weights_grad,
                 true,
@@ -708,19 +746,20 @@ impl CudaTbe {
     /// Table `t`'s rows and its optimizer state buffers (in the order of
     /// [`FusedOptimizer::state_buffers`], shaped as the CPU TBE's), copied back to the host.
     pub fn table_state(&self, t: usize) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
-        let (Some(train), Weights::F32(w)) = (&self.train, &self.weights) else {
-            return Err(Error::invalid(
-                OP,
-                "only FP32 training tables can be read back",
-            ));
+        let Weights::F32(w) = &self.weights else {
+            return Err(Error::invalid(OP, "only FP32 tables can be read back"));
         };
-        let &table = train
-            .tables
+        let layout = self.table_layout();
+        let (optimizer, state): (FusedOptimizer, &[DeviceBuffer<f32>]) = match &self.train {
+            Some(train) => (train.optimizer, &train.state),
+            None => (FusedOptimizer::None, &[]),
+        };
+        let &table = layout
             .get(t)
             .ok_or_else(|| Error::invalid(OP, format!("no table {t}")))?;
         let weights = w.to_host()?[state_range(StateShape::PerElement, table)].to_vec();
-        let state = (train.optimizer.state_buffers().iter())
-            .zip(&train.state)
+        let state = (optimizer.state_buffers().iter())
+            .zip(state)
             .map(|(&(_, shape), buf)| Ok(buf.to_host()?[state_range(shape, table)].to_vec()))
             .collect::<Result<Vec<_>>>()?;
         Ok((weights, state))

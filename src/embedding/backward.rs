@@ -49,6 +49,43 @@ pub struct SparseTableGrad {
     pub dim: usize,
 }
 
+impl SparseTableGrad {
+    /// Adds `other` (same dim) into this gradient: the sorted union of the rows, the values of
+    /// rows in both summed.
+    pub fn accumulate(&mut self, other: &SparseTableGrad) {
+        debug_assert_eq!(self.dim, other.dim);
+        let d = self.dim;
+        let (mut rows, mut values) = (Vec::new(), Vec::new());
+        let (mut i, mut j) = (0, 0);
+        while i < self.rows.len() || j < other.rows.len() {
+            let take_self =
+                j == other.rows.len() || (i < self.rows.len() && self.rows[i] <= other.rows[j]);
+            let take_other =
+                i == self.rows.len() || (j < other.rows.len() && other.rows[j] <= self.rows[i]);
+            let start = values.len();
+            if take_self {
+                rows.push(self.rows[i]);
+                values.extend_from_slice(&self.values[i * d..(i + 1) * d]);
+                i += 1;
+            }
+            if take_other {
+                let src = &other.values[j * d..(j + 1) * d];
+                if take_self {
+                    for (v, &o) in values[start..].iter_mut().zip(src) {
+                        *v += o;
+                    }
+                } else {
+                    rows.push(other.rows[j]);
+                    values.extend_from_slice(src);
+                }
+                j += 1;
+            }
+        }
+        self.rows = rows;
+        self.values = values;
+    }
+}
+
 /// Results of one fused backward.
 #[derive(Clone, Debug, Default)]
 pub struct BackwardOutput {
@@ -313,4 +350,37 @@ fn backward_table_body(
         dim,
     });
     (psw_grads, sparse_grad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SparseTableGrad;
+
+    #[test]
+    fn accumulating_merges_sorted_rows_and_sums_shared_ones() {
+        let mut a = SparseTableGrad {
+            rows: vec![1, 4, 7],
+            values: vec![1.0, 1.0, 4.0, 4.0, 7.0, 7.0],
+            dim: 2,
+        };
+        let b = SparseTableGrad {
+            rows: vec![0, 4, 9],
+            values: vec![0.5, 0.5, 0.25, -4.0, 9.0, 9.0],
+            dim: 2,
+        };
+        a.accumulate(&b);
+        assert_eq!(a.rows, vec![0, 1, 4, 7, 9]);
+        assert_eq!(
+            a.values,
+            vec![0.5, 0.5, 1.0, 1.0, 4.25, 0.0, 7.0, 7.0, 9.0, 9.0]
+        );
+        let empty = SparseTableGrad {
+            rows: vec![],
+            values: vec![],
+            dim: 2,
+        };
+        let before = a.clone();
+        a.accumulate(&empty);
+        assert_eq!(a, before);
+    }
 }
