@@ -472,3 +472,84 @@ extern "C" __global__ void sum_middle_##S(const T* x, T* out, i64 outer, i64 r, 
 INT_SUM(i64, i64, unsigned long long)
 INT_SUM(i32, int, unsigned int)
 INT_SUM(u8, u8, u8)
+
+// ---- Row-wise (last-dimension) softmax and max: one warp per row ----------------------------
+// The common case (inner == 1): the 32 lanes stride along the row, so its loads coalesce, and
+// the partial results meet in warp shuffles. Same results as the per-line kernels above up to
+// the order of the sums (softmax); the maximum and its first index exactly.
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <class E>
+__device__ __forceinline__ void softmax_rows(const typename E::T* x, typename E::T* y, i64 rows,
+                                             i64 r, int log) {
+    i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    int lane = threadIdx.x;
+    const typename E::T* p = x + row * r;
+    typename E::T* q = y + row * r;
+    float m = __uint_as_float(0xff800000u);  // -inf
+    for (i64 k = lane; k < r; k += 32) m = fmaxf(m, E::load(p[k]));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (i64 k = lane; k < r; k += 32) s += expf(E::load(p[k]) - m);
+    s = warp_sum(s);
+    float ls = logf(s);
+    for (i64 k = lane; k < r; k += 32) {
+        float z = E::load(p[k]) - m;
+        q[k] = E::store(log ? z - ls : expf(z) / s);
+    }
+}
+
+// Whether (v, i) comes before (w, j) as the row's maximum: the larger value, a NaN over a
+// number, and of equals (or two NaNs) the smaller index — the first occurrence.
+__device__ __forceinline__ bool max_before(float v, i64 i, float w, i64 j) {
+    bool vn = v != v, wn = w != w;
+    if (vn || wn) return vn && (!wn || i < j);
+    return v > w || (v == w && i < j);
+}
+
+template <class E>
+__device__ __forceinline__ void max_rows(const typename E::T* x, typename E::T* values,
+                                         i64* indices, i64 rows, i64 r) {
+    i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    int lane = threadIdx.x;
+    const typename E::T* p = x + row * r;
+    float best = __uint_as_float(0x7fc00000u);
+    i64 at = -1;  // none yet (lanes past the row's end keep it)
+    for (i64 k = lane; k < r; k += 32) {
+        float v = E::load(p[k]);
+        if (at < 0 || max_before(v, k, best, at)) {
+            best = v;
+            at = k;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, best, o);
+        i64 j = __shfl_xor_sync(0xffffffffu, at, o);
+        if (j >= 0 && (at < 0 || max_before(w, j, best, at))) {
+            best = w;
+            at = j;
+        }
+    }
+    if (lane == 0) {
+        values[row] = E::store(best);
+        indices[row] = at;
+    }
+}
+
+#define ROW_KERNELS(S, E)                                                                      \
+extern "C" __global__ void softmax_rows_##S(const E::T* x, E::T* y, i64 rows, i64 r, int log) { \
+    softmax_rows<E>(x, y, rows, r, log);                                                       \
+}                                                                                              \
+extern "C" __global__ void max_rows_##S(const E::T* x, E::T* values, i64* indices, i64 rows,   \
+                                        i64 r) {                                               \
+    max_rows<E>(x, values, indices, rows, r);                                                  \
+}
+ROW_KERNELS(f32, F32Elem)
+ROW_KERNELS(f16, F16Elem)
+ROW_KERNELS(bf16, BF16Elem)

@@ -721,6 +721,32 @@ fn comparisons_selection_softmax_and_max_match_the_cpu() {
             assert_same_values(&format!("{what} gradient"), &g, &eg);
         }
     }
+    // Rows longer than a warp: ties across lanes go to the first index, a NaN wins, and a
+    // row of -inf keeps index 0; softmax of the same rows.
+    let mut long = randn(&[4, 100], 116).to_vec::<f32>().unwrap();
+    long[10] = 9.0;
+    long[70] = 9.0;
+    long[100 + 80] = f32::NAN;
+    long[100 + 50] = f32::NAN;
+    long[200..300].fill(f32::NEG_INFINITY);
+    long[300 + 33] = 5.0;
+    long[300 + 1] = 5.0;
+    let long = Tensor::from_vec(long, &[4, 100]).unwrap();
+    let (v, i) = d(&long).max_dim(-1, false).unwrap();
+    let (ev, ei) = long.max_dim(-1, false).unwrap();
+    assert_same_values("long rows max", &v, &ev);
+    assert_eq!(
+        host(&i).to_vec::<i64>().unwrap(),
+        ei.to_vec::<i64>().unwrap()
+    );
+    assert_eq!(ei.to_vec::<i64>().unwrap(), vec![10, 50, 0, 1]);
+    let finite = long.narrow(0, 0, 1).unwrap();
+    assert_close(
+        "long rows softmax",
+        &host(&d(&finite).log_softmax(-1).unwrap()),
+        &finite.log_softmax(-1).unwrap(),
+        1e-5,
+    );
     let argmax = d(&m).argmax(-1, false).unwrap();
     assert_eq!(
         host(&argmax).to_vec::<i64>().unwrap(),

@@ -554,11 +554,29 @@ pub(crate) fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize])
 pub(crate) fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
     let op = if log { "log_softmax" } else { "softmax" };
     let kernel = float_kernel(op, x, float_kernels!("softmax_middle"))?;
+    let rows_kernel = float_kernel(op, x, float_kernels!("softmax_rows"))?;
     let x = contiguous(x)?;
     let (outer, r, inner) = super::ops::reduce::split_at_dim(x.shape(), d);
     let (dev, px) = raw(&x)?;
     let out = empty(&dev, x.dtype(), x.shape())?;
-    if outer * inner > 0 && r > 0 {
+    if inner == 1 && outer > 0 && r > 0 {
+        // Along the last dimension: a warp per row.
+        let (_, po) = raw(&out)?;
+        let mut args = KernelArgs::new();
+        args.pointer(px)
+            .pointer(po)
+            .i64(outer as i64)
+            .i64(r as i64)
+            .i32(i32::from(log));
+        // SAFETY: contiguous [outer, r] input and output.
+        unsafe {
+            dev.launch(
+                rows_kernel,
+                LaunchConfig::warp_per_item(outer, 4),
+                &mut args,
+            )?
+        };
+    } else if outer * inner > 0 && r > 0 {
         let (_, po) = raw(&out)?;
         let mut args = KernelArgs::new();
         args.pointer(px)
@@ -583,12 +601,32 @@ pub(crate) fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
 /// both shaped `[outer, inner]` (the caller reshapes); no autograd.
 pub(crate) fn max_dim(x: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
     let kernel = float_kernel("max", x, float_kernels!("max_middle"))?;
+    let rows_kernel = float_kernel("max", x, float_kernels!("max_rows"))?;
     let x = contiguous(x)?;
     let (outer, r, inner) = super::ops::reduce::split_at_dim(x.shape(), d);
     let (dev, px) = raw(&x)?;
     let values = empty(&dev, x.dtype(), &[outer, inner])?;
     let indices = empty(&dev, DType::I64, &[outer, inner])?;
-    if outer * inner > 0 {
+    if inner == 1 && outer > 0 {
+        // Along the last dimension: a warp per row.
+        let (_, pv) = raw(&values)?;
+        let (_, pi) = raw(&indices)?;
+        let mut args = KernelArgs::new();
+        args.pointer(px)
+            .pointer(pv)
+            .pointer(pi)
+            .i64(outer as i64)
+            .i64(r as i64);
+        // SAFETY: contiguous [outer, r] input (r ≥ 1, checked by the caller), outputs of
+        // `outer` values.
+        unsafe {
+            dev.launch(
+                rows_kernel,
+                LaunchConfig::warp_per_item(outer, 4),
+                &mut args,
+            )?
+        };
+    } else if outer * inner > 0 {
         let (_, pv) = raw(&values)?;
         let (_, pi) = raw(&indices)?;
         let mut args = KernelArgs::new();
