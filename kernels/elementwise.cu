@@ -553,3 +553,26 @@ extern "C" __global__ void max_rows_##S(const E::T* x, E::T* values, i64* indice
 ROW_KERNELS(f32, F32Elem)
 ROW_KERNELS(f16, F16Elem)
 ROW_KERNELS(bf16, BF16Elem)
+
+// Sums along the last dimension (inner == 1), a warp per row: each lane adds its stride of the
+// row in f64, the 32 partial sums meet in a fixed shuffle tree (deterministic), rounded to f32
+// and then to the storage type, as sum_middle_*.
+template <class E>
+__device__ __forceinline__ void sum_rows(const typename E::T* x, typename E::T* out, i64 rows,
+                                         i64 r) {
+    i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const typename E::T* p = x + row * r;
+    double acc = 0.0;
+    for (i64 k = threadIdx.x; k < r; k += 32) acc += (double)E::load(p[k]);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (threadIdx.x == 0) out[row] = E::store((float)acc);
+}
+
+#define SUM_ROWS(S, E)                                                                         \
+extern "C" __global__ void sum_rows_##S(const E::T* x, E::T* out, i64 rows, i64 r) {           \
+    sum_rows<E>(x, out, rows, r);                                                              \
+}
+SUM_ROWS(f32, F32Elem)
+SUM_ROWS(f16, F16Elem)
+SUM_ROWS(bf16, BF16Elem)

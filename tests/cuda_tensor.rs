@@ -747,6 +747,26 @@ fn comparisons_selection_softmax_and_max_match_the_cpu() {
         &finite.log_softmax(-1).unwrap(),
         1e-5,
     );
+    // Sums of long rows (a warp per row) and of one long vector.
+    for shape in [&[4usize, 100][..], &[5000]] {
+        let t = randn(shape, 117);
+        let got = d(&t).sum(&[-1], false).unwrap();
+        assert_close(
+            "long rows sum",
+            &host(&got),
+            &t.sum(&[-1], false).unwrap(),
+            1e-5,
+        );
+        let h = t.to_dtype(DType::F16).unwrap();
+        let got = d(&h).sum(&[-1], false).unwrap();
+        assert_close_ulps(
+            "f16 long rows sum",
+            &got,
+            &h.sum(&[-1], false).unwrap(),
+            1.0,
+            1.0,
+        );
+    }
     let argmax = d(&m).argmax(-1, false).unwrap();
     assert_eq!(
         host(&argmax).to_vec::<i64>().unwrap(),

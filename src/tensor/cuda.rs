@@ -371,6 +371,12 @@ pub(crate) fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
         DType::U8 => "sum_middle_u8",
         _ => float_kernel("sum", x, float_kernels!("sum_middle"))?,
     };
+    // Float rows along the last dimension: a warp per row.
+    let rows_kernel = x
+        .dtype()
+        .is_float()
+        .then(|| float_kernel("sum", x, float_kernels!("sum_rows")))
+        .transpose()?;
     let mut cur = contiguous(x)?;
     for &d in dims {
         let shape = cur.shape().to_vec();
@@ -379,7 +385,19 @@ pub(crate) fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
         let mut out_shape = shape.clone();
         out_shape[d] = 1;
         let out = empty(&dev, x.dtype(), &out_shape)?;
-        if outer * inner > 0 {
+        if let (Some(rows_kernel), 1, true) = (rows_kernel, inner, outer > 0 && r >= 64) {
+            let (_, po) = raw(&out)?;
+            let mut args = KernelArgs::new();
+            args.pointer(pi).pointer(po).i64(outer as i64).i64(r as i64);
+            // SAFETY: contiguous [outer, r] input and [outer] output.
+            unsafe {
+                dev.launch(
+                    rows_kernel,
+                    LaunchConfig::warp_per_item(outer, 4),
+                    &mut args,
+                )?
+            };
+        } else if outer * inner > 0 {
             let (_, po) = raw(&out)?;
             let mut args = KernelArgs::new();
             args.pointer(pi)
