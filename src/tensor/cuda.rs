@@ -112,6 +112,19 @@ macro_rules! float_kernels {
 
 /// The instantiation of `kernels` (see [`float_kernels`]) for `t`'s dtype; other dtypes are
 /// refused naming `op`.
+/// The `meta` of `operands` broadcast to `shape` (each by its own strides and offset).
+fn broadcast_meta(
+    device: &Arc<CudaDevice>,
+    shape: &[usize],
+    operands: &[&Tensor],
+) -> Result<DeviceBuffer<i64>> {
+    let strides: Vec<(Vec<usize>, usize)> = (operands.iter())
+        .map(|t| (t.layout().broadcast_strides(shape), t.layout().offset()))
+        .collect();
+    let views: Vec<(&[usize], usize)> = strides.iter().map(|(s, o)| (&s[..], *o)).collect();
+    meta(device, shape, &views)
+}
+
 fn float_kernel(op: &'static str, t: &Tensor, kernels: [&'static str; 3]) -> Result<&'static str> {
     match t.dtype() {
         DType::F32 => Ok(kernels[0]),
@@ -245,15 +258,7 @@ pub(crate) fn binary(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Res
     if n == 0 {
         return Ok(out);
     }
-    let (sa, sb) = (
-        a.layout().broadcast_strides(&shape),
-        b.layout().broadcast_strides(&shape),
-    );
-    let m = meta(
-        &dev,
-        &shape,
-        &[(&sa, a.layout().offset()), (&sb, b.layout().offset())],
-    )?;
+    let m = broadcast_meta(&dev, &shape, &[a, b])?;
     let (_, po) = raw(&out)?;
     let mut args = KernelArgs::new();
     args.pointer(pa)
@@ -502,15 +507,7 @@ pub(crate) fn compare(op: &'static str, code: i32, a: &Tensor, b: &Tensor) -> Re
     if n == 0 {
         return Ok(out);
     }
-    let (sa, sb) = (
-        a.layout().broadcast_strides(&shape),
-        b.layout().broadcast_strides(&shape),
-    );
-    let m = meta(
-        &dev,
-        &shape,
-        &[(&sa, a.layout().offset()), (&sb, b.layout().offset())],
-    )?;
+    let m = broadcast_meta(&dev, &shape, &[a, b])?;
     let (_, po) = raw(&out)?;
     let mut args = KernelArgs::new();
     args.pointer(pa)
@@ -543,12 +540,7 @@ pub(crate) fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize])
     if n == 0 {
         return Ok(out);
     }
-    let strides: Vec<(Vec<usize>, usize)> = [cond, a, b]
-        .iter()
-        .map(|t| (t.layout().broadcast_strides(shape), t.layout().offset()))
-        .collect();
-    let operands: Vec<(&[usize], usize)> = strides.iter().map(|(s, o)| (&s[..], *o)).collect();
-    let m = meta(&dev, shape, &operands)?;
+    let m = broadcast_meta(&dev, shape, &[cond, a, b])?;
     let kernel = match a.dtype().size_in_bytes() {
         1 => "where_b1",
         2 => "where_b2",
