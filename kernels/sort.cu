@@ -2,14 +2,15 @@
 // backward sorts (row << 24 | position) keys by their row bits; stability keeps each row's
 // occurrences in position order). One pass over n keys:
 //   radix_histogram: per tile of SORT_TILE keys, how many have each digit value;
-//   radix_scan:      exclusive scan of those counts, digit-major (digit d of every tile, then
-//                    digit d + 1): the first output slot of each (digit, tile);
-//   radix_scatter:   each tile sorts itself by the digit in shared memory (8 stable one-bit
-//                    splits) and writes every key to its slot.
+//   radix_scan_digits: one block per digit scans that digit's tile counts (its first slot
+//                    among the digit's keys, per tile) and writes the digit's total;
+//   radix_scatter:   each tile scans the 256 digit totals (the digit's first output slot),
+//                    sorts itself by the digit in shared memory (8 stable one-bit splits) and
+//                    writes every key to its slot.
 // Deterministic: no atomics decide an order (the histogram's atomics only count).
 
 #define SORT_THREADS 256
-#define SORT_ITEMS 8
+#define SORT_ITEMS 4  // small tiles: more blocks in flight for the latency-bound splits
 #define SORT_TILE (SORT_THREADS * SORT_ITEMS)
 #define RADIX 256
 
@@ -84,20 +85,42 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_histogram(const
     for (int d = threadIdx.x; d < RADIX; d += blockDim.x) counts[(i64)d * gridDim.x + blockIdx.x] = hist[d];
 }
 
-// In-place exclusive scan of counts[0..m) (one block of 1024 threads).
-extern "C" __global__ void __launch_bounds__(1024) radix_scan(int* counts, i64 m) {
+// Block d (one per digit, RADIX blocks): the exclusive scan, in place, of digit d's counts
+// over the `tiles` tiles, and the digit's total in digit_totals[d]. Coalesced, and RADIX
+// blocks share the work that one block would do alone.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_scan_digits(int* __restrict__ counts, int tiles,
+                                                                             int* __restrict__ digit_totals) {
     __shared__ int scratch[32];
-    block_scan_chunks(counts, counts, m, scratch);
+    int* row = counts + (i64)blockIdx.x * tiles;
+    int carry = 0;
+    for (int base = 0; base < tiles; base += blockDim.x) {  // uniform: every thread scans
+        int i = base + threadIdx.x;
+        int v = i < tiles ? row[i] : 0;
+        int total;
+        int before = block_exclusive_scan(v, scratch, &total);
+        if (i < tiles) row[i] = carry + before;
+        carry += total;
+    }
+    if (threadIdx.x == 0) digit_totals[blockIdx.x] = carry;
 }
 
-// Writes every key of the tile to out[slots[digit * tiles + tile] + its rank among the tile's
-// keys of that digit], ranks in input order (stable). Grid: one block of SORT_THREADS per tile.
+// Writes every key of the tile to out[first slot of its digit + slots[digit * tiles + tile]
+// + its rank among the tile's keys of that digit], ranks in input order (stable); the digits'
+// first slots are the exclusive scan of digit_totals. Grid: one block of SORT_THREADS
+// (= RADIX) per tile.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_scatter(const unsigned long long* __restrict__ keys_in,
                                          unsigned long long* __restrict__ keys_out, i64 n,
-                                         int shift, const int* __restrict__ slots) {
+                                         int shift, const int* __restrict__ slots,
+                                         const int* __restrict__ digit_totals) {
+    static_assert(SORT_THREADS == RADIX, "one thread per digit scans the digit totals");
     __shared__ unsigned long long tile[SORT_TILE];
     __shared__ int scratch[32];
     __shared__ int start[RADIX];
+    __shared__ int digit_first[RADIX];
+    {
+        int all;
+        digit_first[threadIdx.x] = block_exclusive_scan(digit_totals[threadIdx.x], scratch, &all);
+    }
     i64 base = (i64)blockIdx.x * SORT_TILE;
     int count = n - base < SORT_TILE ? (int)(n - base) : SORT_TILE;
     int first = threadIdx.x * SORT_ITEMS;  // this thread's items: first .. first + SORT_ITEMS
@@ -131,6 +154,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) radix_scatter(const u
         int j = first + k;
         if (j >= count) continue;
         int d = digit_of(key[k], shift);
-        keys_out[slots[(i64)d * gridDim.x + blockIdx.x] + (j - start[d])] = key[k];
+        keys_out[digit_first[d] + slots[(i64)d * gridDim.x + blockIdx.x] + (j - start[d])] = key[k];
     }
 }

@@ -4,29 +4,33 @@
 // in place. Deterministic: no atomics on weights, a fixed summation order.
 //
 // Keys: (global_row << 24) | position, global_row = row_starts[f] + id (rows of all tables
-// numbered back to back), so positions must be < 2^24 (the host checks). Ids out of range get
+// numbered back to back), so positions must be < 2^24 (the host checks). With key_is_bag the
+// low bits hold the occurrence's bag instead (bags < 2^24), which saves the update a lookup
+// per occurrence; the host asks for that when nothing needs the position (no per-sample
+// weights, no weight gradient, pooled lookups). Either way equal rows stay in position order. Ids out of range get
 // the key ~0 and sort to the end (the forward already reported them). The keys are sorted by
 // their row bits with the stable radix sort of sort.cu (equal rows stay in position order).
 
 #define POSITION_BITS 24
 #define POSITION_MASK ((1ull << POSITION_BITS) - 1)
 #define NO_KEY 0xffffffffffffffffull
-#define MAX_PER_LANE 16   // dims up to 32 * 16 = 512
 
-// One thread per bag (f, b): writes the keys of its ids and bag_of[position].
+// One warp per bag (f, b) (block (32, warps)): its lanes write the keys of the bag's ids and
+// (unless key_is_bag) bag_of[position], coalesced.
 extern "C" __global__ void tbe_backward_keys(
     const i64* __restrict__ indices, const i64* __restrict__ offsets, int B, int F,
     const i64* __restrict__ row_starts, const i64* __restrict__ rows,
-    unsigned long long* __restrict__ keys, int* __restrict__ bag_of) {
-    int bag = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long* __restrict__ keys, int* __restrict__ bag_of, int key_is_bag) {
+    int bag = blockIdx.x * blockDim.y + threadIdx.y;
     if (bag >= B * F) return;
     int f = bag / B;
-    for (i64 l = offsets[bag]; l < offsets[bag + 1]; ++l) {
+    for (i64 l = offsets[bag] + threadIdx.x; l < offsets[bag + 1]; l += 32) {
         i64 id = indices[l];
-        bag_of[l] = bag;
+        if (!key_is_bag) bag_of[l] = bag;
+        unsigned long long low = key_is_bag ? (unsigned long long)bag : (unsigned long long)l;
         keys[l] = (id < 0 || id >= rows[f])
             ? NO_KEY
-            : (((unsigned long long)(row_starts[f] + id)) << POSITION_BITS) | (unsigned long long)l;
+            : (((unsigned long long)(row_starts[f] + id)) << POSITION_BITS) | low;
     }
 }
 
@@ -42,7 +46,12 @@ extern "C" __global__ void tbe_sparse_heads(const unsigned long long* __restrict
 }
 
 // One warp per sorted key; the warp that holds the first key of a row sums that row's
-// gradient over all its occurrences and applies the optimizer (src/embedding/optimizer.rs has
+// gradient over all its occurrences and applies the optimizer. KPL values per lane: dims up
+// to 32 * KPL (tbe_backward_update_d128: 4, for tables of dims up to 128; tbe_backward_update:
+// 16, up to 512). The loads that do not depend on each other are issued together (the row's
+// per-row state with the first occurrence, each next key with the current occurrence's
+// gradient, the row's weights as soon as its address is known), since a warp's time here is
+// mostly waiting on memory (src/embedding/optimizer.rs has
 // the same rules for the CPU):
 //   optimizer 0: SGD              w -= lr * g
 //   optimizer 1: row-wise Adagrad m += mean(g^2) (m1 per row); w -= lr / (sqrt(m) + eps) * g
@@ -66,9 +75,10 @@ extern "C" __global__ void tbe_sparse_heads(const unsigned long long* __restrict
 // Per-element state sits at the weight's own offset; per-row state at the row's number.
 // weights_grad (nullable, zeroed by the caller): each occurrence's per-sample-weight gradient,
 // row . its output gradient (/ bag length with mean pooling), with the row before its update.
-extern "C" __global__ void tbe_backward_update(
+template <int KPL>
+__device__ __forceinline__ void backward_update(
     const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,
-    const i64* __restrict__ offsets, int B,
+    int key_is_bag, const i64* __restrict__ offsets, int B,
     const float* __restrict__ per_sample_weights, int mean, int sequence,
     const float* __restrict__ grad_output, int out_stride, const int* __restrict__ out_offsets,
     const int* __restrict__ dims, const i64* __restrict__ table_offsets,
@@ -80,21 +90,31 @@ extern "C" __global__ void tbe_backward_update(
     i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (s >= n) return;
     unsigned long long key = keys[s];
+    unsigned long long before = s > 0 ? keys[s - 1] : NO_KEY;
     if (key == NO_KEY) return;
     unsigned long long row = key >> POSITION_BITS;
-    if (s > 0 && (keys[s - 1] >> POSITION_BITS) == row) return;
+    if (s > 0 && (before >> POSITION_BITS) == row) return;
     int lane = threadIdx.x;
-    int first_bag = bag_of[key & POSITION_MASK];
-    int f0 = first_bag / B;
+    // Per-row state, read now so that its latency overlaps the occurrence loads.
+    float row_state = optimizer == 1 ? m1[row] : (optimizer == 5 || optimizer == 6) ? m2[row] : 0.0f;
+    i64 l = (i64)(key & POSITION_MASK);
+    int bag = key_is_bag ? (int)l : bag_of[l];
+    int f0 = bag / B;
     int D = dims[f0];
     i64 id = (i64)row - row_starts[f0];
     i64 base = table_offsets[f0] + id * D;
     float* w = weights + base;
-    float g[MAX_PER_LANE];
-    for (int k = 0; k < MAX_PER_LANE; ++k) g[k] = 0.0f;
-    for (i64 t = s; t < n && keys[t] != NO_KEY && (keys[t] >> POSITION_BITS) == row; ++t) {
-        i64 l = (i64)(keys[t] & POSITION_MASK);
-        int bag = bag_of[l];
+    // The row before its update (only this warp writes it).
+    float wv[KPL];
+    float g[KPL];
+#pragma unroll
+    for (int k = 0; k < KPL; ++k) {
+        int d = lane + 32 * k;
+        wv[k] = d < D ? w[d] : 0.0f;
+        g[k] = 0.0f;
+    }
+    for (i64 t = s;;) {
+        unsigned long long next = t + 1 < n ? keys[t + 1] : NO_KEY;
         int f = bag / B;
         int b = bag - f * B;
         float scale = per_sample_weights ? per_sample_weights[l] : 1.0f;
@@ -102,11 +122,13 @@ extern "C" __global__ void tbe_backward_update(
         const float* go = sequence ? grad_output + l * out_stride
                                    : grad_output + (i64)b * out_stride + out_offsets[f];
         float dot = 0.0f;
-        for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
             int d = lane + 32 * k;
             if (d < D) {
-                g[k] += scale * go[d];
-                dot += w[d] * go[d];
+                float gd = go[d];
+                g[k] += scale * gd;
+                if (weights_grad) dot += wv[k] * gd;
             }
         }
         if (weights_grad) {
@@ -114,21 +136,27 @@ extern "C" __global__ void tbe_backward_update(
             if (mean) dot /= (float)(offsets[bag + 1] - offsets[bag]);
             if (lane == 0) weights_grad[l] = dot;
         }
+        if (next == NO_KEY || (next >> POSITION_BITS) != row) break;
+        t += 1;
+        l = (i64)(next & POSITION_MASK);
+        bag = key_is_bag ? (int)l : bag_of[l];
     }
     if (optimizer == 7) {
         i64 slot = slots[s];
         if (lane == 0) rows_out[slot] = (i64)row;
         float* dst = values_out + slot * max_dim;
-        for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
             int d = lane + 32 * k;
             if (d < D) dst[d] = g[k];
         }
         return;
     }
     if (decay == 1) {
-        for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
             int d = lane + 32 * k;
-            if (d < D) g[k] += lambda * w[d];
+            if (d < D) g[k] += lambda * wv[k];
         }
     }
     float decoupled = decay == 2 ? lr * lambda : 0.0f;
@@ -136,9 +164,10 @@ extern "C" __global__ void tbe_backward_update(
     float row_denom = 0.0f;
     if (optimizer == 5 || optimizer == 6) {
         float sq = 0.0f;
-        for (int k = 0; k < MAX_PER_LANE; ++k) sq += g[k] * g[k];
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) sq += g[k] * g[k];
         sq = warp_sum(sq);
-        float v = beta2 * m2[row] + (1.0f - beta2) * (sq / (float)D);
+        float v = beta2 * row_state + (1.0f - beta2) * (sq / (float)D);
         __syncwarp();
         if (lane == 0) m2[row] = v;
         row_denom = sqrtf(v / correction2) + eps;
@@ -147,7 +176,8 @@ extern "C" __global__ void tbe_backward_update(
         // LAMB: the direction r replaces g, then one step scaled by the row's trust ratio.
         float lam = decay == 2 ? lambda : 0.0f;
         float w_sq = 0.0f, r_sq = 0.0f;
-        for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
             int d = lane + 32 * k;
             if (d >= D) continue;
             float m = beta1 * m1[base + d] + (1.0f - beta1) * g[k];
@@ -158,7 +188,7 @@ extern "C" __global__ void tbe_backward_update(
                 m2[base + d] = v;
                 denom = sqrtf(v / correction2) + eps;
             }
-            float wd = w[d];
+            float wd = wv[k];
             g[k] = (m / correction1) / denom + lam * wd;
             w_sq += wd * wd;
             r_sq += g[k] * g[k];
@@ -168,27 +198,29 @@ extern "C" __global__ void tbe_backward_update(
         float ratio = (w_norm > 0.0f && r_norm > 0.0f) ? w_norm / r_norm : 1.0f;
         float size = lr * ratio;
         __syncwarp();
-        for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) {
             int d = lane + 32 * k;
-            if (d < D) w[d] -= size * g[k];
+            if (d < D) w[d] = wv[k] - size * g[k];
         }
         return;
     }
     float step = lr;
     if (optimizer == 1) {
         float sq = 0.0f;
-        for (int k = 0; k < MAX_PER_LANE; ++k) sq += g[k] * g[k];
+#pragma unroll
+        for (int k = 0; k < KPL; ++k) sq += g[k] * g[k];
         sq = warp_sum(sq);
-        float* m = m1 + row;
-        float updated = *m + sq / (float)D;
+        float updated = row_state + sq / (float)D;
         __syncwarp();
-        if (lane == 0) *m = updated;
+        if (lane == 0) m1[row] = updated;
         step = lr / (sqrtf(updated) + eps);
     }
-    for (int k = 0; k < MAX_PER_LANE; ++k) {
+#pragma unroll
+    for (int k = 0; k < KPL; ++k) {
         int d = lane + 32 * k;
         if (d >= D) continue;
-        float wd = w[d];
+        float wd = wv[k];
         float delta;
         if (optimizer == 2) {
             float m = m1[base + d] + g[k] * g[k];
@@ -210,3 +242,26 @@ extern "C" __global__ void tbe_backward_update(
         w[d] = wd - (delta + decoupled * wd);
     }
 }
+
+#define TBE_BACKWARD_UPDATE(NAME, KPL)                                                            \
+    extern "C" __global__ void NAME(                                                              \
+        const unsigned long long* __restrict__ keys, i64 n, const int* __restrict__ bag_of,       \
+        int key_is_bag, const i64* __restrict__ offsets, int B,                                   \
+        const float* __restrict__ per_sample_weights,                                             \
+        int mean, int sequence, const float* __restrict__ grad_output, int out_stride,            \
+        const int* __restrict__ out_offsets, const int* __restrict__ dims,                        \
+        const i64* __restrict__ table_offsets, const i64* __restrict__ row_starts,                \
+        float* __restrict__ weights, float* __restrict__ m1, float* __restrict__ m2,              \
+        int optimizer, float lr, float eps, float beta1, float beta2, float correction1,          \
+        float correction2, int decay, float lambda, float* __restrict__ weights_grad,             \
+        const i64* __restrict__ slots, i64* __restrict__ rows_out,                                \
+        float* __restrict__ values_out, int max_dim) {                                            \
+        backward_update<KPL>(keys, n, bag_of, key_is_bag, offsets, B, per_sample_weights, mean,   \
+                             sequence,                                                            \
+                             grad_output, out_stride, out_offsets, dims, table_offsets,           \
+                             row_starts, weights, m1, m2, optimizer, lr, eps, beta1, beta2,       \
+                             correction1, correction2, decay, lambda, weights_grad, slots,        \
+                             rows_out, values_out, max_dim);                                      \
+    }
+TBE_BACKWARD_UPDATE(tbe_backward_update, 16)
+TBE_BACKWARD_UPDATE(tbe_backward_update_d128, 4)

@@ -87,8 +87,10 @@ TBE_SEQUENCE(tbe_sequence_f32, float, LOAD_F32)
 // warp with shuffles, so the row loads of consecutive ids have no index load before them and
 // the unrolled loop keeps several rows in flight. Same arguments and results as
 // tbe_forward_f32 (the same f32 additions in the same order per column).
-#define V4_MAX 4
-extern "C" __global__ void tbe_forward_f32_v4(
+// V float4 columns per lane at most: tbe_forward_f32_v4 4 (dims up to 512),
+// tbe_forward_f32_v4_d128 1 (dims up to 128: fewer registers, so 8 rows in flight per warp).
+template <int V, int UNROLL>
+__device__ __forceinline__ void forward_f32_v4(
     const float* __restrict__ weights, const i64* __restrict__ table_offsets,
     const i64* __restrict__ rows, const int* __restrict__ dims,
     const int* __restrict__ out_offsets, int out_stride, int B, int F,
@@ -105,8 +107,8 @@ extern "C" __global__ void tbe_forward_f32_v4(
     int D4 = dims[f] / 4;
     const float4* table = reinterpret_cast<const float4*>(weights + table_offsets[f]);
     i64 nrows = rows[f];
-    float4 acc[V4_MAX];
-    for (int k = 0; k < V4_MAX; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 acc[V];
+    for (int k = 0; k < V; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (i64 l0 = start; l0 < end; l0 += 32) {
         int count = (int)(end - l0 < 32 ? end - l0 : 32);
         i64 my_id = -1;
@@ -119,13 +121,13 @@ extern "C" __global__ void tbe_forward_f32_v4(
                 my_id = -1;
             }
         }
-#pragma unroll 4
+#pragma unroll UNROLL
         for (int j = 0; j < count; ++j) {
             i64 id = __shfl_sync(0xffffffffu, my_id, j);
             float w = __shfl_sync(0xffffffffu, my_w, j);
             if (id < 0) continue;
             const float4* row = table + id * D4;
-            for (int k = 0; k < V4_MAX; ++k) {
+            for (int k = 0; k < V; ++k) {
                 int v = lane + 32 * k;
                 if (v < D4) {
                     float4 x = row[v];
@@ -139,7 +141,7 @@ extern "C" __global__ void tbe_forward_f32_v4(
     }
     float scale = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
     float4* dst = reinterpret_cast<float4*>(out + (i64)b * out_stride + out_offsets[f]);
-    for (int k = 0; k < V4_MAX; ++k) {
+    for (int k = 0; k < V; ++k) {
         int v = lane + 32 * k;
         if (v < D4) {
             dst[v] = make_float4(acc[k].x * scale, acc[k].y * scale, acc[k].z * scale,
@@ -147,3 +149,18 @@ extern "C" __global__ void tbe_forward_f32_v4(
         }
     }
 }
+
+#define TBE_FORWARD_F32_V4(NAME, V, UNROLL)                                                      \
+    extern "C" __global__ void NAME(                                                             \
+        const float* __restrict__ weights, const i64* __restrict__ table_offsets,                \
+        const i64* __restrict__ rows, const int* __restrict__ dims,                              \
+        const int* __restrict__ out_offsets, int out_stride, int B, int F,                       \
+        const i64* __restrict__ indices, const i64* __restrict__ offsets,                        \
+        const float* __restrict__ per_sample_weights, int mean, float* __restrict__ out,         \
+        i64* first_bad) {                                                                        \
+        forward_f32_v4<V, UNROLL>(weights, table_offsets, rows, dims, out_offsets, out_stride,   \
+                                  B, F, indices, offsets, per_sample_weights, mean, out,         \
+                                  first_bad);                                                    \
+    }
+TBE_FORWARD_F32_V4(tbe_forward_f32_v4, 4, 4)
+TBE_FORWARD_F32_V4(tbe_forward_f32_v4_d128, 1, 8)

@@ -11,7 +11,18 @@ use embers::{Device, Error, Tensor};
 
 #[test]
 fn the_device_probe_says_what_is_missing() {
-    let err = Device::cuda(0).unwrap_err();
+    let err = match Device::cuda(0) {
+        Ok(device) => {
+            // A machine with a GPU, its driver and NVRTC: the device works and says so.
+            assert_eq!(device, Device::Cuda(0));
+            assert!(cuda::device_count().unwrap() >= 1);
+            assert!(cuda::nvrtc_present());
+            let err = Device::cuda(1000).unwrap_err().to_string();
+            assert!(err.contains("cuda:1000"), "{err}");
+            return;
+        }
+        Err(err) => err,
+    };
     let Error::DeviceUnavailable { device, reason } = &err else {
         panic!("unexpected error {err}");
     };
@@ -146,12 +157,18 @@ impl Case {
 }
 
 fn case() -> Case {
+    case_with_dim(130)
+}
+
+/// The test case with table "c" of dim `c_dim` (130: the kernels' general variants; up to
+/// 128: the TBE backward's variant for tables of dims up to 128).
+fn case_with_dim(c_dim: usize) -> Case {
     use rand::Rng;
     let mut rng = embers::tensor::rng::seeded(11);
     let tables = vec![
         TableSpec::new("a", 1000, 64),
         TableSpec::new("b", 300, 12),
-        TableSpec::new("c", 50, 130),
+        TableSpec::new("c", 50, c_dim),
     ];
     let feature_table_map = vec![0, 1, 2, 0];
     let batch = 37;
@@ -227,34 +244,37 @@ fn tbe_forward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()
             "{err}"
         );
     }
-    // Dims that are multiples of 4: the 16-byte-load kernel, against the CPU and bit for bit
-    // against the one-float-per-lane kernel, with an out-of-range id reported as before.
-    let mut c = case();
-    c.tables[2].dim = 132;
-    for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
-        let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
-        let expected = c.cpu_forward(&cpu)?;
-        let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
-        assert!(
-            gpu.set_vectorized(true),
-            "dims 64, 12, 132 allow 16-byte loads"
-        );
-        let vec4 = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-        assert_close(
-            &format!("{}: v4 {pooling:?}", device.name()),
-            &vec4,
-            &expected,
-        );
-        let mut bad = c.indices.clone();
-        bad[7] = -1;
-        let err = gpu.forward_host(&bad, &c.offsets, None).unwrap_err();
-        assert!(err.to_string().contains("position 7"), "{err}");
-        assert!(!gpu.set_vectorized(false));
-        let scalar = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
-        assert_eq!(
-            vec4, scalar,
-            "the two kernels add the same terms in the same order"
-        );
+    // Dims that are multiples of 4: the 16-byte-load kernels (dims up to 512, and up to 128),
+    // against the CPU and bit for bit against the one-float-per-lane kernel, with an
+    // out-of-range id reported as before.
+    for c_dim in [132, 128] {
+        let mut c = case();
+        c.tables[2].dim = c_dim;
+        for pooling in [PoolingMode::Sum, PoolingMode::Mean] {
+            let cpu = c.cpu_tbe(pooling, FusedOptimizer::None, WeightDecay::None)?;
+            let expected = c.cpu_forward(&cpu)?;
+            let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+            assert!(
+                gpu.set_vectorized(true),
+                "dims 64, 12, {c_dim} allow 16-byte loads"
+            );
+            let vec4 = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+            assert_close(
+                &format!("{}: v4 {pooling:?} dim {c_dim}", device.name()),
+                &vec4,
+                &expected,
+            );
+            let mut bad = c.indices.clone();
+            bad[7] = -1;
+            let err = gpu.forward_host(&bad, &c.offsets, None).unwrap_err();
+            assert!(err.to_string().contains("position 7"), "{err}");
+            assert!(!gpu.set_vectorized(false));
+            let scalar = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+            assert_eq!(
+                vec4, scalar,
+                "the two kernels add the same terms in the same order"
+            );
+        }
     }
     Ok(())
 }
@@ -268,72 +288,12 @@ fn tbe_fused_backward_matches_the_cpu_tbe() -> embers::Result<()> {
 }
 
 fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<()> {
-    let c = case();
-    // Every fused optimizer, each with every kind of weight decay, sum and mean pooling.
-    let optimizers = [
-        FusedOptimizer::Sgd { lr: 0.1 },
-        FusedOptimizer::RowWiseAdagrad {
-            lr: 0.05,
-            eps: 1e-8,
-        },
-        FusedOptimizer::Adagrad {
-            lr: 0.05,
-            eps: 1e-6,
-        },
-        FusedOptimizer::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-        },
-        FusedOptimizer::PartialRowWiseAdam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-        },
-        FusedOptimizer::Lamb {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-6,
-        },
-        FusedOptimizer::PartialRowWiseLamb {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-6,
-        },
-    ];
-    let decays = [
-        WeightDecay::None,
-        WeightDecay::L2(0.01),
-        WeightDecay::Decoupled(0.1),
-    ];
-    for (i, optimizer) in optimizers.into_iter().enumerate() {
-        for (j, decay) in decays.into_iter().enumerate() {
-            // Both poolings for the first decay, alternating for the others (emulation time).
-            let poolings: &[PoolingMode] = match j {
-                0 => &[PoolingMode::Sum, PoolingMode::Mean],
-                _ if (i + j) % 2 == 0 => &[PoolingMode::Sum],
-                _ => &[PoolingMode::Mean],
-            };
-            for &pooling in poolings {
-                let cpu = c.cpu_tbe(pooling, optimizer, decay)?;
-                let mut rng = embers::tensor::rng::seeded(6);
-                let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
-                // Three steps: the later ones see the accumulators and Adam's bias correction.
-                for step in 0..3 {
-                    let what = format!(
-                        "{}: {optimizer:?} {decay:?} {pooling:?} step {step}",
-                        device.name()
-                    );
-                    step_both(&what, &c, &cpu, &mut gpu, &mut rng)?;
-                }
-                assert_eq!(gpu.step(), cpu.step(), "step count");
-            }
-        }
+    // Dims up to 130 (the general kernel): every optimizer with every decay; up to 128 (the
+    // kernel for small dims): every optimizer without decay (emulation time).
+    for (c_dim, all_decays) in [(130, true), (128, false)] {
+        tbe_backward_steps(&device, &case_with_dim(c_dim), all_decays)?;
     }
+    let c = case();
     // A forward-only copy (no fused optimizer) refuses a backward by saying why.
     let cpu = c.cpu_tbe(PoolingMode::Sum, FusedOptimizer::None, WeightDecay::None)?;
     let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
@@ -378,42 +338,130 @@ fn tbe_backward_on(device: std::sync::Arc<cuda::CudaDevice>) -> embers::Result<(
     Ok(())
 }
 
+/// Three steps of every fused optimizer (with every weight decay when `all_decays`, else
+/// none), sum and mean pooling, on the CPU and the device, compared after each.
+fn tbe_backward_steps(
+    device: &std::sync::Arc<cuda::CudaDevice>,
+    c: &Case,
+    all_decays: bool,
+) -> embers::Result<()> {
+    // Every fused optimizer, each with every kind of weight decay, sum and mean pooling.
+    let optimizers = [
+        FusedOptimizer::Sgd { lr: 0.1 },
+        FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        FusedOptimizer::Adagrad {
+            lr: 0.05,
+            eps: 1e-6,
+        },
+        FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
+        FusedOptimizer::Lamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+    ];
+    let decays = [
+        WeightDecay::None,
+        WeightDecay::L2(0.01),
+        WeightDecay::Decoupled(0.1),
+    ];
+    let decays = if all_decays {
+        &decays[..]
+    } else {
+        &decays[..1]
+    };
+    for (i, optimizer) in optimizers.into_iter().enumerate() {
+        for (j, &decay) in decays.iter().enumerate() {
+            // Both poolings for the first decay, alternating for the others (emulation time).
+            let poolings: &[PoolingMode] = match j {
+                0 => &[PoolingMode::Sum, PoolingMode::Mean],
+                _ if (i + j) % 2 == 0 => &[PoolingMode::Sum],
+                _ => &[PoolingMode::Mean],
+            };
+            for &pooling in poolings {
+                let cpu = c.cpu_tbe(pooling, optimizer, decay)?;
+                let mut rng = embers::tensor::rng::seeded(6);
+                let mut gpu = CudaTbe::from_trained(&cpu, device.clone())?;
+                // Three steps: the later ones see the accumulators and Adam's bias correction.
+                for step in 0..3 {
+                    let what = format!(
+                        "{}: {optimizer:?} {decay:?} {pooling:?} max dim {} step {step}",
+                        device.name(),
+                        c.tables.iter().map(|t| t.dim).max().unwrap_or(0)
+                    );
+                    // The middle step without per-sample weights.
+                    step_both(&what, c, &cpu, &mut gpu, &mut rng, step != 1)?;
+                }
+                assert_eq!(gpu.step(), cpu.step(), "step count");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One training step on both TBEs: the CPU forward (compared with the GPU's) and autograd
 /// backward, the GPU's fused backward with the same output gradient; then the per-sample
 /// weights' gradients, every table and every optimizer state buffer compared. Returns the CPU
-/// forward's output.
+/// forward's output. Without `with_weights` no per-sample weights (the backward's keys then
+/// carry bags, not positions).
 fn step_both(
     what: &str,
     c: &Case,
     cpu: &TableBatchedEmbedding,
     gpu: &mut CudaTbe,
     rng: &mut embers::tensor::rng::Rng,
+    with_weights: bool,
 ) -> embers::Result<Tensor> {
     let (n, f) = (c.indices.len(), c.feature_table_map.len());
     let weights = Tensor::from_vec(c.weights.clone(), &[n])?.with_requires_grad(true);
     let out = cpu.forward(
         &Tensor::from_vec(c.indices.clone(), &[n])?,
         &Tensor::from_vec(c.offsets.clone(), &[f * c.batch + 1])?,
-        Some(&weights),
+        with_weights.then_some(&weights),
     )?;
-    let got = gpu.forward_host(&c.indices, &c.offsets, Some(&c.weights))?;
+    let host_weights = with_weights.then_some(&c.weights[..]);
+    let got = gpu.forward_host(&c.indices, &c.offsets, host_weights)?;
     assert_close(&format!("{what} forward"), &got, &out.to_vec::<f32>()?);
     let grad = Tensor::randn(out.shape(), 0.0, 1.0, embers::DType::F32, rng);
     out.backward_with(&grad, false)?;
-    let weights_grad = gpu.backward_host(
-        &c.indices,
-        &c.offsets,
-        Some(&c.weights),
-        &grad.to_vec::<f32>()?,
-    )?;
-    assert_close(
-        &format!("{what} per-sample weights' gradient"),
-        &weights_grad.expect("weights were given"),
-        &weights
-            .grad()
-            .expect("CPU weight gradient")
-            .to_vec::<f32>()?,
-    );
+    let weights_grad =
+        gpu.backward_host(&c.indices, &c.offsets, host_weights, &grad.to_vec::<f32>()?)?;
+    if with_weights {
+        assert_close(
+            &format!("{what} per-sample weights' gradient"),
+            &weights_grad.expect("weights were given"),
+            &weights
+                .grad()
+                .expect("CPU weight gradient")
+                .to_vec::<f32>()?,
+        );
+    } else {
+        assert!(
+            weights_grad.is_none(),
+            "{what}: a weight gradient without weights"
+        );
+    }
     for t in 0..c.tables.len() {
         let (w, state) = gpu.table_state(t)?;
         assert_close(&format!("{what} table {t}"), &w, &cpu.table_weights(t)?);
@@ -430,13 +478,20 @@ fn step_both(
 }
 
 /// The devices to check the kernels on: GPU 0 when there is one, and the host emulation (skipped
-/// with the reason printed when no C++ compiler is found, unless `EMBERS_REQUIRE_CUDA_SIM=1`).
+/// with the reason printed when no C++ compiler is found, unless `EMBERS_REQUIRE_CUDA_SIM=1`;
+/// on a GPU machine also with `EMBERS_SKIP_CUDA_SIM=1`, as `.ci/gpu-check run` sets: CI checks
+/// the emulation).
 fn devices() -> embers::Result<Vec<std::sync::Arc<cuda::CudaDevice>>> {
     let mut out = Vec::new();
     match cuda::device_count() {
         Ok(n) if n > 0 && cuda::emulated_devices() == 0 => out.push(cuda::device(0)?),
         Ok(_) => println!("no GPU: the CUDA driver reports none"),
         Err(e) => println!("no GPU: {e}"),
+    }
+    if !out.is_empty() && std::env::var("EMBERS_SKIP_CUDA_SIM").is_ok_and(|v| v == "1") {
+        println!("skipped the host emulation: EMBERS_SKIP_CUDA_SIM=1");
+        println!("checking on {} ({})", out[0].name(), out[0].arch());
+        return Ok(out);
     }
     match cuda::simulated_device(0) {
         Ok(d) => out.push(d),
@@ -486,7 +541,7 @@ fn unpooled_lookups_and_their_backward_match_the_cpu_tbe() -> embers::Result<()>
             let mut rng = embers::tensor::rng::seeded(8);
             for step in 0..2 {
                 let what = format!("{}: unpooled {optimizer:?} step {step}", device.name());
-                let out = step_both(&what, &c, &cpu, &mut gpu, &mut rng)?;
+                let out = step_both(&what, &c, &cpu, &mut gpu, &mut rng, step == 0)?;
                 assert_eq!(out.shape(), &[n, 24]);
             }
         }

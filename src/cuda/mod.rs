@@ -66,6 +66,7 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
         &[
             "tbe_forward_f32",
             "tbe_forward_f32_v4",
+            "tbe_forward_f32_v4_d128",
             "tbe_forward_f16",
             "tbe_forward_bf16",
             "tbe_sequence_f32",
@@ -83,6 +84,7 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
             "tbe_backward_keys",
             "tbe_sparse_heads",
             "tbe_backward_update",
+            "tbe_backward_update_d128",
         ],
     ),
     (
@@ -90,7 +92,7 @@ pub const KERNELS: &[(&str, &str, &[&str])] = &[
         include_str!("../../kernels/sort.cu"),
         &[
             "radix_histogram",
-            "radix_scan",
+            "radix_scan_digits",
             "radix_scatter",
             "scan_exclusive_i64",
         ],

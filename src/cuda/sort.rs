@@ -1,12 +1,12 @@
 //! Stable radix sort of u64 keys on the device (`kernels/sort.cu`): 8 bits per pass, three
-//! launches per pass (tile histograms, one scan, a tile-local sort and scatter). The TBE
+//! launches per pass (tile histograms, a scan per digit, a tile-local sort and scatter). The TBE
 //! backward sorts its (row, position) keys with it.
 
 use super::{DeviceBuffer, KernelArgs, LaunchConfig};
 use crate::{Error, Result};
 
 /// Keys per tile (one block): `SORT_TILE` in `kernels/sort.cu`.
-const TILE: usize = 2048;
+const TILE: usize = 1024;
 /// Threads per tile block: `SORT_THREADS`.
 const THREADS: u32 = 256;
 
@@ -34,13 +34,14 @@ pub fn radix_sort_u64(
     }
     let device = keys.device().clone();
     let tiles = n.div_ceil(TILE);
-    if tiles > u32::MAX as usize {
+    if tiles > i32::MAX as usize {
         return Err(Error::invalid(
             "radix_sort_u64",
             format!("{n} keys are too many"),
         ));
     }
     let counts = device.alloc::<i32>(256 * tiles)?;
+    let digit_totals = device.alloc::<i32>(256)?;
     let mut from = keys;
     let mut to = device.alloc::<u64>(n)?;
     let grid = LaunchConfig {
@@ -55,16 +56,21 @@ pub fn radix_sort_u64(
         // SAFETY: one block per tile of `from` (n keys); counts holds 256 per tile.
         unsafe { device.launch("radix_histogram", grid, &mut args)? };
         let mut args = KernelArgs::new();
-        args.buffer(&counts).i64(counts.len() as i64);
-        let one_block = LaunchConfig::single_block(1024);
-        // SAFETY: scans counts in place.
-        unsafe { device.launch("radix_scan", one_block, &mut args)? };
+        args.buffer(&counts).i32(tiles as i32).buffer(&digit_totals);
+        let per_digit = LaunchConfig {
+            grid: (256, 1, 1),
+            block: (THREADS, 1, 1),
+            shared_bytes: 0,
+        };
+        // SAFETY: block d scans counts[d·tiles ..][..tiles] in place and writes digit_totals[d].
+        unsafe { device.launch("radix_scan_digits", per_digit, &mut args)? };
         let mut args = KernelArgs::new();
         args.buffer(&from)
             .buffer(&to)
             .i64(n as i64)
             .i32(shift)
-            .buffer(&counts);
+            .buffer(&counts)
+            .buffer(&digit_totals);
         // SAFETY: same grid as the histogram; every slot is < n, so writes stay in `to`.
         unsafe { device.launch("radix_scatter", grid, &mut args)? };
         std::mem::swap(&mut from, &mut to);

@@ -577,7 +577,17 @@ impl CudaTbe {
         }
         let device = &self.device;
         let keys = device.alloc::<u64>(n)?;
-        let bag_of = device.alloc::<i32>(n)?;
+        // When nothing needs an occurrence's position (pooled, no per-sample weights, no weight
+        // gradient) the keys carry its bag instead and the bag_of table is not needed.
+        let key_is_bag = !self.sequence
+            && per_sample_weights.is_none()
+            && weights_grad.is_none()
+            && f * batch_size < 1 << 24;
+        let bag_of = if key_is_bag {
+            None
+        } else {
+            Some(device.alloc::<i32>(n)?)
+        };
         let (bi, fi) = (batch_size as i32, f as i32);
         let mut args = KernelArgs::new();
         args.buffer(indices)
@@ -587,13 +597,14 @@ impl CudaTbe {
             .buffer(&train.row_starts)
             .buffer(&self.rows)
             .buffer(&keys)
-            .buffer(&bag_of);
-        // SAFETY: arguments as in kernels/tbe_backward.cu; keys and bag_of have n entries,
-        // offsets F·B+1 (checked above).
+            .opt_buffer(bag_of.as_ref())
+            .i32(i32::from(key_is_bag));
+        // SAFETY: arguments as in kernels/tbe_backward.cu; keys and (unless key_is_bag, when
+        // bags < 2^24) bag_of have n entries, offsets F·B+1 (checked above).
         unsafe {
             device.launch(
                 "tbe_backward_keys",
-                LaunchConfig::covering(f * batch_size, 256),
+                LaunchConfig::warp_per_item(f * batch_size, 8),
                 &mut args,
             )?
         };
@@ -610,7 +621,8 @@ impl CudaTbe {
         let mut args = KernelArgs::new();
         args.buffer(&keys)
             .i64(n as i64)
-            .buffer(&bag_of)
+            .opt_buffer(bag_of.as_ref())
+            .i32(i32::from(key_is_bag))
             .buffer(offsets)
             .i32(bi)
             .opt_buffer(per_sample_weights)
@@ -659,11 +671,14 @@ impl CudaTbe {
         // every row is written by one warp; in sparse mode every distinct row has its slot
         // below the outputs' row count.
         unsafe {
-            device.launch(
-                "tbe_backward_update",
-                LaunchConfig::warp_per_item(n, 4),
-                &mut args,
-            )?
+            // Tables of dims up to 128 take the variant with 4 values per lane (fewer registers,
+            // more warps in flight).
+            let kernel = if self.host_dims_max <= 128 {
+                "tbe_backward_update_d128"
+            } else {
+                "tbe_backward_update"
+            };
+            device.launch(kernel, LaunchConfig::warp_per_item(n, 4), &mut args)?
         };
         let train = self.train.as_mut().expect("checked above");
         train.step = step;
@@ -948,7 +963,9 @@ impl CudaTbe {
                     .buffer(&self.table_offsets)
                     .buffer(&self.rows)
                     .buffer(&self.dims);
-                if self.vectorized {
+                if self.vectorized && self.host_dims_max <= 128 {
+                    "tbe_forward_f32_v4_d128"
+                } else if self.vectorized {
                     "tbe_forward_f32_v4"
                 } else {
                     "tbe_forward_f32"
