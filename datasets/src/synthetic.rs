@@ -1,6 +1,8 @@
 //! A seeded, counter-based Criteo-shaped generator with a planted logistic signal.
 
 use std::ops::Range;
+
+use rayon::prelude::*;
 use std::sync::Arc;
 
 use crate::hashing::{hash_words, standard_normal, unit_open};
@@ -284,6 +286,7 @@ impl SyntheticCriteo {
         SyntheticExamples {
             generator: self.clone(),
             range,
+            ready: std::collections::VecDeque::new(),
         }
     }
 
@@ -329,23 +332,49 @@ fn expected_log1p_geometric(m: f64) -> f64 {
     expectation
 }
 
-/// An index range of a [`SyntheticCriteo`], as an [`ExampleSource`].
+/// Examples generated at once, in parallel, by [`SyntheticExamples`].
+const CHUNK: u64 = 1024;
+
+/// An index range of a [`SyntheticCriteo`], as an [`ExampleSource`]. Examples are generated
+/// [`CHUNK`] at a time on rayon's threads (each is a pure function of its index, so the
+/// sequence is the same as one at a time): a GPU trains faster than one core generates.
 #[derive(Debug, Clone)]
 pub struct SyntheticExamples {
     generator: SyntheticCriteo,
+    /// Indices not generated yet.
     range: Range<u64>,
+    /// Generated examples not yet returned, in index order (before `range`).
+    ready: std::collections::VecDeque<Example>,
 }
 
 impl Iterator for SyntheticExamples {
     type Item = Result<Example>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let index = self.range.next()?;
-        Some(Ok(self.generator.example(index)))
+        if self.ready.is_empty() {
+            let start = self.range.start;
+            let end = self.range.end.min(start.saturating_add(CHUNK));
+            if start >= end {
+                return None;
+            }
+            self.range.start = end;
+            let generator = &self.generator;
+            let chunk: Vec<Example> = (start..end)
+                .into_par_iter()
+                .map(|i| generator.example(i))
+                .collect();
+            self.ready.extend(chunk);
+        }
+        self.ready.pop_front().map(Ok)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        self.range.size_hint()
+        let (low, high) = self.range.size_hint();
+        let ready = self.ready.len();
+        (
+            low.saturating_add(ready),
+            high.and_then(|h| h.checked_add(ready)),
+        )
     }
 }
 

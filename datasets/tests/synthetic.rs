@@ -42,6 +42,24 @@ fn same_seed_same_batches_different_seed_differs() {
         generator.example(300),
         generator.examples(290..310).nth(10).unwrap().unwrap()
     );
+    // Examples are generated in parallel chunks of 1024: across chunk boundaries the stream is
+    // still example(i) for every i, in order, and its length is the range's.
+    let mut stream = generator.examples(1000..3100);
+    assert_eq!(stream.size_hint(), (2100, Some(2100)));
+    let mut count = 0;
+    for i in 1000..3100u64 {
+        assert_eq!(
+            stream.next().unwrap().unwrap(),
+            generator.example(i),
+            "example {i}"
+        );
+        count += 1;
+        if i == 1500 {
+            assert_eq!(stream.size_hint(), (1599, Some(1599)));
+        }
+    }
+    assert!(stream.next().is_none());
+    assert_eq!(count, 2100);
     let batch = &a[1];
     assert_eq!(batch.keys.len(), 26);
     assert_eq!(batch.lengths.len(), 26 * 256);
