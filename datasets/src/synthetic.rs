@@ -335,9 +335,30 @@ fn expected_log1p_geometric(m: f64) -> f64 {
 /// Examples generated at once, in parallel, by [`SyntheticExamples`].
 const CHUNK: u64 = 1024;
 
-/// An index range of a [`SyntheticCriteo`], as an [`ExampleSource`]. Examples are generated
-/// [`CHUNK`] at a time on rayon's threads (each is a pure function of its index, so the
-/// sequence is the same as one at a time): a GPU trains faster than one core generates.
+/// The generator's own threads: a quarter of the machine's (none below 8 cores, where the
+/// caller's thread generates alone). Not rayon's global pool, which training uses: generation
+/// jobs queued there would stall the training step's parallel ops.
+fn generator_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = cores / 4;
+        if threads < 2 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("embers-synthetic-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// An index range of a [`SyntheticCriteo`], as an [`ExampleSource`]. On machines of 8 cores or
+/// more, examples are generated [`CHUNK`] at a time on a pool of a quarter of the cores (each
+/// is a pure function of its index, so the sequence is the same as one at a time): a GPU
+/// trains faster than one core generates.
 #[derive(Debug, Clone)]
 pub struct SyntheticExamples {
     generator: SyntheticCriteo,
@@ -359,11 +380,20 @@ impl Iterator for SyntheticExamples {
             }
             self.range.start = end;
             let generator = &self.generator;
-            let chunk: Vec<Example> = (start..end)
-                .into_par_iter()
-                .map(|i| generator.example(i))
-                .collect();
-            self.ready.extend(chunk);
+            match generator_pool() {
+                Some(pool) => {
+                    let chunk: Vec<Example> = pool.install(|| {
+                        (start..end)
+                            .into_par_iter()
+                            .map(|i| generator.example(i))
+                            .collect()
+                    });
+                    self.ready.extend(chunk);
+                }
+                None => self
+                    .ready
+                    .extend((start..end).map(|i| generator.example(i))),
+            }
         }
         self.ready.pop_front().map(Ok)
     }
