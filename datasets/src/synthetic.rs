@@ -356,7 +356,7 @@ fn generator_pool() -> Option<&'static rayon::ThreadPool> {
 }
 
 /// An index range of a [`SyntheticCriteo`], as an [`ExampleSource`]. On machines of 8 cores or
-/// more, examples are generated [`CHUNK`] at a time on a pool of a quarter of the cores (each
+/// more, examples are generated 1024 at a time on a pool of a quarter of the cores (each
 /// is a pure function of its index, so the sequence is the same as one at a time): a GPU
 /// trains faster than one core generates.
 #[derive(Debug, Clone)]
