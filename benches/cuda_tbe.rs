@@ -6,12 +6,14 @@
 //! ids and offsets read, output written) and this GPU's measured device-to-device copy
 //! bandwidth; then the forward time (CUDA events, mean of 100 after 10 warm-up runs, cycling
 //! through 8 batches of ids so that the rows come from memory, not the L2 cache) and the
-//! fraction of copy bandwidth reached; the same for the fused backward (row-wise Adagrad).
+//! fraction of copy bandwidth reached; the same for the fused backward (row-wise Adagrad) and,
+//! at E=100000, for the inference forward of FP16/INT8/INT4/FP8 rows (FBGEMM's row layouts).
 //! Without a GPU it says why and exits.
 //! Side by side with `torch.nn.EmbeddingBag`: `benches/peers/cuda_tbe.sh`.
 
 use embers::cuda::{self, CudaTbe};
 use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec, WeightDecay};
+use embers::embedding::{QuantizedTableBatchedEmbedding, WeightType};
 use rand::Rng;
 
 /// Distinct batches of ids the timed loops take in turn.
@@ -125,8 +127,47 @@ fn main() {
             bytes / 1e6,
             100.0 * gbs / copy_gbs
         );
-        // Give the tables' memory back before the next, larger set.
-        drop((tbe, batches, out, grad));
+        drop((tbe, grad));
+        device.empty_cache();
+        // Inference forward of quantized rows (FBGEMM's row layouts, f32 output), E=1e5 only.
+        if e == 100_000 {
+            for ty in [
+                WeightType::Fp16,
+                WeightType::Int8,
+                WeightType::Int4,
+                WeightType::Fp8,
+            ] {
+                let q = QuantizedTableBatchedEmbedding::new(
+                    tables.clone(),
+                    vec![ty; n_tables],
+                    ftm.clone(),
+                    PoolingMode::Sum,
+                )
+                .unwrap();
+                let qtbe = CudaTbe::from_quantized(&q, device.clone()).unwrap();
+                drop(q);
+                let mut i = 0;
+                let ms = time_ms(100, &mut || {
+                    i = (i + 1) % BATCHES;
+                    qtbe.forward(&batches[i], &d_offsets, None, b, &mut out)
+                        .unwrap()
+                });
+                let bytes =
+                    (t * b * l * ty.row_bytes(d) + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4)
+                        as f64;
+                let gbs = bytes / (ms * 1e-3) / 1e9;
+                println!(
+                    "embers TBE inference fwd [{}] T={t} B={b} D={d} E={e} L={l} ({n_tables} tables): {ms:.4} ms, {:.1} MB moved, {gbs:.0} GB/s = {:.1}% of copy bandwidth",
+                    ty.fbgemm_name(),
+                    bytes / 1e6,
+                    100.0 * gbs / copy_gbs
+                );
+                drop(qtbe);
+                device.empty_cache();
+            }
+        }
+        // Give the memory back before the next, larger set.
+        drop((batches, out));
         device.empty_cache();
     }
 }
