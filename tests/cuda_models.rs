@@ -134,6 +134,114 @@ fn dense_optimizers_step_as_on_the_cpu() {
 }
 
 #[test]
+fn row_sparse_gradients_step_only_their_rows_as_on_the_cpu() {
+    use embers::sparse::ops::index_select_dim0;
+    let Some(dev) = device() else { return };
+    type Build = Box<dyn Fn(Vec<Tensor>) -> Box<dyn Optimizer>>;
+    let adam = |c: AdamConfig| -> Build { Box::new(move |p| Box::new(Adam::new(p, c).unwrap())) };
+    // (name, optimizer, whether rows without a gradient keep their values: the sparse updates
+    // leave them; momentum and L2 weight decay densify, on the CPU as on the device)
+    let builds: Vec<(&str, Build, bool)> = vec![
+        (
+            "sgd",
+            Box::new(|p| Box::new(Sgd::new(p, 0.1).unwrap()) as Box<dyn Optimizer>),
+            true,
+        ),
+        (
+            "sgd momentum (densified)",
+            Box::new(|p| Box::new(Sgd::new(p, 0.1).unwrap().momentum(0.9))),
+            false,
+        ),
+        (
+            "adagrad",
+            Box::new(|p| Box::new(Adagrad::new(p, 0.05, 0.1).unwrap())),
+            true,
+        ),
+        (
+            "adagrad weight decay (densified)",
+            Box::new(|p| {
+                let mut a = Adagrad::new(p, 0.05, 0.0).unwrap();
+                a.weight_decay = 0.1;
+                Box::new(a)
+            }),
+            false,
+        ),
+        (
+            "lazy adam",
+            adam(AdamConfig {
+                lr: 0.01,
+                ..Default::default()
+            }),
+            true,
+        ),
+        (
+            "lazy adamw amsgrad",
+            adam(AdamConfig {
+                lr: 0.01,
+                weight_decay: 0.1,
+                decoupled_weight_decay: true,
+                amsgrad: true,
+                ..Default::default()
+            }),
+            true,
+        ),
+        (
+            "adam l2 (densified)",
+            adam(AdamConfig {
+                lr: 0.01,
+                weight_decay: 0.1,
+                ..Default::default()
+            }),
+            false,
+        ),
+    ];
+    // Repeated, unsorted rows (the gradient is coalesced first).
+    let selections: [&[i64]; 3] = [&[5, 0, 5, 2, 9], &[3, 3, 7], &[6, 0, 2, 2, 2]];
+    for (name, build, sparse) in builds {
+        let init = randn(&[10, 6], 80);
+        let cpu_p = init.detach().with_requires_grad(true);
+        let gpu_p = init.to_device(dev).unwrap().with_requires_grad(true);
+        let mut cpu_opt = build(vec![cpu_p.clone()]);
+        let mut gpu_opt = build(vec![gpu_p.clone()]);
+        let mut after_first = Vec::new();
+        for (step, rows) in selections.iter().enumerate() {
+            let idx = Tensor::from_vec(rows.to_vec(), &[rows.len()]).unwrap();
+            let w = randn(&[rows.len(), 6], 81 + step as u64);
+            cpu_opt.zero_grad();
+            gpu_opt.zero_grad();
+            set_grad(&index_select_dim0(&cpu_p, &idx).unwrap(), &w);
+            set_grad(
+                &index_select_dim0(&gpu_p, &idx.to_device(dev).unwrap()).unwrap(),
+                &w.to_device(dev).unwrap(),
+            );
+            assert!(
+                matches!(gpu_p.gradient(), Some(embers::Gradient::RowSparse(_))),
+                "{name}: the device gradient is row-sparse"
+            );
+            cpu_opt.step().unwrap();
+            gpu_opt.step().unwrap();
+            assert_close(&format!("{name} step {step}"), &gpu_p, &cpu_p, 1e-5);
+            if step == 0 {
+                after_first = gpu_p.to_vec_f64().unwrap();
+            }
+        }
+        let (sc, sg) = (cpu_opt.state_dict().unwrap(), gpu_opt.state_dict().unwrap());
+        assert_eq!(sc.len(), sg.len(), "{name}: state entries");
+        for ((nc, tc), (ng, tg)) in sc.iter().zip(&sg) {
+            assert_eq!(nc, ng);
+            assert_close(&format!("{name} state {nc}"), tg, tc, 1e-5);
+        }
+        // Rows selected only at step 0 (5 and 9) keep their values from then on under the
+        // sparse updates and move under the densified ones.
+        let got = gpu_p.to_vec_f64().unwrap();
+        for row in [5usize, 9] {
+            let same = got[row * 6..(row + 1) * 6] == after_first[row * 6..(row + 1) * 6];
+            assert_eq!(same, sparse, "{name}: row {row} unchanged after step 0");
+        }
+    }
+}
+
+#[test]
 fn bce_cat_and_dot_interaction_match_the_cpu() {
     let Some(dev) = device() else { return };
     // BCE with logits, large logits included, and its gradient.

@@ -239,6 +239,34 @@ fn custom_ops_plug_into_autograd() {
     let y = record_op(x.detach(), &[&x], Bad);
     let err = y.sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(err.contains("bad") && err.contains("[5]"), "{err}");
+
+    // So is a row-sparse gradient naming a row the input does not have, or a row count that
+    // does not match its values.
+    struct BadRows(Vec<i64>);
+    impl BackwardOp for BadRows {
+        fn name(&self) -> &'static str {
+            "bad rows"
+        }
+        fn backward(&self, _g: &Tensor) -> embers::Result<Vec<Option<Gradient>>> {
+            Ok(vec![Some(Gradient::RowSparse(
+                embers::tensor::RowSparseGrad {
+                    rows: self.0.clone(),
+                    values: Tensor::zeros(&[2, 3], DType::F64, Device::Cpu),
+                    num_rows: 4,
+                },
+            ))])
+        }
+    }
+    for (rows, expected) in [
+        (vec![1, 4], "naming row 4 of an input of 4 rows"),
+        (vec![-1, 0], "naming row -1"),
+        (vec![0], "1 row numbers for 2 rows"),
+    ] {
+        let x = Tensor::zeros(&[4, 3], DType::F64, Device::Cpu).with_requires_grad(true);
+        let y = record_op(x.detach(), &[&x], BadRows(rows));
+        let err = y.sum_all().unwrap().backward().unwrap_err().to_string();
+        assert!(err.contains("bad rows") && err.contains(expected), "{err}");
+    }
 }
 
 #[test]

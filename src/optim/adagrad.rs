@@ -85,7 +85,8 @@ impl Adagrad {
         };
         self.steps[i] += 1;
         let clr = self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay);
-        if let Some(g) = super::cuda_grad(p, &grad)? {
+        let dense = self.weight_decay != 0.0;
+        if let Some(g) = super::cuda_grad(p, &grad, dense)? {
             let (wd, eps) = (self.weight_decay, self.eps);
             let sums = Some(&self.sums[i]);
             return crate::tensor::cuda::optimizer_step(
@@ -93,13 +94,14 @@ impl Adagrad {
                 "adagrad_step_f32",
                 p,
                 &[sums],
-                &g,
+                &g.values,
+                g.rows.as_deref(),
                 |a| {
                     a.f32(clr as f32).f32(wd as f32).f32(eps as f32);
                 },
             );
         }
-        let g = touched::<T>(p, &grad, self.weight_decay != 0.0)?;
+        let g = touched::<T>(p, &grad, dense)?;
         let clr = T::from_f64(clr);
         let (wd, eps) = (T::from_f64(self.weight_decay), T::from_f64(self.eps));
         let mut w = p.data_mut::<T>()?;

@@ -132,15 +132,7 @@ impl Adam {
         self.steps[i] += 1;
         let t = self.steps[i] as i32;
         let l2 = c.weight_decay != 0.0 && !c.decoupled_weight_decay;
-        if p.device().is_cuda() && matches!(grad, crate::Gradient::RowSparse(_)) {
-            // Densifying would move the moments of untouched rows, unlike the CPU's sparse
-            // update.
-            return Err(crate::Error::invalid(
-                "Adam",
-                "row-sparse (SparseAdam-style) updates are not on CUDA devices yet",
-            ));
-        }
-        if let Some(g) = super::cuda_grad(p, &grad)? {
+        if let Some(g) = super::cuda_grad(p, &grad, l2)? {
             let decay = if c.decoupled_weight_decay {
                 1.0 - c.lr * c.weight_decay
             } else {
@@ -156,7 +148,8 @@ impl Adam {
                 "adam_step_f32",
                 p,
                 &state,
-                &g,
+                &g.values,
+                g.rows.as_deref(),
                 |a| {
                     a.f32(c.betas.0 as f32)
                         .f32(c.betas.1 as f32)

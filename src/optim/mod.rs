@@ -95,16 +95,38 @@ pub(crate) fn touched<T: FloatElem>(
     }
 }
 
-/// The dense gradient of a parameter on a CUDA device (`None` for parameters on the CPU).
-pub(crate) fn cuda_grad(p: &Tensor, grad: &Gradient) -> Result<Option<Tensor>> {
+/// A CUDA parameter's gradient as the device kernels of `kernels/optim.cu` take it.
+pub(crate) struct CudaGrad {
+    /// Dense like the parameter, or just the rows `rows`.
+    pub values: Tensor,
+    /// Sorted distinct rows of a coalesced row-sparse gradient (`None`: dense).
+    pub rows: Option<Vec<i64>>,
+}
+
+/// The gradient of a parameter on a CUDA device (`None` for parameters on the CPU). As with
+/// [`touched`], row-sparse gradients stay row-sparse (coalesced, on the device) unless `dense`
+/// asks for every element, so only the touched rows and their state are updated.
+pub(crate) fn cuda_grad(p: &Tensor, grad: &Gradient, dense: bool) -> Result<Option<CudaGrad>> {
     if !p.device().is_cuda() {
         return Ok(None);
     }
-    match grad {
-        Gradient::Dense(g) => Ok(Some(g.clone())),
-        // The device kernels update every element: densify (on the device).
-        Gradient::RowSparse(s) => Ok(Some(s.to_dense()?)),
-    }
+    Ok(Some(match grad {
+        Gradient::Dense(g) => CudaGrad {
+            values: g.clone(),
+            rows: None,
+        },
+        Gradient::RowSparse(s) if !dense => {
+            let s = s.coalesce()?;
+            CudaGrad {
+                values: s.values,
+                rows: Some(s.rows),
+            }
+        }
+        Gradient::RowSparse(s) => CudaGrad {
+            values: s.to_dense()?,
+            rows: None,
+        },
+    }))
 }
 
 /// Runs `update(range, grad)` over either every element or each touched row's element range.

@@ -90,7 +90,8 @@ impl Sgd {
         if use_momentum && first {
             self.momentum_buffers[i] = Some(p.zeros_like());
         }
-        if let Some(g) = super::cuda_grad(p, &grad)? {
+        let dense = use_momentum || self.weight_decay != 0.0;
+        if let Some(g) = super::cuda_grad(p, &grad, dense)? {
             let buf = self.momentum_buffers[i].as_ref().filter(|_| use_momentum);
             let (lr, mom, damp, wd) = (self.lr, self.momentum, self.dampening, self.weight_decay);
             let nesterov = self.nesterov;
@@ -99,7 +100,8 @@ impl Sgd {
                 "sgd_step_f32",
                 p,
                 &[buf],
-                &g,
+                &g.values,
+                g.rows.as_deref(),
                 |a| {
                     a.f32(lr as f32)
                         .f32(mom as f32)
@@ -110,7 +112,7 @@ impl Sgd {
                 },
             );
         }
-        let g = touched::<T>(p, &grad, use_momentum || self.weight_decay != 0.0)?;
+        let g = touched::<T>(p, &grad, dense)?;
         let (lr, mom, damp, wd) = (
             T::from_f64(self.lr),
             T::from_f64(self.momentum),

@@ -297,6 +297,22 @@ fn check_gradient(node: &Node, edge: &Edge, grad: &Gradient) -> Result<()> {
             edge.dtype
         )));
     }
+    if let Gradient::RowSparse(s) = grad {
+        let entries = s.values.shape().first().copied().unwrap_or(0);
+        if s.rows.len() != entries {
+            return Err(Error::Backward(format!(
+                "`{}` returned a row-sparse gradient of {} row numbers for {entries} rows of values",
+                node.name,
+                s.rows.len()
+            )));
+        }
+        if let Some(r) = s.rows.iter().find(|&&r| r < 0 || r as usize >= s.num_rows) {
+            return Err(Error::Backward(format!(
+                "`{}` returned a row-sparse gradient naming row {r} of an input of {} rows",
+                node.name, s.num_rows
+            )));
+        }
+    }
     Ok(())
 }
 

@@ -852,13 +852,16 @@ pub(crate) fn f32_operand(op: &'static str, what: &str, t: &Tensor, like: &Tenso
 }
 
 /// One in-place optimizer step on a CUDA parameter: launches `kernel` of `kernels/optim.cu`
-/// with `(w, state…, g, n, scalars…)`, where absent state buffers are null pointers.
+/// with `(w, state…, g, n, rows, row_len, scalars…)`, where absent state buffers are null
+/// pointers. With `rows` (sorted distinct row numbers of a coalesced row-sparse gradient),
+/// `grad` holds just those rows and only they are updated; otherwise it is dense like `w`.
 pub(crate) fn optimizer_step(
     op: &'static str,
     kernel: &'static str,
     w: &Tensor,
     state: &[Option<&Tensor>],
     grad: &Tensor,
+    rows: Option<&[i64]>,
     scalars: impl FnOnce(&mut KernelArgs),
 ) -> Result<()> {
     let (dev, pw) = view_ptr(w)?;
@@ -872,14 +875,52 @@ pub(crate) fn optimizer_step(
             None => args.pointer(0),
         };
     }
-    args.pointer(f32_operand(op, "the gradient", &grad, w)?);
-    let n = w.numel();
-    args.i64(n as i64);
+    let num_rows = w.shape().first().copied().unwrap_or(1);
+    let row_len = w.numel().checked_div(num_rows).unwrap_or(0);
+    let rows_on_device = match rows {
+        None => {
+            args.pointer(f32_operand(op, "the gradient", &grad, w)?);
+            None
+        }
+        Some(rows) => {
+            expect_f32(op, &grad)?;
+            same_device(op, w, &grad)?;
+            if grad.numel() != rows.len() * row_len {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "a row-sparse gradient of {} rows of {row_len} elements has shape {:?}",
+                        rows.len(),
+                        grad.shape()
+                    ),
+                ));
+            }
+            if let Some((k, &r)) = (rows.iter().enumerate())
+                .find(|&(k, &r)| r < 0 || r as usize >= num_rows || (k > 0 && rows[k - 1] >= r))
+            {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "row-sparse gradient entry {k} names row {r}: rows must be sorted, \
+                         distinct and below the parameter's {num_rows}"
+                    ),
+                ));
+            }
+            args.pointer(view_ptr(&grad)?.1);
+            (!rows.is_empty()).then(|| dev.htod(rows)).transpose()?
+        }
+    };
+    let n = grad.numel();
+    args.i64(n as i64)
+        .opt_buffer(rows_on_device.as_ref())
+        .i64(row_len as i64);
     scalars(&mut args);
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: every operand is a contiguous f32 buffer of n elements on `dev` (checked above).
+    // SAFETY: the parameter and its state are contiguous f32 buffers of w.numel() elements on
+    // `dev`; the gradient holds n elements, either all of w's or `rows` (checked in range) of
+    // row_len each.
     unsafe { dev.launch(kernel, LaunchConfig::linear(n, THREADS), &mut args) }
 }
 
