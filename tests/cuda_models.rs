@@ -242,6 +242,48 @@ fn row_sparse_gradients_step_only_their_rows_as_on_the_cpu() {
 }
 
 #[test]
+fn strided_row_sparse_gradients_from_custom_ops_step_as_on_the_cpu() {
+    use embers::tensor::{record_op, BackwardOp, RowSparseGrad};
+    let Some(dev) = device() else { return };
+    /// Gives its input the row-sparse gradient `values` (a transposed, strided view) on rows
+    /// 1 and 3: already coalesced, so it reaches the optimizer as the op made it.
+    struct StridedRows(Tensor);
+    impl BackwardOp for StridedRows {
+        fn name(&self) -> &'static str {
+            "strided rows"
+        }
+        fn backward(&self, _g: &Tensor) -> embers::Result<Vec<Option<embers::Gradient>>> {
+            Ok(vec![Some(embers::Gradient::RowSparse(RowSparseGrad {
+                rows: vec![1, 3],
+                values: self.0.t()?,
+                num_rows: 4,
+            }))])
+        }
+    }
+    let init = randn(&[4, 3], 90);
+    let g = randn(&[3, 2], 91);
+    assert!(!g.t().unwrap().is_contiguous());
+    let before = init.to_vec_f64().unwrap();
+    let mut stepped = Vec::new();
+    for p in [init.detach(), init.to_device(dev).unwrap()] {
+        let p = p.with_requires_grad(true);
+        let mut opt = Adagrad::new(vec![p.clone()], 0.1, 0.0).unwrap();
+        let values = g.to_device(p.device()).unwrap();
+        let y = record_op(p.detach(), &[&p], StridedRows(values));
+        y.sum_all().unwrap().backward().unwrap();
+        opt.step().unwrap();
+        stepped.push(p);
+    }
+    assert_close("adagrad on strided rows", &stepped[1], &stepped[0], 1e-5);
+    // Rows 0 and 2 had no gradient and keep their values; rows 1 and 3 moved.
+    let after = stepped[1].to_vec_f64().unwrap();
+    for row in 0..4 {
+        let same = before[row * 3..(row + 1) * 3] == after[row * 3..(row + 1) * 3];
+        assert_eq!(same, row % 2 == 0, "row {row} unchanged");
+    }
+}
+
+#[test]
 fn bce_cat_and_dot_interaction_match_the_cpu() {
     let Some(dev) = device() else { return };
     // BCE with logits, large logits included, and its gradient.
