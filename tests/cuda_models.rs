@@ -260,12 +260,14 @@ fn strided_row_sparse_gradients_from_custom_ops_step_as_on_the_cpu() {
             }))])
         }
     }
-    let init = randn(&[4, 3], 90);
+    // Independent copies of the same values (a detached view would share the CPU storage the
+    // step updates in place).
+    let init = || randn(&[4, 3], 90);
     let g = randn(&[3, 2], 91);
     assert!(!g.t().unwrap().is_contiguous());
-    let before = init.to_vec_f64().unwrap();
+    let before = init().to_vec_f64().unwrap();
     let mut stepped = Vec::new();
-    for p in [init.detach(), init.to_device(dev).unwrap()] {
+    for p in [init(), init().to_device(dev).unwrap()] {
         let p = p.with_requires_grad(true);
         let mut opt = Adagrad::new(vec![p.clone()], 0.1, 0.0).unwrap();
         let values = g.to_device(p.device()).unwrap();
