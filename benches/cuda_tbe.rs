@@ -11,9 +11,11 @@
 //! Without a GPU it says why and exits.
 //! Side by side with `torch.nn.EmbeddingBag`: `benches/peers/cuda_tbe.sh`.
 
-use embers::cuda::{self, CudaTbe};
-use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec, WeightDecay};
-use embers::embedding::{QuantizedTableBatchedEmbedding, WeightType};
+use embers::cuda;
+use embers::embedding::WeightType;
+use embers::embedding::{FusedOptimizer, PoolingMode, TableSpec, TbeInput};
+use embers::embedding::{QuantizedTableBatchedEmbedding, TableBatchedEmbedding, TbeConfig};
+use embers::{Device, Tensor};
 use rand::Rng;
 
 /// Distinct batches of ids the timed loops take in turn.
@@ -60,42 +62,34 @@ fn main() {
             .map(|i| TableSpec::new(format!("t{i}"), e, d))
             .collect();
         let ftm: Vec<usize> = (0..t).map(|i| i % n_tables).collect();
-        let mut tbe = CudaTbe::zeros(&tables, &ftm, PoolingMode::Sum, device.clone())
-            .unwrap()
-            .with_optimizer(
-                FusedOptimizer::RowWiseAdagrad {
-                    lr: 0.01,
-                    eps: 1e-8,
-                },
-                WeightDecay::None,
-            )
-            .unwrap();
+        let optimizer = FusedOptimizer::RowWiseAdagrad {
+            lr: 0.01,
+            eps: 1e-8,
+        };
+        let config = TbeConfig::new(tables.clone(), ftm.clone(), PoolingMode::Sum, optimizer);
+        let tbe = TableBatchedEmbedding::new_on(config, Device::Cuda(0)).unwrap();
         // BATCHES batches of ids, taken in turn, as FBGEMM's benchmark cycles through its
         // requests: timing one batch over and over would read its rows from the L2 cache.
+        // Each is checked and copied to the device once (`prepare`), outside the timed loops.
         let mut rng = embers::tensor::rng::seeded(0);
-        let batches: Vec<_> = (0..BATCHES)
+        let offsets: Vec<i64> = (0..=t * b).map(|i| (i * l) as i64).collect();
+        let id_batches: Vec<Vec<i64>> = (0..BATCHES)
             .map(|_| {
-                let ids: Vec<i64> = (0..t * b * l)
+                (0..t * b * l)
                     .map(|_| rng.random_range(0..e as i64))
-                    .collect();
-                device.htod(&ids).unwrap()
+                    .collect()
             })
             .collect();
-        let offsets: Vec<i64> = (0..=t * b).map(|i| (i * l) as i64).collect();
-        let d_offsets = device.htod(&offsets).unwrap();
-        let mut out = device.zeros::<f32>(b * tbe.out_stride()).unwrap();
-        for d_ids in &batches {
-            tbe.check_ids(d_ids, &d_offsets, b)
-                .expect("every id is in range");
-        }
+        let batches: Vec<_> = (id_batches.iter())
+            .map(|ids| tbe.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap())
+            .collect();
         // Both FP32 lookup kernels: 16-byte loads (the default here) and one float per lane.
         for vectorized in [true, false] {
             tbe.set_vectorized(vectorized);
             let mut i = 0;
             let ms = time_ms(100, &mut || {
                 i = (i + 1) % BATCHES;
-                tbe.forward(&batches[i], &d_offsets, None, b, &mut out)
-                    .unwrap()
+                tbe.lookup_batch(&batches[i]).unwrap();
             });
             let bytes =
                 (t * b * l * d * 4 + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4) as f64;
@@ -110,15 +104,17 @@ fn main() {
         tbe.set_vectorized(true);
         // Fused backward (row-wise Adagrad), counted as FBGEMM's benchmark counts it: every
         // lookup reads and writes its row, plus the output gradient read once.
-        let grad: Vec<f32> = (0..b * tbe.out_stride())
+        let grad: Vec<f32> = (0..b * tbe.output_dim())
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
-        let grad = device.htod(&grad).unwrap();
+        let grad = Tensor::from_vec(grad, &[b, tbe.output_dim()])
+            .unwrap()
+            .to_device(Device::Cuda(0))
+            .unwrap();
         let mut i = 0;
         let ms = time_ms(40, &mut || {
             i = (i + 1) % BATCHES;
-            tbe.backward(&batches[i], &d_offsets, None, &grad, b, None)
-                .unwrap()
+            tbe.backward_batch(&batches[i], &grad).unwrap();
         });
         let bytes = (2 * t * b * l * d * 4 + b * t * d * 4 + t * b * l * 8) as f64;
         let gbs = bytes / (ms * 1e-3) / 1e9;
@@ -137,20 +133,21 @@ fn main() {
                 WeightType::Int4,
                 WeightType::Fp8,
             ] {
-                let q = QuantizedTableBatchedEmbedding::new(
+                let mut q = QuantizedTableBatchedEmbedding::new(
                     tables.clone(),
                     vec![ty; n_tables],
                     ftm.clone(),
                     PoolingMode::Sum,
                 )
                 .unwrap();
-                let qtbe = CudaTbe::from_quantized(&q, device.clone()).unwrap();
-                drop(q);
+                q.to_device(Device::Cuda(0)).unwrap();
+                let q_batches: Vec<_> = (id_batches.iter())
+                    .map(|ids| q.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap())
+                    .collect();
                 let mut i = 0;
                 let ms = time_ms(100, &mut || {
                     i = (i + 1) % BATCHES;
-                    qtbe.forward(&batches[i], &d_offsets, None, b, &mut out)
-                        .unwrap()
+                    q.lookup_batch(&q_batches[i]).unwrap();
                 });
                 let bytes =
                     (t * b * l * ty.row_bytes(d) + t * b * l * 8 + (t * b + 1) * 8 + b * t * d * 4)
@@ -162,12 +159,12 @@ fn main() {
                     bytes / 1e6,
                     100.0 * gbs / copy_gbs
                 );
-                drop(qtbe);
+                drop((q_batches, q));
                 device.empty_cache();
             }
         }
         // Give the memory back before the next, larger set.
-        drop((batches, out));
+        drop(batches);
         device.empty_cache();
     }
 }

@@ -34,9 +34,9 @@ pub enum Error {
         /// The operation that failed.
         op: &'static str,
         /// First operand's dtype.
-        lhs: crate::DType,
+        lhs: crate::dtype::DType,
         /// Second operand's dtype.
-        rhs: crate::DType,
+        rhs: crate::dtype::DType,
     },
     /// The operation does not support this dtype.
     #[error("{op}: dtype {dtype:?} is not supported (expected {expected})")]
@@ -44,7 +44,7 @@ pub enum Error {
         /// The operation that failed.
         op: &'static str,
         /// The dtype that was given.
-        dtype: crate::DType,
+        dtype: crate::dtype::DType,
         /// What the operation accepts.
         expected: &'static str,
     },
@@ -54,15 +54,15 @@ pub enum Error {
         /// The operation that failed.
         op: &'static str,
         /// First operand's device.
-        lhs: crate::Device,
+        lhs: crate::device::Device,
         /// Second operand's device.
-        rhs: crate::Device,
+        rhs: crate::device::Device,
     },
     /// A device was asked for that this machine or build cannot provide.
     #[error("device {device} is unavailable: {reason}")]
     DeviceUnavailable {
         /// The device asked for.
-        device: crate::Device,
+        device: crate::device::Device,
         /// Why it cannot be used.
         reason: String,
     },
@@ -71,7 +71,7 @@ pub enum Error {
     #[error("{op} on {device}: {msg}")]
     Device {
         /// The device.
-        device: crate::Device,
+        device: crate::device::Device,
         /// The operation that failed.
         op: &'static str,
         /// What happened.
@@ -148,5 +148,11 @@ impl Error {
             rhs: rhs.to_vec(),
             detail: String::new(),
         }
+    }
+}
+
+impl From<crate::device::ParseDeviceError> for Error {
+    fn from(e: crate::device::ParseDeviceError) -> Self {
+        Error::invalid("Device", e.to_string())
     }
 }

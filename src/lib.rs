@@ -22,18 +22,24 @@
 
 pub mod checkpoint;
 pub mod cuda;
+pub mod device;
+pub mod dtype;
 pub mod embedding;
 pub mod error;
+pub mod kernels;
 pub mod metrics;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod simd;
 pub mod sparse;
 pub mod tensor;
 pub mod train;
 
+pub use device::Device;
+pub use dtype::DType;
 pub use error::{Error, Result};
-pub use tensor::{no_grad, DType, Device, Gradient, Tensor};
+pub use tensor::{no_grad, Gradient, Tensor};
 
 /// The README's code runs as a doctest, so the tour stays true.
 #[cfg(doctest)]

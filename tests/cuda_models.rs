@@ -4,7 +4,6 @@
 //! on the host emulation (skipped with the reason printed only when no C++ compiler exists,
 //! and CI makes that an error).
 
-use embers::cuda::CudaEmbeddingBagCollection;
 use embers::embedding::{
     BoundsCheckMode, EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode,
     WeightDecay,
@@ -456,8 +455,8 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
         (adam, WeightDecay::Decoupled(0.1)),
     ] {
         let cpu = ebc(optimizer, decay);
-        let host_copy = ebc(optimizer, decay);
-        let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+        let gpu = ebc(optimizer, decay);
+        gpu.to_device(dev).unwrap();
         for step in 0..2 {
             let input = kjt(20 + step, 6, &[30, 50, 50, 20]);
             let oc = cpu.forward(&input).unwrap();
@@ -470,19 +469,19 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
             set_grad(oc.values(), &w);
             set_grad(og.values(), &w.to_device(dev).unwrap());
         }
-        gpu.copy_to(&host_copy).unwrap();
+        gpu.to_device(Device::Cpu).unwrap();
         // The optimizer state and step count come back too: one more step on each CPU copy
         // stays equal.
         let input = kjt(40, 6, &[30, 50, 50, 20]);
-        for c in [&cpu, &host_copy] {
+        for c in [&cpu, &gpu] {
             let out = c.forward(&input).unwrap();
             set_grad(out.values(), &randn(out.values().shape(), 41));
         }
-        assert_tables_close(&format!("{optimizer:?}"), &host_copy, &cpu);
+        assert_tables_close(&format!("{optimizer:?}"), &gpu, &cpu);
     }
     // An out-of-range id is an error naming the feature, position and table size.
-    let sgd = ebc(FusedOptimizer::Sgd { lr: 0.1 }, WeightDecay::None);
-    let gpu = CudaEmbeddingBagCollection::new(&sgd, dev).unwrap();
+    let gpu = ebc(FusedOptimizer::Sgd { lr: 0.1 }, WeightDecay::None);
+    gpu.to_device(dev).unwrap();
     let bad = KeyedJaggedTensor::from_lengths(
         vec!["f3".into(), "f0".into(), "f1".into(), "f2".into()],
         Tensor::from_vec(vec![0i64, 1, 2, 20], &[4]).unwrap(),
@@ -499,8 +498,8 @@ fn embedding_bag_collection_trains_on_the_device_as_on_the_cpu() {
 fn tables_without_an_optimizer_sum_row_sparse_gradients_on_the_device() {
     let Some(dev) = device() else { return };
     let cpu = ebc(FusedOptimizer::None, WeightDecay::None);
-    let host_copy = ebc(FusedOptimizer::None, WeightDecay::None);
-    let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+    let gpu = ebc(FusedOptimizer::None, WeightDecay::None);
+    gpu.to_device(dev).unwrap();
     // Two backward calls sum into the kept gradients, as on the CPU.
     for step in 0..2 {
         let input = kjt(60 + step, 6, &[30, 50, 50, 20]);
@@ -539,9 +538,11 @@ fn tables_without_an_optimizer_sum_row_sparse_gradients_on_the_device() {
             got.rows.windows(2).all(|w| w[0] < w[1]),
             "sorted distinct rows"
         );
+        assert_eq!(got.values.device(), dev);
+        let got_values = got.values.to_vec::<f32>().unwrap();
         assert_close(
             &format!("table {name} row-sparse gradient"),
-            &dense(&got.rows, &got.values, num_rows, got.dim),
+            &dense(&got.rows, &got_values, num_rows, got.values.shape()[1]),
             &dense(
                 &expected.rows,
                 &expected.values.to_vec::<f32>().unwrap(),
@@ -552,8 +553,7 @@ fn tables_without_an_optimizer_sum_row_sparse_gradients_on_the_device() {
         );
     }
     // The tables did not move; zeroing clears the kept gradients; unknown tables are errors.
-    gpu.copy_to(&host_copy).unwrap();
-    assert_tables_close("no optimizer", &host_copy, &cpu);
+    assert_tables_close("no optimizer", &gpu, &cpu);
     gpu.zero_sparse_gradients();
     assert!(gpu.sparse_gradient("a").unwrap().is_none());
     assert!(gpu.sparse_gradient("nope").is_err());
@@ -563,8 +563,8 @@ fn tables_without_an_optimizer_sum_row_sparse_gradients_on_the_device() {
 fn per_sample_weights_get_their_gradient_from_the_device() {
     let Some(dev) = device() else { return };
     let opt = FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
-    let (cpu, host_copy) = (ebc(opt, WeightDecay::None), ebc(opt, WeightDecay::None));
-    let gpu = CudaEmbeddingBagCollection::new(&host_copy, dev).unwrap();
+    let (cpu, gpu) = (ebc(opt, WeightDecay::None), ebc(opt, WeightDecay::None));
+    gpu.to_device(dev).unwrap();
     let plain = kjt(50, 5, &[30, 50, 50, 20]);
     let n = plain.values().numel();
     let w = randn(&[n], 51);
@@ -596,8 +596,7 @@ fn per_sample_weights_get_their_gradient_from_the_device() {
     assert_eq!(grads[1].device(), Device::Cpu);
     assert_close("per-sample weights' gradient", &grads[1], &grads[0], 1e-5);
     // The rows moved as on the CPU (the weights scale their gradient).
-    gpu.copy_to(&host_copy).unwrap();
-    assert_tables_close("weighted", &host_copy, &cpu);
+    assert_tables_close("weighted", &gpu, &cpu);
 }
 
 #[test]
@@ -665,7 +664,6 @@ fn dlrm_training_steps_on_the_device_match_the_cpu() {
         assert_eq!(pg.device(), dev);
         assert_close(&format!("dense {name}"), pg, pc, 1e-4);
     }
-    gpu.model().sync_tables_to_host().unwrap();
     for (f, _) in &features {
         let t = format!("t_{f}");
         let (got, want) = (

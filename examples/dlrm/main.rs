@@ -685,8 +685,6 @@ fn run(args: Args) -> Result<()> {
     }
     let mut quantized = Vec::new();
     if !args.no_quantized_eval {
-        // Tables trained on a GPU: their values are on the device until copied back.
-        trainer.model().sync_tables_to_host()?;
         for q in &args.quantized_eval {
             let tables = trainer.model().sparse_arch.quantize(q.weight_type())?;
             let report = trainer.evaluate(

@@ -3,12 +3,14 @@
 //! loop with an f64 accumulator on the host emulation (each result rounded to f32, then to the
 //! storage type).
 
-use std::sync::Mutex;
-
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use parking_lot::Mutex;
 
-use super::{Backend, CudaDevice};
-use crate::{DType, Device, Error, Result};
+use super::device::Backend;
+use super::{CudaDevice, DeviceOperand};
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 
 /// A device's cuBLAS handle (set to the calling thread's current stream before each product).
 pub(crate) struct BlasHandle(cublas_sys::cublasHandle_t);
@@ -26,17 +28,24 @@ impl Drop for BlasHandle {
 /// Row-major batched product `C[b] = A[b] · B[b]` of contiguous matrices of one float dtype
 /// (f32, f16 or bf16): A `[m, k]`, B `[k, n]`, C `[m, n]`, consecutive batch entries `stride_*`
 /// elements apart (0: the same matrix for every batch entry).
-pub(crate) struct Gemm {
+pub(crate) struct Gemm<'a> {
     pub dtype: DType,
     pub batch: usize,
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    pub a: u64,
+    pub a: &'a dyn DeviceOperand,
     pub stride_a: usize,
-    pub b: u64,
+    pub b: &'a dyn DeviceOperand,
     pub stride_b: usize,
-    pub c: u64,
+    pub c: &'a dyn DeviceOperand,
+}
+
+/// A [`Gemm`]'s operands resolved to addresses on the device.
+struct Addresses {
+    a: u64,
+    b: u64,
+    c: u64,
 }
 
 fn blas_error(device: &CudaDevice, msg: impl Into<String>) -> Error {
@@ -48,8 +57,13 @@ fn blas_error(device: &CudaDevice, msg: impl Into<String>) -> Error {
 }
 
 impl CudaDevice {
-    /// Runs `g` (every pointer a live allocation of this device, sized as `g` says).
-    pub(crate) fn gemm(&self, g: &Gemm) -> Result<()> {
+    /// Runs `g` (every operand on this device and as large as `g`'s sizes say).
+    pub(crate) fn gemm(&self, g: &Gemm<'_>) -> Result<()> {
+        let at = Addresses {
+            a: g.a.device_address(self)?,
+            b: g.b.device_address(self)?,
+            c: g.c.device_address(self)?,
+        };
         let data_type = match g.dtype {
             DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
             DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
@@ -70,7 +84,7 @@ impl CudaDevice {
         }
         match &self.backend {
             Backend::Driver(d) => {
-                let mut slot = self.blas.lock().expect("cuBLAS handle");
+                let mut slot = self.blas.lock();
                 if slot.is_none() {
                     // SAFETY: only probes for the library.
                     if !unsafe { cublas_sys::is_culib_present() } {
@@ -118,16 +132,16 @@ impl CudaDevice {
                             g.m as i32,
                             g.k as i32,
                             (&alpha as *const f32).cast(),
-                            g.b as *const std::ffi::c_void,
+                            at.b as *const std::ffi::c_void,
                             data_type,
                             g.n as i32,
                             g.stride_b as i64,
-                            g.a as *const std::ffi::c_void,
+                            at.a as *const std::ffi::c_void,
                             data_type,
                             g.k as i32,
                             g.stride_a as i64,
                             (&beta as *const f32).cast(),
-                            g.c as *mut std::ffi::c_void,
+                            at.c as *mut std::ffi::c_void,
                             data_type,
                             g.n as i32,
                             (g.m * g.n) as i64,
@@ -148,14 +162,14 @@ impl CudaDevice {
                         g.m as i32,
                         g.k as i32,
                         &alpha,
-                        g.b as *const f32,
+                        at.b as *const f32,
                         g.n as i32,
                         g.stride_b as i64,
-                        g.a as *const f32,
+                        at.a as *const f32,
                         g.k as i32,
                         g.stride_a as i64,
                         &beta,
-                        g.c as *mut f32,
+                        at.c as *mut f32,
                         g.n as i32,
                         (g.m * g.n) as i64,
                         g.batch as i32,
@@ -166,9 +180,11 @@ impl CudaDevice {
             Backend::Sim(_) => {
                 let _ = data_type;
                 match g.dtype {
-                    DType::F16 => sim_gemm(g, |v: half::f16| v.to_f32(), half::f16::from_f32),
-                    DType::BF16 => sim_gemm(g, |v: half::bf16| v.to_f32(), half::bf16::from_f32),
-                    _ => sim_gemm(g, |v: f32| v, |v| v),
+                    DType::F16 => sim_gemm(g, &at, |v: half::f16| v.to_f32(), half::f16::from_f32),
+                    DType::BF16 => {
+                        sim_gemm(g, &at, |v: half::bf16| v.to_f32(), half::bf16::from_f32)
+                    }
+                    _ => sim_gemm(g, &at, |v: f32| v, |v| v),
                 }
                 Ok(())
             }
@@ -178,13 +194,18 @@ impl CudaDevice {
 
 /// The emulation's product: f64 accumulation of the loaded values, each result rounded to f32
 /// and stored as `T`.
-fn sim_gemm<T: Copy>(g: &Gemm, load: impl Fn(T) -> f32, store: impl Fn(f32) -> T) {
+fn sim_gemm<T: Copy>(
+    g: &Gemm<'_>,
+    at: &Addresses,
+    load: impl Fn(T) -> f32,
+    store: impl Fn(f32) -> T,
+) {
     // SAFETY: emulated device memory is host memory, sized per `Gemm`'s contract.
     unsafe {
         for bi in 0..g.batch {
-            let a = (g.a as *const T).add(bi * g.stride_a);
-            let b = (g.b as *const T).add(bi * g.stride_b);
-            let c = (g.c as *mut T).add(bi * g.m * g.n);
+            let a = (at.a as *const T).add(bi * g.stride_a);
+            let b = (at.b as *const T).add(bi * g.stride_b);
+            let c = (at.c as *mut T).add(bi * g.m * g.n);
             for i in 0..g.m {
                 for j in 0..g.n {
                     let mut acc = 0.0f64;

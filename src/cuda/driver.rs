@@ -4,22 +4,25 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, CudaStream};
 
 use super::allocator::StreamId;
 use super::launch::LaunchConfig;
 use super::pinned::{Staging, STAGING_CHUNK};
-use super::{compile_ptx, file_of};
-use crate::{Device, Error, Result};
+use super::{compile_ptx, Kernel};
+use crate::device::Device;
+use crate::error::{Error, Result};
 
 pub(crate) struct Driver {
     pub(crate) context: Arc<CudaContext>,
     /// By id; 0 is the default stream.
     streams: Mutex<HashMap<StreamId, Arc<CudaStream>>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     /// Per stream: the pinned chunks small host-to-device copies are staged through.
     staging: Mutex<HashMap<StreamId, Staging>>,
 }
@@ -70,7 +73,7 @@ impl Driver {
             .context
             .new_stream()
             .map_err(|e| failed(ordinal, "creating a stream", e))?;
-        self.streams.lock().expect("streams").insert(id, stream);
+        self.streams.lock().insert(id, stream);
         Ok(())
     }
 
@@ -78,7 +81,6 @@ impl Driver {
     pub(crate) fn stream(&self, at: At) -> Result<Arc<CudaStream>> {
         self.streams
             .lock()
-            .expect("streams")
             .get(&at.stream)
             .cloned()
             .ok_or_else(|| failed(at.ordinal, "stream", format!("no stream {}", at.stream)))
@@ -114,50 +116,40 @@ impl Driver {
             .map_err(|e| failed(ordinal, "binding the context", e))
     }
 
-    fn function(
-        &self,
-        ordinal: usize,
-        arch: &'static str,
-        kernel: &'static str,
-    ) -> Result<CudaFunction> {
-        if let Some(f) = self.functions.lock().expect("function cache").get(kernel) {
+    fn function(&self, ordinal: usize, arch: &'static str, kernel: Kernel) -> Result<CudaFunction> {
+        let key = (kernel.source.file, kernel.name);
+        if let Some(f) = self.functions.lock().get(&key) {
             return Ok(f.clone());
         }
-        let file = file_of(kernel)?;
         let module = {
-            let mut modules = self.modules.lock().expect("module cache");
-            match modules.get(file) {
+            let mut modules = self.modules.lock();
+            match modules.get(kernel.source.file) {
                 Some(m) => m.clone(),
                 None => {
-                    let ptx = compile_ptx(file, arch)?;
+                    let ptx = compile_ptx(kernel.source, arch)?;
                     let m = self
                         .context
                         .load_module(ptx)
                         .map_err(|e| failed(ordinal, "loading a kernel module", e))?;
-                    modules.insert(file, m.clone());
+                    modules.insert(kernel.source.file, m.clone());
                     m
                 }
             }
         };
         let f = module
-            .load_function(kernel)
+            .load_function(kernel.name)
             .map_err(|e| failed(ordinal, "loading a kernel", e))?;
-        self.functions
-            .lock()
-            .expect("function cache")
-            .insert(kernel, f.clone());
+        self.functions.lock().insert(key, f.clone());
         Ok(f)
     }
 
-    /// Queues a copy of `src` to `dst`. Small copies go through the pinned staging ring, so
-    /// they never wait for the stream; larger ones are staged by the driver.
     pub(crate) fn copy_from_host(&self, at: At, dst: u64, src: &[u8]) -> Result<()> {
         self.bind(at.ordinal)?;
         if src.is_empty() {
             return Ok(());
         }
         if src.len() <= STAGING_CHUNK {
-            let mut rings = self.staging.lock().expect("staging ring");
+            let mut rings = self.staging.lock();
             let staging = rings.entry(at.stream).or_insert_with(Staging::new);
             let chunk = staging.reserve(
                 at.ordinal,
@@ -295,7 +287,7 @@ impl Driver {
         &self,
         at: At,
         arch: &'static str,
-        kernel: &'static str,
+        kernel: Kernel,
         cfg: &LaunchConfig,
         params: &mut [*mut c_void],
     ) -> Result<()> {
@@ -313,6 +305,6 @@ impl Driver {
                 params,
             )
         }
-        .map_err(|e| failed(at.ordinal, "kernel launch", format!("{kernel}: {e}")))
+        .map_err(|e| failed(at.ordinal, "kernel launch", format!("{}: {e}", kernel.name)))
     }
 }

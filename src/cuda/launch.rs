@@ -1,9 +1,13 @@
-//! Kernel launches: the grid/block shape and the argument list, shared by the CUDA driver and
-//! the host emulation (both take the arguments as an array of pointers to their values).
+//! Kernel launches: the grid/block shape and the typed argument list ([`KernelArg`]: device
+//! buffers, tensors and scalars, never raw addresses), shared by the CUDA driver and the host
+//! emulation (both take the arguments as an array of pointers to their values).
 
 use std::ffi::c_void;
 
 use super::buffer::{DeviceBuffer, DeviceElem};
+use super::CudaDevice;
+use crate::device::Device;
+use crate::error::{Error, Result};
 
 /// The shape of a launch: grid and block dimensions and dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +39,15 @@ impl LaunchConfig {
     pub fn covering(n: usize, threads: u32) -> Self {
         LaunchConfig {
             grid: (n.div_ceil(threads as usize).max(1) as u32, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+
+    /// `blocks` blocks of `threads` threads (one block per item or tile).
+    pub fn blocks(blocks: usize, threads: u32) -> Self {
+        LaunchConfig {
+            grid: (blocks.max(1) as u32, 1, 1),
             block: (threads, 1, 1),
             shared_bytes: 0,
         }
@@ -94,7 +107,8 @@ impl ArgKind {
     }
 }
 
-/// The argument list of one launch, built in the order of the kernel's parameters.
+/// The argument list of one launch, built in the order of the kernel's parameters: each value
+/// in an 8-byte slot with its kind.
 #[derive(Debug, Default)]
 pub struct KernelArgs {
     values: Vec<u64>,
@@ -102,60 +116,9 @@ pub struct KernelArgs {
 }
 
 impl KernelArgs {
-    /// An empty list.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    fn push(&mut self, bits: u64, kind: ArgKind) -> &mut Self {
+    fn push(&mut self, bits: u64, kind: ArgKind) {
         self.values.push(bits);
         self.kinds.push(kind);
-        self
-    }
-
-    /// A buffer's device address (the kernel may read or write it).
-    pub fn buffer<T: DeviceElem>(&mut self, b: &DeviceBuffer<T>) -> &mut Self {
-        self.push(b.ptr(), ArgKind::Pointer)
-    }
-
-    /// A buffer's address, or null.
-    pub fn opt_buffer<T: DeviceElem>(&mut self, b: Option<&DeviceBuffer<T>>) -> &mut Self {
-        self.push(b.map_or(0, DeviceBuffer::ptr), ArgKind::Pointer)
-    }
-
-    /// A raw device address.
-    pub fn pointer(&mut self, address: u64) -> &mut Self {
-        self.push(address, ArgKind::Pointer)
-    }
-
-    /// An `int`.
-    pub fn i32(&mut self, v: i32) -> &mut Self {
-        self.push(v as u32 as u64, ArgKind::I32)
-    }
-
-    /// An `unsigned int`.
-    pub fn u32(&mut self, v: u32) -> &mut Self {
-        self.push(v as u64, ArgKind::U32)
-    }
-
-    /// A `long long`.
-    pub fn i64(&mut self, v: i64) -> &mut Self {
-        self.push(v as u64, ArgKind::I64)
-    }
-
-    /// An `unsigned long long`.
-    pub fn u64(&mut self, v: u64) -> &mut Self {
-        self.push(v, ArgKind::U64)
-    }
-
-    /// A `float`.
-    pub fn f32(&mut self, v: f32) -> &mut Self {
-        self.push(v.to_bits() as u64, ArgKind::F32)
-    }
-
-    /// A `double`.
-    pub fn f64(&mut self, v: f64) -> &mut Self {
-        self.push(v.to_bits(), ArgKind::F64)
     }
 
     /// The kinds, in order.
@@ -170,5 +133,108 @@ impl KernelArgs {
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect()
+    }
+}
+
+/// Memory of a device that a kernel, a copy or a library call can be handed: a
+/// [`DeviceBuffer`], or (in the tensor backend) a CUDA tensor's view.
+pub trait DeviceOperand {
+    /// The device address of the first element and the bytes from there to the end of the
+    /// allocation, after checking the memory lives on `device`.
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)>;
+
+    /// The device address of the first element (checked as [`device_span`](Self::device_span)).
+    fn device_address(&self, device: &CudaDevice) -> Result<u64> {
+        Ok(self.device_span(device)?.0)
+    }
+}
+
+impl<T: DeviceElem> DeviceOperand for DeviceBuffer<T> {
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)> {
+        if !std::ptr::eq(self.device().as_ref(), device) {
+            return Err(Error::DeviceMismatch {
+                op: "kernel launch",
+                lhs: Device::Cuda(device.ordinal()),
+                rhs: Device::Cuda(self.device().ordinal()),
+            });
+        }
+        Ok((self.ptr(), self.bytes()))
+    }
+}
+
+/// One argument of a kernel launch: device memory (typed buffers and tensors, never raw
+/// addresses), an optional one (null when absent), or a scalar of the kernel's C type.
+pub trait KernelArg {
+    /// Appends the argument for a launch on `device`.
+    fn push_to(&self, device: &CudaDevice, args: &mut KernelArgs) -> Result<()>;
+}
+
+impl<T: DeviceOperand + ?Sized> KernelArg for T {
+    fn push_to(&self, device: &CudaDevice, args: &mut KernelArgs) -> Result<()> {
+        args.push(self.device_address(device)?, ArgKind::Pointer);
+        Ok(())
+    }
+}
+
+/// An absent operand is a null pointer.
+impl<T: DeviceOperand> DeviceOperand for Option<&T> {
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)> {
+        self.map_or(Ok((0, 0)), |t| t.device_span(device))
+    }
+}
+
+impl<T: DeviceOperand + ?Sized> DeviceOperand for &T {
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)> {
+        (**self).device_span(device)
+    }
+}
+
+impl<T: DeviceOperand + ?Sized> DeviceOperand for &mut T {
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)> {
+        (**self).device_span(device)
+    }
+}
+
+/// Scalar kernel arguments: each Rust type is the kernel's C type of the same size.
+macro_rules! scalar_arg {
+    ($($t:ty => $kind:ident, |$v:ident| $bits:expr;)*) => {$(
+        impl KernelArg for $t {
+            fn push_to(&self, _: &CudaDevice, args: &mut KernelArgs) -> Result<()> {
+                let $v = *self;
+                args.push($bits, ArgKind::$kind);
+                Ok(())
+            }
+        }
+    )*};
+}
+
+scalar_arg! {
+    i32 => I32, |v| v as u32 as u64;
+    u32 => U32, |v| u64::from(v);
+    i64 => I64, |v| v as u64;
+    u64 => U64, |v| v;
+    f32 => F32, |v| u64::from(v.to_bits());
+    f64 => F64, |v| v.to_bits();
+}
+
+/// The argument list of a launch, in the kernel's parameter order:
+/// `args![&weights, &offsets, n as i64, 0.5f32]` (buffers and tensors by reference, scalars of
+/// the kernel's C types by value).
+#[macro_export]
+macro_rules! args {
+    ($($arg:expr),* $(,)?) => {
+        [$(&$arg as &dyn $crate::cuda::KernelArg),*]
+    };
+}
+
+impl KernelArgs {
+    /// The values of `args` for a launch on `device` (each device operand checked to live
+    /// there).
+    pub(crate) fn collect(device: &CudaDevice, args: &[&dyn KernelArg]) -> Result<KernelArgs> {
+        let mut out = KernelArgs::default();
+        for a in args {
+            a.push_to(device, &mut out)?;
+        }
+        Ok(out)
     }
 }

@@ -1,6 +1,6 @@
-//! The host emulation of a CUDA device: the kernels of `kernels/` compiled with the system C++
-//! compiler against `kernels/host_sim.hpp` into one shared library, "device" memory in host
-//! memory (through the same [`CachingAllocator`](super::CachingAllocator) policy), launches run
+//! The host emulation of a CUDA device: each kernel source compiled with the system C++
+//! compiler against `kernels/host_sim.hpp` into a shared library of its own (at the first launch
+//! of one of its kernels), "device" memory in host memory (through the same [`CachingAllocator`](super::CachingAllocator) policy), launches run
 //! on the calling thread with one fiber per CUDA thread.
 //!
 //! It exists so that every launch path of the CUDA backend — argument lists, grid shapes, buffer
@@ -9,8 +9,9 @@
 //! memory model would expose. It is chosen with `EMBERS_CUDA_SIM=<devices>` (then
 //! [`super::device`] hands out emulated devices) or explicitly with [`super::simulated_device`].
 //!
-//! The library is built once per set of sources (a hash of them names it) under the system
-//! temporary directory, written to a temporary name and renamed, so parallel builds agree.
+//! A source's library is built once per version of it (a hash of its text and the header names
+//! it) under the system temporary directory, written to a temporary name and renamed, so
+//! parallel builds agree.
 //! Every launch checks its arguments against the kernel's real parameter list (count, sizes,
 //! which ones are pointers) — the check the CUDA driver cannot make.
 
@@ -21,10 +22,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
 
+use parking_lot::Mutex;
+
 use super::allocator::RawAllocator;
 use super::launch::{ArgKind, LaunchConfig};
-use super::{KERNELS, PRELUDE};
-use crate::{Device, Error, Result};
+use super::{Kernel, KernelSource, PRELUDE};
+use crate::device::Device;
+use crate::error::{Error, Result};
 
 /// The emulation header (kernels/host_sim.hpp).
 pub const HOST_SIM_HEADER: &str = include_str!("../../kernels/host_sim.hpp");
@@ -40,8 +44,8 @@ struct SimKernel {
     params: &'static [(i32, bool)],
 }
 
-/// The compiled emulation library.
-pub(crate) struct Library {
+/// The emulation library of one kernel source.
+struct Library {
     _lib: libloading::Library,
     kernels: HashMap<&'static str, SimKernel>,
     last_error: ErrorFn,
@@ -91,14 +95,12 @@ fn translation_unit(file: &str, source: &str, entries: &[&str]) -> String {
 const RUNTIME_TU: &str = "#include \"host_sim.hpp\"\n\
     extern \"C\" const char* embers_sim_last_error() { return embers_sim::last_error.c_str(); }\n";
 
-fn sources_hash() -> u64 {
+fn source_hash(source: &KernelSource) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     HOST_SIM_HEADER.hash(&mut h);
     PRELUDE.hash(&mut h);
     RUNTIME_TU.hash(&mut h);
-    for (file, source, entries) in KERNELS {
-        translation_unit(file, source, entries).hash(&mut h);
-    }
+    translation_unit(source.file, source.source, source.entries).hash(&mut h);
     h.finish()
 }
 
@@ -116,9 +118,9 @@ fn run(cmd: &mut Command, what: &str) -> std::result::Result<(), String> {
     }
 }
 
-/// Compiles the library into `dir` (if not already there) and returns its path.
-fn build(dir: &Path, cxx: &str) -> std::result::Result<PathBuf, String> {
-    let lib = dir.join("libembers_cuda_sim.so");
+/// Compiles `source`'s library into `dir` (if not already there) and returns its path.
+fn build(dir: &Path, cxx: &str, source: &KernelSource) -> std::result::Result<PathBuf, String> {
+    let lib = dir.join("lib.so");
     if lib.exists() {
         return Ok(lib);
     }
@@ -133,61 +135,45 @@ fn build(dir: &Path, cxx: &str) -> std::result::Result<PathBuf, String> {
         Ok::<_, String>(p)
     };
     write("host_sim.hpp", HOST_SIM_HEADER)?;
-    let mut units = vec![write("runtime.cpp", RUNTIME_TU)?];
-    for (file, source, entries) in KERNELS {
-        let stem = file.trim_end_matches(".cu");
-        units.push(write(
-            &format!("{stem}.cpp"),
-            &translation_unit(file, source, entries),
-        )?);
-    }
-    let flags = [
+    let stem = source.file.trim_end_matches(".cu");
+    let text = format!(
+        "{}\n{RUNTIME_TU}",
+        translation_unit(source.file, source.source, source.entries)
+    );
+    let unit = write(&format!("{stem}.cpp"), &text)?;
+    let tmp = scratch.join("lib.so");
+    let mut cmd = Command::new(cxx);
+    cmd.args([
         "-std=c++20",
         "-O1",
         "-fPIC",
+        "-shared",
         "-Wall",
         "-Wno-sign-compare",
         "-Wno-unknown-pragmas",
         "-Wno-unused-function",
-    ];
-    // Compile the units in parallel (they are independent), then link.
-    let handles: Vec<_> = units
-        .iter()
-        .map(|u| {
-            let mut cmd = Command::new(cxx);
-            cmd.args(flags)
-                .arg("-c")
-                .arg(u)
-                .arg("-o")
-                .arg(u.with_extension("o"));
-            let what = format!("compiling {}", u.display());
-            std::thread::spawn(move || run(&mut cmd, &what))
-        })
-        .collect();
-    for h in handles {
-        h.join().map_err(|_| "a compiler thread panicked")??;
-    }
-    let tmp = scratch.join("lib.so");
-    let mut link = Command::new(cxx);
-    link.arg("-shared")
-        .arg("-o")
-        .arg(&tmp)
-        .args(units.iter().map(|u| u.with_extension("o")));
-    run(&mut link, "linking the emulation library")?;
+    ])
+    .arg(&unit)
+    .arg("-o")
+    .arg(&tmp);
+    run(
+        &mut cmd,
+        &format!("compiling {} for the host emulation", source.file),
+    )?;
     std::fs::rename(&tmp, &lib).map_err(|e| format!("installing {}: {e}", lib.display()))?;
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(lib)
 }
 
 impl Library {
-    fn load(path: &Path) -> std::result::Result<Library, String> {
+    fn load(path: &Path, source: &KernelSource) -> std::result::Result<Library, String> {
         // SAFETY: the library is the one just built from our own sources; loading it runs no
         // initialisers besides the C++ runtime's.
         let lib = unsafe { libloading::Library::new(path) }
             .map_err(|e| format!("loading {}: {e}", path.display()))?;
         let mut kernels = HashMap::new();
-        for (_, _, entries) in KERNELS {
-            for &e in *entries {
+        {
+            for &e in source.entries {
                 // SAFETY: the symbols are the wrappers `translation_unit` wrote, with these types.
                 let (launch, signature) = unsafe {
                     let l: libloading::Symbol<LaunchFn> = lib
@@ -226,31 +212,13 @@ impl Library {
         })
     }
 
-    /// The emulation library, built at first use (once per process and set of sources).
-    pub(crate) fn get(ordinal: usize) -> Result<Arc<Library>> {
-        static LIB: OnceLock<std::result::Result<Arc<Library>, String>> = OnceLock::new();
-        LIB.get_or_init(|| {
-            let cxx = compiler().ok_or_else(|| {
-                "no C++ compiler found ($CXX, g++ or c++) to build the kernels for the CPU"
-                    .to_string()
-            })?;
-            let dir = std::env::temp_dir()
-                .join("embers-cuda-sim")
-                .join(format!("{:016x}", sources_hash()));
-            let path = build(&dir, &cxx)?;
-            Library::load(&path).map(Arc::new)
-        })
-        .clone()
-        .map_err(|e| unavailable(ordinal, e))
-    }
-
     /// Runs `kernel` to completion on the calling thread.
     ///
     /// # Safety
     /// `params` point to the argument values; pointer arguments must be valid host addresses of
     /// buffers as large as the kernel reads and writes (the parameter list is checked here,
     /// buffer sizes are not).
-    pub(crate) unsafe fn launch(
+    unsafe fn launch(
         &self,
         ordinal: usize,
         kernel: &'static str,
@@ -298,6 +266,70 @@ impl Library {
             return Err(fail(msg.to_string_lossy().into_owned()));
         }
         Ok(())
+    }
+}
+
+/// The host emulation behind an emulated device: the C++ compiler, and each kernel source's
+/// library, built at the first launch of one of its kernels.
+pub(crate) struct Emulator {
+    cxx: String,
+}
+
+/// Libraries by source file, shared by every emulated device of the process.
+type Libraries =
+    Mutex<HashMap<&'static str, Arc<OnceLock<std::result::Result<Arc<Library>, String>>>>>;
+
+impl Emulator {
+    /// The emulation for device `ordinal`; fails when no C++ compiler is found.
+    pub(crate) fn new(ordinal: usize) -> Result<Emulator> {
+        static CXX: OnceLock<Option<String>> = OnceLock::new();
+        let cxx = CXX.get_or_init(compiler).clone().ok_or_else(|| {
+            unavailable(
+                ordinal,
+                "no C++ compiler found ($CXX, g++ or c++) to build the kernels for the CPU",
+            )
+        })?;
+        Ok(Emulator { cxx })
+    }
+
+    /// `source`'s library, built at first use (once per process and version of the source).
+    fn library(&self, ordinal: usize, source: &'static KernelSource) -> Result<Arc<Library>> {
+        static LIBRARIES: OnceLock<Libraries> = OnceLock::new();
+        let slot = LIBRARIES
+            .get_or_init(Default::default)
+            .lock()
+            .entry(source.file)
+            .or_default()
+            .clone();
+        // Built outside the map's lock: other sources build meanwhile; this one once.
+        slot.get_or_init(|| {
+            let dir = std::env::temp_dir().join("embers-cuda-sim").join(format!(
+                "{}-{:016x}",
+                source.file.trim_end_matches(".cu"),
+                source_hash(source)
+            ));
+            let path = build(&dir, &self.cxx, source)?;
+            Library::load(&path, source).map(Arc::new)
+        })
+        .clone()
+        .map_err(|e| unavailable(ordinal, e))
+    }
+
+    /// Runs `kernel` to completion on the calling thread.
+    ///
+    /// # Safety
+    /// As [`Library::launch`].
+    pub(crate) unsafe fn launch(
+        &self,
+        ordinal: usize,
+        kernel: Kernel,
+        cfg: &LaunchConfig,
+        params: &mut [*mut c_void],
+        kinds: &[ArgKind],
+    ) -> Result<()> {
+        let library = self.library(ordinal, kernel.source)?;
+        // SAFETY: per this function's contract.
+        unsafe { library.launch(ordinal, kernel.name, cfg, params, kinds) }
     }
 }
 

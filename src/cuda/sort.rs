@@ -1,9 +1,15 @@
-//! Stable radix sort of u64 keys on the device (`kernels/sort.cu`): 8 bits per pass, three
-//! launches per pass (tile histograms, a scan per digit, a tile-local sort and scatter). The TBE
-//! backward sorts its (row, position) keys with it.
+//! Device primitives over plain integers: a stable radix sort of u64 keys (8 bits per pass,
+//! three launches per pass: tile histograms, a scan per digit, a tile-local sort and scatter)
+//! and an exclusive scan (`kernels/sort.cu`). The TBE backward sorts its (row, position) keys
+//! with the first; bucketize and the row-sparse backward number their outputs with the second.
 
-use super::{DeviceBuffer, KernelArgs, LaunchConfig};
-use crate::{Error, Result};
+use super::{DeviceBuffer, LaunchConfig};
+use crate::error::{Error, Result};
+
+crate::kernel_source!(
+    pub(crate) static SORT = "sort.cu",
+    ["radix_histogram", "radix_scan_digits", "radix_scatter", "scan_exclusive_i64"];
+);
 
 /// Keys per tile (one block): `SORT_TILE` in `kernels/sort.cu`.
 const TILE: usize = 1024;
@@ -44,36 +50,52 @@ pub fn radix_sort_u64(
     let digit_totals = device.alloc::<i32>(256)?;
     let mut from = keys;
     let mut to = device.alloc::<u64>(n)?;
-    let grid = LaunchConfig {
-        grid: (tiles as u32, 1, 1),
-        block: (THREADS, 1, 1),
-        shared_bytes: 0,
-    };
+    let grid = LaunchConfig::blocks(tiles, THREADS);
     for pass in 0..passes {
         let shift = (low_bit + 8 * pass) as i32;
-        let mut args = KernelArgs::new();
-        args.buffer(&from).i64(n as i64).i32(shift).buffer(&counts);
-        // SAFETY: one block per tile of `from` (n keys); counts holds 256 per tile.
-        unsafe { device.launch("radix_histogram", grid, &mut args)? };
-        let mut args = KernelArgs::new();
-        args.buffer(&counts).i32(tiles as i32).buffer(&digit_totals);
-        let per_digit = LaunchConfig {
-            grid: (256, 1, 1),
-            block: (THREADS, 1, 1),
-            shared_bytes: 0,
-        };
-        // SAFETY: block d scans counts[d·tiles ..][..tiles] in place and writes digit_totals[d].
-        unsafe { device.launch("radix_scan_digits", per_digit, &mut args)? };
-        let mut args = KernelArgs::new();
-        args.buffer(&from)
-            .buffer(&to)
-            .i64(n as i64)
-            .i32(shift)
-            .buffer(&counts)
-            .buffer(&digit_totals);
-        // SAFETY: same grid as the histogram; every slot is < n, so writes stay in `to`.
-        unsafe { device.launch("radix_scatter", grid, &mut args)? };
+        // One block per tile of `from` (n keys); counts holds 256 per tile.
+        device.launch(
+            SORT.kernel("radix_histogram"),
+            grid,
+            &crate::args![from, n as i64, shift, counts],
+        )?;
+        // Block d scans counts[d·tiles ..][..tiles] in place and writes digit_totals[d].
+        device.launch(
+            SORT.kernel("radix_scan_digits"),
+            LaunchConfig::blocks(256, THREADS),
+            &crate::args![counts, tiles as i32, digit_totals],
+        )?;
+        // Same grid as the histogram; every slot is < n, so writes stay in `to`.
+        device.launch(
+            SORT.kernel("radix_scatter"),
+            grid,
+            &crate::args![from, to, n as i64, shift, counts, digit_totals],
+        )?;
         std::mem::swap(&mut from, &mut to);
     }
     Ok(from)
+}
+
+/// `out[i] = Σ input[..i]` over the first `n` values (both buffers hold at least `n`), on one
+/// block of the device.
+pub fn scan_exclusive_i64(
+    input: &DeviceBuffer<i64>,
+    out: &mut DeviceBuffer<i64>,
+    n: usize,
+) -> Result<()> {
+    if input.len() < n || out.len() < n {
+        return Err(Error::invalid(
+            "scan_exclusive_i64",
+            format!(
+                "{n} values to scan, buffers of {} and {}",
+                input.len(),
+                out.len()
+            ),
+        ));
+    }
+    input.device().launch(
+        SORT.kernel("scan_exclusive_i64"),
+        LaunchConfig::single_block(1024),
+        &crate::args![input, out, n as i64],
+    )
 }

@@ -103,6 +103,26 @@ impl TableGroups {
         self.groups.iter().map(|g| &g.tbe).collect()
     }
 
+    fn device(&self) -> crate::Device {
+        self.groups
+            .first()
+            .map_or(crate::Device::Cpu, |g| g.tbe.device())
+    }
+
+    fn to_device(&self, device: crate::Device) -> Result<()> {
+        let from = self.device();
+        for (i, g) in self.groups.iter().enumerate() {
+            if let Err(e) = g.tbe.to_device(device) {
+                // Put the groups moved so far back, so the collection stays on one device.
+                for moved in &self.groups[..i] {
+                    moved.tbe.to_device(from)?;
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     fn place(&self, table: &str) -> Result<TablePlace> {
         let i = self
             .names
@@ -148,6 +168,18 @@ macro_rules! table_access {
             self.tables.tbes()
         }
 
+        /// Where the tables live (all of a collection's tables on one device).
+        pub fn device(&self) -> crate::Device {
+            self.tables.device()
+        }
+
+        /// Moves every table and its optimizer state to `device` (clones of the collection
+        /// follow): lookups then return tensors there and backward updates the tables there.
+        /// On an error the tables stay where they were.
+        pub fn to_device(&self, device: crate::Device) -> Result<()> {
+            self.tables.to_device(device)
+        }
+
         /// A copy of table `table`'s rows (`[rows, dim]` row-major).
         pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
             self.tables.table_weights(table)
@@ -156,6 +188,25 @@ macro_rules! table_access {
         /// Overwrites table `table`'s rows.
         pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
             self.tables.set_table_weights(table, values)
+        }
+
+        /// With [`FusedOptimizer::None`]: the row-sparse gradient of `table` summed over the
+        /// backward calls since the last [`zero_sparse_gradients`](Self::zero_sparse_gradients),
+        /// coalesced (sorted distinct rows; values on the tables' device); `None` before a
+        /// backward reached it, or for tables with a fused optimizer. An unknown table is an
+        /// error.
+        pub fn sparse_gradient(&self, table: &str) -> Result<Option<crate::tensor::RowSparseGrad>> {
+            let (g, t) = self.tables.place(table)?;
+            (self.tables.groups[g].tbe.sparse_gradient(t))
+                .map(|grad| grad.coalesce())
+                .transpose()
+        }
+
+        /// Clears the gradients kept for [`sparse_gradient`](Self::sparse_gradient).
+        pub fn zero_sparse_gradients(&self) {
+            for g in &self.tables.groups {
+                g.tbe.zero_sparse_gradients();
+            }
         }
 
         /// Writes every table and its optimizer state to one safetensors file (atomically).
@@ -215,7 +266,7 @@ fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>
 
 /// Builds the TBE input of `features` from a KJT: zero-copy when the KJT holds exactly those
 /// keys in that order, else one gather of their ids (and weights).
-pub(crate) fn tbe_input_from_kjt(
+fn tbe_input_from_kjt(
     op: &'static str,
     kjt: &KeyedJaggedTensor,
     features: &[String],
@@ -298,7 +349,7 @@ pub(crate) fn tbe_input_from_kjt(
 }
 
 /// Puts each group's pooled output columns back in the collection's feature order.
-pub(crate) fn assemble_pooled(
+fn assemble_pooled(
     output_keys: &[String],
     output_dims: &[usize],
     mut outputs: Vec<(&[String], Tensor)>,
@@ -362,6 +413,14 @@ impl QuantizedEmbeddingBagCollection {
     /// Bytes held by the quantized tables.
     pub fn allocated_bytes(&self) -> usize {
         self.groups.iter().map(|(q, _)| q.allocated_bytes()).sum()
+    }
+
+    /// Makes the lookups run on `device` (the rows are copied there).
+    pub fn to_device(&mut self, device: crate::Device) -> Result<()> {
+        for (q, _) in &mut self.groups {
+            q.to_device(device)?;
+        }
+        Ok(())
     }
 }
 
@@ -484,13 +543,6 @@ impl EmbeddingBagCollection {
     /// The table configs.
     pub fn configs(&self) -> &[EmbeddingBagConfig] {
         &self.configs
-    }
-
-    /// The TBEs (one per pooling group) and the features each serves, in order.
-    pub(crate) fn groups(&self) -> Vec<(&TableBatchedEmbedding, &[String])> {
-        (self.tables.groups.iter())
-            .map(|g| (&g.tbe, g.features.as_slice()))
-            .collect()
     }
 
     table_access!();

@@ -1,17 +1,20 @@
 //! [`QuantizedTableBatchedEmbedding`]: the inference TBE (FBGEMM's
-//! `IntNBitTableBatchedEmbeddingBagsCodegen` on CPU). Tables of any [`WeightType`] share one
-//! byte buffer, each starting on a 128-byte boundary like FBGEMM's host buffer, rows unpadded;
-//! rows are dequantised and accumulated in f32.
+//! `IntNBitTableBatchedEmbeddingBagsCodegen`). Tables of any [`WeightType`] share one byte
+//! buffer, each starting on a 128-byte boundary like FBGEMM's host buffer, rows unpadded; rows
+//! are dequantised and accumulated in f32 — on the CPU (the pooling kernels of `tbe/cpu`), or
+//! on a CUDA device after [`to_device`](QuantizedTableBatchedEmbedding::to_device) (the
+//! kernels of `tbe/cuda`, the host bytes kept as the tables' record).
 
 use half::{bf16, f16};
 
 use super::config::{BoundsCheckMode, PoolingMode, TableSpec, WeightType};
 use super::input::{validate, Batch, FeatureBounds, SkipCounter, TbeInput};
-use super::kernels::{pooled_forward, sequence_forward, with_quant_rows, FeatureSlot};
 use super::quantize::{dequantize_row, quantize_row};
 use super::storage::RowBuffer;
-use super::tbe::TableBatchedEmbedding;
-use crate::{Error, Result, Tensor};
+use super::tbe::cpu::pool::{pooled_forward, sequence_forward, with_quant_rows, FeatureSlot};
+use super::tbe::cuda::{DeviceBatch, DeviceTables, FeatureLayout};
+use super::tbe::{next_operator_id, TableBatchedEmbedding, TbeBatch};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// Element type of an inference TBE's output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -44,6 +47,10 @@ pub struct QuantizedTableBatchedEmbedding {
     slots: Vec<FeatureSlot>,
     out_stride: usize,
     skips: SkipCounter,
+    /// The rows' copy on a CUDA device, where lookups then run.
+    on_device: Option<DeviceTables>,
+    /// This operator's number (prepared batches carry it).
+    id: usize,
 }
 
 impl std::fmt::Debug for QuantizedTableBatchedEmbedding {
@@ -141,6 +148,8 @@ impl QuantizedTableBatchedEmbedding {
             slots,
             out_stride,
             skips: SkipCounter::default(),
+            on_device: None,
+            id: next_operator_id(),
         })
     }
 
@@ -240,6 +249,56 @@ impl QuantizedTableBatchedEmbedding {
         Ok(start..start + spec.rows * self.weight_types[t].row_bytes(spec.dim))
     }
 
+    /// Where lookups run.
+    pub fn device(&self) -> Device {
+        match &self.on_device {
+            Some(d) => Device::Cuda(d.device().ordinal()),
+            None => Device::Cpu,
+        }
+    }
+
+    /// Makes lookups run on `device`: the rows are copied there (the host bytes stay as the
+    /// tables' record, for [`table_bytes`](Self::table_bytes) and checkpoints). Outputs are
+    /// then tensors on that device.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        self.on_device = match device {
+            Device::Cpu => None,
+            Device::Cuda(_) => Some(self.device_tables(crate::cuda::open(device)?)?),
+        };
+        Ok(())
+    }
+
+    /// A device copy of the rows with the per-feature layout the kernels read.
+    fn device_tables(
+        &self,
+        device: std::sync::Arc<crate::cuda::CudaDevice>,
+    ) -> Result<DeviceTables> {
+        let ftm = &self.feature_table_map;
+        let mut row_starts = vec![0i64; self.tables.len()];
+        for t in 1..self.tables.len() {
+            row_starts[t] = row_starts[t - 1] + self.tables[t - 1].rows as i64;
+        }
+        let layout = FeatureLayout {
+            table_offsets: ftm.iter().map(|&t| self.byte_offsets[t] as i64).collect(),
+            rows: ftm.iter().map(|&t| self.tables[t].rows as i64).collect(),
+            dims: ftm.iter().map(|&t| self.tables[t].dim as i32).collect(),
+            row_starts: ftm.iter().map(|&t| row_starts[t]).collect(),
+            total_rows: self.tables.iter().map(|s| s.rows).sum(),
+            table_dims: self.tables.iter().map(|s| s.dim).collect(),
+            pooling: self.pooling,
+        };
+        let types: Vec<WeightType> = ftm.iter().map(|&t| self.weight_types[t]).collect();
+        DeviceTables::quantized(device, layout, &self.data, &types)
+    }
+
+    /// After the host bytes changed: a fresh device copy, if lookups run on a device.
+    fn refresh_device(&mut self) -> Result<()> {
+        if let Some(d) = &self.on_device {
+            self.on_device = Some(self.device_tables(d.device().clone())?);
+        }
+        Ok(())
+    }
+
     /// Table `t`'s stored rows, back to back (`rows × row_bytes`).
     pub fn table_bytes(&self, t: usize) -> Result<&[u8]> {
         Ok(&self.data[self.table_range(t)?])
@@ -260,7 +319,7 @@ impl QuantizedTableBatchedEmbedding {
             ));
         }
         self.data[range].copy_from_slice(bytes);
-        Ok(())
+        self.refresh_device()
     }
 
     /// Quantises FP32 rows (`[rows, dim]` row-major) into table `t`.
@@ -286,7 +345,7 @@ impl QuantizedTableBatchedEmbedding {
         {
             quantize_row(ty, src, dst)?;
         }
-        Ok(())
+        self.refresh_device()
     }
 
     /// Table `t` dequantised to FP32, `[rows, dim]` row-major.
@@ -319,21 +378,63 @@ impl QuantizedTableBatchedEmbedding {
         validate(OP, input, &bounds, self.bounds_check, &self.skips)
     }
 
-    /// The lookup: `[B, ΣD]` (or `[N, D]` with pooling NONE) in the output dtype.
-    pub fn forward(&self, input: TbeInput<'_>) -> Result<Tensor> {
-        let batch = self.validate_input(input)?;
-        let (out, shape) = self.forward_f32(&batch);
-        match self.output_dtype {
-            OutputDType::F32 => Tensor::from_vec(out, &shape),
-            OutputDType::F16 => Tensor::from_vec(
-                out.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
-                &shape,
-            ),
-            OutputDType::Bf16 => Tensor::from_vec(
-                out.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
-                &shape,
-            ),
+    /// Checks `input` against the tables and copies it to the device lookups run on: a batch
+    /// ready for [`lookup_batch`](Self::lookup_batch), as often as wanted.
+    pub fn prepare(&self, input: TbeInput<'_>) -> Result<TbeBatch> {
+        let batch = self.validate_input(input)?.into_owned();
+        let on_device = (self.on_device.as_ref())
+            .map(|d| DeviceBatch::upload(d.device(), &batch))
+            .transpose()?;
+        Ok(TbeBatch {
+            owner: self.id,
+            batch,
+            on_device,
+        })
+    }
+
+    /// The lookup of a prepared batch: `[B, ΣD]` (or `[N, D]` with pooling NONE) in the output
+    /// dtype, on the device lookups run on.
+    pub fn lookup_batch(&self, batch: &TbeBatch) -> Result<Tensor> {
+        if batch.owner != self.id {
+            return Err(Error::invalid(
+                OP,
+                "the batch was prepared by another operator",
+            ));
         }
+        let out = match (&self.on_device, &batch.on_device) {
+            (Some(d), Some(on_device)) => d.forward(on_device)?,
+            (None, None) => {
+                let (out, shape) = self.forward_f32(&batch.batch);
+                return match self.output_dtype {
+                    OutputDType::F32 => Tensor::from_vec(out, &shape),
+                    OutputDType::F16 => Tensor::from_vec(
+                        out.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+                        &shape,
+                    ),
+                    OutputDType::Bf16 => Tensor::from_vec(
+                        out.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+                        &shape,
+                    ),
+                };
+            }
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    "the lookups moved to another device since the batch was prepared",
+                ))
+            }
+        };
+        match self.output_dtype {
+            OutputDType::F32 => Ok(out),
+            OutputDType::F16 => out.to_dtype(DType::F16),
+            OutputDType::Bf16 => out.to_dtype(DType::BF16),
+        }
+    }
+
+    /// The lookup: `[B, ΣD]` (or `[N, D]` with pooling NONE) in the output dtype, on the
+    /// device lookups run on.
+    pub fn forward(&self, input: TbeInput<'_>) -> Result<Tensor> {
+        self.lookup_batch(&self.prepare(input)?)
     }
 
     /// The lookup into a caller-provided f32 buffer (no allocation); `out` must hold
@@ -351,12 +452,18 @@ impl QuantizedTableBatchedEmbedding {
                 ),
             ));
         }
-        self.pool_into(&batch, out);
+        match &self.on_device {
+            Some(d) => {
+                let values = d.forward(&DeviceBatch::upload(d.device(), &batch)?)?;
+                out.copy_from_slice(&values.to_vec::<f32>()?);
+            }
+            None => self.pool_into(&batch, out),
+        }
         Ok(())
     }
 
     fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) {
-        let visit = |f: usize, k: &mut dyn FnMut(&dyn super::kernels::PoolFeature)| {
+        let visit = |f: usize, k: &mut dyn FnMut(&dyn super::tbe::cpu::pool::PoolFeature)| {
             let t = self.feature_table_map[f];
             let range = self.byte_offsets[t]
                 ..self.byte_offsets[t]

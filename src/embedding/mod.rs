@@ -27,20 +27,16 @@
 //! Beyond FBGEMM's CPU build: any dim ≥ 1 (FBGEMM CPU needs multiples of 4 for training and an
 //! even packed byte count for 4/2-bit rows), Adam, pooling NONE in training, OCP E4M3FN rows.
 
-mod backward;
 pub mod checkpoint;
 mod collection;
 mod config;
 mod inference;
 mod input;
-pub(crate) mod kernels;
 pub mod optimizer;
 pub mod quantize;
 mod storage;
-mod tbe;
+pub(crate) mod tbe;
 
-pub use backward::{BackwardOutput, SparseTableGrad};
-pub(crate) use collection::{assemble_pooled, tbe_input_from_kjt};
 pub use collection::{
     EmbeddingBagCollection, EmbeddingCollection, QuantizedEmbeddingBagCollection,
 };
@@ -50,7 +46,7 @@ pub use config::{
 };
 pub use inference::{OutputDType, QuantizedTableBatchedEmbedding};
 pub use input::{IndexSlice, TbeInput};
-pub(crate) use optimizer::bias_corrections;
 pub use optimizer::{FusedOptimizer, StateShape, WeightDecay};
 pub use storage::{RowBuffer, RowElement};
-pub use tbe::{TableBatchedEmbedding, TbeConfig};
+pub use tbe::cpu::backward::{BackwardOutput, SparseTableGrad};
+pub use tbe::{TableBatchedEmbedding, TbeBatch, TbeConfig, TbeGradients};

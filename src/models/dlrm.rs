@@ -7,9 +7,6 @@
 //! feeds `[B, (F+1)·D]` through a low-rank cross network; the over arch ends in one
 //! un-activated linear layer producing logits.
 
-use std::sync::Arc;
-
-use crate::cuda::CudaEmbeddingBagCollection;
 use crate::embedding::EmbeddingBagCollection;
 use crate::nn::{prefixed, Activation, Forward, Init, Linear, Mlp, Module};
 use crate::sparse::KeyedJaggedTensor;
@@ -317,8 +314,6 @@ pub struct Dlrm {
     pub sparse_arch: EmbeddingBagCollection,
     /// Everything after the lookup.
     pub dense: DlrmDense,
-    /// The tables' copy on a CUDA device, after [`to_device`](Self::to_device).
-    device_tables: Option<Arc<CudaEmbeddingBagCollection>>,
 }
 
 impl Dlrm {
@@ -336,11 +331,7 @@ impl Dlrm {
                 ),
             ));
         }
-        Ok(Dlrm {
-            sparse_arch,
-            dense,
-            device_tables: None,
-        })
+        Ok(Dlrm { sparse_arch, dense })
     }
 
     /// `dense_features [B, dense_in]`, `sparse_features` (a KJT with the tables' features) →
@@ -350,58 +341,26 @@ impl Dlrm {
         dense_features: &Tensor,
         sparse_features: &KeyedJaggedTensor,
     ) -> Result<Tensor> {
-        let pooled = match &self.device_tables {
-            Some(tables) => tables.forward(sparse_features)?,
-            None => self.sparse_arch.forward(sparse_features)?,
-        };
+        let pooled = self.sparse_arch.forward(sparse_features)?;
         self.forward_pooled(dense_features, pooled.values())
     }
 
-    /// The device the model computes on (the dense half's and the tables').
+    /// The device the model computes on (its tables' and dense half's).
     pub fn device(&self) -> Device {
-        match &self.device_tables {
-            Some(t) => Device::Cuda(t.device().ordinal()),
-            None => Device::Cpu,
-        }
+        self.sparse_arch.device()
     }
 
-    /// Moves the model to `device`: the dense parameters in place (build the dense optimizer
-    /// after this), the tables as a device copy that [`forward`](Self::forward) then uses and
-    /// whose backward trains them there. Moving back to the CPU copies the tables back first.
+    /// Moves the model to `device`: the tables (with their optimizer state) and the dense
+    /// parameters, in place (build the dense optimizer after this). On an error nothing moved.
     pub fn to_device(&mut self, device: Device) -> Result<()> {
-        if device == self.device() {
+        let from = self.device();
+        if device == from {
             return Ok(());
         }
-        if self.device_tables.is_some() {
-            self.sync_tables_to_host()?;
-            self.device_tables = None;
-        }
-        self.dense.to_device(device)?;
-        if device.is_cuda() {
-            let tables = CudaEmbeddingBagCollection::new(&self.sparse_arch, device)?;
-            self.device_tables = Some(Arc::new(tables));
-        }
-        Ok(())
-    }
-
-    /// Copies the device tables (values and fused-optimizer state) into
-    /// [`sparse_arch`](Self::sparse_arch); nothing to do for a model on the CPU.
-    pub fn sync_tables_to_host(&self) -> Result<()> {
-        match &self.device_tables {
-            Some(t) => t.copy_to(&self.sparse_arch),
-            None => Ok(()),
-        }
-    }
-
-    /// Makes the device tables a fresh copy of [`sparse_arch`](Self::sparse_arch) (after its
-    /// values were changed on the host, e.g. by a checkpoint restore).
-    pub fn sync_tables_to_device(&mut self) -> Result<()> {
-        if self.device_tables.is_some() {
-            let device = self.device();
-            self.device_tables = Some(Arc::new(CudaEmbeddingBagCollection::new(
-                &self.sparse_arch,
-                device,
-            )?));
+        self.sparse_arch.to_device(device)?;
+        if let Err(e) = self.dense.to_device(device) {
+            self.sparse_arch.to_device(from)?;
+            return Err(e);
         }
         Ok(())
     }

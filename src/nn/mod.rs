@@ -62,10 +62,18 @@ pub trait Module {
     }
 
     /// Moves every parameter to `device` in place (handles held elsewhere, e.g. by an
-    /// optimizer built later or earlier, follow; build optimizer state after the move).
+    /// optimizer built later or earlier, follow; build optimizer state after the move). On an
+    /// error (out of memory, say) the parameters moved so far go back: nothing moved.
     fn to_device(&self, device: crate::Device) -> Result<()> {
-        for p in self.parameters() {
-            p.move_to_device(device)?;
+        let params = self.parameters();
+        for (i, p) in params.iter().enumerate() {
+            let from = p.device();
+            if let Err(e) = p.move_to_device(device) {
+                for moved in &params[..i] {
+                    moved.move_to_device(from)?;
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }

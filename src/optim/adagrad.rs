@@ -1,11 +1,15 @@
 //! Adagrad.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use super::{check_param, for_each_range, impl_optimizer, touched, Touched};
+use crate::cuda::CudaDevice;
 use crate::tensor::dtype::FloatElem;
-use crate::tensor::ops::PAR_THRESHOLD;
-use crate::{Result, Tensor};
+use crate::tensor::ops::{with_float, PAR_THRESHOLD};
+use crate::tensor::{run_on, DeviceOp};
+use crate::{Gradient, Result, Tensor};
 
 /// Adagrad as `torch.optim.Adagrad`: `s += g²`, `w −= lr_t · g / (√s + eps)` with
 /// `lr_t = lr / (1 + (t−1)·lr_decay)`. Sparse gradients update only their rows.
@@ -38,8 +42,8 @@ impl Adagrad {
         }
         let sums = params
             .iter()
-            .map(|p| Tensor::full(initial_accumulator_value, p.shape(), p.dtype(), p.device()))
-            .collect();
+            .map(|p| Tensor::try_full(initial_accumulator_value, p.shape(), p.dtype(), p.device()))
+            .collect::<Result<_>>()?;
         let n = params.len();
         Ok(Adagrad {
             params,
@@ -78,34 +82,45 @@ impl Adagrad {
         Ok(())
     }
 
-    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+    fn step_param(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {
             return Ok(());
         };
         self.steps[i] += 1;
-        let clr = self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay);
-        let dense = self.weight_decay != 0.0;
-        if let Some(g) = super::cuda_grad(p, &grad, dense)? {
-            let (wd, eps) = (self.weight_decay, self.eps);
-            let sums = Some(&self.sums[i]);
-            return crate::tensor::cuda::optimizer_step(
-                "Adagrad",
-                "adagrad_step_f32",
-                p,
-                &[sums],
-                &g.values,
-                g.rows.as_deref(),
-                |a| {
-                    a.f32(clr as f32).f32(wd as f32).f32(eps as f32);
-                },
-            );
-        }
-        let g = touched::<T>(p, &grad, dense)?;
-        let clr = T::from_f64(clr);
-        let (wd, eps) = (T::from_f64(self.weight_decay), T::from_f64(self.eps));
+        let step = AdagradStep {
+            adagrad: self,
+            i,
+            grad: &grad,
+            clr: self.lr / (1.0 + (self.steps[i] - 1) as f64 * self.lr_decay),
+        };
+        run_on(self.params[i].device(), &step)
+    }
+}
+
+/// One step of parameter `i` with its gradient.
+struct AdagradStep<'a> {
+    adagrad: &'a Adagrad,
+    i: usize,
+    grad: &'a Gradient,
+    /// This step's learning rate.
+    clr: f64,
+}
+
+impl AdagradStep<'_> {
+    /// Weight decay touches every element: it densifies sparse gradients.
+    fn dense(&self) -> bool {
+        self.adagrad.weight_decay != 0.0
+    }
+
+    fn cpu_typed<T: FloatElem>(&self) -> Result<()> {
+        let a = self.adagrad;
+        let p = &a.params[self.i];
+        let g = touched::<T>(p, self.grad, self.dense())?;
+        let clr = T::from_f64(self.clr);
+        let (wd, eps) = (T::from_f64(a.weight_decay), T::from_f64(a.eps));
         let mut w = p.data_mut::<T>()?;
-        let mut s = self.sums[i].data_mut::<T>()?;
+        let mut s = a.sums[self.i].data_mut::<T>()?;
         let update = |w: &mut [T], s: &mut [T], g: &[T]| {
             for ((w, s), &g) in w.iter_mut().zip(s.iter_mut()).zip(g) {
                 let d = g + wd * *w;
@@ -128,6 +143,25 @@ impl Adagrad {
             }),
         }
         Ok(())
+    }
+}
+
+impl DeviceOp for AdagradStep<'_> {
+    type Output = ();
+    fn cpu(&self) -> Result<()> {
+        with_float!(self.adagrad.params[self.i].dtype(), "Adagrad", T => self.cpu_typed::<T>())
+    }
+    fn cuda(&self, _device: &Arc<CudaDevice>) -> Result<()> {
+        let a = self.adagrad;
+        let grad = super::cuda::DeviceGrad::new(self.grad, self.dense())?;
+        super::cuda::step(
+            "Adagrad",
+            "adagrad_step_f32",
+            &a.params[self.i],
+            &[Some(&a.sums[self.i])],
+            &grad,
+            &crate::args![self.clr as f32, a.weight_decay as f32, a.eps as f32],
+        )
     }
 }
 

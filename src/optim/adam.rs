@@ -1,8 +1,13 @@
 //! Adam and AdamW.
 
+use std::sync::Arc;
+
 use super::{check_param, for_each_range, impl_optimizer, touched};
+use crate::cuda::CudaDevice;
 use crate::tensor::dtype::FloatElem;
-use crate::{Result, Tensor};
+use crate::tensor::ops::with_float;
+use crate::tensor::{run_on, DeviceOp};
+use crate::{Gradient, Result, Tensor};
 
 /// Hyper-parameters of [`Adam`].
 #[derive(Clone, Copy, Debug)]
@@ -75,12 +80,18 @@ impl Adam {
         }
         let n = params.len();
         Ok(Adam {
-            exp_avg: params.iter().map(Tensor::zeros_like).collect(),
-            exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
+            exp_avg: params
+                .iter()
+                .map(Tensor::try_zeros_like)
+                .collect::<Result<_>>()?,
+            exp_avg_sq: params
+                .iter()
+                .map(Tensor::try_zeros_like)
+                .collect::<Result<_>>()?,
             max_exp_avg_sq: params
                 .iter()
-                .map(|p| config.amsgrad.then(|| p.zeros_like()))
-                .collect(),
+                .map(|p| config.amsgrad.then(|| p.try_zeros_like()).transpose())
+                .collect::<Result<_>>()?,
             steps: vec![0; n],
             params,
             config,
@@ -123,47 +134,53 @@ impl Adam {
         Ok(())
     }
 
-    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+    fn step_param(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {
             return Ok(());
         };
-        let c = self.config;
         self.steps[i] += 1;
-        let t = self.steps[i] as i32;
-        let l2 = c.weight_decay != 0.0 && !c.decoupled_weight_decay;
-        if let Some(g) = super::cuda_grad(p, &grad, l2)? {
-            let decay = if c.decoupled_weight_decay {
-                1.0 - c.lr * c.weight_decay
-            } else {
-                1.0
-            };
-            let state = [
-                Some(&self.exp_avg[i]),
-                Some(&self.exp_avg_sq[i]),
-                self.max_exp_avg_sq[i].as_ref(),
-            ];
-            return crate::tensor::cuda::optimizer_step(
-                "Adam",
-                "adam_step_f32",
-                p,
-                &state,
-                &g.values,
-                g.rows.as_deref(),
-                |a| {
-                    a.f32(c.betas.0 as f32)
-                        .f32(c.betas.1 as f32)
-                        .f32((1.0 - c.betas.0.powi(t)) as f32)
-                        .f32((1.0 - c.betas.1.powi(t)).sqrt() as f32)
-                        .f32(c.lr as f32)
-                        .f32(c.eps as f32)
-                        .f32(c.weight_decay as f32)
-                        .i32(i32::from(l2))
-                        .f32(decay as f32);
-                },
-            );
+        let step = AdamStep {
+            adam: self,
+            i,
+            grad: &grad,
+            t: self.steps[i] as i32,
+        };
+        run_on(self.params[i].device(), &step)
+    }
+}
+
+/// One step of parameter `i` with its gradient.
+struct AdamStep<'a> {
+    adam: &'a Adam,
+    i: usize,
+    grad: &'a Gradient,
+    /// This step's number (bias correction).
+    t: i32,
+}
+
+impl AdamStep<'_> {
+    /// An L2 term in the gradient touches every element: it densifies sparse gradients.
+    fn l2(&self) -> bool {
+        let c = &self.adam.config;
+        c.weight_decay != 0.0 && !c.decoupled_weight_decay
+    }
+
+    /// The factor decoupled weight decay shrinks the parameter by before the update.
+    fn decay(&self) -> f64 {
+        let c = &self.adam.config;
+        if c.decoupled_weight_decay {
+            1.0 - c.lr * c.weight_decay
+        } else {
+            1.0
         }
-        let g = touched::<T>(p, &grad, l2)?;
+    }
+
+    fn cpu_typed<T: FloatElem>(&self) -> Result<()> {
+        let (a, i, t, l2) = (self.adam, self.i, self.t, self.l2());
+        let c = a.config;
+        let p = &a.params[i];
+        let g = touched::<T>(p, self.grad, l2)?;
         let f = T::from_f64;
         let (b1, b2) = (f(c.betas.0), f(c.betas.1));
         let bc1 = f(1.0 - c.betas.0.powi(t));
@@ -175,9 +192,9 @@ impl Adam {
             T::one()
         };
         let mut w = p.data_mut::<T>()?;
-        let mut m = self.exp_avg[i].data_mut::<T>()?;
-        let mut v = self.exp_avg_sq[i].data_mut::<T>()?;
-        let mut vmax = match &self.max_exp_avg_sq[i] {
+        let mut m = a.exp_avg[i].data_mut::<T>()?;
+        let mut v = a.exp_avg_sq[i].data_mut::<T>()?;
+        let mut vmax = match &a.max_exp_avg_sq[i] {
             Some(t) => Some(t.data_mut::<T>()?),
             None => None,
         };
@@ -199,6 +216,40 @@ impl Adam {
             }
         });
         Ok(())
+    }
+}
+
+impl DeviceOp for AdamStep<'_> {
+    type Output = ();
+    fn cpu(&self) -> Result<()> {
+        with_float!(self.adam.params[self.i].dtype(), "Adam", T => self.cpu_typed::<T>())
+    }
+    fn cuda(&self, _device: &Arc<CudaDevice>) -> Result<()> {
+        let (a, i, t) = (self.adam, self.i, self.t);
+        let c = a.config;
+        let grad = super::cuda::DeviceGrad::new(self.grad, self.l2())?;
+        super::cuda::step(
+            "Adam",
+            "adam_step_f32",
+            &a.params[i],
+            &[
+                Some(&a.exp_avg[i]),
+                Some(&a.exp_avg_sq[i]),
+                a.max_exp_avg_sq[i].as_ref(),
+            ],
+            &grad,
+            &crate::args![
+                c.betas.0 as f32,
+                c.betas.1 as f32,
+                (1.0 - c.betas.0.powi(t)) as f32,
+                (1.0 - c.betas.1.powi(t)).sqrt() as f32,
+                c.lr as f32,
+                c.eps as f32,
+                c.weight_decay as f32,
+                i32::from(self.l2()),
+                self.decay() as f32
+            ],
+        )
     }
 }
 

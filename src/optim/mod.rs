@@ -5,6 +5,7 @@
 
 mod adagrad;
 mod adam;
+pub(crate) mod cuda;
 mod sgd;
 
 pub use adagrad::Adagrad;
@@ -35,13 +36,14 @@ pub trait Optimizer {
 }
 
 /// Implements [`Optimizer`] for a type with `params: Vec<Tensor>`, a learning-rate field and
-/// a generic `step_param::<T>(i)` that updates parameter `i`.
+/// a `step_param(i)` that updates parameter `i` (its CPU or CUDA half, by the parameter's
+/// device).
 macro_rules! impl_optimizer {
     ($ty:ident, $name:literal, $($lr:ident).+) => {
         impl $crate::optim::Optimizer for $ty {
             fn step(&mut self) -> $crate::Result<()> {
                 for i in 0..self.params.len() {
-                    $crate::tensor::ops::with_float!(self.params[i].dtype(), $name, T => self.step_param::<T>(i)?);
+                    self.step_param(i)?;
                 }
                 Ok(())
             }
@@ -93,40 +95,6 @@ pub(crate) fn touched<T: FloatElem>(
             g.to_dense()?.cast_values(param.dtype())?.to_vec()?,
         )),
     }
-}
-
-/// A CUDA parameter's gradient as the device kernels of `kernels/optim.cu` take it.
-pub(crate) struct CudaGrad {
-    /// Dense like the parameter, or just the rows `rows`.
-    pub values: Tensor,
-    /// Sorted distinct rows of a coalesced row-sparse gradient (`None`: dense).
-    pub rows: Option<Vec<i64>>,
-}
-
-/// The gradient of a parameter on a CUDA device (`None` for parameters on the CPU). As with
-/// [`touched`], row-sparse gradients stay row-sparse (coalesced, on the device) unless `dense`
-/// asks for every element, so only the touched rows and their state are updated.
-pub(crate) fn cuda_grad(p: &Tensor, grad: &Gradient, dense: bool) -> Result<Option<CudaGrad>> {
-    if !p.device().is_cuda() {
-        return Ok(None);
-    }
-    Ok(Some(match grad {
-        Gradient::Dense(g) => CudaGrad {
-            values: g.clone(),
-            rows: None,
-        },
-        Gradient::RowSparse(s) if !dense => {
-            let s = s.coalesce()?;
-            CudaGrad {
-                values: s.values,
-                rows: Some(s.rows),
-            }
-        }
-        Gradient::RowSparse(s) => CudaGrad {
-            values: s.to_dense()?,
-            rows: None,
-        },
-    }))
 }
 
 /// Runs `update(range, grad)` over either every element or each touched row's element range.
@@ -228,7 +196,7 @@ pub(crate) fn state_steps(
     state: &[(String, Tensor)],
     n: usize,
 ) -> Result<Vec<u64>> {
-    let like = Tensor::zeros(&[n], crate::DType::I64, crate::Device::Cpu);
+    let like = Tensor::try_zeros(&[n], crate::DType::I64, crate::Device::Cpu)?;
     let steps = required_entry(op, state, "step", &like)?.to_vec::<i64>()?;
     steps
         .iter()

@@ -1,8 +1,13 @@
 //! Stochastic gradient descent.
 
+use std::sync::Arc;
+
 use super::{check_param, for_each_range, impl_optimizer, touched};
+use crate::cuda::CudaDevice;
 use crate::tensor::dtype::FloatElem;
-use crate::{Result, Tensor};
+use crate::tensor::ops::with_float;
+use crate::tensor::{run_on, DeviceOp};
+use crate::{Gradient, Result, Tensor};
 
 /// SGD with optional momentum (dampening, Nesterov) and L2 weight decay, as `torch.optim.SGD`.
 pub struct Sgd {
@@ -79,50 +84,62 @@ impl Sgd {
         Ok(())
     }
 
-    fn step_param<T: FloatElem>(&mut self, i: usize) -> Result<()> {
+    fn step_param(&mut self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(grad) = p.gradient() else {
             return Ok(());
         };
         let use_momentum = self.momentum != 0.0;
-        // Momentum and weight decay touch every element: densify sparse gradients for them.
         let first = self.momentum_buffers[i].is_none();
         if use_momentum && first {
-            self.momentum_buffers[i] = Some(p.zeros_like());
+            self.momentum_buffers[i] = Some(p.try_zeros_like()?);
         }
-        let dense = use_momentum || self.weight_decay != 0.0;
-        if let Some(g) = super::cuda_grad(p, &grad, dense)? {
-            let buf = self.momentum_buffers[i].as_ref().filter(|_| use_momentum);
-            let (lr, mom, damp, wd) = (self.lr, self.momentum, self.dampening, self.weight_decay);
-            let nesterov = self.nesterov;
-            return crate::tensor::cuda::optimizer_step(
-                "Sgd",
-                "sgd_step_f32",
-                p,
-                &[buf],
-                &g.values,
-                g.rows.as_deref(),
-                |a| {
-                    a.f32(lr as f32)
-                        .f32(mom as f32)
-                        .f32(damp as f32)
-                        .f32(wd as f32)
-                        .i32(i32::from(nesterov))
-                        .i32(i32::from(first));
-                },
-            );
-        }
-        let g = touched::<T>(p, &grad, dense)?;
+        let step = SgdStep {
+            sgd: self,
+            i,
+            grad: &grad,
+            first,
+        };
+        run_on(self.params[i].device(), &step)
+    }
+}
+
+/// One step of parameter `i` with its gradient.
+struct SgdStep<'a> {
+    sgd: &'a Sgd,
+    i: usize,
+    grad: &'a Gradient,
+    /// The momentum buffer was just made (it takes the first update as is).
+    first: bool,
+}
+
+impl SgdStep<'_> {
+    fn momentum_buffer(&self) -> Option<&Tensor> {
+        let s = self.sgd;
+        s.momentum_buffers[self.i]
+            .as_ref()
+            .filter(|_| s.momentum != 0.0)
+    }
+
+    /// Momentum and weight decay touch every element: they densify sparse gradients.
+    fn dense(&self) -> bool {
+        self.sgd.momentum != 0.0 || self.sgd.weight_decay != 0.0
+    }
+
+    fn cpu_typed<T: FloatElem>(&self) -> Result<()> {
+        let (s, first) = (self.sgd, self.first);
+        let p = &s.params[self.i];
+        let g = touched::<T>(p, self.grad, self.dense())?;
         let (lr, mom, damp, wd) = (
-            T::from_f64(self.lr),
-            T::from_f64(self.momentum),
-            T::from_f64(self.dampening),
-            T::from_f64(self.weight_decay),
+            T::from_f64(s.lr),
+            T::from_f64(s.momentum),
+            T::from_f64(s.dampening),
+            T::from_f64(s.weight_decay),
         );
         let mut w = p.data_mut::<T>()?;
-        let mut buf = match &self.momentum_buffers[i] {
-            Some(b) if use_momentum => Some(b.data_mut::<T>()?),
-            _ => None,
+        let mut buf = match self.momentum_buffer() {
+            Some(b) => Some(b.data_mut::<T>()?),
+            None => None,
         };
         for_each_range(p, &g, |range, g| {
             for (k, j) in range.enumerate() {
@@ -133,12 +150,38 @@ impl Sgd {
                     } else {
                         mom * b[j] + (T::one() - damp) * d
                     };
-                    d = if self.nesterov { d + mom * b[j] } else { b[j] };
+                    d = if s.nesterov { d + mom * b[j] } else { b[j] };
                 }
                 w[j] = w[j] - lr * d;
             }
         });
         Ok(())
+    }
+}
+
+impl DeviceOp for SgdStep<'_> {
+    type Output = ();
+    fn cpu(&self) -> Result<()> {
+        with_float!(self.sgd.params[self.i].dtype(), "Sgd", T => self.cpu_typed::<T>())
+    }
+    fn cuda(&self, _device: &Arc<CudaDevice>) -> Result<()> {
+        let s = self.sgd;
+        let grad = super::cuda::DeviceGrad::new(self.grad, self.dense())?;
+        super::cuda::step(
+            "Sgd",
+            "sgd_step_f32",
+            &s.params[self.i],
+            &[self.momentum_buffer()],
+            &grad,
+            &crate::args![
+                s.lr as f32,
+                s.momentum as f32,
+                s.dampening as f32,
+                s.weight_decay as f32,
+                i32::from(s.nesterov),
+                i32::from(self.first)
+            ],
+        )
     }
 }
 

@@ -60,11 +60,11 @@ impl RowSparseGrad {
 
     /// Materialises the dense gradient (zeros outside the touched rows).
     pub fn to_dense(&self) -> Result<Tensor> {
-        let zeros = Tensor::zeros(
+        let zeros = Tensor::try_zeros(
             &self.dense_shape(),
             self.values.dtype(),
             self.values.device(),
-        );
+        )?;
         zeros.index_add_rows(&self.rows, &self.values)
     }
 
@@ -84,7 +84,7 @@ impl RowSparseGrad {
         let target: Vec<i64> = self.rows.iter().map(|r| position[r]).collect();
         let mut shape = self.values.shape().to_vec();
         shape[0] = unique.len();
-        let values = Tensor::zeros(&shape, self.values.dtype(), self.values.device())
+        let values = Tensor::try_zeros(&shape, self.values.dtype(), self.values.device())?
             .index_add_rows(&target, &self.values)?;
         Ok(RowSparseGrad {
             rows: unique,

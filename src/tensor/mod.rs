@@ -1,8 +1,9 @@
-//! The general tensor core: [`Tensor`] with shared storage and strided views, dtypes, CPU
-//! kernels, and reverse-mode autograd.
+//! The general tensor core: [`Tensor`] with shared storage and strided views, dtypes, the ops
+//! with their gradients (`ops`), reverse-mode autograd, and the backends that compute the ops'
+//! values on each device (`backend`: CPU and CUDA side by side).
 
 pub mod autograd;
-pub mod cuda;
+pub mod backend;
 pub mod device;
 pub mod dtype;
 pub mod layout;
@@ -17,7 +18,7 @@ pub use autograd::{
     is_grad_enabled, no_grad, record_op, record_op_with_state, BackwardOp, Gradient, NoGradGuard,
     RowSparseGrad,
 };
-pub use cuda::CudaStorage;
+pub use backend::{run_on, CudaStorage, DeviceOp};
 pub use device::Device;
 pub use dtype::{DType, FloatElem, NumElem, WithDType};
 pub use layout::Layout;

@@ -84,7 +84,7 @@ pub enum Storage {
     /// Host memory.
     Cpu(CpuStorage),
     /// Memory of a CUDA device (or of its host emulation).
-    Cuda(super::cuda::CudaStorage),
+    Cuda(super::backend::CudaStorage),
 }
 
 fn not_on_cpu(op: &'static str, device: Device) -> Error {

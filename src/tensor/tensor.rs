@@ -9,6 +9,7 @@ use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use super::autograd::{self, Gradient, Node};
+use super::backend::{with_backend, Backend};
 use super::dtype::{DType, WithDType};
 use super::layout::Layout;
 use super::storage::{match_storage, CpuStorage, Storage};
@@ -99,7 +100,7 @@ impl Tensor {
     }
 
     /// Internal constructor over device storage of `numel(shape)` elements.
-    pub(crate) fn from_cuda(storage: super::cuda::CudaStorage, shape: &[usize]) -> Tensor {
+    pub(crate) fn from_cuda(storage: super::backend::CudaStorage, shape: &[usize]) -> Tensor {
         debug_assert_eq!(storage.len, shape.iter().product::<usize>());
         let dtype = storage.dtype;
         Tensor::from_parts(
@@ -137,43 +138,47 @@ impl Tensor {
 
     /// [`Tensor::full`], with device errors returned.
     pub fn try_full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        if device.is_cuda() {
-            return super::cuda::full(value, shape, dtype, device);
-        }
-        let n = shape.iter().product();
-        let storage = match dtype {
-            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
-            DType::F64 => CpuStorage::F64(vec![value; n]),
-            DType::F16 => CpuStorage::F16(vec![<half::f16 as WithDType>::from_f64(value); n]),
-            DType::BF16 => CpuStorage::BF16(vec![<half::bf16 as WithDType>::from_f64(value); n]),
-            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
-            DType::I32 => CpuStorage::I32(vec![value as i32; n]),
-            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
-        };
-        Ok(Tensor::from_cpu(storage, shape))
+        with_backend!(device, B => B::full(value, shape, dtype, device))
     }
 
     /// A tensor of zeros on `device` (panics as [`Tensor::full`] does).
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Tensor {
-        if device.is_cuda() {
-            return Tensor::full(0.0, shape, dtype, device);
-        }
-        Tensor::from_cpu(CpuStorage::zeros(dtype, shape.iter().product()), shape)
+        Tensor::full(0.0, shape, dtype, device)
     }
 
-    /// A tensor of ones.
+    /// [`Tensor::zeros`], with device errors returned.
+    pub fn try_zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::try_full(0.0, shape, dtype, device)
+    }
+
+    /// A tensor of ones (panics as [`Tensor::full`] does).
     pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Tensor {
         Tensor::full(1.0, shape, dtype, device)
     }
 
-    /// Zeros with this tensor's shape, dtype and device.
+    /// [`Tensor::ones`], with device errors returned.
+    pub fn try_ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::try_full(1.0, shape, dtype, device)
+    }
+
+    /// Zeros with this tensor's shape, dtype and device (panics as [`Tensor::full`] does).
     pub fn zeros_like(&self) -> Tensor {
         Tensor::zeros(self.shape(), self.dtype(), self.device())
     }
 
-    /// Ones with this tensor's shape, dtype and device.
+    /// [`Tensor::zeros_like`], with device errors returned.
+    pub fn try_zeros_like(&self) -> Result<Tensor> {
+        Tensor::try_zeros(self.shape(), self.dtype(), self.device())
+    }
+
+    /// Ones with this tensor's shape, dtype and device (panics as [`Tensor::full`] does).
     pub fn ones_like(&self) -> Tensor {
         Tensor::ones(self.shape(), self.dtype(), self.device())
+    }
+
+    /// [`Tensor::ones_like`], with device errors returned.
+    pub fn try_ones_like(&self) -> Result<Tensor> {
+        Tensor::try_ones(self.shape(), self.dtype(), self.device())
     }
 
     /// `[start, start+1, ..., end-1]` as a 1-D tensor of `dtype`.
@@ -340,9 +345,7 @@ impl Tensor {
         let (o, n) = (self.0.layout.offset(), self.numel());
         let dtype = self.dtype();
         let guard = self.0.storage.write();
-        if guard.device().is_cuda() {
-            guard.cpu("data_mut")?;
-        }
+        guard.cpu("data_mut")?;
         RwLockWriteGuard::try_map(guard, |s| match s {
             Storage::Cpu(cpu) => T::slice_mut(cpu).map(|d| &mut d[o..o + n]),
             Storage::Cuda(_) => None,
@@ -379,7 +382,7 @@ impl Tensor {
                 ),
             ));
         }
-        let moved = super::cuda::move_values(self, device)?;
+        let moved = self.to_device_values(device)?;
         let storage = std::mem::replace(
             &mut *moved.0.storage.write(),
             Storage::Cpu(CpuStorage::zeros(self.dtype(), 0)),
@@ -394,36 +397,23 @@ impl Tensor {
         if src.shape() != self.shape() {
             return Err(Error::shape("copy_from", self.shape(), src.shape()));
         }
-        if self.device().is_cuda() {
-            return super::cuda::copy_into(self, src);
-        }
-        let src = super::cuda::move_values(src, Device::Cpu)?;
-        let src = src.cast_values(self.dtype())?.contiguous_values()?;
-        let guard = src.storage_read();
-        let cpu = guard.cpu("copy_from")?;
-        match_storage!(cpu, v => self.update_in_place(|dst| dst.copy_from_slice(v)))?;
-        Ok(())
+        with_backend!(self.device(), B => B::copy_into(self, src))
     }
 
     /// The elements in row-major order. `T` must be the tensor's dtype. A tensor on a CUDA
     /// device is copied back (waiting for the work queued before).
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
-        if self.device().is_cuda() {
-            return super::cuda::move_values(self, Device::Cpu)?.to_vec();
-        }
-        self.with_contiguous(|s: &[T]| s.to_vec())
+        self.to_host_values()?.with_contiguous(|s: &[T]| s.to_vec())
     }
 
     /// The elements in row-major order, converted to f64 (any dtype; copied back from a CUDA
     /// device).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        if self.device().is_cuda() {
-            return super::cuda::move_values(self, Device::Cpu)?.to_vec_f64();
-        }
-        let guard = self.storage_read();
+        let host = self.to_host_values()?;
+        let guard = host.storage_read();
         let cpu = guard.cpu("to_vec_f64")?;
         Ok(
-            match_storage!(cpu, v => self.0.layout.gather(v).into_iter().map(|x| x.to_f64()).collect()),
+            match_storage!(cpu, v => host.0.layout.gather(v).into_iter().map(|x| x.to_f64()).collect()),
         )
     }
 
@@ -469,16 +459,26 @@ impl Tensor {
         {
             return Ok(self.detach());
         }
-        if self.device().is_cuda() {
-            return super::cuda::contiguous(self);
-        }
-        let guard = self.storage_read();
-        let cpu = guard.cpu("contiguous")?;
-        let storage = match_storage!(cpu, v => WithDType::into_storage(self.0.layout.gather(v)));
-        Ok(Tensor::from_cpu(storage, self.shape()))
+        with_backend!(self.device(), B => B::contiguous(self))
     }
 
-    fn storage_len(&self) -> usize {
+    /// This tensor's values in host memory, without autograd history (the same storage when
+    /// already there; copied back from a device, waiting for the work queued before).
+    pub(crate) fn to_host_values(&self) -> Result<Tensor> {
+        with_backend!(self.device(), B => B::to_host(self))
+    }
+
+    /// This tensor's values on `device`, without autograd history.
+    pub(crate) fn to_device_values(&self, device: Device) -> Result<Tensor> {
+        if self.device() == device {
+            return Ok(self.detach());
+        }
+        let host = self.to_host_values()?;
+        with_backend!(device, B => B::from_host(&host, device))
+    }
+
+    /// Elements in this tensor's storage (its views may see fewer).
+    pub(crate) fn storage_len(&self) -> usize {
         match &*self.storage_read() {
             Storage::Cpu(s) => s.len(),
             Storage::Cuda(s) => s.len,
@@ -490,14 +490,7 @@ impl Tensor {
         if dtype == self.dtype() {
             return Ok(self.detach());
         }
-        if self.device().is_cuda() {
-            return super::cuda::cast(self, dtype);
-        }
-        let guard = self.storage_read();
-        let cpu = guard.cpu("to_dtype")?;
-        let storage =
-            match_storage!(cpu, v => super::ops::cast::cast_vec(&self.0.layout.gather(v), dtype));
-        Ok(Tensor::from_cpu(storage, self.shape()))
+        with_backend!(self.device(), B => B::cast(self, dtype))
     }
 
     // ----- autograd -----------------------------------------------------------------------
@@ -583,7 +576,7 @@ impl Tensor {
                 self.shape()
             )));
         }
-        autograd::run_backward(self, self.ones_like(), false)
+        autograd::run_backward(self, self.try_ones_like()?, false)
     }
 
     /// Back-propagates with an explicit upstream gradient. With `retain_graph` the saved state

@@ -451,7 +451,6 @@ impl DlrmTrainer {
         for (name, t) in self.optimizer.state_dict()? {
             w.add_tensor(format!("optim.{name}"), &t)?;
         }
-        self.model.sync_tables_to_host()?;
         self.model.sparse_arch.checkpoint_into(&mut w, "tables.")?;
         for (name, values) in self.metrics.state_dict() {
             w.add(format!("metrics.{name}"), &[values.len()], &values)?;
@@ -518,7 +517,6 @@ impl DlrmTrainer {
             p.copy_from(&new)?;
         }
         tables.apply(&self.model.sparse_arch.tbes())?;
-        self.model.sync_tables_to_device()?;
         self.metrics = metrics;
         self.step = step;
         self.examples = examples;

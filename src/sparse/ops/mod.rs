@@ -5,18 +5,18 @@
 
 mod baddbmm;
 mod bmm;
-mod bucketize;
+pub(crate) mod bucketize;
 mod cumsum;
-mod dense;
+pub(crate) mod dense;
 mod elementwise;
 mod permute;
+mod row_ranges;
 mod segment;
 mod select;
 mod softmax;
 
 pub use baddbmm::permute102_baddbmm_permute102;
 pub use bmm::{batched_dense_vec_jagged_2d_mul, jagged_dense_bmm, jagged_jagged_bmm};
-pub(crate) use bucketize::RouterTable;
 pub use bucketize::{block_bucketize_sparse_features, BlockBucketizeOptions, BlockBucketized};
 pub use cumsum::{complete_cumsum, exclusive_cumsum, inclusive_cumsum};
 pub use dense::{
@@ -36,6 +36,7 @@ pub use select::{
 pub use softmax::jagged_softmax;
 
 pub(crate) use helpers::*;
+pub(crate) use row_ranges::gather_row_ranges_tensor;
 
 mod helpers {
     use std::mem::MaybeUninit;
@@ -332,26 +333,6 @@ mod helpers {
         // element was written above.
         unsafe { out.set_len(n) };
         out
-    }
-
-    /// A tensor holding the concatenated row ranges `(start_row, num_rows)` of `src`.
-    pub(crate) fn gather_row_ranges_tensor(
-        src: &Tensor,
-        ranges: &[(usize, usize)],
-    ) -> Result<Tensor> {
-        let rl = row_len(src);
-        let element_ranges: Vec<(usize, usize)> =
-            ranges.iter().map(|&(s, n)| (s * rl, n * rl)).collect();
-        let rows: usize = ranges.iter().map(|r| r.1).sum();
-        let mut shape = src.shape().to_vec();
-        shape[0] = rows;
-        if src.device().is_cuda() {
-            return crate::tensor::cuda::gather_row_ranges(src, ranges, &shape);
-        }
-        with_any_dtype!(src.dtype(), T => {
-            let out = src.with_contiguous(|v: &[T]| gather_ranges(v, &element_ranges))?;
-            Tensor::from_vec(out, &shape)
-        })
     }
 
     /// A raw view of an output buffer that several threads write at provably disjoint

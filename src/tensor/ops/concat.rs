@@ -1,10 +1,8 @@
 //! Joining and splitting along a dimension: cat, stack, split, chunk.
 
-use super::reduce::split_at_dim;
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::dtype::WithDType;
+use crate::tensor::backend::{with_backend, Backend};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::storage::{match_storage, CpuStorage};
 use crate::{Error, Result, Tensor};
 
 struct CatBackward {
@@ -27,22 +25,6 @@ impl BackwardOp for CatBackward {
         }
         Ok(out)
     }
-}
-
-fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<CpuStorage> {
-    let (outer, _, inner) = split_at_dim(shape, dim);
-    let contiguous: Vec<Vec<T>> = parts
-        .iter()
-        .map(|p| p.to_vec::<T>())
-        .collect::<Result<_>>()?;
-    let mut out = Vec::with_capacity(shape.iter().product());
-    for o in 0..outer {
-        for (p, data) in parts.iter().zip(&contiguous) {
-            let block = p.shape()[dim] * inner;
-            out.extend_from_slice(&data[o * block..(o + 1) * block]);
-        }
-    }
-    Ok(T::into_storage(out))
 }
 
 impl Tensor {
@@ -75,19 +57,10 @@ impl Tensor {
             shape[d] += t.shape()[d];
         }
         let parts: Vec<Tensor> = tensors.iter().map(|t| t.detach()).collect();
-        let out = if first.device().is_cuda() {
-            crate::tensor::cuda::cat(&parts, d, &shape)?
-        } else {
-            let guard = first.storage_read();
-            let probe = guard.cpu("cat")?;
-            let storage = match_storage!(probe, v => {
-                fn typed<T: WithDType>(_: &[T], parts: &[Tensor], d: usize, shape: &[usize]) -> Result<CpuStorage> {
-                    cat_typed::<T>(parts, d, shape)
-                }
-                typed(v, &parts, d, &shape)?
-            });
-            Tensor::from_storage(storage, &shape)?
-        };
+        for t in tensors {
+            crate::tensor::device::same_device("cat", first, t)?;
+        }
+        let out = with_backend!(first.device(), B => B::cat(&parts, d, &shape))?;
         if !first.dtype().is_float() {
             return Ok(out);
         }

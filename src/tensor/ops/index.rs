@@ -1,13 +1,10 @@
 //! Indexing: index_select and gather along dim 0, row scatter-add, masked_fill, where, and the
 //! triu index helper.
 
-use rayon::prelude::*;
-
-use super::{float_compute, with_num};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient, RowSparseGrad};
-use crate::tensor::dtype::{NumElem, WithDType};
+use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::dtype::WithDType;
 use crate::tensor::layout::broadcast_shapes;
-use crate::tensor::storage::match_storage;
 use crate::{DType, Error, Result, Tensor};
 
 /// Reads an index tensor (i64 or i32) and checks every entry lies in `0..size`; the error names
@@ -81,34 +78,19 @@ impl BackwardOp for GatherBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let rest_in: usize = self.input_shape[1..].iter().product();
-        if g.device().is_cuda() {
-            let targets: Vec<i64> = (0..self.index.len())
-                .map(|p| {
-                    let t = gather_source(
-                        p,
-                        &self.index,
-                        &self.index_shape,
-                        &self.input_shape,
-                        rest_in,
-                    );
-                    t as i64
-                })
-                .collect();
-            let gx = crate::tensor::cuda::put_add(g, &targets, &self.input_shape)?;
-            return Ok(vec![Some(Gradient::Dense(gx)), None]);
-        }
-        let (gc, storage) = float_compute("gather", g)?;
-        let out = with_num!(gc.dtype(), "gather", T => {
-            let mut out = vec![T::ZERO; self.input_shape.iter().product()];
-            gc.with_contiguous(|gs: &[T]| {
-                for (p, &v) in gs.iter().enumerate() {
-                    let target = gather_source(p, &self.index, &self.index_shape, &self.input_shape, rest_in);
-                    out[target] += v;
-                }
-            })?;
-            Tensor::from_vec(out, &self.input_shape)?
-        });
-        Ok(vec![Some(Gradient::Dense(out.cast_values(storage)?)), None])
+        let targets: Vec<usize> = (0..self.index.len())
+            .map(|p| {
+                gather_source(
+                    p,
+                    &self.index,
+                    &self.index_shape,
+                    &self.input_shape,
+                    rest_in,
+                )
+            })
+            .collect();
+        let gx = with_backend!(g.device(), B => B::put_add(g, &targets, &self.input_shape))?;
+        Ok(vec![Some(Gradient::Dense(gx)), None])
     }
 }
 
@@ -145,7 +127,7 @@ impl BackwardOp for MaskedFillBackward {
         "masked_fill"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let zero = Tensor::zeros(&[], g.dtype(), g.device());
+        let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
         Ok(vec![Some(Gradient::Dense(Tensor::where_cond(
             &self.mask, &zero, g,
         )?))])
@@ -163,7 +145,7 @@ impl BackwardOp for WhereBackward {
         "where"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let zero = Tensor::zeros(&[], g.dtype(), g.device());
+        let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
         let ga = Tensor::where_cond(&self.cond, g, &zero)?.sum_to_shape(&self.a_shape)?;
         let gb = Tensor::where_cond(&self.cond, &zero, g)?.sum_to_shape(&self.b_shape)?;
         Ok(vec![
@@ -186,14 +168,9 @@ impl Tensor {
             ));
         }
         let rows = checked_indices("index_select", indices, self.shape()[0])?;
-        let row_len: usize = self.shape()[1..].iter().product();
         let mut shape = indices.shape().to_vec();
         shape.extend_from_slice(&self.shape()[1..]);
-        let out = if self.device().is_cuda() {
-            super::super::cuda::index_select(self, &rows, &shape)?
-        } else {
-            self.index_select_cpu(&rows, row_len, &shape)?
-        };
+        let out = with_backend!(self.device(), B => B::index_select(self, &rows, &shape))?;
         if !self.dtype().is_float() {
             return Ok(out);
         }
@@ -206,26 +183,6 @@ impl Tensor {
                 values_shape: [&[rows.len()], &self.shape()[1..]].concat(),
             },
         ))
-    }
-
-    fn index_select_cpu(&self, rows: &[usize], row_len: usize, shape: &[usize]) -> Result<Tensor> {
-        let src = self.contiguous_values()?;
-        let guard = src.storage_read();
-        let cpu = guard.cpu("index_select")?;
-        let storage = match_storage!(cpu, v => {
-            let mut out = vec![Default::default(); rows.len() * row_len];
-            if row_len > 0 {
-                let copy = |(dst, &r): (&mut [_], &usize)| dst.copy_from_slice(&v[r * row_len..(r + 1) * row_len]);
-                if out.len() >= super::PAR_THRESHOLD {
-                    out.par_chunks_mut(row_len).zip(rows.par_iter()).for_each(copy);
-                } else {
-                    out.chunks_mut(row_len).zip(rows.iter()).for_each(copy);
-                }
-            }
-            WithDType::into_storage(out)
-        });
-        drop(guard);
-        Tensor::from_storage(storage, shape)
     }
 
     /// `out[i, j, ...] = self[index[i, j, ...], j, ...]` (gather along dim 0). `index` has this
@@ -243,35 +200,12 @@ impl Tensor {
             });
         }
         let idx = checked_indices("gather", index, self.shape()[0])?;
+        crate::tensor::device::same_device("gather", self, index)?;
         let rest_in: usize = self.shape()[1..].iter().product();
-        if self.device().is_cuda() {
-            crate::tensor::device::same_device("gather", self, index)?;
-            let sources: Vec<i64> = (0..idx.len())
-                .map(|p| gather_source(p, &idx, index.shape(), self.shape(), rest_in) as i64)
-                .collect();
-            let out = crate::tensor::cuda::take(self, &sources, index.shape())?;
-            if !self.dtype().is_float() {
-                return Ok(out);
-            }
-            return Ok(record_op(
-                out,
-                &[self, index],
-                GatherBackward {
-                    input_shape: self.shape().to_vec(),
-                    index: idx,
-                    index_shape: index.shape().to_vec(),
-                },
-            ));
-        }
-        let src = self.contiguous_values()?;
-        let guard = src.storage_read();
-        let cpu = guard.cpu("gather")?;
-        let storage = match_storage!(cpu, v => {
-            let out: Vec<_> = (0..idx.len()).map(|p| v[gather_source(p, &idx, index.shape(), self.shape(), rest_in)]).collect();
-            WithDType::into_storage(out)
-        });
-        drop(guard);
-        let out = Tensor::from_storage(storage, index.shape())?;
+        let sources: Vec<usize> = (0..idx.len())
+            .map(|p| gather_source(p, &idx, index.shape(), self.shape(), rest_in))
+            .collect();
+        let out = with_backend!(self.device(), B => B::take(self, &sources, index.shape()))?;
         if !self.dtype().is_float() {
             return Ok(out);
         }
@@ -306,32 +240,13 @@ impl Tensor {
             });
         }
         let rows = checked_index_slice("index_add_rows", rows, self.shape()[0])?;
-        if self.device().is_cuda() {
-            return super::super::cuda::index_add_rows_f32(self, &rows, values);
-        }
-        let (dst, storage) = if self.dtype().is_float() {
-            float_compute("index_add_rows", self)?
-        } else {
-            (self.clone(), self.dtype())
-        };
-        let src = values.cast_values(dst.dtype())?;
-        let row_len: usize = self.shape()[1..].iter().product();
-        let out = with_num!(dst.dtype(), "index_add_rows", T => {
-            let mut out: Vec<T> = dst.to_vec()?;
-            src.with_contiguous(|vs: &[T]| {
-                for (i, &r) in rows.iter().enumerate() {
-                    let d = &mut out[r * row_len..(r + 1) * row_len];
-                    d.iter_mut().zip(&vs[i * row_len..(i + 1) * row_len]).for_each(|(a, &b)| *a += b);
-                }
-            })?;
-            Tensor::from_vec(out, self.shape())?
-        });
-        out.cast_values(storage)
+        crate::tensor::device::same_device("index_add_rows", self, values)?;
+        with_backend!(self.device(), B => B::index_add_rows(self, &rows, values))
     }
 
     /// Replaces elements where `mask` (u8, broadcastable) is nonzero by `value`.
     pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
-        let fill = Tensor::full(value, &[], self.dtype(), self.device());
+        let fill = Tensor::try_full(value, &[], self.dtype(), self.device())?;
         let out = Tensor::where_cond(mask, &fill, &self.detach())?;
         if out.shape() != self.shape() {
             return Err(Error::shape("masked_fill", self.shape(), mask.shape()));
@@ -368,11 +283,7 @@ impl Tensor {
             &broadcast_shapes("where", cond.shape(), a.shape())?,
             b.shape(),
         )?;
-        let out = if a.device().is_cuda() {
-            crate::tensor::cuda::where_cond(cond, a, b, &shape)?
-        } else {
-            Self::where_cpu(cond, a, b, &shape)?
-        };
+        let out = with_backend!(a.device(), B => B::where_cond(cond, a, b, &shape))?;
         if !a.dtype().is_float() {
             return Ok(out);
         }
@@ -385,27 +296,6 @@ impl Tensor {
                 b_shape: b.shape().to_vec(),
             },
         ))
-    }
-
-    /// The CPU values of `cond ? a : b` broadcast to `shape`.
-    fn where_cpu(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
-        let c = cond.detach().expand(shape)?.to_vec::<u8>()?;
-        let av = a.detach().expand(shape)?.contiguous_values()?;
-        let bv = b.detach().expand(shape)?.contiguous_values()?;
-        let ga = av.storage_read();
-        let gb = bv.storage_read();
-        let (x, y) = (ga.cpu("where")?, gb.cpu("where")?);
-        let storage = {
-            match_storage!(x, xs => {
-                fn pick<T: WithDType>(c: &[u8], xs: &[T], ys: &crate::tensor::storage::CpuStorage) -> crate::tensor::storage::CpuStorage {
-                    let ys = T::slice(ys).expect("same dtype checked above");
-                    T::into_storage(c.iter().zip(xs.iter().zip(ys)).map(|(&m, (&x, &y))| if m != 0 { x } else { y }).collect())
-                }
-                pick(&c, xs, y)
-            })
-        };
-        drop((ga, gb));
-        Tensor::from_storage(storage, shape)
     }
 
     /// Row and column indices (i64) of the upper triangle of an `n×n` matrix, starting at

@@ -2,9 +2,10 @@
 
 use super::{float_compute, with_float};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::backend::{with_backend, Backend};
 use crate::tensor::dtype::FloatElem;
 use crate::{DType, Error, Result, Tensor};
-use num_traits::{One, Zero};
+use num_traits::One;
 
 /// How per-element losses are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -49,29 +50,6 @@ impl BackwardOp for PointwiseLossBackward {
                 .map(Gradient::Dense),
         ])
     }
-}
-
-/// Per-element BCE-with-logits losses and their derivatives in the logits, on the CPU, in the
-/// input's dtype.
-fn bce_logits_cpu(input: &Tensor, target: &Tensor) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "bce_with_logits";
-    let (x, storage) = float_compute(OP, input)?;
-    let (y, _) = float_compute(OP, target)?;
-    let (losses, dx) = with_float!(x.dtype(), OP, T => {
-        let (l, dx, _) = x.with_contiguous(|xs: &[T]| {
-            y.with_contiguous(|ys: &[T]| {
-                pointwise(xs, ys, |x, y| {
-                    let zero = T::zero();
-                    let one = T::one();
-                    let loss = x.max(zero) - x * y + (-x.abs()).exp().ln_1p();
-                    let sig = if x >= zero { one / (one + (-x).exp()) } else { x.exp() / (one + x.exp()) };
-                    (loss, sig - y, zero)
-                })
-            })
-        })??;
-        (Tensor::from_vec(l, x.shape())?, Tensor::from_vec(dx, x.shape())?)
-    });
-    Ok((losses.cast_values(storage)?, dx.cast_values(storage)?))
 }
 
 fn reduce(op: &'static str, losses: Tensor, reduction: Reduction) -> Result<Tensor> {
@@ -132,11 +110,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "bce_with_logits";
         check_pair(OP, self, target)?;
-        let (mut losses, mut dx) = if self.device().is_cuda() {
-            crate::tensor::cuda::bce_logits_f32(self, target)?
-        } else {
-            bce_logits_cpu(self, target)?
-        };
+        let (mut losses, mut dx) =
+            with_backend!(self.device(), B => B::bce_with_logits(self, target))?;
         if let Some(w) = weight {
             let w = w.detach();
             losses = losses.mul(&w)?;

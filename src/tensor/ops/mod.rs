@@ -1,9 +1,11 @@
-//! CPU kernels and their backward functions, one family of ops per file: each op's forward and
-//! backward sit side by side.
+//! The tensor core's ops, one family per file: each op checks its arguments, computes its
+//! values on its operands' device (through [`backend`](super::backend)) and records its
+//! backward beside it. The helpers here serve the CPU kernels (here and in other modules).
 
 pub mod binary;
 pub mod cast;
 pub mod concat;
+pub mod device;
 pub mod index;
 pub mod loss;
 pub mod matmul;

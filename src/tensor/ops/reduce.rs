@@ -1,11 +1,8 @@
 //! Reductions: sum, mean and max along dimensions or over everything, and `sum_to_shape` (the
 //! backward of broadcasting).
 
-use rayon::prelude::*;
-
-use super::{float_compute, with_float, with_num, PAR_THRESHOLD};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::dtype::{NumElem, WithDType};
+use crate::tensor::backend::{with_backend, Backend};
 use crate::tensor::layout::resolve_dim;
 use crate::{Error, Result, Tensor};
 
@@ -18,86 +15,9 @@ pub(crate) fn split_at_dim(shape: &[usize], dim: usize) -> (usize, usize, usize)
     )
 }
 
-/// Sums a contiguous `[outer, n, inner]` buffer over its middle dimension.
-fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<T> {
-    if inner == 1 {
-        let row = |o: usize| T::sum_of(x[o * n..(o + 1) * n].iter().copied());
-        if outer * n >= PAR_THRESHOLD && outer > 1 {
-            return (0..outer).into_par_iter().map(row).collect();
-        }
-        if outer == 1 && n >= PAR_THRESHOLD {
-            // One long row: fixed-size chunks keep the summation order deterministic.
-            let partial: Vec<T> = x
-                .par_chunks(PAR_THRESHOLD)
-                .map(|c| T::sum_of(c.iter().copied()))
-                .collect();
-            return vec![T::sum_of(partial.into_iter())];
-        }
-        return (0..outer).map(row).collect();
-    }
-    let block = |o: usize, out: &mut [T]| {
-        for k in 0..n {
-            let src = &x[(o * n + k) * inner..(o * n + k + 1) * inner];
-            out.iter_mut()
-                .zip(src)
-                .for_each(|(d, &s)| *d = d.add_wrap(s));
-        }
-    };
-    let mut out = vec![T::ZERO; outer * inner];
-    if outer * n * inner >= PAR_THRESHOLD {
-        if outer > 1 {
-            out.par_chunks_mut(inner)
-                .enumerate()
-                .for_each(|(o, dst)| block(o, dst));
-        } else {
-            // Split the columns instead.
-            let cols = inner.div_ceil(rayon::current_num_threads().max(1)).max(64);
-            out.par_chunks_mut(cols).enumerate().for_each(|(ci, dst)| {
-                let start = ci * cols;
-                for k in 0..n {
-                    let src = &x[k * inner + start..k * inner + start + dst.len()];
-                    dst.iter_mut()
-                        .zip(src)
-                        .for_each(|(d, &s)| *d = d.add_wrap(s));
-                }
-            });
-        }
-    } else {
-        for (o, dst) in out.chunks_mut(inner).enumerate() {
-            block(o, dst);
-        }
-    }
-    out
-}
-
-fn sum_one_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
-    let (outer, n, inner) = split_at_dim(x.shape(), dim);
-    let mut shape = x.shape().to_vec();
-    shape[dim] = 1;
-    with_num!(x.dtype(), "sum", T => {
-        let v = x.with_contiguous(|s: &[T]| sum_middle(s, outer, n, inner))?;
-        Tensor::from_vec(v, &shape)
-    })
-}
-
 /// Sums over `dims` (sorted, unique, resolved) keeping them as size 1, no autograd.
 fn sum_values(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    if x.device().is_cuda() {
-        return crate::tensor::cuda::sum_dims(x, dims);
-    }
-    let (xc, storage) = if x.dtype().is_float() {
-        float_compute("sum", x)?
-    } else {
-        (x.clone(), x.dtype())
-    };
-    let mut out = xc;
-    for &d in dims.iter().rev() {
-        out = sum_one_dim(&out, d)?;
-    }
-    if dims.is_empty() {
-        out = out.contiguous_values()?;
-    }
-    out.cast_values(storage)
+    with_backend!(x.device(), B => B::sum_dims(x, dims))
 }
 
 fn resolve_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
@@ -173,13 +93,8 @@ fn reduce_sum(x: &Tensor, dims: &[isize], keepdim: bool, mean: bool) -> Result<T
 struct MaxBackward {
     input_shape: Vec<usize>,
     dim: usize,
-    argmax: Argmax,
-}
-
-/// Where each maximum was: host positions, or a device tensor of them (CUDA inputs).
-enum Argmax {
-    Host(Vec<usize>),
-    Device(Tensor),
+    /// Where each maximum was (`[outer, inner]`, on the input's device).
+    indices: Tensor,
 }
 
 impl BackwardOp for MaxBackward {
@@ -187,29 +102,10 @@ impl BackwardOp for MaxBackward {
         "max"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let argmax = match &self.argmax {
-            Argmax::Host(a) => a,
-            Argmax::Device(indices) => {
-                let gx =
-                    crate::tensor::cuda::max_dim_backward(g, indices, &self.input_shape, self.dim)?;
-                return Ok(vec![Some(Gradient::Dense(gx))]);
-            }
-        };
-        let (outer, n, inner) = split_at_dim(&self.input_shape, self.dim);
-        let (gc, storage) = float_compute("max", g)?;
-        let gx = with_float!(gc.dtype(), "max", T => {
-            let mut gx = vec![T::ZERO; outer * n * inner];
-            gc.with_contiguous(|gs: &[T]| {
-                for o in 0..outer {
-                    for i in 0..inner {
-                        let k = argmax[o * inner + i];
-                        gx[(o * n + k) * inner + i] = gs[o * inner + i];
-                    }
-                }
-            })?;
-            Tensor::from_vec(gx, &self.input_shape)?
-        });
-        Ok(vec![Some(Gradient::Dense(gx.cast_values(storage)?))])
+        let gx = with_backend!(g.device(), B => {
+            B::max_dim_backward(g, &self.indices, &self.input_shape, self.dim)
+        })?;
+        Ok(vec![Some(Gradient::Dense(gx))])
     }
 }
 
@@ -240,8 +136,7 @@ impl Tensor {
     /// index only.
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         let d = resolve_dim("max", dim, self.rank())?;
-        let (outer, n, inner) = split_at_dim(self.shape(), d);
-        if n == 0 {
+        if self.shape()[d] == 0 {
             return Err(Error::invalid(
                 "max",
                 format!("dimension {d} of {:?} is empty", self.shape()),
@@ -253,52 +148,11 @@ impl Tensor {
         } else {
             shape.remove(d);
         }
-        if self.device().is_cuda() {
-            let (values, indices) = crate::tensor::cuda::max_dim(self, d)?;
-            let out = values.reshape(&shape)?;
-            let out = record_op(
-                out,
-                &[self],
-                MaxBackward {
-                    input_shape: self.shape().to_vec(),
-                    dim: d,
-                    argmax: Argmax::Device(indices.clone()),
-                },
-            );
-            return Ok((out, indices.reshape(&shape)?));
-        }
-        let (xc, storage) = if self.dtype().is_float() {
-            float_compute("max", self)?
-        } else {
-            (self.clone(), self.dtype())
-        };
-        let (values, argmax) = with_num!(xc.dtype(), "max", T => {
-            xc.with_contiguous(|s: &[T]| {
-                let mut vals = Vec::with_capacity(outer * inner);
-                let mut arg = Vec::with_capacity(outer * inner);
-                for o in 0..outer {
-                    for i in 0..inner {
-                        let mut best = s[o * n * inner + i];
-                        let mut bi = 0;
-                        for k in 1..n {
-                            let v = s[(o * n + k) * inner + i];
-                            // NaN wins, as in PyTorch.
-                            if v > best || (v.is_nan_value() && !best.is_nan_value()) {
-                                best = v;
-                                bi = k;
-                            }
-                        }
-                        vals.push(best);
-                        arg.push(bi);
-                    }
-                }
-                (T::into_storage(vals), arg)
-            })?
-        });
-        let out = Tensor::from_storage(values, &shape)?.cast_values(storage)?;
-        let indices = Tensor::from_vec(argmax.iter().map(|&i| i as i64).collect(), &shape)?;
+        let (values, indices) = with_backend!(self.device(), B => B::max_dim(self, d))?;
+        let out = values.reshape(&shape)?;
+        let indices_out = indices.reshape(&shape)?;
         if !self.dtype().is_float() {
-            return Ok((out, indices));
+            return Ok((out, indices_out));
         }
         let out = record_op(
             out,
@@ -306,10 +160,10 @@ impl Tensor {
             MaxBackward {
                 input_shape: self.shape().to_vec(),
                 dim: d,
-                argmax: Argmax::Host(argmax),
+                indices,
             },
         );
-        Ok((out, indices))
+        Ok((out, indices_out))
     }
 
     /// Maximum of all elements (0-dimensional).
@@ -347,14 +201,7 @@ impl Tensor {
 
     /// `mul·x` without autograd (float dtypes).
     pub(crate) fn affine_values(&self, mul: f64) -> Result<Tensor> {
-        if self.device().is_cuda() {
-            return crate::tensor::cuda::unary_float("affine", (mul, 0.0), self);
-        }
-        let (xc, storage) = float_compute("affine", self)?;
-        let v = with_float!(xc.dtype(), "affine", T => {
-            let m = T::from_f64(mul);
-            Tensor::from_vec(xc.with_contiguous(|s: &[T]| super::par_map(s, |x| x * m))?, xc.shape())?
-        });
-        v.cast_values(storage)
+        let f = super::unary::Affine { mul, add: 0.0 };
+        with_backend!(self.device(), B => B::unary(&f, self))
     }
 }

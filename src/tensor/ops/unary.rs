@@ -1,14 +1,13 @@
 //! Elementwise float functions. Each is declared once with its value and its derivative side by
 //! side; one generic forward and one generic backward serve them all.
 
-use super::{float_compute, with_float};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::backend::{with_backend, Backend};
 use crate::tensor::dtype::FloatElem;
 use crate::{Error, Result, Tensor};
-use rayon::prelude::*;
 
 /// An elementwise function `y = f(x)` with its derivative written in terms of `x` and `y`.
-trait UnaryFn: Send + Sync + 'static {
+pub(crate) trait UnaryFn: Send + Sync + 'static {
     const NAME: &'static str;
     fn f<T: FloatElem>(&self, x: T) -> T;
     fn df<T: FloatElem>(&self, x: T, y: T) -> T;
@@ -101,9 +100,9 @@ unary_fn!(
     }
 );
 
-struct Affine {
-    mul: f64,
-    add: f64,
+pub(crate) struct Affine {
+    pub(crate) mul: f64,
+    pub(crate) add: f64,
 }
 impl UnaryFn for Affine {
     const NAME: &'static str = "affine";
@@ -172,45 +171,15 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
         F::NAME
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        if self.x.device().is_cuda() {
-            let p = self.f.params();
-            let gx = crate::tensor::cuda::unary_backward_float(F::NAME, p, &self.x, &self.y, g)?;
-            return Ok(vec![Some(Gradient::Dense(gx))]);
-        }
-        let (x, storage) = float_compute(F::NAME, &self.x)?;
-        let (y, _) = float_compute(F::NAME, &self.y)?;
-        let (g, _) = float_compute(F::NAME, g)?;
-        let gx = with_float!(x.dtype(), F::NAME, T => {
-            let gx = x.with_contiguous(|xs: &[T]| {
-                y.with_contiguous(|ys: &[T]| {
-                    g.with_contiguous(|gs: &[T]| {
-                        let run = |((&x, &y), &g): ((&T, &T), &T)| g * self.f.df(x, y);
-                        if xs.len() >= super::PAR_THRESHOLD {
-                            xs.par_iter().zip(ys.par_iter()).zip(gs.par_iter()).map(run).collect::<Vec<T>>()
-                        } else {
-                            xs.iter().zip(ys).zip(gs).map(run).collect::<Vec<T>>()
-                        }
-                    })
-                })
-            })???;
-            Tensor::from_vec(gx, x.shape())?
-        });
-        let gx = gx.cast_values(storage)?;
+        let gx = with_backend!(self.x.device(), B => {
+            B::unary_backward(&self.f, &self.x, &self.y, g)
+        })?;
         Ok(vec![Some(Gradient::Dense(gx))])
     }
 }
 
 fn unary<F: UnaryFn>(x: &Tensor, f: F) -> Result<Tensor> {
-    let y = if x.device().is_cuda() {
-        crate::tensor::cuda::unary_float(F::NAME, f.params(), x)?
-    } else {
-        let (xc, storage) = float_compute(F::NAME, x)?;
-        with_float!(xc.dtype(), F::NAME, T => {
-            let v = xc.with_contiguous(|s: &[T]| super::par_map(s, |v| f.f(v)))?;
-            Tensor::from_vec(v, x.shape())?
-        })
-        .cast_values(storage)?
-    };
+    let y = with_backend!(x.device(), B => B::unary(&f, x))?;
     if !x.requires_grad() {
         return Ok(y);
     }

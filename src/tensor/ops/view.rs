@@ -45,8 +45,8 @@ impl BackwardOp for NarrowBackward {
         before[self.dim] = self.start;
         let mut after = self.input_shape.clone();
         after[self.dim] = self.input_shape[self.dim] - self.start - g.shape()[self.dim];
-        let zb = Tensor::zeros(&before, g.dtype(), g.device());
-        let za = Tensor::zeros(&after, g.dtype(), g.device());
+        let zb = Tensor::try_zeros(&before, g.dtype(), g.device())?;
+        let za = Tensor::try_zeros(&after, g.dtype(), g.device())?;
         if before[self.dim] > 0 {
             parts.push(&zb);
         }

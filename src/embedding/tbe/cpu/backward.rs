@@ -17,9 +17,9 @@
 
 use rayon::prelude::*;
 
-use super::config::PoolingMode;
-use super::input::Batch;
-use super::optimizer::{
+use crate::embedding::config::PoolingMode;
+use crate::embedding::input::Batch;
+use crate::embedding::optimizer::{
     dot, state_row, state_row_range, update_row, FusedOptimizer, RowState, WeightDecay,
 };
 
@@ -126,26 +126,34 @@ fn prefetch_f32(row: &[f32]) {
     let _ = row;
 }
 
-/// Runs the fused backward for every table; `grad_out` is `[B, out_stride]` for pooled modes or
-/// `[N, dim]` for [`PoolingMode::None`].
-#[allow(clippy::too_many_arguments)]
+/// One fused backward's inputs besides the tables: `grad_out` is `[B, out_stride]` for pooled
+/// modes or `[N, dim]` for [`PoolingMode::None`].
+pub(crate) struct BackwardStep<'a> {
+    pub batch: &'a Batch<'a>,
+    pub pooling: PoolingMode,
+    pub grad_out: &'a [f32],
+    pub out_stride: usize,
+    pub optimizer: &'a FusedOptimizer,
+    pub decay: WeightDecay,
+    /// This backward's number (1-based; Adam's bias correction).
+    pub step: u64,
+}
+
+/// Runs the fused backward for every table.
 pub(crate) fn fused_backward(
-    batch: &Batch<'_>,
-    pooling: PoolingMode,
-    grad_out: &[f32],
-    out_stride: usize,
+    step: &BackwardStep<'_>,
     tables: Vec<TableUpdate<'_>>,
-    optimizer: &FusedOptimizer,
-    decay: WeightDecay,
-    step: u64,
 ) -> BackwardOutput {
+    let (batch, optimizer) = (step.batch, step.optimizer);
     let want_psw = batch.weights.is_some();
     let results: Vec<TableResult> = tables
         .into_par_iter()
         .map(|table| {
-            backward_table(
-                batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
-            )
+            backward_table(TableBackward {
+                step,
+                table,
+                want_psw,
+            })
         })
         .collect();
     let mut out = BackwardOutput::default();
@@ -173,64 +181,33 @@ pub(crate) fn fused_backward(
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn backward_table(
-    batch: &Batch<'_>,
-    pooling: PoolingMode,
-    grad_out: &[f32],
-    out_stride: usize,
-    table: TableUpdate<'_>,
-    optimizer: &FusedOptimizer,
-    decay: WeightDecay,
-    step: u64,
+/// One table's share of a fused backward.
+struct TableBackward<'a> {
+    step: &'a BackwardStep<'a>,
+    table: TableUpdate<'a>,
     want_psw: bool,
-) -> TableResult {
-    #[cfg(target_arch = "x86_64")]
-    if super::kernels::has_avx2() {
-        // SAFETY: the CPU supports every feature the function was compiled for (checked above).
-        return unsafe {
-            backward_table_avx2(
-                batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
-            )
-        };
-    }
-    backward_table_body(
-        batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
-    )
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward_table_avx2(
-    batch: &Batch<'_>,
-    pooling: PoolingMode,
-    grad_out: &[f32],
-    out_stride: usize,
-    table: TableUpdate<'_>,
-    optimizer: &FusedOptimizer,
-    decay: WeightDecay,
-    step: u64,
-    want_psw: bool,
-) -> TableResult {
-    backward_table_body(
-        batch, pooling, grad_out, out_stride, table, optimizer, decay, step, want_psw,
-    )
-}
+crate::multiversion!(
+    fn backward_table(args: TableBackward<'_>) -> TableResult => backward_table_body
+);
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn backward_table_body(
-    batch: &Batch<'_>,
-    pooling: PoolingMode,
-    grad_out: &[f32],
-    out_stride: usize,
-    table: TableUpdate<'_>,
-    optimizer: &FusedOptimizer,
-    decay: WeightDecay,
-    step: u64,
-    want_psw: bool,
-) -> TableResult {
+fn backward_table_body(args: TableBackward<'_>) -> TableResult {
+    let TableBackward {
+        step,
+        table,
+        want_psw,
+    } = args;
+    let BackwardStep {
+        batch,
+        pooling,
+        grad_out,
+        out_stride,
+        optimizer,
+        decay,
+        step,
+    } = *step;
     let dim = table.dim;
     let shapes = [optimizer.state_shape(0), optimizer.state_shape(1)];
     let b_total = batch.batch_size;

@@ -5,15 +5,15 @@
 //! be prefetched. Row accumulation is written as plain element loops the compiler vectorises;
 //! on x86-64 the per-feature loop is also compiled for AVX2+FMA+F16C and picked at run time.
 //! Every row read is bounds-checked safe Rust: ids were validated once at the boundary
-//! ([`super::input::validate`]) so the checks never fire and cost little next to the memory
+//! ([`validate`](crate::embedding::input)) so the checks never fire and cost little next to the memory
 //! latency of a random row. The only `unsafe` blocks are the prefetch hints and the calls into
 //! the AVX2 code paths (after the CPU was checked to support them), each with its SAFETY note.
 
 use rayon::prelude::*;
 
-use super::config::{PoolingMode, WeightType};
-use super::input::{Batch, Ids, IndexValue};
-use super::quantize::row_scale_bias;
+use crate::embedding::config::{PoolingMode, WeightType};
+use crate::embedding::input::{Batch, Ids, IndexValue};
+use crate::embedding::quantize::row_scale_bias;
 
 /// How many ids ahead to prefetch rows. Measured on the 2-core bench machine (distances 0, 4,
 /// 8, 16, 32; whole rows or their first lines): 4 whole rows ahead was fastest; further ahead
@@ -233,21 +233,37 @@ pub(crate) struct FeatureSlot {
     pub dim: usize,
 }
 
-/// Pools bags `bags` (global bag numbers of one feature, consecutive) into `out`, whose row
-/// `i` receives bag `bags.start + i` at columns `slot.col..slot.col + slot.dim`.
+/// One task of a pooled lookup: bags `bags` (global bag numbers of one feature, consecutive)
+/// pooled into `out`, whose row `i` receives bag `bags.start + i` at columns
+/// `slot.col..slot.col + slot.dim`.
+pub(crate) struct PoolTask<'a> {
+    pub batch: &'a Batch<'a>,
+    pub mean: bool,
+    pub bags: std::ops::Range<usize>,
+    pub out: &'a mut [f32],
+    pub out_stride: usize,
+    pub slot: FeatureSlot,
+}
+
+/// A [`PoolTask`] over one table's rows and the batch's typed ids.
+struct PoolBags<'a, I, R> {
+    rows: &'a R,
+    ids: &'a [I],
+    task: PoolTask<'a>,
+}
+
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn pool_bags_body<I: IndexValue, R: TableRows>(
-    rows: &R,
-    ids: &[I],
-    offsets: &[usize],
-    weights: Option<&[f32]>,
-    mean: bool,
-    bags: std::ops::Range<usize>,
-    out: &mut [f32],
-    out_stride: usize,
-    slot: FeatureSlot,
-) {
+fn pool_bags_body<I: IndexValue, R: TableRows>(args: PoolBags<'_, I, R>) {
+    let PoolBags { rows, ids, task } = args;
+    let PoolTask {
+        batch,
+        mean,
+        bags,
+        out,
+        out_stride,
+        slot,
+    } = task;
+    let (offsets, weights) = (&batch.offsets, batch.weights.as_deref());
     let end = offsets[bags.end];
     for (i, bag) in bags.enumerate() {
         let (s, e) = (offsets[bag], offsets[bag + 1]);
@@ -269,66 +285,9 @@ fn pool_bags_body<I: IndexValue, R: TableRows>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pool_bags_avx2<I: IndexValue, R: TableRows>(
-    rows: &R,
-    ids: &[I],
-    offsets: &[usize],
-    weights: Option<&[f32]>,
-    mean: bool,
-    bags: std::ops::Range<usize>,
-    out: &mut [f32],
-    out_stride: usize,
-    slot: FeatureSlot,
-) {
-    pool_bags_body(
-        rows, ids, offsets, weights, mean, bags, out, out_stride, slot,
-    )
-}
-
-pub(crate) fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static DETECTED: OnceLock<bool> = OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-#[allow(clippy::too_many_arguments)]
-fn pool_bags<I: IndexValue, R: TableRows>(
-    rows: &R,
-    ids: &[I],
-    offsets: &[usize],
-    weights: Option<&[f32]>,
-    mean: bool,
-    bags: std::ops::Range<usize>,
-    out: &mut [f32],
-    out_stride: usize,
-    slot: FeatureSlot,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports every feature the function was compiled for (checked above).
-        unsafe {
-            pool_bags_avx2(
-                rows, ids, offsets, weights, mean, bags, out, out_stride, slot,
-            )
-        };
-        return;
-    }
-    pool_bags_body(
-        rows, ids, offsets, weights, mean, bags, out, out_stride, slot,
-    )
-}
+crate::multiversion!(
+    fn pool_bags<I: IndexValue, R: TableRows>(args: PoolBags<'_, I, R>) => pool_bags_body
+);
 
 /// Pooled forward over a validated batch: `out` is `[B, out_stride]` row-major, feature `f`
 /// lands in `slots[f]`. `visit(f, |rows| ...)` hands the kernel feature `f`'s table.
@@ -359,8 +318,14 @@ pub(crate) fn pooled_forward<V>(
                 .for_each(|(task, chunk)| {
                     let b0 = task * rows_per_task;
                     let nb = chunk.len() / out_stride;
-                    let bags = f * b_total + b0..f * b_total + b0 + nb;
-                    feature.pool(batch, mean, bags, chunk, out_stride, slot)
+                    feature.pool(PoolTask {
+                        batch,
+                        mean,
+                        bags: f * b_total + b0..f * b_total + b0 + nb,
+                        out: chunk,
+                        out_stride,
+                        slot,
+                    })
                 });
         });
     }
@@ -368,53 +333,25 @@ pub(crate) fn pooled_forward<V>(
 
 /// A table ready to pool one feature's bags (object-safe face of the generic kernels).
 pub(crate) trait PoolFeature: Sync {
-    fn pool(
-        &self,
-        batch: &Batch<'_>,
-        mean: bool,
-        bags: std::ops::Range<usize>,
-        out: &mut [f32],
-        out_stride: usize,
-        slot: FeatureSlot,
-    );
+    fn pool(&self, task: PoolTask<'_>);
     /// `out[i] = w_p · row(id_p)` for the positions `range` (no pooling).
     fn gather(&self, batch: &Batch<'_>, range: std::ops::Range<usize>, out: &mut [f32]);
 }
 
 impl<R: TableRows> PoolFeature for R {
-    fn pool(
-        &self,
-        batch: &Batch<'_>,
-        mean: bool,
-        bags: std::ops::Range<usize>,
-        out: &mut [f32],
-        out_stride: usize,
-        slot: FeatureSlot,
-    ) {
-        let weights = batch.weights.as_deref();
+    fn pool(&self, task: PoolTask<'_>) {
+        let batch = task.batch;
         match &batch.ids {
-            Ids::I32(ids) => pool_bags(
-                self,
+            Ids::I32(ids) => pool_bags(PoolBags {
+                rows: self,
                 ids,
-                &batch.offsets,
-                weights,
-                mean,
-                bags,
-                out,
-                out_stride,
-                slot,
-            ),
-            Ids::I64(ids) => pool_bags(
-                self,
+                task,
+            }),
+            Ids::I64(ids) => pool_bags(PoolBags {
+                rows: self,
                 ids,
-                &batch.offsets,
-                weights,
-                mean,
-                bags,
-                out,
-                out_stride,
-                slot,
-            ),
+                task,
+            }),
         }
     }
 

@@ -1,18 +1,16 @@
 //! Conversions between jagged values and padded dense tensors: `jagged_to_padded_dense` and its
 //! inverse `dense_to_jagged` (each the other's backward), plus FBGEMM's 1-D/2-D and stacked
-//! variants.
+//! variants. The conversion itself ([`Padding`]) has its CPU half in `cpu.rs` and its CUDA half
+//! in `cuda.rs` (`kernels/jagged.cu`).
 
-use std::mem::MaybeUninit;
+mod cpu;
+pub(crate) mod cuda;
+
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
-use super::{
-    copy_to_uninit, expect_int, gather_rows, output_buffer, read_ints, read_offsets,
-    with_any_dtype, zeroed_buffer, PARALLEL_MIN_ELEMENTS,
-};
-use crate::tensor::WithDType;
-use crate::tensor::{record_op, BackwardOp, Gradient};
+use super::{expect_int, read_ints, read_offsets};
+use crate::cuda::CudaDevice;
+use crate::tensor::{record_op, run_on, BackwardOp, DeviceOp, Gradient};
 use crate::{Error, Result, Tensor};
 
 /// Validates the offsets of every jagged dimension and, for more than one, returns for every
@@ -100,103 +98,28 @@ enum SlotLayout {
         row_to_slot: Arc<Vec<i64>>,
     },
 }
-
-/// Bags handled by one task of the single-dimension kernels.
-const BAGS_PER_TASK: usize = 256;
-
-/// Jagged rows (`row_len` elements each) → padded `[slots, row_len]` buffer.
-fn pad<T: Copy + Send + Sync>(
-    values: &[T],
-    layout: &SlotLayout,
+/// One padding conversion: jagged rows → padded slots (`to_dense`) or back.
+struct Padding<'a> {
+    input: &'a Tensor,
+    layout: &'a SlotLayout,
+    /// Elements per row.
     row_len: usize,
-    fill: T,
-) -> Vec<T> {
-    match layout {
-        SlotLayout::Mapped { slot_to_row, .. } => gather_rows(values, row_len, slot_to_row, fill),
-        SlotLayout::Single {
-            offsets,
-            max_length,
-        } => {
-            let bag_len = max_length * row_len;
-            let n = (offsets.len() - 1) * bag_len;
-            let mut out: Vec<T> = output_buffer(n);
-            if bag_len > 0 {
-                let dst = &mut out.spare_capacity_mut()[..n];
-                let work = |(task, chunk): (usize, &mut [MaybeUninit<T>])| {
-                    for (i, bag_out) in chunk.chunks_exact_mut(bag_len).enumerate() {
-                        let b = task * BAGS_PER_TASK + i;
-                        let start = offsets[b] as usize;
-                        let take = ((offsets[b + 1] - offsets[b]) as usize).min(*max_length);
-                        let (data, padding) = bag_out.split_at_mut(take * row_len);
-                        copy_to_uninit(data, &values[start * row_len..(start + take) * row_len]);
-                        for d in padding {
-                            d.write(fill);
-                        }
-                    }
-                };
-                if n >= PARALLEL_MIN_ELEMENTS {
-                    dst.par_chunks_mut(BAGS_PER_TASK * bag_len)
-                        .enumerate()
-                        .for_each(work);
-                } else {
-                    dst.chunks_mut(BAGS_PER_TASK * bag_len)
-                        .enumerate()
-                        .for_each(work);
-                }
-            }
-            // SAFETY: every bag's `bag_len` elements were written above (data then padding),
-            // and the bags tile `[0, n)`.
-            unsafe { out.set_len(n) };
-            out
-        }
-    }
+    /// The padding value (jagged → dense).
+    fill: f64,
+    /// Jagged rows of the result (dense → jagged).
+    rows: usize,
+    to_dense: bool,
+    /// The result's shape.
+    shape: &'a [usize],
 }
 
-/// Padded `[slots, row_len]` buffer → `rows` jagged rows (rows no slot holds are zero).
-fn unpad<T: Copy + Send + Sync + Default>(
-    dense: &[T],
-    layout: &SlotLayout,
-    row_len: usize,
-    rows: usize,
-) -> Vec<T> {
-    match layout {
-        SlotLayout::Mapped { row_to_slot, .. } => {
-            gather_rows(dense, row_len, row_to_slot, T::default())
-        }
-        SlotLayout::Single {
-            offsets,
-            max_length,
-        } => {
-            let mut out = zeroed_buffer(rows * row_len);
-            let bags = offsets.len() - 1;
-            // Each task owns the output rows of its bags: one contiguous range.
-            let mut pieces = Vec::with_capacity(bags.div_ceil(BAGS_PER_TASK));
-            let mut rest = out.as_mut_slice();
-            let mut consumed = 0usize;
-            for first in (0..bags).step_by(BAGS_PER_TASK) {
-                let last = (first + BAGS_PER_TASK).min(bags);
-                let end = offsets[last] as usize * row_len;
-                let (head, tail) = rest.split_at_mut(end - consumed);
-                pieces.push((first, last, head));
-                rest = tail;
-                consumed = end;
-            }
-            let work = |(first, last, chunk): (usize, usize, &mut [T])| {
-                let base = offsets[first] as usize;
-                for b in first..last {
-                    let start = offsets[b] as usize;
-                    let take = ((offsets[b + 1] - offsets[b]) as usize).min(*max_length);
-                    let src = &dense[b * max_length * row_len..][..take * row_len];
-                    chunk[(start - base) * row_len..][..take * row_len].copy_from_slice(src);
-                }
-            };
-            if rows * row_len >= PARALLEL_MIN_ELEMENTS {
-                pieces.into_par_iter().for_each(work);
-            } else {
-                pieces.into_iter().for_each(work);
-            }
-            out
-        }
+impl DeviceOp for Padding<'_> {
+    type Output = Tensor;
+    fn cpu(&self) -> Result<Tensor> {
+        cpu::run(self)
+    }
+    fn cuda(&self, device: &Arc<CudaDevice>) -> Result<Tensor> {
+        cuda::run(self, device)
     }
 }
 
@@ -207,31 +130,16 @@ fn pad_tensor(
     fill: f64,
     shape: &[usize],
 ) -> Result<Tensor> {
-    if values.device().is_cuda() {
-        let out = match layout {
-            SlotLayout::Single {
-                offsets,
-                max_length,
-            } => crate::tensor::cuda::jagged_dense_f32(
-                values,
-                offsets,
-                *max_length,
-                row_len,
-                fill,
-                true,
-                0,
-            )?,
-            SlotLayout::Mapped { slot_to_row, .. } => {
-                crate::tensor::cuda::gather_rows_or_fill_f32(values, slot_to_row, row_len, fill)?
-            }
-        };
-        return out.reshape(shape);
-    }
-    with_any_dtype!(values.dtype(), T => {
-        let fill = <T as WithDType>::from_f64(fill);
-        let out = values.with_contiguous(|v: &[T]| pad(v, layout, row_len, fill))?;
-        Tensor::from_vec(out, shape)
-    })
+    let op = Padding {
+        input: values,
+        layout,
+        row_len,
+        fill,
+        rows: 0,
+        to_dense: true,
+        shape,
+    };
+    run_on(values.device(), &op)
 }
 
 fn unpad_tensor(
@@ -241,30 +149,16 @@ fn unpad_tensor(
     rows: usize,
     shape: &[usize],
 ) -> Result<Tensor> {
-    if dense.device().is_cuda() {
-        let out = match layout {
-            SlotLayout::Single {
-                offsets,
-                max_length,
-            } => crate::tensor::cuda::jagged_dense_f32(
-                dense,
-                offsets,
-                *max_length,
-                row_len,
-                0.0,
-                false,
-                rows,
-            )?,
-            SlotLayout::Mapped { row_to_slot, .. } => {
-                crate::tensor::cuda::gather_rows_or_fill_f32(dense, row_to_slot, row_len, 0.0)?
-            }
-        };
-        return out.reshape(shape);
-    }
-    with_any_dtype!(dense.dtype(), T => {
-        let out = dense.with_contiguous(|v: &[T]| unpad(v, layout, row_len, rows))?;
-        Tensor::from_vec(out, shape)
-    })
+    let op = Padding {
+        input: dense,
+        layout,
+        row_len,
+        fill: 0.0,
+        rows,
+        to_dense: false,
+        shape,
+    };
+    run_on(dense.device(), &op)
 }
 
 /// Backward of the padding conversions: each direction's gradient is the other direction.

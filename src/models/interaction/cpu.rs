@@ -1,23 +1,11 @@
-//! DLRM's dot interaction as one fused op with its own backward.
-//!
-//! With `rows = [dense_b, sparse_b,0, …, sparse_b,F−1]` (`n = F+1` rows of dim `D`) the output
-//! of sample `b` is `dense_b` followed by `⟨rows_i, rows_j⟩` for `i < j` in row-major order
-//! (TorchRec's `triu_indices(n, n, offset=1)`). Only those `n(n−1)/2` dot products are computed
-//! (half of the `n×n` batched matmul), and the backward is
-//! `∂rows_i = Σ_{j≠i} g_ij · rows_j` (plus the pass-through gradient of `dense_b`), again
-//! per sample. Samples are independent, so the work is split over threads by sample and the
-//! result does not depend on the split.
+//! The dot interaction in host memory: per sample, four dot products at a time and weighted
+//! row sums, AVX2/FMA intrinsics for f32 where the CPU has them, samples split over threads.
 
 use rayon::prelude::*;
 
+use super::{DotInteractionBackward, SAMPLES_PER_TASK};
 use crate::tensor::dtype::FloatElem;
-use crate::tensor::ops::with_float;
-use crate::tensor::{record_op, BackwardOp};
-use crate::{Error, Gradient, Result, Tensor};
-
-const OP: &str = "dot_interaction";
-/// Samples per parallel task.
-const SAMPLES_PER_TASK: usize = 16;
+use crate::{Result, Tensor};
 
 /// Sums eight partial sums pairwise.
 #[inline(always)]
@@ -211,14 +199,42 @@ impl Kernels<f32> for Avx2 {
     }
 }
 
-#[inline(always)]
-fn forward_samples<T: FloatElem, K: Kernels<T>>(
-    dense: &[T],
-    sparse: &[T],
-    out: &mut [T],
+/// One task's samples: `dense [S, D]` and `sparse [S, n − 1, D]`.
+struct Samples<'a, T> {
+    dense: &'a [T],
+    sparse: &'a [T],
+    /// Rows per sample (the dense one and the embeddings).
     n: usize,
+    /// Embedding dim.
     d: usize,
-) {
+}
+
+/// The forward of one task: its samples and their output rows `[S, D + n(n−1)/2]`.
+pub(super) struct Forward<'a, T> {
+    samples: Samples<'a, T>,
+    out: &'a mut [T],
+}
+
+/// The backward of one task: its samples, their output gradient and the input gradients.
+pub(super) struct Backward<'a, T> {
+    samples: Samples<'a, T>,
+    grad_out: &'a [T],
+    grad_dense: &'a mut [T],
+    grad_sparse: &'a mut [T],
+}
+
+#[inline(always)]
+fn forward_samples<T: FloatElem, K: Kernels<T>>(args: Forward<'_, T>) {
+    let Forward {
+        samples:
+            Samples {
+                dense,
+                sparse,
+                n,
+                d,
+            },
+        out,
+    } = args;
     let width = out.len() / (dense.len() / d);
     let mut rows = Vec::with_capacity(n);
     for ((o, ds), ss) in out
@@ -251,15 +267,19 @@ fn forward_samples<T: FloatElem, K: Kernels<T>>(
 /// `[S, D + P]` and the saved inputs: with `G` the symmetric `n×n` matrix of the output
 /// gradient's dot-product entries (zero diagonal), `∂rows = G · rows`.
 #[inline(always)]
-fn backward_samples<T: FloatElem, K: Kernels<T>>(
-    dense: &[T],
-    sparse: &[T],
-    grad_out: &[T],
-    grad_dense: &mut [T],
-    grad_sparse: &mut [T],
-    n: usize,
-    d: usize,
-) {
+fn backward_samples<T: FloatElem, K: Kernels<T>>(args: Backward<'_, T>) {
+    let Backward {
+        samples:
+            Samples {
+                dense,
+                sparse,
+                n,
+                d,
+            },
+        grad_out,
+        grad_dense,
+        grad_sparse,
+    } = args;
     let width = grad_out.len() / (dense.len() / d);
     let f = n - 1;
     let mut rows = Vec::with_capacity(n);
@@ -290,83 +310,38 @@ fn backward_samples<T: FloatElem, K: Kernels<T>>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn forward_samples_avx2(dense: &[f32], sparse: &[f32], out: &mut [f32], n: usize, d: usize) {
-    forward_samples::<f32, Avx2>(dense, sparse, out, n, d)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn backward_samples_avx2(
-    dense: &[f32],
-    sparse: &[f32],
-    grad_out: &[f32],
-    grad_dense: &mut [f32],
-    grad_sparse: &mut [f32],
-    n: usize,
-    d: usize,
-) {
-    backward_samples::<f32, Avx2>(dense, sparse, grad_out, grad_dense, grad_sparse, n, d)
-}
-
-/// Element types the fused interaction runs on, with a vectorised f32 path.
-trait InteractionElem: FloatElem {
-    fn forward(dense: &[Self], sparse: &[Self], out: &mut [Self], n: usize, d: usize) {
-        forward_samples::<Self, Portable>(dense, sparse, out, n, d)
+/// Element types the fused interaction runs on, with an AVX2 path for f32.
+pub(super) trait InteractionElem: FloatElem {
+    fn forward(args: Forward<'_, Self>) {
+        forward_samples::<Self, Portable>(args)
     }
-    fn backward(
-        dense: &[Self],
-        sparse: &[Self],
-        grad_out: &[Self],
-        grad_dense: &mut [Self],
-        grad_sparse: &mut [Self],
-        n: usize,
-        d: usize,
-    ) {
-        backward_samples::<Self, Portable>(dense, sparse, grad_out, grad_dense, grad_sparse, n, d)
+    fn backward(args: Backward<'_, Self>) {
+        backward_samples::<Self, Portable>(args)
     }
 }
 
 impl InteractionElem for f64 {}
 
+crate::multiversion!(
+    fn forward_f32(args: Forward<'_, f32>) =>
+        avx2: forward_samples::<f32, Avx2>, portable: forward_samples::<f32, Portable>
+);
+
+crate::multiversion!(
+    fn backward_f32(args: Backward<'_, f32>) =>
+        avx2: backward_samples::<f32, Avx2>, portable: backward_samples::<f32, Portable>
+);
+
 impl InteractionElem for f32 {
-    fn forward(dense: &[f32], sparse: &[f32], out: &mut [f32], n: usize, d: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if crate::embedding::kernels::has_avx2() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { forward_samples_avx2(dense, sparse, out, n, d) };
-        }
-        forward_samples::<Self, Portable>(dense, sparse, out, n, d)
+    fn forward(args: Forward<'_, f32>) {
+        forward_f32(args)
     }
-    fn backward(
-        dense: &[f32],
-        sparse: &[f32],
-        grad_out: &[f32],
-        grad_dense: &mut [f32],
-        grad_sparse: &mut [f32],
-        n: usize,
-        d: usize,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if crate::embedding::kernels::has_avx2() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe {
-                backward_samples_avx2(dense, sparse, grad_out, grad_dense, grad_sparse, n, d)
-            };
-        }
-        backward_samples::<Self, Portable>(dense, sparse, grad_out, grad_dense, grad_sparse, n, d)
+    fn backward(args: Backward<'_, f32>) {
+        backward_f32(args)
     }
 }
 
-struct DotInteractionBackward {
-    dense: Tensor,
-    sparse: Tensor,
-    n: usize,
-    d: usize,
-}
-
-fn run<T: InteractionElem>(
+pub(super) fn run<T: InteractionElem>(
     dense: &Tensor,
     sparse: &Tensor,
     b: usize,
@@ -380,7 +355,17 @@ fn run<T: InteractionElem>(
             out.par_chunks_mut(width * SAMPLES_PER_TASK)
                 .zip(ds.par_chunks(d * SAMPLES_PER_TASK))
                 .zip(ss.par_chunks((n - 1) * d * SAMPLES_PER_TASK))
-                .for_each(|((o, ds), ss)| T::forward(ds, ss, o, n, d));
+                .for_each(|((out, dense), sparse)| {
+                    T::forward(Forward {
+                        samples: Samples {
+                            dense,
+                            sparse,
+                            n,
+                            d,
+                        },
+                        out,
+                    })
+                });
             out
         })
     })?
@@ -388,7 +373,10 @@ fn run<T: InteractionElem>(
 
 type Grads<T> = (Vec<T>, Vec<T>);
 
-fn run_backward<T: InteractionElem>(s: &DotInteractionBackward, grad: &Tensor) -> Result<Grads<T>> {
+pub(super) fn run_backward<T: InteractionElem>(
+    s: &DotInteractionBackward,
+    grad: &Tensor,
+) -> Result<Grads<T>> {
     let (n, d) = (s.n, s.d);
     let f = n - 1;
     let b = s.dense.shape()[0];
@@ -404,78 +392,22 @@ fn run_backward<T: InteractionElem>(s: &DotInteractionBackward, grad: &Tensor) -
                     .zip(gs.par_chunks(width * chunk))
                     .zip(ds.par_chunks(d * chunk))
                     .zip(ss.par_chunks(f * d * chunk))
-                    .for_each(|((((gd, gsp), g), ds), ss)| T::backward(ds, ss, g, gd, gsp, n, d));
+                    .for_each(|((((grad_dense, grad_sparse), grad_out), dense), sparse)| {
+                        T::backward(Backward {
+                            samples: Samples {
+                                dense,
+                                sparse,
+                                n,
+                                d,
+                            },
+                            grad_out,
+                            grad_dense,
+                            grad_sparse,
+                        })
+                    });
                 (gd, gsp)
             })
         })
     })???;
     Ok(grads)
-}
-
-impl BackwardOp for DotInteractionBackward {
-    fn name(&self) -> &'static str {
-        OP
-    }
-
-    fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let (n, d) = (self.n, self.d);
-        let b = self.dense.shape()[0];
-        if self.dense.device().is_cuda() {
-            let (gd, gs) = crate::tensor::cuda::dot_interaction_backward_f32(
-                &self.dense,
-                &self.sparse,
-                grad_output,
-            )?;
-            return Ok(vec![Some(Gradient::Dense(gd)), Some(Gradient::Dense(gs))]);
-        }
-        let grad_output = grad_output.to_dtype(self.dense.dtype())?;
-        let (grad_dense, grad_sparse) = with_float!(self.dense.dtype(), OP, T => {
-            let (gd, gs) = run_backward::<T>(self, &grad_output)?;
-            (Tensor::from_vec(gd, &[b, d])?, Tensor::from_vec(gs, &[b, n - 1, d])?)
-        });
-        Ok(vec![
-            Some(Gradient::Dense(grad_dense)),
-            Some(Gradient::Dense(grad_sparse)),
-        ])
-    }
-}
-
-/// The fused dot interaction: `dense [B, D]`, `sparse [B, F, D]` (same float dtype) →
-/// `[B, D + F(F+1)/2]`, differentiable in both inputs.
-pub fn dot_interaction(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
-    let (b, d) = (dense.shape()[0], dense.shape()[1]);
-    let n = sparse.shape()[1] + 1;
-    if dense.dtype() != sparse.dtype() {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            lhs: dense.dtype(),
-            rhs: sparse.dtype(),
-        });
-    }
-    if d == 0 {
-        return Err(Error::invalid(OP, "the embedding dim must be at least 1"));
-    }
-    let width = d + n * (n - 1) / 2;
-    let out = match dense.dtype() {
-        _ if dense.device().is_cuda() => crate::tensor::cuda::dot_interaction_f32(dense, sparse)?,
-        crate::DType::F32 => Tensor::from_vec(run::<f32>(dense, sparse, b, n, d)?, &[b, width])?,
-        crate::DType::F64 => Tensor::from_vec(run::<f64>(dense, sparse, b, n, d)?, &[b, width])?,
-        other => {
-            return Err(Error::UnsupportedDType {
-                op: OP,
-                dtype: other,
-                expected: "f32 or f64",
-            })
-        }
-    };
-    Ok(record_op(
-        out,
-        &[dense, sparse],
-        DotInteractionBackward {
-            dense: dense.detach(),
-            sparse: sparse.detach(),
-            n,
-            d,
-        },
-    ))
 }

@@ -1,0 +1,147 @@
+//! The TBE's host half: FP32 tables and optimizer state in host memory, the pooling kernels
+//! (`pool.rs`, shared with the quantized TBE) and the fused backward (`backward.rs`).
+
+pub(crate) mod backward;
+pub(crate) mod pool;
+
+use super::{TbeInner, TbeLayout};
+use crate::embedding::config::PoolingMode;
+use crate::embedding::input::Batch;
+use crate::embedding::optimizer::StateShape;
+use crate::embedding::storage::RowBuffer;
+use crate::error::Result;
+use crate::Tensor;
+use backward::{fused_backward, BackwardOutput, BackwardStep, TableUpdate};
+use pool::{pooled_forward, sequence_forward, F32Rows, PoolFeature};
+
+/// FP32 tables and optimizer state in host memory (huge-page friendly buffers).
+pub(crate) struct HostTables {
+    pub weights: RowBuffer<f32>,
+    pub m1: RowBuffer<f32>,
+    pub m2: RowBuffer<f32>,
+}
+
+impl HostTables {
+    /// Zero tables and state for `layout`.
+    pub(crate) fn zeros(layout: &TbeLayout, config: &super::TbeConfig) -> Result<Self> {
+        let len = |i: usize| state_len(config, layout, i);
+        Ok(HostTables {
+            weights: RowBuffer::zeros(layout.total_elements())?,
+            m1: RowBuffer::zeros(len(0))?,
+            m2: RowBuffer::zeros(len(1))?,
+        })
+    }
+
+    /// State buffer `i` (0 or 1).
+    pub(crate) fn state(&self, i: usize) -> &[f32] {
+        if i == 0 {
+            &self.m1
+        } else {
+            &self.m2
+        }
+    }
+
+    /// State buffer `i` (0 or 1), mutably.
+    pub(crate) fn state_mut(&mut self, i: usize) -> &mut [f32] {
+        if i == 0 {
+            &mut self.m1
+        } else {
+            &mut self.m2
+        }
+    }
+
+    /// Bytes held (allocation sizes, padding included).
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.weights.allocated_bytes() + self.m1.allocated_bytes() + self.m2.allocated_bytes()
+    }
+
+    /// Pooled (or unpooled) lookup of a validated batch.
+    pub(crate) fn forward(&self, inner: &TbeInner, batch: &Batch<'_>) -> Result<Tensor> {
+        let cfg = &inner.config;
+        let layout = &inner.layout;
+        let visit = |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
+            let t = cfg.feature_table_map[f];
+            let rows = F32Rows {
+                rows: &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]],
+                dim: cfg.tables[t].dim,
+            };
+            k(&rows)
+        };
+        let stride = layout.out_stride;
+        if cfg.pooling == PoolingMode::None {
+            let n = batch.ids.len();
+            let mut out = vec![0.0f32; n * stride];
+            sequence_forward(batch, stride, &mut out, &visit);
+            return Tensor::from_vec(out, &[n, stride]);
+        }
+        let mut out = vec![0.0f32; batch.batch_size * stride];
+        pooled_forward(batch, &layout.slots, cfg.pooling, &mut out, stride, &visit);
+        Tensor::from_vec(out, &[batch.batch_size, stride])
+    }
+
+    /// The fused backward of step `step` (1-based) for `grad_output` (`[rows_out, out_stride]`,
+    /// checked by the caller).
+    pub(crate) fn backward(
+        &mut self,
+        inner: &TbeInner,
+        batch: &Batch<'_>,
+        grad_output: &[f32],
+        step: u64,
+    ) -> BackwardOutput {
+        let cfg = &inner.config;
+        let layout = &inner.layout;
+        let state_len = |i: usize, rows: usize, elems: usize| match cfg.optimizer.state_shape(i) {
+            None => 0,
+            Some(StateShape::PerRow) => rows,
+            Some(StateShape::PerElement) => elems,
+        };
+        let mut weights_rest: &mut [f32] = &mut self.weights;
+        let mut m1_rest: &mut [f32] = &mut self.m1;
+        let mut m2_rest: &mut [f32] = &mut self.m2;
+        let mut updates = Vec::with_capacity(cfg.tables.len());
+        for (t, spec) in cfg.tables.iter().enumerate() {
+            let elems = spec.rows * spec.dim;
+            let (w, rest) = std::mem::take(&mut weights_rest).split_at_mut(elems);
+            weights_rest = rest;
+            let (m1, rest) =
+                std::mem::take(&mut m1_rest).split_at_mut(state_len(0, spec.rows, elems));
+            m1_rest = rest;
+            let (m2, rest) =
+                std::mem::take(&mut m2_rest).split_at_mut(state_len(1, spec.rows, elems));
+            m2_rest = rest;
+            let features: Vec<(usize, usize)> = (cfg.feature_table_map.iter().enumerate())
+                .filter(|(_, &ft)| ft == t)
+                .map(|(f, _)| (f, layout.slots[f].col))
+                .collect();
+            if features.is_empty() {
+                continue;
+            }
+            updates.push(TableUpdate {
+                weights: w,
+                m1,
+                m2,
+                dim: spec.dim,
+                features,
+            });
+        }
+        let step = BackwardStep {
+            batch,
+            pooling: cfg.pooling,
+            grad_out: grad_output,
+            out_stride: layout.out_stride,
+            optimizer: &cfg.optimizer,
+            decay: cfg.weight_decay,
+            step,
+        };
+        fused_backward(&step, updates)
+    }
+}
+
+/// Elements of optimizer state buffer `i` over every table (0 if the optimizer has none).
+pub(crate) fn state_len(config: &super::TbeConfig, layout: &TbeLayout, i: usize) -> usize {
+    match config.optimizer.state_shape(i) {
+        Some(StateShape::PerRow) => layout.total_rows(),
+        Some(StateShape::PerElement) => layout.total_elements(),
+        None => 0,
+    }
+}

@@ -1,0 +1,338 @@
+//! The TBE's device half: tables (FP32 rows with their optimizer state, or FBGEMM's quantized
+//! row bytes) in a CUDA device's memory, the per-feature layout the kernels read, the forward
+//! kernels of `kernels/tbe_forward*.cu` (`forward.rs`) and the fused backward of
+//! `kernels/tbe_backward.cu` (`backward.rs`). Inputs are validated on the host first (the same
+//! pass as the CPU's), so a lookup never needs a read-back; the kernels still skip an
+//! out-of-range id rather than read outside a table.
+
+pub(crate) mod backward;
+pub(crate) mod forward;
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+pub(crate) use backward::BackwardInput;
+
+use crate::cuda::{CudaDevice, DeviceBuffer, DeviceElem};
+use crate::embedding::config::{PoolingMode, WeightType};
+use crate::embedding::input::{Batch, Ids};
+use crate::error::{Error, Result};
+
+/// The weights of [`DeviceTables`]: FP32 rows or FBGEMM's quantized row bytes.
+#[allow(clippy::large_enum_variant)] // one per TBE: boxing would buy nothing
+enum Weights {
+    F32(DeviceBuffer<f32>),
+    Quantized {
+        bytes: DeviceBuffer<u8>,
+        /// Per feature: bytes of one row, and the kernel's code of its weight type.
+        row_bytes: DeviceBuffer<i32>,
+        types: DeviceBuffer<i32>,
+        /// When every table holds FP16 (or every one BF16) rows: the typed pooled kernel
+        /// (no per-value type switch) and the features' table offsets in 2-byte elements.
+        half: Option<(&'static str, DeviceBuffer<i64>)>,
+    },
+}
+
+/// Per feature, what the kernels read about its table and its output slot.
+pub(crate) struct FeatureLayout {
+    /// Element (FP32) or byte (quantized) offset of the feature's table in the weights.
+    pub table_offsets: Vec<i64>,
+    /// Rows of the feature's table.
+    pub rows: Vec<i64>,
+    /// Dim of the feature's table.
+    pub dims: Vec<i32>,
+    /// Number of the first row of the feature's table among all tables' rows.
+    pub row_starts: Vec<i64>,
+    /// Rows of all tables together.
+    pub total_rows: usize,
+    /// Every table's dim (the vectorised kernels need all of them multiples of 4).
+    pub table_dims: Vec<usize>,
+    pub pooling: PoolingMode,
+}
+
+/// A TBE's tables in device memory, with the layout the kernels read.
+pub(crate) struct DeviceTables {
+    device: Arc<CudaDevice>,
+    weights: Weights,
+    table_offsets: DeviceBuffer<i64>,
+    rows: DeviceBuffer<i64>,
+    dims: DeviceBuffer<i32>,
+    out_offsets: DeviceBuffer<i32>,
+    row_starts: DeviceBuffer<i64>,
+    /// Per feature: rows of its table.
+    host_rows: Vec<i64>,
+    host_dims_max: usize,
+    total_rows: usize,
+    out_stride: usize,
+    mean: bool,
+    /// Unpooled (PoolingMode::None): one output row per id.
+    sequence: bool,
+    /// The FP32 pooled lookups use `tbe_forward_f32_v4` (16-byte loads).
+    vectorized: bool,
+    /// The optimizer's state buffers ([`FusedOptimizer::state_buffers`](crate::embedding::FusedOptimizer::state_buffers))
+    /// over every table: per-row state indexed by row number, per-element state laid out as
+    /// the weights.
+    state: Vec<DeviceBuffer<f32>>,
+    /// The first out-of-range position a lookup met (`i64::MAX`: none); inputs are validated
+    /// on the host, so it stays unset.
+    first_bad: Mutex<DeviceBuffer<i64>>,
+}
+
+/// The kernel's code of a weight type (see `kernels/tbe_forward_quantized.cu`).
+fn type_code(ty: WeightType) -> i32 {
+    match ty {
+        WeightType::Fp32 => 0,
+        WeightType::Fp16 => 1,
+        WeightType::Bf16 => 2,
+        WeightType::Fp8 => 3,
+        WeightType::Fp8E4m3fn => 4,
+        WeightType::Int8 => 5,
+        WeightType::Int4 => 6,
+        WeightType::Int2 => 7,
+    }
+}
+
+/// A device buffer holding `host`, at least one element long (no zero-sized allocations).
+fn upload<T: DeviceElem + Default>(
+    device: &Arc<CudaDevice>,
+    host: &[T],
+) -> Result<DeviceBuffer<T>> {
+    if host.is_empty() {
+        return device.htod(&[T::default()]);
+    }
+    device.htod(host)
+}
+
+impl DeviceTables {
+    fn build(device: Arc<CudaDevice>, weights: Weights, l: FeatureLayout) -> Result<Self> {
+        let sequence = l.pooling == PoolingMode::None;
+        let mut out_offsets = Vec::with_capacity(l.dims.len());
+        let mut stride = 0;
+        for &d in &l.dims {
+            out_offsets.push(stride);
+            stride += d;
+        }
+        let out_stride = if sequence {
+            let d0 = l.dims.first().copied().unwrap_or(0);
+            if l.dims.iter().any(|&d| d != d0) {
+                return Err(Error::invalid(
+                    "TableBatchedEmbedding",
+                    format!(
+                        "pooling NONE needs one dim for every feature, got {:?}",
+                        l.dims
+                    ),
+                ));
+            }
+            d0 as usize
+        } else {
+            stride as usize
+        };
+        // Every table's dim a multiple of 4 keeps every table (and output slice) 16-byte
+        // aligned, unused tables included.
+        let vectorized = matches!(weights, Weights::F32(_))
+            && l.table_dims.iter().all(|&d| d % 4 == 0 && d <= 512);
+        Ok(DeviceTables {
+            table_offsets: upload(&device, &l.table_offsets)?,
+            rows: upload(&device, &l.rows)?,
+            dims: upload(&device, &l.dims)?,
+            out_offsets: upload(&device, &out_offsets)?,
+            row_starts: upload(&device, &l.row_starts)?,
+            host_dims_max: l.dims.iter().copied().max().unwrap_or(0) as usize,
+            host_rows: l.rows,
+            total_rows: l.total_rows,
+            out_stride,
+            mean: l.pooling == PoolingMode::Mean,
+            sequence,
+            vectorized,
+            weights,
+            state: Vec::new(),
+            first_bad: Mutex::new(device.htod(&[i64::MAX])?),
+            device,
+        })
+    }
+
+    /// FP32 tables (`weights`, all tables back to back) and optimizer state buffers `state`
+    /// copied to `device`.
+    pub(crate) fn f32(
+        device: Arc<CudaDevice>,
+        layout: FeatureLayout,
+        weights: &[f32],
+        state: &[&[f32]],
+    ) -> Result<Self> {
+        let w = upload(&device, weights)?;
+        let state = (state.iter())
+            .map(|s| upload(&device, s))
+            .collect::<Result<Vec<_>>>()?;
+        let mut tables = Self::build(device, Weights::F32(w), layout)?;
+        tables.state = state;
+        Ok(tables)
+    }
+
+    /// FP32 tables of zeros with zero optimizer state (`state_lens` values per buffer) made on
+    /// the device, without a host copy.
+    pub(crate) fn f32_zeros(
+        device: Arc<CudaDevice>,
+        layout: FeatureLayout,
+        elements: usize,
+        state_lens: &[usize],
+    ) -> Result<Self> {
+        let w = device.zeros::<f32>(elements.max(1))?;
+        let state = (state_lens.iter())
+            .map(|&n| device.zeros::<f32>(n.max(1)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut tables = Self::build(device, Weights::F32(w), layout)?;
+        tables.state = state;
+        Ok(tables)
+    }
+
+    /// Quantized rows (`bytes`, FBGEMM's row layout; `layout.table_offsets` in bytes) of
+    /// `types[t]` per table `t`, copied to `device`.
+    pub(crate) fn quantized(
+        device: Arc<CudaDevice>,
+        layout: FeatureLayout,
+        bytes: &[u8],
+        feature_types: &[WeightType],
+    ) -> Result<Self> {
+        let row_bytes: Vec<i32> = (feature_types.iter().zip(&layout.dims))
+            .map(|(ty, &d)| ty.row_bytes(d as usize) as i32)
+            .collect();
+        let types: Vec<i32> = feature_types.iter().map(|&t| type_code(t)).collect();
+        let all = |ty: WeightType| feature_types.iter().all(|&t| t == ty);
+        let half_kernel = if all(WeightType::Fp16) {
+            Some("tbe_forward_f16")
+        } else if all(WeightType::Bf16) {
+            Some("tbe_forward_bf16")
+        } else {
+            None
+        };
+        let half = match half_kernel {
+            Some(kernel) => {
+                let elements: Vec<i64> = layout.table_offsets.iter().map(|&b| b / 2).collect();
+                Some((kernel, upload(&device, &elements)?))
+            }
+            None => None,
+        };
+        let weights = Weights::Quantized {
+            bytes: upload(&device, bytes)?,
+            row_bytes: upload(&device, &row_bytes)?,
+            types: upload(&device, &types)?,
+            half,
+        };
+        Self::build(device, weights, layout)
+    }
+
+    /// The device the tables live on.
+    pub(crate) fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Bytes of device memory the weights and state hold.
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        let weights = match &self.weights {
+            Weights::F32(w) => w.bytes(),
+            Weights::Quantized { bytes, .. } => bytes.bytes(),
+        };
+        weights + self.state.iter().map(DeviceBuffer::bytes).sum::<usize>()
+    }
+
+    /// Chooses between the FP32 pooled lookup kernels: 16-byte loads (`true`, the default
+    /// where every dim is a multiple of 4 and at most 512) or one float per lane. Returns
+    /// whether the vectorized kernel is now in use.
+    pub(crate) fn set_vectorized(&mut self, on: bool, table_dims: &[usize]) -> bool {
+        let allowed = matches!(self.weights, Weights::F32(_))
+            && table_dims.iter().all(|&d| d % 4 == 0 && d <= 512);
+        self.vectorized = on && allowed;
+        self.vectorized
+    }
+
+    fn f32_weights(&self) -> Result<&DeviceBuffer<f32>> {
+        match &self.weights {
+            Weights::F32(w) => Ok(w),
+            Weights::Quantized { .. } => Err(Error::invalid(
+                "TableBatchedEmbedding",
+                "the device tables hold quantized rows, not FP32 ones",
+            )),
+        }
+    }
+
+    /// The FP32 weights `range` (elements), copied back.
+    pub(crate) fn read_weights(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        read_range(self.f32_weights()?, range)
+    }
+
+    /// Overwrites FP32 weights from element `start` on with `values`.
+    pub(crate) fn write_weights(&self, start: usize, values: &[f32]) -> Result<()> {
+        write_range(self.f32_weights()?, start, values)
+    }
+
+    /// Elements `range` of optimizer state buffer `i`, copied back.
+    pub(crate) fn read_state(&self, i: usize, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        read_range(self.state_buffer(i)?, range)
+    }
+
+    /// Overwrites optimizer state buffer `i` from element `start` on with `values`.
+    pub(crate) fn write_state(&self, i: usize, start: usize, values: &[f32]) -> Result<()> {
+        write_range(self.state_buffer(i)?, start, values)
+    }
+
+    fn state_buffer(&self, i: usize) -> Result<&DeviceBuffer<f32>> {
+        self.state.get(i).ok_or_else(|| {
+            Error::invalid(
+                "TableBatchedEmbedding",
+                format!("the device tables have no optimizer state buffer {i}"),
+            )
+        })
+    }
+}
+
+/// Elements `range` of `buffer`, copied back.
+fn read_range(buffer: &DeviceBuffer<f32>, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; range.len()];
+    let bytes: &mut [u8] = bytemuck_f32_mut(&mut out);
+    buffer.device().read_bytes(buffer, range.start * 4, bytes)?;
+    Ok(out)
+}
+
+/// Overwrites `buffer` from element `start` on with `values`.
+fn write_range(buffer: &DeviceBuffer<f32>, start: usize, values: &[f32]) -> Result<()> {
+    // SAFETY: f32 values viewed as their bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values))
+    };
+    buffer.device().write_bytes(buffer, start * 4, bytes)
+}
+
+fn bytemuck_f32_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: every byte pattern is a valid f32; the slice covers exactly the values.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+}
+
+/// A validated batch's inputs in device memory.
+pub(crate) struct DeviceBatch {
+    pub ids: DeviceBuffer<i64>,
+    pub offsets: DeviceBuffer<i64>,
+    pub weights: Option<DeviceBuffer<f32>>,
+    pub batch_size: usize,
+    pub num_ids: usize,
+}
+
+impl DeviceBatch {
+    /// The inputs of `batch` (validated on the host) copied to `device`.
+    pub(crate) fn upload(device: &Arc<CudaDevice>, batch: &Batch<'_>) -> Result<Self> {
+        let ids: Vec<i64> = match &batch.ids {
+            Ids::I64(ids) => ids.to_vec(),
+            Ids::I32(ids) => ids.iter().map(|&i| i64::from(i)).collect(),
+        };
+        let offsets: Vec<i64> = batch.offsets.iter().map(|&o| o as i64).collect();
+        Ok(DeviceBatch {
+            num_ids: ids.len(),
+            ids: upload(device, &ids)?,
+            offsets: device.htod(&offsets)?,
+            weights: (batch.weights.as_deref())
+                .map(|w| upload(device, w))
+                .transpose()?,
+            batch_size: batch.batch_size,
+        })
+    }
+}

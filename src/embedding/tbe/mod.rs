@@ -1,0 +1,1042 @@
+//! [`TableBatchedEmbedding`]: the training TBE. Many FP32 tables in one flat buffer, looked up
+//! by many features in one call, with the optimizer fused into backward — in host memory
+//! (`cpu/`) or in a CUDA device's memory (`cuda/`), one type either way
+//! ([`TableBatchedEmbedding::to_device`]). Inputs are checked by one validation pass on the
+//! host ([`validate`](super::input)) whatever the device.
+
+pub(crate) mod cpu;
+pub(crate) mod cuda;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use rand::Rng as _;
+use rand_distr::{Distribution, Normal};
+
+use super::config::{BoundsCheckMode, EmbeddingInit, PoolingMode, TableSpec};
+use super::input::{validate, with_tensor_input, Batch, FeatureBounds, SkipCounter, TbeInput};
+use super::optimizer::{FusedOptimizer, StateShape, WeightDecay};
+use crate::tensor::rng::Rng;
+use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
+use crate::{DType, Device, Error, Result, Tensor};
+use cpu::backward::{BackwardOutput, SparseTableGrad};
+use cpu::pool::FeatureSlot;
+use cpu::HostTables;
+use cuda::{BackwardInput, DeviceBatch, DeviceTables, FeatureLayout};
+
+/// Everything that defines a [`TableBatchedEmbedding`].
+#[derive(Clone, Debug)]
+pub struct TbeConfig {
+    /// The tables, in the order of the flat buffer.
+    pub tables: Vec<TableSpec>,
+    /// Table looked up by each feature (several features may share a table).
+    pub feature_table_map: Vec<usize>,
+    /// Feature names for messages (default `f0`, `f1`, ...).
+    pub feature_names: Option<Vec<String>>,
+    /// Pooling of every bag.
+    pub pooling: PoolingMode,
+    /// The optimizer fused into backward.
+    pub optimizer: FusedOptimizer,
+    /// Weight decay of the fused optimizer.
+    pub weight_decay: WeightDecay,
+    /// What to do with out-of-range ids.
+    pub bounds_check: BoundsCheckMode,
+}
+
+impl TbeConfig {
+    /// A config with default feature names, no weight decay and erroring bounds checks.
+    pub fn new(
+        tables: Vec<TableSpec>,
+        feature_table_map: Vec<usize>,
+        pooling: PoolingMode,
+        optimizer: FusedOptimizer,
+    ) -> Self {
+        TbeConfig {
+            tables,
+            feature_table_map,
+            feature_names: None,
+            pooling,
+            optimizer,
+            weight_decay: WeightDecay::None,
+            bounds_check: BoundsCheckMode::Error,
+        }
+    }
+
+    /// One feature per table, in table order.
+    pub fn one_feature_per_table(
+        tables: Vec<TableSpec>,
+        pooling: PoolingMode,
+        optimizer: FusedOptimizer,
+    ) -> Self {
+        let map = (0..tables.len()).collect();
+        TbeConfig::new(tables, map, pooling, optimizer)
+    }
+}
+
+/// Where the tables and their optimizer state live.
+#[allow(clippy::large_enum_variant)] // one per TBE: boxing would buy nothing
+pub(crate) enum Tables {
+    /// Host memory.
+    Host(HostTables),
+    /// A CUDA device's memory.
+    Device(DeviceTables),
+}
+
+/// Tables, optimizer state and the step count, behind one lock.
+pub(crate) struct TrainState {
+    pub tables: Tables,
+    /// Backward calls so far (Adam's bias correction).
+    pub step: u64,
+}
+
+/// Where each table and feature sits: the flat buffers' offsets and the output columns.
+pub(crate) struct TbeLayout {
+    /// Start of each table in the flat weight buffer (elements); one extra entry at the end.
+    pub weight_offsets: Vec<usize>,
+    /// First row of each table in the flat row numbering; one extra entry at the end.
+    pub row_offsets: Vec<usize>,
+    /// Per feature: its output columns.
+    pub slots: Vec<FeatureSlot>,
+    /// Output width: `ΣD` pooled, `D` unpooled.
+    pub out_stride: usize,
+}
+
+impl TbeLayout {
+    /// Elements of all tables together.
+    pub(crate) fn total_elements(&self) -> usize {
+        *self
+            .weight_offsets
+            .last()
+            .expect("one entry past the last table")
+    }
+
+    /// Rows of all tables together.
+    pub(crate) fn total_rows(&self) -> usize {
+        *self
+            .row_offsets
+            .last()
+            .expect("one entry past the last table")
+    }
+}
+
+pub(crate) struct TbeInner {
+    /// This operator's number ([`next_operator_id`]): prepared batches name it.
+    pub id: usize,
+    pub config: TbeConfig,
+    pub feature_names: Vec<String>,
+    pub layout: TbeLayout,
+    pub state: RwLock<TrainState>,
+    pub skips: SkipCounter,
+    /// Leaves that receive row-sparse gradients with [`FusedOptimizer::None`] (on the tables'
+    /// device).
+    pub sparse_sinks: Mutex<Vec<Tensor>>,
+}
+
+/// Table-batched embedding bags for training (FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen`):
+/// FP32 rows of every table in one flat buffer, FBGEMM's input layout, and the optimizer fused
+/// into the backward. The tables live in host memory or on a CUDA device
+/// ([`to_device`](Self::to_device)); every method works on either.
+///
+/// Cloning is cheap and shares the tables.
+#[derive(Clone)]
+pub struct TableBatchedEmbedding {
+    pub(crate) inner: Arc<TbeInner>,
+}
+
+impl std::fmt::Debug for TableBatchedEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableBatchedEmbedding")
+            .field("tables", &self.inner.config.tables)
+            .field("feature_table_map", &self.inner.config.feature_table_map)
+            .field("pooling", &self.inner.config.pooling)
+            .field("optimizer", &self.inner.config.optimizer)
+            .field("device", &self.device())
+            .finish()
+    }
+}
+
+const OP: &str = "TableBatchedEmbedding";
+
+/// Leaves shaped like each table for its row-sparse gradients (stride-0 views of one zero,
+/// allocating nothing), on `device`; none with a fused optimizer.
+fn sparse_sinks(config: &TbeConfig, device: Device) -> Result<Vec<Tensor>> {
+    if config.optimizer != FusedOptimizer::None {
+        return Ok(Vec::new());
+    }
+    (config.tables.iter())
+        .map(|spec| {
+            Ok(Tensor::try_zeros(&[1, 1], DType::F32, device)?
+                .expand(&[spec.rows, spec.dim])?
+                .with_requires_grad(true))
+        })
+        .collect()
+}
+
+impl TableBatchedEmbedding {
+    /// Builds the operator with all-zero tables and optimizer state in host memory.
+    pub fn new(config: TbeConfig) -> Result<Self> {
+        Self::new_on(config, Device::Cpu)
+    }
+
+    /// Builds the operator with all-zero tables and optimizer state made directly on `device`
+    /// (no host copy: for tables larger than host memory wants to hold twice).
+    pub fn new_on(config: TbeConfig, device: Device) -> Result<Self> {
+        config.optimizer.validate()?;
+        if let WeightDecay::L2(l) | WeightDecay::Decoupled(l) = config.weight_decay {
+            if !l.is_finite() {
+                return Err(Error::invalid(
+                    OP,
+                    format!("invalid weight decay {:?}", config.weight_decay),
+                ));
+            }
+        }
+        if config.tables.is_empty() {
+            return Err(Error::invalid(OP, "at least one table is needed"));
+        }
+        for (t, spec) in config.tables.iter().enumerate() {
+            if spec.dim == 0 {
+                return Err(Error::invalid(
+                    OP,
+                    format!("table {t} `{}` has dim 0 (dims must be ≥ 1)", spec.name),
+                ));
+            }
+        }
+        if config.feature_table_map.is_empty() {
+            return Err(Error::invalid(OP, "at least one feature is needed"));
+        }
+        for (f, &t) in config.feature_table_map.iter().enumerate() {
+            if t >= config.tables.len() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "feature {f} maps to table {t}, but there are {} tables",
+                        config.tables.len()
+                    ),
+                ));
+            }
+        }
+        let feature_names = match &config.feature_names {
+            Some(names) if names.len() != config.feature_table_map.len() => {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{} feature names for {} features",
+                        names.len(),
+                        config.feature_table_map.len()
+                    ),
+                ))
+            }
+            Some(names) => names.clone(),
+            None => (0..config.feature_table_map.len())
+                .map(|f| format!("f{f}"))
+                .collect(),
+        };
+        let dims: Vec<usize> = config
+            .feature_table_map
+            .iter()
+            .map(|&t| config.tables[t].dim)
+            .collect();
+        if config.pooling == PoolingMode::None && dims.iter().any(|&d| d != dims[0]) {
+            return Err(Error::invalid(
+                OP,
+                format!("pooling NONE needs one dim for every feature, got {dims:?}"),
+            ));
+        }
+        let mut slots = Vec::with_capacity(dims.len());
+        let mut col = 0;
+        for &dim in &dims {
+            slots.push(FeatureSlot { col, dim });
+            col += dim;
+        }
+        let out_stride = if config.pooling == PoolingMode::None {
+            dims[0]
+        } else {
+            col
+        };
+        let mut weight_offsets = vec![0];
+        let mut row_offsets = vec![0];
+        for spec in &config.tables {
+            let elems = spec
+                .rows
+                .checked_mul(spec.dim)
+                .ok_or_else(|| Error::invalid(OP, format!("table `{}` is too large", spec.name)))?;
+            weight_offsets.push(weight_offsets.last().unwrap() + elems);
+            row_offsets.push(row_offsets.last().unwrap() + spec.rows);
+        }
+        let layout = TbeLayout {
+            weight_offsets,
+            row_offsets,
+            slots,
+            out_stride,
+        };
+        let tables = match device {
+            Device::Cpu => Tables::Host(HostTables::zeros(&layout, &config)?),
+            Device::Cuda(_) => {
+                let lens: Vec<usize> = (0..config.optimizer.state_buffers().len())
+                    .map(|i| cpu::state_len(&config, &layout, i))
+                    .collect();
+                Tables::Device(DeviceTables::f32_zeros(
+                    crate::cuda::open(device)?,
+                    feature_layout(&config, &layout),
+                    layout.total_elements(),
+                    &lens,
+                )?)
+            }
+        };
+        Ok(TableBatchedEmbedding {
+            inner: Arc::new(TbeInner {
+                id: next_operator_id(),
+                sparse_sinks: Mutex::new(sparse_sinks(&config, device)?),
+                config,
+                feature_names,
+                layout,
+                state: RwLock::new(TrainState { tables, step: 0 }),
+                skips: SkipCounter::default(),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TbeConfig {
+        &self.inner.config
+    }
+
+    /// Where the tables live.
+    pub fn device(&self) -> Device {
+        match &self.inner.state.read().tables {
+            Tables::Host(_) => Device::Cpu,
+            Tables::Device(d) => Device::Cuda(d.device().ordinal()),
+        }
+    }
+
+    /// Moves the tables, their optimizer state and the step count to `device` (every clone
+    /// follows). Between training steps: a backward recorded before the move refuses to run
+    /// after it.
+    pub fn to_device(&self, device: Device) -> Result<()> {
+        if device == self.device() {
+            return Ok(());
+        }
+        let inner = &self.inner;
+        let (cfg, layout) = (&inner.config, &inner.layout);
+        let mut state = inner.state.write();
+        let open = || crate::cuda::open(device);
+        let moved = match (&state.tables, device) {
+            (Tables::Host(h), Device::Cuda(_)) => Tables::Device(upload(cfg, layout, h, open()?)?),
+            (Tables::Device(d), Device::Cpu) => Tables::Host(download(cfg, layout, d)?),
+            (Tables::Device(d), Device::Cuda(_)) => {
+                let host = download(cfg, layout, d)?;
+                Tables::Device(upload(cfg, layout, &host, open()?)?)
+            }
+            (Tables::Host(_), Device::Cpu) => return Ok(()),
+        };
+        state.tables = moved;
+        *inner.sparse_sinks.lock() = sparse_sinks(cfg, device)?;
+        Ok(())
+    }
+
+    /// A deep copy of this operator — tables, optimizer state and step count — on `device`
+    /// (this one stays where it is).
+    pub fn clone_to(&self, device: Device) -> Result<Self> {
+        let copy = TableBatchedEmbedding::new(self.inner.config.clone())?;
+        {
+            let state = self.inner.state.read();
+            let mut target = copy.inner.state.write();
+            let (cfg, layout) = (&self.inner.config, &self.inner.layout);
+            let Tables::Host(host) = &mut target.tables else {
+                unreachable!("a new operator's tables are on the host");
+            };
+            match &state.tables {
+                Tables::Host(h) => {
+                    host.weights.copy_from_slice(&h.weights);
+                    for i in 0..cfg.optimizer.state_buffers().len() {
+                        host.state_mut(i).copy_from_slice(h.state(i));
+                    }
+                }
+                Tables::Device(d) => *host = download(cfg, layout, d)?,
+            }
+            target.step = state.step;
+        }
+        copy.to_device(device)?;
+        Ok(copy)
+    }
+
+    /// Number of tables.
+    pub fn num_tables(&self) -> usize {
+        self.inner.config.tables.len()
+    }
+
+    /// Number of features.
+    pub fn num_features(&self) -> usize {
+        self.inner.config.feature_table_map.len()
+    }
+
+    /// Output width `Σ D` over features (or the common dim with pooling NONE).
+    pub fn output_dim(&self) -> usize {
+        self.inner.layout.out_stride
+    }
+
+    /// First output column of each feature, plus the total at the end (FBGEMM's `D_offsets`).
+    pub fn d_offsets(&self) -> Vec<usize> {
+        let slots = &self.inner.layout.slots;
+        let mut v: Vec<usize> = slots.iter().map(|s| s.col).collect();
+        v.push(slots.iter().map(|s| s.dim).sum());
+        v
+    }
+
+    /// Start, in the flat weight buffer, of the table each feature reads (in elements; FBGEMM's
+    /// per-feature `weights_offsets`).
+    pub fn weights_offsets(&self) -> Vec<usize> {
+        (self.inner.config.feature_table_map.iter())
+            .map(|&t| self.inner.layout.weight_offsets[t])
+            .collect()
+    }
+
+    /// Ids skipped so far by [`BoundsCheckMode::WarnAndSkip`].
+    pub fn bounds_check_warnings(&self) -> u64 {
+        self.inner.skips.skipped.load(Ordering::Relaxed)
+    }
+
+    /// Number of fused optimizer steps (backward calls) so far.
+    pub fn step(&self) -> u64 {
+        self.inner.state.read().step
+    }
+
+    /// Bytes held by the weights and optimizer state (allocation sizes, padding included), on
+    /// whichever device they live.
+    pub fn allocated_bytes(&self) -> usize {
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => h.allocated_bytes(),
+            Tables::Device(d) => d.allocated_bytes(),
+        }
+    }
+
+    fn check_table(&self, t: usize) -> Result<&TableSpec> {
+        self.inner.config.tables.get(t).ok_or_else(|| {
+            Error::invalid(
+                OP,
+                format!("table {t} does not exist ({} tables)", self.num_tables()),
+            )
+        })
+    }
+
+    fn weight_range(&self, t: usize) -> std::ops::Range<usize> {
+        let offsets = &self.inner.layout.weight_offsets;
+        offsets[t]..offsets[t + 1]
+    }
+
+    /// A copy of table `t`'s rows, `[rows, dim]` row-major (copied back from a device).
+    pub fn table_weights(&self, t: usize) -> Result<Vec<f32>> {
+        self.check_table(t)?;
+        let range = self.weight_range(t);
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => Ok(h.weights[range].to_vec()),
+            Tables::Device(d) => d.read_weights(range),
+        }
+    }
+
+    /// Overwrites table `t`'s rows (`[rows, dim]` row-major).
+    pub fn set_table_weights(&self, t: usize, values: &[f32]) -> Result<()> {
+        let spec = self.check_table(t)?;
+        let range = self.weight_range(t);
+        if values.len() != range.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "table {t} `{}` is {}×{} = {} values, {} given",
+                    spec.name,
+                    spec.rows,
+                    spec.dim,
+                    range.len(),
+                    values.len()
+                ),
+            ));
+        }
+        match &mut self.inner.state.write().tables {
+            Tables::Host(h) => h.weights[range].copy_from_slice(values),
+            Tables::Device(d) => d.write_weights(range.start, values)?,
+        }
+        Ok(())
+    }
+
+    /// Fills every table with `init` from `rng` (tables in order, rows in order).
+    pub fn init_weights(&self, init: EmbeddingInit, rng: &mut Rng) -> Result<()> {
+        for (t, spec) in self.inner.config.tables.iter().enumerate() {
+            let range = self.weight_range(t);
+            match &mut self.inner.state.write().tables {
+                Tables::Host(h) => fill_init(&mut h.weights[range], spec.rows, init, rng)?,
+                Tables::Device(d) => {
+                    let mut values = vec![0.0f32; range.len()];
+                    fill_init(&mut values, spec.rows, init, rng)?;
+                    d.write_weights(range.start, &values)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn state_range(&self, t: usize, shape: StateShape) -> std::ops::Range<usize> {
+        let layout = &self.inner.layout;
+        match shape {
+            StateShape::PerRow => layout.row_offsets[t]..layout.row_offsets[t + 1],
+            StateShape::PerElement => self.weight_range(t),
+        }
+    }
+
+    /// Names of the optimizer state buffers (`momentum1`, `momentum2`), per-row or per-element.
+    pub fn optimizer_state_names(&self) -> Vec<(&'static str, StateShape)> {
+        self.inner.config.optimizer.state_buffers().to_vec()
+    }
+
+    fn state_shape_of(&self, index: usize) -> Result<StateShape> {
+        let optimizer = &self.inner.config.optimizer;
+        let (_, shape) = *optimizer.state_buffers().get(index).ok_or_else(|| {
+            Error::invalid(
+                OP,
+                format!(
+                    "optimizer `{}` has no state buffer {index}",
+                    optimizer.name()
+                ),
+            )
+        })?;
+        Ok(shape)
+    }
+
+    /// A copy of optimizer state buffer `index` of table `t` (`[rows]` for per-row state,
+    /// `[rows, dim]` for per-element state).
+    pub fn optimizer_state(&self, index: usize, t: usize) -> Result<Vec<f32>> {
+        self.check_table(t)?;
+        let range = self.state_range(t, self.state_shape_of(index)?);
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => Ok(h.state(index)[range].to_vec()),
+            Tables::Device(d) => d.read_state(index, range),
+        }
+    }
+
+    /// Overwrites optimizer state buffer `index` of table `t`.
+    pub fn set_optimizer_state(&self, index: usize, t: usize, values: &[f32]) -> Result<()> {
+        self.check_table(t)?;
+        let range = self.state_range(t, self.state_shape_of(index)?);
+        if values.len() != range.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "optimizer state {index} of table {t} has {} values, {} given",
+                    range.len(),
+                    values.len()
+                ),
+            ));
+        }
+        match &mut self.inner.state.write().tables {
+            Tables::Host(h) => h.state_mut(index)[range].copy_from_slice(values),
+            Tables::Device(d) => d.write_state(index, range.start, values)?,
+        }
+        Ok(())
+    }
+
+    pub(crate) fn set_step(&self, step: u64) {
+        self.inner.state.write().step = step;
+    }
+
+    /// Chooses between the FP32 pooled GPU lookup kernels: 16-byte loads (`true`, the default
+    /// where every dim is a multiple of 4 and at most 512) or one float per lane. Returns
+    /// whether the vectorized kernel is now in use (always `false` for host tables). Both give
+    /// the same sums; the choice is for benchmarks.
+    pub fn set_vectorized(&self, on: bool) -> bool {
+        let dims: Vec<usize> = self.inner.config.tables.iter().map(|s| s.dim).collect();
+        match &mut self.inner.state.write().tables {
+            Tables::Host(_) => false,
+            Tables::Device(d) => d.set_vectorized(on, &dims),
+        }
+    }
+
+    pub(crate) fn validate_input<'a>(&self, input: TbeInput<'a>) -> Result<Batch<'a>> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let bounds: Vec<FeatureBounds<'_>> = (cfg.feature_table_map.iter().enumerate())
+            .map(|(f, &t)| FeatureBounds {
+                rows: cfg.tables[t].rows,
+                feature: &inner.feature_names[f],
+                table: &cfg.tables[t].name,
+            })
+            .collect();
+        validate(OP, input, &bounds, cfg.bounds_check, &inner.skips)
+    }
+
+    /// Checks `input` against the tables (the one validation pass, on the host) and copies it
+    /// to the tables' device: a batch ready for [`lookup_batch`](Self::lookup_batch) and
+    /// [`backward_batch`](Self::backward_batch), as often as wanted. Preparing once takes the
+    /// host's checks and the copy off a loop that looks the same batch up again.
+    pub fn prepare(&self, input: TbeInput<'_>) -> Result<TbeBatch> {
+        let batch = self.validate_input(input)?.into_owned();
+        let on_device = match &self.inner.state.read().tables {
+            Tables::Host(_) => None,
+            Tables::Device(d) => Some(DeviceBatch::upload(d.device(), &batch)?),
+        };
+        Ok(TbeBatch {
+            owner: self.inner.id,
+            batch,
+            on_device,
+        })
+    }
+
+    /// Refuses a batch prepared by another operator, or for the tables' other device.
+    fn check_batch(&self, batch: &TbeBatch) -> Result<()> {
+        if batch.owner != self.inner.id {
+            return Err(Error::invalid(
+                OP,
+                "the batch was prepared by another operator",
+            ));
+        }
+        if batch.on_device.is_some() != (self.device() != Device::Cpu) {
+            return Err(moved_error());
+        }
+        Ok(())
+    }
+
+    /// The lookup of a prepared batch without recording autograd: `[B, ΣD]` (or `[N, D]`
+    /// with pooling NONE) on the tables' device, queued asynchronously there.
+    pub fn lookup_batch(&self, batch: &TbeBatch) -> Result<Tensor> {
+        self.check_batch(batch)?;
+        match (&self.inner.state.read().tables, &batch.on_device) {
+            (Tables::Host(h), None) => h.forward(&self.inner, &batch.batch),
+            (Tables::Device(d), Some(on_device)) => d.forward(on_device),
+            _ => Err(moved_error()),
+        }
+    }
+
+    /// Forward without recording autograd: `[B, ΣD]` (or `[N, D]` with pooling NONE), on the
+    /// tables' device.
+    pub fn lookup(&self, input: TbeInput<'_>) -> Result<Tensor> {
+        self.lookup_batch(&self.prepare(input)?)
+    }
+
+    /// Forward that takes part in autograd: backward of the result runs the fused optimizer
+    /// (or, with [`FusedOptimizer::None`], leaves row-sparse gradients, see
+    /// [`TableBatchedEmbedding::sparse_gradient`]) and gives `per_sample_weights` its gradient
+    /// when it requires grad. The inputs may live on any device (they are checked on the
+    /// host); the output lives on the tables' device.
+    pub fn forward(
+        &self,
+        indices: &Tensor,
+        offsets: &Tensor,
+        per_sample_weights: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        with_tensor_input(OP, indices, offsets, per_sample_weights, |input| {
+            let batch = self.prepare(input)?;
+            let out = self.lookup_batch(&batch)?;
+            if !crate::tensor::is_grad_enabled() {
+                // No graph to record: skip keeping the batch for backward.
+                return Ok(out);
+            }
+            let mut inputs: Vec<&Tensor> = Vec::new();
+            if let Some(w) = per_sample_weights {
+                inputs.push(w);
+            }
+            let sinks = self.inner.sparse_sinks.lock().clone();
+            inputs.extend(sinks.iter());
+            Ok(record_op_with_state(
+                out,
+                &inputs,
+                TbeBackward {
+                    tbe: self.clone(),
+                    batch,
+                    weights_device: per_sample_weights.map(Tensor::device),
+                    sinks: sinks.len(),
+                },
+            ))
+        })
+    }
+
+    /// The fused backward of a prepared batch: `grad_output` is the gradient of its lookup's
+    /// output (`[B, ΣD]` or `[N, D]`, f32, on any device). Updates the tables (unless the
+    /// optimizer is [`FusedOptimizer::None`]) and returns the per-sample weights' gradient and
+    /// the row-sparse gradients, on the tables' device.
+    pub fn backward_batch(&self, batch: &TbeBatch, grad_output: &Tensor) -> Result<TbeGradients> {
+        self.check_batch(batch)?;
+        let rows = self.output_rows(&batch.batch);
+        if grad_output.numel() != rows * self.output_dim() || grad_output.dtype() != DType::F32 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "grad_output is {:?} {:?}, expected f32 {rows}×{}",
+                    grad_output.dtype(),
+                    grad_output.shape(),
+                    self.output_dim()
+                ),
+            ));
+        }
+        match &batch.on_device {
+            None => {
+                let out = (grad_output.to_device_values(Device::Cpu)?)
+                    .with_contiguous(|grad: &[f32]| self.backward_host(&batch.batch, grad))??;
+                let tables = &self.inner.config.tables;
+                let per_sample_weights = (out.per_sample_weights_grad)
+                    .map(|g| {
+                        let n = g.len();
+                        Tensor::from_vec(g, &[n])
+                    })
+                    .transpose()?;
+                let sparse = (out.sparse_grads)
+                    .map(|grads| {
+                        (grads.into_iter().zip(tables))
+                            .map(|(g, spec)| {
+                                let n = g.rows.len();
+                                Ok(RowSparseGrad {
+                                    rows: g.rows,
+                                    values: Tensor::from_vec(g.values, &[n, spec.dim])?,
+                                    num_rows: spec.rows,
+                                })
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })
+                    .transpose()?;
+                Ok(TbeGradients {
+                    per_sample_weights,
+                    sparse,
+                })
+            }
+            Some(on_device) => {
+                let grad = grad_output.to_device(self.device())?;
+                self.backward_device(&batch.batch, on_device, &grad)
+            }
+        }
+    }
+
+    /// The fused backward on raw host slices: `grad_output` is `[B, ΣD]` (or `[N, D]`) for the
+    /// same `input` as the forward. Updates the tables (unless the optimizer is
+    /// [`FusedOptimizer::None`]) and returns the per-sample-weight and sparse gradients.
+    pub fn backward_fused(
+        &self,
+        input: TbeInput<'_>,
+        grad_output: &[f32],
+    ) -> Result<BackwardOutput> {
+        let batch = self.prepare(input)?;
+        let rows = self.output_rows(&batch.batch);
+        if grad_output.len() != rows * self.output_dim() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "grad_output has {} values, expected {rows}×{}",
+                    grad_output.len(),
+                    self.output_dim()
+                ),
+            ));
+        }
+        if batch.on_device.is_none() {
+            return self.backward_host(&batch.batch, grad_output);
+        }
+        let grad = Tensor::from_slice(grad_output, &[rows, self.output_dim()])?;
+        let grads = self.backward_batch(&batch, &grad)?;
+        let sparse_grads = (grads.sparse)
+            .map(|tables| {
+                (tables.into_iter())
+                    .map(|g| {
+                        let dim = g.values.shape()[1];
+                        Ok(SparseTableGrad {
+                            rows: g.rows,
+                            values: g.values.to_vec::<f32>()?,
+                            dim,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
+        Ok(BackwardOutput {
+            per_sample_weights_grad: (grads.per_sample_weights)
+                .map(|g| g.to_vec::<f32>())
+                .transpose()?,
+            sparse_grads,
+        })
+    }
+
+    /// Rows of the output (and its gradient) for `batch`.
+    fn output_rows(&self, batch: &Batch<'_>) -> usize {
+        if self.inner.config.pooling == PoolingMode::None {
+            batch.ids.len()
+        } else {
+            batch.batch_size
+        }
+    }
+
+    /// The fused backward of host tables.
+    fn backward_host(&self, batch: &Batch<'_>, grad_output: &[f32]) -> Result<BackwardOutput> {
+        let inner = &self.inner;
+        let mut guard = inner.state.write();
+        let state = &mut *guard;
+        let Tables::Host(tables) = &mut state.tables else {
+            return Err(moved_error());
+        };
+        state.step += 1;
+        let mut out = tables.backward(inner, batch, grad_output, state.step);
+        // Tables no feature reads got no entry; give them an empty sparse gradient so the
+        // list stays one per table.
+        if let Some(grads) = out.sparse_grads.take() {
+            let cfg = &inner.config;
+            let mut it = grads.into_iter();
+            let mut full = Vec::with_capacity(cfg.tables.len());
+            for (t, spec) in cfg.tables.iter().enumerate() {
+                if cfg.feature_table_map.contains(&t) {
+                    full.push(it.next().expect("one gradient per looked-up table"));
+                } else {
+                    full.push(SparseTableGrad {
+                        rows: Vec::new(),
+                        values: Vec::new(),
+                        dim: spec.dim,
+                    });
+                }
+            }
+            out.sparse_grads = Some(full);
+        }
+        Ok(out)
+    }
+
+    /// The fused (or row-sparse) backward of device tables for the batch `on_device` of
+    /// `batch`.
+    fn backward_device(
+        &self,
+        batch: &Batch<'_>,
+        on_device: &DeviceBatch,
+        grad_output: &Tensor,
+    ) -> Result<TbeGradients> {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut guard = inner.state.write();
+        let state = &mut *guard;
+        let Tables::Device(tables) = &mut state.tables else {
+            return Err(moved_error());
+        };
+        let step = state.step + 1;
+        let grads = tables.backward(BackwardInput {
+            batch: on_device,
+            grad_output,
+            optimizer: cfg.optimizer,
+            decay: cfg.weight_decay,
+            step,
+            weights_grad: on_device.weights.is_some(),
+        })?;
+        state.step = step;
+        drop(guard);
+        let per_sample_weights = match (grads.weights_grad, &batch.kept) {
+            (Some(g), Some((kept, n))) => {
+                // Ids were skipped: put each kept id's gradient back at its caller position.
+                let values = g.to_vec::<f32>()?;
+                let mut full = vec![0.0f32; *n];
+                for (&p, &v) in kept.iter().zip(&values) {
+                    full[p] = v;
+                }
+                Some(Tensor::from_vec(full, &[*n])?.to_device(g.device())?)
+            }
+            (g, _) => g,
+        };
+        let sparse = match grads.sparse {
+            None => None,
+            Some((rows, values)) => {
+                let row_offsets = &inner.layout.row_offsets;
+                let mut per_table = Vec::with_capacity(cfg.tables.len());
+                for (t, spec) in cfg.tables.iter().enumerate() {
+                    let (first, end) = (row_offsets[t] as i64, row_offsets[t + 1] as i64);
+                    let a = rows.partition_point(|&r| r < first);
+                    let b = rows.partition_point(|&r| r < end);
+                    per_table.push(RowSparseGrad {
+                        rows: rows[a..b].iter().map(|&r| r - first).collect(),
+                        values: values
+                            .narrow(0, a, b - a)?
+                            .narrow(1, 0, spec.dim)?
+                            .contiguous()?,
+                        num_rows: spec.rows,
+                    });
+                }
+                Some(per_table)
+            }
+        };
+        Ok(TbeGradients {
+            per_sample_weights,
+            sparse,
+        })
+    }
+
+    /// With [`FusedOptimizer::None`]: the row-sparse gradient accumulated on table `t` by
+    /// autograd backward calls since the last [`zero_sparse_gradients`](Self::zero_sparse_gradients)
+    /// (its values on the tables' device).
+    pub fn sparse_gradient(&self, t: usize) -> Option<RowSparseGrad> {
+        match self.inner.sparse_sinks.lock().get(t)?.gradient()? {
+            Gradient::RowSparse(g) => Some(g),
+            Gradient::Dense(_) => None,
+        }
+    }
+
+    /// Clears the gradients kept for [`sparse_gradient`](Self::sparse_gradient).
+    pub fn zero_sparse_gradients(&self) {
+        for s in self.inner.sparse_sinks.lock().iter() {
+            s.zero_grad();
+        }
+    }
+}
+
+/// The error of a backward whose tables moved to another device after its forward.
+fn moved_error() -> Error {
+    Error::invalid(
+        OP,
+        "the tables moved to another device between this forward and its backward",
+    )
+}
+
+/// The per-feature layout the device kernels read.
+fn feature_layout(cfg: &TbeConfig, layout: &TbeLayout) -> FeatureLayout {
+    let ftm = &cfg.feature_table_map;
+    FeatureLayout {
+        table_offsets: ftm
+            .iter()
+            .map(|&t| layout.weight_offsets[t] as i64)
+            .collect(),
+        rows: ftm.iter().map(|&t| cfg.tables[t].rows as i64).collect(),
+        dims: ftm.iter().map(|&t| cfg.tables[t].dim as i32).collect(),
+        row_starts: ftm.iter().map(|&t| layout.row_offsets[t] as i64).collect(),
+        total_rows: layout.total_rows(),
+        table_dims: cfg.tables.iter().map(|s| s.dim).collect(),
+        pooling: cfg.pooling,
+    }
+}
+
+/// A device copy of host tables and their optimizer state.
+fn upload(
+    cfg: &TbeConfig,
+    layout: &TbeLayout,
+    host: &HostTables,
+    device: Arc<crate::cuda::CudaDevice>,
+) -> Result<DeviceTables> {
+    let states: Vec<&[f32]> = (0..cfg.optimizer.state_buffers().len())
+        .map(|i| host.state(i))
+        .collect();
+    DeviceTables::f32(device, feature_layout(cfg, layout), &host.weights, &states)
+}
+
+/// A host copy of device tables and their optimizer state.
+fn download(cfg: &TbeConfig, layout: &TbeLayout, device: &DeviceTables) -> Result<HostTables> {
+    let mut host = HostTables::zeros(layout, cfg)?;
+    host.weights
+        .copy_from_slice(&device.read_weights(0..layout.total_elements())?);
+    for i in 0..cfg.optimizer.state_buffers().len() {
+        let len = cpu::state_len(cfg, layout, i);
+        host.state_mut(i)
+            .copy_from_slice(&device.read_state(i, 0..len)?);
+    }
+    Ok(host)
+}
+
+pub(crate) fn fill_init(
+    rows: &mut [f32],
+    num_rows: usize,
+    init: EmbeddingInit,
+    rng: &mut Rng,
+) -> Result<()> {
+    match init {
+        EmbeddingInit::TorchRecDefault => {
+            let a = (1.0 / (num_rows.max(1) as f64).sqrt()) as f32;
+            for x in rows.iter_mut() {
+                *x = rng.random_range(-a..=a);
+            }
+        }
+        EmbeddingInit::Uniform { low, high } => {
+            // Written so that NaN bounds are rejected too.
+            if low
+                .partial_cmp(&high)
+                .is_none_or(|o| o == std::cmp::Ordering::Greater)
+            {
+                return Err(Error::invalid(
+                    OP,
+                    format!("uniform init needs low ≤ high, got {low}..{high}"),
+                ));
+            }
+            for x in rows.iter_mut() {
+                *x = rng.random_range(low..=high);
+            }
+        }
+        EmbeddingInit::Normal { std } => {
+            let normal = Normal::new(0.0f32, std)
+                .map_err(|e| Error::invalid(OP, format!("normal init: {e}")))?;
+            for x in rows.iter_mut() {
+                *x = normal.sample(rng);
+            }
+        }
+        EmbeddingInit::Constant { value } => rows.fill(value),
+    }
+    Ok(())
+}
+
+/// A fresh number for a TBE (training or quantized), which the batches it prepares carry.
+pub(crate) fn next_operator_id() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A batch checked against a TBE's tables and copied to their device
+/// ([`TableBatchedEmbedding::prepare`], [`QuantizedTableBatchedEmbedding::prepare`](crate::embedding::QuantizedTableBatchedEmbedding::prepare));
+/// only that operator takes it.
+pub struct TbeBatch {
+    /// The preparing operator's number.
+    pub(crate) owner: usize,
+    pub(crate) batch: Batch<'static>,
+    /// The batch's copy on the tables' device (device tables).
+    pub(crate) on_device: Option<DeviceBatch>,
+}
+
+impl std::fmt::Debug for TbeBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TbeBatch")
+            .field("batch_size", &self.batch.batch_size)
+            .field("ids", &self.batch.ids.len())
+            .field("on_device", &self.on_device.is_some())
+            .finish()
+    }
+}
+
+/// What [`TableBatchedEmbedding::backward_batch`] returns besides the updated tables.
+#[derive(Debug)]
+pub struct TbeGradients {
+    /// The per-sample weights' gradient (in the caller's positions), when the batch has
+    /// weights.
+    pub per_sample_weights: Option<Tensor>,
+    /// Each table's row-sparse gradient, with [`FusedOptimizer::None`].
+    pub sparse: Option<Vec<RowSparseGrad>>,
+}
+
+/// Autograd node of [`TableBatchedEmbedding::forward`]: runs the fused update.
+struct TbeBackward {
+    tbe: TableBatchedEmbedding,
+    batch: TbeBatch,
+    /// Where the per-sample weights live, when given (their gradient goes there).
+    weights_device: Option<Device>,
+    /// How many sparse sinks the forward recorded as inputs.
+    sinks: usize,
+}
+
+impl BackwardOp for TbeBackward {
+    fn name(&self) -> &'static str {
+        "table_batched_embedding"
+    }
+
+    fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let grads = self.tbe.backward_batch(&self.batch, grad_output)?;
+        let mut out = Vec::new();
+        if let Some(device) = self.weights_device {
+            let g = match grads.per_sample_weights {
+                Some(g) => g.to_device(device)?,
+                None => {
+                    let batch = &self.batch.batch;
+                    let n = (batch.kept.as_ref()).map_or(batch.ids.len(), |k| k.1);
+                    Tensor::try_zeros(&[n], DType::F32, device)?
+                }
+            };
+            out.push(Some(Gradient::Dense(g)));
+        }
+        match grads.sparse {
+            Some(per_table) if per_table.len() == self.sinks => {
+                out.extend(per_table.into_iter().map(|g| Some(Gradient::RowSparse(g))));
+            }
+            _ => out.extend((0..self.sinks).map(|_| None)),
+        }
+        Ok(out)
+    }
+}
