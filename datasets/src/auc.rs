@@ -1,39 +1,29 @@
-//! Tie-correct ROC AUC (Mann–Whitney U with average ranks for tied scores).
+//! The tie-correct ROC AUC of a scored dataset (its best achievable AUC): embers' metric
+//! ([`embers::metrics::auc::auc_tie_correct`]), undefined cases reported as `None`.
+
+use embers::metrics::auc::{auc_tie_correct, Sample};
 
 /// Area under the ROC curve of `scores` against binary `labels` (a label > 0.5 is positive).
 ///
-/// Tied scores get their average rank, so a constant predictor scores exactly 0.5. Returns
-/// `None` when the lengths differ, a score is NaN, or either class is absent (AUC undefined).
+/// Tied scores count half (each tie group is one step of the curve), so a constant predictor
+/// scores exactly 0.5. Returns `None` when the lengths differ, a score is NaN, or either class
+/// is absent (AUC undefined).
 pub fn tie_corrected_auc(scores: &[f32], labels: &[f32]) -> Option<f64> {
     if scores.len() != labels.len() || scores.iter().any(|s| s.is_nan()) {
         return None;
     }
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_unstable_by(|&a, &b| scores[a].total_cmp(&scores[b]));
     let positives = labels.iter().filter(|&&l| l > 0.5).count();
-    let negatives = labels.len() - positives;
-    if positives == 0 || negatives == 0 {
+    if positives == 0 || positives == labels.len() {
         return None;
     }
-    let mut positive_rank_sum = 0f64;
-    let mut start = 0;
-    while start < order.len() {
-        let mut end = start + 1;
-        while end < order.len() && scores[order[end]] == scores[order[start]] {
-            end += 1;
-        }
-        // Ranks are 1-based; the tie group [start, end) shares the mean of ranks start+1..=end.
-        let average_rank = (start + end + 1) as f64 / 2.0;
-        let group_positives = order[start..end]
-            .iter()
-            .filter(|&&i| labels[i] > 0.5)
-            .count();
-        positive_rank_sum += average_rank * group_positives as f64;
-        start = end;
-    }
-    let p = positives as f64;
-    let u = positive_rank_sum - p * (p + 1.0) / 2.0;
-    Some(u / (p * negatives as f64))
+    let samples: Vec<Sample> = (scores.iter().zip(labels))
+        .map(|(&prediction, &label)| Sample {
+            prediction,
+            label: if label > 0.5 { 1.0 } else { 0.0 },
+            weight: 1.0,
+        })
+        .collect();
+    Some(auc_tie_correct(&samples))
 }
 
 #[cfg(test)]

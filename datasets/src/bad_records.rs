@@ -17,6 +17,25 @@ pub enum BadRecordPolicy {
     SkipAndCount,
 }
 
+impl BadRecordPolicy {
+    /// Handles `records` records that failed with `error`: the error back ([`Fail`](Self::Fail)),
+    /// or counted in `skipped` and `Ok` ([`SkipAndCount`](Self::SkipAndCount)).
+    pub(crate) fn apply(
+        self,
+        records: u64,
+        error: DatasetError,
+        skipped: &SkippedRecords,
+    ) -> crate::Result<()> {
+        match self {
+            BadRecordPolicy::Fail => Err(error),
+            BadRecordPolicy::SkipAndCount => {
+                skipped.record(records, &error);
+                Ok(())
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct SkippedInner {
     count: AtomicU64,

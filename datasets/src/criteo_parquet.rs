@@ -18,8 +18,7 @@ use parquet::arrow::ProjectionMask;
 
 use crate::criteo::{criteo_schema, parse_hex_id, CRITEO_NUM_CATEGORICAL, CRITEO_NUM_DENSE};
 use crate::{
-    BadRecordPolicy, CriteoConfig, DatasetError, Example, ExampleSource, FeatureSchema, Result,
-    SkippedRecords,
+    CriteoConfig, DatasetError, Example, ExampleSource, FeatureSchema, Result, SkippedRecords,
 };
 
 /// Rows decoded at a time inside a row group: bounds memory to about this many rows of the
@@ -616,13 +615,7 @@ impl CriteoParquetReader {
 
     /// Applies the bad-record policy to `rows` rows that failed with `error`.
     fn bad_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
-        match self.config.bad_records {
-            BadRecordPolicy::Fail => Err(error),
-            BadRecordPolicy::SkipAndCount => {
-                self.skipped.record(rows, &error);
-                Ok(())
-            }
-        }
+        self.config.bad_records.apply(rows, error, &self.skipped)
     }
 }
 

@@ -4,10 +4,9 @@ use std::path::PathBuf;
 
 use crate::criteo::{criteo_schema, parse_hex_id, CRITEO_NUM_CATEGORICAL, CRITEO_NUM_DENSE};
 use crate::error::show_field;
-use crate::text_lines::{split_fields, TextLines};
+use crate::text_lines::{split_fields, LineRecords, TextLines};
 use crate::{
-    BadRecordPolicy, CriteoConfig, DatasetError, Example, ExampleSource, FeatureSchema, Result,
-    SkippedRecords,
+    CriteoConfig, DatasetError, Example, ExampleSource, FeatureSchema, Result, SkippedRecords,
 };
 
 const MAX_FIELDS: usize = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_CATEGORICAL;
@@ -20,12 +19,9 @@ const MAX_FIELDS: usize = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_CATEGORICAL;
 /// fields become [`CriteoConfig::missing_categorical_id`]. Files are read in the given order;
 /// example indices run on across files and count every line, including skipped ones.
 pub struct CriteoTsvReader {
-    lines: TextLines,
+    records: LineRecords,
     config: CriteoConfig,
     schema: FeatureSchema,
-    skipped: SkippedRecords,
-    next_index: u64,
-    done: bool,
 }
 
 impl CriteoTsvReader {
@@ -42,90 +38,88 @@ impl CriteoTsvReader {
             ));
         }
         Ok(CriteoTsvReader {
-            lines: TextLines::new(paths),
+            records: LineRecords::new(TextLines::new(paths), config.bad_records, false),
             config,
             schema: criteo_schema(),
-            skipped: SkippedRecords::default(),
-            next_index: 0,
-            done: false,
         })
     }
 
     /// Handle on the count of skipped records (stays live after the reader is moved).
     pub fn skipped(&self) -> SkippedRecords {
-        self.skipped.clone()
+        self.records.skipped()
     }
+}
 
-    fn parse_current(&self, index: u64) -> Result<Example> {
-        let line = self.lines.line();
-        let malformed = |field: &str, message: String| DatasetError::Malformed {
-            path: self.lines.path().to_path_buf(),
-            line: self.lines.line_number(),
-            field: field.to_string(),
-            message,
+/// The example on the current line of `lines` (`config`'s layout and transforms).
+fn parse_line(config: &CriteoConfig, lines: &TextLines, index: u64) -> Result<Example> {
+    let line = lines.line();
+    let malformed = |field: &str, message: String| DatasetError::Malformed {
+        path: lines.path().to_path_buf(),
+        line: lines.line_number(),
+        field: field.to_string(),
+        message,
+    };
+    let expected = MAX_FIELDS - usize::from(!config.has_label);
+    let mut fields: [&[u8]; MAX_FIELDS] = [&[]; MAX_FIELDS];
+    let count = split_fields(line, b"\t", &mut fields);
+    if count != expected {
+        return Err(malformed(
+            "line",
+            format!("expected {expected} tab-separated fields, found {count}"),
+        ));
+    }
+    let (label, rest) = if config.has_label {
+        let raw = fields[0];
+        let label = match raw {
+            b"0" => 0.0,
+            b"1" => 1.0,
+            _ => {
+                return Err(malformed(
+                    "label",
+                    format!("expected 0 or 1, found `{}`", show_field(raw)),
+                ))
+            }
         };
-        let expected = MAX_FIELDS - usize::from(!self.config.has_label);
-        let mut fields: [&[u8]; MAX_FIELDS] = [&[]; MAX_FIELDS];
-        let count = split_fields(line, b"\t", &mut fields);
-        if count != expected {
-            return Err(malformed(
-                "line",
-                format!("expected {expected} tab-separated fields, found {count}"),
-            ));
-        }
-        let (label, rest) = if self.config.has_label {
-            let raw = fields[0];
-            let label = match raw {
-                b"0" => 0.0,
-                b"1" => 1.0,
-                _ => {
-                    return Err(malformed(
-                        "label",
-                        format!("expected 0 or 1, found `{}`", show_field(raw)),
-                    ))
-                }
-            };
-            (label, &fields[1..expected])
+        (label, &fields[1..expected])
+    } else {
+        (0.0, &fields[..expected])
+    };
+
+    let mut dense = Vec::with_capacity(CRITEO_NUM_DENSE);
+    for (j, raw) in rest[..CRITEO_NUM_DENSE].iter().enumerate() {
+        let value = if raw.is_empty() {
+            0
         } else {
-            (0.0, &fields[..expected])
+            parse_i64(raw).ok_or_else(|| {
+                malformed(
+                    &format!("int_{j}"),
+                    format!("expected an integer, found `{}`", show_field(raw)),
+                )
+            })?
         };
-
-        let mut dense = Vec::with_capacity(CRITEO_NUM_DENSE);
-        for (j, raw) in rest[..CRITEO_NUM_DENSE].iter().enumerate() {
-            let value = if raw.is_empty() {
-                0
-            } else {
-                parse_i64(raw).ok_or_else(|| {
-                    malformed(
-                        &format!("int_{j}"),
-                        format!("expected an integer, found `{}`", show_field(raw)),
-                    )
-                })?
-            };
-            dense.push(self.config.dense_transform.apply(value as f64));
-        }
-
-        let mut ids = Vec::with_capacity(CRITEO_NUM_CATEGORICAL);
-        for (f, raw) in rest[CRITEO_NUM_DENSE..].iter().enumerate() {
-            let id = if raw.is_empty() {
-                self.config.missing_id()
-            } else {
-                parse_hex_id(raw)
-                    .and_then(|value| self.config.map_categorical(f, value))
-                    .map_err(|message| malformed(&format!("cat_{f}"), message))?
-            };
-            ids.push(id);
-        }
-
-        Ok(Example {
-            index,
-            dense,
-            ids,
-            lengths: vec![1; CRITEO_NUM_CATEGORICAL],
-            labels: vec![label],
-            true_probability: None,
-        })
+        dense.push(config.dense_transform.apply(value as f64));
     }
+
+    let mut ids = Vec::with_capacity(CRITEO_NUM_CATEGORICAL);
+    for (f, raw) in rest[CRITEO_NUM_DENSE..].iter().enumerate() {
+        let id = if raw.is_empty() {
+            config.missing_id()
+        } else {
+            parse_hex_id(raw)
+                .and_then(|value| config.map_categorical(f, value))
+                .map_err(|message| malformed(&format!("cat_{f}"), message))?
+        };
+        ids.push(id);
+    }
+
+    Ok(Example {
+        index,
+        dense,
+        ids,
+        lengths: vec![1; CRITEO_NUM_CATEGORICAL],
+        labels: vec![label],
+        true_probability: None,
+    })
 }
 
 /// Strict decimal integer: optional '-', digits only (no spaces, no '+', no decimals).
@@ -148,32 +142,8 @@ impl Iterator for CriteoTsvReader {
     type Item = Result<Example>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        while !self.done {
-            match self.lines.advance() {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.done = true;
-                    return None;
-                }
-                Err(error) => {
-                    self.done = true;
-                    return Some(Err(error));
-                }
-            }
-            let index = self.next_index;
-            self.next_index += 1;
-            match self.parse_current(index) {
-                Ok(example) => return Some(Ok(example)),
-                Err(error) => match self.config.bad_records {
-                    BadRecordPolicy::SkipAndCount => self.skipped.record(1, &error),
-                    BadRecordPolicy::Fail => {
-                        self.done = true;
-                        return Some(Err(error));
-                    }
-                },
-            }
-        }
-        None
+        let config = &self.config;
+        (self.records).next_example(|lines, index| parse_line(config, lines, index))
     }
 }
 

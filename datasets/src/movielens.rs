@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use crate::criteo_tsv::parse_i64;
 use crate::error::show_field;
 use crate::hashing::fnv1a64;
-use crate::text_lines::{split_fields, TextLines};
+use crate::text_lines::{split_fields, LineRecords, TextLines};
 use crate::{
     BadRecordPolicy, DatasetError, Example, ExampleSource, FeatureSchema, Result, SkippedRecords,
 };
@@ -109,14 +109,16 @@ struct InterColumns {
 /// Ids: a numeric token is used as is; a non-numeric one (possible in RecBole files) is
 /// FNV-1a-hashed to a non-negative `i64`; then reduced modulo the table size when one is set.
 pub struct MovieLensReader {
-    lines: TextLines,
-    config: MovieLensConfig,
+    records: LineRecords,
     schema: FeatureSchema,
+    ratings: Ratings,
+}
+
+/// What parsing a ratings line needs: the config, the items' genres, the RecBole columns.
+struct Ratings {
+    config: MovieLensConfig,
     genres: Option<HashMap<i64, Vec<i64>>>,
     inter_columns: Option<InterColumns>,
-    skipped: SkippedRecords,
-    next_index: u64,
-    done: bool,
 }
 
 fn token_id(raw: &[u8]) -> Option<i64> {
@@ -186,27 +188,29 @@ impl MovieLensReader {
             num_tasks: 1,
         };
         Ok(MovieLensReader {
-            lines,
-            config,
+            records: LineRecords::new(lines, config.bad_records, true),
             schema,
-            genres,
-            inter_columns,
-            skipped: SkippedRecords::default(),
-            next_index: 0,
-            done: false,
+            ratings: Ratings {
+                config,
+                genres,
+                inter_columns,
+            },
         })
     }
 
     /// Handle on the count of skipped records (stays live after the reader is moved).
     pub fn skipped(&self) -> SkippedRecords {
-        self.skipped.clone()
+        self.records.skipped()
     }
+}
 
-    fn parse_current(&self, index: u64) -> Result<Example> {
-        let line = self.lines.line();
+impl Ratings {
+    /// The example on the current line of `lines`.
+    fn parse(&self, lines: &TextLines, index: u64) -> Result<Example> {
+        let line = lines.line();
         let malformed = |field: &str, message: String| DatasetError::Malformed {
-            path: self.lines.path().to_path_buf(),
-            line: self.lines.line_number(),
+            path: lines.path().to_path_buf(),
+            line: lines.line_number(),
             field: field.to_string(),
             message,
         };
@@ -464,35 +468,8 @@ impl Iterator for MovieLensReader {
     type Item = Result<Example>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        while !self.done {
-            match self.lines.advance() {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.done = true;
-                    return None;
-                }
-                Err(error) => {
-                    self.done = true;
-                    return Some(Err(error));
-                }
-            }
-            if self.lines.line().is_empty() {
-                continue;
-            }
-            let index = self.next_index;
-            self.next_index += 1;
-            match self.parse_current(index) {
-                Ok(example) => return Some(Ok(example)),
-                Err(error) => match self.config.bad_records {
-                    BadRecordPolicy::SkipAndCount => self.skipped.record(1, &error),
-                    BadRecordPolicy::Fail => {
-                        self.done = true;
-                        return Some(Err(error));
-                    }
-                },
-            }
-        }
-        None
+        let ratings = &self.ratings;
+        (self.records).next_example(|lines, index| ratings.parse(lines, index))
     }
 }
 

@@ -4,7 +4,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-use crate::{DatasetError, Result};
+use crate::{BadRecordPolicy, DatasetError, Example, Result, SkippedRecords};
 
 /// Reads lines from a sequence of files without requiring UTF-8 (MovieLens item files are
 /// Latin-1) and without allocating per line.
@@ -80,6 +80,71 @@ impl TextLines {
         self.current
             .as_ref()
             .map_or_else(|| Path::new(""), |(path, _)| path.as_path())
+    }
+}
+
+/// A line-based reader's walk through its files: one example per line (empty lines skipped
+/// when asked), numbered in order; a record that fails to parse goes through the bad-record
+/// policy; the end of the input or an error ends the iteration.
+pub(crate) struct LineRecords {
+    lines: TextLines,
+    policy: BadRecordPolicy,
+    skipped: SkippedRecords,
+    skip_empty: bool,
+    next_index: u64,
+    done: bool,
+}
+
+impl LineRecords {
+    pub(crate) fn new(lines: TextLines, policy: BadRecordPolicy, skip_empty: bool) -> Self {
+        LineRecords {
+            lines,
+            policy,
+            skipped: SkippedRecords::default(),
+            skip_empty,
+            next_index: 0,
+            done: false,
+        }
+    }
+
+    /// Handle on the count of skipped records.
+    pub(crate) fn skipped(&self) -> SkippedRecords {
+        self.skipped.clone()
+    }
+
+    /// The next example: the next line parsed by `parse(lines, index)`.
+    pub(crate) fn next_example(
+        &mut self,
+        parse: impl Fn(&TextLines, u64) -> Result<Example>,
+    ) -> Option<Result<Example>> {
+        while !self.done {
+            match self.lines.advance() {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.done = true;
+                    return None;
+                }
+                Err(error) => {
+                    self.done = true;
+                    return Some(Err(error));
+                }
+            }
+            if self.skip_empty && self.lines.line().is_empty() {
+                continue;
+            }
+            let index = self.next_index;
+            self.next_index += 1;
+            match parse(&self.lines, index) {
+                Ok(example) => return Some(Ok(example)),
+                Err(error) => {
+                    if let Err(error) = self.policy.apply(1, error, &self.skipped) {
+                        self.done = true;
+                        return Some(Err(error));
+                    }
+                }
+            }
+        }
+        None
     }
 }
 
