@@ -9,7 +9,7 @@ use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 use super::autograd::{self, Gradient, Node};
-use super::backend::{with_backend, Backend};
+use super::backend::{with_backend, CopyOps};
 use super::dtype::{DType, WithDType};
 use super::layout::Layout;
 use super::storage::{match_storage, CpuStorage, Storage};

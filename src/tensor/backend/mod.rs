@@ -1,8 +1,9 @@
 //! The one place a tensor op picks its device.
 //!
-//! The crate-internal `Backend` trait lists the value kernels the tensor core needs — copies
-//! and casts, elementwise arithmetic, reductions, indexing, matrix products, the fused losses —
-//! and `Cpu` (`backend/cpu`) and `Cuda` (`backend/cuda`) each implement all of them. An op in
+//! Crate-internal traits list the value kernels the tensor core needs, one op family each —
+//! copies and casts, elementwise arithmetic, reductions, indexing, matrix products — and
+//! `Cpu` (`backend/cpu/<family>.rs`) and `Cuda` (`backend/cuda/<family>.rs`) each implement
+//! every family. An op in
 //! `tensor/ops` checks its arguments, picks the backend of its operands' device with
 //! `with_backend!` and records its autograd node; it never branches on the
 //! device itself. The backends compute values only (no autograd).
@@ -110,12 +111,13 @@ impl CompareOp {
     }
 }
 
-/// The value kernels of the tensor core, one implementation per device. Arguments are checked
-/// by the op that calls them (dtypes agree, shapes fit, indices in range, operands on this
-/// backend's device); results are new contiguous tensors without autograd history.
-pub(crate) trait Backend {
-    // ----- creation and copies (`copy.rs`) -------------------------------------------------
+// The value kernels of the tensor core, one family per trait and file (`cpu/<family>.rs`,
+// `cuda/<family>.rs`). Arguments are checked by the op that calls them (dtypes agree, shapes
+// fit, indices in range, operands on this backend's device); results are new contiguous
+// tensors without autograd history.
 
+/// Creation, host↔device moves, copies, casts and concatenation.
+pub(crate) trait CopyOps {
     /// A tensor of `shape` filled with `value` converted to `dtype`, on `device`.
     fn full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor>;
     /// A contiguous copy of `t`'s view, starting at element 0 of its own storage.
@@ -130,9 +132,10 @@ pub(crate) trait Backend {
     fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()>;
     /// Concatenation of `parts` (one dtype and device) along `dim` into a tensor of `shape`.
     fn cat(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<Tensor>;
+}
 
-    // ----- elementwise (`elementwise.rs`) --------------------------------------------------
-
+/// Elementwise arithmetic, comparisons, selection, the float functions and BCE.
+pub(crate) trait ElementwiseOps {
     /// `a op b`, broadcasting, one dtype: floats computed in their compute dtype, integers
     /// wrapping; an integer division by zero is an error.
     fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor>;
@@ -146,9 +149,10 @@ pub(crate) trait Backend {
     fn unary_backward<F: UnaryFn>(f: &F, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor>;
     /// Binary cross-entropy with logits per element and its derivative in `x`.
     fn bce_with_logits(x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)>;
+}
 
-    // ----- reductions (`reduce.rs`) --------------------------------------------------------
-
+/// Reductions along dimensions.
+pub(crate) trait ReduceOps {
     /// Sum over `dims` (sorted, distinct), kept as size 1.
     fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor>;
     /// Maximum along dimension `d` (not empty) and the index of its first occurrence (NaN
@@ -164,22 +168,24 @@ pub(crate) trait Backend {
     ) -> Result<Tensor>;
     /// softmax (or log_softmax) along dimension `d`.
     fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor>;
+}
 
-    // ----- indexing (`index.rs`) -----------------------------------------------------------
-
+/// Row and element indexing.
+pub(crate) trait IndexOps {
     /// Rows `rows` (in range) of `t`, shaped `shape`.
     fn index_select(t: &Tensor, rows: &[usize], shape: &[usize]) -> Result<Tensor>;
     /// `out[i] = src[sources[i]]` over `src`'s contiguous values (offsets in range), shaped
     /// `shape`.
     fn take(src: &Tensor, sources: &[usize], shape: &[usize]) -> Result<Tensor>;
-    /// The adjoint of [`take`](Backend::take): zeros of `shape` with `g[p]` added at
+    /// The adjoint of [`take`](IndexOps::take): zeros of `shape` with `g[p]` added at
     /// `targets[p]`, repeats summed in position order.
     fn put_add(g: &Tensor, targets: &[usize], shape: &[usize]) -> Result<Tensor>;
     /// A copy of `t` with `values[i]` added to row `rows[i]` (in range), repeats in order.
     fn index_add_rows(t: &Tensor, rows: &[usize], values: &Tensor) -> Result<Tensor>;
+}
 
-    // ----- products (`matmul.rs`) ----------------------------------------------------------
-
+/// Matrix products.
+pub(crate) trait MatmulOps {
     /// `a · b` over the last two dimensions, batch dimensions broadcast to `batch` (shapes
     /// and dtypes checked).
     fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor>;

@@ -2,7 +2,7 @@
 //! comparisons.
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend, BinaryOp, CompareOp};
+use crate::tensor::backend::{with_backend, BinaryOp, CompareOp, ElementwiseOps};
 use crate::{Error, Result, Tensor};
 
 fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {

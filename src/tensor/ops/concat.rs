@@ -1,7 +1,7 @@
 //! Joining and splitting along a dimension: cat, stack, split, chunk.
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, CopyOps};
 use crate::tensor::layout::resolve_dim;
 use crate::{Error, Result, Tensor};
 

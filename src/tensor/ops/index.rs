@@ -2,7 +2,7 @@
 //! triu index helper.
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient, RowSparseGrad};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, ElementwiseOps, IndexOps};
 use crate::tensor::dtype::WithDType;
 use crate::tensor::layout::broadcast_shapes;
 use crate::{DType, Error, Result, Tensor};

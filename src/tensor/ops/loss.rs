@@ -2,7 +2,7 @@
 
 use super::{float_compute, with_float};
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, ElementwiseOps};
 use crate::tensor::dtype::FloatElem;
 use crate::{DType, Error, Result, Tensor};
 use num_traits::One;

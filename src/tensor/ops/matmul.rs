@@ -2,7 +2,7 @@
 //! their gradients. Transposed operands stay strided views (the backends read them in place).
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, MatmulOps};
 use crate::tensor::layout::broadcast_shapes;
 use crate::{Error, Result, Tensor};
 

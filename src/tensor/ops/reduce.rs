@@ -2,7 +2,7 @@
 //! backward of broadcasting).
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, ElementwiseOps, ReduceOps};
 use crate::tensor::layout::resolve_dim;
 use crate::{Error, Result, Tensor};
 

@@ -1,7 +1,7 @@
 //! softmax and log_softmax along a dimension, computed stably (max subtracted).
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, ReduceOps};
 use crate::tensor::layout::resolve_dim;
 use crate::{Result, Tensor};
 

@@ -2,7 +2,7 @@
 //! side; one generic forward and one generic backward serve them all.
 
 use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
-use crate::tensor::backend::{with_backend, Backend};
+use crate::tensor::backend::{with_backend, ElementwiseOps};
 use crate::tensor::dtype::FloatElem;
 use crate::{Error, Result, Tensor};
 

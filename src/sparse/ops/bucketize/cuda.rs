@@ -118,23 +118,23 @@ pub(super) fn run(op: &Bucketize<'_>, device: &Arc<CudaDevice>) -> Result<BlockB
     let counts = device.zeros::<i64>((my_size * bags).max(1))?;
     let first_bad = device.htod(&[i64::MAX])?;
     let grid = LaunchConfig::covering(bags, 128);
+    // Both kernels start with the ids, their bags and the routers.
+    let route = args![
+        ids,
+        d_offsets,
+        d_features,
+        bags as i64,
+        d_kind,
+        d_params,
+        d_bounds,
+        my_size as i32
+    ];
     // One thread per bag; offsets (checked on the host) index the n ids; counts holds my_size
     // slots per bag and every routed bucket is < my_size.
     device.launch(
         BUCKETIZE.kernel(count_kernel),
         grid,
-        &args![
-            ids,
-            d_offsets,
-            d_features,
-            bags as i64,
-            d_kind,
-            d_params,
-            d_bounds,
-            my_size as i32,
-            counts,
-            first_bad
-        ],
+        &[&route[..], &args![counts, first_bad]].concat(),
     )?;
     let bad = first_bad.to_host()?[0];
     if bad != i64::MAX {
@@ -166,26 +166,19 @@ pub(super) fn run(op: &Bucketize<'_>, device: &Arc<CudaDevice>) -> Result<BlockB
     // As the count launch; the cursors start at each (bucket, bag)'s first slot and advance
     // over exactly the ids counted there, so every slot is < n and written once; the optional
     // outputs (absent: null) hold n values of the ids' type (weights f32).
+    let scatter = args![
+        i32::from(options.keep_orig_idx),
+        cursor,
+        out_ids,
+        destination.as_ref(),
+        positions.as_ref(),
+        weights.as_ref(),
+        out_weights.as_ref()
+    ];
     device.launch(
         BUCKETIZE.kernel(scatter_kernel),
         grid,
-        &args![
-            ids,
-            d_offsets,
-            d_features,
-            bags as i64,
-            d_kind,
-            d_params,
-            d_bounds,
-            my_size as i32,
-            i32::from(options.keep_orig_idx),
-            cursor,
-            out_ids,
-            destination.as_ref(),
-            positions.as_ref(),
-            weights.as_ref(),
-            out_weights.as_ref()
-        ],
+        &[&route[..], &scatter[..]].concat(),
     )?;
     let count = lengths.len();
     Ok(BlockBucketized {

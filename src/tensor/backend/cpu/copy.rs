@@ -1,50 +1,13 @@
 //! Creation, copies, casts and concatenation in host memory.
 
+use super::super::{CopyOps, Cpu};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::dtype::WithDType;
 use crate::tensor::ops::reduce::split_at_dim;
 use crate::tensor::storage::{match_storage, CpuStorage};
 use crate::Tensor;
-
-pub(super) fn full(value: f64, shape: &[usize], dtype: DType) -> Tensor {
-    let n = shape.iter().product();
-    let storage = match dtype {
-        _ if value == 0.0 => CpuStorage::zeros(dtype, n),
-        DType::F32 => CpuStorage::F32(vec![value as f32; n]),
-        DType::F64 => CpuStorage::F64(vec![value; n]),
-        DType::F16 => CpuStorage::F16(vec![<half::f16 as WithDType>::from_f64(value); n]),
-        DType::BF16 => CpuStorage::BF16(vec![<half::bf16 as WithDType>::from_f64(value); n]),
-        DType::I64 => CpuStorage::I64(vec![value as i64; n]),
-        DType::I32 => CpuStorage::I32(vec![value as i32; n]),
-        DType::U8 => CpuStorage::U8(vec![value as u8; n]),
-    };
-    Tensor::from_cpu(storage, shape)
-}
-
-pub(super) fn contiguous(t: &Tensor) -> Result<Tensor> {
-    let guard = t.storage_read();
-    let cpu = guard.cpu("contiguous")?;
-    let storage = match_storage!(cpu, v => WithDType::into_storage(t.layout().gather(v)));
-    Ok(Tensor::from_cpu(storage, t.shape()))
-}
-
-pub(super) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    let guard = t.storage_read();
-    let cpu = guard.cpu("to_dtype")?;
-    let storage =
-        match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().gather(v), dtype));
-    Ok(Tensor::from_cpu(storage, t.shape()))
-}
-
-pub(super) fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
-    let src = src.to_host_values()?;
-    let src = src.cast_values(dst.dtype())?.contiguous_values()?;
-    let guard = src.storage_read();
-    let cpu = guard.cpu("copy_from")?;
-    match_storage!(cpu, v => dst.update_in_place(|d| d.copy_from_slice(v)))?;
-    Ok(())
-}
 
 fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<CpuStorage> {
     let (outer, _, inner) = split_at_dim(shape, dim);
@@ -62,15 +25,63 @@ fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Res
     Ok(T::into_storage(out))
 }
 
-pub(super) fn cat(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
-    let guard = parts[0].storage_read();
-    let probe = guard.cpu("cat")?;
-    let storage = match_storage!(probe, v => {
-        fn typed<T: WithDType>(_: &[T], parts: &[Tensor], d: usize, shape: &[usize]) -> Result<CpuStorage> {
-            cat_typed::<T>(parts, d, shape)
-        }
-        typed(v, parts, dim, shape)?
-    });
-    drop(guard);
-    Tensor::from_storage(storage, shape)
+impl CopyOps for Cpu {
+    fn full(value: f64, shape: &[usize], dtype: DType, _device: Device) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let storage = match dtype {
+            _ if value == 0.0 => CpuStorage::zeros(dtype, n),
+            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
+            DType::F64 => CpuStorage::F64(vec![value; n]),
+            DType::F16 => CpuStorage::F16(vec![<half::f16 as WithDType>::from_f64(value); n]),
+            DType::BF16 => CpuStorage::BF16(vec![<half::bf16 as WithDType>::from_f64(value); n]),
+            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
+            DType::I32 => CpuStorage::I32(vec![value as i32; n]),
+            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
+        };
+        Ok(Tensor::from_cpu(storage, shape))
+    }
+
+    fn to_host(t: &Tensor) -> Result<Tensor> {
+        Ok(t.detach())
+    }
+
+    fn from_host(host: &Tensor, _device: Device) -> Result<Tensor> {
+        Ok(host.detach())
+    }
+
+    fn contiguous(t: &Tensor) -> Result<Tensor> {
+        let guard = t.storage_read();
+        let cpu = guard.cpu("contiguous")?;
+        let storage = match_storage!(cpu, v => WithDType::into_storage(t.layout().gather(v)));
+        Ok(Tensor::from_cpu(storage, t.shape()))
+    }
+
+    fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+        let guard = t.storage_read();
+        let cpu = guard.cpu("to_dtype")?;
+        let storage = match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().gather(v), dtype));
+        Ok(Tensor::from_cpu(storage, t.shape()))
+    }
+
+    fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+        let src = src.to_host_values()?;
+        let src = src.cast_values(dst.dtype())?.contiguous_values()?;
+        let guard = src.storage_read();
+        let cpu = guard.cpu("copy_from")?;
+        match_storage!(cpu, v => dst.update_in_place(|d| d.copy_from_slice(v)))?;
+        Ok(())
+    }
+
+    fn cat(parts: &[Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
+        let guard = parts[0].storage_read();
+        let probe = guard.cpu("cat")?;
+        let storage = match_storage!(probe, v => {
+            fn typed<T: WithDType>(_: &[T], parts: &[Tensor], d: usize, shape: &[usize]) -> Result<CpuStorage> {
+                cat_typed::<T>(parts, d, shape)
+            }
+            typed(v, parts, dim, shape)?
+        });
+        drop(guard);
+        Tensor::from_storage(storage, shape)
+    }
 }

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::super::{BinaryOp, CompareOp};
+use super::super::{BinaryOp, CompareOp, Cpu, ElementwiseOps};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::dtype::{FloatElem, NumElem, WithDType};
@@ -75,114 +75,6 @@ fn broadcast_zip<T: WithDType, U: WithDType>(
     Tensor::from_vec(out, &shape)
 }
 
-pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let name = op.name();
-    if matches!(a.dtype(), DType::F16 | DType::BF16) {
-        let (a32, storage) = float_compute(name, a)?;
-        let (b32, _) = float_compute(name, b)?;
-        return binary(op, &a32, &b32)?.cast_values(storage);
-    }
-    with_num!(a.dtype(), name, T => {
-        let f = match op {
-            BinaryOp::Add => |x: T, y: T| x.add_wrap(y),
-            BinaryOp::Sub => |x: T, y: T| x.sub_wrap(y),
-            BinaryOp::Mul => |x: T, y: T| x.mul_wrap(y),
-            BinaryOp::Div => |x: T, y: T| x.div_wrap(y),
-            BinaryOp::Maximum => |x: T, y: T| if x >= y || y.is_nan_value() { x } else { y },
-            BinaryOp::Minimum => |x: T, y: T| if x <= y || y.is_nan_value() { x } else { y },
-        };
-        if op == BinaryOp::Div && !a.dtype().is_float() {
-            // Integer division by zero must not panic: check first.
-            let zero = b.with_contiguous(|v: &[T]| v.iter().position(|&x| x == T::ZERO))?;
-            if let Some(p) = zero {
-                return Err(Error::invalid(name, format!("integer division by zero at position {p} of the divisor")));
-            }
-        }
-        broadcast_zip::<T, T>(name, a, b, f)
-    })
-}
-
-pub(super) fn compare(op: CompareOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (a, b) = if matches!(a.dtype(), DType::F16 | DType::BF16) {
-        (a.cast_values(DType::F32)?, b.cast_values(DType::F32)?)
-    } else {
-        (a.clone(), b.clone())
-    };
-    let name = op.name();
-    with_num!(a.dtype(), name, T => broadcast_zip::<T, u8>(name, &a, &b, |x, y| op.holds(x.to_f64(), y.to_f64()) as u8))
-}
-
-pub(super) fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
-    let c = cond.detach().expand(shape)?.to_vec::<u8>()?;
-    let av = a.detach().expand(shape)?.contiguous_values()?;
-    let bv = b.detach().expand(shape)?.contiguous_values()?;
-    let ga = av.storage_read();
-    let gb = bv.storage_read();
-    let (x, y) = (ga.cpu("where")?, gb.cpu("where")?);
-    let storage = {
-        match_storage!(x, xs => {
-            fn pick<T: WithDType>(c: &[u8], xs: &[T], ys: &CpuStorage) -> CpuStorage {
-                let ys = T::slice(ys).expect("same dtype checked by the caller");
-                T::into_storage(c.iter().zip(xs.iter().zip(ys)).map(|(&m, (&x, &y))| if m != 0 { x } else { y }).collect())
-            }
-            pick(&c, xs, y)
-        })
-    };
-    drop((ga, gb));
-    Tensor::from_storage(storage, shape)
-}
-
-pub(super) fn unary<F: UnaryFn>(f: &F, x: &Tensor) -> Result<Tensor> {
-    let (xc, storage) = float_compute(F::NAME, x)?;
-    with_float!(xc.dtype(), F::NAME, T => {
-        let v = xc.with_contiguous(|s: &[T]| par_map(s, |v| f.f(v)))?;
-        Tensor::from_vec(v, x.shape())?
-    })
-    .cast_values(storage)
-}
-
-pub(super) fn unary_backward<F: UnaryFn>(
-    f: &F,
-    x: &Tensor,
-    y: &Tensor,
-    g: &Tensor,
-) -> Result<Tensor> {
-    let (x, storage) = float_compute(F::NAME, x)?;
-    let (y, _) = float_compute(F::NAME, y)?;
-    let (g, _) = float_compute(F::NAME, g)?;
-    let gx = with_float!(x.dtype(), F::NAME, T => {
-        let gx = x.with_contiguous(|xs: &[T]| {
-            y.with_contiguous(|ys: &[T]| {
-                g.with_contiguous(|gs: &[T]| {
-                    let run = |((&x, &y), &g): ((&T, &T), &T)| g * f.df(x, y);
-                    if xs.len() >= PAR_THRESHOLD {
-                        xs.par_iter().zip(ys.par_iter()).zip(gs.par_iter()).map(run).collect::<Vec<T>>()
-                    } else {
-                        xs.iter().zip(ys).zip(gs).map(run).collect::<Vec<T>>()
-                    }
-                })
-            })
-        })???;
-        Tensor::from_vec(gx, x.shape())?
-    });
-    gx.cast_values(storage)
-}
-
-/// Per-element BCE-with-logits losses and their derivatives in the logits, in the input's
-/// dtype.
-pub(super) fn bce_with_logits(input: &Tensor, target: &Tensor) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "bce_with_logits";
-    let (x, storage) = float_compute(OP, input)?;
-    let (y, _) = float_compute(OP, target)?;
-    let (losses, dx) = with_float!(x.dtype(), OP, T => {
-        let (l, dx) = x.with_contiguous(|xs: &[T]| {
-            y.with_contiguous(|ys: &[T]| bce_values(xs, ys))
-        })??;
-        (Tensor::from_vec(l, x.shape())?, Tensor::from_vec(dx, x.shape())?)
-    });
-    Ok((losses.cast_values(storage)?, dx.cast_values(storage)?))
-}
-
 fn bce_values<T: FloatElem>(xs: &[T], ys: &[T]) -> (Vec<T>, Vec<T>) {
     let (zero, one) = (T::zero(), T::one());
     xs.iter()
@@ -197,4 +89,109 @@ fn bce_values<T: FloatElem>(xs: &[T], ys: &[T]) -> (Vec<T>, Vec<T>) {
             (loss, sig - y)
         })
         .unzip()
+}
+
+impl ElementwiseOps for Cpu {
+    fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let name = op.name();
+        if matches!(a.dtype(), DType::F16 | DType::BF16) {
+            let (a32, storage) = float_compute(name, a)?;
+            let (b32, _) = float_compute(name, b)?;
+            return Self::binary(op, &a32, &b32)?.cast_values(storage);
+        }
+        with_num!(a.dtype(), name, T => {
+            let f = match op {
+                BinaryOp::Add => |x: T, y: T| x.add_wrap(y),
+                BinaryOp::Sub => |x: T, y: T| x.sub_wrap(y),
+                BinaryOp::Mul => |x: T, y: T| x.mul_wrap(y),
+                BinaryOp::Div => |x: T, y: T| x.div_wrap(y),
+                BinaryOp::Maximum => |x: T, y: T| if x >= y || y.is_nan_value() { x } else { y },
+                BinaryOp::Minimum => |x: T, y: T| if x <= y || y.is_nan_value() { x } else { y },
+            };
+            if op == BinaryOp::Div && !a.dtype().is_float() {
+                // Integer division by zero must not panic: check first.
+                let zero = b.with_contiguous(|v: &[T]| v.iter().position(|&x| x == T::ZERO))?;
+                if let Some(p) = zero {
+                    return Err(Error::invalid(name, format!("integer division by zero at position {p} of the divisor")));
+                }
+            }
+            broadcast_zip::<T, T>(name, a, b, f)
+        })
+    }
+
+    fn compare(op: CompareOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (a, b) = if matches!(a.dtype(), DType::F16 | DType::BF16) {
+            (a.cast_values(DType::F32)?, b.cast_values(DType::F32)?)
+        } else {
+            (a.clone(), b.clone())
+        };
+        let name = op.name();
+        with_num!(a.dtype(), name, T => broadcast_zip::<T, u8>(name, &a, &b, |x, y| op.holds(x.to_f64(), y.to_f64()) as u8))
+    }
+
+    fn where_cond(cond: &Tensor, a: &Tensor, b: &Tensor, shape: &[usize]) -> Result<Tensor> {
+        let c = cond.detach().expand(shape)?.to_vec::<u8>()?;
+        let av = a.detach().expand(shape)?.contiguous_values()?;
+        let bv = b.detach().expand(shape)?.contiguous_values()?;
+        let ga = av.storage_read();
+        let gb = bv.storage_read();
+        let (x, y) = (ga.cpu("where")?, gb.cpu("where")?);
+        let storage = {
+            match_storage!(x, xs => {
+                fn pick<T: WithDType>(c: &[u8], xs: &[T], ys: &CpuStorage) -> CpuStorage {
+                    let ys = T::slice(ys).expect("same dtype checked by the caller");
+                    T::into_storage(c.iter().zip(xs.iter().zip(ys)).map(|(&m, (&x, &y))| if m != 0 { x } else { y }).collect())
+                }
+                pick(&c, xs, y)
+            })
+        };
+        drop((ga, gb));
+        Tensor::from_storage(storage, shape)
+    }
+
+    fn unary<F: UnaryFn>(f: &F, x: &Tensor) -> Result<Tensor> {
+        let (xc, storage) = float_compute(F::NAME, x)?;
+        with_float!(xc.dtype(), F::NAME, T => {
+            let v = xc.with_contiguous(|s: &[T]| par_map(s, |v| f.f(v)))?;
+            Tensor::from_vec(v, x.shape())?
+        })
+        .cast_values(storage)
+    }
+
+    fn unary_backward<F: UnaryFn>(f: &F, x: &Tensor, y: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let (x, storage) = float_compute(F::NAME, x)?;
+        let (y, _) = float_compute(F::NAME, y)?;
+        let (g, _) = float_compute(F::NAME, g)?;
+        let gx = with_float!(x.dtype(), F::NAME, T => {
+            let gx = x.with_contiguous(|xs: &[T]| {
+                y.with_contiguous(|ys: &[T]| {
+                    g.with_contiguous(|gs: &[T]| {
+                        let run = |((&x, &y), &g): ((&T, &T), &T)| g * f.df(x, y);
+                        if xs.len() >= PAR_THRESHOLD {
+                            xs.par_iter().zip(ys.par_iter()).zip(gs.par_iter()).map(run).collect::<Vec<T>>()
+                        } else {
+                            xs.iter().zip(ys).zip(gs).map(run).collect::<Vec<T>>()
+                        }
+                    })
+                })
+            })???;
+            Tensor::from_vec(gx, x.shape())?
+        });
+        gx.cast_values(storage)
+    }
+
+    /// Per-element BCE-with-logits losses and their derivatives in the logits, in the input's
+    /// dtype.
+    fn bce_with_logits(input: &Tensor, target: &Tensor) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "bce_with_logits";
+        let (x, storage) = float_compute(OP, input)?;
+        let (y, _) = float_compute(OP, target)?;
+        let (losses, dx) = with_float!(x.dtype(), OP, T => {
+            let (l, dx) = x.with_contiguous(|xs: &[T]| {
+                y.with_contiguous(|ys: &[T]| bce_values(xs, ys))
+            })??;
+            (Tensor::from_vec(l, x.shape())?, Tensor::from_vec(dx, x.shape())?)
+        });
+        Ok((losses.cast_values(storage)?, dx.cast_values(storage)?))
+    }
 }

@@ -2,6 +2,7 @@
 //! `linear` (`x·Wᵀ + b` accumulated onto the broadcast bias). Transposed operands are strided
 //! views; gemm reads them without a copy.
 
+use super::super::{Cpu, MatmulOps};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -94,63 +95,65 @@ fn batch_offsets(l: &Layout, batch: &[usize]) -> Vec<usize> {
     Layout::new(batch.to_vec(), strides, l.offset()).offsets()
 }
 
-pub(super) fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
-    let (ar, br) = (a.rank(), b.rank());
-    let (m, k, n) = (a.shape()[ar - 2], a.shape()[ar - 1], b.shape()[br - 1]);
-    let (ac, storage) = float_compute("matmul", a)?;
-    let (bc, _) = float_compute("matmul", b)?;
-    let nb: usize = batch.iter().product();
-    let mut shape = batch.to_vec();
-    shape.extend([m, n]);
-    let out = with_float!(ac.dtype(), "matmul", T => {
-        let out = ac.with_strided(|ad: &[T], al| {
-            bc.with_strided(|bd: &[T], bl| {
-                let a_off = batch_offsets(al, batch);
-                let b_off = batch_offsets(bl, batch);
-                let lhs = |i: usize| MatRef { data: ad, offset: a_off[i], row_stride: al.strides()[ar - 2], col_stride: al.strides()[ar - 1] };
-                let rhs = |i: usize| MatRef { data: bd, offset: b_off[i], row_stride: bl.strides()[br - 2], col_stride: bl.strides()[br - 1] };
-                let mut out = vec![T::default(); nb * m * n];
-                if m * n == 0 {
-                    return out;
-                }
-                if nb > 1 && m * n * k < GEMM_PAR_THRESHOLD {
-                    // Many small products: one thread per product.
-                    out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| gemm_into(m, n, k, dst, lhs(i), rhs(i), false, false));
-                } else {
-                    for (i, dst) in out.chunks_mut(m * n).enumerate() {
-                        gemm_into(m, n, k, dst, lhs(i), rhs(i), false, true);
+impl MatmulOps for Cpu {
+    fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
+        let (ar, br) = (a.rank(), b.rank());
+        let (m, k, n) = (a.shape()[ar - 2], a.shape()[ar - 1], b.shape()[br - 1]);
+        let (ac, storage) = float_compute("matmul", a)?;
+        let (bc, _) = float_compute("matmul", b)?;
+        let nb: usize = batch.iter().product();
+        let mut shape = batch.to_vec();
+        shape.extend([m, n]);
+        let out = with_float!(ac.dtype(), "matmul", T => {
+            let out = ac.with_strided(|ad: &[T], al| {
+                bc.with_strided(|bd: &[T], bl| {
+                    let a_off = batch_offsets(al, batch);
+                    let b_off = batch_offsets(bl, batch);
+                    let lhs = |i: usize| MatRef { data: ad, offset: a_off[i], row_stride: al.strides()[ar - 2], col_stride: al.strides()[ar - 1] };
+                    let rhs = |i: usize| MatRef { data: bd, offset: b_off[i], row_stride: bl.strides()[br - 2], col_stride: bl.strides()[br - 1] };
+                    let mut out = vec![T::default(); nb * m * n];
+                    if m * n == 0 {
+                        return out;
                     }
-                }
-                out
-            })
-        })??;
-        Tensor::from_vec(out, &shape)?
-    });
-    out.cast_values(storage)
-}
+                    if nb > 1 && m * n * k < GEMM_PAR_THRESHOLD {
+                        // Many small products: one thread per product.
+                        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| gemm_into(m, n, k, dst, lhs(i), rhs(i), false, false));
+                    } else {
+                        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+                            gemm_into(m, n, k, dst, lhs(i), rhs(i), false, true);
+                        }
+                    }
+                    out
+                })
+            })??;
+            Tensor::from_vec(out, &shape)?
+        });
+        out.cast_values(storage)
+    }
 
-pub(super) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (rows, in_f, out_f) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let (xc, storage) = float_compute("linear", x)?;
-    let (wc, _) = float_compute("linear", w)?;
-    let bc = bias
-        .map(|b| float_compute("linear", b))
-        .transpose()?
-        .map(|(b, _)| b);
-    let out = with_float!(xc.dtype(), "linear", T => {
-        let mut out = vec![T::default(); rows * out_f];
-        if let Some(b) = &bc {
-            b.with_contiguous(|bs: &[T]| out.chunks_mut(out_f.max(1)).for_each(|r| r.copy_from_slice(bs)))?;
-        }
-        xc.with_strided(|xd: &[T], xl| {
-            wc.with_strided(|wd: &[T], wl| {
-                let lhs = MatRef { data: xd, offset: xl.offset(), row_stride: xl.strides()[0], col_stride: xl.strides()[1] };
-                // Wᵀ as a strided view: element (i, o) of Wᵀ is W[o, i].
-                let rhs = MatRef { data: wd, offset: wl.offset(), row_stride: wl.strides()[1], col_stride: wl.strides()[0] };
-                gemm_into(rows, out_f, in_f, &mut out, lhs, rhs, bc.is_some(), true);
-            })
-        })??;
-        Tensor::from_vec(out, &[rows, out_f])?
-    });
-    out.cast_values(storage)
+    fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (rows, in_f, out_f) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+        let (xc, storage) = float_compute("linear", x)?;
+        let (wc, _) = float_compute("linear", w)?;
+        let bc = bias
+            .map(|b| float_compute("linear", b))
+            .transpose()?
+            .map(|(b, _)| b);
+        let out = with_float!(xc.dtype(), "linear", T => {
+            let mut out = vec![T::default(); rows * out_f];
+            if let Some(b) = &bc {
+                b.with_contiguous(|bs: &[T]| out.chunks_mut(out_f.max(1)).for_each(|r| r.copy_from_slice(bs)))?;
+            }
+            xc.with_strided(|xd: &[T], xl| {
+                wc.with_strided(|wd: &[T], wl| {
+                    let lhs = MatRef { data: xd, offset: xl.offset(), row_stride: xl.strides()[0], col_stride: xl.strides()[1] };
+                    // Wᵀ as a strided view: element (i, o) of Wᵀ is W[o, i].
+                    let rhs = MatRef { data: wd, offset: wl.offset(), row_stride: wl.strides()[1], col_stride: wl.strides()[0] };
+                    gemm_into(rows, out_f, in_f, &mut out, lhs, rhs, bc.is_some(), true);
+                })
+            })??;
+            Tensor::from_vec(out, &[rows, out_f])?
+        });
+        out.cast_values(storage)
+    }
 }

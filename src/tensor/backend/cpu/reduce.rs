@@ -1,6 +1,7 @@
 //! Reductions in host memory: sums over dimensions, the maximum along one with its index, and
 //! softmax.
 
+use super::super::{Cpu, ReduceOps};
 use rayon::prelude::*;
 
 use crate::error::Result;
@@ -71,80 +72,6 @@ fn sum_one_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
     })
 }
 
-pub(super) fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
-    let (xc, storage) = if x.dtype().is_float() {
-        float_compute("sum", x)?
-    } else {
-        (x.clone(), x.dtype())
-    };
-    let mut out = xc;
-    for &d in dims.iter().rev() {
-        out = sum_one_dim(&out, d)?;
-    }
-    if dims.is_empty() {
-        out = out.contiguous_values()?;
-    }
-    out.cast_values(storage)
-}
-
-pub(super) fn max_dim(x: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
-    let (outer, n, inner) = split_at_dim(x.shape(), d);
-    let (xc, storage) = if x.dtype().is_float() {
-        float_compute("max", x)?
-    } else {
-        (x.clone(), x.dtype())
-    };
-    let (values, argmax) = with_num!(xc.dtype(), "max", T => {
-        xc.with_contiguous(|s: &[T]| {
-            let mut vals = Vec::with_capacity(outer * inner);
-            let mut arg = Vec::with_capacity(outer * inner);
-            for o in 0..outer {
-                for i in 0..inner {
-                    let mut best = s[o * n * inner + i];
-                    let mut bi = 0i64;
-                    for k in 1..n {
-                        let v = s[(o * n + k) * inner + i];
-                        // NaN wins, as in PyTorch.
-                        if v > best || (v.is_nan_value() && !best.is_nan_value()) {
-                            best = v;
-                            bi = k as i64;
-                        }
-                    }
-                    vals.push(best);
-                    arg.push(bi);
-                }
-            }
-            (T::into_storage(vals), arg)
-        })?
-    });
-    let values = Tensor::from_storage(values, &[outer, inner])?.cast_values(storage)?;
-    Ok((values, Tensor::from_vec(argmax, &[outer, inner])?))
-}
-
-pub(super) fn max_dim_backward(
-    g: &Tensor,
-    indices: &Tensor,
-    input_shape: &[usize],
-    d: usize,
-) -> Result<Tensor> {
-    let (outer, n, inner) = split_at_dim(input_shape, d);
-    let argmax = indices.to_vec::<i64>()?;
-    let (gc, storage) = float_compute("max", g)?;
-    let gx = with_float!(gc.dtype(), "max", T => {
-        let mut gx = vec![T::ZERO; outer * n * inner];
-        gc.with_contiguous(|gs: &[T]| {
-            for o in 0..outer {
-                for i in 0..inner {
-                    let k = argmax[o * inner + i] as usize;
-                    gx[(o * n + k) * inner + i] = gs[o * inner + i];
-                }
-            }
-        })?;
-        Tensor::from_vec(gx, input_shape)?
-    });
-    gx.cast_values(storage)
-}
-
 fn softmax_kernel<T: FloatElem>(
     x: &[T],
     outer: usize,
@@ -174,13 +101,89 @@ fn softmax_kernel<T: FloatElem>(
     out
 }
 
-pub(super) fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
-    let op = if log { "log_softmax" } else { "softmax" };
-    let (xc, storage) = float_compute(op, x)?;
-    let (outer, n, inner) = split_at_dim(x.shape(), d);
-    with_float!(xc.dtype(), op, T => {
-        let v = xc.with_contiguous(|s: &[T]| softmax_kernel(s, outer, n, inner, log))?;
-        Tensor::from_vec(v, x.shape())?
-    })
-    .cast_values(storage)
+impl ReduceOps for Cpu {
+    fn sum_dims(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+        let (xc, storage) = if x.dtype().is_float() {
+            float_compute("sum", x)?
+        } else {
+            (x.clone(), x.dtype())
+        };
+        let mut out = xc;
+        for &d in dims.iter().rev() {
+            out = sum_one_dim(&out, d)?;
+        }
+        if dims.is_empty() {
+            out = out.contiguous_values()?;
+        }
+        out.cast_values(storage)
+    }
+
+    fn max_dim(x: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
+        let (outer, n, inner) = split_at_dim(x.shape(), d);
+        let (xc, storage) = if x.dtype().is_float() {
+            float_compute("max", x)?
+        } else {
+            (x.clone(), x.dtype())
+        };
+        let (values, argmax) = with_num!(xc.dtype(), "max", T => {
+            xc.with_contiguous(|s: &[T]| {
+                let mut vals = Vec::with_capacity(outer * inner);
+                let mut arg = Vec::with_capacity(outer * inner);
+                for o in 0..outer {
+                    for i in 0..inner {
+                        let mut best = s[o * n * inner + i];
+                        let mut bi = 0i64;
+                        for k in 1..n {
+                            let v = s[(o * n + k) * inner + i];
+                            // NaN wins, as in PyTorch.
+                            if v > best || (v.is_nan_value() && !best.is_nan_value()) {
+                                best = v;
+                                bi = k as i64;
+                            }
+                        }
+                        vals.push(best);
+                        arg.push(bi);
+                    }
+                }
+                (T::into_storage(vals), arg)
+            })?
+        });
+        let values = Tensor::from_storage(values, &[outer, inner])?.cast_values(storage)?;
+        Ok((values, Tensor::from_vec(argmax, &[outer, inner])?))
+    }
+
+    fn max_dim_backward(
+        g: &Tensor,
+        indices: &Tensor,
+        input_shape: &[usize],
+        d: usize,
+    ) -> Result<Tensor> {
+        let (outer, n, inner) = split_at_dim(input_shape, d);
+        let argmax = indices.to_vec::<i64>()?;
+        let (gc, storage) = float_compute("max", g)?;
+        let gx = with_float!(gc.dtype(), "max", T => {
+            let mut gx = vec![T::ZERO; outer * n * inner];
+            gc.with_contiguous(|gs: &[T]| {
+                for o in 0..outer {
+                    for i in 0..inner {
+                        let k = argmax[o * inner + i] as usize;
+                        gx[(o * n + k) * inner + i] = gs[o * inner + i];
+                    }
+                }
+            })?;
+            Tensor::from_vec(gx, input_shape)?
+        });
+        gx.cast_values(storage)
+    }
+
+    fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
+        let op = if log { "log_softmax" } else { "softmax" };
+        let (xc, storage) = float_compute(op, x)?;
+        let (outer, n, inner) = split_at_dim(x.shape(), d);
+        with_float!(xc.dtype(), op, T => {
+            let v = xc.with_contiguous(|s: &[T]| softmax_kernel(s, outer, n, inner, log))?;
+            Tensor::from_vec(v, x.shape())?
+        })
+        .cast_values(storage)
+    }
 }
