@@ -1,4 +1,4 @@
-// block_bucketize_sparse_features on the device, the twin of src/sparse/ops/bucketize.rs: every
+// block_bucketize_sparse_features on the device, the twin of src/sparse/ops/bucketize/cpu.rs: every
 // id is routed to the bucket (rank) owning its block of rows and rebased into that rank's rows;
 // the output is bucket-major, then bag, ids of a bag in their original order (deterministic).
 //   block_bucketize_count_*:   one thread per bag counts its ids per bucket into

@@ -1,5 +1,5 @@
 // Row indexing of contiguous [rows, row_len] buffers (index_select_dim0 and its gradient), the
-// GPU twins of src/tensor/ops/index.rs. Row numbers were checked on the host.
+// GPU twins of src/tensor/backend/cpu/index.rs. Row numbers were checked on the host.
 
 // out[i, :] = src[rows[i], :], by element size.
 #define INDEX_SELECT(NAME, T)                                                               \

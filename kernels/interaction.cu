@@ -1,4 +1,4 @@
-// DLRM's dot interaction (src/models/interaction.rs): per sample the rows are
+// DLRM's dot interaction (src/models/interaction/): per sample the rows are
 // [dense (D), sparse_0 (D), …, sparse_{F-1} (D)], n = F + 1 of them; the output is the dense
 // row followed by the strict upper triangle, row-major, of the n×n matrix of their dot
 // products. One block per sample.

@@ -1,5 +1,5 @@
 // Jagged <-> padded dense for 2-D jagged values [N, D] with offsets [B+1] (i64), the GPU twins
-// of src/sparse/ops (jagged_to_padded_dense / dense_to_jagged). One thread per output element.
+// of src/sparse/ops/dense (jagged_to_padded_dense / dense_to_jagged). One thread per output element.
 
 // out[b, j, d] = values[offsets[b] + j, d] for j < len(b) (and j < max_len), else padding.
 extern "C" __global__ void jagged_to_padded_dense_f32(

@@ -1,4 +1,4 @@
-// Fused TBE backward for FP32 tables, the GPU twin of src/embedding/backward.rs: every
+// Fused TBE backward for FP32 tables, the GPU twin of src/embedding/tbe/cpu/backward.rs: every
 // occurrence of a row in the batch is found by sorting (row, position) keys, each row's
 // gradient is summed once, in position order, by one warp, and the optimizer updates the row
 // in place. Deterministic: no atomics on weights, a fixed summation order.

@@ -1,4 +1,4 @@
-// Table-batched embedding bag forward (pooled), the GPU twin of src/embedding/kernels.rs.
+// Table-batched embedding bag forward (pooled), the GPU twin of src/embedding/tbe/cpu/pool.rs.
 //
 // Layout (as the CPU TBE): every table's rows back to back in one buffer; feature f reads the
 // table at element offset `table_offsets[f]` with `rows[f]` rows of `dims[f]` values and writes

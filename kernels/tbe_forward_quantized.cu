@@ -1,5 +1,5 @@
 // Quantized (inference) TBE forward over FBGEMM's TBE row bytes, the GPU twin of
-// src/embedding/inference.rs. Feature f's table starts at byte `table_offsets[f]`, has
+// src/embedding/tbe/cpu/pool.rs. Feature f's table starts at byte `table_offsets[f]`, has
 // `rows[f]` rows of `row_bytes[f]` bytes, dim `dims[f]` and weight type `types[f]`:
 //   0 FP32, 1 FP16, 2 BF16, 3 FP8 (HFP8, 4 exponent bits, bias 7), 4 FP8 E4M3FN,
 //   5 INT8, 6 INT4, 7 INT2 — the integer rows start with [fp16 scale][fp16 bias], then the

@@ -12,7 +12,9 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::Tensor;
 use crate::{DType, Error, Result};
@@ -344,7 +346,7 @@ pub(crate) fn run_backward(root: &Tensor, grad: Tensor, retain_graph: bool) -> R
         };
         let grad = grad.to_dense()?;
         let input_grads = {
-            let mut slot = node.op.lock().expect("autograd node lock poisoned");
+            let mut slot = node.op.lock();
             if retain_graph {
                 let op = slot
                     .as_ref()

@@ -568,16 +568,37 @@ impl TableBatchedEmbedding {
     /// [`backward_batch`](Self::backward_batch), as often as wanted. Preparing once takes the
     /// host's checks and the copy off a loop that looks the same batch up again.
     pub fn prepare(&self, input: TbeInput<'_>) -> Result<TbeBatch> {
-        let batch = self.validate_input(input)?.into_owned();
+        self.prepare_validated(self.validate_input(input)?)
+    }
+
+    /// A validated batch prepared (copied to the tables' device).
+    fn prepare_validated(&self, batch: Batch<'_>) -> Result<TbeBatch> {
         let on_device = match &self.inner.state.read().tables {
             Tables::Host(_) => None,
             Tables::Device(d) => Some(DeviceBatch::upload(d.device(), &batch)?),
         };
-        Ok(TbeBatch {
+        Ok(self.owned_batch(batch, on_device))
+    }
+
+    /// A prepared batch of this operator holding `batch` (copied if borrowed).
+    fn owned_batch(&self, batch: Batch<'_>, on_device: Option<DeviceBatch>) -> TbeBatch {
+        TbeBatch {
             owner: self.inner.id,
-            batch,
+            batch: batch.into_owned(),
             on_device,
-        })
+        }
+    }
+
+    /// The lookup of a validated (borrowed) batch on the tables' device, and the batch's copy
+    /// there (device tables): no copy of the batch on the host.
+    fn lookup_validated(&self, batch: &Batch<'_>) -> Result<(Tensor, Option<DeviceBatch>)> {
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => Ok((h.forward(&self.inner, batch)?, None)),
+            Tables::Device(d) => {
+                let on_device = DeviceBatch::upload(d.device(), batch)?;
+                Ok((d.forward(&on_device)?, Some(on_device)))
+            }
+        }
     }
 
     /// Refuses a batch prepared by another operator, or for the tables' other device.
@@ -608,7 +629,8 @@ impl TableBatchedEmbedding {
     /// Forward without recording autograd: `[B, ΣD]` (or `[N, D]` with pooling NONE), on the
     /// tables' device.
     pub fn lookup(&self, input: TbeInput<'_>) -> Result<Tensor> {
-        self.lookup_batch(&self.prepare(input)?)
+        let batch = self.validate_input(input)?;
+        Ok(self.lookup_validated(&batch)?.0)
     }
 
     /// Forward that takes part in autograd: backward of the result runs the fused optimizer
@@ -623,12 +645,13 @@ impl TableBatchedEmbedding {
         per_sample_weights: Option<&Tensor>,
     ) -> Result<Tensor> {
         with_tensor_input(OP, indices, offsets, per_sample_weights, |input| {
-            let batch = self.prepare(input)?;
-            let out = self.lookup_batch(&batch)?;
+            let batch = self.validate_input(input)?;
+            let (out, on_device) = self.lookup_validated(&batch)?;
             if !crate::tensor::is_grad_enabled() {
                 // No graph to record: skip keeping the batch for backward.
                 return Ok(out);
             }
+            let batch = self.owned_batch(batch, on_device);
             let mut inputs: Vec<&Tensor> = Vec::new();
             if let Some(w) = per_sample_weights {
                 inputs.push(w);
@@ -711,8 +734,8 @@ impl TableBatchedEmbedding {
         input: TbeInput<'_>,
         grad_output: &[f32],
     ) -> Result<BackwardOutput> {
-        let batch = self.prepare(input)?;
-        let rows = self.output_rows(&batch.batch);
+        let batch = self.validate_input(input)?;
+        let rows = self.output_rows(&batch);
         if grad_output.len() != rows * self.output_dim() {
             return Err(Error::invalid(
                 OP,
@@ -723,9 +746,10 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
-        if batch.on_device.is_none() {
-            return self.backward_host(&batch.batch, grad_output);
+        if self.device() == Device::Cpu {
+            return self.backward_host(&batch, grad_output);
         }
+        let batch = self.prepare_validated(batch)?;
         let grad = Tensor::from_slice(grad_output, &[rows, self.output_dim()])?;
         let grads = self.backward_batch(&batch, &grad)?;
         let sparse_grads = (grads.sparse)

@@ -263,7 +263,7 @@ fn pool_bags_body<I: IndexValue, R: TableRows>(args: PoolBags<'_, I, R>) {
         out_stride,
         slot,
     } = task;
-    let (offsets, weights) = (&batch.offsets, batch.weights.as_deref());
+    let (offsets, weights): (&[usize], Option<&[f32]>) = (&batch.offsets, batch.weights.as_deref());
     let end = offsets[bags.end];
     for (i, bag) in bags.enumerate() {
         let (s, e) = (offsets[bag], offsets[bag + 1]);
