@@ -203,7 +203,7 @@ struct OpenFile {
 ///
 /// Example indices run on across files and row groups (skipped rows included). A corrupt
 /// page is an error naming the file, the row group and — found by re-decoding the row group
-/// column by column — the column; under [`BadRecordPolicy::SkipAndCount`] the rest of that
+/// column by column — the column; under [`BadRecordPolicy::SkipAndCount`](crate::BadRecordPolicy::SkipAndCount) the rest of that
 /// row group is skipped and counted. A corrupt footer or a missing/mistyped column is always
 /// an error.
 pub struct CriteoParquetReader {
