@@ -112,6 +112,10 @@ pub enum Error {
     /// wrong shape).
     #[error("backward: {0}")]
     Backward(String),
+    /// A collective between ranks failed or timed out, or the ranks disagree (plan, keys,
+    /// world size); the message names the rank, the op and its number.
+    #[error("{0}")]
+    Distributed(String),
     /// An I/O error, with the path involved.
     #[error("{path}: {source}")]
     Io {

@@ -23,6 +23,7 @@
 pub mod checkpoint;
 pub mod cuda;
 pub mod device;
+pub mod distributed;
 pub mod dtype;
 pub mod embedding;
 pub mod error;

@@ -4,10 +4,10 @@ use crate::config::Problem;
 use crate::estimator::CostModel;
 use crate::search::Placement;
 use crate::types::{ComputeKernel, Perf, ShardingOption, ShardingType, Storage};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One placed shard.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlacedShard {
     /// `[rows, cols]`.
     pub size: [u64; 2],
@@ -26,7 +26,7 @@ pub struct PlacedShard {
 }
 
 /// The decision for one table.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TablePlan {
     /// Table name.
     pub name: String,
@@ -45,7 +45,7 @@ pub struct TablePlan {
 }
 
 /// Totals of one rank.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankSummary {
     /// Rank id.
     pub rank: usize,
@@ -64,10 +64,10 @@ pub struct RankSummary {
 }
 
 /// A complete plan.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     /// Cost model the plan was optimised for.
-    pub cost_model: &'static str,
+    pub cost_model: String,
     /// Number of ranks.
     pub world_size: usize,
     /// Ranks per host.
@@ -147,7 +147,7 @@ impl Plan {
         let max_rank_perf = ranks.iter().map(|r| r.perf_total).fold(0.0, f64::max);
         let mean = total / w as f64;
         Plan {
-            cost_model: model.as_str(),
+            cost_model: model.as_str().to_string(),
             world_size: w,
             local_world_size: problem.topology.local_world_size,
             tables,
@@ -162,5 +162,10 @@ impl Plan {
     /// Pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    /// Reads a plan from the JSON [`Plan::to_json`] writes (`embers-plan plan --output`).
+    pub fn from_json(json: &str) -> Result<Plan, serde_json::Error> {
+        serde_json::from_str(json)
     }
 }

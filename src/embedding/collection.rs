@@ -251,6 +251,59 @@ macro_rules! table_access {
     };
 }
 
+/// Checks EBC configs (tables with unique names, features read by one table each, SUM or
+/// MEAN pooling, FP32 rows): the output keys (features in config order) and their widths.
+pub(crate) fn check_bag_configs(
+    op: &'static str,
+    configs: &[EmbeddingBagConfig],
+) -> Result<(Vec<String>, Vec<usize>)> {
+    if configs.is_empty() {
+        return Err(Error::invalid(op, "at least one table config is needed"));
+    }
+    check_unique_names(op, configs.iter().map(|c| c.name.as_str()))?;
+    let mut output_keys = Vec::new();
+    let mut output_dims = Vec::new();
+    for c in configs {
+        if c.feature_names.is_empty() {
+            return Err(Error::invalid(
+                op,
+                format!("table `{}` has no features", c.name),
+            ));
+        }
+        if c.pooling == PoolingMode::None {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "table `{}`: an EmbeddingBagCollection pools (SUM or MEAN); use \
+                         EmbeddingCollection for unpooled lookups",
+                    c.name
+                ),
+            ));
+        }
+        if c.weight_type != super::WeightType::Fp32 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "table `{}`: training tables are FP32; quantise for inference with \
+                         QuantizedTableBatchedEmbedding::from_trained",
+                    c.name
+                ),
+            ));
+        }
+        for f in &c.feature_names {
+            if output_keys.contains(f) {
+                return Err(Error::invalid(
+                    op,
+                    format!("feature `{f}` is listed by more than one table"),
+                ));
+            }
+            output_keys.push(f.clone());
+            output_dims.push(c.embedding_dim);
+        }
+    }
+    Ok((output_keys, output_dims))
+}
+
 fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for n in names {
@@ -463,50 +516,7 @@ impl EmbeddingBagCollection {
         bounds_check: BoundsCheckMode,
         rng: &mut Rng,
     ) -> Result<Self> {
-        if configs.is_empty() {
-            return Err(Error::invalid(EBC, "at least one table config is needed"));
-        }
-        check_unique_names(EBC, configs.iter().map(|c| c.name.as_str()))?;
-        let mut output_keys = Vec::new();
-        let mut output_dims = Vec::new();
-        for c in &configs {
-            if c.feature_names.is_empty() {
-                return Err(Error::invalid(
-                    EBC,
-                    format!("table `{}` has no features", c.name),
-                ));
-            }
-            if c.pooling == PoolingMode::None {
-                return Err(Error::invalid(
-                    EBC,
-                    format!(
-                        "table `{}`: an EmbeddingBagCollection pools (SUM or MEAN); use \
-                         EmbeddingCollection for unpooled lookups",
-                        c.name
-                    ),
-                ));
-            }
-            if c.weight_type != super::WeightType::Fp32 {
-                return Err(Error::invalid(
-                    EBC,
-                    format!(
-                        "table `{}`: training tables are FP32; quantise for inference with \
-                         QuantizedTableBatchedEmbedding::from_trained",
-                        c.name
-                    ),
-                ));
-            }
-            for f in &c.feature_names {
-                if output_keys.contains(f) {
-                    return Err(Error::invalid(
-                        EBC,
-                        format!("feature `{f}` is listed by more than one table"),
-                    ));
-                }
-                output_keys.push(f.clone());
-                output_dims.push(c.embedding_dim);
-            }
-        }
+        let (output_keys, output_dims) = check_bag_configs(EBC, &configs)?;
         let defs = table_defs!(configs);
         let partition = [PoolingMode::Sum, PoolingMode::Mean]
             .into_iter()

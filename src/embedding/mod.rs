@@ -36,7 +36,9 @@ pub mod optimizer;
 pub mod quantize;
 mod storage;
 pub(crate) mod tbe;
+pub(crate) use tbe::fill_init;
 
+pub(crate) use collection::check_bag_configs;
 pub use collection::{
     EmbeddingBagCollection, EmbeddingCollection, QuantizedEmbeddingBagCollection,
 };

@@ -557,6 +557,25 @@ impl Tensor {
         *self.0.grad.lock() = None;
     }
 
+    /// Replaces the accumulated gradient (e.g. with its average over data-parallel ranks);
+    /// `grad` must have this tensor's shape and dtype.
+    pub fn set_grad(&self, grad: Tensor) -> Result<()> {
+        if grad.shape() != self.shape() || grad.dtype() != self.dtype() {
+            return Err(Error::invalid(
+                "set_grad",
+                format!(
+                    "a {:?} {:?} gradient for a {:?} {:?} tensor",
+                    grad.dtype(),
+                    grad.shape(),
+                    self.dtype(),
+                    self.shape()
+                ),
+            ));
+        }
+        *self.0.grad.lock() = Some(Gradient::Dense(grad));
+        Ok(())
+    }
+
     pub(crate) fn accumulate_grad(&self, g: Gradient) -> Result<()> {
         let mut slot = self.0.grad.lock();
         *slot = Some(match slot.take() {

@@ -676,6 +676,124 @@ impl TableBatchedEmbedding {
     /// optimizer is [`FusedOptimizer::None`]) and returns the per-sample weights' gradient and
     /// the row-sparse gradients, on the tables' device.
     pub fn backward_batch(&self, batch: &TbeBatch, grad_output: &Tensor) -> Result<TbeGradients> {
+        self.backward_with(batch, grad_output, self.inner.config.optimizer)
+    }
+
+    /// The row-sparse gradient of every table for a prepared batch (coalesced: sorted distinct
+    /// rows, values on the tables' device), whatever the fused optimizer: nothing is updated.
+    /// With [`apply_row_gradients`](Self::apply_row_gradients), a caller can combine
+    /// gradients (e.g. sum them over data-parallel replicas) before the fused update.
+    pub fn row_gradients_batch(
+        &self,
+        batch: &TbeBatch,
+        grad_output: &Tensor,
+    ) -> Result<Vec<RowSparseGrad>> {
+        let grads = self.backward_with(batch, grad_output, FusedOptimizer::None)?;
+        let sparse = grads.sparse.ok_or_else(|| {
+            Error::invalid(OP, "the backward gave no row-sparse gradients (internal)")
+        })?;
+        sparse.iter().map(RowSparseGrad::coalesce).collect()
+    }
+
+    /// One fused optimizer step with the given row-sparse gradient of each table (one per
+    /// table, in table order; rows may repeat, their gradients add up): the update a fused
+    /// backward whose rows received these gradients would make.
+    pub fn apply_row_gradients(&self, grads: &[RowSparseGrad]) -> Result<()> {
+        let cfg = &self.inner.config;
+        if grads.len() != cfg.tables.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("{} gradients for {} tables", grads.len(), cfg.tables.len()),
+            ));
+        }
+        let mut rows_of = Vec::with_capacity(grads.len());
+        for (t, (g, spec)) in grads.iter().zip(&cfg.tables).enumerate() {
+            let g = g.coalesce()?;
+            let n = g.rows.len();
+            if g.num_rows != spec.rows
+                || g.values.numel() != n * spec.dim
+                || g.values.dtype() != DType::F32
+                || g.rows.iter().any(|&r| r < 0 || r as usize >= spec.rows)
+            {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the gradient of table {t} `{}` ({n} rows of a {}-row table, values \
+                         {:?} {:?}) does not fit the {}×{} table",
+                        spec.name,
+                        g.num_rows,
+                        g.values.dtype(),
+                        g.values.shape(),
+                        spec.rows,
+                        spec.dim
+                    ),
+                ));
+            }
+            if n > 0 && !cfg.feature_table_map.contains(&t) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("table {t} `{}` is read by no feature", spec.name),
+                ));
+            }
+            let values = g.values.to_device(Device::Cpu)?.to_vec::<f32>()?;
+            rows_of.push((g.rows, values));
+        }
+        // A batch in which each touched row is one bag of its own id, read by the table's
+        // first feature, and whose output gradient is the row's gradient: the fused backward
+        // then updates exactly those rows with exactly those gradients.
+        let pooled = cfg.pooling != PoolingMode::None;
+        let bags = rows_of
+            .iter()
+            .map(|(r, _)| r.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let first_feature: Vec<Option<usize>> = (0..cfg.tables.len())
+            .map(|t| cfg.feature_table_map.iter().position(|&ft| ft == t))
+            .collect();
+        let features = cfg.feature_table_map.len();
+        let mut ids = Vec::new();
+        let mut offsets = vec![0i64];
+        let width = self.inner.layout.out_stride;
+        let mut grad = Vec::new();
+        if pooled {
+            grad = vec![0.0f32; bags * width];
+        }
+        for f in 0..features {
+            let t = cfg.feature_table_map[f];
+            let mine = first_feature[t] == Some(f);
+            let dim = cfg.tables[t].dim;
+            let col = self.inner.layout.slots[f].col;
+            for b in 0..bags {
+                if mine && b < rows_of[t].0.len() {
+                    ids.push(rows_of[t].0[b]);
+                    let g = &rows_of[t].1[b * dim..(b + 1) * dim];
+                    if pooled {
+                        grad[b * width + col..b * width + col + dim].copy_from_slice(g);
+                    } else {
+                        grad.extend_from_slice(g);
+                    }
+                }
+                offsets.push(ids.len() as i64);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let batch = self.prepare(TbeInput::new(&ids[..], &offsets[..]))?;
+        let rows = if pooled { bags } else { ids.len() };
+        let grad = Tensor::from_vec(grad, &[rows, width])?;
+        self.backward_batch(&batch, &grad).map(|_| ())
+    }
+
+    /// The backward of a prepared batch under `optimizer` (the configured one, or
+    /// [`FusedOptimizer::None`] for gradients only, which leaves the step count alone).
+    fn backward_with(
+        &self,
+        batch: &TbeBatch,
+        grad_output: &Tensor,
+        optimizer: FusedOptimizer,
+    ) -> Result<TbeGradients> {
         self.check_batch(batch)?;
         let rows = self.output_rows(&batch.batch);
         if grad_output.numel() != rows * self.output_dim() || grad_output.dtype() != DType::F32 {
@@ -691,8 +809,9 @@ impl TableBatchedEmbedding {
         }
         match &batch.on_device {
             None => {
-                let out = (grad_output.to_device_values(Device::Cpu)?)
-                    .with_contiguous(|grad: &[f32]| self.backward_host(&batch.batch, grad))??;
+                let out = (grad_output.to_device_values(Device::Cpu)?).with_contiguous(
+                    |grad: &[f32]| self.backward_host(&batch.batch, grad, &optimizer),
+                )??;
                 let tables = &self.inner.config.tables;
                 let per_sample_weights = (out.per_sample_weights_grad)
                     .map(|g| {
@@ -721,7 +840,7 @@ impl TableBatchedEmbedding {
             }
             Some(on_device) => {
                 let grad = grad_output.to_device(self.device())?;
-                self.backward_device(&batch.batch, on_device, &grad)
+                self.backward_device(&batch.batch, on_device, &grad, optimizer)
             }
         }
     }
@@ -747,7 +866,7 @@ impl TableBatchedEmbedding {
             ));
         }
         if self.device() == Device::Cpu {
-            return self.backward_host(&batch, grad_output);
+            return self.backward_host(&batch, grad_output, &self.inner.config.optimizer);
         }
         let batch = self.prepare_validated(batch)?;
         let grad = Tensor::from_slice(grad_output, &[rows, self.output_dim()])?;
@@ -783,16 +902,25 @@ impl TableBatchedEmbedding {
         }
     }
 
-    /// The fused backward of host tables.
-    fn backward_host(&self, batch: &Batch<'_>, grad_output: &[f32]) -> Result<BackwardOutput> {
+    /// The fused backward of host tables under `optimizer` (the configured one, or
+    /// [`FusedOptimizer::None`] for gradients only, which leaves the step count alone).
+    fn backward_host(
+        &self,
+        batch: &Batch<'_>,
+        grad_output: &[f32],
+        optimizer: &FusedOptimizer,
+    ) -> Result<BackwardOutput> {
         let inner = &self.inner;
         let mut guard = inner.state.write();
         let state = &mut *guard;
         let Tables::Host(tables) = &mut state.tables else {
             return Err(moved_error());
         };
-        state.step += 1;
-        let mut out = tables.backward(inner, batch, grad_output, state.step);
+        let gradients_only = *optimizer == FusedOptimizer::None;
+        if !gradients_only || inner.config.optimizer == FusedOptimizer::None {
+            state.step += 1;
+        }
+        let mut out = tables.backward(inner, batch, grad_output, optimizer, state.step);
         // Tables no feature reads got no entry; give them an empty sparse gradient so the
         // list stays one per table.
         if let Some(grads) = out.sparse_grads.take() {
@@ -816,12 +944,13 @@ impl TableBatchedEmbedding {
     }
 
     /// The fused (or row-sparse) backward of device tables for the batch `on_device` of
-    /// `batch`.
+    /// `batch`, under `optimizer` (as [`backward_host`](Self::backward_host)).
     fn backward_device(
         &self,
         batch: &Batch<'_>,
         on_device: &DeviceBatch,
         grad_output: &Tensor,
+        optimizer: FusedOptimizer,
     ) -> Result<TbeGradients> {
         let inner = &self.inner;
         let cfg = &inner.config;
@@ -830,11 +959,12 @@ impl TableBatchedEmbedding {
         let Tables::Device(tables) = &mut state.tables else {
             return Err(moved_error());
         };
-        let step = state.step + 1;
+        let counts = optimizer != FusedOptimizer::None || cfg.optimizer == FusedOptimizer::None;
+        let step = state.step + u64::from(counts);
         let grads = tables.backward(BackwardInput {
             batch: on_device,
             grad_output,
-            optimizer: cfg.optimizer,
+            optimizer,
             decay: cfg.weight_decay,
             step,
             weights_grad: on_device.weights.is_some(),

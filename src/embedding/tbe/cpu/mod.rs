@@ -7,7 +7,7 @@ pub(crate) mod pool;
 use super::{TbeInner, TbeLayout};
 use crate::embedding::config::PoolingMode;
 use crate::embedding::input::Batch;
-use crate::embedding::optimizer::StateShape;
+use crate::embedding::optimizer::{FusedOptimizer, StateShape};
 use crate::embedding::storage::RowBuffer;
 use crate::error::Result;
 use crate::Tensor;
@@ -86,10 +86,12 @@ impl HostTables {
         inner: &TbeInner,
         batch: &Batch<'_>,
         grad_output: &[f32],
+        optimizer: &FusedOptimizer,
         step: u64,
     ) -> BackwardOutput {
         let cfg = &inner.config;
         let layout = &inner.layout;
+        // State slices follow the configured optimizer's layout, whatever `optimizer` runs.
         let state_len = |i: usize, rows: usize, elems: usize| match cfg.optimizer.state_shape(i) {
             None => 0,
             Some(StateShape::PerRow) => rows,
@@ -129,7 +131,7 @@ impl HostTables {
             pooling: cfg.pooling,
             grad_out: grad_output,
             out_stride: layout.out_stride,
-            optimizer: &cfg.optimizer,
+            optimizer,
             decay: cfg.weight_decay,
             step,
         };

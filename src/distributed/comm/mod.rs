@@ -1,0 +1,464 @@
+//! Communicators: the collectives the sharded modules use, over a transport — MPI across
+//! processes (`mpi.rs`, feature `mpi`) or threads of one process (`local.rs`) — each call
+//! numbered, counted in bytes per op and guarded by a deadline.
+//!
+//! Reductions are deterministic: every rank sums the same values in rank order, so every rank
+//! gets the same bits, whatever the transport (an `MPI_Allreduce` need not).
+
+pub(crate) mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+
+pub use local::LocalGroup;
+
+/// Element types the collectives carry (plain numbers: every bit pattern is a value).
+pub trait Pod: bytemuck::Pod + Send + Sync + std::fmt::Debug {}
+impl<T: bytemuck::Pod + Send + Sync + std::fmt::Debug> Pod for T {}
+
+/// Why a transport call did not complete.
+#[derive(Debug)]
+pub(crate) enum TransportError {
+    /// The deadline passed; the ranks that had not joined, when the transport knows them.
+    Timeout { missing: Vec<usize> },
+    /// The transport reported a failure.
+    Failed(String),
+}
+
+/// How bytes move between the ranks of a group: the collectives the [`Comm`] builds on.
+pub(crate) trait Transport: Send + Sync {
+    /// This process's (or thread's) rank in the group.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+    /// All-to-all of byte blocks: `send[d]` goes to rank `d`; the result holds the block each
+    /// rank sent here, of the sizes `recv_sizes` (known from an earlier exchange).
+    fn all_to_all_v(
+        &self,
+        send: Vec<Vec<u8>>,
+        recv_sizes: &[usize],
+        deadline: Instant,
+    ) -> std::result::Result<Vec<Vec<u8>>, TransportError>;
+    /// Every rank's block, in rank order, of the sizes `recv_sizes`.
+    fn all_gather_v(
+        &self,
+        send: &[u8],
+        recv_sizes: &[usize],
+        deadline: Instant,
+    ) -> std::result::Result<Vec<Vec<u8>>, TransportError>;
+    /// The group of the ranks that passed the same `color` (ordered by rank), from a call
+    /// every rank of this group makes.
+    fn split(
+        &self,
+        color: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Arc<dyn Transport>, TransportError>;
+    /// Whether a blocked call can outlive its deadline (MPI): then a watchdog must end the
+    /// process; a transport that times out by itself returns [`TransportError::Timeout`].
+    fn needs_watchdog(&self) -> bool;
+    /// Ends every process of the group (the watchdog's last resort).
+    fn abort(&self, code: i32) -> !;
+}
+
+/// Bytes one kind of collective moved to and from other ranks (this rank's view).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpBytes {
+    /// Calls made.
+    pub calls: u64,
+    /// Bytes sent to other ranks (not counting what a rank sends itself).
+    pub sent: u64,
+    /// Bytes received from other ranks.
+    pub received: u64,
+}
+
+/// The op being waited on, for the watchdog.
+struct Armed {
+    op: &'static str,
+    seq: u64,
+    deadline: Instant,
+}
+
+/// Ends the process group when a collective outlives its deadline (transports whose calls
+/// cannot time out by themselves).
+struct Watchdog {
+    armed: Mutex<Option<Armed>>,
+    wake: Condvar,
+}
+
+impl Watchdog {
+    fn start(transport: Arc<dyn Transport>, timeout: Duration) -> Arc<Watchdog> {
+        let dog = Arc::new(Watchdog {
+            armed: Mutex::new(None),
+            wake: Condvar::new(),
+        });
+        let watched = Arc::downgrade(&dog);
+        let rank = transport.rank();
+        // Weak: the communicator's last owner, not this thread, drops (and frees) it.
+        let transport = Arc::downgrade(&transport);
+        std::thread::Builder::new()
+            .name(format!("embers-watchdog-{rank}"))
+            .spawn(move || loop {
+                let Some(dog) = watched.upgrade() else { return };
+                let mut armed = dog.armed.lock();
+                match armed.as_ref() {
+                    None => {
+                        // Wake now and then to notice the communicator is gone.
+                        dog.wake.wait_for(&mut armed, Duration::from_millis(500));
+                    }
+                    Some(a) if Instant::now() >= a.deadline => {
+                        eprintln!(
+                            "rank {rank}: {} #{} exceeded {:.1} s (a peer died, stalled or \
+                             skipped this collective); aborting the job",
+                            a.op,
+                            a.seq,
+                            timeout.as_secs_f64()
+                        );
+                        match transport.upgrade() {
+                            Some(t) => t.abort(75),
+                            None => std::process::exit(75),
+                        }
+                    }
+                    Some(a) => {
+                        let deadline = a.deadline;
+                        dog.wake.wait_until(&mut armed, deadline);
+                    }
+                }
+            })
+            .expect("spawning the communicator's watchdog thread");
+        dog
+    }
+
+    fn arm(&self, op: &'static str, seq: u64, deadline: Instant) {
+        *self.armed.lock() = Some(Armed { op, seq, deadline });
+        self.wake.notify_one();
+    }
+
+    fn disarm(&self) {
+        *self.armed.lock() = None;
+    }
+}
+
+/// A group of ranks and the collectives between them: numbered, byte-counted and guarded by
+/// a deadline ([`Comm::with_timeout`]; `EMBERS_DIST_TIMEOUT_S`, else 300 s). A collective that
+/// does not complete in time — a peer died, stalled or skipped it — is an error naming this
+/// rank, the op and its number; under MPI, where a blocked call cannot return, the process
+/// group is aborted with that message instead (exit code 75).
+///
+/// Every rank of the group must make the same collectives in the same order.
+pub struct Comm {
+    transport: Arc<dyn Transport>,
+    seq: AtomicU64,
+    timeout: Duration,
+    /// Shared with the groups split from this one: a rank's counts cover all its groups.
+    bytes: Arc<Mutex<BTreeMap<&'static str, OpBytes>>>,
+    watchdog: Option<Arc<Watchdog>>,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Comm(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+/// The deadline of every collective: `EMBERS_DIST_TIMEOUT_S` seconds, else 300.
+pub fn default_timeout() -> Duration {
+    let secs = std::env::var("EMBERS_DIST_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(300.0);
+    Duration::from_secs_f64(secs)
+}
+
+fn to_bytes<T: Pod>(v: Vec<T>) -> Vec<u8> {
+    match bytemuck::try_cast_vec(v) {
+        Ok(bytes) => bytes,
+        Err((_, v)) => bytemuck::cast_slice(&v).to_vec(),
+    }
+}
+
+fn from_bytes<T: Pod>(op: &'static str, bytes: Vec<u8>) -> Result<Vec<T>> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "a block of {} bytes is not a whole number of {size}-byte values",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(match bytemuck::try_cast_vec(bytes) {
+        Ok(v) => v,
+        Err((_, bytes)) => bytemuck::pod_collect_to_vec(&bytes),
+    })
+}
+
+impl Comm {
+    pub(crate) fn new(transport: Arc<dyn Transport>) -> Comm {
+        Comm::with_transport_timeout(transport, default_timeout())
+    }
+
+    fn with_transport_timeout(transport: Arc<dyn Transport>, timeout: Duration) -> Comm {
+        Comm::build(transport, timeout, Arc::default())
+    }
+
+    fn build(
+        transport: Arc<dyn Transport>,
+        timeout: Duration,
+        bytes: Arc<Mutex<BTreeMap<&'static str, OpBytes>>>,
+    ) -> Comm {
+        let watchdog = transport
+            .needs_watchdog()
+            .then(|| Watchdog::start(transport.clone(), timeout));
+        Comm {
+            transport,
+            seq: AtomicU64::new(0),
+            timeout,
+            bytes,
+            watchdog,
+        }
+    }
+
+    /// The same group with another deadline per collective (seconds in tests, minutes in
+    /// production).
+    pub fn with_timeout(self, timeout: Duration) -> Comm {
+        Comm::build(self.transport, timeout, self.bytes)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.transport.size()
+    }
+
+    /// The deadline of each collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Bytes moved so far, per kind of collective, by this group and the groups split from
+    /// it.
+    pub fn bytes(&self) -> BTreeMap<&'static str, OpBytes> {
+        self.bytes.lock().clone()
+    }
+
+    /// Clears the byte counts.
+    pub fn reset_bytes(&self) {
+        self.bytes.lock().clear();
+    }
+
+    /// Runs one collective `op` with its number, deadline and byte count (`sent`, `received`:
+    /// bytes to and from other ranks).
+    fn run<R>(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(Instant) -> std::result::Result<R, TransportError>,
+        (sent, received): (u64, u64),
+    ) -> Result<R> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let deadline = Instant::now() + self.timeout;
+        if let Some(dog) = &self.watchdog {
+            dog.arm(op, seq, deadline);
+        }
+        let out = call(deadline);
+        if let Some(dog) = &self.watchdog {
+            dog.disarm();
+        }
+        let rank = self.rank();
+        let out = out.map_err(|e| match e {
+            TransportError::Timeout { missing } => Error::Distributed(format!(
+                "rank {rank}: {op} #{seq} exceeded {:.1} s{}",
+                self.timeout.as_secs_f64(),
+                if missing.is_empty() {
+                    String::new()
+                } else {
+                    format!(" waiting for rank(s) {missing:?}")
+                }
+            )),
+            TransportError::Failed(msg) => {
+                Error::Distributed(format!("rank {rank}: {op} #{seq} failed: {msg}"))
+            }
+        })?;
+        let mut bytes = self.bytes.lock();
+        let entry = bytes.entry(op).or_default();
+        entry.calls += 1;
+        entry.sent += sent;
+        entry.received += received;
+        Ok(out)
+    }
+
+    /// All-to-all of variable-size blocks: `send[d]` goes to rank `d`; returns the block from
+    /// each rank. `recv_counts` are the values expected from each rank when known (an earlier
+    /// exchange gave them); without them the counts are exchanged first (a counted `sizes`
+    /// all-to-all).
+    pub fn all_to_all_v<T: Pod>(
+        &self,
+        op: &'static str,
+        send: Vec<Vec<T>>,
+        recv_counts: Option<&[usize]>,
+    ) -> Result<Vec<Vec<T>>> {
+        let w = self.size();
+        if send.len() != w || recv_counts.is_some_and(|c| c.len() != w) {
+            return Err(Error::invalid(
+                op,
+                format!("an all-to-all over {w} ranks needs {w} blocks and counts"),
+            ));
+        }
+        let exchanged;
+        let recv_counts = match recv_counts {
+            Some(c) => c,
+            None => {
+                let sizes: Vec<Vec<u64>> = send.iter().map(|b| vec![b.len() as u64]).collect();
+                let got = self.all_to_all_v("sizes", sizes, Some(&vec![1; w]))?;
+                exchanged = got.iter().map(|c| c[0] as usize).collect::<Vec<_>>();
+                &exchanged
+            }
+        };
+        let rank = self.rank();
+        let size = std::mem::size_of::<T>();
+        let off_rank = |sizes: &mut dyn Iterator<Item = usize>| -> u64 {
+            sizes
+                .enumerate()
+                .filter(|&(r, _)| r != rank)
+                .map(|(_, n)| (n * size) as u64)
+                .sum()
+        };
+        let sent = off_rank(&mut send.iter().map(Vec::len));
+        let received = off_rank(&mut recv_counts.iter().copied());
+        let blocks: Vec<Vec<u8>> = send.into_iter().map(to_bytes).collect();
+        let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
+        let recv = self.run(
+            op,
+            |deadline| self.transport.all_to_all_v(blocks, &recv_sizes, deadline),
+            (sent, received),
+        )?;
+        recv.into_iter().map(|b| from_bytes(op, b)).collect()
+    }
+
+    /// Every rank's values, in rank order. `recv_counts` are the values expected from each rank
+    /// when known; without them the counts are gathered first (a counted `sizes` all-gather).
+    pub fn all_gather_v<T: Pod>(
+        &self,
+        op: &'static str,
+        send: &[T],
+        recv_counts: Option<&[usize]>,
+    ) -> Result<Vec<Vec<T>>> {
+        let (rank, w) = (self.rank(), self.size());
+        if recv_counts.is_some_and(|c| c.len() != w || c[rank] != send.len()) {
+            return Err(Error::invalid(
+                op,
+                format!("an all-gather over {w} ranks needs {w} counts, this rank's its own"),
+            ));
+        }
+        let exchanged;
+        let recv_counts = match recv_counts {
+            Some(c) => c,
+            None => {
+                let got = self.all_gather_v("sizes", &[send.len() as u64], Some(&vec![1; w]))?;
+                exchanged = got.iter().map(|c| c[0] as usize).collect::<Vec<_>>();
+                &exchanged
+            }
+        };
+        let size = std::mem::size_of::<T>();
+        let bytes: &[u8] = bytemuck::cast_slice(send);
+        let received: u64 = (recv_counts.iter().enumerate())
+            .filter(|&(r, _)| r != rank)
+            .map(|(_, &n)| (n * size) as u64)
+            .sum();
+        let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
+        let recv = self.run(
+            op,
+            |deadline| self.transport.all_gather_v(bytes, &recv_sizes, deadline),
+            ((bytes.len() * (w - 1)) as u64, received),
+        )?;
+        recv.into_iter().map(|b| from_bytes(op, b)).collect()
+    }
+
+    /// Reduce-scatter of variable-size segments: `send[d]` is this rank's part of rank `d`'s
+    /// segment; returns the sum, over every rank in rank order, of the parts sent here (all
+    /// of one length).
+    pub fn reduce_scatter_v(&self, op: &'static str, send: Vec<Vec<f32>>) -> Result<Vec<f32>> {
+        let own = send.get(self.rank()).map_or(0, Vec::len);
+        let counts = vec![own; self.size()];
+        let parts = self.all_to_all_v(op, send, Some(&counts))?;
+        let mut sum = vec![0.0f32; own];
+        for part in &parts {
+            for (s, &v) in sum.iter_mut().zip(part) {
+                *s += v;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Sums `values` over every rank, in place (the same bits on every rank: chunk `r` is
+    /// summed by rank `r` in rank order, then gathered).
+    pub fn all_reduce_sum(&self, op: &'static str, values: &mut [f32]) -> Result<()> {
+        let w = self.size();
+        let chunk = values.len().div_ceil(w.max(1));
+        let send: Vec<Vec<f32>> = (0..w)
+            .map(|r| {
+                let start = (r * chunk).min(values.len());
+                values[start..(start + chunk).min(values.len())].to_vec()
+            })
+            .collect();
+        let mine = self.reduce_scatter_v(op, send)?;
+        let counts: Vec<usize> = (0..w)
+            .map(|r| chunk.min(values.len().saturating_sub(r * chunk)))
+            .collect();
+        let gathered = self.all_gather_v(op, &mine, Some(&counts))?;
+        let mut at = 0;
+        for part in gathered {
+            values[at..at + part.len()].copy_from_slice(&part);
+            at += part.len();
+        }
+        Ok(())
+    }
+
+    /// Waits for every rank.
+    pub fn barrier(&self, op: &'static str) -> Result<()> {
+        let w = self.size();
+        self.all_gather_v::<u8>(op, &[1], Some(&vec![1; w]))
+            .map(|_| ())
+    }
+
+    /// Checks that every rank passed the same `digest` of `what` (a plan, a list of keys):
+    /// an error naming the ranks that differ from rank 0.
+    pub fn check_same(&self, what: &str, digest: u64) -> Result<()> {
+        let all = self.all_gather_v("check_same", &[digest], Some(&vec![1; self.size()]))?;
+        let differ: Vec<usize> = (all.iter().enumerate())
+            .filter(|(_, d)| d.first() != all[0].first())
+            .map(|(r, _)| r)
+            .collect();
+        if !differ.is_empty() {
+            return Err(Error::Distributed(format!(
+                "rank {}: {what} differs between rank 0 and rank(s) {differ:?}",
+                self.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The group of the ranks that pass the same `color`, ranked as here (a call every rank
+    /// makes, as a collective).
+    pub fn split(&self, color: usize) -> Result<Comm> {
+        let transport = self.run(
+            "split",
+            |deadline| self.transport.split(color, deadline),
+            (0, 0),
+        )?;
+        Ok(Comm::build(transport, self.timeout, self.bytes.clone()))
+    }
+}

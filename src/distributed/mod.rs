@@ -1,0 +1,58 @@
+//! Model-parallel embeddings across processes: a [`ShardingPlan`] (from `embers-plan` or by
+//! hand) executed over a [`Comm`] — MPI across processes (feature `mpi`, [`mpi_world`]) or
+//! threads of one process ([`LocalGroup`], for tests and single-process runs).
+//!
+//! * [`comm`]: the communicator — all-to-all-v, all-gather-v, reduce-scatter-v, all-reduce,
+//!   sub-groups — every call numbered, byte-counted and guarded by a deadline.
+//! * [`plan`]: sharding plans and their checks.
+//! * [`ShardedEmbeddingBagCollection`]: the tables of an EBC spread by a plan, with TorchRec's
+//!   input and output distributions for data-parallel, table-wise, column-wise,
+//!   table-column-wise, row-wise and table-row-wise tables.
+//! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
+//! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
+
+pub mod comm;
+pub mod embedding_bag;
+mod input_dist;
+pub mod plan;
+mod routing;
+
+#[cfg(feature = "mpi")]
+pub use comm::mpi::mpi_world;
+pub use comm::{Comm, LocalGroup, OpBytes};
+pub use embedding_bag::{init_table, ShardedEmbeddingBagCollection};
+pub use input_dist::kjt_all_to_all;
+pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};
+
+use crate::error::Result;
+use crate::{Device, Tensor};
+
+/// Replaces each parameter's gradient by its mean over the ranks of `comm` (DDP's
+/// all-reduce; a missing gradient counts as zeros). Every rank passes the same parameters
+/// in the same order; the sum runs in rank order, so every rank gets the same bits.
+pub fn all_reduce_mean_gradients(comm: &Comm, params: &[Tensor]) -> Result<()> {
+    let mut flat: Vec<f32> = Vec::new();
+    for p in params {
+        match p.grad() {
+            Some(g) => flat.extend(
+                g.to_device(Device::Cpu)?
+                    .cast_values(crate::DType::F32)?
+                    .to_vec::<f32>()?,
+            ),
+            None => flat.extend(std::iter::repeat_n(0.0f32, p.numel())),
+        }
+    }
+    comm.all_reduce_sum("all_reduce.dense_gradients", &mut flat)?;
+    let world = comm.size() as f32;
+    let mut at = 0;
+    for p in params {
+        let n = p.numel();
+        let mean: Vec<f32> = flat[at..at + n].iter().map(|x| x / world).collect();
+        at += n;
+        let g = Tensor::from_vec(mean, p.shape())?
+            .cast_values(p.dtype())?
+            .to_device(p.device())?;
+        p.set_grad(g)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,547 @@
+//! Sharding plans: which rank holds which rectangle of each table, read from `embers-plan`'s
+//! JSON or written by hand ([`ShardingPlan::construct`], TorchRec's
+//! `construct_module_sharding_plan`), and checked against the tables before anything runs.
+
+use std::path::Path;
+
+pub use embers_planner::types::ShardingType;
+
+use crate::error::{Error, Result};
+
+const OP: &str = "ShardingPlan";
+
+/// One rectangle of a table and the rank that holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// The rank holding it.
+    pub rank: usize,
+    /// First row.
+    pub row_offset: usize,
+    /// Rows (may be 0 for a row-wise shard past the table's end).
+    pub rows: usize,
+    /// First column.
+    pub col_offset: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// How one table is sharded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableSharding {
+    /// Table name.
+    pub name: String,
+    /// Sharding type.
+    pub sharding_type: ShardingType,
+    /// The shards, in the plan's order.
+    pub shards: Vec<Shard>,
+}
+
+/// Where every table of a collection lives across `world_size` ranks, `local_world_size` per
+/// host (ranks `h·L .. h·L+L-1` are host `h`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardingPlan {
+    /// Ranks in the job.
+    pub world_size: usize,
+    /// Ranks per host.
+    pub local_world_size: usize,
+    /// One entry per table.
+    pub tables: Vec<TableSharding>,
+}
+
+/// A hand-written placement of one table ([`ShardingPlan::construct`]), TorchRec's
+/// `table_wise(rank=…)`, `row_wise()`, … helpers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// A full replica on every rank.
+    DataParallel,
+    /// The whole table on `rank`.
+    TableWise {
+        /// The rank holding it.
+        rank: usize,
+    },
+    /// Equal column blocks, block `i` on `ranks[i]` (a rank may repeat).
+    ColumnWise {
+        /// One rank per block.
+        ranks: Vec<usize>,
+    },
+    /// Column blocks as [`ColumnWise`](Self::ColumnWise), every rank on one host.
+    TableColumnWise {
+        /// One rank per block.
+        ranks: Vec<usize>,
+    },
+    /// Row blocks of `ceil(rows / W)` over every rank (the last ones may be short or empty).
+    RowWise,
+    /// Row blocks of `ceil(rows / L)` over the `L` ranks of host `host`.
+    TableRowWise {
+        /// The host.
+        host: usize,
+    },
+}
+
+/// A table's name and shape, as a plan is checked against it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableShape {
+    /// Name.
+    pub name: String,
+    /// Rows.
+    pub rows: usize,
+    /// Columns (embedding dim).
+    pub dim: usize,
+}
+
+impl TableShape {
+    /// A shape.
+    pub fn new(name: impl Into<String>, rows: usize, dim: usize) -> TableShape {
+        TableShape {
+            name: name.into(),
+            rows,
+            dim,
+        }
+    }
+}
+
+/// Row blocks of `ceil(rows / n)` (TorchRec's: 10 rows over 4 → 3, 3, 3, 1).
+fn row_blocks(rows: usize, n: usize) -> Vec<(usize, usize)> {
+    let block = rows.div_ceil(n.max(1));
+    let mut offset = 0;
+    (0..n)
+        .map(|_| {
+            let size = block.min(rows - offset);
+            offset += size;
+            (offset - size, size)
+        })
+        .collect()
+}
+
+impl ShardingPlan {
+    /// A plan written by hand: one [`Placement`] per table (every table of `tables` needs
+    /// one). The result is [`check`](Self::check)ed.
+    pub fn construct(
+        tables: &[TableShape],
+        placements: &[(&str, Placement)],
+        world_size: usize,
+        local_world_size: usize,
+    ) -> Result<ShardingPlan> {
+        check_world(world_size, local_world_size)?;
+        let mut out = Vec::with_capacity(tables.len());
+        for table in tables {
+            let placement = (placements.iter())
+                .find(|(name, _)| *name == table.name)
+                .map(|(_, p)| p)
+                .ok_or_else(|| {
+                    Error::invalid(OP, format!("table `{}` has no placement", table.name))
+                })?;
+            let full = |rank| Shard {
+                rank,
+                row_offset: 0,
+                rows: table.rows,
+                col_offset: 0,
+                cols: table.dim,
+            };
+            let row_shards = |ranks: Vec<usize>| {
+                (row_blocks(table.rows, ranks.len()).into_iter().zip(ranks))
+                    .map(|((row_offset, rows), rank)| Shard {
+                        rank,
+                        row_offset,
+                        rows,
+                        col_offset: 0,
+                        cols: table.dim,
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let col_shards = |ranks: &[usize]| -> Result<Vec<Shard>> {
+                let n = ranks.len();
+                if n == 0 || table.dim % n != 0 {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "table `{}`: {} columns do not split into {n} equal blocks",
+                            table.name, table.dim
+                        ),
+                    ));
+                }
+                let cols = table.dim / n;
+                Ok((ranks.iter().enumerate())
+                    .map(|(i, &rank)| Shard {
+                        rank,
+                        row_offset: 0,
+                        rows: table.rows,
+                        col_offset: i * cols,
+                        cols,
+                    })
+                    .collect())
+            };
+            let (sharding_type, shards) = match placement {
+                Placement::DataParallel => (
+                    ShardingType::DataParallel,
+                    (0..world_size).map(full).collect(),
+                ),
+                Placement::TableWise { rank } => (ShardingType::TableWise, vec![full(*rank)]),
+                Placement::ColumnWise { ranks } => (ShardingType::ColumnWise, col_shards(ranks)?),
+                Placement::TableColumnWise { ranks } => {
+                    (ShardingType::TableColumnWise, col_shards(ranks)?)
+                }
+                Placement::RowWise => {
+                    (ShardingType::RowWise, row_shards((0..world_size).collect()))
+                }
+                Placement::TableRowWise { host } => {
+                    let first = host * local_world_size;
+                    (
+                        ShardingType::TableRowWise,
+                        row_shards((first..first + local_world_size).collect()),
+                    )
+                }
+            };
+            out.push(TableSharding {
+                name: table.name.clone(),
+                sharding_type,
+                shards,
+            });
+        }
+        if let Some((name, _)) =
+            (placements.iter()).find(|(n, _)| !tables.iter().any(|t| t.name == *n))
+        {
+            return Err(Error::invalid(
+                OP,
+                format!("a placement names `{name}`, which is not a table"),
+            ));
+        }
+        let plan = ShardingPlan {
+            world_size,
+            local_world_size,
+            tables: out,
+        };
+        plan.check(tables)?;
+        Ok(plan)
+    }
+
+    /// The plan `embers-plan` found.
+    pub fn from_planner(plan: &embers_planner::Plan) -> Result<ShardingPlan> {
+        check_world(plan.world_size, plan.local_world_size)?;
+        let usize_of = |table: &str, v: u64| {
+            usize::try_from(v).map_err(|_| {
+                Error::invalid(
+                    OP,
+                    format!("table `{table}`: {v} does not fit this machine"),
+                )
+            })
+        };
+        let tables = (plan.tables.iter())
+            .map(|t| {
+                let shards = (t.shards.iter())
+                    .map(|s| {
+                        Ok(Shard {
+                            rank: s.rank,
+                            row_offset: usize_of(&t.name, s.offset[0])?,
+                            rows: usize_of(&t.name, s.size[0])?,
+                            col_offset: usize_of(&t.name, s.offset[1])?,
+                            cols: usize_of(&t.name, s.size[1])?,
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(TableSharding {
+                    name: t.name.clone(),
+                    sharding_type: t.sharding_type,
+                    shards,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(ShardingPlan {
+            world_size: plan.world_size,
+            local_world_size: plan.local_world_size,
+            tables,
+        })
+    }
+
+    /// A plan from `embers-plan plan --output`'s JSON.
+    pub fn from_json(json: &str) -> Result<ShardingPlan> {
+        let plan = embers_planner::Plan::from_json(json)
+            .map_err(|e| Error::invalid(OP, format!("not an embers-plan plan: {e}")))?;
+        ShardingPlan::from_planner(&plan)
+    }
+
+    /// Reads a plan file written by `embers-plan plan --output`.
+    pub fn load(path: impl AsRef<Path>) -> Result<ShardingPlan> {
+        let path = path.as_ref();
+        let json = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        ShardingPlan::from_json(&json)
+            .map_err(|e| Error::invalid(OP, format!("{}: {e}", path.display())))
+    }
+
+    /// The sharding of table `name`.
+    pub fn table(&self, name: &str) -> Option<&TableSharding> {
+        self.tables.iter().find(|t| t.name == name)
+    }
+
+    /// The host of `rank`.
+    pub fn host_of(&self, rank: usize) -> usize {
+        rank / self.local_world_size
+    }
+
+    /// Checks the plan against the tables it shards: every table placed once (and no other),
+    /// shapes tiled exactly by the shards of a supported sharding type, ranks inside the
+    /// world, host-bound types inside one host. Errors name the table and shard.
+    pub fn check(&self, tables: &[TableShape]) -> Result<()> {
+        check_world(self.world_size, self.local_world_size)?;
+        for t in &self.tables {
+            if !tables.iter().any(|s| s.name == t.name) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("the plan shards `{}`, which is not a table here", t.name),
+                ));
+            }
+            if self.tables.iter().filter(|u| u.name == t.name).count() > 1 {
+                return Err(Error::invalid(
+                    OP,
+                    format!("the plan lists table `{}` twice", t.name),
+                ));
+            }
+        }
+        for shape in tables {
+            let t = self.table(&shape.name).ok_or_else(|| {
+                Error::invalid(
+                    OP,
+                    format!("the plan does not place table `{}`", shape.name),
+                )
+            })?;
+            self.check_table(t, shape)?;
+        }
+        Ok(())
+    }
+
+    fn check_table(&self, t: &TableSharding, shape: &TableShape) -> Result<()> {
+        let fail = |what: String| {
+            Err(Error::invalid(
+                OP,
+                format!(
+                    "table `{}` ({} × {}, {}): {what}",
+                    t.name, shape.rows, shape.dim, t.sharding_type
+                ),
+            ))
+        };
+        if t.shards.is_empty() {
+            return fail("no shards".into());
+        }
+        for (i, s) in t.shards.iter().enumerate() {
+            if s.rank >= self.world_size {
+                return fail(format!(
+                    "shard {i} is on rank {}, but the world has {} ranks",
+                    s.rank, self.world_size
+                ));
+            }
+        }
+        let full = |s: &Shard| {
+            s.row_offset == 0 && s.rows == shape.rows && s.col_offset == 0 && s.cols == shape.dim
+        };
+        let one_host = |t: &TableSharding| {
+            let host = self.host_of(t.shards[0].rank);
+            t.shards.iter().all(|s| self.host_of(s.rank) == host)
+        };
+        let distinct_ranks = |t: &TableSharding| {
+            let mut ranks: Vec<usize> = t.shards.iter().map(|s| s.rank).collect();
+            ranks.sort_unstable();
+            ranks.windows(2).all(|w| w[0] != w[1])
+        };
+        match t.sharding_type {
+            ShardingType::GridShard => {
+                return fail("grid sharding is not supported; plan without it".into())
+            }
+            ShardingType::DataParallel | ShardingType::TableWise => {
+                if let Some(i) = t.shards.iter().position(|s| !full(s)) {
+                    return fail(format!("shard {i} is not the whole table"));
+                }
+                if t.sharding_type == ShardingType::TableWise && t.shards.len() != 1 {
+                    return fail(format!("{} shards, table-wise needs one", t.shards.len()));
+                }
+            }
+            ShardingType::ColumnWise | ShardingType::TableColumnWise => {
+                let mut by_col: Vec<&Shard> = t.shards.iter().collect();
+                by_col.sort_by_key(|s| s.col_offset);
+                let mut at = 0;
+                for s in by_col {
+                    if s.row_offset != 0 || s.rows != shape.rows || s.cols == 0 {
+                        return fail(format!(
+                            "the shard at column {} is not a block of whole columns",
+                            s.col_offset
+                        ));
+                    }
+                    if s.col_offset != at {
+                        return fail(format!(
+                            "columns {at}.. are covered {} (next shard starts at {})",
+                            if s.col_offset < at {
+                                "twice"
+                            } else {
+                                "by no shard"
+                            },
+                            s.col_offset
+                        ));
+                    }
+                    at += s.cols;
+                }
+                if at != shape.dim {
+                    return fail(format!("the shards cover {at} of {} columns", shape.dim));
+                }
+                if t.sharding_type == ShardingType::TableColumnWise && !one_host(t) {
+                    return fail("the shards span several hosts".into());
+                }
+            }
+            ShardingType::RowWise | ShardingType::TableRowWise => {
+                let mut at = 0;
+                for (i, s) in t.shards.iter().enumerate() {
+                    if s.col_offset != 0 || s.cols != shape.dim {
+                        return fail(format!("shard {i} is not a block of whole rows"));
+                    }
+                    if s.row_offset != at && s.rows > 0 {
+                        return fail(format!(
+                            "shard {i} starts at row {}, expected {at} (row blocks in shard \
+                             order, no gaps or overlaps)",
+                            s.row_offset
+                        ));
+                    }
+                    at += s.rows;
+                }
+                if at != shape.rows {
+                    return fail(format!("the shards cover {at} of {} rows", shape.rows));
+                }
+                if !distinct_ranks(t) {
+                    return fail("two row blocks on one rank".into());
+                }
+                if t.sharding_type == ShardingType::TableRowWise && !one_host(t) {
+                    return fail("the shards span several hosts".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A digest of the plan and the tables' shapes, features and pooling (`extra`): ranks
+    /// compare it before they build anything.
+    pub fn digest(&self, extra: &str) -> u64 {
+        let mut text = format!("{} {} {extra}", self.world_size, self.local_world_size);
+        for t in &self.tables {
+            text.push_str(&format!("|{} {}", t.name, t.sharding_type));
+            for s in &t.shards {
+                text.push_str(&format!(
+                    " {}:{}+{}:{}+{}",
+                    s.rank, s.row_offset, s.rows, s.col_offset, s.cols
+                ));
+            }
+        }
+        fnv1a(text.as_bytes())
+    }
+}
+
+/// FNV-1a, 64 bits: a stable hash (the same on every machine and build).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn check_world(world_size: usize, local_world_size: usize) -> Result<()> {
+    if world_size == 0 || local_world_size == 0 || world_size % local_world_size != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "a world of {world_size} ranks does not split into hosts of \
+                 {local_world_size}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shapes() -> Vec<TableShape> {
+        vec![TableShape::new("t0", 10, 8), TableShape::new("t1", 7, 16)]
+    }
+
+    #[test]
+    fn row_blocks_follow_torchrec() {
+        assert_eq!(row_blocks(10, 4), vec![(0, 3), (3, 3), (6, 3), (9, 1)]);
+        assert_eq!(row_blocks(2, 4), vec![(0, 1), (1, 1), (2, 0), (2, 0)]);
+    }
+
+    #[test]
+    fn constructed_plans_pass_their_check_and_bad_ones_name_the_table() {
+        let plan = ShardingPlan::construct(
+            &shapes(),
+            &[
+                ("t0", Placement::RowWise),
+                ("t1", Placement::ColumnWise { ranks: vec![1, 0] }),
+            ],
+            2,
+            2,
+        )
+        .unwrap();
+        assert_eq!(plan.tables[1].shards[0].rank, 1);
+        assert_eq!(plan.tables[1].shards[1].col_offset, 8);
+        let mut bad = plan.clone();
+        bad.tables[0].shards[1].rows = 4;
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(
+            e.contains("`t0`") && e.contains("cover 9 of 10 rows"),
+            "{e}"
+        );
+        let mut bad = plan.clone();
+        bad.tables[1].shards[0].rank = 2;
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(e.contains("`t1`") && e.contains("rank 2"), "{e}");
+        let e = ShardingPlan::construct(&shapes(), &[("t0", Placement::RowWise)], 2, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`t1` has no placement"), "{e}");
+        let e = ShardingPlan::construct(
+            &shapes(),
+            &[
+                ("t0", Placement::TableRowWise { host: 0 }),
+                ("t1", Placement::TableColumnWise { ranks: vec![0, 2] }),
+            ],
+            4,
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`t1`") && e.contains("several hosts"), "{e}");
+        assert!(ShardingPlan::construct(&shapes(), &[], 3, 2).is_err());
+    }
+
+    #[test]
+    fn plans_from_the_planner_round_trip_through_json() {
+        let config = r#"
+            batch_size = 512
+            [topology]
+            world_size = 4
+            local_world_size = 2
+            compute_device = "cpu"
+            [[tables]]
+            name = "a"
+            rows = 1000
+            dim = 64
+            [[tables]]
+            name = "b"
+            rows = 100000
+            dim = 128
+        "#;
+        let problem = embers_planner::Config::from_toml(config)
+            .and_then(|c| c.resolve())
+            .unwrap();
+        let plan =
+            embers_planner::plan_problem(&problem, embers_planner::CostModel::default()).unwrap();
+        let sharding = ShardingPlan::from_json(&plan.to_json()).unwrap();
+        assert_eq!(sharding.world_size, 4);
+        let shapes = vec![
+            TableShape::new("a", 1000, 64),
+            TableShape::new("b", 100000, 128),
+        ];
+        sharding.check(&shapes).unwrap();
+        assert_eq!(sharding, ShardingPlan::from_planner(&plan).unwrap());
+        assert!(ShardingPlan::from_json("{\"tables\": 3}").is_err());
+    }
+}
