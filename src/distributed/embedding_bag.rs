@@ -77,6 +77,8 @@ struct Inner {
     replicated: Option<LocalTbe>,
     output_keys: Vec<String>,
     output_dims: Vec<usize>,
+    /// Forward calls so far: the batch number every rank must agree on.
+    batches: std::sync::atomic::AtomicU64,
 }
 
 /// An embedding-bag collection sharded over the ranks of a communicator (see the module
@@ -278,6 +280,7 @@ impl ShardedEmbeddingBagCollection {
                 replicated,
                 output_keys,
                 output_dims,
+                batches: Default::default(),
             }),
         };
         sharded.init_tables(seed)?;
@@ -459,6 +462,7 @@ impl ShardedEmbeddingBagCollection {
         let inner = &self.inner;
         let routing = &inner.routing;
         let rank = inner.comm.rank();
+        let batch_number = (inner.batches).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let input = self.read_input(kjt);
         let (stride, gathered, rejected_here) = if routing.has_slots() {
             let (send, stride, rejected) = match &input {
@@ -466,7 +470,8 @@ impl ShardedEmbeddingBagCollection {
                 Err(e) => (Vec::new(), 0, Some(Error::invalid(OP, e.to_string()))),
             };
             let slots = routing.slots[rank].len();
-            let gathered = all_to_all_bags(&inner.comm, send, stride, slots, rejected)?;
+            let gathered =
+                all_to_all_bags(&inner.comm, send, stride, slots, rejected, batch_number)?;
             (stride, Some(gathered), false)
         } else {
             (

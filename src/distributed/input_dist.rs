@@ -2,9 +2,10 @@
 //! `KJTAllToAll` in two phases.
 //!
 //! 1. *splits* — one all-to-all of four `i64` per peer: `[#lengths, #values, flags, stride]`
-//!    (flags: bit 0 the bags carry per-sample weights, bit 1 the sender rejected its batch).
-//!    Every rank learns what it will receive, and every rank learns the same thing about
-//!    rejected batches and weights, so all of them stop together on bad input.
+//!    (flags: bit 0 the bags carry per-sample weights, bit 1 the sender rejected its batch,
+//!    the bits above it the batch's number). Every rank learns what it will receive, and every
+//!    rank learns the same thing about rejected batches, weights and batch numbers, so all of
+//!    them stop together on bad input or on a rank that skipped a batch.
 //! 2. *lengths*, *values* (and *weights*) — one all-to-all each, with the sizes of phase 1.
 //!
 //! The received blocks are `[source][slot][sample]`; they are re-ordered ("recat") to
@@ -59,23 +60,26 @@ const REJECTED: i64 = 2;
 /// Sends `send[d]` (bags of this rank's `stride` samples for rank `d`'s slots) to every rank
 /// and gathers the bags of this rank's `slots` slots from every rank. `rejected`: this rank's
 /// batch failed its checks — it still takes part, sends nothing, and gets its error back;
-/// every other rank gets an error naming it.
+/// every other rank gets an error naming it. `batch`: the batch's number, which every rank
+/// must agree on.
 pub(crate) fn all_to_all_bags(
     comm: &Comm,
     send: Vec<Bags>,
     stride: usize,
     slots: usize,
     rejected: Option<Error>,
+    batch: u64,
 ) -> Result<Gathered> {
     let (rank, w) = (comm.rank(), comm.size());
     let weighted = send.iter().any(|b| b.weights.is_some());
-    let flags = if rejected.is_some() {
+    let bits = if rejected.is_some() {
         REJECTED
     } else if weighted {
         WEIGHTED
     } else {
         0
     };
+    let flags = ((batch as i64) << 2) | bits;
     let splits: Vec<Vec<i64>> = (0..w)
         .map(|d| match (&rejected, send.get(d)) {
             (None, Some(b)) => vec![
@@ -96,6 +100,16 @@ pub(crate) fn all_to_all_bags(
         return Err(Error::Distributed(format!(
             "rank {rank}: rank(s) {refused:?} rejected their input batch (see their error); \
              every rank skips this batch"
+        )));
+    }
+    let behind: Vec<(usize, i64)> = (0..w)
+        .map(|s| (s, got[s][2] >> 2))
+        .filter(|&(_, b)| b != batch as i64)
+        .collect();
+    if !behind.is_empty() {
+        return Err(Error::Distributed(format!(
+            "rank {rank}: at batch #{batch}, but (rank, batch) {behind:?} — a rank skipped or \
+             repeated a batch"
         )));
     }
     let weighted_ranks: Vec<usize> = (0..w).filter(|&s| got[s][2] & WEIGHTED != 0).collect();
@@ -298,7 +312,7 @@ pub fn kjt_all_to_all(
         Err(e) => (Vec::new(), 0, Some(e), Vec::new()),
     };
     let slots = keys.len();
-    let got = all_to_all_bags(comm, send, stride, slots, rejected)?;
+    let got = all_to_all_bags(comm, send, stride, slots, rejected, 0)?;
     let n = got.values.len();
     let batch = got.batch();
     let lengths: Vec<i64> = got.lengths.iter().map(|&l| i64::from(l)).collect();

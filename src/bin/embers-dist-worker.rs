@@ -1,0 +1,222 @@
+//! One rank of the MPI tests (`tests/dist_mpi.rs` launches it with `mpiexec -n W`).
+//!
+//! ```text
+//! embers-dist-worker <world> equivalence <case|all> <steps>
+//! embers-dist-worker <world> kjt-all-to-all
+//! embers-dist-worker <world> fault <kill|stall|skip|plan|world> <timeout_s>
+//! ```
+//!
+//! Prints `OK rank R ...` on success; errors go to stderr with exit code 1. Fault modes print
+//! `FAULT rank R at <unix ms>` just before the fault so the test can time how long the other
+//! ranks take to end.
+
+#[path = "../../tests/support/dist_scenarios.rs"]
+mod dist_scenarios;
+
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use embers::distributed::{
+    kjt_all_to_all, mpi_world, Comm, Placement, ShardedEmbeddingBagCollection, ShardingPlan,
+};
+use embers::sparse::KeyedJaggedTensor;
+use embers::Tensor;
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<(), String> {
+    let usage = "usage: embers-dist-worker <world> equivalence <case|all> <steps> | \
+                 kjt-all-to-all | fault <kind> <timeout_s>";
+    let world: usize = args.first().and_then(|w| w.parse().ok()).ok_or(usage)?;
+    // Held for the whole run: MPI is finalised when the last communicator goes.
+    let comm = mpi_world().map_err(|e| e.to_string())?;
+    if comm.size() != world {
+        return Err(format!(
+            "launched as rank {} of {}, expected a world of {world} (is this mpiexec the MPI \
+             embers was built against?)",
+            comm.rank(),
+            comm.size()
+        ));
+    }
+    let rank = comm.rank();
+    match args.get(1).map(String::as_str) {
+        Some("equivalence") => {
+            let which = args.get(2).ok_or(usage)?;
+            let steps: usize = args.get(3).and_then(|s| s.parse().ok()).ok_or(usage)?;
+            let cases: Vec<_> = (dist_scenarios::cases(world).into_iter())
+                .filter(|c| which == "all" || &c.name == which)
+                .collect();
+            if cases.is_empty() {
+                return Err(format!("no case `{which}`"));
+            }
+            for case in cases {
+                let comm = mpi_world().map_err(|e| e.to_string())?;
+                let report = dist_scenarios::run_case(comm, &case, steps)?;
+                println!("OK rank {rank} {} {report:?}", case.name);
+            }
+            Ok(())
+        }
+        Some("kjt-all-to-all") => kjt_example(&comm),
+        Some("fault") => {
+            let kind = args.get(2).ok_or(usage)?;
+            let timeout: f64 = args.get(3).and_then(|s| s.parse().ok()).ok_or(usage)?;
+            fault(
+                comm.with_timeout(Duration::from_secs_f64(timeout)),
+                world,
+                kind,
+            )
+        }
+        _ => Err(usage.into()),
+    }
+}
+
+/// TorchRec's `KJTAllToAll` docstring example on 2 ranks: keys A, B to rank 0, C to rank 1.
+/// Values are numbered `key·10 + index` (`A.V1` = 1, `B.V0` = 10, `C.V3` = 23).
+fn kjt_example(comm: &Comm) -> Result<(), String> {
+    let e = |e: embers::Error| e.to_string();
+    // Per rank, per key, per sample: the values.
+    let input: [[Vec<Vec<i64>>; 3]; 2] = [
+        [
+            vec![vec![0], vec![], vec![1, 2]],
+            vec![vec![], vec![10], vec![11]],
+            vec![vec![20], vec![21], vec![]],
+        ],
+        [
+            vec![vec![3], vec![4], vec![]],
+            vec![vec![], vec![12], vec![13, 14]],
+            vec![vec![22], vec![23], vec![]],
+        ],
+    ];
+    let kjt = |keys: &[&str], per_key: &[Vec<Vec<i64>>]| -> Result<KeyedJaggedTensor, String> {
+        let values: Vec<i64> = per_key.iter().flatten().flatten().copied().collect();
+        let lengths: Vec<i64> = per_key.iter().flatten().map(|v| v.len() as i64).collect();
+        let (n, l) = (values.len(), lengths.len());
+        KeyedJaggedTensor::from_lengths(
+            keys.iter().map(|k| k.to_string()).collect(),
+            Tensor::from_vec(values, &[n]).map_err(e)?,
+            Tensor::from_vec(lengths, &[l]).map_err(e)?,
+            None,
+            None,
+        )
+        .map_err(e)
+    };
+    let rank = comm.rank();
+    let mine = kjt(&["A", "B", "C"], &input[rank])?;
+    let got = kjt_all_to_all(comm, &mine, &[2, 1]).map_err(e)?;
+    let want = if rank == 0 {
+        // 'A': [A.V0] None [A.V1, A.V2] [A.V3] [A.V4] None
+        // 'B': None [B.V0] [B.V1] None [B.V2] [B.V3, B.V4]
+        kjt(
+            &["A", "B"],
+            &[
+                vec![vec![0], vec![], vec![1, 2], vec![3], vec![4], vec![]],
+                vec![vec![], vec![10], vec![11], vec![], vec![12], vec![13, 14]],
+            ],
+        )?
+    } else {
+        // 'C': [C.V0] [C.V1] None [C.V2] [C.V3] None
+        kjt(
+            &["C"],
+            &[vec![vec![20], vec![21], vec![], vec![22], vec![23], vec![]]],
+        )?
+    };
+    let same = got.keys() == want.keys()
+        && got.stride() == 6
+        && got.lengths().to_vec::<i64>().map_err(e)?
+            == want.lengths().to_vec::<i64>().map_err(e)?
+        && got.values().to_vec::<i64>().map_err(e)? == want.values().to_vec::<i64>().map_err(e)?;
+    if !same {
+        return Err(format!("rank {rank}: got {got:?}, expected {want:?}"));
+    }
+    println!("OK rank {rank} kjt-all-to-all");
+    Ok(())
+}
+
+/// Runs the mixed case and breaks it on rank 1 (`kill`: dies mid-step; `stall`: stops making
+/// collectives; `skip`: skips a batch and goes on with the next) or breaks the setup on rank 1
+/// (`plan`: another plan; `world`: a plan for another world size, on every rank).
+fn fault(comm: Comm, world: usize, kind: &str) -> Result<(), String> {
+    let e = |e: embers::Error| e.to_string();
+    let rank = comm.rank();
+    let case = dist_scenarios::case(world, "mixed").ok_or("no mixed case")?;
+    let mut placements: Vec<(&str, Placement)> = (case.placements.iter())
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    let mut plan_world = world;
+    if kind == "plan" && rank == 1 {
+        placements[1].1 = Placement::TableWise { rank: 0 };
+    }
+    if kind == "world" {
+        plan_world = world + 1;
+        placements = (placements.into_iter())
+            .map(|(n, _)| (n, Placement::TableWise { rank: 0 }))
+            .collect();
+    }
+    let plan = ShardingPlan::construct(
+        &dist_scenarios::shapes(),
+        &placements,
+        plan_world,
+        if plan_world % 2 == 0 {
+            2.min(plan_world)
+        } else {
+            1
+        },
+    )
+    .map_err(e)?;
+    let sharded = ShardedEmbeddingBagCollection::new(
+        dist_scenarios::tables(),
+        &plan,
+        case.optimizer,
+        comm,
+        dist_scenarios::SEED,
+    )
+    .map_err(e)?;
+    for step in 0..4 {
+        let batch = dist_scenarios::rank_batch(rank, step, case.batches[rank]);
+        let kjt = dist_scenarios::kjt_of(&[&batch], false);
+        if rank == 1 && step == 2 {
+            match kind {
+                "stall" => {
+                    println!("FAULT rank {rank} at {}", now_ms());
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+                // Out of batches one step early (its last collective comes at the end).
+                "skip" => continue,
+                _ => {}
+            }
+        }
+        let pooled = sharded.forward(&kjt).map_err(e)?;
+        if rank == 1 && step == 2 && kind == "kill" {
+            println!("FAULT rank {rank} at {}", now_ms());
+            std::process::abort();
+        }
+        pooled
+            .values()
+            .sum_all()
+            .map_err(e)?
+            .backward()
+            .map_err(e)?;
+    }
+    if rank == 1 && kind == "skip" {
+        // The others now wait for a batch this rank never sends.
+        println!("FAULT rank {rank} at {}", now_ms());
+        return Ok(());
+    }
+    println!("OK rank {rank} fault {kind}: no fault happened");
+    Ok(())
+}

@@ -1,0 +1,236 @@
+//! The distributed engine across processes: `mpiexec -n W` runs `embers-dist-worker` (built
+//! with `--features mpi`), one process per rank.
+//!
+//! * sharded == unsharded for every case of `support/dist_scenarios.rs` at 2 and 4 ranks
+//!   (with the closed-form byte checks);
+//! * TorchRec's `KJTAllToAll` docstring example;
+//! * faults: a rank killed mid-step, a rank that stalls, a rank that skips a batch, a rank with
+//!   another plan, a plan for another world size — every rank ends, with the named error,
+//!   within the deadline + 2 s.
+//!
+//! Without MPI (no `mpiexec`, or the `mpi` feature off) each test prints why it was skipped
+//! and passes; `EMBERS_REQUIRE_MPI=1` (set by CI) makes that a failure.
+
+use std::process::{Command, Output};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// `mpiexec` and its extra arguments, or why it cannot run.
+fn launcher() -> Result<(String, Vec<String>), String> {
+    let exe = std::env::var("EMBERS_MPIEXEC").unwrap_or_else(|_| "mpiexec".to_string());
+    let version = Command::new(&exe)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("no `{exe}` ({e}); install mpich (Debian: mpich libmpich-dev)"))?;
+    let text = String::from_utf8_lossy(&version.stdout).to_string()
+        + &String::from_utf8_lossy(&version.stderr);
+    let mut extra = Vec::new();
+    if text.contains("Open MPI") || text.contains("OpenRTE") {
+        // Open MPI refuses more ranks than cores, and root, unless told.
+        extra.push("--oversubscribe".to_string());
+        if std::env::var("USER").is_ok_and(|u| u == "root") {
+            extra.push("--allow-run-as-root".to_string());
+        }
+    }
+    Ok((exe, extra))
+}
+
+/// The worker binary, or why there is none.
+fn worker() -> Result<&'static str, String> {
+    #[cfg(feature = "mpi")]
+    {
+        Ok(env!("CARGO_BIN_EXE_embers-dist-worker"))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        Err("the `mpi` feature is off (cargo test --features mpi)".to_string())
+    }
+}
+
+/// Runs the worker on `world` ranks, or `None` (reason printed) when MPI is not available.
+fn mpirun(world: usize, args: &[&str]) -> Option<(Output, Instant)> {
+    mpirun_as(world, world, args)
+}
+
+/// Runs `ranks` workers told to expect a world of `world`.
+fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Instant)> {
+    let setup = worker().and_then(|w| launcher().map(|l| (w, l)));
+    let (worker, (exe, extra)) = match setup {
+        Ok(s) => s,
+        Err(why) => {
+            let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_MPI=1 but {why}");
+            println!("SKIP: {why}");
+            return None;
+        }
+    };
+    // One MPI job at a time: jobs sharing 2 cores would stretch the timed faults.
+    static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _job = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cmd = Command::new(exe);
+    cmd.args(&extra)
+        .args(["-n", &ranks.to_string(), worker, &world.to_string()])
+        .args(args)
+        // A backstop: no MPI job of this file may outlive it (MPICH's launcher timeout).
+        .env("MPIEXEC_TIMEOUT", "240");
+    let out = cmd.output().expect("mpiexec runs");
+    Some((out, Instant::now()))
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn equivalence(world: usize) {
+    let Some((out, _)) = mpirun(world, &["equivalence", "all", "5"]) else {
+        return;
+    };
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let cases = log.lines().filter(|l| l.starts_with("OK rank 0 ")).count();
+    assert!(cases >= 9, "{log}");
+    for r in 0..world {
+        assert_eq!(
+            log.lines()
+                .filter(|l| l.starts_with(&format!("OK rank {r} ")))
+                .count(),
+            cases,
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn sharded_equals_unsharded_across_two_processes() {
+    equivalence(2);
+}
+
+#[test]
+fn sharded_equals_unsharded_across_four_processes_as_two_hosts() {
+    equivalence(4);
+}
+
+#[test]
+fn kjt_all_to_all_matches_torchrecs_docstring_example() {
+    let Some((out, _)) = mpirun(2, &["kjt-all-to-all"]) else {
+        return;
+    };
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("OK rank 0 kjt-all-to-all") && log.contains("OK rank 1 kjt-all-to-all"),
+        "{log}"
+    );
+}
+
+const DEADLINE_S: f64 = 3.0;
+
+/// Runs a fault on 4 ranks; returns the log and, when rank 1 announced its fault, the seconds
+/// from the fault to the end of the job.
+fn fault(kind: &str) -> Option<(Output, String, Option<f64>)> {
+    let (out, end) = mpirun(4, &["fault", kind, &DEADLINE_S.to_string()])?;
+    let ended_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        - end.elapsed().as_millis();
+    let log = text(&out);
+    let fault_ms = log
+        .lines()
+        .find_map(|l| l.strip_prefix("FAULT rank 1 at "))
+        .and_then(|t| t.trim().parse::<u128>().ok());
+    let after = fault_ms.map(|f| ended_ms.saturating_sub(f) as f64 / 1e3);
+    Some((out, log, after))
+}
+
+#[test]
+fn a_rank_killed_mid_step_ends_the_job() {
+    let Some((out, log, after)) = fault("kill") else {
+        return;
+    };
+    assert!(!out.status.success(), "{log}");
+    let after = after.expect("the fault was announced");
+    assert!(
+        after <= DEADLINE_S + 2.0,
+        "ended {after:.2} s after the fault\n{log}"
+    );
+}
+
+/// A rank that stops making collectives (stalled, or out of batches before the others): the
+/// others' watchdogs abort the job with the op and its number.
+fn watchdog_case(kind: &str) {
+    let Some((out, log, after)) = fault(kind) else {
+        return;
+    };
+    assert!(!out.status.success(), "{log}");
+    let after = after.expect("the fault was announced");
+    assert!(
+        after <= DEADLINE_S + 2.0,
+        "ended {after:.2} s after the fault\n{log}"
+    );
+    // Which rank's watchdog fires first depends on timing; it names itself, the op and its
+    // number.
+    let named = log.lines().any(|l| {
+        l.starts_with("rank ")
+            && l.contains(" #")
+            && l.contains(&format!("exceeded {DEADLINE_S:.1} s"))
+    });
+    assert!(named, "{log}");
+}
+
+#[test]
+fn a_stalled_rank_ends_the_job_at_the_deadline() {
+    watchdog_case("stall");
+}
+
+#[test]
+fn a_rank_that_skips_a_batch_ends_the_job_at_the_deadline() {
+    watchdog_case("skip");
+}
+
+#[test]
+fn ranks_with_different_plans_all_fail_naming_the_rank_and_table() {
+    let Some((out, log, _)) = fault("plan") else {
+        return;
+    };
+    assert!(!out.status.success(), "{log}");
+    for r in 0..4 {
+        assert!(
+            log.contains(&format!("rank {r}: rank 1 holds another plan"))
+                && log.contains("table `t1`"),
+            "rank {r}: {log}"
+        );
+    }
+}
+
+#[test]
+fn a_plan_for_another_world_size_fails_on_every_rank() {
+    let Some((out, log, _)) = fault("world") else {
+        return;
+    };
+    assert!(!out.status.success(), "{log}");
+    for r in 0..4 {
+        assert!(
+            log.contains(&format!(
+                "rank {r}: the plan is for 5 ranks, the communicator has 4"
+            )),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn a_world_other_than_the_expected_one_is_refused() {
+    // `mpiexec` from another MPI than the one embers was built against starts W singletons
+    // ("rank 0 of 1" each); the worker refuses to run on a world it was not told about.
+    let Some((out, _)) = mpirun_as(2, 3, &["kjt-all-to-all"]) else {
+        return;
+    };
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("expected a world of 3"), "{log}");
+}
