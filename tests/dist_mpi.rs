@@ -114,6 +114,26 @@ fn sharded_equals_unsharded_across_four_processes_as_two_hosts() {
     equivalence(4);
 }
 
+/// Saved by 4 processes (2 hosts of 2, a mixed plan), resumed by 2 under a row-wise plan.
+#[test]
+fn a_checkpoint_of_four_processes_resumes_on_two() {
+    let dir = std::env::temp_dir().join(format!("embers-mpi-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.to_str().unwrap();
+    for (world, mode) in [(4, "save"), (2, "resume")] {
+        let Some((out, _)) = mpirun(world, &["checkpoint", mode, path]) else {
+            return;
+        };
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        for r in 0..world {
+            let ok = format!("OK rank {r} checkpoint {mode} ");
+            assert!(log.lines().any(|l| l.starts_with(&ok)), "{log}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn kjt_all_to_all_matches_torchrecs_docstring_example() {
     let Some((out, _)) = mpirun(2, &["kjt-all-to-all"]) else {

@@ -3,6 +3,7 @@
 //! ```text
 //! embers-dist-worker <world> equivalence <case|all> <steps>
 //! embers-dist-worker <world> kjt-all-to-all
+//! embers-dist-worker <world> checkpoint <save|resume> <dir>
 //! embers-dist-worker <world> fault <kill|stall|skip|plan|world> <timeout_s>
 //! ```
 //!
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
 
 fn run(args: &[String]) -> Result<(), String> {
     let usage = "usage: embers-dist-worker <world> equivalence <case|all> <steps> | \
-                 kjt-all-to-all | fault <kind> <timeout_s>";
+                 kjt-all-to-all | checkpoint <save|resume> <dir> | fault <kind> <timeout_s>";
     let world: usize = args.first().and_then(|w| w.parse().ok()).ok_or(usage)?;
     // Held for the whole run: MPI is finalised when the last communicator goes.
     let comm = mpi_world().map_err(|e| e.to_string())?;
@@ -72,6 +73,10 @@ fn run(args: &[String]) -> Result<(), String> {
             Ok(())
         }
         Some("kjt-all-to-all") => kjt_example(&comm),
+        Some("checkpoint") => {
+            let dir = std::path::Path::new(args.get(3).ok_or(usage)?);
+            checkpoint(comm, world, args.get(2).ok_or(usage)?, dir)
+        }
         Some("fault") => {
             let kind = args.get(2).ok_or(usage)?;
             let timeout: f64 = args.get(3).and_then(|s| s.parse().ok()).ok_or(usage)?;
@@ -83,6 +88,53 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         _ => Err(usage.into()),
     }
+}
+
+/// `save`: trains the mixed row-wise Adagrad case for 3 steps (checked against the unsharded
+/// run), saves it into `dir` and checks that the checkpoint loads into one unsharded collection
+/// equal to the unsharded run. `resume`: loads `dir` under the row-wise plan of this world and
+/// trains 3 more steps in step with an unsharded collection loaded from the same checkpoint.
+fn checkpoint(comm: Comm, world: usize, mode: &str, dir: &std::path::Path) -> Result<(), String> {
+    let e = |e: embers::Error| e.to_string();
+    let rank = comm.rank();
+    let rw_adagrad = embers::embedding::FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
+    let trained = match mode {
+        "save" => {
+            let case = dist_scenarios::case(world, "mixed_adagrad").ok_or("no case")?;
+            let trained = dist_scenarios::train(comm, &case, 0..3, None)?;
+            trained.sharded.save(dir).map_err(e)?;
+            let whole = embers::embedding::EmbeddingBagCollection::new(
+                dist_scenarios::tables(),
+                rw_adagrad,
+                &mut embers::tensor::rng::seeded(77),
+            )
+            .map_err(e)?;
+            embers::distributed::load_into_unsharded(&whole, dir).map_err(e)?;
+            for c in dist_scenarios::tables() {
+                dist_scenarios::compare(
+                    &format!("rank {rank}: the saved {}", c.name),
+                    &whole.table_weights(&c.name).map_err(e)?,
+                    &trained.reference.table_weights(&c.name).map_err(e)?,
+                )?;
+            }
+            trained
+        }
+        "resume" => {
+            let mut case = dist_scenarios::case(world, "row_wise").ok_or("no case")?;
+            case.optimizer = rw_adagrad;
+            dist_scenarios::train(comm, &case, 3..6, Some(dir))?
+        }
+        _ => return Err(format!("checkpoint mode `{mode}`: save or resume")),
+    };
+    let mut values = 0;
+    for c in dist_scenarios::tables() {
+        let got = trained.sharded.table_weights(&c.name).map_err(e)?;
+        let want = trained.reference.table_weights(&c.name).map_err(e)?;
+        dist_scenarios::compare(&format!("rank {rank}: {mode} {}", c.name), &got, &want)?;
+        values += got.len();
+    }
+    println!("OK rank {rank} checkpoint {mode} {values} values");
+    Ok(())
 }
 
 /// TorchRec's `KJTAllToAll` docstring example on 2 ranks: keys A, B to rank 0, C to rank 1.

@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use rand::SeedableRng;
 
+use super::checkpoint::{self, Held, LoadReport, Rect};
 use super::comm::Comm;
 use super::input_dist::{all_to_all_bags, Bags, HostKjt};
 use super::plan::{fnv1a, ShardingPlan, ShardingType, TableShape};
@@ -77,8 +78,27 @@ struct Inner {
     replicated: Option<LocalTbe>,
     output_keys: Vec<String>,
     output_dims: Vec<usize>,
+    optimizer: FusedOptimizer,
     /// Forward calls so far: the batch number every rank must agree on.
     batches: std::sync::atomic::AtomicU64,
+}
+
+/// One rectangle of a table held by a rank, with its values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardValues {
+    /// First row.
+    pub row_offset: usize,
+    /// First column.
+    pub col_offset: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// `[rows, cols]` row-major.
+    pub values: Vec<f32>,
+    /// The optimizer's state of these rows, by name: `[rows]` for per-row state (of these
+    /// columns only), else `[rows, cols]`.
+    pub states: Vec<(&'static str, Vec<f32>)>,
 }
 
 /// An embedding-bag collection sharded over the ranks of a communicator (see the module
@@ -280,6 +300,7 @@ impl ShardedEmbeddingBagCollection {
                 replicated,
                 output_keys,
                 output_dims,
+                optimizer,
                 batches: Default::default(),
             }),
         };
@@ -362,16 +383,24 @@ impl ShardedEmbeddingBagCollection {
         Ok(())
     }
 
-    /// The rectangles of table `table` this rank holds: `(row_offset, col_offset, rows, cols,
-    /// values)` (a data-parallel replica is the whole table).
-    pub fn local_shards(&self, table: &str) -> Result<Vec<(usize, usize, usize, usize, Vec<f32>)>> {
+    /// The rectangles of table `table` this rank holds (a data-parallel replica is the whole
+    /// table).
+    pub fn local_shards(&self, table: &str) -> Result<Vec<ShardValues>> {
         let t = self.table_index(table)?;
         let mut out = Vec::new();
         for local in self.local_tbes() {
             for (i, l) in local.tables.iter().enumerate() {
                 if l.table == t {
-                    let values = local.tbe.table_weights(i)?;
-                    out.push((l.row_offset, l.col_offset, l.rows, l.cols, values));
+                    out.push(ShardValues {
+                        row_offset: l.row_offset,
+                        col_offset: l.col_offset,
+                        rows: l.rows,
+                        cols: l.cols,
+                        values: local.tbe.table_weights(i)?,
+                        states: (local.tbe.optimizer_state_names().into_iter().enumerate())
+                            .map(|(k, (name, _))| Ok((name, local.tbe.optimizer_state(k, i)?)))
+                            .collect::<Result<_>>()?,
+                    });
                 }
             }
         }
@@ -396,9 +425,9 @@ impl ShardedEmbeddingBagCollection {
         let mut values: Vec<f32> = Vec::new();
         // A replica is the same everywhere: rank 0 sends it.
         if !replicated || self.inner.comm.rank() == 0 {
-            for (r0, c0, rows, cols, v) in self.local_shards(table)? {
-                header.extend([r0 as u64, c0 as u64, rows as u64, cols as u64]);
-                values.extend_from_slice(&v);
+            for s in self.local_shards(table)? {
+                header.extend([s.row_offset, s.col_offset, s.rows, s.cols].map(|x| x as u64));
+                values.extend_from_slice(&s.values);
             }
         }
         let comm = &self.inner.comm;
@@ -447,6 +476,78 @@ impl ShardedEmbeddingBagCollection {
             }
         }
         Ok(())
+    }
+
+    /// This rank's rectangles for a checkpoint (`save`: a data-parallel replica only on rank
+    /// 0).
+    fn held(&self, save: bool) -> Vec<Held<'_>> {
+        let inner = &self.inner;
+        let mut out = Vec::new();
+        for (local, replicated) in [(&inner.remote, false), (&inner.replicated, true)] {
+            let Some(local) = local else { continue };
+            if replicated && save && inner.comm.rank() != 0 {
+                continue;
+            }
+            for (index, t) in local.tables.iter().enumerate() {
+                let c = &inner.configs[t.table];
+                out.push(Held {
+                    table: &c.name,
+                    rect: Rect {
+                        row_offset: t.row_offset,
+                        col_offset: t.col_offset,
+                        rows: t.rows,
+                        cols: t.cols,
+                    },
+                    tbe: &local.tbe,
+                    index,
+                });
+            }
+        }
+        out
+    }
+
+    /// Writes a sharded checkpoint into directory `dir` (a collective): each rank its
+    /// rectangles, then rank 0 the manifest; atomic as a whole (see
+    /// [`checkpoint`](super::checkpoint)). Load it with [`load`](Self::load) under any plan
+    /// and world size, or into one unsharded collection with
+    /// [`load_into_unsharded`](super::checkpoint::load_into_unsharded).
+    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        let comm = &self.inner.comm;
+        let step = self.local_tbes().map(|l| l.tbe.step()).max().unwrap_or(0);
+        let steps = comm.all_gather_v("checkpoint.step", &[step], Some(&vec![1; comm.size()]))?;
+        let step = steps.iter().map(|s| s[0]).max().unwrap_or(0);
+        checkpoint::save(
+            comm,
+            dir.as_ref(),
+            &self.held(true),
+            self.inner.optimizer.name(),
+            step,
+        )
+    }
+
+    /// Loads a checkpoint written by [`save`](Self::save) under any plan and world size, or
+    /// an unsharded collection's file ([`EmbeddingBagCollection::save`](crate::embedding::EmbeddingBagCollection::save)):
+    /// each rank reads the rectangles it holds (the files must be readable from every rank). A
+    /// collective: if any rank cannot read its part, no rank changes anything.
+    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+        let held = self.held(false);
+        let staged = checkpoint::Saved::open(path.as_ref())
+            .and_then(|mut saved| saved.stage(&held, self.inner.optimizer.name()));
+        let verdict = staged
+            .as_ref()
+            .map(|_| ())
+            .map_err(|e| Error::invalid(OP, e.to_string()));
+        let flag = [u8::from(verdict.is_err())];
+        let comm = &self.inner.comm;
+        let all = comm.all_gather_v("checkpoint.loaded", &flag, Some(&vec![1; comm.size()]))?;
+        let staged = staged?;
+        if let Some(r) = (0..all.len()).find(|&r| all[r][0] != 0) {
+            return Err(Error::Distributed(format!(
+                "rank {}: rank {r} could not load its part of the checkpoint; nothing changed",
+                comm.rank()
+            )));
+        }
+        staged.apply()
     }
 
     /// Pooled embeddings of this rank's batch: keys in the unsharded order, values `[B, Σ

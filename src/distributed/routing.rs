@@ -179,8 +179,9 @@ impl Routing {
                 let host = plan.host_of(ts.shards[0].rank);
                 for &f in &per_table_features[t] {
                     twrw[host] += 1;
-                    for rank in host * local..(host + 1) * local {
-                        slots[rank].push(row_slot(t, f, rank, Route::TwRw { host }));
+                    let members = slots.iter_mut().enumerate().skip(host * local).take(local);
+                    for (rank, rank_slots) in members {
+                        rank_slots.push(row_slot(t, f, rank, Route::TwRw { host }));
                     }
                 }
             }

@@ -19,8 +19,8 @@
 use std::collections::BTreeMap;
 
 use embers::distributed::{
-    all_reduce_mean_gradients, init_table, Comm, Placement, ShardedEmbeddingBagCollection,
-    ShardingPlan, TableShape,
+    all_reduce_mean_gradients, init_table, load_into_unsharded, Comm, Placement,
+    ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
 };
 use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode};
 use embers::nn::{Forward, Linear, Module};
@@ -242,7 +242,7 @@ fn close(a: f32, b: f32) -> bool {
 }
 
 /// The first pair outside tolerance, as a message.
-fn compare(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
+pub fn compare(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!(
             "{what}: {} values, expected {}",
@@ -267,6 +267,38 @@ pub struct Report {
 /// Runs `case` on this rank for `steps` steps and compares it with the unsharded run.
 pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String> {
     let e = |e: embers::Error| e.to_string();
+    let mut trained = train(comm, case, 0..steps, None)?;
+    for c in &tables() {
+        let got = trained.sharded.table_weights(&c.name).map_err(e)?;
+        let want = trained.reference.table_weights(&c.name).map_err(e)?;
+        compare(
+            &format!("{} rank {} table {}", case.name, trained.rank, c.name),
+            &got,
+            &want,
+        )?;
+        trained.report.table_values += got.len();
+    }
+    Ok(trained.report)
+}
+
+/// A case trained sharded and unsharded in step.
+pub struct Trained {
+    pub rank: usize,
+    pub sharded: ShardedEmbeddingBagCollection,
+    pub reference: EmbeddingBagCollection,
+    pub report: Report,
+}
+
+/// Trains `case` sharded on this rank and unsharded on the global batch over `steps` (the
+/// step numbers pick the batches), checking the predictions every step. With `resume`, both
+/// first load that checkpoint (the sharded one under this case's plan, the reference whole).
+pub fn train(
+    comm: Comm,
+    case: &Case,
+    steps: std::ops::Range<usize>,
+    resume: Option<&std::path::Path>,
+) -> Result<Trained, String> {
+    let e = |e: embers::Error| e.to_string();
     let (rank, w) = (comm.rank(), comm.size());
     if w != case.world {
         return Err(format!(
@@ -290,6 +322,10 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
             .set_table_weights(&c.name, &init_table(c, SEED).map_err(e)?)
             .map_err(e)?;
     }
+    if let Some(path) = resume {
+        sharded.load(path).map_err(e)?;
+        load_into_unsharded(&reference, path).map_err(e)?;
+    }
     let width: usize = sharded.output_keys_and_dims().1.iter().sum();
     let head = Linear::new(width, 1, &mut seeded(SEED)).map_err(e)?;
     let ref_head = Linear::new(width, 1, &mut seeded(SEED)).map_err(e)?;
@@ -298,7 +334,8 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
     let mut report = Report::default();
     let start: usize = case.batches[..rank].iter().sum();
     let b = case.batches[rank];
-    for step in 0..steps {
+    let last = steps.end.saturating_sub(1);
+    for step in steps {
         let batches: Vec<RankBatch> = (0..w)
             .map(|r| rank_batch(r, step, case.batches[r]))
             .collect();
@@ -327,7 +364,7 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
         all_reduce_mean_gradients(sharded_comm, &head.parameters()).map_err(e)?;
         opt.step().map_err(e)?;
         opt.zero_grad();
-        if step + 1 == steps {
+        if step == last {
             report.bytes_checked += check_bytes(case, &plan, &batches, rank, sharded_comm)?;
         }
         // Unsharded, on the global batch.
@@ -362,17 +399,12 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
         )?;
         report.predictions += got.len();
     }
-    for c in &configs {
-        let got = sharded.table_weights(&c.name).map_err(e)?;
-        let want = reference.table_weights(&c.name).map_err(e)?;
-        compare(
-            &format!("{} rank {rank} table {}", case.name, c.name),
-            &got,
-            &want,
-        )?;
-        report.table_values += got.len();
-    }
-    Ok(report)
+    Ok(Trained {
+        rank,
+        sharded,
+        reference,
+        report,
+    })
 }
 
 /// Checks the bytes this rank sent in the step just run against the closed forms.

@@ -1,0 +1,343 @@
+//! Sharded checkpoints, in one process (ranks are threads over a `LocalGroup`): save under one
+//! plan and world size, load under another or into one unsharded collection, and back; bad
+//! checkpoints change nothing.
+
+#[path = "support/dist_scenarios.rs"]
+mod dist_scenarios;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dist_scenarios::{case, compare, kjt_of, rank_batch, tables, train, Case, SEED};
+use embers::distributed::{
+    init_table, load_into_unsharded, Comm, LocalGroup, Placement, ShardedEmbeddingBagCollection,
+    ShardingPlan,
+};
+use embers::embedding::{EmbeddingBagCollection, FusedOptimizer};
+use embers::tensor::rng::seeded;
+
+const RW_ADAGRAD: FusedOptimizer = FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("embers-dist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `f` on every rank of a `world`-rank group; panics with every rank's error.
+fn on_ranks<T: Send>(world: usize, f: impl Fn(Comm) -> Result<T, String> + Sync) -> Vec<T> {
+    let comms = LocalGroup::comms(world);
+    let results: Vec<Result<T, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (comms.into_iter())
+            .map(|comm| comm.with_timeout(Duration::from_secs(20)))
+            .map(|comm| s.spawn(|| f(comm)))
+            .collect();
+        (handles.into_iter())
+            .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
+            .collect()
+    });
+    let errors: Vec<String> = (results.iter().enumerate())
+        .filter_map(|(r, x)| x.as_ref().err().map(|e| format!("rank {r}: {e}")))
+        .collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    results.into_iter().map(|r| r.unwrap()).collect()
+}
+
+fn e(e: embers::Error) -> String {
+    e.to_string()
+}
+
+/// Every optimizer state buffer of `table` in an unsharded collection.
+fn state_of(ebc: &EmbeddingBagCollection, table: &str) -> Vec<Vec<f32>> {
+    for tbe in ebc.tbes() {
+        if let Some(t) = tbe.config().tables.iter().position(|s| s.name == table) {
+            return (0..tbe.optimizer_state_names().len())
+                .map(|i| tbe.optimizer_state(i, t).unwrap())
+                .collect();
+        }
+    }
+    panic!("no table {table}")
+}
+
+fn fresh(optimizer: FusedOptimizer) -> EmbeddingBagCollection {
+    EmbeddingBagCollection::new(tables(), optimizer, &mut seeded(77)).unwrap()
+}
+
+/// The sharded collection of `case` (its plan), initialised from `SEED`.
+fn sharded(comm: Comm, case: &Case) -> Result<ShardedEmbeddingBagCollection, String> {
+    let placements: Vec<(&str, Placement)> = (case.placements.iter())
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    let plan = ShardingPlan::construct(
+        &dist_scenarios::shapes(),
+        &placements,
+        case.world,
+        case.local,
+    )
+    .map_err(e)?;
+    ShardedEmbeddingBagCollection::new(tables(), &plan, case.optimizer, comm, SEED).map_err(e)
+}
+
+/// Train on 4 ranks (2 hosts of 2) under a mixed plan with row-wise Adagrad, save; the
+/// checkpoint loads into one unsharded collection equal to the unsharded run (weights and
+/// optimizer state), and training resumes on 2 ranks under other plans in step with the
+/// unsharded collection resumed from the same checkpoint.
+#[test]
+fn train_on_four_ranks_resume_on_two_or_one() {
+    let dir = temp_dir("resume");
+    let four = case(4, "mixed_adagrad").unwrap();
+    let refs = on_ranks(4, |comm| {
+        let trained = train(comm, &four, 0..3, None)?;
+        trained.sharded.save(&dir).map_err(e)?;
+        // Any rank can serve the whole model from the checkpoint.
+        let whole = fresh(RW_ADAGRAD);
+        let report = load_into_unsharded(&whole, &dir).map_err(e)?;
+        assert!(report.approximated_row_state.is_empty(), "{report:?}");
+        for c in tables() {
+            let want = trained.reference.table_weights(&c.name).map_err(e)?;
+            let got = whole.table_weights(&c.name).map_err(e)?;
+            compare(&format!("table {}", c.name), &got, &want)?;
+            let (got, want) = (
+                state_of(&whole, &c.name),
+                state_of(&trained.reference, &c.name),
+            );
+            assert_eq!(got.len(), 1, "row-wise Adagrad keeps one state");
+            compare(&format!("state of {}", c.name), &got[0], &want[0])?;
+            assert!(want[0].iter().any(|&v| v > 0.0), "{} was trained", c.name);
+        }
+        assert_eq!(whole.tbes()[0].step(), 3);
+        trained.reference.table_weights("t2").map_err(e)
+    });
+    assert!(refs.windows(2).all(|w| w[0] == w[1]));
+    // Resharding: 4 ranks → 2, other layouts (no column blocks: with row-wise Adagrad each
+    // block keeps its own statistic, so those do not train like the whole table).
+    for name in ["row_wise", "table_wise", "table_row_wise", "mixed"] {
+        let mut two = case(2, name).unwrap();
+        two.optimizer = RW_ADAGRAD;
+        if name == "mixed" {
+            two.placements[3].1 = Placement::TableWise { rank: 1 };
+        }
+        let tables_checked = on_ranks(2, |comm| {
+            let trained = train(comm, &two, 3..6, Some(&dir))?;
+            let mut n = 0;
+            for c in tables() {
+                let got = trained.sharded.table_weights(&c.name).map_err(e)?;
+                let want = trained.reference.table_weights(&c.name).map_err(e)?;
+                compare(&format!("{name}: table {}", c.name), &got, &want)?;
+                n += got.len();
+            }
+            assert_eq!(trained.report.predictions, 3 * two.batches[trained.rank]);
+            Ok(n)
+        });
+        assert!(tables_checked.iter().all(|&n| n > 0));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An unsharded collection's checkpoint loads into column blocks (the per-row state split,
+/// reported), and the blocks' checkpoint loads back into one collection unchanged.
+#[test]
+fn unsharded_file_to_column_blocks_and_back() {
+    let dir = temp_dir("columns");
+    let file = dir.join("whole.safetensors");
+    let whole = fresh(RW_ADAGRAD);
+    for c in tables() {
+        whole
+            .set_table_weights(&c.name, &init_table(&c, 5).unwrap())
+            .unwrap();
+    }
+    for step in 0..2 {
+        let batch = rank_batch(0, step, 6);
+        let pooled = whole.forward(&kjt_of(&[&batch], false)).unwrap();
+        pooled.values().sum_all().unwrap().backward().unwrap();
+    }
+    whole.save(&file).unwrap();
+    let columns = case(2, "column_wise").unwrap();
+    let blocks = dir.join("blocks");
+    on_ranks(2, |comm| {
+        let mut columns = columns.clone();
+        columns.optimizer = RW_ADAGRAD;
+        let s = sharded(comm, &columns)?;
+        let report = s.load(&file).map_err(e)?;
+        let mut split = report.approximated_row_state.clone();
+        split.sort();
+        // Every table is in two column blocks; this rank holds blocks of these tables.
+        let mut held: Vec<String> = (tables().into_iter())
+            .filter(|c| !s.local_shards(&c.name).unwrap().is_empty())
+            .map(|c| c.name)
+            .collect();
+        held.sort();
+        assert_eq!(split, held);
+        for c in tables() {
+            let got = s.table_weights(&c.name).map_err(e)?;
+            assert_eq!(got, whole.table_weights(&c.name).map_err(e)?, "{}", c.name);
+        }
+        s.save(&blocks).map_err(e)
+    });
+    // Each block got the whole row's statistic; merging equal blocks gives it back exactly.
+    let back = fresh(RW_ADAGRAD);
+    let report = load_into_unsharded(&back, &blocks).unwrap();
+    assert!(report.approximated_row_state.is_empty());
+    for c in tables() {
+        assert_eq!(
+            back.table_weights(&c.name).unwrap(),
+            whole.table_weights(&c.name).unwrap()
+        );
+        let (got, want) = (state_of(&back, &c.name), state_of(&whole, &c.name));
+        compare(&format!("state of {}", c.name), &got[0], &want[0]).unwrap();
+    }
+    assert_eq!(back.tbes()[0].step(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Column blocks trained with row-wise Adagrad (each block its own per-row statistic): the
+/// unsharded load holds each row's width-weighted mean of its blocks' statistics.
+#[test]
+fn column_blocks_merge_their_row_statistics() {
+    let dir = temp_dir("merge");
+    let mut columns = case(2, "column_wise").unwrap();
+    columns.optimizer = RW_ADAGRAD;
+    let blocks = on_ranks(2, |comm| {
+        let s = sharded(comm, &columns)?;
+        for step in 0..3 {
+            let batch = rank_batch(s.comm().rank(), step, 5);
+            let pooled = s.forward(&kjt_of(&[&batch], false)).map_err(e)?;
+            let squares = pooled.values().mul(pooled.values()).map_err(e)?;
+            squares.sum_all().map_err(e)?.backward().map_err(e)?;
+        }
+        s.save(&dir).map_err(e)?;
+        Ok((tables().iter())
+            .map(|c| s.local_shards(&c.name).unwrap())
+            .collect::<Vec<_>>())
+    });
+    let whole = fresh(RW_ADAGRAD);
+    load_into_unsharded(&whole, &dir).unwrap();
+    for (t, c) in tables().iter().enumerate() {
+        let mut want = vec![0.0f32; c.num_embeddings];
+        let mut weights = vec![0.0f32; c.num_embeddings * c.embedding_dim];
+        for shard in blocks.iter().flat_map(|rank| &rank[t]) {
+            assert_eq!(shard.states.len(), 1);
+            let share = shard.cols as f32 / c.embedding_dim as f32;
+            for r in 0..shard.rows {
+                want[shard.row_offset + r] += share * shard.states[0].1[r];
+                let (from, to) = (r * shard.cols, (shard.row_offset + r) * c.embedding_dim);
+                weights[to + shard.col_offset..to + shard.col_offset + shard.cols]
+                    .copy_from_slice(&shard.values[from..from + shard.cols]);
+            }
+        }
+        assert!(want.iter().any(|&v| v > 0.0), "{} was trained", c.name);
+        compare(&c.name, &state_of(&whole, &c.name)[0], &want).unwrap();
+        assert_eq!(whole.table_weights(&c.name).unwrap(), weights, "{}", c.name);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+/// A missing manifest, a truncated rank file, another optimizer, other tables, a save into a
+/// file: each is an error on every rank that names it, and the tables stay as they were. Files
+/// of an unfinished save are ignored by loads and removed by the next save.
+#[test]
+fn bad_checkpoints_change_nothing() {
+    let dir = temp_dir("bad");
+    let good = dir.join("good");
+    let mixed = case(2, "mixed").unwrap();
+    on_ranks(2, |comm| {
+        let s = sharded(comm, &mixed)?;
+        let batch = rank_batch(s.comm().rank(), 0, 4);
+        let pooled = s.forward(&kjt_of(&[&batch], false)).map_err(e)?;
+        pooled
+            .values()
+            .sum_all()
+            .map_err(e)?
+            .backward()
+            .map_err(e)?;
+        s.save(&good).map_err(e)
+    });
+    let names: Vec<String> = (std::fs::read_dir(&good).unwrap())
+        .map(|x| x.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    let rank1 = names
+        .iter()
+        .find(|n| n.starts_with("rank-1-of-2."))
+        .unwrap();
+    let truncated = dir.join("truncated");
+    copy_dir(&good, &truncated);
+    let len = std::fs::metadata(truncated.join(rank1)).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(truncated.join(rank1))
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let empty = temp_dir("bad-empty");
+    let a_file = dir.join("a-file");
+    std::fs::write(&a_file, b"keep me").unwrap();
+
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let s = sharded(comm, &mixed)?;
+        let before: Vec<Vec<f32>> = (tables().iter())
+            .map(|c| s.table_weights(&c.name).unwrap())
+            .collect();
+        let unchanged = |what: &str| {
+            for (c, b) in tables().iter().zip(&before) {
+                assert_eq!(&s.table_weights(&c.name).unwrap(), b, "{what}: {}", c.name);
+            }
+        };
+        let err = s.load(&empty).unwrap_err().to_string();
+        assert!(err.contains("no manifest"), "{err}");
+        unchanged("empty directory");
+        let err = s.load(&truncated).unwrap_err().to_string();
+        if rank == 1 {
+            assert!(err.contains(rank1.as_str()), "rank 1 names its file: {err}");
+        } else {
+            assert!(err.contains("rank 1"), "rank 0 names rank 1: {err}");
+        }
+        unchanged("truncated rank file");
+        let err = s.save(&a_file).unwrap_err().to_string();
+        assert!(err.contains("a-file"), "{err}");
+        Ok(())
+    });
+    assert_eq!(std::fs::read(&a_file).unwrap(), b"keep me");
+
+    // Another optimizer; other tables (t2 with more rows than saved).
+    on_ranks(2, |comm| {
+        let mut adagrad = mixed.clone();
+        adagrad.optimizer = RW_ADAGRAD;
+        let s = sharded(comm, &adagrad)?;
+        let err = s.load(&good).unwrap_err().to_string();
+        assert!(err.contains("optimizer"), "{err}");
+        Ok(())
+    });
+    let mut bigger = tables();
+    bigger[2].num_embeddings = 35;
+    let whole =
+        EmbeddingBagCollection::new(bigger, FusedOptimizer::Sgd { lr: 0.1 }, &mut seeded(3))
+            .unwrap();
+    let before = whole.table_weights("t2").unwrap();
+    let err = load_into_unsharded(&whole, &good).unwrap_err().to_string();
+    assert!(err.contains("`t2` row 30"), "{err}");
+    assert_eq!(whole.table_weights("t2").unwrap(), before);
+
+    // An unfinished save's file is ignored, then removed by the next save.
+    let stale = good.join("rank-0-of-2.00000000deadbeef.safetensors");
+    std::fs::write(&stale, b"half written").unwrap();
+    on_ranks(2, |comm| {
+        let s = sharded(comm, &mixed)?;
+        s.load(&good).map_err(e)?;
+        s.save(&good).map_err(e)
+    });
+    assert!(!stale.exists());
+    let files = std::fs::read_dir(&good).unwrap().count();
+    assert_eq!(files, 3, "the manifest and one file per rank");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&empty);
+}
