@@ -7,4 +7,4 @@ PY=${PEERS_PYTHON:-$HOME/.cache/embers-peers/venv/bin/python}
 if [[ ! -x "$PY" ]]; then PY=$(../shared/peers/setup.sh); fi
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-cargo bench --bench "$1" --no-run >/dev/null 2>&1 || cargo bench --bench "$1" --no-run
+cargo bench --bench $1 --no-run >/dev/null 2>&1 || cargo bench --bench $1 --no-run

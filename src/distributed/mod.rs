@@ -34,9 +34,16 @@ use crate::{Device, Tensor};
 /// all-reduce; a missing gradient counts as zeros). Every rank passes the same parameters
 /// in the same order; the sum runs in rank order, so every rank gets the same bits.
 pub fn all_reduce_mean_gradients(comm: &Comm, params: &[Tensor]) -> Result<()> {
-    let mut flat: Vec<f32> = Vec::new();
+    if comm.size() == 1 && params.iter().all(|p| p.grad().is_some()) {
+        // The mean over one rank is its gradient.
+        return comm.all_reduce_sum("all_reduce.dense_gradients", &mut []);
+    }
+    let mut flat: Vec<f32> = Vec::with_capacity(params.iter().map(Tensor::numel).sum());
     for p in params {
         match p.grad() {
+            Some(g) if g.device() == Device::Cpu && g.dtype() == crate::DType::F32 => {
+                g.with_contiguous(|v: &[f32]| flat.extend_from_slice(v))?
+            }
             Some(g) => flat.extend(
                 g.to_device(Device::Cpu)?
                     .cast_values(crate::DType::F32)?
@@ -46,15 +53,19 @@ pub fn all_reduce_mean_gradients(comm: &Comm, params: &[Tensor]) -> Result<()> {
         }
     }
     comm.all_reduce_sum("all_reduce.dense_gradients", &mut flat)?;
-    let world = comm.size() as f32;
+    let scale = 1.0 / comm.size() as f32;
     let mut at = 0;
     for p in params {
         let n = p.numel();
-        let mean: Vec<f32> = flat[at..at + n].iter().map(|x| x / world).collect();
+        let mean: Vec<f32> = flat[at..at + n].iter().map(|x| x * scale).collect();
         at += n;
-        let g = Tensor::from_vec(mean, p.shape())?
-            .cast_values(p.dtype())?
-            .to_device(p.device())?;
+        let mut g = Tensor::from_vec(mean, p.shape())?;
+        if p.dtype() != crate::DType::F32 {
+            g = g.cast_values(p.dtype())?;
+        }
+        if p.device() != Device::Cpu {
+            g = g.to_device(p.device())?;
+        }
         p.set_grad(g)?;
     }
     Ok(())

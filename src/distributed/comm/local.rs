@@ -124,16 +124,23 @@ impl LocalTransport {
     }
 }
 
-/// Fails when a rank's block is not of the size this rank expected from it (MPI would
-/// truncate or fail).
-fn check_sizes(recv: &[Vec<u8>], expected: &[usize]) -> Result<(), TransportError> {
-    match (recv.iter().zip(expected).enumerate()).find(|(_, (b, &n))| b.len() != n) {
-        Some((s, (b, &n))) => Err(TransportError::Failed(format!(
+/// Copies the blocks each rank sent here into `recv`, failing when a block is not of the size
+/// this rank expected from it (MPI would truncate or fail).
+fn receive(recv: &mut [u8], blocks: &[Vec<u8>], expected: &[usize]) -> Result<(), TransportError> {
+    if let Some((s, (b, &n))) =
+        (blocks.iter().zip(expected).enumerate()).find(|(_, (b, &n))| b.len() != n)
+    {
+        return Err(TransportError::Failed(format!(
             "rank {s} sent {} bytes, {n} expected",
             b.len()
-        ))),
-        None => Ok(()),
+        )));
     }
+    let mut at = 0;
+    for b in blocks {
+        recv[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    }
+    Ok(())
 }
 
 impl Transport for LocalTransport {
@@ -147,31 +154,45 @@ impl Transport for LocalTransport {
 
     fn all_to_all_v(
         &self,
-        send: Vec<Vec<u8>>,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        let recv = self.exchange(send, deadline)?;
-        check_sizes(&recv, recv_sizes)?;
-        Ok(recv)
+    ) -> Result<(), TransportError> {
+        let mut at = 0;
+        let blocks = (send_sizes.iter())
+            .map(|&n| {
+                at += n;
+                send[at - n..at].to_vec()
+            })
+            .collect();
+        let got = self.exchange(blocks, deadline)?;
+        receive(recv, &got, recv_sizes)
     }
 
     fn all_gather_v(
         &self,
         send: &[u8],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        let recv = self.exchange(vec![send.to_vec(); self.shared.size], deadline)?;
-        check_sizes(&recv, recv_sizes)?;
-        Ok(recv)
+    ) -> Result<(), TransportError> {
+        let got = self.exchange(vec![send.to_vec(); self.shared.size], deadline)?;
+        receive(recv, &got, recv_sizes)
     }
 
     fn split(&self, color: usize, deadline: Instant) -> Result<Arc<dyn Transport>, TransportError> {
         let w = self.shared.size;
-        let colors = self.all_gather_v(&(color as u64).to_le_bytes(), &vec![8; w], deadline)?;
-        let colors: Vec<usize> = (colors.iter())
-            .map(|b| u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as usize)
+        let mut all = vec![0u8; 8 * w];
+        self.all_gather_v(
+            &(color as u64).to_le_bytes(),
+            &mut all,
+            &vec![8; w],
+            deadline,
+        )?;
+        let colors: Vec<usize> = (all.chunks_exact(8))
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
             .collect();
         let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == color).collect();
         let rank = members

@@ -39,21 +39,25 @@ pub(crate) trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn size(&self) -> usize;
-    /// All-to-all of byte blocks: `send[d]` goes to rank `d`; the result holds the block each
-    /// rank sent here, of the sizes `recv_sizes` (known from an earlier exchange).
+    /// All-to-all of byte blocks: `send` holds the blocks for ranks `0..W` back to back, of
+    /// `send_sizes`; `recv` receives the block each rank sent here, back to back, of
+    /// `recv_sizes` (known from an earlier exchange).
     fn all_to_all_v(
         &self,
-        send: Vec<Vec<u8>>,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         deadline: Instant,
-    ) -> std::result::Result<Vec<Vec<u8>>, TransportError>;
-    /// Every rank's block, in rank order, of the sizes `recv_sizes`.
+    ) -> std::result::Result<(), TransportError>;
+    /// Every rank's block into `recv`, in rank order, back to back, of `recv_sizes`.
     fn all_gather_v(
         &self,
         send: &[u8],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         deadline: Instant,
-    ) -> std::result::Result<Vec<Vec<u8>>, TransportError>;
+    ) -> std::result::Result<(), TransportError>;
     /// The group of the ranks that passed the same `color` (ordered by rank), from a call
     /// every rank of this group makes.
     fn split(
@@ -178,28 +182,29 @@ pub fn default_timeout() -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-fn to_bytes<T: Pod>(v: Vec<T>) -> Vec<u8> {
-    match bytemuck::try_cast_vec(v) {
-        Ok(bytes) => bytes,
-        Err((_, v)) => bytemuck::cast_slice(&v).to_vec(),
+/// `blocks` back to back, and their lengths.
+fn concat<T: Pod>(blocks: &[Vec<T>]) -> (Vec<T>, Vec<usize>) {
+    let mut flat = Vec::with_capacity(blocks.iter().map(Vec::len).sum());
+    for b in blocks {
+        flat.extend_from_slice(b);
     }
+    (flat, blocks.iter().map(Vec::len).collect())
 }
 
-fn from_bytes<T: Pod>(op: &'static str, bytes: Vec<u8>) -> Result<Vec<T>> {
-    let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "a block of {} bytes is not a whole number of {size}-byte values",
-                bytes.len()
-            ),
-        ));
-    }
-    Ok(match bytemuck::try_cast_vec(bytes) {
-        Ok(v) => v,
-        Err((_, bytes)) => bytemuck::pod_collect_to_vec(&bytes),
-    })
+/// Cuts `flat` into blocks of `counts` values.
+fn split_blocks<T: Pod>(flat: &[T], counts: &[usize]) -> Vec<Vec<T>> {
+    let mut at = 0;
+    (counts.iter())
+        .map(|&n| {
+            at += n;
+            flat[at - n..at].to_vec()
+        })
+        .collect()
+}
+
+/// A zeroed buffer of `n` values for a transport to fill.
+fn zeroed<T: Pod>(n: usize) -> Vec<T> {
+    vec![T::zeroed(); n]
 }
 
 impl Comm {
@@ -338,14 +343,40 @@ impl Comm {
         };
         let sent = off_rank(&mut send.iter().map(Vec::len));
         let received = off_rank(&mut recv_counts.iter().copied());
-        let blocks: Vec<Vec<u8>> = send.into_iter().map(to_bytes).collect();
+        if w == 1 {
+            // One rank: the block to itself is the result (no transport, no copy).
+            if recv_counts[0] != send[0].len() {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "{} values to itself, {} expected",
+                        send[0].len(),
+                        recv_counts[0]
+                    ),
+                ));
+            }
+            self.run(op, |_| Ok(()), (0, 0))?;
+            return Ok(send);
+        }
+        let (flat, send_counts) = concat(&send);
+        drop(send);
+        let send_sizes: Vec<usize> = send_counts.iter().map(|&n| n * size).collect();
         let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
-        let recv = self.run(
+        let mut recv: Vec<T> = zeroed(recv_counts.iter().sum());
+        self.run(
             op,
-            |deadline| self.transport.all_to_all_v(blocks, &recv_sizes, deadline),
+            |deadline| {
+                self.transport.all_to_all_v(
+                    bytemuck::cast_slice(&flat),
+                    &send_sizes,
+                    bytemuck::cast_slice_mut(&mut recv),
+                    &recv_sizes,
+                    deadline,
+                )
+            },
             (sent, received),
         )?;
-        recv.into_iter().map(|b| from_bytes(op, b)).collect()
+        Ok(split_blocks(&recv, recv_counts))
     }
 
     /// Every rank's values, in rank order. `recv_counts` are the values expected from each rank
@@ -378,13 +409,25 @@ impl Comm {
             .filter(|&(r, _)| r != rank)
             .map(|(_, &n)| (n * size) as u64)
             .sum();
+        if w == 1 {
+            self.run(op, |_| Ok(()), (0, 0))?;
+            return Ok(vec![send.to_vec()]);
+        }
         let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
-        let recv = self.run(
+        let mut recv: Vec<T> = zeroed(recv_counts.iter().sum());
+        self.run(
             op,
-            |deadline| self.transport.all_gather_v(bytes, &recv_sizes, deadline),
+            |deadline| {
+                (self.transport).all_gather_v(
+                    bytes,
+                    bytemuck::cast_slice_mut(&mut recv),
+                    &recv_sizes,
+                    deadline,
+                )
+            },
             ((bytes.len() * (w - 1)) as u64, received),
         )?;
-        recv.into_iter().map(|b| from_bytes(op, b)).collect()
+        Ok(split_blocks(&recv, recv_counts))
     }
 
     /// Reduce-scatter of variable-size segments: `send[d]` is this rank's part of rank `d`'s
@@ -407,6 +450,9 @@ impl Comm {
     /// summed by rank `r` in rank order, then gathered).
     pub fn all_reduce_sum(&self, op: &'static str, values: &mut [f32]) -> Result<()> {
         let w = self.size();
+        if w == 1 {
+            return self.run(op, |_| Ok(()), (0, 0));
+        }
         let chunk = values.len().div_ceil(w.max(1));
         let send: Vec<Vec<f32>> = (0..w)
             .map(|r| {

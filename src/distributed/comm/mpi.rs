@@ -127,17 +127,6 @@ fn counts(sizes: &[usize]) -> std::result::Result<(Vec<Count>, Vec<Count>), Tran
     Ok((counts, displs))
 }
 
-/// Cuts `flat` into blocks of `sizes`.
-fn blocks(flat: Vec<u8>, sizes: &[usize]) -> Vec<Vec<u8>> {
-    let mut out = Vec::with_capacity(sizes.len());
-    let mut at = 0;
-    for &s in sizes {
-        out.push(flat[at..at + s].to_vec());
-        at += s;
-    }
-    out
-}
-
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -149,37 +138,32 @@ impl Transport for MpiTransport {
 
     fn all_to_all_v(
         &self,
-        send: Vec<Vec<u8>>,
+        send: &[u8],
+        send_sizes: &[usize],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         _deadline: Instant,
-    ) -> std::result::Result<Vec<Vec<u8>>, TransportError> {
-        let send_sizes: Vec<usize> = send.iter().map(Vec::len).collect();
-        let (send_counts, send_displs) = counts(&send_sizes)?;
+    ) -> std::result::Result<(), TransportError> {
+        let (send_counts, send_displs) = counts(send_sizes)?;
         let (recv_counts, recv_displs) = counts(recv_sizes)?;
-        let flat: Vec<u8> = send.concat();
-        let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        {
-            let partition = Partition::new(&flat[..], send_counts, send_displs);
-            let mut partition_mut = PartitionMut::new(&mut recv[..], recv_counts, recv_displs);
-            self.comm
-                .all_to_all_varcount_into(&partition, &mut partition_mut);
-        }
-        Ok(blocks(recv, recv_sizes))
+        let partition = Partition::new(send, send_counts, send_displs);
+        let mut partition_mut = PartitionMut::new(recv, recv_counts, recv_displs);
+        self.comm
+            .all_to_all_varcount_into(&partition, &mut partition_mut);
+        Ok(())
     }
 
     fn all_gather_v(
         &self,
         send: &[u8],
+        recv: &mut [u8],
         recv_sizes: &[usize],
         _deadline: Instant,
-    ) -> std::result::Result<Vec<Vec<u8>>, TransportError> {
+    ) -> std::result::Result<(), TransportError> {
         let (recv_counts, recv_displs) = counts(recv_sizes)?;
-        let mut recv = vec![0u8; recv_sizes.iter().sum()];
-        {
-            let mut partition_mut = PartitionMut::new(&mut recv[..], recv_counts, recv_displs);
-            self.comm.all_gather_varcount_into(send, &mut partition_mut);
-        }
-        Ok(blocks(recv, recv_sizes))
+        let mut partition_mut = PartitionMut::new(recv, recv_counts, recv_displs);
+        self.comm.all_gather_varcount_into(send, &mut partition_mut);
+        Ok(())
     }
 
     fn split(
