@@ -3,14 +3,21 @@
 //! `support/dist_scenarios.rs`). The same scenarios run across processes under MPI in
 //! `dist_mpi.rs`.
 
+#[path = "support/cuda_device.rs"]
+mod cuda_device;
 #[path = "support/dist_scenarios.rs"]
 mod dist_scenarios;
 
 use dist_scenarios::{cases, run_local};
 
 fn check_world(world: usize) {
+    check_cases(cases(world));
+}
+
+fn check_cases(cases: Vec<dist_scenarios::Case>) {
     let mut failures = Vec::new();
-    for case in cases(world) {
+    for case in cases {
+        let world = case.world;
         let reports = run_local(&case, 5);
         for (rank, r) in reports.into_iter().enumerate() {
             match r {
@@ -41,4 +48,24 @@ fn sharded_equals_unsharded_on_four_ranks_as_two_hosts() {
 #[test]
 fn one_rank_is_the_unsharded_model() {
     check_world(1);
+}
+
+/// The same with every rank's tables on the CUDA device (a GPU, else the host emulation): the
+/// device TBEs' lookups and fused backward under each sharding type, at 2 ranks.
+#[test]
+fn sharded_equals_unsharded_with_tables_on_the_cuda_device() {
+    let Some(device) = cuda_device::device() else {
+        return;
+    };
+    let cases = (cases(2).into_iter())
+        .filter(|c| {
+            ["mixed", "mixed_adagrad", "column_wise", "row_wise"].contains(&c.name.as_str())
+        })
+        .map(|mut c| {
+            c.device = device;
+            c
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(cases.len(), 4);
+    check_cases(cases);
 }

@@ -45,6 +45,8 @@ pub struct Case {
     pub weighted: bool,
     /// Batch size of each rank.
     pub batches: Vec<usize>,
+    /// Where the sharded tables live (the unsharded reference stays on the CPU).
+    pub device: embers::Device,
 }
 
 /// The tables (TorchRec's test shapes: rows `(i+1)·10`, dims `(i+2)·8`, then one small one),
@@ -86,6 +88,7 @@ pub fn cases(world: usize) -> Vec<Case> {
         optimizer,
         weighted: false,
         batches: batches.clone(),
+        device: embers::Device::Cpu,
     };
     let mixed = vec![
         (
@@ -322,6 +325,7 @@ pub fn train(
             .set_table_weights(&c.name, &init_table(c, SEED).map_err(e)?)
             .map_err(e)?;
     }
+    sharded.to_device(case.device).map_err(e)?;
     if let Some(path) = resume {
         sharded.load(path).map_err(e)?;
         load_into_unsharded(&reference, path).map_err(e)?;
@@ -344,7 +348,9 @@ pub fn train(
         // Sharded.
         let local = kjt_of(&[&batches[rank]], case.weighted);
         let pooled = sharded.forward(&local).map_err(e)?;
-        let logits = head.forward(pooled.values()).map_err(e)?;
+        // The dense head on the CPU (a device collection's output comes back through autograd).
+        let embedded = pooled.values().to_device(embers::Device::Cpu).map_err(e)?;
+        let logits = head.forward(&embedded).map_err(e)?;
         let labels = Tensor::from_vec(batches[rank].labels.clone(), &[b, 1]).map_err(e)?;
         let loss = logits
             .bce_with_logits(&labels, None, Reduction::Mean)
