@@ -3,11 +3,11 @@
 //! `ShardedEmbeddingBagCollection`, for every sharding type but grid.
 //!
 //! Each rank keeps two TBEs, both SUM-pooled with the optimizer fused into backward:
-//! * *remote* — its slots ([`routing`](super::routing)): the shards it holds, looked up for
+//! * *remote* — its slots (the `routing` module): the shards it holds, looked up for
 //!   every rank's batch (the global batch);
 //! * *replicated* — the data-parallel tables, looked up for its own batch.
 //!
-//! Forward: the input distribution ([`input_dist`](super::input_dist)) brings every rank the
+//! Forward: the input distribution (the `input_dist` module) brings every rank the
 //! bags of its slots; the remote lookup runs; the output distribution brings each rank the rows
 //! of its samples — all-to-all for owned shards, reduce-scatter for row-wise partial sums,
 //! reduce-scatter inside the host then all-to-all across hosts for table-row-wise ones; the
@@ -508,7 +508,7 @@ impl ShardedEmbeddingBagCollection {
 
     /// Writes a sharded checkpoint into directory `dir` (a collective): each rank its
     /// rectangles, then rank 0 the manifest; atomic as a whole (see
-    /// [`checkpoint`](super::checkpoint)). Load it with [`load`](Self::load) under any plan
+    /// [`super::checkpoint`]). Load it with [`load`](Self::load) under any plan
     /// and world size, or into one unsharded collection with
     /// [`load_into_unsharded`](super::checkpoint::load_into_unsharded).
     pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {

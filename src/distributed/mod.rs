@@ -1,5 +1,5 @@
 //! Model-parallel embeddings across processes: a [`ShardingPlan`] (from `embers-plan` or by
-//! hand) executed over a [`Comm`] — MPI across processes (feature `mpi`, [`mpi_world`]) or
+//! hand) executed over a [`Comm`] — MPI across processes (feature `mpi`, `mpi_world`) or
 //! threads of one process ([`LocalGroup`], for tests and single-process runs).
 //!
 //! * [`comm`]: the communicator — all-to-all-v, all-gather-v, reduce-scatter-v, all-reduce,
