@@ -240,6 +240,18 @@ fn batches(rank: usize, b: usize, rows: usize) -> Vec<(Tensor, KeyedJaggedTensor
         .collect()
 }
 
+/// DLRM after the lookup: bottom MLP 13-512-256-64, dot interaction, top MLP 512-512-256-1.
+fn dense_half() -> embers::Result<DlrmDense> {
+    DlrmDense::dot(
+        DENSE,
+        &[512, 256, D],
+        F,
+        &[512, 512, 256, 1],
+        DType::F32,
+        &mut seeded(7),
+    )
+}
+
 type Lookup<'a> = &'a dyn Fn(&KeyedJaggedTensor) -> embers::Result<KeyedTensor>;
 
 /// Times `steps` training steps (after 3 warm-up steps): the median step in ms.
@@ -250,14 +262,7 @@ fn time_steps(
     b: usize,
     data: &[(Tensor, KeyedJaggedTensor, Tensor)],
 ) -> embers::Result<f64> {
-    let dense = DlrmDense::dot(
-        DENSE,
-        &[512, 256, D],
-        F,
-        &[512, 512, 256, 1],
-        DType::F32,
-        &mut seeded(7),
-    )?;
+    let dense = dense_half()?;
     let params = dense.parameters();
     let mut opt = Adagrad::new(params.clone(), 0.01, 0.0)?;
     let mut times = Vec::new();
@@ -354,18 +359,7 @@ fn child(world: usize) -> embers::Result<()> {
     let remote = F - owned;
     let sparse_min =
         (b * remote * 8) as f64 + ((world - 1) * b * owned * D * 4 + b * remote * D * 4) as f64;
-    let params: usize = DlrmDense::dot(
-        DENSE,
-        &[512, 256, D],
-        F,
-        &[512, 512, 256, 1],
-        DType::F32,
-        &mut seeded(7),
-    )?
-    .parameters()
-    .iter()
-    .map(|p| p.numel())
-    .sum();
+    let params: usize = dense_half()?.parameters().iter().map(|p| p.numel()).sum();
     let dense_min = 2.0 * (world - 1) as f64 / world as f64 * params as f64 * 4.0;
     result(rank, "sparse_bytes", sparse_bytes);
     result(rank, "sparse_min_bytes", sparse_min);

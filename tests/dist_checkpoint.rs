@@ -8,11 +8,10 @@ mod dist_scenarios;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use dist_scenarios::{case, compare, kjt_of, rank_batch, tables, train, Case, SEED};
-use embers::distributed::{
-    init_table, load_into_unsharded, Comm, LocalGroup, Placement, ShardedEmbeddingBagCollection,
-    ShardingPlan,
+use dist_scenarios::{
+    case, compare, kjt_of, load_whole_and_compare, rank_batch, sharded_of, state_of, tables, train,
 };
+use embers::distributed::{init_table, load_into_unsharded, Comm, LocalGroup, Placement};
 use embers::embedding::{EmbeddingBagCollection, FusedOptimizer};
 use embers::tensor::rng::seeded;
 
@@ -48,35 +47,8 @@ fn e(e: embers::Error) -> String {
     e.to_string()
 }
 
-/// Every optimizer state buffer of `table` in an unsharded collection.
-fn state_of(ebc: &EmbeddingBagCollection, table: &str) -> Vec<Vec<f32>> {
-    for tbe in ebc.tbes() {
-        if let Some(t) = tbe.config().tables.iter().position(|s| s.name == table) {
-            return (0..tbe.optimizer_state_names().len())
-                .map(|i| tbe.optimizer_state(i, t).unwrap())
-                .collect();
-        }
-    }
-    panic!("no table {table}")
-}
-
 fn fresh(optimizer: FusedOptimizer) -> EmbeddingBagCollection {
     EmbeddingBagCollection::new(tables(), optimizer, &mut seeded(77)).unwrap()
-}
-
-/// The sharded collection of `case` (its plan), initialised from `SEED`.
-fn sharded(comm: Comm, case: &Case) -> Result<ShardedEmbeddingBagCollection, String> {
-    let placements: Vec<(&str, Placement)> = (case.placements.iter())
-        .map(|(n, p)| (n.as_str(), p.clone()))
-        .collect();
-    let plan = ShardingPlan::construct(
-        &dist_scenarios::shapes(),
-        &placements,
-        case.world,
-        case.local,
-    )
-    .map_err(e)?;
-    ShardedEmbeddingBagCollection::new(tables(), &plan, case.optimizer, comm, SEED).map_err(e)
 }
 
 /// Train on 4 ranks (2 hosts of 2) under a mixed plan with row-wise Adagrad, save; the
@@ -91,19 +63,11 @@ fn train_on_four_ranks_resume_on_two_or_one() {
         let trained = train(comm, &four, 0..3, None)?;
         trained.sharded.save(&dir).map_err(e)?;
         // Any rank can serve the whole model from the checkpoint.
-        let whole = fresh(RW_ADAGRAD);
-        let report = load_into_unsharded(&whole, &dir).map_err(e)?;
+        let (whole, report) = load_whole_and_compare(&dir, &trained.reference, RW_ADAGRAD)?;
         assert!(report.approximated_row_state.is_empty(), "{report:?}");
         for c in tables() {
-            let want = trained.reference.table_weights(&c.name).map_err(e)?;
-            let got = whole.table_weights(&c.name).map_err(e)?;
-            compare(&format!("table {}", c.name), &got, &want)?;
-            let (got, want) = (
-                state_of(&whole, &c.name),
-                state_of(&trained.reference, &c.name),
-            );
-            assert_eq!(got.len(), 1, "row-wise Adagrad keeps one state");
-            compare(&format!("state of {}", c.name), &got[0], &want[0])?;
+            let want = state_of(&trained.reference, &c.name)?;
+            assert_eq!(want.len(), 1, "row-wise Adagrad keeps one state");
             assert!(want[0].iter().any(|&v| v > 0.0), "{} was trained", c.name);
         }
         assert_eq!(whole.tbes()[0].step(), 3);
@@ -158,7 +122,7 @@ fn unsharded_file_to_column_blocks_and_back() {
     on_ranks(2, |comm| {
         let mut columns = columns.clone();
         columns.optimizer = RW_ADAGRAD;
-        let s = sharded(comm, &columns)?;
+        let s = sharded_of(comm, &columns)?;
         let report = s.load(&file).map_err(e)?;
         let mut split = report.approximated_row_state.clone();
         split.sort();
@@ -184,7 +148,10 @@ fn unsharded_file_to_column_blocks_and_back() {
             back.table_weights(&c.name).unwrap(),
             whole.table_weights(&c.name).unwrap()
         );
-        let (got, want) = (state_of(&back, &c.name), state_of(&whole, &c.name));
+        let (got, want) = (
+            state_of(&back, &c.name).unwrap(),
+            state_of(&whole, &c.name).unwrap(),
+        );
         compare(&format!("state of {}", c.name), &got[0], &want[0]).unwrap();
     }
     assert_eq!(back.tbes()[0].step(), 2);
@@ -199,7 +166,7 @@ fn column_blocks_merge_their_row_statistics() {
     let mut columns = case(2, "column_wise").unwrap();
     columns.optimizer = RW_ADAGRAD;
     let blocks = on_ranks(2, |comm| {
-        let s = sharded(comm, &columns)?;
+        let s = sharded_of(comm, &columns)?;
         for step in 0..3 {
             let batch = rank_batch(s.comm().rank(), step, 5);
             let pooled = s.forward(&kjt_of(&[&batch], false)).map_err(e)?;
@@ -227,7 +194,7 @@ fn column_blocks_merge_their_row_statistics() {
             }
         }
         assert!(want.iter().any(|&v| v > 0.0), "{} was trained", c.name);
-        compare(&c.name, &state_of(&whole, &c.name)[0], &want).unwrap();
+        compare(&c.name, &state_of(&whole, &c.name).unwrap()[0], &want).unwrap();
         assert_eq!(whole.table_weights(&c.name).unwrap(), weights, "{}", c.name);
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -250,7 +217,7 @@ fn bad_checkpoints_change_nothing() {
     let good = dir.join("good");
     let mixed = case(2, "mixed").unwrap();
     on_ranks(2, |comm| {
-        let s = sharded(comm, &mixed)?;
+        let s = sharded_of(comm, &mixed)?;
         let batch = rank_batch(s.comm().rank(), 0, 4);
         let pooled = s.forward(&kjt_of(&[&batch], false)).map_err(e)?;
         pooled
@@ -283,7 +250,7 @@ fn bad_checkpoints_change_nothing() {
 
     on_ranks(2, |comm| {
         let rank = comm.rank();
-        let s = sharded(comm, &mixed)?;
+        let s = sharded_of(comm, &mixed)?;
         let before: Vec<Vec<f32>> = (tables().iter())
             .map(|c| s.table_weights(&c.name).unwrap())
             .collect();
@@ -312,7 +279,7 @@ fn bad_checkpoints_change_nothing() {
     on_ranks(2, |comm| {
         let mut adagrad = mixed.clone();
         adagrad.optimizer = RW_ADAGRAD;
-        let s = sharded(comm, &adagrad)?;
+        let s = sharded_of(comm, &adagrad)?;
         let err = s.load(&good).unwrap_err().to_string();
         assert!(err.contains("optimizer"), "{err}");
         Ok(())
@@ -331,7 +298,7 @@ fn bad_checkpoints_change_nothing() {
     let stale = good.join("rank-0-of-2.00000000deadbeef.safetensors");
     std::fs::write(&stale, b"half written").unwrap();
     on_ranks(2, |comm| {
-        let s = sharded(comm, &mixed)?;
+        let s = sharded_of(comm, &mixed)?;
         s.load(&good).map_err(e)?;
         s.save(&good).map_err(e)
     });

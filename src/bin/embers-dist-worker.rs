@@ -103,20 +103,8 @@ fn checkpoint(comm: Comm, world: usize, mode: &str, dir: &std::path::Path) -> Re
             let case = dist_scenarios::case(world, "mixed_adagrad").ok_or("no case")?;
             let trained = dist_scenarios::train(comm, &case, 0..3, None)?;
             trained.sharded.save(dir).map_err(e)?;
-            let whole = embers::embedding::EmbeddingBagCollection::new(
-                dist_scenarios::tables(),
-                rw_adagrad,
-                &mut embers::tensor::rng::seeded(77),
-            )
-            .map_err(e)?;
-            embers::distributed::load_into_unsharded(&whole, dir).map_err(e)?;
-            for c in dist_scenarios::tables() {
-                dist_scenarios::compare(
-                    &format!("rank {rank}: the saved {}", c.name),
-                    &whole.table_weights(&c.name).map_err(e)?,
-                    &trained.reference.table_weights(&c.name).map_err(e)?,
-                )?;
-            }
+            dist_scenarios::load_whole_and_compare(dir, &trained.reference, rw_adagrad)
+                .map_err(|m| format!("rank {rank}: {m}"))?;
             trained
         }
         "resume" => {

@@ -176,19 +176,24 @@ pub(crate) fn save(
     all_ok(comm, "checkpoint.committed", committed)
 }
 
-/// Every rank's verdict: this rank's error, or an error naming the ranks that failed.
-fn all_ok(comm: &Comm, op: &'static str, mine: Result<()>) -> Result<()> {
+/// Every rank's verdict on a step of a collective save or load: this rank's error, an error
+/// naming the ranks that failed, or this rank's value when every rank succeeded.
+pub(crate) fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Result<T> {
     let flag = [u8::from(mine.is_err())];
     let all = comm.all_gather_v(op, &flag, Some(&vec![1; comm.size()]))?;
-    mine?;
-    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] != 0).collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Distributed(format!(
-            "rank {}: {op} failed on rank(s) {failed:?} (see their error); nothing changed",
-            comm.rank()
-        )))
+    let value = mine?;
+    let failed: Vec<String> = (0..all.len())
+        .filter(|&r| all[r][0] != 0)
+        .map(|r| r.to_string())
+        .collect();
+    match failed.len() {
+        0 => Ok(value),
+        n => Err(Error::Distributed(format!(
+            "rank {}: {op} failed on rank{} {} (see their error); nothing changed",
+            comm.rank(),
+            if n == 1 { "" } else { "s" },
+            failed.join(", ")
+        ))),
     }
 }
 

@@ -533,20 +533,7 @@ impl ShardedEmbeddingBagCollection {
         let held = self.held(false);
         let staged = checkpoint::Saved::open(path.as_ref())
             .and_then(|mut saved| saved.stage(&held, self.inner.optimizer.name()));
-        let verdict = staged
-            .as_ref()
-            .map(|_| ())
-            .map_err(|e| Error::invalid(OP, e.to_string()));
-        let flag = [u8::from(verdict.is_err())];
-        let comm = &self.inner.comm;
-        let all = comm.all_gather_v("checkpoint.loaded", &flag, Some(&vec![1; comm.size()]))?;
-        let staged = staged?;
-        if let Some(r) = (0..all.len()).find(|&r| all[r][0] != 0) {
-            return Err(Error::Distributed(format!(
-                "rank {}: rank {r} could not load its part of the checkpoint; nothing changed",
-                comm.rank()
-            )));
-        }
+        let staged = checkpoint::all_ok(&self.inner.comm, "checkpoint.loaded", staged)?;
         staged.apply()
     }
 

@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 
 use embers::distributed::{
-    all_reduce_mean_gradients, init_table, load_into_unsharded, Comm, Placement,
+    all_reduce_mean_gradients, init_table, load_into_unsharded, Comm, LoadReport, Placement,
     ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
 };
 use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode};
@@ -284,6 +284,66 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
     Ok(trained.report)
 }
 
+/// The plan of `case`.
+pub fn plan_of(case: &Case) -> Result<ShardingPlan, String> {
+    let placements: Vec<(&str, Placement)> = (case.placements.iter())
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    ShardingPlan::construct(&shapes(), &placements, case.world, case.local)
+        .map_err(|e| e.to_string())
+}
+
+/// The sharded collection of `case` (its plan), initialised from `SEED`.
+pub fn sharded_of(comm: Comm, case: &Case) -> Result<ShardedEmbeddingBagCollection, String> {
+    ShardedEmbeddingBagCollection::new(tables(), &plan_of(case)?, case.optimizer, comm, SEED)
+        .map_err(|e| e.to_string())
+}
+
+/// Every optimizer state buffer of `table` in an unsharded collection.
+pub fn state_of(ebc: &EmbeddingBagCollection, table: &str) -> Result<Vec<Vec<f32>>, String> {
+    for tbe in ebc.tbes() {
+        if let Some(t) = tbe.config().tables.iter().position(|s| s.name == table) {
+            return (0..tbe.optimizer_state_names().len())
+                .map(|i| tbe.optimizer_state(i, t).map_err(|e| e.to_string()))
+                .collect();
+        }
+    }
+    Err(format!("no table {table}"))
+}
+
+/// Loads checkpoint `path` into a fresh unsharded collection (initialised from another seed)
+/// and checks its weights and optimizer state against `reference`: the collection and what
+/// the load reported.
+pub fn load_whole_and_compare(
+    path: &std::path::Path,
+    reference: &EmbeddingBagCollection,
+    optimizer: FusedOptimizer,
+) -> Result<(EmbeddingBagCollection, LoadReport), String> {
+    let e = |e: embers::Error| e.to_string();
+    let whole = EmbeddingBagCollection::new(tables(), optimizer, &mut seeded(77)).map_err(e)?;
+    let report = load_into_unsharded(&whole, path).map_err(e)?;
+    for c in tables() {
+        compare(
+            &format!("the saved {}", c.name),
+            &whole.table_weights(&c.name).map_err(e)?,
+            &reference.table_weights(&c.name).map_err(e)?,
+        )?;
+        let (got, want) = (state_of(&whole, &c.name)?, state_of(reference, &c.name)?);
+        if got.len() != want.len() {
+            return Err(format!(
+                "{}: {} state buffers, {} expected",
+                c.name,
+                got.len(),
+                want.len()
+            ));
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            compare(&format!("the saved state {i} of {}", c.name), g, w)?;
+        }
+    }
+    Ok((whole, report))
+}
+
 /// A case trained sharded and unsharded in step.
 pub struct Trained {
     pub rank: usize,
@@ -310,11 +370,7 @@ pub fn train(
         ));
     }
     let configs = tables();
-    let placements: Vec<(&str, Placement)> = (case.placements.iter())
-        .map(|(n, p)| (n.as_str(), p.clone()))
-        .collect();
-    let plan =
-        ShardingPlan::construct(&shapes(), &placements, case.world, case.local).map_err(e)?;
+    let plan = plan_of(case)?;
     let sharded =
         ShardedEmbeddingBagCollection::new(configs.clone(), &plan, case.optimizer, comm, SEED)
             .map_err(e)?;
