@@ -18,14 +18,16 @@ pub mod embedding_bag;
 mod input_dist;
 pub mod plan;
 mod routing;
+mod shards;
 
 pub use checkpoint::{load_into_unsharded, LoadReport};
 #[cfg(feature = "mpi")]
 pub use comm::mpi::mpi_world;
 pub use comm::{Comm, LocalGroup, OpBytes};
-pub use embedding_bag::{init_table, ShardValues, ShardedEmbeddingBagCollection};
+pub use embedding_bag::ShardedEmbeddingBagCollection;
 pub use input_dist::kjt_all_to_all;
 pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};
+pub use shards::{init_table, ShardValues, ShardableTable};
 
 use crate::error::Result;
 use crate::{Device, Tensor};
