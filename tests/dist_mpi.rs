@@ -1,7 +1,8 @@
 //! The distributed engine across processes: `mpiexec -n W` runs `embers-dist-worker` (built
 //! with `--features mpi`), one process per rank.
 //!
-//! * sharded == unsharded for every case of `support/dist_scenarios.rs` at 2 and 4 ranks
+//! * sharded == unsharded for every case of `support/dist_scenarios.rs` at 2 and 4 ranks, for
+//!   the pooled collection and the unpooled one (`support/dist_sequence.rs`)
 //!   (with the closed-form byte checks);
 //! * TorchRec's `KJTAllToAll` docstring example;
 //! * faults: a rank killed mid-step, a rank that stalls, a rank that skips a batch, a rank with
@@ -92,7 +93,11 @@ fn equivalence(world: usize) {
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     let cases = log.lines().filter(|l| l.starts_with("OK rank 0 ")).count();
-    assert!(cases >= 9, "{log}");
+    // Every case for the sharded EBC and the sharded EC.
+    let unpooled = (log.lines())
+        .filter(|l| l.starts_with("OK rank 0 ") && l.contains(" unpooled "))
+        .count();
+    assert!(cases >= 18 && unpooled * 2 == cases, "{log}");
     for r in 0..world {
         assert_eq!(
             log.lines()

@@ -1,7 +1,7 @@
 //! One rank of the MPI tests (`tests/dist_mpi.rs` launches it with `mpiexec -n W`).
 //!
 //! ```text
-//! embers-dist-worker <world> equivalence <case|all> <steps>
+//! embers-dist-worker <world> equivalence <case|all> <steps>   (pooled, then unpooled)
 //! embers-dist-worker <world> kjt-all-to-all
 //! embers-dist-worker <world> checkpoint <save|resume> <dir>
 //! embers-dist-worker <world> fault <kill|stall|skip|plan|world> <timeout_s>
@@ -13,6 +13,8 @@
 
 #[path = "../../tests/support/dist_scenarios.rs"]
 mod dist_scenarios;
+#[path = "../../tests/support/dist_sequence.rs"]
+mod dist_sequence;
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -68,7 +70,11 @@ fn run(args: &[String]) -> Result<(), String> {
             for case in cases {
                 let comm = mpi_world().map_err(|e| e.to_string())?;
                 let report = dist_scenarios::run_case(comm, &case, steps)?;
-                println!("OK rank {rank} {} {report:?}", case.name);
+                println!("OK rank {rank} {} pooled {report:?}", case.name);
+                // The same case for the unpooled collection.
+                let comm = mpi_world().map_err(|e| e.to_string())?;
+                let report = dist_sequence::run_ec_case(comm, &case, steps)?;
+                println!("OK rank {rank} {} unpooled {report:?}", case.name);
             }
             Ok(())
         }

@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
-use crate::embedding::{EmbeddingBagCollection, StateShape, TableBatchedEmbedding};
+use crate::embedding::{
+    EmbeddingBagCollection, EmbeddingCollection, StateShape, TableBatchedEmbedding,
+};
 use crate::error::{Error, Result};
 
 const FORMAT: &str = "embers.sharded_ebc.v1";
@@ -504,15 +506,34 @@ impl Staged<'_> {
     }
 }
 
+/// An unsharded collection a sharded checkpoint loads into: [`EmbeddingBagCollection`] and
+/// [`EmbeddingCollection`].
+pub trait UnshardedTables {
+    /// Its TBEs (each TBE table named as the collection's table).
+    fn tables(&self) -> Vec<&TableBatchedEmbedding>;
+}
+
+impl UnshardedTables for EmbeddingBagCollection {
+    fn tables(&self) -> Vec<&TableBatchedEmbedding> {
+        self.tbes()
+    }
+}
+
+impl UnshardedTables for EmbeddingCollection {
+    fn tables(&self) -> Vec<&TableBatchedEmbedding> {
+        self.tbes()
+    }
+}
+
 /// Loads a sharded checkpoint (or another collection's file) into an unsharded
-/// [`EmbeddingBagCollection`] with the same tables: train sharded, serve from one process. A
-/// bad checkpoint changes nothing.
+/// [`EmbeddingBagCollection`] or [`EmbeddingCollection`] with the same tables: train sharded,
+/// serve from one process. A bad checkpoint changes nothing.
 pub fn load_into_unsharded(
-    ebc: &EmbeddingBagCollection,
+    collection: &impl UnshardedTables,
     path: impl AsRef<Path>,
 ) -> Result<LoadReport> {
     let mut saved = Saved::open(path.as_ref())?;
-    let tbes = ebc.tbes();
+    let tbes = collection.tables();
     let mut held = Vec::new();
     for tbe in &tbes {
         for (index, spec) in tbe.config().tables.iter().enumerate() {

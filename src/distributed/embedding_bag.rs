@@ -582,7 +582,7 @@ impl BackwardOp for ShardedBackward {
             }
             let g = Tensor::from_vec(g, &[b, rep.tbe.output_dim()])?;
             let grads = rep.tbe.row_gradients_batch(batch, &g)?;
-            shards.step_replicated(rep, grads)?;
+            shards.step_replicated(vec![grads])?;
         }
         Ok(Vec::new())
     }

@@ -8,22 +8,26 @@
 //! * [`ShardedEmbeddingBagCollection`]: the tables of an EBC spread by a plan, with TorchRec's
 //!   input and output distributions for data-parallel, table-wise, column-wise,
 //!   table-column-wise, row-wise and table-row-wise tables.
+//! * [`ShardedEmbeddingCollection`]: the same for an EC (unpooled lookups): the rows of
+//!   each id travel back by one all-to-all, their gradients by its reverse.
 //! * [`checkpoint`]: sharded checkpoints that load under any plan, or unsharded.
 //! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
 //! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
 
 pub mod checkpoint;
 pub mod comm;
+pub mod embedding;
 pub mod embedding_bag;
 mod input_dist;
 pub mod plan;
 mod routing;
 mod shards;
 
-pub use checkpoint::{load_into_unsharded, LoadReport};
+pub use checkpoint::{load_into_unsharded, LoadReport, UnshardedTables};
 #[cfg(feature = "mpi")]
 pub use comm::mpi::mpi_world;
 pub use comm::{Comm, LocalGroup, OpBytes};
+pub use embedding::ShardedEmbeddingCollection;
 pub use embedding_bag::ShardedEmbeddingBagCollection;
 pub use input_dist::kjt_all_to_all;
 pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};

@@ -620,33 +620,38 @@ impl Shards {
             .collect()
     }
 
-    /// One step of a replicated TBE with `grads` (its row gradients for this rank's batch):
-    /// summed over the ranks in rank order, divided by the world size, applied once — every
-    /// rank makes the same update.
-    pub fn step_replicated(&self, rep: &LocalTbe, grads: Vec<RowSparseGrad>) -> Result<()> {
+    /// One step of the replicated TBEs, each with its row gradients for this rank's batch
+    /// (`steps`, in the order of [`Shards::replicated`]): summed over the ranks in rank order,
+    /// divided by the world size, applied once — every rank makes the same update. One
+    /// all-gather of rows and one of values for all of them.
+    pub fn step_replicated(&self, steps: Vec<Vec<RowSparseGrad>>) -> Result<()> {
         let comm = &self.comm;
         let w = comm.size();
         if w == 1 {
-            return rep.tbe.apply_row_gradients(&grads);
+            for (rep, grads) in self.replicated.iter().zip(&steps) {
+                rep.tbe.apply_row_gradients(grads)?;
+            }
+            return Ok(());
         }
+        let tables: Vec<&LocalTable> = self.replicated.iter().flat_map(|r| &r.tables).collect();
         let mut rows: Vec<i64> = Vec::new();
         let mut values: Vec<f32> = Vec::new();
-        for gt in &grads {
+        for gt in steps.iter().flatten() {
             rows.push(gt.rows.len() as i64);
             rows.extend_from_slice(&gt.rows);
             values.extend(gt.values.to_device(Device::Cpu)?.to_vec::<f32>()?);
         }
         let all_rows = comm.all_gather_v("backward.replicated_rows", &rows, None)?;
         let value_counts: Vec<usize> = (all_rows.iter())
-            .map(|r| count_values(r, &rep.tables))
+            .map(|r| count_values(r, &tables))
             .collect::<Result<_>>()?;
         let all_values =
             comm.all_gather_v("backward.replicated_values", &values, Some(&value_counts))?;
         let mut summed: Vec<std::collections::BTreeMap<i64, Vec<f32>>> =
-            vec![Default::default(); rep.tables.len()];
+            vec![Default::default(); tables.len()];
         for (r, v) in all_rows.iter().zip(&all_values) {
             let (mut at, mut vat) = (0, 0);
-            for (t, table) in rep.tables.iter().enumerate() {
+            for (t, table) in tables.iter().enumerate() {
                 let n = r[at] as usize;
                 for &row in &r[at + 1..at + 1 + n] {
                     let acc = summed[t]
@@ -661,7 +666,7 @@ impl Shards {
             }
         }
         let world = w as f32;
-        let grads = (summed.into_iter().zip(&rep.tables))
+        let mut grads = (summed.into_iter().zip(&tables))
             .map(|(rows, table)| {
                 let n = rows.len();
                 let mut values = Vec::with_capacity(n * table.cols);
@@ -677,8 +682,13 @@ impl Shards {
                     num_rows: table.rows,
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
-        rep.tbe.apply_row_gradients(&grads)
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        for rep in &self.replicated {
+            let mine: Vec<RowSparseGrad> = grads.by_ref().take(rep.tables.len()).collect();
+            rep.tbe.apply_row_gradients(&mine)?;
+        }
+        Ok(())
     }
 }
 
@@ -687,7 +697,7 @@ fn names_of<'a>(tables: &'a [TableInfo], t: &LocalTable) -> &'a str {
 }
 
 /// Values in a gathered replicated-gradient block whose row lists are `rows`.
-fn count_values(rows: &[i64], tables: &[LocalTable]) -> Result<usize> {
+fn count_values(rows: &[i64], tables: &[&LocalTable]) -> Result<usize> {
     let (mut at, mut n) = (0usize, 0usize);
     for t in tables {
         let k = rows.get(at).copied().filter(|&k| k >= 0).ok_or_else(|| {

@@ -611,6 +611,40 @@ impl Module for EmbeddingBagCollection {
     }
 }
 
+/// Checks an unpooled collection's configs (at least one; unique table names; each table
+/// FP32 with features, no feature read by two tables): the features in config order.
+pub(crate) fn check_configs(op: &'static str, configs: &[EmbeddingConfig]) -> Result<Vec<String>> {
+    if configs.is_empty() {
+        return Err(Error::invalid(op, "at least one table config is needed"));
+    }
+    check_unique_names(op, configs.iter().map(|c| c.name.as_str()))?;
+    let mut feature_order = Vec::new();
+    for c in configs {
+        if c.feature_names.is_empty() {
+            return Err(Error::invalid(
+                op,
+                format!("table `{}` has no features", c.name),
+            ));
+        }
+        if c.weight_type != super::WeightType::Fp32 {
+            return Err(Error::invalid(
+                op,
+                format!("table `{}`: training tables are FP32", c.name),
+            ));
+        }
+        for f in &c.feature_names {
+            if feature_order.contains(f) {
+                return Err(Error::invalid(
+                    op,
+                    format!("feature `{f}` is listed by more than one table"),
+                ));
+            }
+            feature_order.push(f.clone());
+        }
+    }
+    Ok(feature_order)
+}
+
 /// Unpooled embedding tables (TorchRec's `EmbeddingCollection`): each id of each feature
 /// gives its row, as sequence models (Bert4Rec) need.
 #[derive(Clone, Debug)]
@@ -627,34 +661,7 @@ impl EmbeddingCollection {
         optimizer: FusedOptimizer,
         rng: &mut Rng,
     ) -> Result<Self> {
-        if configs.is_empty() {
-            return Err(Error::invalid(EC, "at least one table config is needed"));
-        }
-        check_unique_names(EC, configs.iter().map(|c| c.name.as_str()))?;
-        let mut feature_order = Vec::new();
-        for c in &configs {
-            if c.feature_names.is_empty() {
-                return Err(Error::invalid(
-                    EC,
-                    format!("table `{}` has no features", c.name),
-                ));
-            }
-            if c.weight_type != super::WeightType::Fp32 {
-                return Err(Error::invalid(
-                    EC,
-                    format!("table `{}`: training tables are FP32", c.name),
-                ));
-            }
-            for f in &c.feature_names {
-                if feature_order.contains(f) {
-                    return Err(Error::invalid(
-                        EC,
-                        format!("feature `{f}` is listed by more than one table"),
-                    ));
-                }
-                feature_order.push(f.clone());
-            }
-        }
+        let feature_order = check_configs(EC, &configs)?;
         // One TBE per distinct dim: a TBE without pooling has one output width.
         let mut dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
         dims.sort_unstable();

@@ -38,7 +38,7 @@ mod storage;
 pub(crate) mod tbe;
 pub(crate) use tbe::fill_init;
 
-pub(crate) use collection::check_bag_configs;
+pub(crate) use collection::{check_bag_configs, check_configs};
 pub use collection::{
     EmbeddingBagCollection, EmbeddingCollection, QuantizedEmbeddingBagCollection,
 };
