@@ -1,0 +1,221 @@
+//! The communicator's collectives against hand-worked examples, each rank a thread over a
+//! `LocalGroup` (the MPI transport runs the same calls in `dist_mpi.rs`): uneven and empty
+//! blocks, byte counts, sub-groups, TorchRec's `KJTAllToAll` docstring example, and the errors
+//! — counts that do not match, a rank that never joins.
+
+use std::time::{Duration, Instant};
+
+use embers::distributed::{kjt_all_to_all, Comm, LocalGroup};
+use embers::sparse::KeyedJaggedTensor;
+use embers::Tensor;
+
+fn on_ranks<T: Send>(world: usize, timeout_ms: u64, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
+    let comms = LocalGroup::comms(world);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (comms.into_iter())
+            .map(|c| c.with_timeout(Duration::from_millis(timeout_ms)))
+            .map(|c| s.spawn(|| f(c)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn all_to_all_v_with_uneven_and_empty_blocks() {
+    // Rank r sends to rank d the values 100·r + 10·d + k for k < (r + d) % 3.
+    let block = |r: usize, d: usize| -> Vec<i64> {
+        (0..(r + d) % 3)
+            .map(|k| (100 * r + 10 * d + k) as i64)
+            .collect()
+    };
+    let got = on_ranks(3, 2000, |comm| {
+        let r = comm.rank();
+        let send = (0..3).map(|d| block(r, d)).collect();
+        let out = comm.all_to_all_v("test.a2a", send, None).unwrap();
+        (out, comm.bytes()["test.a2a"], comm.bytes()["sizes"])
+    });
+    for (d, (out, bytes, sizes)) in got.iter().enumerate() {
+        for (r, b) in out.iter().enumerate() {
+            assert_eq!(b, &block(r, d), "rank {d} from rank {r}");
+        }
+        // 8-byte values to the other ranks; the sizes exchange is one u64 per other rank.
+        let sent: usize = (0..3)
+            .filter(|&x| x != d)
+            .map(|x| block(d, x).len() * 8)
+            .sum();
+        let received: usize = (0..3)
+            .filter(|&x| x != d)
+            .map(|x| block(x, d).len() * 8)
+            .sum();
+        assert_eq!((bytes.sent, bytes.received), (sent as u64, received as u64));
+        assert_eq!((sizes.sent, sizes.calls), (16, 1));
+    }
+}
+
+#[test]
+fn all_gather_reduce_scatter_and_all_reduce() {
+    let got = on_ranks(4, 2000, |comm| {
+        let r = comm.rank();
+        let mine: Vec<f32> = (0..r).map(|k| (10 * r + k) as f32).collect();
+        let gathered = comm.all_gather_v("test.gather", &mine, None).unwrap();
+        // Segment d has d + 1 values; rank r contributes r + 1 to each.
+        let send = (0..4).map(|d| vec![(r + 1) as f32; d + 1]).collect();
+        let summed = comm.reduce_scatter_v("test.rs", send).unwrap();
+        // 0.1 added in rank order everywhere gives the same bits on every rank.
+        let mut values: Vec<f32> = (0..7).map(|i| 0.1 * (i + r) as f32).collect();
+        comm.all_reduce_sum("test.ar", &mut values).unwrap();
+        (gathered, summed, values)
+    });
+    for (r, (gathered, summed, values)) in got.iter().enumerate() {
+        for (s, g) in gathered.iter().enumerate() {
+            let want: Vec<f32> = (0..s).map(|k| (10 * s + k) as f32).collect();
+            assert_eq!(g, &want, "rank {r} gathered from {s}");
+        }
+        assert_eq!(summed, &vec![10.0f32; r + 1], "rank {r}: 1 + 2 + 3 + 4");
+        let want: Vec<f32> = (0..7)
+            .map(|i| (0..4).fold(0.0f32, |acc, q| acc + 0.1 * (i + q) as f32))
+            .collect();
+        assert_eq!(values, &want, "rank {r}");
+        assert_eq!(values, &got[0].2, "rank {r}: the same bits as rank 0");
+    }
+}
+
+#[test]
+fn split_makes_host_groups() {
+    let got = on_ranks(4, 2000, |comm| {
+        let r = comm.rank();
+        let intra = comm.split(r / 2).unwrap();
+        let cross = comm.split(r % 2).unwrap();
+        let hosts = cross.all_gather_v("test.cross", &[r as u32], None).unwrap();
+        (intra.rank(), intra.size(), cross.rank(), hosts.concat())
+    });
+    assert_eq!(got[0], (0, 2, 0, vec![0, 2]));
+    assert_eq!(got[1], (1, 2, 0, vec![1, 3]));
+    assert_eq!(got[2], (0, 2, 1, vec![0, 2]));
+    assert_eq!(got[3], (1, 2, 1, vec![1, 3]));
+}
+
+#[test]
+fn counts_that_do_not_match_are_errors() {
+    // One rank: the block to itself must have the announced length.
+    let one = on_ranks(1, 2000, |comm| {
+        comm.all_to_all_v("test.one", vec![vec![1u32, 2]], Some(&[3]))
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(
+        one[0].contains("test.one") && one[0].contains("2 values to itself, 3 expected"),
+        "{}",
+        one[0]
+    );
+    // Wrong number of blocks, and an all-gather whose own count is wrong.
+    let two = on_ranks(2, 2000, |comm| {
+        let blocks = comm
+            .all_to_all_v("test.blocks", vec![vec![1u32]], None)
+            .unwrap_err()
+            .to_string();
+        let own = comm
+            .all_gather_v("test.own", &[1u32, 2], Some(&[1, 1]))
+            .unwrap_err()
+            .to_string();
+        (blocks, own)
+    });
+    for (blocks, own) in two {
+        assert!(blocks.contains("needs 2 blocks and counts"), "{blocks}");
+        assert!(own.contains("needs 2 counts, this rank's its own"), "{own}");
+    }
+    // Counts that disagree between ranks: the receiver expected more than was sent.
+    let disagree = on_ranks(2, 1000, |comm| {
+        let r = comm.rank();
+        let send = vec![vec![r as u32; 1], vec![r as u32; 1]];
+        let counts = if r == 0 { vec![1, 2] } else { vec![1, 1] };
+        comm.all_to_all_v("test.disagree", send, Some(&counts))
+            .map_err(|e| e.to_string())
+    });
+    let e = disagree[0].as_ref().unwrap_err();
+    assert!(e.contains("test.disagree #1"), "{e}");
+}
+
+#[test]
+fn a_rank_that_never_joins_ends_the_others_at_the_deadline() {
+    let got = on_ranks(3, 500, |comm| {
+        let start = Instant::now();
+        if comm.rank() == 2 {
+            // Stalls, holding its communicator, past the others' deadline.
+            std::thread::sleep(Duration::from_millis(1500));
+            return (Ok(()), start.elapsed());
+        }
+        let out = comm
+            .all_gather_v("test.missing", &[1u8], Some(&[1, 1, 1]))
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        (out, start.elapsed())
+    });
+    for (r, (out, took)) in got.iter().enumerate().take(2) {
+        let e = out.as_ref().unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "rank {r}: test.missing #1 exceeded 0.5 s waiting for rank(s) ["
+            )),
+            "{e}"
+        );
+        // The stalled rank is named (a rank that gave up first has withdrawn: named too).
+        assert!(e.contains("2]"), "names the missing rank: {e}");
+        assert!(*took < Duration::from_millis(500 + 2000), "{took:?}");
+    }
+}
+
+#[test]
+fn kjt_all_to_all_matches_torchrecs_docstring_example() {
+    // TorchRec's KJTAllToAll docstring: keys A, B on rank 0 and C on rank 1.
+    let input: [[Vec<Vec<i64>>; 3]; 2] = [
+        [
+            vec![vec![0], vec![], vec![1, 2]],
+            vec![vec![], vec![10], vec![11]],
+            vec![vec![20], vec![21], vec![]],
+        ],
+        [
+            vec![vec![3], vec![4], vec![]],
+            vec![vec![], vec![12], vec![13, 14]],
+            vec![vec![22], vec![23], vec![]],
+        ],
+    ];
+    let kjt = |keys: &[&str], per_key: &[Vec<Vec<i64>>]| {
+        let values: Vec<i64> = per_key.iter().flatten().flatten().copied().collect();
+        let lengths: Vec<i64> = per_key.iter().flatten().map(|v| v.len() as i64).collect();
+        let (n, l) = (values.len(), lengths.len());
+        KeyedJaggedTensor::from_lengths(
+            keys.iter().map(|k| k.to_string()).collect(),
+            Tensor::from_vec(values, &[n]).unwrap(),
+            Tensor::from_vec(lengths, &[l]).unwrap(),
+            None,
+            None,
+        )
+        .unwrap()
+    };
+    let got = on_ranks(2, 2000, |comm| {
+        let mine = kjt(&["A", "B", "C"], &input[comm.rank()]);
+        let out = kjt_all_to_all(&comm, &mine, &[2, 1]).unwrap();
+        (
+            out.keys().to_vec(),
+            out.values().to_vec::<i64>().unwrap(),
+            out.lengths().to_vec::<i64>().unwrap(),
+        )
+    });
+    let rank0 = kjt(
+        &["A", "B"],
+        &[
+            vec![vec![0], vec![], vec![1, 2], vec![3], vec![4], vec![]],
+            vec![vec![], vec![10], vec![11], vec![], vec![12], vec![13, 14]],
+        ],
+    );
+    let rank1 = kjt(
+        &["C"],
+        &[vec![vec![20], vec![21], vec![], vec![22], vec![23], vec![]]],
+    );
+    for (r, want) in [rank0, rank1].iter().enumerate() {
+        assert_eq!(got[r].0, want.keys().to_vec());
+        assert_eq!(got[r].1, want.values().to_vec::<i64>().unwrap());
+        assert_eq!(got[r].2, want.lengths().to_vec::<i64>().unwrap());
+    }
+}
