@@ -13,7 +13,10 @@
 //! ranks'; 1.0 is perfect weak scaling), and the bytes each rank sent in one step beside the minimum for the
 //! plan (each id once to the rank that holds its table, each pooled row once to its sample's
 //! rank and its gradient once back, the dense gradients' reduce-scatter + all-gather). At W=1
-//! it also times the same model with an unsharded collection (the cost of the sharded path).
+//! it also times the same model with an unsharded collection (the cost of the sharded path);
+//! at W>1, interleaved with the sharded steps, every rank trains that unsharded model on its
+//! own batch at the same time with no communication (what W processes get from the machine
+//! before any exchange).
 //!
 //! Not criterion: criterion times one process, this times W of them in lockstep. Side by side
 //! with TorchRec's DistributedModelParallel on the same model: `benches/peers/dist_dlrm.sh`.
@@ -186,6 +189,19 @@ fn driver() {
             }
             println!();
         }
+        let alone = (0..w)
+            .filter_map(|r| median(w, r, "independent_step_ms"))
+            .fold(0.0f64, f64::max);
+        if alone > 0.0 {
+            print!("     {w} independent unsharded processes at once, no communication: {alone:.1} ms/step");
+            if let Some(u) = unsharded {
+                print!(
+                    " (the machine's own ceiling on the efficiency: {:.2})",
+                    u / alone
+                );
+            }
+            println!();
+        }
         let (sent, min) = (0..w).fold((0.0, 0.0), |(s, m), r| {
             (
                 s + median(w, r, "sparse_bytes").unwrap_or(0.0),
@@ -331,7 +347,21 @@ fn child(world: usize) -> embers::Result<()> {
         result(rank, "unsharded_step_ms", theirs[1]);
         mine[1]
     } else {
-        sharded_step()?
+        // Interleaved with every rank training an unsharded collection on its own batch with
+        // no communication at all, at the same time: what W processes get from this machine
+        // (its shared memory bandwidth and caches) before any exchange.
+        let ebc = EmbeddingBagCollection::new(configs(rows), optimizer, &mut seeded(1))?;
+        let (mut mine, mut alone) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            comm.barrier("bench.sync")?;
+            alone.push(time_steps(&|kjt| ebc.forward(kjt), None, steps, b, &data)?);
+            comm.barrier("bench.sync")?;
+            mine.push(sharded_step()?);
+        }
+        alone.sort_by(f64::total_cmp);
+        mine.sort_by(f64::total_cmp);
+        result(rank, "independent_step_ms", alone[1]);
+        mine[1]
     };
     result(rank, "step_ms", ms);
 

@@ -226,6 +226,7 @@ impl ShardedEmbeddingCollection {
                 .collect(),
             pooling: PoolingMode::None,
             by_width: true,
+            host_groups: false,
             optimizer,
             weight_decay: WeightDecay::None,
             plan,

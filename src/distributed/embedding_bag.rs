@@ -115,6 +115,7 @@ impl ShardedEmbeddingBagCollection {
                 .collect(),
             pooling: PoolingMode::Sum,
             by_width: false,
+            host_groups: true,
             optimizer,
             weight_decay,
             plan,

@@ -147,6 +147,8 @@ pub(crate) struct Build<'a> {
     /// One TBE per distinct width (unpooled lookups have one output width per TBE), or one
     /// for every slot and one for every replicated feature.
     pub by_width: bool,
+    /// Whether the table-row-wise output needs the host groups (pooled partial sums).
+    pub host_groups: bool,
     pub optimizer: FusedOptimizer,
     pub weight_decay: WeightDecay,
     pub plan: &'a ShardingPlan,
@@ -255,7 +257,7 @@ impl Shards {
             )));
         }
         let routing = Routing::new(plan, &shapes, &b.features)?;
-        let hosts = if routing.has_twrw() {
+        let hosts = if b.host_groups && routing.has_twrw() {
             let local = plan.local_world_size;
             let intra = comm.split(rank / local)?;
             let cross = comm.split(rank % local)?;
