@@ -3,21 +3,17 @@
 //! blocks, byte counts, sub-groups, TorchRec's `KJTAllToAll` docstring example, and the errors
 //! — counts that do not match, a rank that never joins.
 
+#[path = "support/dist_scenarios.rs"]
+mod dist_scenarios;
+#[path = "support/kjt_docstring.rs"]
+mod kjt_docstring;
+
 use std::time::{Duration, Instant};
 
-use embers::distributed::{kjt_all_to_all, Comm, LocalGroup};
-use embers::sparse::KeyedJaggedTensor;
-use embers::Tensor;
+use embers::distributed::Comm;
 
 fn on_ranks<T: Send>(world: usize, timeout_ms: u64, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::comms(world);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (comms.into_iter())
-            .map(|c| c.with_timeout(Duration::from_millis(timeout_ms)))
-            .map(|c| s.spawn(|| f(c)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    dist_scenarios::on_ranks(world, Duration::from_millis(timeout_ms), f)
 }
 
 #[test]
@@ -167,55 +163,7 @@ fn a_rank_that_never_joins_ends_the_others_at_the_deadline() {
 
 #[test]
 fn kjt_all_to_all_matches_torchrecs_docstring_example() {
-    // TorchRec's KJTAllToAll docstring: keys A, B on rank 0 and C on rank 1.
-    let input: [[Vec<Vec<i64>>; 3]; 2] = [
-        [
-            vec![vec![0], vec![], vec![1, 2]],
-            vec![vec![], vec![10], vec![11]],
-            vec![vec![20], vec![21], vec![]],
-        ],
-        [
-            vec![vec![3], vec![4], vec![]],
-            vec![vec![], vec![12], vec![13, 14]],
-            vec![vec![22], vec![23], vec![]],
-        ],
-    ];
-    let kjt = |keys: &[&str], per_key: &[Vec<Vec<i64>>]| {
-        let values: Vec<i64> = per_key.iter().flatten().flatten().copied().collect();
-        let lengths: Vec<i64> = per_key.iter().flatten().map(|v| v.len() as i64).collect();
-        let (n, l) = (values.len(), lengths.len());
-        KeyedJaggedTensor::from_lengths(
-            keys.iter().map(|k| k.to_string()).collect(),
-            Tensor::from_vec(values, &[n]).unwrap(),
-            Tensor::from_vec(lengths, &[l]).unwrap(),
-            None,
-            None,
-        )
-        .unwrap()
-    };
-    let got = on_ranks(2, 2000, |comm| {
-        let mine = kjt(&["A", "B", "C"], &input[comm.rank()]);
-        let out = kjt_all_to_all(&comm, &mine, &[2, 1]).unwrap();
-        (
-            out.keys().to_vec(),
-            out.values().to_vec::<i64>().unwrap(),
-            out.lengths().to_vec::<i64>().unwrap(),
-        )
-    });
-    let rank0 = kjt(
-        &["A", "B"],
-        &[
-            vec![vec![0], vec![], vec![1, 2], vec![3], vec![4], vec![]],
-            vec![vec![], vec![10], vec![11], vec![], vec![12], vec![13, 14]],
-        ],
-    );
-    let rank1 = kjt(
-        &["C"],
-        &[vec![vec![20], vec![21], vec![], vec![22], vec![23], vec![]]],
-    );
-    for (r, want) in [rank0, rank1].iter().enumerate() {
-        assert_eq!(got[r].0, want.keys().to_vec());
-        assert_eq!(got[r].1, want.values().to_vec::<i64>().unwrap());
-        assert_eq!(got[r].2, want.lengths().to_vec::<i64>().unwrap());
+    for result in on_ranks(2, 2000, |comm| kjt_docstring::check(&comm)) {
+        result.unwrap();
     }
 }

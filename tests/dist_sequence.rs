@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use dist_scenarios::{case, cases, compare, kjt_of, plan_of, rank_batch, Case, SEED};
 use dist_sequence::{ec_tables, run_ec_local, train_ec};
-use embers::distributed::{load_into_unsharded, Comm, LocalGroup, ShardedEmbeddingCollection};
+use embers::distributed::{load_into_unsharded, Comm, ShardedEmbeddingCollection};
 use embers::embedding::{EmbeddingCollection, EmbeddingConfig};
 use embers::sparse::KeyedJaggedTensor;
 use embers::tensor::rng::seeded;
@@ -70,14 +70,7 @@ fn sharded_ec_equals_unsharded_with_tables_on_the_cuda_device() {
 
 /// Runs `f` on every rank of a `LocalGroup` of `world` (deadline 5 s).
 fn on_ranks<T: Send>(world: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
-    let comms = LocalGroup::comms(world);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (comms.into_iter())
-            .map(|c| c.with_timeout(Duration::from_secs(5)))
-            .map(|c| s.spawn(|| f(c)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    dist_scenarios::on_ranks(world, Duration::from_secs(5), f)
 }
 
 #[test]
@@ -198,48 +191,45 @@ fn a_missing_feature_on_one_rank_fails_every_rank() {
     assert!(results[0].as_ref().unwrap_err().contains("rejected"));
 }
 
-#[test]
-fn ranks_with_different_tables_fail_naming_the_table() {
+/// Every rank's construction error when rank `r`'s tables are `tables(r)` (2 ranks, the mixed
+/// plan).
+fn build_errors(tables: impl Fn(usize) -> Vec<EmbeddingConfig> + Sync) -> Vec<String> {
     let mixed = case(2, "mixed").unwrap();
-    let results = on_ranks(2, |comm| {
-        let mut tables = ec_tables();
-        if comm.rank() == 1 {
-            tables[2] = EmbeddingConfig::new("t2", 30, 32, &["f2", "extra"]);
-        }
-        ShardedEmbeddingCollection::new(
-            tables,
-            &plan_of(&mixed).unwrap(),
+    on_ranks(2, |comm| {
+        let plan = plan_of(&mixed).unwrap();
+        let built = ShardedEmbeddingCollection::new(
+            tables(comm.rank()),
+            &plan,
             mixed.optimizer,
             comm,
             SEED,
-        )
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+        );
+        built.map(|_| ()).unwrap_err().to_string()
+    })
+}
+
+#[test]
+fn ranks_with_different_tables_fail_naming_the_table() {
+    let errors = build_errors(|rank| {
+        let mut tables = ec_tables();
+        if rank == 1 {
+            tables[2] = EmbeddingConfig::new("t2", 30, 32, &["f2", "extra"]);
+        }
+        tables
     });
-    for r in results {
-        let e = r.unwrap_err();
+    for e in errors {
         assert!(e.contains("first difference: table `t2`"), "{e}");
     }
 }
 
 #[test]
 fn bad_configs_are_refused_on_every_rank() {
-    let mixed = case(2, "mixed").unwrap();
-    let results = on_ranks(2, |comm| {
+    let errors = build_errors(|_| {
         let mut tables = ec_tables();
         tables[1].feature_names = vec!["f0".into()]; // read by t0 too
-        ShardedEmbeddingCollection::new(
-            tables,
-            &plan_of(&mixed).unwrap(),
-            mixed.optimizer,
-            comm,
-            SEED,
-        )
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+        tables
     });
-    for r in results {
-        let e = r.unwrap_err();
+    for e in errors {
         assert!(
             e.contains("feature `f0` is listed by more than one table"),
             "{e}"

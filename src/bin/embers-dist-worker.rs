@@ -15,15 +15,15 @@
 mod dist_scenarios;
 #[path = "../../tests/support/dist_sequence.rs"]
 mod dist_sequence;
+#[path = "../../tests/support/kjt_docstring.rs"]
+mod kjt_docstring;
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use embers::distributed::{
-    kjt_all_to_all, mpi_world, Comm, Placement, ShardedEmbeddingBagCollection, ShardingPlan,
+    mpi_world, Comm, Placement, ShardedEmbeddingBagCollection, ShardingPlan,
 };
-use embers::sparse::KeyedJaggedTensor;
-use embers::Tensor;
 
 fn now_ms() -> u128 {
     SystemTime::now()
@@ -134,62 +134,8 @@ fn checkpoint(comm: Comm, world: usize, mode: &str, dir: &std::path::Path) -> Re
 /// TorchRec's `KJTAllToAll` docstring example on 2 ranks: keys A, B to rank 0, C to rank 1.
 /// Values are numbered `key·10 + index` (`A.V1` = 1, `B.V0` = 10, `C.V3` = 23).
 fn kjt_example(comm: &Comm) -> Result<(), String> {
-    let e = |e: embers::Error| e.to_string();
-    // Per rank, per key, per sample: the values.
-    let input: [[Vec<Vec<i64>>; 3]; 2] = [
-        [
-            vec![vec![0], vec![], vec![1, 2]],
-            vec![vec![], vec![10], vec![11]],
-            vec![vec![20], vec![21], vec![]],
-        ],
-        [
-            vec![vec![3], vec![4], vec![]],
-            vec![vec![], vec![12], vec![13, 14]],
-            vec![vec![22], vec![23], vec![]],
-        ],
-    ];
-    let kjt = |keys: &[&str], per_key: &[Vec<Vec<i64>>]| -> Result<KeyedJaggedTensor, String> {
-        let values: Vec<i64> = per_key.iter().flatten().flatten().copied().collect();
-        let lengths: Vec<i64> = per_key.iter().flatten().map(|v| v.len() as i64).collect();
-        let (n, l) = (values.len(), lengths.len());
-        KeyedJaggedTensor::from_lengths(
-            keys.iter().map(|k| k.to_string()).collect(),
-            Tensor::from_vec(values, &[n]).map_err(e)?,
-            Tensor::from_vec(lengths, &[l]).map_err(e)?,
-            None,
-            None,
-        )
-        .map_err(e)
-    };
-    let rank = comm.rank();
-    let mine = kjt(&["A", "B", "C"], &input[rank])?;
-    let got = kjt_all_to_all(comm, &mine, &[2, 1]).map_err(e)?;
-    let want = if rank == 0 {
-        // 'A': [A.V0] None [A.V1, A.V2] [A.V3] [A.V4] None
-        // 'B': None [B.V0] [B.V1] None [B.V2] [B.V3, B.V4]
-        kjt(
-            &["A", "B"],
-            &[
-                vec![vec![0], vec![], vec![1, 2], vec![3], vec![4], vec![]],
-                vec![vec![], vec![10], vec![11], vec![], vec![12], vec![13, 14]],
-            ],
-        )?
-    } else {
-        // 'C': [C.V0] [C.V1] None [C.V2] [C.V3] None
-        kjt(
-            &["C"],
-            &[vec![vec![20], vec![21], vec![], vec![22], vec![23], vec![]]],
-        )?
-    };
-    let same = got.keys() == want.keys()
-        && got.stride() == 6
-        && got.lengths().to_vec::<i64>().map_err(e)?
-            == want.lengths().to_vec::<i64>().map_err(e)?
-        && got.values().to_vec::<i64>().map_err(e)? == want.values().to_vec::<i64>().map_err(e)?;
-    if !same {
-        return Err(format!("rank {rank}: got {got:?}, expected {want:?}"));
-    }
-    println!("OK rank {rank} kjt-all-to-all");
+    kjt_docstring::check(comm)?;
+    println!("OK rank {} kjt-all-to-all", comm.rank());
     Ok(())
 }
 

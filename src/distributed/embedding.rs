@@ -31,7 +31,7 @@ use super::embedding_bag::starts;
 use super::input_dist::Gathered;
 use super::plan::ShardingPlan;
 use super::routing::{Route, Slot};
-use super::shards::{Build, LocalInput, ShardValues, Shards, TableInfo};
+use super::shards::{sharded_access, Build, LocalInput, ShardValues, Shards, TableInfo};
 use crate::embedding::{
     check_configs, EmbeddingConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding, TbeBatch,
     TbeInput, WeightDecay,
@@ -238,64 +238,11 @@ impl ShardedEmbeddingCollection {
         })
     }
 
-    /// The communicator.
-    pub fn comm(&self) -> &Comm {
-        &self.inner.shards.comm
-    }
-
-    /// The plan.
-    pub fn plan(&self) -> &ShardingPlan {
-        &self.inner.shards.plan
-    }
+    sharded_access!();
 
     /// The table configs (unsharded).
     pub fn configs(&self) -> &[EmbeddingConfig] {
         &self.inner.configs
-    }
-
-    /// This rank's TBEs: those holding its shards (one per width, looked up for the global
-    /// batch), then those holding the data-parallel replicas.
-    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
-        self.inner.shards.local_tbes().map(|l| &l.tbe).collect()
-    }
-
-    /// Where the local tables live.
-    pub fn device(&self) -> Device {
-        self.inner.shards.device()
-    }
-
-    /// Moves this rank's tables and their optimizer state to `device` (collectives stay
-    /// host-staged). On an error the tables stay where they were.
-    pub fn to_device(&self, device: Device) -> Result<()> {
-        self.inner.shards.to_device(device)
-    }
-
-    /// The rectangles of table `table` this rank holds.
-    pub fn local_shards(&self, table: &str) -> Result<Vec<ShardValues>> {
-        self.inner.shards.local_shards(table)
-    }
-
-    /// The whole of table `table` (`[rows, dim]`), gathered from its shards: a collective.
-    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
-        self.inner.shards.table_weights(table)
-    }
-
-    /// Overwrites table `table` from its whole value (the same on every rank). Not a
-    /// collective.
-    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
-        self.inner.shards.set_table_weights(table, values)
-    }
-
-    /// Writes a sharded checkpoint into directory `dir` (a collective), in the format of
-    /// [`ShardedEmbeddingBagCollection::save`](super::ShardedEmbeddingBagCollection::save).
-    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
-        self.inner.shards.save(dir.as_ref())
-    }
-
-    /// Loads a sharded checkpoint (any plan and world size) or an unsharded collection's file;
-    /// a collective that changes nothing unless every rank can read its part.
-    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
-        self.inner.shards.load(path.as_ref())
     }
 
     /// The rows of this rank's batch: one jagged tensor per feature (config order), values

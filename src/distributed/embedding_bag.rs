@@ -28,7 +28,7 @@ use super::checkpoint::LoadReport;
 use super::comm::Comm;
 use super::plan::ShardingPlan;
 use super::routing::{width, Slot};
-use super::shards::{Build, ShardValues, Shards, TableInfo};
+use super::shards::{sharded_access, Build, ShardValues, Shards, TableInfo};
 use crate::embedding::{
     check_bag_configs, EmbeddingBagConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding,
     TbeBatch, TbeInput, WeightDecay,
@@ -131,15 +131,7 @@ impl ShardedEmbeddingBagCollection {
         })
     }
 
-    /// The communicator.
-    pub fn comm(&self) -> &Comm {
-        &self.inner.shards.comm
-    }
-
-    /// The plan.
-    pub fn plan(&self) -> &ShardingPlan {
-        &self.inner.shards.plan
-    }
+    sharded_access!();
 
     /// The table configs (unsharded).
     pub fn configs(&self) -> &[EmbeddingBagConfig] {
@@ -150,58 +142,6 @@ impl ShardedEmbeddingBagCollection {
     /// unsharded collection's.
     pub fn output_keys_and_dims(&self) -> (&[String], &[usize]) {
         (&self.inner.shards.keys, &self.inner.output_dims)
-    }
-
-    /// This rank's TBEs: the one holding its shards (looked up for the global batch) and the
-    /// one holding the data-parallel replicas, when it has them.
-    pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
-        self.inner.shards.local_tbes().map(|l| &l.tbe).collect()
-    }
-
-    /// Where the local tables live.
-    pub fn device(&self) -> Device {
-        self.inner.shards.device()
-    }
-
-    /// Moves this rank's tables and their optimizer state to `device` (collectives stay
-    /// host-staged). On an error the tables stay where they were.
-    pub fn to_device(&self, device: Device) -> Result<()> {
-        self.inner.shards.to_device(device)
-    }
-
-    /// The rectangles of table `table` this rank holds (a data-parallel replica is the whole
-    /// table).
-    pub fn local_shards(&self, table: &str) -> Result<Vec<ShardValues>> {
-        self.inner.shards.local_shards(table)
-    }
-
-    /// The whole of table `table` (`[rows, dim]` row-major), gathered from its shards: a
-    /// collective, every rank gets it.
-    pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
-        self.inner.shards.table_weights(table)
-    }
-
-    /// Overwrites table `table` from its whole value (`[rows, dim]`, the same on every rank;
-    /// each rank keeps its shards). Not a collective.
-    pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
-        self.inner.shards.set_table_weights(table, values)
-    }
-
-    /// Writes a sharded checkpoint into directory `dir` (a collective): each rank its
-    /// rectangles, then rank 0 the manifest; atomic as a whole (see
-    /// [`super::checkpoint`]). Load it with [`load`](Self::load) under any plan
-    /// and world size, or into one unsharded collection with
-    /// [`load_into_unsharded`](super::checkpoint::load_into_unsharded).
-    pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
-        self.inner.shards.save(dir.as_ref())
-    }
-
-    /// Loads a checkpoint written by [`save`](Self::save) under any plan and world size, or
-    /// an unsharded collection's file ([`EmbeddingBagCollection::save`](crate::embedding::EmbeddingBagCollection::save)):
-    /// each rank reads the rectangles it holds (the files must be readable from every rank). A
-    /// collective: if any rank cannot read its part, no rank changes anything.
-    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
-        self.inner.shards.load(path.as_ref())
     }
 
     /// Pooled embeddings of this rank's batch: keys in the unsharded order, values `[B, Σ

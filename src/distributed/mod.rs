@@ -12,6 +12,7 @@
 //!   each id travel back by one all-to-all, their gradients by its reverse.
 //! * [`checkpoint`]: sharded checkpoints that load under any plan, or unsharded.
 //! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
+//! * [`global_metrics`]: RecMetrics over every rank's data, as one process would compute them.
 //! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
 
 pub mod checkpoint;
@@ -19,6 +20,7 @@ pub mod comm;
 pub mod embedding;
 pub mod embedding_bag;
 mod input_dist;
+pub mod metrics;
 pub mod plan;
 mod routing;
 mod shards;
@@ -30,6 +32,7 @@ pub use comm::{Comm, LocalGroup, OpBytes};
 pub use embedding::ShardedEmbeddingCollection;
 pub use embedding_bag::ShardedEmbeddingBagCollection;
 pub use input_dist::kjt_all_to_all;
+pub use metrics::global_metrics;
 pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};
 pub use shards::{init_table, ShardValues, ShardableTable};
 

@@ -65,6 +65,74 @@ macro_rules! shardable {
 shardable!(EmbeddingBagConfig);
 shardable!(EmbeddingConfig);
 
+/// The accessors both sharded collections delegate to their [`Shards`] (`self.inner.shards`).
+macro_rules! sharded_access {
+    () => {
+        /// The communicator.
+        pub fn comm(&self) -> &Comm {
+            &self.inner.shards.comm
+        }
+
+        /// The plan.
+        pub fn plan(&self) -> &ShardingPlan {
+            &self.inner.shards.plan
+        }
+
+        /// This rank's TBEs: those holding its shards (looked up for the global batch), then
+        /// those holding the data-parallel replicas.
+        pub fn tbes(&self) -> Vec<&TableBatchedEmbedding> {
+            self.inner.shards.local_tbes().map(|l| &l.tbe).collect()
+        }
+
+        /// Where the local tables live.
+        pub fn device(&self) -> Device {
+            self.inner.shards.device()
+        }
+
+        /// Moves this rank's tables and their optimizer state to `device` (collectives stay
+        /// host-staged). On an error the tables stay where they were.
+        pub fn to_device(&self, device: Device) -> Result<()> {
+            self.inner.shards.to_device(device)
+        }
+
+        /// The rectangles of table `table` this rank holds (a data-parallel replica is the
+        /// whole table).
+        pub fn local_shards(&self, table: &str) -> Result<Vec<ShardValues>> {
+            self.inner.shards.local_shards(table)
+        }
+
+        /// The whole of table `table` (`[rows, dim]` row-major), gathered from its shards: a
+        /// collective, every rank gets it.
+        pub fn table_weights(&self, table: &str) -> Result<Vec<f32>> {
+            self.inner.shards.table_weights(table)
+        }
+
+        /// Overwrites table `table` from its whole value (`[rows, dim]`, the same on every
+        /// rank; each rank keeps its shards). Not a collective.
+        pub fn set_table_weights(&self, table: &str, values: &[f32]) -> Result<()> {
+            self.inner.shards.set_table_weights(table, values)
+        }
+
+        /// Writes a sharded checkpoint into directory `dir` (a collective): each rank its
+        /// rectangles, then rank 0 the manifest; atomic as a whole (see
+        /// [`checkpoint`](crate::distributed::checkpoint)). Load it with
+        /// [`load`](Self::load) under any plan and world size, or into one unsharded
+        /// collection with [`load_into_unsharded`](crate::distributed::load_into_unsharded).
+        pub fn save(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+            self.inner.shards.save(dir.as_ref())
+        }
+
+        /// Loads a checkpoint written by [`save`](Self::save) under any plan and world size,
+        /// or an unsharded collection's file: each rank reads the rectangles it holds (the
+        /// files must be readable from every rank). A collective: if any rank cannot read its
+        /// part, no rank changes anything.
+        pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+            self.inner.shards.load(path.as_ref())
+        }
+    };
+}
+pub(crate) use sharded_access;
+
 /// One table of a sharded collection.
 #[derive(Clone, Debug)]
 pub(crate) struct TableInfo {

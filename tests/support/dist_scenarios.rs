@@ -478,6 +478,12 @@ fn check_bytes(
     comm: &Comm,
 ) -> Result<usize, String> {
     let want = expected_sent(case, plan, batches, rank);
+    check_sent(&format!("{} rank {rank}", case.name), want, comm)
+}
+
+/// Compares the bytes `comm` counted as sent per op with `want` (ops of 0 bytes left out):
+/// how many ops were checked.
+pub fn check_sent(what: &str, want: BTreeMap<String, u64>, comm: &Comm) -> Result<usize, String> {
     let got: BTreeMap<String, u64> = (comm.bytes().into_iter())
         .map(|(op, b)| (op.to_string(), b.sent))
         .filter(|(_, sent)| *sent > 0)
@@ -485,11 +491,60 @@ fn check_bytes(
     let want: BTreeMap<String, u64> = want.into_iter().filter(|(_, v)| *v > 0).collect();
     if got != want {
         return Err(format!(
-            "{} rank {rank}: bytes sent per op {got:?}, closed forms {want:?}",
-            case.name
+            "{what}: bytes sent per op {got:?}, closed forms {want:?}"
         ));
     }
     Ok(want.len())
+}
+
+/// The data-parallel tables' bytes (`dp`: their indices; `features[t]`: each table's feature
+/// indices; `dims[t]`: widths): the rows this rank touched (a count per table, then the rows)
+/// and their gradients, to every other rank, after the sizes of both.
+pub fn replicated_sent(
+    add: &mut dyn FnMut(&str, u64),
+    dp: &[usize],
+    features: &[Vec<usize>],
+    dims: &[usize],
+    batch: &RankBatch,
+    world: usize,
+) {
+    if dp.is_empty() || world == 1 {
+        return;
+    }
+    let (mut rows, mut floats) = (dp.len() as u64, 0u64);
+    for &t in dp {
+        let mut touched: Vec<i64> = (features[t].iter())
+            .flat_map(|&f| batch.ids[f].iter().flatten().copied())
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        rows += touched.len() as u64;
+        floats += touched.len() as u64 * dims[t] as u64;
+    }
+    add("backward.replicated_rows", (world as u64 - 1) * rows * 8);
+    add(
+        "backward.replicated_values",
+        (world as u64 - 1) * floats * 4,
+    );
+    add("sizes", (world as u64 - 1) * 8);
+}
+
+/// Per table, the indices of its features in KJT key order.
+pub fn table_features() -> Vec<Vec<usize>> {
+    let mut next = 0;
+    (tables().iter())
+        .map(|c| {
+            next += c.feature_names.len();
+            (next - c.feature_names.len()..next).collect()
+        })
+        .collect()
+}
+
+/// How many of `batch`'s ids of feature `f` lie in rows `[lo, hi)`.
+pub fn ids_in(batch: &RankBatch, f: usize, lo: usize, hi: usize) -> u64 {
+    (batch.ids[f].iter().flatten())
+        .filter(|&&i| i as usize >= lo && (i as usize) < hi)
+        .count() as u64
 }
 
 /// The design note's closed forms: bytes rank `rank` sends to other ranks in one training
@@ -506,18 +561,8 @@ pub fn expected_sent(
     let hosts = w / local;
     let host_of = |r: usize| r / local;
     let bsz = |r: usize| batches[r].labels.len() as u64;
-    // Feature indices of each table, in KJT key order.
-    let mut features = Vec::new();
-    let mut next = 0;
-    for c in &configs {
-        features.push((next..next + c.feature_names.len()).collect::<Vec<usize>>());
-        next += c.feature_names.len();
-    }
-    let ids_in = |r: usize, f: usize, lo: usize, hi: usize| -> u64 {
-        (batches[r].ids[f].iter().flatten())
-            .filter(|&&i| i as usize >= lo && (i as usize) < hi)
-            .count() as u64
-    };
+    let features = table_features();
+    let ids_in = |r: usize, f: usize, lo: usize, hi: usize| ids_in(&batches[r], f, lo, hi);
     let mut out: BTreeMap<String, u64> = BTreeMap::new();
     let mut add = |op: &str, n: u64| *out.entry(op.to_string()).or_default() += n;
     let mut any_slots = false;
@@ -621,29 +666,14 @@ pub fn expected_sent(
         let mine: u64 = (0..hosts).map(|g| bsz(g * local + l)).sum();
         add("backward.twrw_intra", (local as u64 - 1) * mine * t * 4);
     }
-    // Data-parallel tables: the rows this rank touched (a count per table, then the rows)
-    // and their gradients, to every other rank, after the sizes of both.
     let dp: Vec<usize> = (0..configs.len())
         .filter(|&t| {
             plan.table(&configs[t].name).unwrap().sharding_type
                 == embers::distributed::ShardingType::DataParallel
         })
         .collect();
-    if !dp.is_empty() && w > 1 {
-        let (mut rows, mut floats) = (dp.len() as u64, 0u64);
-        for &t in &dp {
-            let mut touched: Vec<i64> = (features[t].iter())
-                .flat_map(|&f| batches[rank].ids[f].iter().flatten().copied())
-                .collect();
-            touched.sort_unstable();
-            touched.dedup();
-            rows += touched.len() as u64;
-            floats += touched.len() as u64 * configs[t].embedding_dim as u64;
-        }
-        add("backward.replicated_rows", (w as u64 - 1) * rows * 8);
-        add("backward.replicated_values", (w as u64 - 1) * floats * 4);
-        add("sizes", (w as u64 - 1) * 8);
-    }
+    let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
+    replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
     // The dense head's all-reduce: a reduce-scatter then an all-gather of chunks.
     let params: u64 = configs
         .iter()
@@ -663,22 +693,27 @@ pub fn expected_sent(
     out
 }
 
-/// Runs one case on `world` threads over a `LocalGroup`: each rank's report, or the errors.
-pub fn run_local(case: &Case, steps: usize) -> Vec<Result<Report, String>> {
-    let comms = embers::distributed::LocalGroup::comms(case.world);
+/// Runs `f` on every rank of a `LocalGroup` of `world`, each in its own thread with a
+/// deadline of `timeout` on its collectives: every rank's result, in rank order.
+pub fn on_ranks<T: Send>(
+    world: usize,
+    timeout: std::time::Duration,
+    f: impl Fn(Comm) -> T + Sync,
+) -> Vec<T> {
+    let comms = embers::distributed::LocalGroup::comms(world);
     std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            // A rank whose check failed stops early: the others then end at the deadline.
-            .map(|comm| comm.with_timeout(std::time::Duration::from_secs(10)))
-            .map(|comm| s.spawn(move || run_case(comm, case, steps)))
+        let handles: Vec<_> = (comms.into_iter())
+            .map(|c| c.with_timeout(timeout))
+            .map(|c| s.spawn(|| f(c)))
             .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
-            })
-            .collect()
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs one case on `world` threads over a `LocalGroup`: each rank's report, or the errors (a
+/// rank whose check failed stops early: the others then end at the deadline).
+pub fn run_local(case: &Case, steps: usize) -> Vec<Result<Report, String>> {
+    on_ranks(case.world, std::time::Duration::from_secs(10), |comm| {
+        run_case(comm, case, steps)
     })
 }

@@ -20,7 +20,8 @@ use embers::Tensor;
 use rand::Rng as _;
 
 use super::dist_scenarios::{
-    compare, kjt_of, plan_of, rank_batch, tables, Case, RankBatch, Report, SEED,
+    check_sent, compare, ids_in, kjt_of, on_ranks, plan_of, rank_batch, replicated_sent,
+    table_features, tables, Case, RankBatch, Report, SEED,
 };
 
 /// The tables of `dist_scenarios::tables`, unpooled.
@@ -200,20 +201,8 @@ pub fn run_ec_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, Stri
 
 /// Runs one case unpooled on `world` threads over a `LocalGroup`.
 pub fn run_ec_local(case: &Case, steps: usize) -> Vec<Result<Report, String>> {
-    let comms = embers::distributed::LocalGroup::comms(case.world);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| comm.with_timeout(std::time::Duration::from_secs(10)))
-            .map(|comm| s.spawn(move || run_ec_case(comm, case, steps)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
-            })
-            .collect()
+    on_ranks(case.world, std::time::Duration::from_secs(10), |comm| {
+        run_ec_case(comm, case, steps)
     })
 }
 
@@ -225,17 +214,7 @@ fn check_bytes_ec(
     comm: &Comm,
 ) -> Result<usize, String> {
     let want = expected_sent_ec(case, batches, rank)?;
-    let got: BTreeMap<String, u64> = (comm.bytes().into_iter())
-        .map(|(op, b)| (op.to_string(), b.sent))
-        .filter(|(_, sent)| *sent > 0)
-        .collect();
-    if got != want {
-        return Err(format!(
-            "{} (unpooled) rank {rank}: bytes sent per op {got:?}, closed forms {want:?}",
-            case.name
-        ));
-    }
-    Ok(want.len())
+    check_sent(&format!("{} (unpooled) rank {rank}", case.name), want, comm)
 }
 
 /// The closed forms for the unpooled collection: bytes rank `rank` sends to other ranks in one
@@ -252,17 +231,8 @@ pub fn expected_sent_ec(
     let configs = ec_tables();
     let w = case.world;
     let b_me = batches[rank].labels.len() as u64;
-    let mut first = 0;
-    let mut features = Vec::new();
-    for c in &configs {
-        features.push((first..first + c.feature_names.len()).collect::<Vec<usize>>());
-        first += c.feature_names.len();
-    }
-    let ids_in = |r: usize, f: usize, lo: usize, hi: usize| -> u64 {
-        (batches[r].ids[f].iter().flatten())
-            .filter(|&&i| i as usize >= lo && (i as usize) < hi)
-            .count() as u64
-    };
+    let features = table_features();
+    let ids_in = |r: usize, f: usize, lo: usize, hi: usize| ids_in(&batches[r], f, lo, hi);
     let mut out: BTreeMap<String, u64> = BTreeMap::new();
     let mut add = |op: &str, n: u64| *out.entry(op.to_string()).or_default() += n;
     let mut any_slots = false;
@@ -304,20 +274,7 @@ pub fn expected_sent_ec(
     if any_slots {
         add("input_dist.splits", (w as u64 - 1) * 4 * 8);
     }
-    if !dp.is_empty() && w > 1 {
-        let (mut rows, mut floats) = (dp.len() as u64, 0u64);
-        for &t in &dp {
-            let mut touched: Vec<i64> = (features[t].iter())
-                .flat_map(|&f| batches[rank].ids[f].iter().flatten().copied())
-                .collect();
-            touched.sort_unstable();
-            touched.dedup();
-            rows += touched.len() as u64;
-            floats += touched.len() as u64 * configs[t].embedding_dim as u64;
-        }
-        add("backward.replicated_rows", (w as u64 - 1) * rows * 8);
-        add("backward.replicated_values", (w as u64 - 1) * floats * 4);
-        add("sizes", (w as u64 - 1) * 8);
-    }
+    let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
+    replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
     Ok(out.into_iter().filter(|(_, v)| *v > 0).collect())
 }

@@ -1,0 +1,100 @@
+//! RecMetrics over every rank's data: each rank updates its own [`RecMetrics`] with its own
+//! batches; [`global_metrics`] gathers their states so that every rank gets the values one
+//! process that saw all the data would compute (TorchRec's metric reduction across ranks).
+//!
+//! Lifetime and window sums and the lifetime AUC/AUPRC histograms add up across ranks; the
+//! windows' samples are concatenated in rank order. A window is therefore the union of every
+//! rank's window: give each rank `window / W` samples for a global window of `window` (as
+//! TorchRec does).
+
+use std::collections::BTreeMap;
+
+use super::comm::Comm;
+use crate::error::{Error, Result};
+use crate::metrics::RecMetrics;
+
+const OP: &str = "global_metrics";
+
+/// How an entry of the state combines across ranks.
+fn concatenated(key: &str) -> Result<bool> {
+    let suffix = key.rsplit('.').next().unwrap_or("");
+    match suffix {
+        "lifetime" | "window" | "positives" | "negatives" => Ok(false),
+        "batches" | "recent" => Ok(true),
+        _ => Err(Error::invalid(
+            OP,
+            format!("the metric state `{key}` has no rule to combine across ranks"),
+        )),
+    }
+}
+
+/// The metrics of every rank's data as one process would compute them (a collective: every
+/// rank passes its own metrics, configured the same way, and gets the same values). Ranks
+/// whose metrics are configured differently fail, naming the rank and the entry.
+pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<String, f64>> {
+    let state = metrics.state_dict();
+    // Keys (their names and sizes) first: every rank must hold the same entries.
+    let mut header: Vec<u8> = Vec::new();
+    let mut lengths: Vec<u64> = Vec::with_capacity(state.len());
+    let mut values: Vec<f64> = Vec::new();
+    for (key, v) in &state {
+        concatenated(key)?;
+        header.extend_from_slice(key.as_bytes());
+        header.push(0);
+        lengths.push(v.len() as u64);
+        values.extend_from_slice(v);
+    }
+    let headers = comm.all_gather_v("metrics.keys", &header, None)?;
+    let rank = comm.rank();
+    if let Some(other) = (0..comm.size()).find(|&r| headers[r] != header) {
+        let theirs: Vec<String> = (headers[other].split(|&b| b == 0))
+            .filter(|k| !k.is_empty())
+            .map(|k| String::from_utf8_lossy(k).to_string())
+            .collect();
+        let differs = (state.keys().zip(&theirs))
+            .find(|(a, b)| a != b)
+            .map(|(a, _)| a.clone())
+            .unwrap_or_else(|| format!("{} entries against {}", state.len(), theirs.len()));
+        return Err(Error::Distributed(format!(
+            "rank {rank}: rank {other}'s metrics are configured differently (first difference: \
+             `{differs}`)"
+        )));
+    }
+    let all_lengths = comm.all_gather_v(
+        "metrics.lengths",
+        &lengths,
+        Some(&vec![state.len(); comm.size()]),
+    )?;
+    let counts: Vec<usize> = (all_lengths.iter())
+        .map(|l| l.iter().sum::<u64>() as usize)
+        .collect();
+    let all_values = comm.all_gather_v("metrics.values", &values, Some(&counts))?;
+    let mut merged: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut at = vec![0usize; comm.size()];
+    for (k, key) in state.keys().enumerate() {
+        let concat = concatenated(key)?;
+        let mut out: Vec<f64> = Vec::new();
+        for r in 0..comm.size() {
+            let n = all_lengths[r][k] as usize;
+            let part = &all_values[r][at[r]..at[r] + n];
+            at[r] += n;
+            if concat || r == 0 {
+                out.extend_from_slice(part);
+            } else if part.len() != out.len() {
+                return Err(Error::Distributed(format!(
+                    "rank {rank}: metric state `{key}` has {} values on rank {r}, {} on rank 0",
+                    part.len(),
+                    out.len()
+                )));
+            } else {
+                for (o, &x) in out.iter_mut().zip(part) {
+                    *o += x;
+                }
+            }
+        }
+        merged.insert(key.clone(), out);
+    }
+    let mut global = metrics.clone();
+    global.load_state_dict(&merged)?;
+    Ok(global.compute())
+}
