@@ -12,10 +12,12 @@
 //!   each id travel back by one all-to-all, their gradients by its reverse.
 //! * [`checkpoint`]: sharded checkpoints that load under any plan, or unsharded.
 //! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
+//! * [`codec`]: quantized communication codecs (FP16, BF16, FP8, INT8 row-wise).
 //! * [`global_metrics`]: RecMetrics over every rank's data, as one process would compute them.
 //! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
 
 pub mod checkpoint;
+pub mod codec;
 pub mod comm;
 pub mod embedding;
 pub mod embedding_bag;
