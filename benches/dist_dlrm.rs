@@ -16,7 +16,9 @@
 //! it also times the same model with an unsharded collection (the cost of the sharded path);
 //! at W>1, interleaved with the sharded steps, every rank trains that unsharded model on its
 //! own batch at the same time with no communication (what W processes get from the machine
-//! before any exchange).
+//! before any exchange). At W>1 it also times each pair of comm codecs (forward / backward:
+//! FP16/BF16, BF16, FP8, INT8 row-wise) interleaved with FP32 in the same rounds, with the
+//! embedding bytes each sends per step.
 //!
 //! Not criterion: criterion times one process, this times W of them in lockstep. Side by side
 //! with TorchRec's DistributedModelParallel on the same model: `benches/peers/dist_dlrm.sh`.
@@ -28,8 +30,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use embers::distributed::{
-    all_reduce_mean_gradients, mpi_world, Comm, Placement, ShardedEmbeddingBagCollection,
-    ShardingPlan, TableShape,
+    all_reduce_mean_gradients, mpi_world, Comm, CommPrecision, Placement, QCommsConfig,
+    ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
 };
 use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
 use embers::models::DlrmDense;
@@ -219,6 +221,24 @@ fn driver() {
             dense / 1e6,
             dense_min / 1e6
         );
+        let slowest = |what: &str| {
+            (0..w)
+                .filter_map(|r| median(w, r, what))
+                .fold(0.0f64, f64::max)
+        };
+        let fp32 = slowest("codec_step_ms.FP32/FP32");
+        for name in CODECS.map(|(n, _)| n) {
+            let ms = slowest(&format!("codec_step_ms.{name}"));
+            let bytes: f64 = (0..w)
+                .filter_map(|r| median(w, r, &format!("codec_sparse_bytes.{name}")))
+                .sum();
+            println!(
+                "     comms {name} (forward/backward): {ms:.1} ms/step ({:.2}x FP32's {fp32:.1} \
+                 in the same rounds), embeddings {:.2} MB/step",
+                fp32 / ms,
+                bytes / 1e6
+            );
+        }
     }
 }
 
@@ -398,5 +418,47 @@ fn child(world: usize) -> embers::Result<()> {
     for (op, b) in &bytes {
         println!("rank {rank} {op}: {} bytes sent in 4 steps", b.sent);
     }
+
+    // The quantized comms: each codec pair interleaved with FP32 in the same rounds.
+    if world > 1 {
+        let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for _ in 0..3 {
+            for (name, q) in CODECS {
+                sharded.set_qcomms(q)?;
+                comm.barrier("bench.sync")?;
+                let ms = time_steps(&|kjt| sharded.forward(kjt), Some(comm), steps, b, &data)?;
+                times.entry(name).or_default().push(ms);
+            }
+        }
+        for (name, q) in CODECS {
+            let t = times.get_mut(name).expect("timed");
+            t.sort_by(f64::total_cmp);
+            result(rank, &format!("codec_step_ms.{name}"), t[1]);
+            sharded.set_qcomms(q)?;
+            comm.reset_bytes();
+            time_steps(&|kjt| sharded.forward(kjt), Some(comm), 1, b, &data[..1])?;
+            let sparse: u64 = (comm.bytes().iter())
+                .filter(|(op, _)| !op.starts_with("all_reduce"))
+                .map(|(_, b)| b.sent)
+                .sum();
+            result(
+                rank,
+                &format!("codec_sparse_bytes.{name}"),
+                sparse as f64 / 4.0,
+            );
+        }
+    }
     Ok(())
 }
+
+/// The comm codecs timed at W > 1: forward / backward precisions.
+const CODECS: [(&str, QCommsConfig); 5] = {
+    use CommPrecision::*;
+    [
+        ("FP32/FP32", QCommsConfig::new(Fp32, Fp32)),
+        ("FP16/BF16", QCommsConfig::new(Fp16, Bf16)),
+        ("BF16/BF16", QCommsConfig::new(Bf16, Bf16)),
+        ("FP8/FP8", QCommsConfig::new(Fp8, Fp8)),
+        ("INT8/INT8", QCommsConfig::new(Int8, Int8)),
+    ]
+};

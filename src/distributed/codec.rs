@@ -12,14 +12,23 @@
 //!   `scale` and `min` as `f32` (1 byte a value + 8 a row).
 //!
 //! A [`Codec`] may carry a loss scale (for FP16/BF16 gradients): values are multiplied by it
-//! before encoding and divided after decoding, so small gradients keep their precision. A
-//! non-finite value is an error naming its position (it would poison every rank's sum).
+//! before encoding and divided after decoding, so small gradients keep their precision.
+//! [`Codec::encode`] refuses a non-finite value, naming its position. The collectives
+//! ([`Codec::all_to_all`], [`Codec::reduce_scatter`], [`Codec::all_gather`]) cannot stop on one
+//! rank alone (the others would wait for it), so there a non-finite value arrives non-finite,
+//! as it would in FP32: NaN and ±∞ as they are in FP16/BF16, NaN in FP8, and a NaN row in
+//! INT8 — the loss shows it on every rank that uses it.
+//!
+//! [`QCommsConfig`] names the codec of a sharded collection's forward output distribution and
+//! of its backward (TorchRec's `forward_precision` / `backward_precision`).
 //!
 //! Round-trip error on U[0, 1): below 0.0005 (FP16), 0.002 (BF16, INT8), 0.032 (FP8) — within
 //! FBGEMM's test bounds (0.005, and 0.05 for FP8); `tests/dist_codec.rs` checks them.
 
 use half::{bf16, f16};
 
+use super::comm::Comm;
+use super::plan::fnv1a;
 use crate::error::{Error, Result};
 
 const OP: &str = "comm codec";
@@ -62,7 +71,7 @@ pub struct Codec {
 
 impl Codec {
     /// `precision` without loss scaling.
-    pub fn new(precision: CommPrecision) -> Codec {
+    pub const fn new(precision: CommPrecision) -> Codec {
         Codec {
             precision,
             loss_scale: None,
@@ -83,7 +92,13 @@ impl Codec {
         })
     }
 
-    /// Encodes `values` (rows of `row_dim`; INT8 needs whole rows).
+    /// Whether encoding changes nothing (FP32 without a loss scale).
+    pub fn is_identity(&self) -> bool {
+        self.precision == CommPrecision::Fp32 && self.loss_scale.is_none()
+    }
+
+    /// Encodes `values` (rows of `row_dim`; INT8 needs whole rows). A non-finite value is an
+    /// error naming its position.
     pub fn encode(&self, values: &[f32], row_dim: usize) -> Result<Vec<u8>> {
         if let Some(i) = values.iter().position(|x| !x.is_finite()) {
             return Err(Error::invalid(
@@ -93,6 +108,14 @@ impl Codec {
                     values[i]
                 ),
             ));
+        }
+        self.encode_any(values, row_dim)
+    }
+
+    /// [`encode`](Self::encode) letting non-finite values through (see the module docs).
+    fn encode_any(&self, values: &[f32], row_dim: usize) -> Result<Vec<u8>> {
+        if values.is_empty() {
+            return Ok(Vec::new());
         }
         let scale = self.loss_scale.unwrap_or(1.0);
         let x = |v: f32| v * scale;
@@ -107,7 +130,14 @@ impl Codec {
             CommPrecision::Bf16 => values
                 .iter()
                 .for_each(|&v| out.extend_from_slice(&bf16::from_f32(x(v)).to_le_bytes())),
-            CommPrecision::Fp8 => out.extend(values.iter().map(|&v| fp8_e4m3(x(v)))),
+            CommPrecision::Fp8 => out.extend(values.iter().map(|&v| {
+                let v = x(v);
+                if v.is_finite() {
+                    fp8_e4m3(v)
+                } else {
+                    FP8_E4M3_NAN
+                }
+            })),
             CommPrecision::Int8 => {
                 if row_dim == 0 || values.len() % row_dim != 0 {
                     return Err(Error::invalid(
@@ -124,7 +154,12 @@ impl Codec {
                         .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| {
                             (l.min(x(v)), h.max(x(v)))
                         });
-                    let step = (hi - lo) / 255.0;
+                    // A non-finite value (or a range past f32's) makes the row NaN.
+                    let finite = row.iter().all(|&v| x(v).is_finite());
+                    let (step, lo) = match (hi - lo) / 255.0 {
+                        step if finite && step.is_finite() => (step, lo),
+                        _ => (f32::NAN, f32::NAN),
+                    };
                     let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
                     out.extend(
                         row.iter()
@@ -190,6 +225,9 @@ impl Codec {
 /// The largest finite E4M3 value.
 pub const FP8_E4M3_MAX: f32 = 448.0;
 
+/// E4M3's (positive) NaN code.
+pub const FP8_E4M3_NAN: u8 = 0x7F;
+
 /// `v` as E4M3, rounded to nearest even, saturated to ±448 (`v` finite).
 pub fn fp8_e4m3(v: f32) -> u8 {
     let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
@@ -229,4 +267,134 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
         return sign * m / 512.0;
     }
     sign * (1.0 + m / 8.0) * 2f32.powi(i32::from(e) - 7)
+}
+
+/// Collectives that send their `f32` values encoded (the receiver decodes them); with
+/// [`Codec::is_identity`] they are the plain [`Comm`] ones. Every rank calls them with the
+/// same codec (see [`QCommsConfig`]). Bytes are counted as sent, under `op`.
+impl Codec {
+    /// [`Comm::all_to_all_v`] of rows: `send[d]` (rows of `send_dims[d]`) goes to rank `d`;
+    /// `recv[s]` is `(values, row_dim)` of the block from rank `s`.
+    pub fn all_to_all(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        send: Vec<Vec<f32>>,
+        send_dims: &[usize],
+        recv: &[(usize, usize)],
+    ) -> Result<Vec<Vec<f32>>> {
+        if self.is_identity() {
+            let counts: Vec<usize> = recv.iter().map(|&(n, _)| n).collect();
+            return comm.all_to_all_v(op, send, Some(&counts));
+        }
+        if send_dims.len() != send.len() {
+            return Err(Error::invalid(
+                op,
+                format!("{} blocks, {} row widths", send.len(), send_dims.len()),
+            ));
+        }
+        let encoded = (send.iter().zip(send_dims))
+            .map(|(block, &dim)| self.encode_any(block, dim))
+            .collect::<Result<Vec<_>>>()?;
+        let counts: Vec<usize> = (recv.iter())
+            .map(|&(n, dim)| self.precision.encoded_len(n, dim))
+            .collect();
+        let got = comm.all_to_all_v(op, encoded, Some(&counts))?;
+        (got.iter().zip(recv))
+            .map(|(bytes, &(n, dim))| self.decode(bytes, n, dim))
+            .collect()
+    }
+
+    /// [`Comm::reduce_scatter_v`] of rows of `row_dim`: every part is encoded, the sum taken
+    /// in `f32` after decoding, in rank order (the same bits for every placement of the
+    /// ranks).
+    pub fn reduce_scatter(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        send: Vec<Vec<f32>>,
+        row_dim: usize,
+    ) -> Result<Vec<f32>> {
+        if self.is_identity() {
+            return comm.reduce_scatter_v(op, send);
+        }
+        let own = send.get(comm.rank()).map_or(0, Vec::len);
+        let dims = vec![row_dim; send.len()];
+        let parts = self.all_to_all(comm, op, send, &dims, &vec![(own, row_dim); comm.size()])?;
+        let mut sum = vec![0.0f32; own];
+        for part in &parts {
+            for (s, &v) in sum.iter_mut().zip(part) {
+                *s += v;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// [`Comm::all_gather_v`] of rows of `row_dim`: `counts[r]` values from rank `r`.
+    pub fn all_gather(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        send: &[f32],
+        row_dim: usize,
+        counts: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        if self.is_identity() {
+            return comm.all_gather_v(op, send, Some(counts));
+        }
+        let bytes = self.encode_any(send, row_dim)?;
+        let byte_counts: Vec<usize> = (counts.iter())
+            .map(|&n| self.precision.encoded_len(n, row_dim))
+            .collect();
+        let got = comm.all_gather_v(op, &bytes, Some(&byte_counts))?;
+        (got.iter().zip(counts))
+            .map(|(b, &n)| self.decode(b, n, row_dim))
+            .collect()
+    }
+}
+
+/// The codecs of a sharded collection's communication (TorchRec's `QCommsConfig`): the
+/// forward output distribution's and the backward's. Ids and lengths (the input
+/// distribution) always travel exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QCommsConfig {
+    /// The pooled rows' all-to-all and reduce-scatter.
+    pub forward: Codec,
+    /// Their gradients' all-to-all and all-gather.
+    pub backward: Codec,
+}
+
+impl Default for QCommsConfig {
+    /// FP32 both ways.
+    fn default() -> Self {
+        QCommsConfig {
+            forward: Codec::new(CommPrecision::Fp32),
+            backward: Codec::new(CommPrecision::Fp32),
+        }
+    }
+}
+
+impl QCommsConfig {
+    /// `forward` and `backward` without loss scaling.
+    pub const fn new(forward: CommPrecision, backward: CommPrecision) -> Self {
+        QCommsConfig {
+            forward: Codec::new(forward),
+            backward: Codec::new(backward),
+        }
+    }
+
+    /// A stable digest, for ranks to compare.
+    pub(crate) fn digest(&self) -> u64 {
+        let scale = |c: &Codec| c.loss_scale.map(f32::to_bits);
+        fnv1a(
+            format!(
+                "{:?} {:?} {:?} {:?}",
+                self.forward.precision,
+                scale(&self.forward),
+                self.backward.precision,
+                scale(&self.backward)
+            )
+            .as_bytes(),
+        )
+    }
 }

@@ -25,6 +25,7 @@
 use std::sync::Arc;
 
 use super::checkpoint::LoadReport;
+use super::codec::{Codec, QCommsConfig};
 use super::comm::Comm;
 use super::plan::ShardingPlan;
 use super::routing::{width, Slot};
@@ -44,6 +45,7 @@ struct Inner {
     shards: Shards,
     configs: Vec<EmbeddingBagConfig>,
     output_dims: Vec<usize>,
+    qcomms: parking_lot::Mutex<QCommsConfig>,
 }
 
 /// An embedding-bag collection sharded over the ranks of a communicator (see the module
@@ -127,11 +129,30 @@ impl ShardedEmbeddingBagCollection {
                 shards,
                 configs,
                 output_dims,
+                qcomms: parking_lot::Mutex::new(QCommsConfig::default()),
             }),
         })
     }
 
     sharded_access!();
+
+    /// The codecs of the output distribution and of its backward (FP32 both ways unless
+    /// [`set_qcomms`](Self::set_qcomms) chose others).
+    pub fn qcomms(&self) -> QCommsConfig {
+        *self.inner.qcomms.lock()
+    }
+
+    /// Chooses the codecs of the output distribution (`q.forward`: the pooled rows'
+    /// all-to-all and reduce-scatters) and of its backward (`q.backward`: their gradients'
+    /// all-to-all and all-gathers) for the batches that follow. A collective: ranks compare
+    /// their configs, and a difference is an error on every rank (naming the ranks) that
+    /// changes nothing.
+    pub fn set_qcomms(&self, q: QCommsConfig) -> Result<()> {
+        self.comm()
+            .check_same("the quantized-comms config", q.digest())?;
+        *self.inner.qcomms.lock() = q;
+        Ok(())
+    }
 
     /// The table configs (unsharded).
     pub fn configs(&self) -> &[EmbeddingBagConfig] {
@@ -159,6 +180,7 @@ impl ShardedEmbeddingBagCollection {
         let routing = &shards.routing;
         let (host, gathered) = shards.distribute_input(kjt, true)?;
         let stride = host.kjt.stride;
+        let qcomms = self.qcomms();
         let strides = match &gathered {
             Some(g) => g.strides.clone(),
             None => vec![stride; shards.comm.size()],
@@ -180,7 +202,7 @@ impl ShardedEmbeddingBagCollection {
         };
         if gathered.is_some() {
             let looked = remote_batch.as_ref().map_or(&[][..], |(_, l)| &l[..]);
-            self.distribute_output(looked, &strides, &mut out)?;
+            self.distribute_output(&qcomms.forward, looked, &strides, &mut out)?;
         }
         // Replicated lookups.
         let replicated_batch = match shards.replicated.first() {
@@ -221,6 +243,7 @@ impl ShardedEmbeddingBagCollection {
                     remote: remote_batch.map(|(b, _)| b),
                     replicated: replicated_batch,
                     scales,
+                    codec: qcomms.backward,
                 },
             )
         } else {
@@ -231,7 +254,13 @@ impl ShardedEmbeddingBagCollection {
 
     /// The output distribution: this rank's remote lookup `looked` (`[Σ B, slot widths]`) to
     /// the pooled rows of its own samples in `out`.
-    fn distribute_output(&self, looked: &[f32], strides: &[usize], out: &mut [f32]) -> Result<()> {
+    fn distribute_output(
+        &self,
+        codec: &Codec,
+        looked: &[f32],
+        strides: &[usize],
+        out: &mut [f32],
+    ) -> Result<()> {
         let inner = &*self.inner;
         let (routing, comm) = (&inner.shards.routing, &inner.shards.comm);
         let (rank, w) = (comm.rank(), comm.size());
@@ -245,8 +274,14 @@ impl ShardedEmbeddingBagCollection {
             let send = (0..w)
                 .map(|d| block(looked, local_width, rows_of(d), 0..owned_width))
                 .collect();
-            let counts: Vec<usize> = (0..w).map(|s| b * width(routing.owned_slots(s))).collect();
-            let got = comm.all_to_all_v("output_dist.owned", send, Some(&counts))?;
+            let recv: Vec<(usize, usize)> = (0..w)
+                .map(|s| {
+                    let t = width(routing.owned_slots(s));
+                    (b * t, t)
+                })
+                .collect();
+            let dims = vec![owned_width; w];
+            let got = codec.all_to_all(comm, "output_dist.owned", send, &dims, &recv)?;
             for (s, block) in got.iter().enumerate() {
                 place(out, routing.width, block, routing.owned_slots(s));
             }
@@ -257,7 +292,7 @@ impl ShardedEmbeddingBagCollection {
             let send = (0..w)
                 .map(|d| block(looked, local_width, rows_of(d), cols.clone()))
                 .collect();
-            let sum = comm.reduce_scatter_v("output_dist.row_wise", send)?;
+            let sum = codec.reduce_scatter(comm, "output_dist.row_wise", send, cols.len())?;
             place(out, routing.width, &sum, routing.row_wise_slots(rank));
         }
         // Table-row-wise: reduce-scatter inside the host, then all-to-all across hosts.
@@ -275,10 +310,8 @@ impl ShardedEmbeddingBagCollection {
                         .collect::<Vec<f32>>()
                 })
                 .collect();
-            let summed = groups
-                .intra
-                .reduce_scatter_v("output_dist.twrw_intra", send)?;
             let t = cols.len();
+            let summed = codec.reduce_scatter(&groups.intra, "output_dist.twrw_intra", send, t)?;
             let mut at = 0;
             let send = (0..hosts)
                 .map(|g| {
@@ -287,12 +320,15 @@ impl ShardedEmbeddingBagCollection {
                     summed[at - n..at].to_vec()
                 })
                 .collect();
-            let counts: Vec<usize> = (0..hosts)
-                .map(|g| b * width(routing.host_twrw_slots(g)))
+            let recv: Vec<(usize, usize)> = (0..hosts)
+                .map(|g| {
+                    let tg = width(routing.host_twrw_slots(g));
+                    (b * tg, tg)
+                })
                 .collect();
-            let got = groups
-                .cross
-                .all_to_all_v("output_dist.twrw_cross", send, Some(&counts))?;
+            let dims = vec![t; hosts];
+            let got =
+                codec.all_to_all(&groups.cross, "output_dist.twrw_cross", send, &dims, &recv)?;
             for (g, block) in got.iter().enumerate() {
                 place(out, routing.width, block, routing.host_twrw_slots(g));
             }
@@ -303,7 +339,7 @@ impl ShardedEmbeddingBagCollection {
     /// The backward of the output distribution: `grad` (`[B, width]` of this rank's samples,
     /// MEAN already applied) to the gradient of this rank's remote lookup (`[Σ B, slot
     /// widths]`), divided by the world size.
-    fn gather_gradients(&self, grad: &[f32], strides: &[usize]) -> Result<Vec<f32>> {
+    fn gather_gradients(&self, codec: &Codec, grad: &[f32], strides: &[usize]) -> Result<Vec<f32>> {
         let inner = &*self.inner;
         let (routing, comm) = (&inner.shards.routing, &inner.shards.comm);
         let (rank, w) = (comm.rank(), comm.size());
@@ -317,8 +353,12 @@ impl ShardedEmbeddingBagCollection {
             let send = (0..w)
                 .map(|s| take(grad, routing.width, b, routing.owned_slots(s)))
                 .collect();
-            let counts: Vec<usize> = strides.iter().map(|&n| n * owned_width).collect();
-            let got = comm.all_to_all_v("backward.owned", send, Some(&counts))?;
+            let dims: Vec<usize> = (0..w).map(|s| width(routing.owned_slots(s))).collect();
+            let recv: Vec<(usize, usize)> = strides
+                .iter()
+                .map(|&n| (n * owned_width, owned_width))
+                .collect();
+            let got = codec.all_to_all(comm, "backward.owned", send, &dims, &recv)?;
             for (d, block) in got.iter().enumerate() {
                 put(&mut out, local_width, starts[d], 0, block, owned_width);
             }
@@ -328,7 +368,7 @@ impl ShardedEmbeddingBagCollection {
             let rw = width(slots);
             let mine = take(grad, routing.width, b, slots);
             let counts: Vec<usize> = strides.iter().map(|&n| n * rw).collect();
-            let got = comm.all_gather_v("backward.row_wise", &mine, Some(&counts))?;
+            let got = codec.all_gather(comm, "backward.row_wise", &mine, rw, &counts)?;
             for (d, block) in got.iter().enumerate() {
                 put(&mut out, local_width, starts[d], owned_width, block, rw);
             }
@@ -341,17 +381,18 @@ impl ShardedEmbeddingBagCollection {
             let send = (0..hosts)
                 .map(|g| take(grad, routing.width, b, routing.host_twrw_slots(g)))
                 .collect();
-            let counts: Vec<usize> = (0..hosts).map(|g| strides[g * local + l] * t).collect();
-            let got = groups
-                .cross
-                .all_to_all_v("backward.twrw_cross", send, Some(&counts))?;
+            let dims: Vec<usize> = (0..hosts)
+                .map(|g| width(routing.host_twrw_slots(g)))
+                .collect();
+            let recv: Vec<(usize, usize)> = (0..hosts)
+                .map(|g| (strides[g * local + l] * t, t))
+                .collect();
+            let got = codec.all_to_all(&groups.cross, "backward.twrw_cross", send, &dims, &recv)?;
             let mine: Vec<f32> = got.concat();
             let counts: Vec<usize> = (0..local)
                 .map(|to| (0..hosts).map(|g| strides[g * local + to] * t).sum())
                 .collect();
-            let all = groups
-                .intra
-                .all_gather_v("backward.twrw_intra", &mine, Some(&counts))?;
+            let all = codec.all_gather(&groups.intra, "backward.twrw_intra", &mine, t, &counts)?;
             for (to, block) in all.iter().enumerate() {
                 let mut at = 0;
                 for g in 0..hosts {
@@ -480,6 +521,7 @@ struct ShardedBackward {
     remote: Option<TbeBatch>,
     replicated: Option<TbeBatch>,
     scales: Scales,
+    codec: Codec,
 }
 
 impl BackwardOp for ShardedBackward {
@@ -505,7 +547,7 @@ impl BackwardOp for ShardedBackward {
         }
         apply_scales(&mut grad, shards.routing.width, &self.scales);
         if shards.routing.has_slots() {
-            let g = sharded.gather_gradients(&grad, &self.strides)?;
+            let g = sharded.gather_gradients(&self.codec, &grad, &self.strides)?;
             if let (Some(remote), Some(batch)) = (shards.remote.first(), &self.remote) {
                 let total: usize = self.strides.iter().sum();
                 let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;

@@ -12,7 +12,8 @@
 //!   each id travel back by one all-to-all, their gradients by its reverse.
 //! * [`checkpoint`]: sharded checkpoints that load under any plan, or unsharded.
 //! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
-//! * [`codec`]: quantized communication codecs (FP16, BF16, FP8, INT8 row-wise).
+//! * [`codec`]: quantized communication codecs (FP16, BF16, FP8, INT8 row-wise), used by the
+//!   pooled collection's output distribution and its backward ([`QCommsConfig`]).
 //! * [`global_metrics`]: RecMetrics over every rank's data, as one process would compute them.
 //! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
 
@@ -28,6 +29,7 @@ mod routing;
 mod shards;
 
 pub use checkpoint::{load_into_unsharded, LoadReport, UnshardedTables};
+pub use codec::{Codec, CommPrecision, QCommsConfig};
 #[cfg(feature = "mpi")]
 pub use comm::mpi::mpi_world;
 pub use comm::{Comm, LocalGroup, OpBytes};
