@@ -18,7 +18,9 @@
 //! own batch at the same time with no communication (what W processes get from the machine
 //! before any exchange). At W>1 it also times each pair of comm codecs (forward / backward:
 //! FP16/BF16, BF16, FP8, INT8 row-wise) interleaved with FP32 in the same rounds, with the
-//! embedding bytes each sends per step.
+//! embedding bytes each sends per step; and the training pipeline against the same steps one
+//! after the other, without and with 20 ms injected into the input distribution (a slow
+//! network), with the fraction of the input distribution it hid behind compute.
 //!
 //! Not criterion: criterion times one process, this times W of them in lockstep. Side by side
 //! with TorchRec's DistributedModelParallel on the same model: `benches/peers/dist_dlrm.sh`.
@@ -27,11 +29,11 @@
 
 use std::collections::BTreeMap;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use embers::distributed::{
-    all_reduce_mean_gradients, mpi_world, Comm, CommPrecision, Placement, QCommsConfig,
-    ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
+    all_reduce_mean_gradients, mpi_world, Comm, CommPrecision, PipelineBatch, Placement,
+    QCommsConfig, ShardedEmbeddingBagCollection, ShardingPlan, TableShape, TrainPipeline,
 };
 use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
 use embers::models::DlrmDense;
@@ -226,6 +228,20 @@ fn driver() {
                 .filter_map(|r| median(w, r, what))
                 .fold(0.0f64, f64::max)
         };
+        for delay in ["0ms", "20ms"] {
+            let off = slowest(&format!("pipeline_off_{delay}.step_ms"));
+            let on = slowest(&format!("pipeline_on_{delay}.step_ms"));
+            let hidden = (0..w)
+                .filter_map(|r| median(w, r, &format!("pipeline_on_{delay}.hidden")))
+                .fold(1.0f64, f64::min);
+            println!(
+                "     pipeline, {delay} injected into the input distribution: sequential \
+                 {off:.1} ms/step, pipelined {on:.1} ms/step ({:.1} ms shorter; at least \
+                 {:.0}% of the input distribution hidden on every rank)",
+                off - on,
+                hidden * 100.0
+            );
+        }
         let fp32 = slowest("codec_step_ms.FP32/FP32");
         for name in CODECS.map(|(n, _)| n) {
             let ms = slowest(&format!("codec_step_ms.{name}"));
@@ -419,6 +435,35 @@ fn child(world: usize) -> embers::Result<()> {
         println!("rank {rank} {op}: {} bytes sent in 4 steps", b.sent);
     }
 
+    // The pipeline: sequential and pipelined steps, without and with a 20 ms delay injected
+    // into the input distribution, interleaved.
+    if world > 1 {
+        let mut times: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        for _ in 0..3 {
+            for delay_ms in [0u64, 20] {
+                for pipelined in [false, true] {
+                    let mut pipeline = TrainPipeline::new(&sharded)?
+                        .with_input_delay(Duration::from_millis(delay_ms));
+                    if !pipelined {
+                        pipeline = pipeline.sequential();
+                    }
+                    comm.barrier("bench.sync")?;
+                    let (ms, hidden) = time_pipeline(&sharded, &pipeline, steps, b, &data)?;
+                    let name = format!(
+                        "pipeline_{}_{delay_ms}ms",
+                        if pipelined { "on" } else { "off" }
+                    );
+                    times.entry(name).or_default().push((ms, hidden));
+                }
+            }
+        }
+        for (name, mut t) in times {
+            t.sort_by(|a, b| a.0.total_cmp(&b.0));
+            result(rank, &format!("{name}.step_ms"), t[1].0);
+            result(rank, &format!("{name}.hidden"), t[1].1);
+        }
+    }
+
     // The quantized comms: each codec pair interleaved with FP32 in the same rounds.
     if world > 1 {
         let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -449,6 +494,50 @@ fn child(world: usize) -> embers::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A batch for the pipeline.
+struct Sample(Tensor, KeyedJaggedTensor, Tensor);
+
+impl PipelineBatch for Sample {
+    fn sparse(&self) -> &KeyedJaggedTensor {
+        &self.1
+    }
+}
+
+/// Runs `steps` training steps (after 3 warm-up steps) through `pipeline`: the mean step in ms
+/// and the fraction of the input distribution hidden behind compute.
+fn time_pipeline(
+    sharded: &ShardedEmbeddingBagCollection,
+    pipeline: &TrainPipeline,
+    steps: usize,
+    b: usize,
+    data: &[(Tensor, KeyedJaggedTensor, Tensor)],
+) -> embers::Result<(f64, f64)> {
+    let dense = dense_half()?;
+    let params = dense.parameters();
+    let mut opt = Adagrad::new(params.clone(), 0.01, 0.0)?;
+    let batches = |n: usize| {
+        (0..n).map(|i| {
+            let (x, kjt, y) = &data[i % data.len()];
+            Ok(Sample(x.clone(), kjt.clone(), y.clone()))
+        })
+    };
+    let mut step = |batch: &Sample, pooled: KeyedTensor| -> embers::Result<()> {
+        let embedded = pooled.values().reshape(&[b, F, D])?;
+        let logits = dense.forward(&batch.0, &embedded)?;
+        let loss = logits.bce_with_logits(&batch.2, None, Reduction::Mean)?;
+        loss.backward()?;
+        all_reduce_mean_gradients(sharded.comm(), &params)?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(())
+    };
+    pipeline.run(batches(3), &mut step)?;
+    let start = Instant::now();
+    let report = pipeline.run(batches(steps), &mut step)?;
+    let ms = start.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    Ok((ms, report.hidden_fraction()))
 }
 
 /// The comm codecs timed at W > 1: forward / backward precisions.

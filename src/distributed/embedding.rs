@@ -255,7 +255,7 @@ impl ShardedEmbeddingCollection {
     /// error naming this rank on the others: every rank skips the batch.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<Vec<(String, JaggedTensor)>> {
         let shards = &self.inner.shards;
-        let (input, gathered) = shards.distribute_input(kjt, false)?;
+        let (input, gathered) = shards.distribute_input(kjt, false, &shards.comm)?;
         let layout = Layout::new(shards, &input);
         let mut flat = vec![0.0f32; layout.len()];
         // Remote lookups and the output distribution.

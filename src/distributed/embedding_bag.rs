@@ -27,9 +27,10 @@ use std::sync::Arc;
 use super::checkpoint::LoadReport;
 use super::codec::{Codec, QCommsConfig};
 use super::comm::Comm;
+use super::input_dist::Gathered;
 use super::plan::ShardingPlan;
 use super::routing::{width, Slot};
-use super::shards::{sharded_access, Build, ShardValues, Shards, TableInfo};
+use super::shards::{sharded_access, Build, LocalInput, ShardValues, Shards, TableInfo};
 use crate::embedding::{
     check_bag_configs, EmbeddingBagConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding,
     TbeBatch, TbeInput, WeightDecay,
@@ -46,6 +47,25 @@ struct Inner {
     configs: Vec<EmbeddingBagConfig>,
     output_dims: Vec<usize>,
     qcomms: parking_lot::Mutex<QCommsConfig>,
+}
+
+/// A batch after its input distribution: this rank's batch, checked, and the bags of this
+/// rank's shards from every rank ([`ShardedEmbeddingBagCollection::distribute_input`]).
+pub struct DistributedInput {
+    host: LocalInput,
+    gathered: Option<Gathered>,
+}
+
+impl std::fmt::Debug for DistributedInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedInput")
+            .field("batch_size", &self.host.kjt.stride)
+            .field(
+                "global_batch_size",
+                &self.gathered.as_ref().map(|g| g.batch()),
+            )
+            .finish()
+    }
 }
 
 /// An embedding-bag collection sharded over the ranks of a communicator (see the module
@@ -175,10 +195,32 @@ impl ShardedEmbeddingBagCollection {
     /// error on this rank naming the feature, and an error naming this rank on the others:
     /// every rank skips the batch.
     pub fn forward(&self, kjt: &KeyedJaggedTensor) -> Result<KeyedTensor> {
+        let input = self.distribute_input(kjt, self.comm())?;
+        self.forward_distributed(input)
+    }
+
+    /// The first half of [`forward`](Self::forward): the input distribution of this rank's
+    /// batch over `comm` — this collection's communicator or a duplicate of it
+    /// ([`Comm::split`]), so that a pipeline can run it on its own thread while the previous
+    /// batch trains. A collective on `comm`; it reads no table, so it may run before earlier
+    /// batches' backward. Errors as [`forward`](Self::forward)'s.
+    pub fn distribute_input(
+        &self,
+        kjt: &KeyedJaggedTensor,
+        comm: &Comm,
+    ) -> Result<DistributedInput> {
+        let (host, gathered) = self.inner.shards.distribute_input(kjt, true, comm)?;
+        Ok(DistributedInput { host, gathered })
+    }
+
+    /// The second half of [`forward`](Self::forward): the lookups and the output
+    /// distribution of a batch from [`distribute_input`](Self::distribute_input), in the
+    /// order the batches were distributed.
+    pub fn forward_distributed(&self, input: DistributedInput) -> Result<KeyedTensor> {
         let inner = &*self.inner;
         let shards = &inner.shards;
         let routing = &shards.routing;
-        let (host, gathered) = shards.distribute_input(kjt, true)?;
+        let DistributedInput { host, gathered } = input;
         let stride = host.kjt.stride;
         let qcomms = self.qcomms();
         let strides = match &gathered {

@@ -14,6 +14,8 @@
 //! * [`kjt_all_to_all`]: TorchRec's `KJTAllToAll` on its own.
 //! * [`codec`]: quantized communication codecs (FP16, BF16, FP8, INT8 row-wise), used by the
 //!   pooled collection's output distribution and its backward ([`QCommsConfig`]).
+//! * [`pipeline`]: the training pipeline (loading, input distribution and training of three
+//!   batches at once, on three threads).
 //! * [`global_metrics`]: RecMetrics over every rank's data, as one process would compute them.
 //! * [`all_reduce_mean_gradients`]: the dense half's data parallelism (DDP's all-reduce).
 
@@ -24,6 +26,7 @@ pub mod embedding;
 pub mod embedding_bag;
 mod input_dist;
 pub mod metrics;
+pub mod pipeline;
 pub mod plan;
 mod routing;
 mod shards;
@@ -34,9 +37,10 @@ pub use codec::{Codec, CommPrecision, QCommsConfig};
 pub use comm::mpi::mpi_world;
 pub use comm::{Comm, LocalGroup, OpBytes};
 pub use embedding::ShardedEmbeddingCollection;
-pub use embedding_bag::ShardedEmbeddingBagCollection;
+pub use embedding_bag::{DistributedInput, ShardedEmbeddingBagCollection};
 pub use input_dist::kjt_all_to_all;
 pub use metrics::global_metrics;
+pub use pipeline::{PipelineBatch, PipelineReport, TrainPipeline};
 pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};
 pub use shards::{init_table, ShardValues, ShardableTable};
 

@@ -652,13 +652,29 @@ impl Shards {
 
     /// The input distribution of this rank's batch (a collective): the batch read and checked,
     /// and, when any table has slots, the bags of this rank's slots from every rank
-    /// (`weights`: whether the bags carry the KJT's weights). A batch that fails its checks is
-    /// an error on this rank naming the feature, and an error naming this rank on the others.
+    /// (`weights`: whether the bags carry the KJT's weights), over `comm` (the collection's
+    /// communicator, or a duplicate of it for a pipeline's communication thread). A batch that
+    /// fails its checks is an error on this rank naming the feature, and an error naming this
+    /// rank on the others.
     pub fn distribute_input(
         &self,
         kjt: &KeyedJaggedTensor,
         weights: bool,
+        comm: &Comm,
     ) -> Result<(LocalInput, Option<Gathered>)> {
+        if (comm.rank(), comm.size()) != (self.comm.rank(), self.comm.size()) {
+            return Err(Error::invalid(
+                self.op,
+                format!(
+                    "the input distribution's communicator is rank {} of {}, the collection's \
+                     rank {} of {}: it must be the collection's or a duplicate of it",
+                    comm.rank(),
+                    comm.size(),
+                    self.comm.rank(),
+                    self.comm.size()
+                ),
+            ));
+        }
         let batch = self.batches.fetch_add(1, Ordering::Relaxed);
         let input = self.read_input(kjt);
         if !self.routing.has_slots() {
@@ -669,7 +685,7 @@ impl Shards {
             Err(e) => (Vec::new(), 0, Some(Error::invalid(self.op, e.to_string()))),
         };
         let slots = self.routing.slots[self.comm.rank()].len();
-        let gathered = all_to_all_bags(&self.comm, send, stride, slots, rejected, batch)?;
+        let gathered = all_to_all_bags(comm, send, stride, slots, rejected, batch)?;
         Ok((input?, Some(gathered)))
     }
 

@@ -1,0 +1,247 @@
+//! The training pipeline (`TrainPipeline`) on 2 ranks in process: pipelined == the same steps
+//! one after the other, bit for bit (every step's loss, every table, the dense head); uneven
+//! data ends every rank on the same step; a batch that fails to load, or a bad batch, on one
+//! rank ends the run on every rank with an error naming it.
+
+#[path = "support/dist_scenarios.rs"]
+mod dist_scenarios;
+
+use std::time::Duration;
+
+use dist_scenarios::{case, kjt_of, on_ranks, rank_batch, sharded_of, tables, SEED};
+use embers::distributed::{
+    all_reduce_mean_gradients, Comm, LocalGroup, PipelineBatch, PipelineReport, TrainPipeline,
+};
+use embers::nn::{Forward, Linear, Module};
+use embers::optim::{Optimizer, Sgd};
+use embers::sparse::KeyedJaggedTensor;
+use embers::tensor::rng::seeded;
+use embers::tensor::Reduction;
+use embers::Tensor;
+
+/// One rank's batch: its features and labels.
+struct Step {
+    kjt: KeyedJaggedTensor,
+    labels: Vec<f32>,
+}
+
+impl PipelineBatch for Step {
+    fn sparse(&self) -> &KeyedJaggedTensor {
+        &self.kjt
+    }
+}
+
+/// Rank `rank`'s batch for step `step` of the `mixed_adagrad` case on 2 ranks.
+fn step(rank: usize, step: usize) -> embers::Result<Step> {
+    let c = case(2, "mixed_adagrad").unwrap();
+    let batch = rank_batch(rank, step, c.batches[rank]);
+    Ok(Step {
+        kjt: kjt_of(&[&batch], false),
+        labels: batch.labels,
+    })
+}
+
+/// What a run leaves: each step's loss and the final tables and head, as bits.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    losses: Vec<u32>,
+    tables: Vec<Vec<u32>>,
+    head: Vec<Vec<u32>>,
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Trains the `mixed_adagrad` case (table-wise, row-wise, table-row-wise and data-parallel
+/// tables, row-wise Adagrad) with a linear head on `data`, pipelined or not.
+fn train(
+    comm: Comm,
+    pipelined: bool,
+    data: Vec<embers::Result<Step>>,
+) -> embers::Result<(Outcome, PipelineReport)> {
+    let c = case(2, "mixed_adagrad").unwrap();
+    let sharded = sharded_of(comm, &c).unwrap();
+    let width: usize = sharded.output_keys_and_dims().1.iter().sum();
+    let head = Linear::new(width, 1, &mut seeded(SEED))?;
+    let mut opt = Sgd::new(head.parameters(), 0.1)?;
+    let mut pipeline = TrainPipeline::new(&sharded)?;
+    if !pipelined {
+        pipeline = pipeline.sequential();
+    }
+    let mut losses = Vec::new();
+    let report = pipeline.run(data, |batch: &Step, pooled| {
+        let b = batch.labels.len();
+        let logits = head.forward(pooled.values())?;
+        let labels = Tensor::from_vec(batch.labels.clone(), &[b, 1])?;
+        let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
+        loss.backward()?;
+        all_reduce_mean_gradients(sharded.comm(), &head.parameters())?;
+        opt.step()?;
+        opt.zero_grad();
+        losses.push(loss.to_vec::<f32>()?[0].to_bits());
+        Ok(())
+    })?;
+    let tables = (tables().iter())
+        .map(|t| sharded.table_weights(&t.name).map(|w| bits(&w)))
+        .collect::<embers::Result<_>>()?;
+    let head = (head.parameters().iter())
+        .map(|p| p.to_vec::<f32>().map(|v| bits(&v)))
+        .collect::<embers::Result<_>>()?;
+    Ok((
+        Outcome {
+            losses,
+            tables,
+            head,
+        },
+        report,
+    ))
+}
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+#[test]
+fn pipelined_training_equals_sequential_training_bit_for_bit() {
+    let reference = on_ranks(2, DEADLINE, |comm| {
+        let rank = comm.rank();
+        let data = (0..10).map(|s| step(rank, s)).collect();
+        train(comm, false, data).unwrap()
+    });
+    for pipelined in [false, true] {
+        let runs = on_ranks(2, DEADLINE, |comm| {
+            let rank = comm.rank();
+            let data = (0..10).map(|s| step(rank, s)).collect();
+            train(comm, pipelined, data).unwrap()
+        });
+        for (rank, ((got, report), (want, _))) in runs.iter().zip(&reference).enumerate() {
+            assert_eq!(report.steps, 10, "rank {rank}");
+            assert_eq!(report.unused_batches, 0, "rank {rank}");
+            assert_eq!(got.losses.len(), 10);
+            assert!(
+                got == want,
+                "pipelined={pipelined} rank {rank}: the runs differ"
+            );
+            if !pipelined {
+                assert_eq!(report.hidden_fraction(), 0.0, "one stage after the other");
+            }
+        }
+    }
+    // And the pipelined run trained: its tables moved from the first step's.
+    let first = on_ranks(2, DEADLINE, |comm| {
+        let data = vec![step(comm.rank(), 0)];
+        train(comm, true, data).unwrap().0
+    });
+    let ten = on_ranks(2, DEADLINE, |comm| {
+        let data = (0..10).map(|s| step(comm.rank(), s)).collect();
+        train(comm, true, data).unwrap().0
+    });
+    assert_ne!(first[0].tables, ten[0].tables);
+    assert_eq!(first[0].losses[..], ten[0].losses[..1]);
+}
+
+#[test]
+fn uneven_data_ends_every_rank_on_the_same_step() {
+    for pipelined in [false, true] {
+        let runs = on_ranks(2, DEADLINE, |comm| {
+            let rank = comm.rank();
+            let n = if rank == 0 { 12 } else { 9 };
+            let data = (0..n).map(|s| step(rank, s)).collect();
+            train(comm, pipelined, data).unwrap()
+        });
+        let even = on_ranks(2, DEADLINE, |comm| {
+            let rank = comm.rank();
+            let data = (0..9).map(|s| step(rank, s)).collect();
+            train(comm, pipelined, data).unwrap().0
+        });
+        for (rank, ((outcome, report), want)) in runs.iter().zip(&even).enumerate() {
+            assert_eq!(report.steps, 9, "pipelined={pipelined} rank {rank}");
+            assert_eq!(outcome, want, "pipelined={pipelined} rank {rank}");
+            if rank == 0 {
+                // The batch for step 9 at least was loaded and left.
+                assert!(report.unused_batches >= 1, "{report:?}");
+            } else {
+                assert_eq!(report.unused_batches, 0, "{report:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_that_fails_to_load_ends_the_run_on_every_rank() {
+    for pipelined in [false, true] {
+        let errors = on_ranks(2, DEADLINE, |comm| {
+            let rank = comm.rank();
+            let data = (0..8)
+                .map(|s| {
+                    if rank == 1 && s == 4 {
+                        Err(embers::Error::Distributed("truncated record 17".into()))
+                    } else {
+                        step(rank, s)
+                    }
+                })
+                .collect();
+            train(comm, pipelined, data).unwrap_err().to_string()
+        });
+        assert!(errors[1].contains("truncated record 17"), "{}", errors[1]);
+        assert!(
+            errors[0].contains("rank(s) [1] could not load their batch for step 4"),
+            "{}",
+            errors[0]
+        );
+    }
+}
+
+#[test]
+fn a_bad_batch_on_one_rank_ends_the_run_on_every_rank() {
+    for pipelined in [false, true] {
+        let errors = on_ranks(2, DEADLINE, |comm| {
+            let rank = comm.rank();
+            let data = (0..6)
+                .map(|s| {
+                    if rank == 0 && s == 3 {
+                        let c = case(2, "mixed_adagrad").unwrap();
+                        let mut batch = rank_batch(rank, s, c.batches[rank]);
+                        batch.ids[0][0] = vec![999];
+                        Ok(Step {
+                            kjt: kjt_of(&[&batch], false),
+                            labels: batch.labels,
+                        })
+                    } else {
+                        step(rank, s)
+                    }
+                })
+                .collect();
+            train(comm, pipelined, data).unwrap_err().to_string()
+        });
+        assert!(
+            errors[0].contains("feature `f0`") && errors[0].contains("id 999"),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            errors[1].contains("rank(s) [0] rejected their input batch"),
+            "{}",
+            errors[1]
+        );
+    }
+}
+
+#[test]
+fn the_input_distribution_refuses_a_communicator_of_another_group() {
+    let errors = on_ranks(2, DEADLINE, |comm| {
+        let c = case(2, "mixed_adagrad").unwrap();
+        let sharded = sharded_of(comm, &c).unwrap();
+        let alone = LocalGroup::comms(1).pop().unwrap();
+        let batch = step(sharded.comm().rank(), 0).unwrap();
+        sharded
+            .distribute_input(&batch.kjt, &alone)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(
+            e.contains("rank 0 of 1") && e.contains("a duplicate of it"),
+            "{e}"
+        );
+    }
+}
