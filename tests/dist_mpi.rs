@@ -119,6 +119,22 @@ fn sharded_equals_unsharded_across_four_processes_as_two_hosts() {
     equivalence(4);
 }
 
+/// The training pipeline across 2 processes (its communication thread on a duplicated MPI
+/// communicator): pipelined == sequential, bit for bit, and uneven data (12 and 10 batches)
+/// ends both ranks after 10 steps.
+#[test]
+fn the_training_pipeline_across_two_processes() {
+    let Some((out, _)) = mpirun(2, &["pipeline"]) else {
+        return;
+    };
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    for r in 0..2 {
+        let ok = format!("OK rank {r} pipeline 10 steps, 10 losses and 5 tables bit-identical");
+        assert!(log.lines().any(|l| l == ok), "{log}");
+    }
+}
+
 /// Saved by 4 processes (2 hosts of 2, a mixed plan), resumed by 2 under a row-wise plan.
 #[test]
 fn a_checkpoint_of_four_processes_resumes_on_two() {

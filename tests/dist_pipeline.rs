@@ -3,100 +3,16 @@
 //! data ends every rank on the same step; a batch that fails to load, or a bad batch, on one
 //! rank ends the run on every rank with an error naming it.
 
+#[path = "support/dist_pipeline.rs"]
+mod dist_pipeline;
 #[path = "support/dist_scenarios.rs"]
 mod dist_scenarios;
 
 use std::time::Duration;
 
-use dist_scenarios::{case, kjt_of, on_ranks, rank_batch, sharded_of, tables, SEED};
-use embers::distributed::{
-    all_reduce_mean_gradients, Comm, LocalGroup, PipelineBatch, PipelineReport, TrainPipeline,
-};
-use embers::nn::{Forward, Linear, Module};
-use embers::optim::{Optimizer, Sgd};
-use embers::sparse::KeyedJaggedTensor;
-use embers::tensor::rng::seeded;
-use embers::tensor::Reduction;
-use embers::Tensor;
-
-/// One rank's batch: its features and labels.
-struct Step {
-    kjt: KeyedJaggedTensor,
-    labels: Vec<f32>,
-}
-
-impl PipelineBatch for Step {
-    fn sparse(&self) -> &KeyedJaggedTensor {
-        &self.kjt
-    }
-}
-
-/// Rank `rank`'s batch for step `step` of the `mixed_adagrad` case on 2 ranks.
-fn step(rank: usize, step: usize) -> embers::Result<Step> {
-    let c = case(2, "mixed_adagrad").unwrap();
-    let batch = rank_batch(rank, step, c.batches[rank]);
-    Ok(Step {
-        kjt: kjt_of(&[&batch], false),
-        labels: batch.labels,
-    })
-}
-
-/// What a run leaves: each step's loss and the final tables and head, as bits.
-#[derive(Debug, PartialEq)]
-struct Outcome {
-    losses: Vec<u32>,
-    tables: Vec<Vec<u32>>,
-    head: Vec<Vec<u32>>,
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Trains the `mixed_adagrad` case (table-wise, row-wise, table-row-wise and data-parallel
-/// tables, row-wise Adagrad) with a linear head on `data`, pipelined or not.
-fn train(
-    comm: Comm,
-    pipelined: bool,
-    data: Vec<embers::Result<Step>>,
-) -> embers::Result<(Outcome, PipelineReport)> {
-    let c = case(2, "mixed_adagrad").unwrap();
-    let sharded = sharded_of(comm, &c).unwrap();
-    let width: usize = sharded.output_keys_and_dims().1.iter().sum();
-    let head = Linear::new(width, 1, &mut seeded(SEED))?;
-    let mut opt = Sgd::new(head.parameters(), 0.1)?;
-    let mut pipeline = TrainPipeline::new(&sharded)?;
-    if !pipelined {
-        pipeline = pipeline.sequential();
-    }
-    let mut losses = Vec::new();
-    let report = pipeline.run(data, |batch: &Step, pooled| {
-        let b = batch.labels.len();
-        let logits = head.forward(pooled.values())?;
-        let labels = Tensor::from_vec(batch.labels.clone(), &[b, 1])?;
-        let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
-        loss.backward()?;
-        all_reduce_mean_gradients(sharded.comm(), &head.parameters())?;
-        opt.step()?;
-        opt.zero_grad();
-        losses.push(loss.to_vec::<f32>()?[0].to_bits());
-        Ok(())
-    })?;
-    let tables = (tables().iter())
-        .map(|t| sharded.table_weights(&t.name).map(|w| bits(&w)))
-        .collect::<embers::Result<_>>()?;
-    let head = (head.parameters().iter())
-        .map(|p| p.to_vec::<f32>().map(|v| bits(&v)))
-        .collect::<embers::Result<_>>()?;
-    Ok((
-        Outcome {
-            losses,
-            tables,
-            head,
-        },
-        report,
-    ))
-}
+use dist_pipeline::{step, train, Step};
+use dist_scenarios::{case, kjt_of, on_ranks, rank_batch, sharded_of};
+use embers::distributed::LocalGroup;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 

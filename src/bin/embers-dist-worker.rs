@@ -4,6 +4,7 @@
 //! embers-dist-worker <world> equivalence <case|all> <steps>   (pooled, then unpooled)
 //! embers-dist-worker <world> kjt-all-to-all
 //! embers-dist-worker <world> checkpoint <save|resume> <dir>
+//! embers-dist-worker 2 pipeline
 //! embers-dist-worker <world> fault <kill|stall|skip|plan|world> <timeout_s>
 //! ```
 //!
@@ -11,6 +12,8 @@
 //! `FAULT rank R at <unix ms>` just before the fault so the test can time how long the other
 //! ranks take to end.
 
+#[path = "../../tests/support/dist_pipeline.rs"]
+mod dist_pipeline;
 #[path = "../../tests/support/dist_scenarios.rs"]
 mod dist_scenarios;
 #[path = "../../tests/support/dist_sequence.rs"]
@@ -44,7 +47,8 @@ fn main() -> ExitCode {
 
 fn run(args: &[String]) -> Result<(), String> {
     let usage = "usage: embers-dist-worker <world> equivalence <case|all> <steps> | \
-                 kjt-all-to-all | checkpoint <save|resume> <dir> | fault <kind> <timeout_s>";
+                 kjt-all-to-all | checkpoint <save|resume> <dir> | pipeline | fault <kind> \
+                 <timeout_s>";
     let world: usize = args.first().and_then(|w| w.parse().ok()).ok_or(usage)?;
     // Held for the whole run: MPI is finalised when the last communicator goes.
     let comm = mpi_world().map_err(|e| e.to_string())?;
@@ -79,6 +83,7 @@ fn run(args: &[String]) -> Result<(), String> {
             Ok(())
         }
         Some("kjt-all-to-all") => kjt_example(&comm),
+        Some("pipeline") if world == 2 => pipeline(rank),
         Some("checkpoint") => {
             let dir = std::path::Path::new(args.get(3).ok_or(usage)?);
             checkpoint(comm, world, args.get(2).ok_or(usage)?, dir)
@@ -94,6 +99,39 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         _ => Err(usage.into()),
     }
+}
+
+/// The training pipeline across processes (its input distribution on a duplicated
+/// communicator, on its own thread): rank 0 has 12 batches, rank 1 has 10; the pipelined and
+/// the sequential run must both stop after 10 steps with the same losses and tables, bit for
+/// bit.
+fn pipeline(rank: usize) -> Result<(), String> {
+    let e = |e: embers::Error| e.to_string();
+    let mut outcomes = Vec::new();
+    for pipelined in [false, true] {
+        let comm = mpi_world().map_err(e)?;
+        let n = if rank == 0 { 12 } else { 10 };
+        let data = (0..n).map(|s| dist_pipeline::step(rank, s)).collect();
+        let (outcome, report) = dist_pipeline::train(comm, pipelined, data).map_err(e)?;
+        if report.steps != 10 {
+            return Err(format!(
+                "rank {rank}: pipelined={pipelined} trained {} steps, expected 10",
+                report.steps
+            ));
+        }
+        outcomes.push(outcome);
+    }
+    if outcomes[0] != outcomes[1] {
+        return Err(format!(
+            "rank {rank}: the pipelined run differs from the sequential one"
+        ));
+    }
+    println!(
+        "OK rank {rank} pipeline 10 steps, {} losses and {} tables bit-identical",
+        outcomes[0].losses.len(),
+        outcomes[0].tables.len()
+    );
+    Ok(())
 }
 
 /// `save`: trains the mixed row-wise Adagrad case for 3 steps (checked against the unsharded
