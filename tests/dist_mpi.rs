@@ -5,6 +5,8 @@
 //!   the pooled collection and the unpooled one (`support/dist_sequence.rs`)
 //!   (with the closed-form byte checks);
 //! * TorchRec's `KJTAllToAll` docstring example;
+//! * the training pipeline (pipelined == sequential, uneven data) and the DLRM example on 2
+//!   processes (`--plan auto`, resumed bit-identically, and on 1 process);
 //! * faults: a rank killed mid-step, a rank that stalls, a rank that skips a batch, a rank with
 //!   another plan, a plan for another world size — every rank ends, with the named error,
 //!   within the deadline + 2 s.
@@ -12,6 +14,7 @@
 //! Without MPI (no `mpiexec`, or the `mpi` feature off) each test prints why it was skipped
 //! and passes; `EMBERS_REQUIRE_MPI=1` (set by CI) makes that a failure.
 
+use std::collections::BTreeMap;
 use std::process::{Command, Output};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -54,8 +57,26 @@ fn mpirun(world: usize, args: &[&str]) -> Option<(Output, Instant)> {
 
 /// Runs `ranks` workers told to expect a world of `world`.
 fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Instant)> {
-    let setup = worker().and_then(|w| launcher().map(|l| (w, l)));
-    let (worker, (exe, extra)) = match setup {
+    let worker = match worker() {
+        Ok(w) => w,
+        Err(why) => {
+            let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_MPI=1 but {why}");
+            println!("SKIP: {why}");
+            return None;
+        }
+    };
+    let world = world.to_string();
+    let all: Vec<&str> = [world.as_str()]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    launch(ranks, worker, &all)
+}
+
+/// Runs `program args` on `ranks` ranks under mpiexec.
+fn launch(ranks: usize, program: &str, args: &[&str]) -> Option<(Output, Instant)> {
+    let (exe, extra) = match launcher() {
         Ok(s) => s,
         Err(why) => {
             let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
@@ -69,7 +90,7 @@ fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Insta
     let _job = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
     let mut cmd = Command::new(exe);
     cmd.args(&extra)
-        .args(["-n", &ranks.to_string(), worker, &world.to_string()])
+        .args(["-n", &ranks.to_string(), program])
         .args(args)
         // A backstop: no MPI job of this file may outlive it (MPICH's launcher timeout).
         .env("MPIEXEC_TIMEOUT", "240");
@@ -274,4 +295,123 @@ fn a_world_other_than_the_expected_one_is_refused() {
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
     assert!(log.contains("expected a world of 3"), "{log}");
+}
+
+/// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined): 60 steps
+/// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
+/// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
+#[test]
+fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
+    if worker().is_err() {
+        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
+        println!("SKIP: the `mpi` feature is off");
+        return;
+    }
+    // Examples are built beside the test binaries (target/<profile>/examples).
+    let me = std::env::current_exe().unwrap();
+    let example = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
+    if !example.exists() {
+        assert!(
+            std::env::var("EMBERS_REQUIRE_MPI").is_err(),
+            "{} was not built (cargo test builds the examples)",
+            example.display()
+        );
+        println!("SKIP: {} was not built", example.display());
+        return;
+    }
+    let example = example.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("embers-mpi-dlrm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let common = [
+        "--plan",
+        "auto",
+        "--synthetic-train",
+        "200000",
+        "--synthetic-eval",
+        "2000",
+        "--validate-every",
+        "30",
+        "--validation-examples",
+        "2000",
+        "--no-progress",
+        "--comm-precision",
+        "fp16,bf16",
+        "--batch-size",
+        "256",
+    ];
+    let run = |ranks: usize, extra: &[&str]| {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        let (out, _) = launch(ranks, example, &args).expect("mpiexec runs");
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        log
+    };
+    let log = run(2, &["--steps", "60", "--out", a]);
+    assert!(log.contains("trained 60 steps on 2 ranks"), "{log}");
+    assert!(log.contains("DLRM on 2 processes"), "{log}");
+    run(2, &["--steps", "30", "--out", b]);
+    let resume = format!("{b}/checkpoint");
+    let log = run(2, &["--steps", "60", "--resume", &resume, "--out", b]);
+    assert!(log.contains("trained 30 steps on 2 ranks"), "{log}");
+    for (sub, prefix) in [("checkpoint", "rank"), ("checkpoint/tables", "rank-")] {
+        let (x, y) = (dir.join("a").join(sub), dir.join("b").join(sub));
+        assert!(
+            tensors_of(&x, prefix) == tensors_of(&y, prefix),
+            "{sub}/{prefix}*: the straight and the resumed run differ"
+        );
+    }
+    // On another world size: the tables reshard, the dense half comes from rank 0.
+    let log = run(
+        1,
+        &[
+            "--steps",
+            "70",
+            "--resume",
+            &format!("{a}/checkpoint"),
+            "--out",
+            b,
+        ],
+    );
+    assert!(
+        log.contains("resumed a checkpoint of 2 ranks on 1"),
+        "{log}"
+    );
+    assert!(log.contains("trained 10 steps on 1 ranks"), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every tensor of the safetensors files in `dir` whose names start with `prefix`: by file
+/// (without its save id) and tensor, its dtype, shape and bytes (metadata left out: its order
+/// is not fixed).
+fn tensors_of(dir: &std::path::Path, prefix: &str) -> BTreeMap<String, (String, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !file.starts_with(prefix) || !file.ends_with(".safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let data = &bytes[8 + n..];
+        let stem = file.split('.').next().unwrap().to_string();
+        for (name, t) in header.as_object().unwrap() {
+            if name == "__metadata__" {
+                continue;
+            }
+            let at = &t["data_offsets"];
+            let (lo, hi) = (
+                at[0].as_u64().unwrap() as usize,
+                at[1].as_u64().unwrap() as usize,
+            );
+            let kind = format!("{} {}", t["dtype"], t["shape"]);
+            out.insert(format!("{stem}/{name}"), (kind, data[lo..hi].to_vec()));
+        }
+    }
+    assert!(!out.is_empty(), "no `{prefix}` files in {}", dir.display());
+    out
 }

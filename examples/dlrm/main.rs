@@ -7,6 +7,7 @@
 //! `--help` lists the flags (Criteo TSV/Parquet and MovieLens data, model sizes, optimizers,
 //! resume).
 
+mod dist;
 mod plot;
 
 use std::collections::BTreeMap;
@@ -73,6 +74,16 @@ impl QuantType {
             QuantType::Fp8 => WeightType::Fp8,
         }
     }
+}
+
+/// A precision of the sharded tables' communication.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CommPrec {
+    Fp32,
+    Fp16,
+    Bf16,
+    Fp8,
+    Int8,
 }
 
 /// Train a DLRM click model (defaults: synthetic data, a few minutes on 2 cores).
@@ -176,6 +187,25 @@ struct Args {
     /// host emulation of one, slow, for checking only).
     #[arg(long, default_value = "cpu")]
     device: embers::Device,
+    /// Train across processes (`mpiexec -n W`, built with `--features mpi`), the tables
+    /// sharded by this plan: an `embers-plan plan … --format json -o plan.json` file, or
+    /// `auto` to plan here for W CPU ranks. `--batch-size` is then per rank.
+    #[arg(long)]
+    plan: Option<String>,
+    /// Write this model's planner config (tables, batch size, `--ranks` CPU ranks) to this
+    /// file and exit: the input of `embers-plan plan`.
+    #[arg(long)]
+    write_planner_config: Option<PathBuf>,
+    /// Ranks for `--write-planner-config`.
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// With `--plan`: the precision of the pooled embeddings' all-to-alls, one for both
+    /// directions or `forward,backward` (TorchRec's QCommsConfig).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
+    comm_precision: Vec<CommPrec>,
+    /// With `--plan`: input distribution and training one after the other (no pipeline).
+    #[arg(long)]
+    no_pipeline: bool,
 }
 
 /// The dataset chosen on the command line, able to produce batches of any split.
@@ -187,7 +217,7 @@ enum Data {
     },
 }
 
-type Batches = Box<dyn Iterator<Item = Result<Batch>>>;
+type Batches = Box<dyn Iterator<Item = Result<Batch>> + Send>;
 
 fn to_batches<S: ExampleSource + 'static>(source: S, config: BatchConfig) -> Result<Batches> {
     let prefetched = Batcher::new(source, config)?.prefetch(4)?;
@@ -486,6 +516,12 @@ fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
     let (data, features) = Data::open(&args)?;
     let config = model_config(&args, data.num_dense(), features);
+    if let Some(path) = &args.write_planner_config {
+        return dist::write_planner_config(&args, &config, path);
+    }
+    if args.plan.is_some() {
+        return dist::run(&args, &data, &config);
+    }
     let mut trainer = config.build()?;
     let checkpoint = args.out.join("checkpoint.safetensors");
 

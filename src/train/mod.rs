@@ -161,7 +161,8 @@ pub enum DenseOptimizer {
 }
 
 impl DenseOptimizer {
-    fn build(self, params: Vec<Tensor>) -> Result<Box<dyn Optimizer + Send>> {
+    /// The optimizer over `params`.
+    pub fn build(self, params: Vec<Tensor>) -> Result<Box<dyn Optimizer + Send>> {
         Ok(match self {
             DenseOptimizer::Sgd { lr } => Box::new(Sgd::new(params, lr)?),
             DenseOptimizer::Adagrad { lr } => Box::new(Adagrad::new(params, lr, 0.0)?),
