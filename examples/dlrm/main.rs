@@ -304,7 +304,22 @@ impl Data {
 
     /// Batches of `split`; training batches are shuffled with a per-epoch seed.
     fn batches(&self, split: Split, epoch: u64, batch_size: usize, seed: u64) -> Result<Batches> {
+        self.batches_of_part(split, epoch, batch_size, seed, (0, 1))
+    }
+
+    /// Part `part.0` of `part.1` of [`batches`](Self::batches): for the synthetic data, a
+    /// contiguous slice of the split's examples (each part generates only its own); for files,
+    /// every `part.1`-th batch (each part still reads the whole file).
+    fn batches_of_part(
+        &self,
+        split: Split,
+        epoch: u64,
+        batch_size: usize,
+        seed: u64,
+        part: (usize, usize),
+    ) -> Result<Batches> {
         let shuffle_seed = seed.wrapping_mul(1_000_003).wrapping_add(epoch);
+        let (index, parts) = (part.0 as u64, part.1 as u64);
         match self {
             Data::Synthetic(g) => {
                 let config = BatchConfig {
@@ -317,7 +332,10 @@ impl Data {
                     split_rule: SplitRule::All,
                     split,
                 };
-                to_batches(g.split(split), config)
+                let all = g.split_range(split);
+                let len = all.end - all.start;
+                let mine = all.start + len * index / parts..all.start + len * (index + 1) / parts;
+                to_batches(g.examples(mine), config)
             }
             Data::Files { args, .. } => {
                 let config = BatchConfig {
@@ -334,7 +352,7 @@ impl Data {
                     },
                     split,
                 };
-                match args.data {
+                let all = match args.data {
                     DataSource::CriteoTsv => to_batches(
                         CriteoTsvReader::open(&args.path, criteo_config(args))?,
                         config,
@@ -344,7 +362,15 @@ impl Data {
                         config,
                     ),
                     _ => to_batches(MovieLensReader::open(movielens_config(args)?)?, config),
+                }?;
+                if parts == 1 {
+                    return Ok(all);
                 }
+                Ok(Box::new(
+                    all.enumerate()
+                        .filter(move |(i, _)| *i as u64 % parts == index)
+                        .map(|(_, b)| b),
+                ))
             }
         }
     }
