@@ -222,6 +222,30 @@ fn a_rank_killed_mid_step_ends_the_job() {
     );
 }
 
+/// A rank killed mid-epoch with the training pipeline running (its loader and communication
+/// threads, a duplicated communicator): the job ends, naming the dead process.
+#[test]
+fn a_rank_killed_mid_epoch_in_the_pipeline_ends_the_job() {
+    let Some((out, log, after)) = fault("pipeline-kill") else {
+        return;
+    };
+    assert!(!out.status.success(), "{log}");
+    assert!(!log.contains("no fault happened"), "{log}");
+    // The launcher names the dead process (MPICH: its PID, host and exit code; Open MPI: its
+    // rank and signal), or a survivor's watchdog names the collective it waited on.
+    assert!(
+        log.contains("BAD TERMINATION")
+            || log.contains("exited on signal")
+            || log.contains("exceeded"),
+        "{log}"
+    );
+    let after = after.expect("the fault was announced");
+    assert!(
+        after <= DEADLINE_S + 2.0,
+        "ended {after:.2} s after the fault\n{log}"
+    );
+}
+
 /// A rank that stops making collectives (stalled, or out of batches before the others): the
 /// others' watchdogs abort the job with the op and its number.
 fn watchdog_case(kind: &str) {

@@ -5,7 +5,7 @@
 //! embers-dist-worker <world> kjt-all-to-all
 //! embers-dist-worker <world> checkpoint <save|resume> <dir>
 //! embers-dist-worker 2 pipeline
-//! embers-dist-worker <world> fault <kill|stall|skip|plan|world> <timeout_s>
+//! embers-dist-worker <world> fault <kill|pipeline-kill|stall|skip|plan|world> <timeout_s>
 //! ```
 //!
 //! Prints `OK rank R ...` on success; errors go to stderr with exit code 1. Fault modes print
@@ -25,8 +25,9 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use embers::distributed::{
-    mpi_world, Comm, Placement, ShardedEmbeddingBagCollection, ShardingPlan,
+    mpi_world, Comm, Placement, ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
 };
+use embers::sparse::KeyedJaggedTensor;
 
 fn now_ms() -> u128 {
     SystemTime::now()
@@ -216,6 +217,27 @@ fn fault(comm: Comm, world: usize, kind: &str) -> Result<(), String> {
         dist_scenarios::SEED,
     )
     .map_err(e)?;
+    if kind == "pipeline-kill" {
+        // Rank 1 dies in its third step, with the pipeline's threads running.
+        let pipeline = TrainPipeline::new(&sharded).map_err(e)?;
+        let batches = (0..6).map(|step| {
+            let batch = dist_scenarios::rank_batch(rank, step, case.batches[rank]);
+            Ok(dist_scenarios::kjt_of(&[&batch], false))
+        });
+        let mut step = 0;
+        pipeline
+            .run(batches, |_: &KeyedJaggedTensor, pooled| {
+                if rank == 1 && step == 2 {
+                    println!("FAULT rank {rank} at {}", now_ms());
+                    std::process::abort();
+                }
+                step += 1;
+                pooled.values().sum_all()?.backward()
+            })
+            .map_err(e)?;
+        println!("OK rank {rank} fault {kind}: no fault happened");
+        return Ok(());
+    }
     for step in 0..4 {
         let batch = dist_scenarios::rank_batch(rank, step, case.batches[rank]);
         let kjt = dist_scenarios::kjt_of(&[&batch], false);
