@@ -1,4 +1,4 @@
-//! DLRM training throughput in the configuration of `../shared/peers/dlrm.py`: B=512, D=64,
+//! DLRM training throughput in the configuration of `benches/peers/dlrm.py`: B=512, D=64,
 //! 26 tables × 100k rows, bottom MLP 13-512-256-64, top MLP 512-512-256-1, fused row-wise
 //! Adagrad (lr 0.01) on the tables, Adagrad (lr 0.01) on the dense half, random dense
 //! features, uniform ids (one per feature) and random labels, 8 pre-built batches cycled.

@@ -4,7 +4,7 @@
 //! table memory overhead.
 //!
 //! After criterion's runs a summary prints one line per measurement in the format of
-//! `../shared/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
+//! `benches/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
 //! two side by side. Arguments `T B D E L` (after `--`) change the shape; `EMBERS_TBE_QUICK=1`
 //! skips criterion and prints only the summary.
 

@@ -1,4 +1,4 @@
-//! Dense kernels of the tensor core, at the shapes `../shared/peers/matmul.py` measures for
+//! Dense kernels of the tensor core, at the shapes `benches/peers/matmul.py` measures for
 //! PyTorch CPU (run both with `benches/peers/tensor.sh` to get the ratio in one run).
 
 use criterion::{criterion_group, criterion_main, Criterion};

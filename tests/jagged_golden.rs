@@ -1,4 +1,4 @@
-//! The jagged op set against FBGEMM_GPU 1.9.0 CPU golden vectors (`../shared/golden/jagged.json`):
+//! The jagged op set against FBGEMM_GPU 1.9.0 CPU golden vectors (`tests/golden/jagged.json`):
 //! forward values and, for differentiable ops, the gradients FBGEMM's backward produced for the
 //! recorded upstream gradient. Cases FBGEMM could not run on CPU are checked against a naïve
 //! reference on the same inputs.

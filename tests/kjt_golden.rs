@@ -1,5 +1,5 @@
 //! KeyedJaggedTensor, KeyedTensor and JaggedTensor against TorchRec 1.9.2
-//! (`../shared/golden/kjt.json`).
+//! (`tests/golden/kjt.json`).
 
 mod jagged_common;
 

@@ -1,10 +1,10 @@
-//! RecMetrics against TorchRec 1.9.2's values in `../shared/golden/metrics.json`.
+//! RecMetrics against TorchRec 1.9.2's values in `tests/golden/metrics.json`.
 
 use embers::metrics::{auc, MetricKind, RecMetrics, Sample};
 use serde_json::Value;
 
 fn golden() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/metrics.json");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/metrics.json");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).unwrap()
 }

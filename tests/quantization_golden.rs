@@ -1,4 +1,4 @@
-//! Row formats against FBGEMM's quantisation ops (`../shared/golden/quantization.json`): bytes
+//! Row formats against FBGEMM's quantisation ops (`tests/golden/quantization.json`): bytes
 //! exactly, dequantised values exactly. Where FBGEMM's CPU ops refuse a shape (4-bit and 2-bit
 //! rows with an odd packed byte count) embers still quantises, checked against a float64
 //! reference of the documented rule.
@@ -14,7 +14,7 @@ use serde_json::Value;
 
 const GOLDEN: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/golden/quantization.json"
+    "/tests/golden/quantization.json"
 );
 
 fn golden() -> Value {

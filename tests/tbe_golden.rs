@@ -1,4 +1,4 @@
-//! The training and inference TBEs against FBGEMM's golden vectors (`../shared/golden/tbe.json`).
+//! The training and inference TBEs against FBGEMM's golden vectors (`tests/golden/tbe.json`).
 //!
 //! Where FBGEMM's CPU build is mathematically wrong (MEAN + per-sample weights dropping 1/L in
 //! backward, a shared table stepped once per feature, weight decay ignored) embers does the
@@ -17,7 +17,7 @@ use embers::{DType, Tensor};
 use serde_json::Value;
 use tbe_reference::{assert_close, RefDecay, RefOptimizer, RefPooling, RefTbe};
 
-const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/golden/tbe.json");
+const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/tbe.json");
 
 fn golden() -> Value {
     serde_json::from_str(&std::fs::read_to_string(GOLDEN).expect("read tbe.json")).unwrap()

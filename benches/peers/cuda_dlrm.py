@@ -1,5 +1,5 @@
 """Plain PyTorch DLRM training on the GPU, in the configuration of benches/dlrm.rs (and of
-../shared/peers/dlrm.py): B=512, D=64, 26 tables x 100k rows (one nn.EmbeddingBag each, sum
+benches/peers/dlrm.py): B=512, D=64, 26 tables x 100k rows (one nn.EmbeddingBag each, sum
 pooling, one id per feature), bottom MLP 13-512-256-64, dot interaction (upper triangle of the
 27 x 27 products, diagonal excluded), top MLP 415-512-512-256-1, BCE with logits, Adagrad
 (lr 0.01) on the dense half and on the tables (sparse gradients; embers uses its fused row-wise

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Side by side, in one run: FBGEMM_GPU CPU's TBE (../shared/peers/tbe.py) and embers' TBE bench
+# Side by side, in one run: FBGEMM_GPU CPU's TBE (benches/peers/tbe.py) and embers' TBE bench
 # (benches/tbe.rs) at FBGEMM's defaults T=32 B=512 D=128 E=100000 L=20, then the ratios.
 # Usage: benches/peers/tbe.sh [--quick]   (from anywhere; --quick skips criterion's own runs)
 # Env: PEERS_PYTHON (default: the peers venv), CARGO_TARGET_DIR as usual.
 source "$(dirname "$0")/common.sh" tbe
 if [[ "${1:-}" == "--quick" ]]; then export EMBERS_TBE_QUICK=1; fi
 echo "== FBGEMM_GPU CPU (2 threads)"
-"$PY" ../shared/peers/tbe.py | tee "$OUT/fbgemm.txt"
+"$PY" benches/peers/tbe.py | tee "$OUT/fbgemm.txt"
 echo "== embers"
 cargo bench --bench tbe -- --noplot 2>&1 | tee "$OUT/embers.txt" | sed -n '/== summary/,$p'
 echo "== FBGEMM_GPU CPU again (drift check)"
-"$PY" ../shared/peers/tbe.py | tee "$OUT/fbgemm2.txt"
+"$PY" benches/peers/tbe.py | tee "$OUT/fbgemm2.txt"
 
 echo "== ratios (FBGEMM ms / embers ms, uniform ids; FBGEMM = mean of its two runs)"
 "$PY" - "$OUT" <<'PYEOF'

@@ -1,6 +1,6 @@
-//! Planning time for random table sets generated exactly as `../shared/peers/plan.py manyN`
+//! Planning time for random table sets generated exactly as `benches/peers/plan.py manyN`
 //! does (Python's Mersenne Twister, `random.Random(1)`), on 16 and 128 ranks of 8-GPU hosts
-//! with 80 GiB HBM. Compare with `$PY ../shared/peers/plan.py manyN 16` (see README.md).
+//! with 80 GiB HBM. Compare with `$PY benches/peers/plan.py manyN 16` (see README.md).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use embers_planner::config::{ByteSize, Config, TableConfig, TopologyConfig};

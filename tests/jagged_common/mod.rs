@@ -4,9 +4,9 @@
 use embers::{DType, Tensor};
 use serde_json::Value;
 
-/// Loads `../shared/golden/<file>`.
+/// Loads `tests/golden/<file>`.
 pub fn load(file: &str) -> Value {
-    let path = format!("{}/../shared/golden/{file}", env!("CARGO_MANIFEST_DIR"));
+    let path = format!("{}/tests/golden/{file}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     serde_json::from_str(&text).unwrap()
 }

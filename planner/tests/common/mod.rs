@@ -6,7 +6,7 @@ use embers_planner::topology::Topology;
 use embers_planner::types::{ComputeDevice, ComputeKernel, DataType, ShardingType};
 use serde_json::Value;
 
-pub const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/golden/");
+pub const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/golden/");
 
 pub fn load(name: &str) -> Value {
     let path = format!("{GOLDEN}{name}");
