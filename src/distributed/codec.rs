@@ -230,8 +230,10 @@ pub const FP8_E4M3_NAN: u8 = 0x7F;
 
 /// `v` as E4M3, rounded to nearest even, saturated to ±448 (`v` finite).
 pub fn fp8_e4m3(v: f32) -> u8 {
-    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
-    let a = v.abs();
+    let bits = v.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let magnitude = bits & 0x7fff_ffff;
+    let a = f32::from_bits(magnitude);
     if a >= FP8_E4M3_MAX {
         return sign | 0x7E;
     }
@@ -241,32 +243,27 @@ pub fn fp8_e4m3(v: f32) -> u8 {
         let m = (a * 512.0).round_ties_even() as u8;
         return sign | m;
     }
-    let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
-    let frac = a / 2f32.powi(e); // [1, 2)
-    let mut m = ((frac - 1.0) * 8.0).round_ties_even() as i32;
-    let mut e = e;
-    if m == 8 {
-        m = 0;
-        e += 1;
-    }
-    if e > 8 || (e == 8 && m == 7) {
-        return sign | 0x7E;
-    }
-    sign | (((e + 7) as u8) << 3) | m as u8
+    // Round the 23-bit mantissa to 3 bits, to nearest even (a carry moves into the
+    // exponent, as it should); below 448 the result stays finite.
+    let rounded = magnitude + 0x7_FFFF + ((magnitude >> 20) & 1);
+    let e = (rounded >> 23) as i32 - 127;
+    let m = ((rounded >> 20) & 7) as u8;
+    sign | (((e + 7) as u8) << 3) | m
 }
 
 /// The value of E4M3 code `b` (`0x7F`/`0xFF` are NaN).
 pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = (b >> 3) & 0x0f;
-    let m = f32::from(b & 0x07);
-    if e == 0x0f && b & 0x07 == 0x07 {
+    let sign = u32::from(b & 0x80) << 24;
+    let e = u32::from((b >> 3) & 0x0f);
+    let m = u32::from(b & 0x07);
+    if e == 0x0f && m == 0x07 {
         return f32::NAN;
     }
     if e == 0 {
-        return sign * m / 512.0;
+        let v = m as f32 / 512.0;
+        return if sign != 0 { -v } else { v };
     }
-    sign * (1.0 + m / 8.0) * 2f32.powi(i32::from(e) - 7)
+    f32::from_bits(sign | ((e + 120) << 23) | (m << 20))
 }
 
 /// Collectives that send their `f32` values encoded (the receiver decodes them); with
