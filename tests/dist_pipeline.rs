@@ -10,8 +10,8 @@ mod dist_scenarios;
 
 use std::time::Duration;
 
-use dist_pipeline::{step, train, Step};
-use dist_scenarios::{case, kjt_of, on_ranks, rank_batch, sharded_of};
+use dist_pipeline::{raw_step, step, step_of, train};
+use dist_scenarios::{case, on_ranks, sharded_of};
 use embers::distributed::LocalGroup;
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -115,13 +115,9 @@ fn a_bad_batch_on_one_rank_ends_the_run_on_every_rank() {
             let data = (0..6)
                 .map(|s| {
                     if rank == 0 && s == 3 {
-                        let c = case(2, "mixed_adagrad").unwrap();
-                        let mut batch = rank_batch(rank, s, c.batches[rank]);
+                        let mut batch = raw_step(rank, s);
                         batch.ids[0][0] = vec![999];
-                        Ok(Step {
-                            kjt: kjt_of(&[&batch], false),
-                            labels: batch.labels,
-                        })
+                        Ok(step_of(batch))
                     } else {
                         step(rank, s)
                     }

@@ -25,17 +25,11 @@ use embers::train::DlrmConfig;
 /// The planner's input for this model on `ranks` CPU ranks (one host): the tables, one id
 /// per sample and feature, the per-rank batch size and the fused optimizer.
 pub fn planner_config(args: &Args, config: &DlrmConfig, ranks: usize) -> serde_json::Value {
-    use embers::embedding::FusedOptimizer as F;
-    let kind = match config.sparse_optimizer {
-        F::Sgd { .. } => "sgd",
-        F::Adagrad { .. } => "adagrad",
-        F::RowWiseAdagrad { .. } => "row_wise_adagrad",
-        F::Adam { .. } => "adam",
-        F::PartialRowWiseAdam { .. } => "partial_row_wise_adam",
-        F::Lamb { .. } => "lamb",
-        F::PartialRowWiseLamb { .. } => "partial_row_wise_lamb",
-        F::None => "none",
-    };
+    // The planner's names are the fused optimizers' with `row_wise` for `rowwise`.
+    let kind = config
+        .sparse_optimizer
+        .name()
+        .replace("rowwise", "row_wise");
     let tables: Vec<serde_json::Value> = (config.sparse_features.iter())
         .map(|(f, rows)| {
             json!({
@@ -97,13 +91,12 @@ mod with_mpi {
         all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig,
         ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
     };
-    use embers::embedding::EmbeddingBagConfig;
     use embers::metrics::{MetricKind, RecMetrics};
     use embers::models::DlrmDense;
     use embers::nn::Module;
     use embers::optim::Optimizer;
     use embers::tensor::{no_grad, rng::seeded, Reduction};
-    use embers::train::Batch;
+    use embers::train::{lifetime_metrics, write_dense_state, Batch, DenseState};
     use embers_datasets::Split;
     use indicatif::{ProgressBar, ProgressStyle};
 
@@ -122,16 +115,6 @@ mod with_mpi {
     }
 
     type Batches = crate::Batches;
-
-    /// The lifetime metrics under short names (`auc`, `ne`, …).
-    fn short(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
-        all.into_iter()
-            .filter_map(|(k, v)| {
-                let (_, rest) = k.split_once('|')?;
-                Some((rest.strip_prefix("lifetime_")?.to_string(), v))
-            })
-            .collect()
-    }
 
     fn io(p: &Path, e: std::io::Error) -> Error {
         Error::Io {
@@ -178,7 +161,7 @@ mod with_mpi {
         let comm = model.sharded.comm();
         let total = comm.all_gather_v("eval.examples", &[examples], None)?;
         let examples = total.iter().map(|v| v[0]).sum();
-        Ok((short(global_metrics(comm, &metrics)?), examples))
+        Ok((lifetime_metrics(global_metrics(comm, &metrics)?), examples))
     }
 
     /// Writes the checkpoint of step `step` into `<out>/checkpoint/` (see the module docs).
@@ -196,15 +179,7 @@ mod with_mpi {
         let mut w = CheckpointWriter::new();
         w.set_metadata("step", step.to_string());
         w.set_metadata("world", world.to_string());
-        for (name, p) in model.dense.named_parameters() {
-            w.add_tensor(format!("dense.{name}"), &p)?;
-        }
-        for (name, t) in model.optimizer.state_dict()? {
-            w.add_tensor(format!("optim.{name}"), &t)?;
-        }
-        for (name, values) in metrics.state_dict() {
-            w.add(format!("metrics.{name}"), &[values.len()], &values)?;
-        }
+        write_dense_state(&mut w, &model.dense, model.optimizer.as_ref(), metrics)?;
         w.write(partial.join(format!("rank{rank}.safetensors")))?;
         comm.barrier("checkpoint.written")?;
         if rank == 0 {
@@ -219,11 +194,11 @@ mod with_mpi {
         comm.barrier("checkpoint.end")
     }
 
-    /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at.
+    /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at. This rank's dense
+    /// state is read and checked before the tables load, and applied after.
     fn resume(model: &mut Model, metrics: &mut RecMetrics, dir: &Path) -> Result<u64> {
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
-        model.sharded.load(dir.join("tables"))?;
         let own = dir.join(format!("rank{rank}.safetensors"));
         let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
         let saved_world = r0.required_metadata("world")?.to_string();
@@ -236,29 +211,10 @@ mod with_mpi {
         let step: u64 = r.required_metadata("step")?.parse().map_err(|_| {
             Error::invalid("checkpoint", format!("{}: a bad step", r.path().display()))
         })?;
-        let dense = (model.dense.named_parameters().into_iter())
-            .map(|(name, p)| Ok((p.clone(), r.read_like(&format!("dense.{name}"), &p)?)))
-            .collect::<Result<Vec<_>>>()?;
-        let mut names = r.names();
-        names.sort();
-        let optim = (names.iter())
-            .filter_map(|n| Some((n, n.strip_prefix("optim.")?)))
-            .map(|(full, short)| Ok((short.to_string(), r.read_tensor(full)?)))
-            .collect::<Result<Vec<_>>>()?;
-        if same_world {
-            let mut state = BTreeMap::new();
-            for name in &names {
-                if let Some(short) = name.strip_prefix("metrics.") {
-                    let len = r.shape(name).unwrap_or_default().iter().product::<usize>();
-                    state.insert(short.to_string(), r.read::<f64>(name, &[len])?);
-                }
-            }
-            metrics.load_state_dict(&state)?;
-        }
-        model.optimizer.load_state_dict(&optim)?;
-        for (p, new) in dense {
-            p.copy_from(&new)?;
-        }
+        // On another world size the metrics restart: other ranks saw other data.
+        let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
+        model.sharded.load(dir.join("tables"))?;
+        dense.apply(model.optimizer.as_mut(), metrics)?;
         if rank == 0 && !same_world {
             println!(
                 "resumed a checkpoint of {saved_world} ranks on {world}: tables resharded, dense \
@@ -291,13 +247,8 @@ mod with_mpi {
             std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
         }
         let plan = plan_of(args, config, &comm)?;
-        let configs: Vec<EmbeddingBagConfig> = (config.sparse_features.iter())
-            .map(|(f, rows)| {
-                EmbeddingBagConfig::new(format!("t_{f}"), *rows, config.embedding_dim, &[f])
-            })
-            .collect();
         let sharded = ShardedEmbeddingBagCollection::new(
-            configs,
+            config.table_configs(),
             &plan,
             config.sparse_optimizer,
             comm,
@@ -314,32 +265,8 @@ mod with_mpi {
             }
         };
         sharded.set_qcomms(QCommsConfig::new(precision(fwd), precision(bwd)))?;
-        let mut dense_sizes = config.dense_arch.clone();
-        dense_sizes.push(config.embedding_dim);
-        let mut over_sizes = config.over_arch.clone();
-        over_sizes.push(1);
         let features = config.sparse_features.len();
-        let mut rng = seeded(config.seed);
-        let dense = match config.dcn {
-            None => DlrmDense::dot(
-                config.num_dense,
-                &dense_sizes,
-                features,
-                &over_sizes,
-                embers::DType::F32,
-                &mut rng,
-            )?,
-            Some((layers, r)) => DlrmDense::dcn(
-                config.num_dense,
-                &dense_sizes,
-                features,
-                &over_sizes,
-                layers,
-                r,
-                embers::DType::F32,
-                &mut rng,
-            )?,
-        };
+        let dense = config.dense_half(&mut seeded(config.seed))?;
         let optimizer = config.dense_optimizer.build(dense.parameters())?;
         let mut model = Model {
             sharded,
@@ -465,7 +392,7 @@ mod with_mpi {
             bar.set_position(step);
             if args.validate_every > 0 && step % args.validate_every == 0 {
                 let (val, n) = validation(model)?;
-                let train = short(global_metrics(model.sharded.comm(), &metrics)?);
+                let train = lifetime_metrics(global_metrics(model.sharded.comm(), &metrics)?);
                 if lead {
                     say(&bar, format!(
                         "step {step}: loss {:.4}, train AUC {:.4}, validation AUC {:.4} NE {:.4} ({n} examples)",
@@ -489,7 +416,7 @@ mod with_mpi {
         let test =
             data.batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))?;
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
-        let train = short(global_metrics(model.sharded.comm(), &metrics)?);
+        let train = lifetime_metrics(global_metrics(model.sharded.comm(), &metrics)?);
         let bytes = model.sharded.comm().bytes();
         let sent: u64 = bytes.values().map(|b| b.sent).sum();
         let all_sent = model

@@ -27,7 +27,7 @@
 
 use half::{bf16, f16};
 
-use super::comm::Comm;
+use super::comm::{sum_in_rank_order, Comm};
 use super::plan::fnv1a;
 use crate::error::{Error, Result};
 
@@ -318,13 +318,7 @@ impl Codec {
         let own = send.get(comm.rank()).map_or(0, Vec::len);
         let dims = vec![row_dim; send.len()];
         let parts = self.all_to_all(comm, op, send, &dims, &vec![(own, row_dim); comm.size()])?;
-        let mut sum = vec![0.0f32; own];
-        for part in &parts {
-            for (s, &v) in sum.iter_mut().zip(part) {
-                *s += v;
-            }
-        }
-        Ok(sum)
+        Ok(sum_in_rank_order(&parts, own))
     }
 
     /// [`Comm::all_gather_v`] of rows of `row_dim`: `counts[r]` values from rank `r`.

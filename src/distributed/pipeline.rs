@@ -20,7 +20,7 @@
 //! load ends the run on every rank with an error naming that rank.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::sync_channel;
 use std::time::{Duration, Instant};
 
 use super::comm::Comm;
@@ -140,14 +140,13 @@ impl TrainPipeline {
         let loaded = AtomicUsize::new(0);
         let mut batches = batches.into_iter();
         if !self.pipelined {
-            let stage = CommStage { pipeline: self };
             loop {
                 let start = Instant::now();
                 let next = batches.next();
                 loaded.fetch_add(usize::from(matches!(next, Some(Ok(_)))), Ordering::Relaxed);
                 report.load += start.elapsed();
                 let start = Instant::now();
-                let Some((batch, input)) = stage.distribute(report.steps, next)? else {
+                let Some((batch, input)) = self.distribute(report.steps, next)? else {
                     break;
                 };
                 report.input_dist += start.elapsed();
@@ -178,14 +177,13 @@ impl TrainPipeline {
                 }
             });
             let comm_stage = scope.spawn(move || -> (Duration, Duration) {
-                let stage = CommStage { pipeline: self };
                 let (mut load, mut input_dist) = (Duration::ZERO, Duration::ZERO);
                 for i in 0.. {
                     let start = Instant::now();
-                    let next = recv(&load_rx);
+                    let next = load_rx.recv().ok();
                     load += start.elapsed();
                     let start = Instant::now();
-                    let out = stage.distribute(i, next);
+                    let out = self.distribute(i, next);
                     input_dist += start.elapsed();
                     let stop = !matches!(out, Ok(Some(_)));
                     let sent = match out {
@@ -227,27 +225,15 @@ impl TrainPipeline {
         report.unused_batches = loaded.load(Ordering::Relaxed) - report.steps;
         Ok(report)
     }
-}
 
-/// The next batch from the loader (`None` when it has no more).
-fn recv<B>(rx: &Receiver<Result<B>>) -> Option<Result<B>> {
-    rx.recv().ok()
-}
-
-/// The communication stage: agrees on the end of data, then distributes one batch.
-struct CommStage<'a> {
-    pipeline: &'a TrainPipeline,
-}
-
-impl CommStage<'_> {
-    /// Step `i`'s batch (`next`, from the loader) distributed, or `None` when some rank has
-    /// no batch for step `i`.
+    /// The communication stage: the end-of-data agreement for step `i`, then its batch
+    /// (`next`, from the loader) distributed, or `None` when some rank has no batch for it.
     fn distribute<B: PipelineBatch>(
         &self,
         i: usize,
         next: Option<Result<B>>,
     ) -> Result<Option<(B, DistributedInput)>> {
-        let comm = &self.pipeline.input_comm;
+        let comm = &self.input_comm;
         let state = match &next {
             Some(Ok(_)) => HAS_BATCH,
             Some(Err(_)) => LOAD_FAILED,
@@ -268,10 +254,10 @@ impl CommStage<'_> {
             Some(Ok(batch)) if !out_of_data => batch,
             _ => return Ok(None),
         };
-        if !self.pipeline.input_delay.is_zero() {
-            std::thread::sleep(self.pipeline.input_delay);
+        if !self.input_delay.is_zero() {
+            std::thread::sleep(self.input_delay);
         }
-        let input = (self.pipeline.sharded).distribute_input(batch.sparse(), comm)?;
+        let input = self.sharded.distribute_input(batch.sparse(), comm)?;
         Ok(Some((batch, input)))
     }
 }

@@ -22,7 +22,7 @@ use crate::nn::Module;
 use crate::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
 use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::ops::loss::Reduction;
-use crate::tensor::rng::seeded;
+use crate::tensor::rng::{seeded, Rng};
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
 const OP: &str = "DlrmTrainer";
@@ -216,28 +216,40 @@ impl DlrmConfig {
             ));
         }
         let mut rng = seeded(self.seed);
-        let tables = self
-            .sparse_features
-            .iter()
+        let ebc =
+            EmbeddingBagCollection::new(self.table_configs(), self.sparse_optimizer, &mut rng)?;
+        let dense = self.dense_half(&mut rng)?;
+        let mut model = Dlrm::new(ebc, dense)?;
+        model.to_device(self.device)?;
+        let optimizer = self.dense_optimizer.build(model.dense.parameters())?;
+        DlrmTrainer::new(model, optimizer, self.metrics_window)
+    }
+
+    /// The tables: one per sparse feature, `t_<feature>`, of `embedding_dim` columns.
+    pub fn table_configs(&self) -> Vec<EmbeddingBagConfig> {
+        (self.sparse_features.iter())
             .map(|(f, rows)| {
                 EmbeddingBagConfig::new(format!("t_{f}"), *rows, self.embedding_dim, &[f])
             })
-            .collect();
-        let ebc = EmbeddingBagCollection::new(tables, self.sparse_optimizer, &mut rng)?;
+            .collect()
+    }
+
+    /// The dense half (bottom MLP, interaction, top MLP) on the CPU, initialised from `rng`.
+    pub fn dense_half(&self, rng: &mut Rng) -> Result<DlrmDense> {
         let mut dense_sizes = self.dense_arch.clone();
         dense_sizes.push(self.embedding_dim);
         let mut over_sizes = self.over_arch.clone();
         over_sizes.push(1);
         let f = self.sparse_features.len();
-        let dense = match self.dcn {
+        match self.dcn {
             None => DlrmDense::dot(
                 self.num_dense,
                 &dense_sizes,
                 f,
                 &over_sizes,
                 DType::F32,
-                &mut rng,
-            )?,
+                rng,
+            ),
             Some((layers, rank)) => DlrmDense::dcn(
                 self.num_dense,
                 &dense_sizes,
@@ -246,13 +258,9 @@ impl DlrmConfig {
                 layers,
                 rank,
                 DType::F32,
-                &mut rng,
-            )?,
-        };
-        let mut model = Dlrm::new(ebc, dense)?;
-        model.to_device(self.device)?;
-        let optimizer = self.dense_optimizer.build(model.dense.parameters())?;
-        DlrmTrainer::new(model, optimizer, self.metrics_window)
+                rng,
+            ),
+        }
     }
 }
 
@@ -293,6 +301,100 @@ fn short_names(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
             ))
         })
         .collect()
+}
+
+/// The lifetime values of [`RecMetrics::compute`] under their short names
+/// (`ne-click|lifetime_ne` → `ne`), window values left out: what an evaluation reports.
+pub fn lifetime_metrics(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    short_names(all)
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("window_"))
+        .collect()
+}
+
+/// Adds the dense half of a training state to `w`: the dense parameters (`dense.*`), the
+/// dense optimizer's state (`optim.*`) and the training metrics' state (`metrics.*`). Shared
+/// by [`DlrmTrainer`]'s checkpoints and the per-rank files of a sharded run.
+pub fn write_dense_state(
+    w: &mut CheckpointWriter,
+    dense: &impl Module,
+    optimizer: &dyn Optimizer,
+    metrics: &RecMetrics,
+) -> Result<()> {
+    for (name, p) in dense.named_parameters() {
+        w.add_tensor(format!("dense.{name}"), &p)?;
+    }
+    for (name, t) in optimizer.state_dict()? {
+        w.add_tensor(format!("optim.{name}"), &t)?;
+    }
+    for (name, values) in metrics.state_dict() {
+        w.add(format!("metrics.{name}"), &[values.len()], &values)?;
+    }
+    Ok(())
+}
+
+/// [`write_dense_state`]'s part of a checkpoint, read and checked, not yet applied.
+pub struct DenseState {
+    params: Vec<(Tensor, Tensor)>,
+    optim: Vec<(String, Tensor)>,
+    metrics: Option<RecMetrics>,
+}
+
+impl DenseState {
+    /// Reads the state of `dense`'s parameters and of the dense optimizer from `r`, and, when
+    /// `metrics` is given, the metrics' state (checked against its configuration).
+    pub fn read(
+        r: &CheckpointReader,
+        dense: &impl Module,
+        metrics: Option<&RecMetrics>,
+    ) -> Result<DenseState> {
+        let params = (dense.named_parameters().into_iter())
+            .map(|(name, p)| {
+                let new = r.read_like(&format!("dense.{name}"), &p)?;
+                Ok((p, new))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut names = r.names();
+        names.sort();
+        let optim = (names.iter())
+            .filter_map(|n| Some((n, n.strip_prefix("optim.")?)))
+            .map(|(full, short)| Ok((short.to_string(), r.read_tensor(full)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let metrics = match metrics {
+            None => None,
+            Some(like) => {
+                let mut state = BTreeMap::new();
+                for name in &names {
+                    if let Some(short) = name.strip_prefix("metrics.") {
+                        let len = r.shape(name).unwrap_or_default().iter().product::<usize>();
+                        state.insert(short.to_string(), r.read::<f64>(name, &[len])?);
+                    }
+                }
+                let mut metrics = like.clone();
+                metrics.load_state_dict(&state)?;
+                Some(metrics)
+            }
+        };
+        Ok(DenseState {
+            params,
+            optim,
+            metrics,
+        })
+    }
+
+    /// Applies it: the optimizer's state first (it checks the whole state before changing
+    /// anything; after it, nothing left can fail on a value already checked), then the
+    /// parameters, then the metrics when they were read.
+    pub fn apply(self, optimizer: &mut dyn Optimizer, metrics: &mut RecMetrics) -> Result<()> {
+        optimizer.load_state_dict(&self.optim)?;
+        for (p, new) in self.params {
+            p.copy_from(&new)?;
+        }
+        if let Some(m) = self.metrics {
+            *metrics = m;
+        }
+        Ok(())
+    }
 }
 
 /// Trains a [`Dlrm`]: the tables through their fused optimizer, the dense half through a
@@ -424,10 +526,7 @@ impl DlrmTrainer {
             metrics.update(&[&probs], &[&labels], None)?;
             examples += batch.batch_size() as u64;
         }
-        let metrics = short_names(metrics.compute())
-            .into_iter()
-            .filter(|(k, _)| !k.starts_with("window_"))
-            .collect();
+        let metrics = lifetime_metrics(metrics.compute());
         Ok(EvalReport { metrics, examples })
     }
 
@@ -446,16 +545,13 @@ impl DlrmTrainer {
         for (k, v) in user {
             w.set_metadata(format!("user.{k}"), v.clone());
         }
-        for (name, p) in self.model.dense.named_parameters() {
-            w.add_tensor(format!("dense.{name}"), &p)?;
-        }
-        for (name, t) in self.optimizer.state_dict()? {
-            w.add_tensor(format!("optim.{name}"), &t)?;
-        }
+        write_dense_state(
+            &mut w,
+            &self.model.dense,
+            self.optimizer.as_ref(),
+            &self.metrics,
+        )?;
         self.model.sparse_arch.checkpoint_into(&mut w, "tables.")?;
-        for (name, values) in self.metrics.state_dict() {
-            w.add(format!("metrics.{name}"), &[values.len()], &values)?;
-        }
         w.write(path)
     }
 
@@ -480,32 +576,8 @@ impl DlrmTrainer {
         };
         let (step, examples) = (count("step")?, count("examples")?);
         // Stage everything.
-        let dense = self
-            .model
-            .dense
-            .named_parameters()
-            .into_iter()
-            .map(|(name, p)| {
-                let new = r.read_like(&format!("dense.{name}"), &p)?;
-                Ok((p, new))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut names = r.names();
-        names.sort();
-        let optim_state = (names.iter())
-            .filter_map(|n| Some((n, n.strip_prefix("optim.")?)))
-            .map(|(full, short)| Ok((short.to_string(), r.read_tensor(full)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let dense = DenseState::read(&r, &self.model.dense, Some(&self.metrics))?;
         let tables = self.model.sparse_arch.stage_from(&r, "tables.")?;
-        let mut metrics_state = BTreeMap::new();
-        for name in &names {
-            if let Some(short) = name.strip_prefix("metrics.") {
-                let len = r.shape(name).unwrap_or_default().iter().product::<usize>();
-                metrics_state.insert(short.to_string(), r.read::<f64>(name, &[len])?);
-            }
-        }
-        let mut metrics = self.metrics.clone();
-        metrics.load_state_dict(&metrics_state)?;
         let user = r
             .names_of_metadata()
             .into_iter()
@@ -513,12 +585,8 @@ impl DlrmTrainer {
             .collect();
         // The optimizer checks its whole state before changing anything; after it, nothing
         // left can fail on a value already checked.
-        self.optimizer.load_state_dict(&optim_state)?;
-        for (p, new) in dense {
-            p.copy_from(&new)?;
-        }
+        dense.apply(self.optimizer.as_mut(), &mut self.metrics)?;
         tables.apply(&self.model.sparse_arch.tbes())?;
-        self.metrics = metrics;
         self.step = step;
         self.examples = examples;
         Ok(user)

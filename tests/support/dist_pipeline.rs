@@ -3,7 +3,7 @@
 //! of `dist_scenarios` on 2 ranks with a linear head, trained through a `TrainPipeline`.
 #![allow(dead_code)]
 
-use super::dist_scenarios::{case, kjt_of, rank_batch, sharded_of, tables, SEED};
+use super::dist_scenarios::{case, kjt_of, rank_batch, sharded_of, tables, RankBatch, SEED};
 use embers::distributed::{
     all_reduce_mean_gradients, Comm, PipelineBatch, PipelineReport, TrainPipeline,
 };
@@ -28,12 +28,21 @@ impl PipelineBatch for Step {
 
 /// Rank `rank`'s batch for step `step` of the `mixed_adagrad` case on 2 ranks.
 pub fn step(rank: usize, step: usize) -> embers::Result<Step> {
+    Ok(step_of(raw_step(rank, step)))
+}
+
+/// The ids, weights and labels of [`step`]'s batch, before they become a KJT.
+pub fn raw_step(rank: usize, step: usize) -> RankBatch {
     let c = case(2, "mixed_adagrad").unwrap();
-    let batch = rank_batch(rank, step, c.batches[rank]);
-    Ok(Step {
+    rank_batch(rank, step, c.batches[rank])
+}
+
+/// `batch` as a pipeline batch.
+pub fn step_of(batch: RankBatch) -> Step {
+    Step {
         kjt: kjt_of(&[&batch], false),
         labels: batch.labels,
-    })
+    }
 }
 
 /// What a run leaves: each step's loss and the final tables and head, as bits.

@@ -203,6 +203,18 @@ fn split_blocks<T: Pod>(flat: &[T], counts: &[usize]) -> Vec<Vec<T>> {
 }
 
 /// A zeroed buffer of `n` values for a transport to fill.
+/// The element-wise sum of `parts` (each of `len` values), added in rank order: the same bits
+/// wherever the ranks run.
+pub(crate) fn sum_in_rank_order(parts: &[Vec<f32>], len: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f32; len];
+    for part in parts {
+        for (s, &v) in sum.iter_mut().zip(part) {
+            *s += v;
+        }
+    }
+    sum
+}
+
 fn zeroed<T: Pod>(n: usize) -> Vec<T> {
     vec![T::zeroed(); n]
 }
@@ -437,13 +449,7 @@ impl Comm {
         let own = send.get(self.rank()).map_or(0, Vec::len);
         let counts = vec![own; self.size()];
         let parts = self.all_to_all_v(op, send, Some(&counts))?;
-        let mut sum = vec![0.0f32; own];
-        for part in &parts {
-            for (s, &v) in sum.iter_mut().zip(part) {
-                *s += v;
-            }
-        }
-        Ok(sum)
+        Ok(sum_in_rank_order(&parts, own))
     }
 
     /// Sums `values` over every rank, in place (the same bits on every rank: chunk `r` is
