@@ -125,6 +125,11 @@ impl Watchdog {
                             a.seq,
                             timeout.as_secs_f64()
                         );
+                        // The launcher forwards a rank's stderr through a pipe and stops
+                        // reading it once the abort reaches it: give the message time to
+                        // leave first (without this pause it was lost now and then).
+                        let _ = std::io::Write::flush(&mut std::io::stderr());
+                        std::thread::sleep(Duration::from_millis(300));
                         match transport.upgrade() {
                             Some(t) => t.abort(75),
                             None => std::process::exit(75),
