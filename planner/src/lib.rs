@@ -3,11 +3,13 @@
 //! Decides how each embedding table is sharded and where each shard lives, from the tables,
 //! the batch size and the hardware. The cost model is TorchRec 1.9.2's, reproduced exactly
 //! (checked against golden data produced by TorchRec), with an improved model selectable by
-//! name; the search is largest-first placement followed by local search over placements and
-//! sharding options, and reports a lower bound next to the plan's makespan.
+//! name; the search starts from TorchRec's own search (reproduced) and from largest-first
+//! constructions, then local search over placements and sharding options; the plan reports a
+//! lower bound valid for every plan ([`bound`]) next to its makespan.
 //!
 //! Pipeline, one file per role: [`config`] → [`enumerator`] (with [`shard_sizes`] and the
-//! [`estimator`]s) → [`reservation`] → [`search`] → [`plan`] / [`report`].
+//! [`estimator`]s) → [`reservation`] → [`search`] (with [`reference`]) → [`plan`] (with
+//! [`bound`]) / [`report`].
 //!
 //! ```
 //! use embers_planner::{config::Config, estimator::CostModel, plan_problem};
@@ -25,11 +27,13 @@
 //! assert!(plan.makespan >= plan.lower_bound);
 //! ```
 
+pub mod bound;
 pub mod config;
 pub mod enumerator;
 pub mod error;
 pub mod estimator;
 pub mod plan;
+pub mod reference;
 pub mod report;
 pub mod reservation;
 pub mod search;

@@ -78,8 +78,16 @@ pub struct Plan {
     pub ranks: Vec<RankSummary>,
     /// Max over ranks of the summed cost (the objective).
     pub makespan: f64,
-    /// max(largest shard cost, total cost / ranks) for the chosen options.
+    /// A lower bound on the makespan of every plan of this problem ([`crate::bound`]): the
+    /// larger of the largest unavoidable shard and the LP relaxation of the total cost under
+    /// the summed memory, over the ranks.
     pub lower_bound: f64,
+    /// max(largest shard cost, total cost / ranks) for the chosen options: the best any
+    /// placement of this plan's options could reach (no bound on other option choices).
+    pub balance_bound: f64,
+    /// What TorchRec's own search (reproduced, on the same options) found, when it ran.
+    #[serde(default)]
+    pub torchrec_search: Option<crate::search::ReferenceSummary>,
     /// Max over ranks of the summed TorchRec perf total (comparable with TorchRec's planner).
     pub max_rank_perf: f64,
     /// makespan / mean rank cost.
@@ -153,7 +161,11 @@ impl Plan {
             tables,
             ranks,
             makespan,
-            lower_bound: largest.max(mean),
+            lower_bound: crate::bound::lower_bound(options, capacity, |o, i| {
+                model.shard_cost(&o.shards[i].perf)
+            }),
+            balance_bound: largest.max(mean),
+            torchrec_search: placement.reference.clone(),
             max_rank_perf,
             imbalance: if mean > 0.0 { makespan / mean } else { 1.0 },
         }

@@ -30,6 +30,25 @@ pub fn plan_table(plan: &Plan) -> String {
         plan.imbalance,
         plan.max_rank_perf
     );
+    let _ = writeln!(
+        s,
+        "lower bound: over every plan (largest unavoidable shard, LP relaxation of the total under \
+         the summed memory); balance bound of this plan's options {:.6} ms",
+        plan.balance_bound
+    );
+    if let Some(r) = &plan.torchrec_search {
+        let _ = writeln!(
+            s,
+            "TorchRec's search on the same options: max rank perf {:.6} ms ({} proposals{})",
+            r.max_rank_perf,
+            r.proposals,
+            if r.truncated {
+                ", cut short by its time limit"
+            } else {
+                ""
+            }
+        );
+    }
     let _ = writeln!(s, "\nper rank:");
     let _ = writeln!(
         s,

@@ -3,14 +3,18 @@
 //! TorchRec proposes whole-model option sets (grid search, greedy, uniform) and packs each
 //! with a greedy partitioner. Here the two are interleaved:
 //!
-//! 1. **Largest-first construction.** Tables in decreasing cost (memory-critical ones first);
-//!    each takes the option and placement that least raises the current makespan.
-//! 2. **Local search** until nothing improves or the time budget is spent:
+//! 1. **Starts.** TorchRec's own search reproduced ([`crate::reference`]: its proposers and
+//!    greedy partitioner, same proposals, same plan), and several largest-first constructions
+//!    (tables in decreasing cost, memory-critical ones first, each taking the option and
+//!    placement that least raises the current makespan, or the least total cost, or a blend,
+//!    or one sharding type where allowed).
+//! 2. **Local search** from every start until nothing improves or the time budget is spent:
 //!    moves and swaps of shards between the most loaded rank and the others, and re-choosing
 //!    the option of any table with a shard on the most loaded rank.
 //!
 //! A change is kept only if it lowers the makespan, or keeps it and lowers the sum of squared
-//! rank loads, so the search terminates. Placement rules follow TorchRec's partition types:
+//! rank loads, so the search terminates; the best plan over all starts wins, so under
+//! TorchRec's cost model the result is never worse than TorchRec's planner on the same input. Placement rules follow TorchRec's partition types:
 //! row-wise/data-parallel shard `i` on rank `i`; table-wise/column-wise shards anywhere;
 //! table-row-wise and table-column-wise within one host; grid column blocks one host each.
 
@@ -18,22 +22,30 @@ use crate::config::Problem;
 use crate::error::{PlannerError, Shortfall};
 use crate::estimator::CostModel;
 use crate::types::{PartitionBy, ShardingOption, ShardingType, Storage};
+use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
 /// Knobs of the search.
 #[derive(Debug, Clone)]
 pub struct SearchSettings {
-    /// Wall-time budget for local search after construction.
+    /// Wall-time budget for the whole search; local search gets what TorchRec's search
+    /// leaves of it, split between its starts.
     pub time_limit: Duration,
     /// Upper bound on improvement rounds.
     pub max_rounds: usize,
+    /// Whether to run TorchRec's search (reproduced) as one of the starts.
+    pub reference: bool,
+    /// Wall-time budget for that search (TorchRec's own planner has no default limit).
+    pub reference_time_limit: Duration,
 }
 
 impl Default for SearchSettings {
     fn default() -> Self {
         SearchSettings {
-            time_limit: Duration::from_millis(700),
+            time_limit: Duration::from_millis(800),
             max_rounds: 100_000,
+            reference: true,
+            reference_time_limit: Duration::from_secs(5),
         }
     }
 }
@@ -45,6 +57,19 @@ pub struct Placement {
     pub choice: Vec<usize>,
     /// Per table: rank of each shard of the chosen option.
     pub ranks: Vec<Vec<usize>>,
+    /// What TorchRec's own search (reproduced) found on the same options, when it ran.
+    pub reference: Option<ReferenceSummary>,
+}
+
+/// The outcome of TorchRec's search reproduced ([`crate::reference`]), for the report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceSummary {
+    /// Its plan's max over ranks of the summed perf totals (ms), TorchRec's own rating.
+    pub max_rank_perf: f64,
+    /// Proposals it partitioned.
+    pub proposals: usize,
+    /// Whether its time limit cut it short.
+    pub truncated: bool,
 }
 
 /// How the construction phase scores an option for the table being inserted.
@@ -658,6 +683,18 @@ pub fn search(
             .then(a.cmp(&b))
     });
 
+    let t_ref = Instant::now();
+    // TorchRec's own search: local search from its plan keeps embers at or below it.
+    let reference = settings.reference.then(|| {
+        crate::reference::torchrec_search(
+            options,
+            capacity,
+            topo.local_world_size,
+            Instant::now() + settings.reference_time_limit,
+        )
+    });
+    let reference = reference.flatten();
+
     let modes = [
         Construction::MinTotal,
         Construction::Blend,
@@ -666,23 +703,34 @@ pub fn search(
         Construction::Prefer(ShardingType::RowWise),
         Construction::Prefer(ShardingType::DataParallel),
     ];
-    let budget = settings.time_limit / modes.len() as u32;
+    let starts = modes.len() + usize::from(reference.is_some());
+    // Local search gets what TorchRec's search left of the budget (at least 20 ms a start):
+    // every start is already a complete plan, local search only improves it.
+    let budget = (settings.time_limit.saturating_sub(t_ref.elapsed()) / starts as u32)
+        .max(Duration::from_millis(20));
     let mut best: Option<State> = None;
     let mut first_error = None;
-    for mode in modes {
+    for start in 0..starts {
         let mut state = fresh();
-        let mut failed = Vec::new();
-        for &t in &order {
-            match state.best_insert(t, mode) {
-                Some((o, rs)) => state.apply(t, o, rs),
-                None => failed.push(t),
+        if let Some(mode) = modes.get(start) {
+            let mut failed = Vec::new();
+            for &t in &order {
+                match state.best_insert(t, *mode) {
+                    Some((o, rs)) => state.apply(t, o, rs),
+                    None => failed.push(t),
+                }
             }
-        }
-        if !failed.is_empty() {
-            if first_error.is_none() {
-                first_error = Some(placement_error(problem, options, capacity, &state, &failed));
+            if !failed.is_empty() {
+                if first_error.is_none() {
+                    first_error =
+                        Some(placement_error(problem, options, capacity, &state, &failed));
+                }
+                continue;
             }
-            continue;
+        } else if let Some(r) = &reference {
+            for t in 0..n {
+                state.apply(t, r.choice[t], r.ranks[t].clone());
+            }
         }
         let start = Instant::now();
         for _ in 0..settings.max_rounds {
@@ -710,5 +758,10 @@ pub fn search(
     Ok(Placement {
         choice: state.choice.iter().map(|c| c.unwrap_or(0)).collect(),
         ranks: state.ranks,
+        reference: reference.map(|r| ReferenceSummary {
+            max_rank_perf: r.rating,
+            proposals: r.proposals,
+            truncated: r.truncated,
+        }),
     })
 }

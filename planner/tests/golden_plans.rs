@@ -4,7 +4,7 @@
 
 mod common;
 
-use embers_planner::{plan_problem, reservation, CostModel, PlannerError};
+use embers_planner::{enumerator, plan_problem, reference, reservation, CostModel, PlannerError};
 
 #[test]
 fn reservation_matches_torchrec() {
@@ -77,6 +77,20 @@ fn plans_beat_or_match_torchrec() {
             plan.max_rank_perf
         );
         assert!(plan.makespan >= plan.lower_bound * (1.0 - 1e-12));
+        // The lower bound holds for TorchRec's plan too (it is a bound on every plan).
+        assert!(
+            theirs >= plan.lower_bound * (1.0 - 1e-12),
+            "{name}: bound {} above torchrec {theirs}",
+            plan.lower_bound
+        );
+        let reference = plan
+            .torchrec_search
+            .as_ref()
+            .expect("TorchRec's search ran");
+        assert!(
+            plan.max_rank_perf <= reference.max_rank_perf * (1.0 + 1e-12),
+            "{name}"
+        );
         lines.push(format!(
             "{name}: ours {:.9} vs torchrec {theirs:.9} ({:+.2}%), lower bound {:.9}",
             plan.max_rank_perf,
@@ -85,4 +99,66 @@ fn plans_beat_or_match_torchrec() {
         ));
     }
     println!("{}", lines.join("\n"));
+}
+
+/// TorchRec's search as reproduced in `embers_planner::reference` makes the same number of
+/// distinct proposals, finds the same rating and places every table as TorchRec did.
+#[test]
+fn torchrec_search_is_reproduced() {
+    let golden = common::load("planner_plans.json");
+    let mut checked = 0;
+    for case in golden["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let Some(rating) = case["perf_model_rating"].as_f64() else {
+            continue;
+        };
+        let problem = common::problem(&case["inputs"]);
+        let options = enumerator::enumerate(&problem).unwrap();
+        let capacity = reservation::reserve(&problem);
+        let found = reference::torchrec_search(
+            &options,
+            &capacity,
+            problem.topology.local_world_size,
+            std::time::Instant::now() + std::time::Duration::from_secs(60),
+        )
+        .unwrap_or_else(|| panic!("{name}: no plan"));
+        assert!(!found.truncated, "{name}");
+        assert!(
+            (found.rating - rating).abs() <= 1e-9 * rating,
+            "{name}: rating {} vs torchrec {rating}",
+            found.rating
+        );
+        let proposals = case["num_proposals"].as_u64().unwrap() as usize;
+        assert_eq!(found.proposals, proposals, "{name}: proposals");
+        let plan = case["plan"].as_array().unwrap();
+        assert_eq!(plan.len(), options.len(), "{name}");
+        for entry in plan {
+            let table = entry["table"].as_str().unwrap();
+            let t = problem
+                .tables
+                .iter()
+                .position(|x| x.name == table)
+                .unwrap_or_else(|| panic!("{name}: table {table}"));
+            let o = &options[t][found.choice[t]];
+            assert_eq!(
+                o.sharding_type.as_str(),
+                entry["sharding_type"].as_str().unwrap(),
+                "{name}: {table}"
+            );
+            assert_eq!(
+                o.compute_kernel.as_str(),
+                entry["compute_kernel"].as_str().unwrap(),
+                "{name}: {table}"
+            );
+            let ranks: Vec<usize> = entry["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["rank"].as_u64().unwrap() as usize)
+                .collect();
+            assert_eq!(found.ranks[t], ranks, "{name}: {table} shard ranks");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 6, "every planned golden case checked");
 }

@@ -54,27 +54,45 @@ fn config(tables: &[(u64, u64, f64)], world: usize, local: usize, hbm_mib: u64) 
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+/// Cases of the property test below that must plan (not fail for lack of memory), so that
+/// the invariants cannot pass vacuously.
+const MIN_PLANNED: usize = 24;
 
-    #[test]
-    fn plans_fit_cover_and_respect_the_bound(
-        tables in prop::collection::vec(table_strategy(), 1..14),
-        hosts in 1usize..3,
-        local in prop::sample::select(vec![1usize, 2, 4]),
-        hbm_mib in 64u64..4096,
-        overlap in any::<bool>(),
-    ) {
+#[test]
+fn plans_fit_cover_and_respect_the_bound() {
+    let strategy = (
+        prop::collection::vec(table_strategy(), 1..14),
+        1usize..3,
+        prop::sample::select(vec![1usize, 2, 4]),
+        64u64..4096,
+        any::<bool>(),
+    );
+    let planned = std::sync::atomic::AtomicUsize::new(0);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(48));
+    let result = runner.run(&strategy, |(tables, hosts, local, hbm_mib, overlap)| {
         let world = hosts * local;
         let problem = config(&tables, world, local, hbm_mib).resolve().unwrap();
-        let model = if overlap { CostModel::Overlap } else { CostModel::Torchrec };
+        let model = if overlap {
+            CostModel::Overlap
+        } else {
+            CostModel::Torchrec
+        };
         let plan = match plan_problem(&problem, model) {
             Ok(p) => p,
             // Too little memory is a legitimate outcome; it must be a typed planning error.
-            Err(e) => { prop_assert!(e.torchrec_error_type().is_some(), "{e}"); return Ok(()); }
+            Err(e) => {
+                prop_assert!(e.torchrec_error_type().is_some(), "{e}");
+                return Ok(());
+            }
         };
         for r in &plan.ranks {
-            prop_assert!(r.used.fits_in(&r.capacity), "rank {} over: {:?} > {:?}", r.rank, r.used, r.capacity);
+            prop_assert!(
+                r.used.fits_in(&r.capacity),
+                "rank {} over: {:?} > {:?}",
+                r.rank,
+                r.used,
+                r.capacity
+            );
         }
         // Recompute per-rank memory from the shards: the summary must agree.
         let mut used = vec![(0u64, 0u64); world];
@@ -89,17 +107,34 @@ proptest! {
             prop_assert_eq!(used[r.rank], (r.used.hbm, r.used.ddr));
         }
         for (t, cfg) in plan.tables.iter().zip(&problem.tables) {
-            let replicas = if t.sharding_type == ShardingType::DataParallel { world } else { 1 };
+            let replicas = if t.sharding_type == ShardingType::DataParallel {
+                world
+            } else {
+                1
+            };
             let area: u64 = t.shards.iter().map(|s| s.size[0] * s.size[1]).sum();
-            prop_assert_eq!(area, cfg.rows * cfg.dim * replicas as u64, "table {}", &t.name);
+            prop_assert_eq!(
+                area,
+                cfg.rows * cfg.dim * replicas as u64,
+                "table {}",
+                &t.name
+            );
             for (i, a) in t.shards.iter().enumerate() {
-                prop_assert!(a.offset[0] + a.size[0] <= cfg.rows && a.offset[1] + a.size[1] <= cfg.dim);
+                prop_assert!(
+                    a.offset[0] + a.size[0] <= cfg.rows && a.offset[1] + a.size[1] <= cfg.dim
+                );
                 if replicas == 1 {
                     for b in &t.shards[i + 1..] {
-                        let rows_overlap = a.offset[0] < b.offset[0] + b.size[0] && b.offset[0] < a.offset[0] + a.size[0];
-                        let cols_overlap = a.offset[1] < b.offset[1] + b.size[1] && b.offset[1] < a.offset[1] + a.size[1];
+                        let rows_overlap = a.offset[0] < b.offset[0] + b.size[0]
+                            && b.offset[0] < a.offset[0] + a.size[0];
+                        let cols_overlap = a.offset[1] < b.offset[1] + b.size[1]
+                            && b.offset[1] < a.offset[1] + a.size[1];
                         let empty = a.size[0] * a.size[1] == 0 || b.size[0] * b.size[1] == 0;
-                        prop_assert!(empty || !(rows_overlap && cols_overlap), "overlap in {}", &t.name);
+                        prop_assert!(
+                            empty || !(rows_overlap && cols_overlap),
+                            "overlap in {}",
+                            &t.name
+                        );
                     }
                 } else {
                     prop_assert_eq!(a.rank, i);
@@ -107,7 +142,31 @@ proptest! {
             }
         }
         prop_assert!(plan.makespan >= plan.lower_bound * (1.0 - 1e-12));
+        prop_assert!(plan.balance_bound >= plan.lower_bound * (1.0 - 1e-9));
+        // Never worse than TorchRec's own search on the same options (under its model).
+        if !overlap {
+            let reference = plan
+                .torchrec_search
+                .as_ref()
+                .expect("TorchRec's search ran");
+            prop_assert!(
+                plan.max_rank_perf <= reference.max_rank_perf * (1.0 + 1e-12),
+                "{} > torchrec {}",
+                plan.max_rank_perf,
+                reference.max_rank_perf
+            );
+        }
+        planned.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
     }
+    let planned = planned.into_inner();
+    assert!(
+        planned >= MIN_PLANNED,
+        "only {planned} of 48 random problems planned"
+    );
 }
 
 #[test]
