@@ -256,7 +256,8 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     // Each round: start the writer, wait until it has written at least once, kill it (SIGKILL,
     // no cleanup) at a moment that moves around between rounds, then load what is on disk.
     // Rounds go on until two kills have landed inside a write (a leftover temporary file
-    // proves it), at most 40 rounds.
+    // proves it) or 40 rounds have passed; at least one must have landed inside a write, and
+    // every round's checkpoint must load.
     let mut round = 0u64;
     while round < 4 || (killed_mid_write < 2 && round < 40) {
         round += 1;

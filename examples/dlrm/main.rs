@@ -629,12 +629,18 @@ fn run(args: Args) -> Result<()> {
         ]);
         trainer.save_checkpoint(&checkpoint, &user)
     };
+    // Training batches the data yielded in this run (skipped ones included): none at all
+    // means an empty training set, an error rather than a model trained on nothing.
+    let mut yielded = 0u64;
     'epochs: while epoch < args.epochs {
         let mut batches = data.batches(Split::Train, epoch, args.batch_size, args.seed)?;
         // Resuming: skip the batches of this epoch that were already trained on.
         for _ in 0..batch_in_epoch {
             match batches.next() {
-                Some(b) => drop(b?),
+                Some(b) => {
+                    drop(b?);
+                    yielded += 1;
+                }
                 None => break,
             }
         }
@@ -643,6 +649,7 @@ fn run(args: Args) -> Result<()> {
                 break 'epochs;
             }
             let batch = batch?;
+            yielded += 1;
             let out = trainer.train_step(&batch)?;
             throughput.step(out.batch_size as u64);
             batch_in_epoch += 1;
@@ -710,6 +717,28 @@ fn run(args: Args) -> Result<()> {
         batch_in_epoch = 0;
     }
     bar.finish_and_clear();
+    if yielded == 0 && trainer.step() == 0 && total_steps != Some(0) {
+        return Err(Error::invalid(
+            "dlrm",
+            match &data {
+                Data::Synthetic(_) => format!(
+                    "the training set is empty: --synthetic-train {} is less than one batch of {}",
+                    args.synthetic_train, args.batch_size
+                ),
+                Data::Files { .. } => format!(
+                    "the training split of {} holds no complete batch of {} (the files are empty, \
+                     too short, or every line was skipped as malformed); nothing was trained or \
+                     written",
+                    args.path
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    args.batch_size
+                ),
+            },
+        ));
+    }
     let train_seconds = started.elapsed().as_secs_f64();
     save(&trainer, epoch, batch_in_epoch)?;
 
