@@ -8,7 +8,7 @@
 //! lower bound valid for every plan ([`bound`]) next to its makespan.
 //!
 //! Pipeline, one file per role: [`config`] → [`enumerator`] (with [`shard_sizes`] and the
-//! [`estimator`]s) → [`reservation`] → [`search`] (with [`reference`]) → [`plan`] (with
+//! [`estimator`]s) → [`reservation`] → [`search`] (with [`reference`](mod@reference)) → [`plan`] (with
 //! [`bound`]) / [`report`].
 //!
 //! ```
