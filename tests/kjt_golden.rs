@@ -233,7 +233,13 @@ fn keyed_tensor_cases() {
             usizes(&want["offset_per_key"]).as_slice()
         );
         assert_eq!(kt.key_dim() as u64, want["key_dim"].as_u64().unwrap());
-        for (key, t) in kt.to_dict().unwrap() {
+        let dict = kt.to_dict().unwrap();
+        assert_eq!(
+            dict.len(),
+            want["to_dict"].as_object().unwrap().len(),
+            "{name} to_dict size"
+        );
+        for (key, t) in dict {
             assert_close(&format!("{name}[{key}]"), &t, &want["to_dict"][&key], 0.0);
         }
     }
@@ -258,6 +264,11 @@ fn keyed_tensor_cases() {
             .map(strings)
             .collect();
         let out = KeyedTensor::regroup(&kts, &groups).unwrap();
+        assert_eq!(
+            out.len(),
+            c["outputs"].as_array().unwrap().len(),
+            "{name} groups"
+        );
         for (k, t) in out.iter().enumerate() {
             assert_close(&format!("{name} group {k}"), t, &c["outputs"][k], 0.0);
         }
@@ -270,6 +281,11 @@ fn keyed_tensor_cases() {
         .map(strings)
         .collect();
     let out = KeyedTensor::regroup_as_dict(&kts, &groups, &strings(&c["inputs"]["keys"])).unwrap();
+    assert_eq!(
+        out.len(),
+        c["outputs"].as_object().unwrap().len(),
+        "regroup_as_dict keys"
+    );
     for (name, t) in &out {
         assert_close(name, t, &c["outputs"][name], 0.0);
     }
@@ -311,6 +327,11 @@ fn jagged_tensor_cases() {
 
     let c = case(&g, "jt_to_dense");
     let rows = jt.to_dense().unwrap();
+    assert_eq!(
+        rows.len(),
+        c["outputs"].as_array().unwrap().len(),
+        "jt_to_dense rows"
+    );
     for (k, row) in rows.iter().enumerate() {
         assert_values("jt_to_dense", row, &c["outputs"][k]);
     }

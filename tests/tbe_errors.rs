@@ -262,3 +262,24 @@ fn mismatched_feature_names_are_errors() {
     .to_string()
     .contains("used twice"));
 }
+
+/// `forward_into` writes exactly what `lookup` returns (every element, over a dirty buffer),
+/// validates like it, and refuses a buffer of the wrong size.
+#[test]
+fn forward_into_equals_lookup_and_checks_its_buffer() {
+    let t = tbe();
+    // B = 3 with an empty bag, weights for MEAN-free SUM pooling.
+    let input = TbeInput::new(&[0i64, 1, 3, 2, 5, 0, 1][..], &[0i64, 2, 3, 3, 5, 6, 7][..]);
+    let want = t.lookup(input).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(want.len(), 3 * 5);
+    let mut out = vec![f32::NAN; 3 * 5];
+    t.forward_into(input, &mut out).unwrap();
+    assert_eq!(out, want);
+    let e = t
+        .forward_into(input, &mut [0.0; 14])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3×5") && e.contains("14"), "{e}");
+    let bad = TbeInput::new(&[0i64, 9][..], &[0i64, 1, 2, 2, 2, 2, 2][..]);
+    assert!(t.forward_into(bad, &mut out).is_err());
+}

@@ -287,16 +287,17 @@ impl CriteoParquetReader {
             path: path.clone(),
             source,
         })?;
-        let metadata =
-            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default()).map_err(|error| {
-                DatasetError::Parquet {
-                    path: path.clone(),
-                    row_group: None,
-                    row: None,
-                    field: "footer".to_string(),
-                    message: error.to_string(),
-                }
-            })?;
+        let metadata = guarded(|| {
+            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|message| DatasetError::Parquet {
+            path: path.clone(),
+            row_group: None,
+            row: None,
+            field: "footer".to_string(),
+            message,
+        })?;
         let arrow_schema = metadata.schema().clone();
         let mut roots = Vec::with_capacity(1 + CRITEO_NUM_DENSE + CRITEO_NUM_CATEGORICAL);
         for name in self.all_column_names() {
@@ -344,12 +345,14 @@ impl CriteoParquetReader {
         rows_per_batch: usize,
     ) -> std::result::Result<ParquetRecordBatchReader, String> {
         let handle = file.file.try_clone().map_err(|e| e.to_string())?;
-        ParquetRecordBatchReaderBuilder::new_with_metadata(handle, file.metadata.clone())
-            .with_row_groups(vec![row_group])
-            .with_projection(projection)
-            .with_batch_size(rows_per_batch)
-            .build()
-            .map_err(|e| e.to_string())
+        guarded(|| {
+            ParquetRecordBatchReaderBuilder::new_with_metadata(handle, file.metadata.clone())
+                .with_row_groups(vec![row_group])
+                .with_projection(projection)
+                .with_batch_size(rows_per_batch)
+                .build()
+                .map_err(|e| e.to_string())
+        })
     }
 
     /// Re-decodes `row_group` one column at a time to name the column a decode error came from.
@@ -362,13 +365,13 @@ impl CriteoParquetReader {
             let mask = ProjectionMask::roots(file.metadata.parquet_schema(), [index]);
             match Self::row_group_reader(file, row_group, mask, self.rows_per_batch) {
                 Err(_) => return name.clone(),
-                Ok(reader) => {
-                    for batch in reader {
-                        if batch.is_err() {
-                            return name.clone();
-                        }
+                Ok(mut reader) => loop {
+                    match next_batch(&mut reader) {
+                        Ok(None) => break,
+                        Ok(Some(_)) => {}
+                        Err(_) => return name.clone(),
                     }
-                }
+                },
             }
         }
         "unknown column".to_string()
@@ -570,15 +573,15 @@ impl CriteoParquetReader {
             .as_ref()
             .is_none_or(|batch| batch.next_row >= batch.num_rows);
         if needs_batch {
-            match cursor.reader.next() {
-                None => {
+            match next_batch(&mut cursor.reader) {
+                Ok(None) => {
                     file.cursor = None;
                 }
-                Some(Ok(record_batch)) => {
+                Ok(Some(record_batch)) => {
                     let decoded = self.decode_batch(&file.path, row_group, &record_batch)?;
                     cursor.batch = Some(decoded);
                 }
-                Some(Err(error)) => {
+                Err(error) => {
                     let remaining =
                         file.row_group_rows[row_group].saturating_sub(cursor.rows_consumed);
                     file.cursor = None;
@@ -617,6 +620,33 @@ impl CriteoParquetReader {
     fn bad_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
         self.config.bad_records.apply(rows, error, &self.skipped)
     }
+}
+
+/// Runs a call into the parquet crate, turning a panic into an error: on some corrupt files
+/// (found by fuzzing: a dictionary page missing where the column chunk says one is) it panics
+/// instead of returning an error. Needs `panic = "unwind"` (Rust's default); the panic message
+/// is still printed by the panic hook.
+fn guarded<T>(
+    f: impl FnOnce() -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "no message".to_string());
+        Err(format!(
+            "the Parquet decoder failed on corrupt data ({what})"
+        ))
+    })
+}
+
+/// The next record batch of `reader`: `Ok(None)` at the end, `Err` for a decode error or a
+/// decoder panic (see [`guarded`]).
+fn next_batch(
+    reader: &mut ParquetRecordBatchReader,
+) -> std::result::Result<Option<arrow_array::RecordBatch>, String> {
+    guarded(|| reader.next().transpose().map_err(|e| e.to_string()))
 }
 
 impl Iterator for CriteoParquetReader {

@@ -1,67 +1,20 @@
 //! Criteo from Parquet: written with the parquet crate, read back, and corrupted.
 
+#[path = "support/parquet_file.rs"]
+mod parquet_file;
+
+use parquet_file::write_file;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema};
 use embers_datasets::{
     BadRecordPolicy, CategoricalMapping, CriteoConfig, CriteoParquetColumns, CriteoParquetReader,
     DatasetError, Example,
 };
 use parquet::arrow::ArrowWriter;
-use parquet::file::properties::WriterProperties;
-
-/// Row r: label r % 2, int_j = r + j (int_3 null on every third row), cat_f = hex of r·31 + f
-/// as a string (cat_0 stored as int32, cat_5 null on even rows).
-fn write_file(path: &Path, rows: usize, rows_per_group: usize) {
-    let mut fields = vec![Field::new("label", DataType::Int32, false)];
-    let mut columns: Vec<ArrayRef> = vec![Arc::new(Int32Array::from(
-        (0..rows as i32).map(|r| r % 2).collect::<Vec<_>>(),
-    ))];
-    for j in 0..13 {
-        fields.push(Field::new(format!("int_{j}"), DataType::Int64, true));
-        let values: Vec<Option<i64>> = (0..rows as i64)
-            .map(|r| {
-                if j == 3 && r % 3 == 0 {
-                    None
-                } else {
-                    Some(r + j)
-                }
-            })
-            .collect();
-        columns.push(Arc::new(Int64Array::from(values)));
-    }
-    for f in 0..26 {
-        if f == 0 {
-            fields.push(Field::new("cat_0", DataType::Int32, false));
-            columns.push(Arc::new(Int32Array::from(
-                (0..rows as i32).map(|r| r * 31).collect::<Vec<_>>(),
-            )));
-            continue;
-        }
-        fields.push(Field::new(format!("cat_{f}"), DataType::Utf8, true));
-        let values: Vec<Option<String>> = (0..rows)
-            .map(|r| {
-                if f == 5 && r % 2 == 0 {
-                    None
-                } else {
-                    Some(format!("{:x}", r * 31 + f))
-                }
-            })
-            .collect();
-        columns.push(Arc::new(StringArray::from(values)));
-    }
-    let schema = Arc::new(Schema::new(fields));
-    let batch = RecordBatch::try_new(schema.clone(), columns).unwrap();
-    let props = WriterProperties::builder()
-        .set_max_row_group_row_count(Some(rows_per_group))
-        .build();
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer = ArrowWriter::try_new(file, schema, Some(props)).unwrap();
-    writer.write(&batch).unwrap();
-    writer.close().unwrap();
-}
 
 fn raw_config() -> CriteoConfig {
     CriteoConfig {
@@ -260,4 +213,34 @@ fn wrong_column_type_is_named() {
         text.contains("row group 0") && text.contains("`label`"),
         "{text}"
     );
+}
+
+/// A file found by fuzzing (`tests/fuzz.rs`): skipping its bad row groups, the reader reaches
+/// one on which the parquet crate panics ("Decoder for dict should have been set"); the reader
+/// turns that into a skipped row group instead of a crash.
+#[test]
+fn a_decoder_panic_on_a_corrupt_file_is_an_error() {
+    let path = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/dictionary_page_missing.parquet"
+    ));
+    let errors: Vec<String> = CriteoParquetReader::open([&path], CriteoConfig::default())
+        .unwrap()
+        .with_rows_per_batch(4)
+        .filter_map(|r| r.err().map(|e| e.to_string()))
+        .collect();
+    // Failing on bad records: the first (an ordinary decode error) names the file.
+    assert!(
+        !errors.is_empty() && errors[0].contains("dictionary_page_missing.parquet"),
+        "{errors:?}"
+    );
+    let config = CriteoConfig {
+        bad_records: BadRecordPolicy::SkipAndCount,
+        ..CriteoConfig::default()
+    };
+    let reader = CriteoParquetReader::open([&path], config).unwrap();
+    let skipped = reader.skipped();
+    let results: Vec<_> = reader.with_rows_per_batch(4).collect();
+    assert!(results.iter().all(|r| r.is_ok()));
+    assert!(skipped.count() > 0);
 }

@@ -204,11 +204,16 @@ fn malformed_lines_name_file_line_field() {
     );
 }
 
-/// Real data, only when `EMBERS_ML100K_INTER` points at a local `ml-100k.inter` (e.g. from
-/// `pip download --no-deps recbole==1.2.1`, file `recbole/dataset_example/ml-100k/ml-100k.inter`).
+/// Real data, when `EMBERS_ML100K_INTER` points at a local `ml-100k.inter`
+/// (`datasets/scripts/movielens-100k.sh` fetches it from PyPI; CI does, and sets
+/// `EMBERS_REQUIRE_ML100K=1` so that this cannot skip there).
 #[test]
 fn real_ml100k_inter_when_available() {
     let Ok(path) = std::env::var("EMBERS_ML100K_INTER") else {
+        assert!(
+            std::env::var("EMBERS_REQUIRE_ML100K").is_err(),
+            "EMBERS_REQUIRE_ML100K is set but EMBERS_ML100K_INTER is not"
+        );
         eprintln!("skipped: set EMBERS_ML100K_INTER to a local ml-100k.inter to run");
         return;
     };

@@ -20,6 +20,14 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::Path;
 
+/// Largest embedding dim accepted (FBGEMM's kernels stop far below; column-wise options are
+/// enumerated per `min_partition` columns, so an absurd dim would enumerate without end).
+pub const MAX_DIM: u64 = 1 << 16;
+/// Largest row count accepted: 2^40 (a trillion rows; rows × dim stays far inside u64).
+pub const MAX_ROWS: u64 = 1 << 40;
+/// Largest pooling factor (ids per sample and feature) or number of poolings accepted.
+pub const MAX_POOLING: f64 = 1e9;
+
 /// A byte count given either as an integer or as a string with a binary unit (`"80GiB"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct ByteSize(pub u64);
@@ -487,8 +495,23 @@ impl Config {
                 format!("table '{}' needs rows >= 1", t.name),
             ));
         }
-        if t.dim == 0 {
-            return Err(cfg(&f("dim"), format!("table '{}' needs dim >= 1", t.name)));
+        if t.dim == 0 || t.dim > MAX_DIM {
+            return Err(cfg(
+                &f("dim"),
+                format!(
+                    "table '{}' needs 1 <= dim <= {MAX_DIM}, got {}",
+                    t.name, t.dim
+                ),
+            ));
+        }
+        if t.rows > MAX_ROWS {
+            return Err(cfg(
+                &f("rows"),
+                format!(
+                    "table '{}' has {} rows, more than the {MAX_ROWS} any plan can hold",
+                    t.name, t.rows
+                ),
+            ));
         }
         let (input_lengths, num_poolings, batch_sizes) = if !t.features.is_empty() {
             if t.pooling_factors.is_some() {
@@ -517,10 +540,10 @@ impl Config {
             return Err(cfg(&f("pooling_factors"), "must not be empty".into()));
         }
         for (k, v) in input_lengths.iter().chain(num_poolings.iter()).enumerate() {
-            if !(v.is_finite() && *v >= 0.0) {
+            if !(v.is_finite() && *v >= 0.0 && *v <= MAX_POOLING) {
                 return Err(cfg(
                     &f("features"),
-                    format!("pooling value #{k} must be finite and >= 0, got {v}"),
+                    format!("pooling value #{k} must be within [0, {MAX_POOLING:e}], got {v}"),
                 ));
             }
         }

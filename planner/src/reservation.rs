@@ -17,7 +17,7 @@ pub fn kjt_bytes(problem: &Problem) -> u64 {
             ids += pf * *bs as f64;
         }
     }
-    (ids * INDEX_BYTES).ceil() as u64 * KJT_MULTIPLIER
+    ((ids * INDEX_BYTES).ceil() as u64).saturating_mul(KJT_MULTIPLIER)
 }
 
 /// What each rank has left for the tables after reservation.

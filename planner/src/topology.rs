@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
+/// Largest world size accepted (every rank has per-rank state in the search).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
 /// TorchRec's default HBM capacity per rank (32 GiB).
 pub const DEFAULT_HBM_CAP: u64 = 32 << 30;
 /// TorchRec's default DDR capacity per rank (128 GiB).
@@ -145,8 +148,14 @@ impl Topology {
             field: format!("topology.{field}"),
             message: why,
         };
-        if self.world_size == 0 {
-            return Err(bad("world_size", "must be at least 1".into()));
+        if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
+            return Err(bad(
+                "world_size",
+                format!(
+                    "must be within 1..={MAX_WORLD_SIZE}, got {}",
+                    self.world_size
+                ),
+            ));
         }
         if self.local_world_size == 0 || self.world_size % self.local_world_size != 0 {
             return Err(bad(

@@ -575,9 +575,21 @@ impl DlrmTrainer {
                 .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
         };
         let (step, examples) = (count("step")?, count("examples")?);
+        // Every error names the file (the readers below do not all know it).
+        let named = |e: Error| {
+            if e.to_string().contains(&where_) {
+                e
+            } else {
+                bad(e.to_string())
+            }
+        };
         // Stage everything.
-        let dense = DenseState::read(&r, &self.model.dense, Some(&self.metrics))?;
-        let tables = self.model.sparse_arch.stage_from(&r, "tables.")?;
+        let dense = DenseState::read(&r, &self.model.dense, Some(&self.metrics)).map_err(named)?;
+        let tables = self
+            .model
+            .sparse_arch
+            .stage_from(&r, "tables.")
+            .map_err(named)?;
         let user = r
             .names_of_metadata()
             .into_iter()
@@ -585,8 +597,12 @@ impl DlrmTrainer {
             .collect();
         // The optimizer checks its whole state before changing anything; after it, nothing
         // left can fail on a value already checked.
-        dense.apply(self.optimizer.as_mut(), &mut self.metrics)?;
-        tables.apply(&self.model.sparse_arch.tbes())?;
+        dense
+            .apply(self.optimizer.as_mut(), &mut self.metrics)
+            .map_err(named)?;
+        tables
+            .apply(&self.model.sparse_arch.tbes())
+            .map_err(named)?;
         self.step = step;
         self.examples = examples;
         Ok(user)

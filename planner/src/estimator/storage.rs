@@ -141,7 +141,9 @@ pub fn shard_storages(
                 } else {
                     0
                 };
-                aux + tensor + optimizer
+                // Saturating: absurd inputs (a pooling factor of 1e20) give sizes that cannot fit
+                // anywhere, not an overflow.
+                aux.saturating_add(tensor).saturating_add(optimizer)
             })
             .collect()
     };
@@ -151,12 +153,12 @@ pub fn shard_storages(
         .zip(hbm_specific.iter().zip(&ddr_specific))
         .map(|(&(i, o), (&h, &d))| match device {
             ComputeDevice::Cuda => Storage {
-                hbm: h + i + o,
+                hbm: h.saturating_add(i).saturating_add(o),
                 ddr: d,
             },
             ComputeDevice::Cpu => Storage {
                 hbm: 0,
-                ddr: i + o + d,
+                ddr: i.saturating_add(o).saturating_add(d),
             },
         })
         .collect()

@@ -633,6 +633,34 @@ impl TableBatchedEmbedding {
         Ok(self.lookup_validated(&batch)?.0)
     }
 
+    /// The pooled lookup into a caller-provided buffer (no allocation, no autograd), tables on
+    /// the host: `out` must hold `B × ΣD` values. For serving loops that reuse their output.
+    pub fn forward_into(&self, input: TbeInput<'_>, out: &mut [f32]) -> Result<()> {
+        let batch = self.validate_input(input)?;
+        let cfg = &self.inner.config;
+        let stride = self.inner.layout.out_stride;
+        if cfg.pooling == PoolingMode::None || out.len() != batch.batch_size * stride {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "forward_into needs a pooled operator and {}×{stride} outputs, got {}",
+                    batch.batch_size,
+                    out.len()
+                ),
+            ));
+        }
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => {
+                h.forward_into(&self.inner, &batch, out);
+                Ok(())
+            }
+            Tables::Device(_) => Err(Error::invalid(
+                OP,
+                "forward_into reads host tables; these live on a GPU (use lookup)",
+            )),
+        }
+    }
+
     /// Forward that takes part in autograd: backward of the result runs the fused optimizer
     /// (or, with [`FusedOptimizer::None`], leaves row-sparse gradients, see
     /// [`TableBatchedEmbedding::sparse_gradient`]) and gives `per_sample_weights` its gradient

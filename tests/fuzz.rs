@@ -1,0 +1,112 @@
+//! The readers of files a user hands embers, fuzzed (`tests/support/fuzz.rs`): checkpoints
+//! (the safetensors reader, and a DLRM trainer's full restore: header, metadata, every tensor's
+//! dtype, shape and bytes) and sharding plans (`embers-plan` JSON, checked against the tables).
+//! No input may panic, hang or allocate without bound; errors must say what is wrong.
+
+#[path = "support/fuzz.rs"]
+mod fuzz;
+
+use embers::checkpoint::CheckpointReader;
+use embers::distributed::{ShardingPlan, TableShape};
+use embers::embedding::FusedOptimizer;
+use embers::train::{DenseOptimizer, DlrmConfig};
+use std::collections::BTreeMap;
+
+#[global_allocator]
+static ALLOC: fuzz::CountingAlloc = fuzz::CountingAlloc;
+
+fn dlrm() -> DlrmConfig {
+    DlrmConfig {
+        num_dense: 3,
+        sparse_features: vec![("a".into(), 40), ("b".into(), 25)],
+        embedding_dim: 4,
+        dense_arch: vec![8],
+        over_arch: vec![8],
+        dcn: None,
+        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        seed: 3,
+        metrics_window: 100,
+        device: embers::Device::Cpu,
+    }
+}
+
+/// A trainer checkpoint as the seed; each input is restored into a fresh trainer.
+#[test]
+fn checkpoints() {
+    let dir = std::env::temp_dir().join(format!("embers-fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let seed_path = dir.join("seed.safetensors");
+    let user = BTreeMap::from([("epoch".to_string(), "1".to_string())]);
+    dlrm()
+        .build()
+        .unwrap()
+        .save_checkpoint(&seed_path, &user)
+        .unwrap();
+    let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let path = dir.join("ckpt.safetensors");
+    let named = |e: embers::Error| {
+        let msg = e.to_string();
+        assert!(
+            msg.contains("ckpt.safetensors"),
+            "the error does not name the file: {msg}"
+        );
+        msg
+    };
+    fuzz::run("checkpoint-reader", &seeds, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        let r = CheckpointReader::open(&path).map_err(named)?;
+        for name in r.names() {
+            r.read_tensor(&name).map_err(named)?;
+        }
+        Ok(())
+    });
+    fuzz::run("checkpoint-dlrm", &seeds, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        let mut trainer = dlrm().build().unwrap();
+        trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn sharding_plans() {
+    let config = embers_planner::Config::from_toml(
+        r#"
+        batch_size = 64
+        [topology]
+        world_size = 4
+        local_world_size = 2
+        [[tables]]
+        name = "a"
+        rows = 400
+        dim = 16
+        [[tables]]
+        name = "b"
+        rows = 90
+        dim = 8
+        [[tables]]
+        name = "c"
+        rows = 3000
+        dim = 32
+        "#,
+    )
+    .unwrap()
+    .resolve()
+    .unwrap();
+    let plan = embers_planner::plan_problem(&config, embers_planner::CostModel::Torchrec).unwrap();
+    let seeds = vec![plan.to_json().into_bytes()];
+    let tables = [
+        TableShape::new("a", 400, 16),
+        TableShape::new("b", 90, 8),
+        TableShape::new("c", 3000, 32),
+    ];
+    fuzz::run("sharding-plan", &seeds, |bytes| {
+        let text = std::str::from_utf8(bytes).map_err(|e| e.to_string())?;
+        let plan = ShardingPlan::from_json(text).map_err(|e| e.to_string())?;
+        plan.check(&tables).map_err(|e| e.to_string())
+    });
+}
