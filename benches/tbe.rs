@@ -5,7 +5,8 @@
 //!
 //! After criterion's runs a summary prints one line per measurement in the format of
 //! `benches/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
-//! two side by side. Arguments `T B D E L` (after `--`) change the shape; `EMBERS_TBE_QUICK=1`
+//! two side by side. `EMBERS_TBE_SHAPE="T B D E L"` (or those numbers as arguments when
+//! criterion is not run) changes the shape; `EMBERS_TBE_QUICK=1`
 //! skips criterion and prints only the summary.
 
 use std::hint::black_box;
@@ -42,10 +43,18 @@ impl Shape {
 }
 
 fn parse_shape() -> Shape {
-    let nums: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    // `EMBERS_TBE_SHAPE="T B D E L"` (criterion refuses extra arguments), else numbers among
+    // the arguments.
+    let nums: Vec<usize> = match std::env::var("EMBERS_TBE_SHAPE") {
+        Ok(shape) => shape
+            .split_whitespace()
+            .filter_map(|a| a.parse().ok())
+            .collect(),
+        Err(_) => std::env::args()
+            .skip(1)
+            .filter_map(|a| a.parse().ok())
+            .collect(),
+    };
     if nums.len() >= 5 {
         Shape {
             t: nums[0],
@@ -359,8 +368,18 @@ fn main() {
                 });
                 g.finish();
             }
-            let t = median_time(20, || q.forward_into(input, &mut out).unwrap());
+            // Allocating its output every call, as FBGEMM does (the like-for-like figure), and
+            // into a reused buffer (what a serving loop does).
+            let t = median_time(20, || {
+                black_box(q.forward(input).unwrap());
+            });
             summary.push((format!("embers {name} inference fwd {dist}"), t, bpp));
+            let t = median_time(20, || q.forward_into(input, &mut out).unwrap());
+            summary.push((
+                format!("embers {name} inference fwd into reused buffer {dist}"),
+                t,
+                bpp,
+            ));
         }
     }
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Side by side, in one run: FBGEMM_GPU CPU's TBE (benches/peers/tbe.py) and embers' TBE bench
 # (benches/tbe.rs) at FBGEMM's defaults T=32 B=512 D=128 E=100000 L=20, then the ratios.
-# Usage: benches/peers/tbe.sh [--quick]   (from anywhere; --quick skips criterion's own runs)
+# Usage: benches/peers/tbe.sh [--quick] [T B D E L]   (from anywhere; --quick skips criterion's own runs)
 # Env: PEERS_PYTHON (default: the peers venv), CARGO_TARGET_DIR as usual.
 source "$(dirname "$0")/common.sh" tbe
-if [[ "${1:-}" == "--quick" ]]; then export EMBERS_TBE_QUICK=1; fi
-echo "== FBGEMM_GPU CPU (2 threads)"
-"$PY" benches/peers/tbe.py | tee "$OUT/fbgemm.txt"
+if [[ "${1:-}" == "--quick" ]]; then export EMBERS_TBE_QUICK=1; shift; fi
+# Optional shape: T B D E L (both sides), e.g. `tbe.sh --quick 32 512 64 100000 20`.
+SHAPE=("$@")
+if ((${#SHAPE[@]})); then export EMBERS_TBE_SHAPE="${SHAPE[*]}"; fi
+echo "== FBGEMM_GPU CPU and torch.nn.EmbeddingBag (2 threads)"
+"$PY" benches/peers/tbe.py "${SHAPE[@]}" | tee "$OUT/fbgemm.txt"
 echo "== embers"
 cargo bench --bench tbe -- --noplot 2>&1 | tee "$OUT/embers.txt" | sed -n '/== summary/,$p'
-echo "== FBGEMM_GPU CPU again (drift check)"
-"$PY" benches/peers/tbe.py | tee "$OUT/fbgemm2.txt"
+echo "== FBGEMM_GPU CPU and torch.nn.EmbeddingBag again (drift check)"
+"$PY" benches/peers/tbe.py "${SHAPE[@]}" | tee "$OUT/fbgemm2.txt"
 
 echo "== ratios (peer ms / embers ms, uniform ids; the peer = mean of its two runs)"
 "$PY" - "$OUT" <<'PYEOF'

@@ -495,7 +495,7 @@ impl QuantizedTableBatchedEmbedding {
         } else {
             batch.batch_size
         };
-        let mut out = vec![0.0f32; rows * self.out_stride];
+        let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * self.out_stride);
         self.pool_into(batch, &mut out);
         (out, vec![rows, self.out_stride])
     }
