@@ -5,9 +5,8 @@
 //!
 //! After criterion's runs a summary prints one line per measurement in the format of
 //! `benches/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
-//! two side by side. `EMBERS_TBE_SHAPE="T B D E L"` (or those numbers as arguments when
-//! criterion is not run) changes the shape; `EMBERS_TBE_QUICK=1`
-//! skips criterion and prints only the summary.
+//! two side by side. `EMBERS_TBE_SHAPE="T B D E L"` changes the shape (criterion refuses extra
+//! arguments); `EMBERS_TBE_QUICK=1` skips criterion and prints only the summary.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -43,18 +42,11 @@ impl Shape {
 }
 
 fn parse_shape() -> Shape {
-    // `EMBERS_TBE_SHAPE="T B D E L"` (criterion refuses extra arguments), else numbers among
-    // the arguments.
-    let nums: Vec<usize> = match std::env::var("EMBERS_TBE_SHAPE") {
-        Ok(shape) => shape
-            .split_whitespace()
-            .filter_map(|a| a.parse().ok())
-            .collect(),
-        Err(_) => std::env::args()
-            .skip(1)
-            .filter_map(|a| a.parse().ok())
-            .collect(),
-    };
+    let nums: Vec<usize> = std::env::var("EMBERS_TBE_SHAPE")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|a| a.parse().ok())
+        .collect();
     if nums.len() >= 5 {
         Shape {
             t: nums[0],
