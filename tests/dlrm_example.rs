@@ -72,6 +72,36 @@ fn straight_equals_resumed(dir: &Path, common: &[&str], half: u64, steps: u64) {
     assert!(x == y, "the straight and the resumed run differ");
 }
 
+/// `n` Criteo TSV lines (label, 13 integer and 26 hashed categorical columns, some empty).
+fn write_criteo_tsv(path: &Path, n: usize, seed: u64) {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut tsv = String::new();
+    for _ in 0..n {
+        let label = next() % 4 == 0;
+        tsv.push_str(if label { "1" } else { "0" });
+        for i in 0..13 {
+            tsv.push('\t');
+            if next() % 10 != 0 {
+                tsv.push_str(&(next() % (10 + 40 * i)).to_string());
+            }
+        }
+        for i in 0..26 {
+            tsv.push('\t');
+            if next() % 12 != 0 {
+                tsv.push_str(&format!("{:08x}", next() % (50 + 997 * i)));
+            }
+        }
+        tsv.push('\n');
+    }
+    std::fs::write(path, tsv).unwrap();
+}
+
 const QUICK: [&str; 6] = [
     "--no-progress",
     "--no-quantized-eval",
@@ -106,32 +136,7 @@ fn resume_on_synthetic_data_is_bit_identical() {
 fn resume_on_a_criteo_file_is_bit_identical_across_an_epoch() {
     let dir = scratch("criteo");
     let path = dir.join("day_0.tsv");
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let mut tsv = String::new();
-    for _ in 0..4000 {
-        let label = next() % 4 == 0;
-        tsv.push_str(if label { "1" } else { "0" });
-        for i in 0..13 {
-            tsv.push('\t');
-            if next() % 10 != 0 {
-                tsv.push_str(&(next() % (10 + 40 * i)).to_string());
-            }
-        }
-        for i in 0..26 {
-            tsv.push('\t');
-            if next() % 12 != 0 {
-                tsv.push_str(&format!("{:08x}", next() % (50 + 997 * i)));
-            }
-        }
-        tsv.push('\n');
-    }
-    std::fs::write(&path, tsv).unwrap();
+    write_criteo_tsv(&path, 4000, 1);
     let p = path.to_str().unwrap();
     let common: Vec<&str> = QUICK
         .iter()
@@ -175,6 +180,151 @@ fn an_empty_training_file_is_an_error_naming_it() {
     assert!(
         !out_dir.join("checkpoint.safetensors").exists(),
         "a checkpoint was written: {log}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Explicit splits by file (TorchRec's Criteo reference: days 0-22 train, day 23 halved into
+/// validation and test): the test report covers exactly the second half of the shared file;
+/// incomplete or conflicting split flags are errors.
+#[test]
+fn explicit_train_valid_test_files() {
+    let dir = scratch("splits");
+    let days: Vec<PathBuf> = (0..3).map(|d| dir.join(format!("day_{d}.tsv"))).collect();
+    for (d, path) in days.iter().enumerate() {
+        write_criteo_tsv(path, 1500 + 101 * d, d as u64);
+    }
+    let day = |d: usize| days[d].to_str().unwrap();
+    let out_dir = dir.join("out");
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--data",
+        "criteo-tsv",
+        "--batch-size",
+        "128",
+        "--train",
+        day(0),
+        day(1),
+        "--valid",
+        day(2),
+        "--test",
+        day(2),
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    // day 2 has 1702 lines: validation 0..851, test 851..1702.
+    assert!(log.contains("test (851 examples)"), "{log}");
+    // 1500 + 1601 training lines, 128 a batch, the last partial batch dropped: 24 steps.
+    assert!(log.contains("trained 24 steps"), "{log}");
+    for (extra, needle) in [
+        (
+            vec!["--train", day(0)],
+            "need all of --train, --valid and --test",
+        ),
+        (
+            vec![
+                "--path",
+                day(0),
+                "--train",
+                day(0),
+                "--valid",
+                day(1),
+                "--test",
+                day(2),
+            ],
+            "either --path",
+        ),
+    ] {
+        let mut args: Vec<&str> = QUICK.to_vec();
+        args.extend(["--data", "criteo-tsv", "--out", out_dir.to_str().unwrap()]);
+        args.extend(extra);
+        let out = run(&args);
+        let log = text(&out);
+        assert!(!out.status.success() && log.contains(needle), "{log}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Validation AUC lines of a run's log: (step, AUC as printed).
+fn validations(log: &str) -> Vec<(u64, String)> {
+    log.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("step ")?;
+            let (step, rest) = rest.split_once(": validation AUC ")?;
+            Some((
+                step.parse().ok()?,
+                rest.split_whitespace().next()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// Early stopping: with learning rates of 0 the validation AUC never improves after the first
+/// validation, so patience 2 stops at the third and restores the first; with training, the
+/// restored checkpoint is the validation with the highest AUC, and the final validation
+/// reports that AUC again.
+#[test]
+fn early_stopping_restores_the_best_checkpoint() {
+    let dir = scratch("early");
+    let out_dir = dir.join("out");
+    let common: Vec<&str> = [
+        "--no-progress",
+        "--no-quantized-eval",
+        "--synthetic-train",
+        "200000",
+        "--synthetic-eval",
+        "2000",
+        "--validation-examples",
+        "2000",
+        "--batch-size",
+        "256",
+        "--validate-every",
+        "5",
+        "--early-stop-patience",
+        "2",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]
+    .to_vec();
+    let mut frozen = common.clone();
+    frozen.extend(["--dense-lr", "0", "--sparse-lr", "0", "--steps", "100"]);
+    let out = run(&frozen);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("early stop at step 15"), "{log}");
+    assert!(log.contains("trained 15 steps"), "{log}");
+    assert!(
+        log.contains("restored the best checkpoint (step 5,"),
+        "{log}"
+    );
+
+    let mut trained = common.clone();
+    trained.extend(["--steps", "120"]);
+    let out = run(&trained);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let seen = validations(&log);
+    assert!(seen.len() >= 3, "{log}");
+    let best = seen
+        .iter()
+        .fold(None::<&(u64, String)>, |b, v| match b {
+            Some(b) if b.1.parse::<f64>().unwrap() >= v.1.parse::<f64>().unwrap() => Some(b),
+            _ => Some(v),
+        })
+        .unwrap();
+    let last = seen.last().unwrap();
+    if best.0 != last.0 {
+        assert!(
+            log.contains(&format!("restored the best checkpoint (step {},", best.0)),
+            "best {best:?}\n{log}"
+        );
+    }
+    assert!(
+        log.contains(&format!("validation: AUC {}", best.1)),
+        "best {best:?}\n{log}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

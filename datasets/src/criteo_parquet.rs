@@ -622,6 +622,35 @@ impl CriteoParquetReader {
     }
 }
 
+/// Rows in Parquet files, from their footers (nothing else is read).
+pub fn parquet_rows(paths: &[PathBuf]) -> Result<u64> {
+    let mut total = 0u64;
+    for path in paths {
+        let file = File::open(path).map_err(|source| DatasetError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let metadata = guarded(|| {
+            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|message| DatasetError::Parquet {
+            path: path.clone(),
+            row_group: None,
+            row: None,
+            field: "footer".to_string(),
+            message,
+        })?;
+        total += metadata
+            .metadata()
+            .row_groups()
+            .iter()
+            .map(|g| g.num_rows().max(0) as u64)
+            .sum::<u64>();
+    }
+    Ok(total)
+}
+
 /// Runs a call into the parquet crate, turning a panic into an error: on some corrupt files
 /// (found by fuzzing: a dictionary page missing where the column chunk says one is) it panics
 /// instead of returning an error. Needs `panic = "unwind"` (Rust's default); the panic message

@@ -39,7 +39,7 @@ pub use criteo::{
     criteo_schema, CategoricalMapping, CriteoConfig, DenseTransform, CRITEO_DEFAULT_TABLE_SIZE,
     CRITEO_NUM_CATEGORICAL, CRITEO_NUM_DENSE,
 };
-pub use criteo_parquet::{CriteoParquetColumns, CriteoParquetReader};
+pub use criteo_parquet::{parquet_rows, CriteoParquetColumns, CriteoParquetReader};
 pub use criteo_tsv::CriteoTsvReader;
 pub use error::{DatasetError, Result};
 pub use example::{Example, ExampleSource, FeatureSchema};

@@ -93,9 +93,26 @@ struct Args {
     /// Data source.
     #[arg(long, value_enum, default_value_t = DataSource::Synthetic)]
     data: DataSource,
-    /// Data files (Criteo TSV/Parquet: one or more; MovieLens: the ratings file).
+    /// Data files (Criteo TSV/Parquet: one or more; MovieLens: the ratings file), split into
+    /// train / validation / test by a seeded hash (`--holdout`).
     #[arg(long, num_args = 1..)]
     path: Vec<PathBuf>,
+    /// Criteo files of the training split (an explicit split by time, e.g. days 0-22), with
+    /// `--valid` and `--test` instead of `--path`.
+    #[arg(long, num_args = 1..)]
+    train: Vec<PathBuf>,
+    /// Criteo files of the validation split. Given the same files as `--test`, their first
+    /// half validates and the second half tests (TorchRec's DLRM reference split of day 23).
+    #[arg(long, num_args = 1..)]
+    valid: Vec<PathBuf>,
+    /// Criteo files of the test split.
+    #[arg(long, num_args = 1..)]
+    test: Vec<PathBuf>,
+    /// Stop when the validation AUC has not improved for this many validations in a row (0:
+    /// never); the best checkpoint (`best.safetensors`) is then restored for the final
+    /// validation and test report.
+    #[arg(long, default_value_t = 0)]
+    early_stop_patience: u64,
     /// MovieLens items file (`u.item`, `movies.dat`, `.item`): adds a multi-hot genres feature.
     #[arg(long)]
     items_path: Option<PathBuf>,
@@ -214,7 +231,59 @@ enum Data {
     Files {
         args: Box<Args>,
         schema: FeatureSchema,
+        /// With explicit splits whose validation and test files are the same: their example
+        /// count (the first half validates, the rest tests).
+        halves: Option<u64>,
     },
+}
+
+/// Examples (lines, including any the reader will skip) in Criteo TSV files.
+fn count_lines(paths: &[PathBuf]) -> Result<u64> {
+    use std::io::Read;
+    let mut total = 0u64;
+    for path in paths {
+        let io = |e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        };
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut last = b'\n';
+        loop {
+            let n = file.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            total += buf[..n].iter().filter(|&&b| b == b'\n').count() as u64;
+            last = buf[n - 1];
+        }
+        if last != b'\n' {
+            total += 1;
+        }
+    }
+    Ok(total)
+}
+
+/// Checks the explicit-split flags: all three or none, not with `--path`, Criteo files only.
+fn explicit_splits(args: &Args) -> Result<bool> {
+    let given = [&args.train, &args.valid, &args.test].map(|v| !v.is_empty());
+    if given.iter().all(|g| !g) {
+        return Ok(false);
+    }
+    let bad = |msg: String| Err(Error::invalid("dlrm", msg));
+    if given.iter().any(|g| !g) {
+        return bad("explicit splits need all of --train, --valid and --test".into());
+    }
+    if !args.path.is_empty() {
+        return bad("give either --path (a hashed hold-out) or --train/--valid/--test".into());
+    }
+    if !matches!(args.data, DataSource::CriteoTsv | DataSource::CriteoParquet) {
+        return bad(format!(
+            "--train/--valid/--test are for Criteo files, not --data {:?}",
+            args.data
+        ));
+    }
+    Ok(true)
 }
 
 type Batches = Box<dyn Iterator<Item = Result<Batch>> + Send>;
@@ -261,7 +330,18 @@ impl Data {
                 Ok((Data::Synthetic(generator.clone()), features.collect()))
             }
             DataSource::CriteoTsv | DataSource::CriteoParquet => {
-                need_path()?;
+                let explicit = explicit_splits(args)?;
+                if !explicit {
+                    need_path()?;
+                }
+                let halves = if explicit && args.valid == args.test {
+                    Some(match args.data {
+                        DataSource::CriteoTsv => count_lines(&args.test)?,
+                        _ => embers_datasets::parquet_rows(&args.test)?,
+                    })
+                } else {
+                    None
+                };
                 let schema = embers_datasets::criteo_schema();
                 let features = (schema.sparse_keys.iter())
                     .map(|k| (k.clone(), args.table_cap as usize))
@@ -269,10 +349,12 @@ impl Data {
                 let data = Data::Files {
                     args: Box::new(args.clone()),
                     schema,
+                    halves,
                 };
                 Ok((data, features))
             }
             DataSource::Movielens => {
+                explicit_splits(args)?;
                 need_path()?;
                 let reader = MovieLensReader::open(movielens_config(args)?)?;
                 let schema = reader.schema().clone();
@@ -289,6 +371,7 @@ impl Data {
                 let data = Data::Files {
                     args: Box::new(args.clone()),
                     schema,
+                    halves: None,
                 };
                 Ok((data, features))
             }
@@ -337,7 +420,31 @@ impl Data {
                 let mine = all.start + len * index / parts..all.start + len * (index + 1) / parts;
                 to_batches(g.examples(mine), config)
             }
-            Data::Files { args, .. } => {
+            Data::Files { args, halves, .. } => {
+                // Explicit splits read each split's own files (whole, or a half of the shared
+                // validation/test files); otherwise every split reads --path by hash.
+                let (paths, split_rule) = if args.train.is_empty() {
+                    let rule = SplitRule::Fractions {
+                        validation: args.holdout,
+                        test: args.holdout,
+                        seed,
+                    };
+                    (&args.path, rule)
+                } else {
+                    match (split, halves) {
+                        (Split::Train, _) => (&args.train, SplitRule::All),
+                        (_, Some(n)) => (
+                            &args.valid,
+                            SplitRule::IndexRanges {
+                                train: 0..0,
+                                validation: 0..n / 2,
+                                test: n / 2..*n,
+                            },
+                        ),
+                        (Split::Validation, None) => (&args.valid, SplitRule::All),
+                        (Split::Test, None) => (&args.test, SplitRule::All),
+                    }
+                };
                 let config = BatchConfig {
                     batch_size,
                     drop_last: split == Split::Train,
@@ -345,20 +452,15 @@ impl Data {
                         buffer_size: args.shuffle_buffer.max(1),
                         seed: shuffle_seed,
                     }),
-                    split_rule: SplitRule::Fractions {
-                        validation: args.holdout,
-                        test: args.holdout,
-                        seed,
-                    },
+                    split_rule,
                     split,
                 };
                 let all = match args.data {
-                    DataSource::CriteoTsv => to_batches(
-                        CriteoTsvReader::open(&args.path, criteo_config(args))?,
-                        config,
-                    ),
+                    DataSource::CriteoTsv => {
+                        to_batches(CriteoTsvReader::open(paths, criteo_config(args))?, config)
+                    }
                     DataSource::CriteoParquet => to_batches(
-                        CriteoParquetReader::open(&args.path, criteo_config(args))?,
+                        CriteoParquetReader::open(paths, criteo_config(args))?,
                         config,
                     ),
                     _ => to_batches(MovieLensReader::open(movielens_config(args)?)?, config),
@@ -546,17 +648,32 @@ fn run(args: Args) -> Result<()> {
         return dist::write_planner_config(&args, &config, path);
     }
     if args.plan.is_some() {
+        if args.early_stop_patience > 0 {
+            return Err(Error::invalid(
+                "dlrm",
+                "--early-stop-patience is not supported with --plan yet",
+            ));
+        }
         return dist::run(&args, &data, &config);
     }
     let mut trainer = config.build()?;
     let checkpoint = args.out.join("checkpoint.safetensors");
 
+    let best_checkpoint = args.out.join("best.safetensors");
     let (mut epoch, mut batch_in_epoch) = (0u64, 0u64);
+    // Early stopping: the best validation AUC so far, its step, and validations since.
+    let mut best: Option<(f64, u64)> = None;
+    let mut since_best = 0u64;
     if let Some(path) = &args.resume {
         let user = trainer.load_checkpoint(path)?;
         let get = |k: &str| user.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
         epoch = get("epoch");
         batch_in_epoch = get("batch_in_epoch");
+        since_best = get("since_best");
+        best = user
+            .get("best_auc")
+            .and_then(|a| a.parse::<f64>().ok())
+            .map(|a| (a, get("best_step")));
         println!(
             "resumed from {} at step {} (epoch {epoch}, batch {batch_in_epoch})",
             path.display(),
@@ -621,13 +738,24 @@ fn run(args: Args) -> Result<()> {
     let mut loss_sum = 0.0;
     let mut loss_count = 0u64;
     let log_every = 50u64;
-    let save = |trainer: &DlrmTrainer, epoch: u64, batch_in_epoch: u64| -> Result<()> {
-        let user = BTreeMap::from([
+    let save = |trainer: &DlrmTrainer,
+                path: &Path,
+                epoch: u64,
+                batch_in_epoch: u64,
+                best: Option<(f64, u64)>,
+                since_best: u64|
+     -> Result<()> {
+        let mut user = BTreeMap::from([
             ("epoch".to_string(), epoch.to_string()),
             ("batch_in_epoch".to_string(), batch_in_epoch.to_string()),
+            ("since_best".to_string(), since_best.to_string()),
             ("args".to_string(), format!("{args:?}")),
         ]);
-        trainer.save_checkpoint(&checkpoint, &user)
+        if let Some((auc, step)) = best {
+            user.insert("best_auc".to_string(), format!("{auc:e}"));
+            user.insert("best_step".to_string(), step.to_string());
+        }
+        trainer.save_checkpoint(path, &user)
     };
     // Training batches the data yielded in this run (skipped ones included): none at all
     // means an empty training set, an error rather than a model trained on nothing.
@@ -660,9 +788,36 @@ fn run(args: Args) -> Result<()> {
             let validating = args.validate_every > 0 && step % args.validate_every == 0;
             if step % log_every == 0 || validating {
                 let m = trainer.train_metrics();
+                let mut stop = false;
                 let validation = if validating {
                     let report = validate(&trainer)?;
-                    save(&trainer, epoch, batch_in_epoch)?;
+                    let auc = report.get("auc");
+                    if best.is_none_or(|(b, _)| auc > b) {
+                        best = Some((auc, step));
+                        since_best = 0;
+                        if args.early_stop_patience > 0 {
+                            save(
+                                &trainer,
+                                &best_checkpoint,
+                                epoch,
+                                batch_in_epoch,
+                                best,
+                                since_best,
+                            )?;
+                        }
+                    } else {
+                        since_best += 1;
+                        stop =
+                            args.early_stop_patience > 0 && since_best >= args.early_stop_patience;
+                    }
+                    save(
+                        &trainer,
+                        &checkpoint,
+                        epoch,
+                        batch_in_epoch,
+                        best,
+                        since_best,
+                    )?;
                     Some(report)
                 } else {
                     None
@@ -711,6 +866,20 @@ fn run(args: Args) -> Result<()> {
                     );
                 }
                 history.push(record);
+                if stop {
+                    let (b, at) = best.expect("a best validation precedes a stop");
+                    let line = format!(
+                        "early stop at step {step}: validation AUC has not improved for {} \
+                         validations (best {b:.4} at step {at})",
+                        args.early_stop_patience
+                    );
+                    if bar.is_hidden() {
+                        println!("{line}");
+                    } else {
+                        bar.println(line);
+                    }
+                    break 'epochs;
+                }
             }
         }
         epoch += 1;
@@ -725,22 +894,43 @@ fn run(args: Args) -> Result<()> {
                     "the training set is empty: --synthetic-train {} is less than one batch of {}",
                     args.synthetic_train, args.batch_size
                 ),
-                Data::Files { .. } => format!(
+                Data::Files { .. } => {
+                    format!(
                     "the training split of {} holds no complete batch of {} (the files are empty, \
                      too short, or every line was skipped as malformed); nothing was trained or \
                      written",
-                    args.path
+                    (if args.train.is_empty() { &args.path } else { &args.train })
                         .iter()
                         .map(|p| p.display().to_string())
                         .collect::<Vec<_>>()
                         .join(", "),
                     args.batch_size
-                ),
+                )
+                }
             },
         ));
     }
     let train_seconds = started.elapsed().as_secs_f64();
-    save(&trainer, epoch, batch_in_epoch)?;
+    save(
+        &trainer,
+        &checkpoint,
+        epoch,
+        batch_in_epoch,
+        best,
+        since_best,
+    )?;
+    let (trained_steps, trained_examples) = (trainer.step(), trainer.examples_seen());
+    if args.early_stop_patience > 0 {
+        if let Some((b, at)) = best {
+            if at != trainer.step() {
+                trainer.load_checkpoint(&best_checkpoint)?;
+                println!(
+                    "restored the best checkpoint (step {at}, validation AUC {b:.4}) for the \
+                     final report"
+                );
+            }
+        }
+    }
 
     // Final reports.
     let validation = validate(&trainer)?;
@@ -750,8 +940,8 @@ fn run(args: Args) -> Result<()> {
     )?;
     println!(
         "trained {} steps ({} examples) in {train_seconds:.1} s: {:.0} examples/s",
-        trainer.step(),
-        trainer.examples_seen(),
+        trained_steps,
+        trained_examples,
         throughput.lifetime()
     );
     println!(
