@@ -328,3 +328,55 @@ fn early_stopping_restores_the_best_checkpoint() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// MovieLens split by time: ratings in a shuffled file order; the latest 10% test, the 10%
+/// before validate. The test report covers exactly the latest 200 of 2000: all of them clicks
+/// (CTR 1), which no hashed split of this file would give.
+#[test]
+fn movielens_split_by_time() {
+    let dir = scratch("movielens-time");
+    let path = dir.join("u.data");
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut lines: Vec<(u64, String)> = (0..2000u64)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let t = 880_000_000 + i * 3_600;
+            // The latest 10% are all clicks (rating 5), every other rating is not (1).
+            let rating = if i >= 1800 { 5 } else { 1 };
+            let line = format!("{}\t{}\t{rating}\t{t}\n", 1 + x % 90, 1 + (x >> 20) % 300);
+            (x, line)
+        })
+        .collect();
+    lines.sort();
+    std::fs::write(
+        &path,
+        lines.iter().map(|l| l.1.as_str()).collect::<String>(),
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--data",
+        "movielens",
+        "--path",
+        path.to_str().unwrap(),
+        "--movielens-split",
+        "time",
+        "--batch-size",
+        "64",
+        "--table-cap",
+        "500",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("test (200 examples)"), "{log}");
+    assert!(log.contains("CTR 1.0000"), "{log}");
+    // 1600 training ratings, 64 a batch: 25 steps.
+    assert!(log.contains("trained 25 steps"), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -119,6 +119,8 @@ struct Ratings {
     config: MovieLensConfig,
     genres: Option<HashMap<i64, Vec<i64>>>,
     inter_columns: Option<InterColumns>,
+    /// The timestamp (seconds) of the last example parsed.
+    last_seconds: std::cell::Cell<Option<f64>>,
 }
 
 fn token_id(raw: &[u8]) -> Option<i64> {
@@ -194,6 +196,7 @@ impl MovieLensReader {
                 config,
                 genres,
                 inter_columns,
+                last_seconds: std::cell::Cell::new(None),
             },
         })
     }
@@ -270,6 +273,7 @@ impl Ratings {
                 )
             })?),
         };
+        self.last_seconds.set(seconds);
         let dense = match seconds {
             None => vec![0.0; 3],
             Some(t) => {
@@ -462,6 +466,14 @@ fn parse_genre_list(raw: &[u8], separator: u8) -> std::result::Result<Vec<i64>, 
         .filter(|name| !name.is_empty())
         .map(|name| genre_id(name).ok_or_else(|| format!("unknown genre `{}`", show_field(name))))
         .collect()
+}
+
+impl MovieLensReader {
+    /// The timestamp (seconds since 1970) of the example [`next`](Iterator::next) returned
+    /// last; `None` where the ratings file has no timestamp column (or before the first).
+    pub fn last_timestamp(&self) -> Option<f64> {
+        self.ratings.last_seconds.get()
+    }
 }
 
 impl Iterator for MovieLensReader {

@@ -42,6 +42,9 @@ pub enum SplitRule {
         /// Indices of the test split.
         test: Range<u64>,
     },
+    /// A split given per index (e.g. computed from timestamps); indices past the end or
+    /// mapped to `None` are dropped.
+    Assigned(std::sync::Arc<Vec<Option<Split>>>),
 }
 
 impl SplitRule {
@@ -79,6 +82,9 @@ impl SplitRule {
                     None
                 }
             }
+            SplitRule::Assigned(splits) => usize::try_from(index)
+                .ok()
+                .and_then(|i| splits.get(i).copied().flatten()),
         }
     }
 
@@ -113,6 +119,7 @@ impl SplitRule {
                     Ok(())
                 }
             }
+            SplitRule::Assigned(_) => Ok(()),
         }
     }
 }

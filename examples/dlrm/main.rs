@@ -78,6 +78,12 @@ impl QuantType {
 
 /// A precision of the sharded tables' communication.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum MovieLensSplit {
+    Hash,
+    Time,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CommPrec {
     Fp32,
     Fp16,
@@ -126,6 +132,10 @@ struct Args {
     /// Fraction of file examples held out for validation and for test (each).
     #[arg(long, default_value_t = 0.1)]
     holdout: f64,
+    /// How MovieLens ratings are split: by a seeded hash, or by time (the latest `--holdout`
+    /// of the ratings test, the `--holdout` before them validate, the rest train).
+    #[arg(long, value_enum, default_value_t = MovieLensSplit::Hash)]
+    movielens_split: MovieLensSplit,
     /// Passes over the training split.
     #[arg(long, default_value_t = 1)]
     epochs: u64,
@@ -234,7 +244,47 @@ enum Data {
         /// With explicit splits whose validation and test files are the same: their example
         /// count (the first half validates, the rest tests).
         halves: Option<u64>,
+        /// MovieLens split by time: each example's split, by index.
+        by_time: Option<std::sync::Arc<Vec<Option<Split>>>>,
     },
+}
+
+/// Splits MovieLens ratings by time: sorted by timestamp, the latest `holdout` fraction tests,
+/// the `holdout` before it validates, the rest trains (ratings at a cut go to the later split).
+fn split_by_time(args: &Args) -> Result<std::sync::Arc<Vec<Option<Split>>>> {
+    let mut reader = MovieLensReader::open(movielens_config(args)?)?;
+    let mut stamps: Vec<(u64, f64)> = Vec::new();
+    // Not a `for` loop: the timestamp is read from the reader between items.
+    while let Some(example) = reader.next() {
+        let index = example?.index;
+        let Some(t) = reader.last_timestamp() else {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "--movielens-split time: {} has no timestamp column",
+                    args.path[0].display()
+                ),
+            ));
+        };
+        stamps.push((index, t));
+    }
+    let mut sorted: Vec<f64> = stamps.iter().map(|s| s.1).collect();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let cut = |fraction: f64| sorted.get((n as f64 * fraction) as usize).copied();
+    let (valid_from, test_from) = (cut(1.0 - 2.0 * args.holdout), cut(1.0 - args.holdout));
+    let len = stamps.iter().map(|s| s.0 + 1).max().unwrap_or(0) as usize;
+    let mut splits = vec![None; len];
+    for (index, t) in stamps {
+        splits[index as usize] = Some(if test_from.is_some_and(|c| t >= c) {
+            Split::Test
+        } else if valid_from.is_some_and(|c| t >= c) {
+            Split::Validation
+        } else {
+            Split::Train
+        });
+    }
+    Ok(std::sync::Arc::new(splits))
 }
 
 /// Examples (lines, including any the reader will skip) in Criteo TSV files.
@@ -350,6 +400,7 @@ impl Data {
                     args: Box::new(args.clone()),
                     schema,
                     halves,
+                    by_time: None,
                 };
                 Ok((data, features))
             }
@@ -368,10 +419,15 @@ impl Data {
                         (k.clone(), rows)
                     })
                     .collect();
+                let by_time = match args.movielens_split {
+                    MovieLensSplit::Hash => None,
+                    MovieLensSplit::Time => Some(split_by_time(args)?),
+                };
                 let data = Data::Files {
                     args: Box::new(args.clone()),
                     schema,
                     halves: None,
+                    by_time,
                 };
                 Ok((data, features))
             }
@@ -420,14 +476,22 @@ impl Data {
                 let mine = all.start + len * index / parts..all.start + len * (index + 1) / parts;
                 to_batches(g.examples(mine), config)
             }
-            Data::Files { args, halves, .. } => {
+            Data::Files {
+                args,
+                halves,
+                by_time,
+                ..
+            } => {
                 // Explicit splits read each split's own files (whole, or a half of the shared
                 // validation/test files); otherwise every split reads --path by hash.
                 let (paths, split_rule) = if args.train.is_empty() {
-                    let rule = SplitRule::Fractions {
-                        validation: args.holdout,
-                        test: args.holdout,
-                        seed,
+                    let rule = match by_time {
+                        Some(splits) => SplitRule::Assigned(splits.clone()),
+                        None => SplitRule::Fractions {
+                            validation: args.holdout,
+                            test: args.holdout,
+                            seed,
+                        },
                     };
                     (&args.path, rule)
                 } else {
