@@ -114,9 +114,10 @@ fn report(name: &str, shape: Shape, t: Duration, bytes_per_param: f64) {
 /// The gather roofline of this machine: the fastest rate found at which all threads read
 /// random whole rows of the bench's size from a table set as large as the bench's (huge
 /// pages), summing them. Each thread keeps several rows in flight with software prefetch
-/// (distances 0, 4, 8, 16 and 32 rows tried, the best kept) and adds rows in register-sized
-/// column blocks, so nothing but the memory system limits it. Returns (GB/s, best distance).
-fn gather_bandwidth(shape: Shape) -> (f64, usize) {
+/// (distances 0, 4, 8, 16 and 32 rows, into L1 or L2 only, tried; the best kept) and adds rows
+/// in register-sized column blocks, so nothing but the memory system limits it. Returns
+/// (GB/s, best distance, whether the best prefetched into L2 only).
+fn gather_bandwidth(shape: Shape) -> (f64, usize, bool) {
     use rayon::prelude::*;
     let mut table = embers::embedding::RowBuffer::<f32>::zeros(shape.t * shape.e * shape.d)
         .expect("allocate gather table");
@@ -138,14 +139,14 @@ fn gather_bandwidth(shape: Shape) -> (f64, usize) {
     let d = shape.d;
     let threads = rayon::current_num_threads().max(1);
     let per_thread = ids.len().div_ceil(threads);
-    let run = |dist: usize| {
+    let run = |dist: usize, l2: bool| {
         ids.par_chunks(per_thread)
             .map(|chunk| {
                 let mut acc = [0.0f32; 64];
                 for (k, &id) in chunk.iter().enumerate() {
                     if dist > 0 {
                         if let Some(&next) = chunk.get(k + dist) {
-                            prefetch_row(&table[next * d..(next + 1) * d]);
+                            prefetch_row(&table[next * d..(next + 1) * d], l2);
                         }
                     }
                     for block in table[id * d..(id + 1) * d].chunks(64) {
@@ -158,32 +159,38 @@ fn gather_bandwidth(shape: Shape) -> (f64, usize) {
             })
             .sum::<f32>()
     };
-    let mut best = (0.0, 0);
-    for dist in [0, 4, 8, 16, 32] {
-        let t = median_time(10, || {
-            black_box(run(dist));
-        });
-        let rate = (ids.len() * d * 4) as f64 / t.as_secs_f64() / 1e9;
-        if rate > best.0 {
-            best = (rate, dist);
+    let mut best = (0.0, 0, false);
+    for l2 in [false, true] {
+        for dist in [0, 4, 8, 16, 32] {
+            let t = median_time(10, || {
+                black_box(run(dist, l2));
+            });
+            let rate = (ids.len() * d * 4) as f64 / t.as_secs_f64() / 1e9;
+            if rate > best.0 {
+                best = (rate, dist, l2);
+            }
         }
     }
     best
 }
 
-/// Starts fetching every cache line of `row`.
-fn prefetch_row(row: &[f32]) {
+/// Starts fetching every cache line of `row`, into L1 or (`l2`) into L2 only.
+fn prefetch_row(row: &[f32], l2: bool) {
     #[cfg(target_arch = "x86_64")]
     for line in row.chunks(16) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let p = line.as_ptr() as *const i8;
         // SAFETY: a prefetch is a hint that never faults; the address lies in `row`.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr() as *const i8
-            )
+            if l2 {
+                _mm_prefetch::<_MM_HINT_T1>(p)
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p)
+            }
         };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = row;
+    let _ = (row, l2);
 }
 
 fn proc_status_mib(key: &str) -> Option<f64> {
@@ -379,11 +386,12 @@ fn main() {
     for (name, t, bpp) in &summary {
         report(name, shape, *t, *bpp);
     }
-    let (roofline, best_distance) = gather;
+    let (roofline, best_distance, l2) = gather;
     println!(
         "gather roofline (this machine, random {} B rows, all threads, huge pages, prefetch \
-         {best_distance} rows ahead): {roofline:.2} GB/s of rows",
-        shape.d * 4
+         {best_distance} rows ahead into {}): {roofline:.2} GB/s of rows",
+        shape.d * 4,
+        if l2 { "L2" } else { "L1" }
     );
     // The FP32 lines as a fraction of it, counting the rows read only (the roofline's unit).
     let row_bytes = (shape.lookups() * shape.d * 4) as f64;
