@@ -283,21 +283,7 @@ impl CriteoParquetReader {
     }
 
     fn open_file(&self, path: PathBuf) -> Result<OpenFile> {
-        let file = File::open(&path).map_err(|source| DatasetError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let metadata = guarded(|| {
-            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|message| DatasetError::Parquet {
-            path: path.clone(),
-            row_group: None,
-            row: None,
-            field: "footer".to_string(),
-            message,
-        })?;
+        let (file, metadata) = open_footer(&path)?;
         let arrow_schema = metadata.schema().clone();
         let mut roots = Vec::with_capacity(1 + CRITEO_NUM_DENSE + CRITEO_NUM_CATEGORICAL);
         for name in self.all_column_names() {
@@ -622,25 +608,30 @@ impl CriteoParquetReader {
     }
 }
 
+/// Opens `path` and reads its footer (errors, and decoder panics, name the file).
+fn open_footer(path: &std::path::Path) -> Result<(File, ArrowReaderMetadata)> {
+    let file = File::open(path).map_err(|source| DatasetError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let metadata = guarded(|| {
+        ArrowReaderMetadata::load(&file, ArrowReaderOptions::default()).map_err(|e| e.to_string())
+    })
+    .map_err(|message| DatasetError::Parquet {
+        path: path.to_path_buf(),
+        row_group: None,
+        row: None,
+        field: "footer".to_string(),
+        message,
+    })?;
+    Ok((file, metadata))
+}
+
 /// Rows in Parquet files, from their footers (nothing else is read).
 pub fn parquet_rows(paths: &[PathBuf]) -> Result<u64> {
     let mut total = 0u64;
     for path in paths {
-        let file = File::open(path).map_err(|source| DatasetError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let metadata = guarded(|| {
-            ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|message| DatasetError::Parquet {
-            path: path.clone(),
-            row_group: None,
-            row: None,
-            field: "footer".to_string(),
-            message,
-        })?;
+        let (_, metadata) = open_footer(path)?;
         total += metadata
             .metadata()
             .row_groups()
