@@ -24,7 +24,7 @@ fn put(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     path
 }
 
-/// Drains `reader` (at most `limit` records); the first error, which must name `file`.
+/// Drains `reader` (at most 100,000 records); the first error, which must name `file`.
 fn drain<T, E: std::fmt::Display>(
     reader: impl Iterator<Item = Result<T, E>>,
     file: &str,

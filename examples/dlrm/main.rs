@@ -76,13 +76,14 @@ impl QuantType {
     }
 }
 
-/// A precision of the sharded tables' communication.
+/// How MovieLens ratings are split into train / validation / test.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum MovieLensSplit {
     Hash,
     Time,
 }
 
+/// A precision of the sharded tables' communication.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CommPrec {
     Fp32,
@@ -334,6 +335,51 @@ fn explicit_splits(args: &Args) -> Result<bool> {
         ));
     }
     Ok(true)
+}
+
+/// Where a run stands, kept in every checkpoint's user metadata and read back by `--resume`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    /// The epoch being trained.
+    epoch: u64,
+    /// Batches of it already trained on.
+    batch_in_epoch: u64,
+    /// Early stopping: the best validation AUC so far and its step.
+    best: Option<(f64, u64)>,
+    /// Validations since the best.
+    since_best: u64,
+}
+
+impl Progress {
+    /// The metadata entries of a checkpoint.
+    fn to_user(self) -> BTreeMap<String, String> {
+        let mut user = BTreeMap::from([
+            ("epoch".to_string(), self.epoch.to_string()),
+            (
+                "batch_in_epoch".to_string(),
+                self.batch_in_epoch.to_string(),
+            ),
+            ("since_best".to_string(), self.since_best.to_string()),
+        ]);
+        if let Some((auc, step)) = self.best {
+            user.insert("best_auc".to_string(), format!("{auc:e}"));
+            user.insert("best_step".to_string(), step.to_string());
+        }
+        user
+    }
+
+    /// Read back from a checkpoint's metadata (missing entries: a fresh start's values).
+    fn from_user(user: &BTreeMap<String, String>) -> Progress {
+        let get = |k: &str| user.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        Progress {
+            epoch: get("epoch"),
+            batch_in_epoch: get("batch_in_epoch"),
+            best: (user.get("best_auc"))
+                .and_then(|a| a.parse::<f64>().ok())
+                .map(|a| (a, get("best_step"))),
+            since_best: get("since_best"),
+        }
+    }
 }
 
 type Batches = Box<dyn Iterator<Item = Result<Batch>> + Send>;
@@ -724,24 +770,15 @@ fn run(args: Args) -> Result<()> {
     let checkpoint = args.out.join("checkpoint.safetensors");
 
     let best_checkpoint = args.out.join("best.safetensors");
-    let (mut epoch, mut batch_in_epoch) = (0u64, 0u64);
-    // Early stopping: the best validation AUC so far, its step, and validations since.
-    let mut best: Option<(f64, u64)> = None;
-    let mut since_best = 0u64;
+    let mut progress = Progress::default();
     if let Some(path) = &args.resume {
-        let user = trainer.load_checkpoint(path)?;
-        let get = |k: &str| user.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        epoch = get("epoch");
-        batch_in_epoch = get("batch_in_epoch");
-        since_best = get("since_best");
-        best = user
-            .get("best_auc")
-            .and_then(|a| a.parse::<f64>().ok())
-            .map(|a| (a, get("best_step")));
+        progress = Progress::from_user(&trainer.load_checkpoint(path)?);
         println!(
-            "resumed from {} at step {} (epoch {epoch}, batch {batch_in_epoch})",
+            "resumed from {} at step {} (epoch {}, batch {})",
             path.display(),
-            trainer.step()
+            trainer.step(),
+            progress.epoch,
+            progress.batch_in_epoch
         );
     }
     let params = trainer.model().dense.num_parameters();
@@ -802,32 +839,18 @@ fn run(args: Args) -> Result<()> {
     let mut loss_sum = 0.0;
     let mut loss_count = 0u64;
     let log_every = 50u64;
-    let save = |trainer: &DlrmTrainer,
-                path: &Path,
-                epoch: u64,
-                batch_in_epoch: u64,
-                best: Option<(f64, u64)>,
-                since_best: u64|
-     -> Result<()> {
-        let mut user = BTreeMap::from([
-            ("epoch".to_string(), epoch.to_string()),
-            ("batch_in_epoch".to_string(), batch_in_epoch.to_string()),
-            ("since_best".to_string(), since_best.to_string()),
-            ("args".to_string(), format!("{args:?}")),
-        ]);
-        if let Some((auc, step)) = best {
-            user.insert("best_auc".to_string(), format!("{auc:e}"));
-            user.insert("best_step".to_string(), step.to_string());
-        }
+    let save = |trainer: &DlrmTrainer, path: &Path, progress: &Progress| -> Result<()> {
+        let mut user = progress.to_user();
+        user.insert("args".to_string(), format!("{args:?}"));
         trainer.save_checkpoint(path, &user)
     };
     // Training batches the data yielded in this run (skipped ones included): none at all
     // means an empty training set, an error rather than a model trained on nothing.
     let mut yielded = 0u64;
-    'epochs: while epoch < args.epochs {
-        let mut batches = data.batches(Split::Train, epoch, args.batch_size, args.seed)?;
+    'epochs: while progress.epoch < args.epochs {
+        let mut batches = data.batches(Split::Train, progress.epoch, args.batch_size, args.seed)?;
         // Resuming: skip the batches of this epoch that were already trained on.
-        for _ in 0..batch_in_epoch {
+        for _ in 0..progress.batch_in_epoch {
             match batches.next() {
                 Some(b) => {
                     drop(b?);
@@ -844,7 +867,7 @@ fn run(args: Args) -> Result<()> {
             yielded += 1;
             let out = trainer.train_step(&batch)?;
             throughput.step(out.batch_size as u64);
-            batch_in_epoch += 1;
+            progress.batch_in_epoch += 1;
             loss_sum += out.loss;
             loss_count += 1;
             let step = trainer.step();
@@ -856,32 +879,18 @@ fn run(args: Args) -> Result<()> {
                 let validation = if validating {
                     let report = validate(&trainer)?;
                     let auc = report.get("auc");
-                    if best.is_none_or(|(b, _)| auc > b) {
-                        best = Some((auc, step));
-                        since_best = 0;
+                    if progress.best.is_none_or(|(b, _)| auc > b) {
+                        progress.best = Some((auc, step));
+                        progress.since_best = 0;
                         if args.early_stop_patience > 0 {
-                            save(
-                                &trainer,
-                                &best_checkpoint,
-                                epoch,
-                                batch_in_epoch,
-                                best,
-                                since_best,
-                            )?;
+                            save(&trainer, &best_checkpoint, &progress)?;
                         }
                     } else {
-                        since_best += 1;
-                        stop =
-                            args.early_stop_patience > 0 && since_best >= args.early_stop_patience;
+                        progress.since_best += 1;
+                        stop = args.early_stop_patience > 0
+                            && progress.since_best >= args.early_stop_patience;
                     }
-                    save(
-                        &trainer,
-                        &checkpoint,
-                        epoch,
-                        batch_in_epoch,
-                        best,
-                        since_best,
-                    )?;
+                    save(&trainer, &checkpoint, &progress)?;
                     Some(report)
                 } else {
                     None
@@ -931,7 +940,7 @@ fn run(args: Args) -> Result<()> {
                 }
                 history.push(record);
                 if stop {
-                    let (b, at) = best.expect("a best validation precedes a stop");
+                    let (b, at) = progress.best.expect("a best validation precedes a stop");
                     let line = format!(
                         "early stop at step {step}: validation AUC has not improved for {} \
                          validations (best {b:.4} at step {at})",
@@ -946,8 +955,8 @@ fn run(args: Args) -> Result<()> {
                 }
             }
         }
-        epoch += 1;
-        batch_in_epoch = 0;
+        progress.epoch += 1;
+        progress.batch_in_epoch = 0;
     }
     bar.finish_and_clear();
     if yielded == 0 && trainer.step() == 0 && total_steps != Some(0) {
@@ -975,17 +984,10 @@ fn run(args: Args) -> Result<()> {
         ));
     }
     let train_seconds = started.elapsed().as_secs_f64();
-    save(
-        &trainer,
-        &checkpoint,
-        epoch,
-        batch_in_epoch,
-        best,
-        since_best,
-    )?;
+    save(&trainer, &checkpoint, &progress)?;
     let (trained_steps, trained_examples) = (trainer.step(), trainer.examples_seen());
     if args.early_stop_patience > 0 {
-        if let Some((b, at)) = best {
+        if let Some((b, at)) = progress.best {
             if at != trainer.step() {
                 trainer.load_checkpoint(&best_checkpoint)?;
                 println!(

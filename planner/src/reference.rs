@@ -90,13 +90,7 @@ impl Base {
                 self.used[r].0 += u128::from(s.storage.hbm);
                 self.used[r].1 += u128::from(s.storage.ddr);
             } else {
-                let p = &mut self.perf[r];
-                p.fwd_compute -= s.perf.fwd_compute;
-                p.fwd_comms -= s.perf.fwd_comms;
-                p.bwd_compute -= s.perf.bwd_compute;
-                p.bwd_comms -= s.perf.bwd_comms;
-                p.prefetch_compute -= s.perf.prefetch_compute;
-                p.input_dist_comms -= s.perf.input_dist_comms;
+                self.perf[r].sub(&s.perf);
                 self.used[r].0 -= u128::from(s.storage.hbm);
                 self.used[r].1 -= u128::from(s.storage.ddr);
             }
@@ -119,10 +113,6 @@ impl HostSums {
     }
 }
 
-fn fits(s: &Storage, free: &Storage) -> bool {
-    s.fits_in(free)
-}
-
 fn take(d: &mut Device, s: &Storage, p: &Perf) {
     d.free.hbm -= s.hbm;
     d.free.ddr -= s.ddr;
@@ -132,6 +122,13 @@ fn take(d: &mut Device, s: &Storage, p: &Perf) {
 /// Heap key of TorchRec's `OrderedDeviceHardware`: (perf total, rank % local, rank), least first.
 #[derive(PartialEq)]
 struct Key(f64, usize, usize);
+
+impl Key {
+    /// The key of `device`, rank `rank` of hosts of `local` ranks.
+    fn of(device: &Device, rank: usize, local: usize) -> Key {
+        Key(device.perf.total(), rank % local, rank)
+    }
+}
 
 impl Eq for Key {}
 
@@ -213,7 +210,7 @@ impl<'a> Partitioner<'a> {
                 PartitionBy::Device => {
                     let heap = heap.get_or_insert_with(|| {
                         (0..w)
-                            .map(|r| Reverse(Key(dev[r].perf.total(), r % self.local, r)))
+                            .map(|r| Reverse(Key::of(&dev[r], r, self.local)))
                             .collect()
                     });
                     for s in &opt.shards {
@@ -221,10 +218,10 @@ impl<'a> Partitioner<'a> {
                         let mut placed = None;
                         while let Some(Reverse(k)) = heap.pop() {
                             let r = k.2;
-                            if fits(&s.storage, &dev[r].free) {
+                            if s.storage.fits_in(&dev[r].free) {
                                 take(&mut dev[r], &s.storage, &s.perf);
                                 hosts.dirty[r / self.local] = true;
-                                heap.push(Reverse(Key(dev[r].perf.total(), r % self.local, r)));
+                                heap.push(Reverse(Key::of(&dev[r], r, self.local)));
                                 placed = Some(r);
                                 break;
                             }
@@ -300,7 +297,7 @@ impl<'a> Partitioner<'a> {
                 // Uniform over the host's ranks.
                 opt.shards.len() == l
                     && opt.shards.iter().enumerate().all(|(i, s)| {
-                        if !fits(&s.storage, &copy[i].free) {
+                        if !s.storage.fits_in(&copy[i].free) {
                             return false;
                         }
                         take(&mut copy[i], &s.storage, &s.perf);
@@ -308,19 +305,12 @@ impl<'a> Partitioner<'a> {
                         true
                     })
             } else {
-                // Table-column-wise: device partition within the host; the heap's
-                // `local_world_size` is the host's size, so ties go to the lower rank.
+                // Table-column-wise: device partition within the host, by the same key (the
+                // host's heap uses the host size as `local_world_size`, which is `l`).
                 opt.shards.iter().all(|s| {
-                    let best =
-                        (0..l)
-                            .filter(|&i| fits(&s.storage, &copy[i].free))
-                            .min_by(|&a, &b| {
-                                Key(copy[a].perf.total(), (base + a) % l, base + a).cmp(&Key(
-                                    copy[b].perf.total(),
-                                    (base + b) % l,
-                                    base + b,
-                                ))
-                            });
+                    let best = (0..l)
+                        .filter(|&i| s.storage.fits_in(&copy[i].free))
+                        .min_by_key(|&i| Key::of(&copy[i], base + i, l));
                     match best {
                         Some(i) => {
                             take(&mut copy[i], &s.storage, &s.perf);
@@ -371,7 +361,7 @@ impl<'a> Partitioner<'a> {
                 .collect();
             let mut copies: Vec<Device> = ranks.iter().map(|&r| dev[r].clone()).collect();
             let ok = opt.shards.iter().enumerate().all(|(i, s)| {
-                if !fits(&s.storage, &copies[i].free) {
+                if !s.storage.fits_in(&copies[i].free) {
                     return false;
                 }
                 take(&mut copies[i], &s.storage, &s.perf);
@@ -443,7 +433,7 @@ pub fn torchrec_search(
     let mut truncated = false;
     // Proposals already partitioned (TorchRec's proposal cache), by hash.
     let mut seen = std::collections::HashSet::new();
-    let mut consider = |proposal: &[usize], base: &Base, best: &mut Option<(Vec<usize>, f64)>| {
+    let mut consider = |proposal: &[usize], base: &Base| {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         std::hash::Hash::hash(proposal, &mut h);
         if !seen.insert(std::hash::Hasher::finish(&h)) {
@@ -452,17 +442,21 @@ pub fn torchrec_search(
         proposals += 1;
         if let Some(rating) = part.partition(proposal, base, None) {
             if best.as_ref().is_none_or(|b| rating < b.1) {
-                *best = Some((proposal.to_vec(), rating));
+                best = Some((proposal.to_vec(), rating));
             }
         }
     };
+
+    // Each table's options by max shard perf (the grid, the depth greedy and the uniform
+    // proposers' order).
+    let by_depth = sorted_options(options, true);
 
     // Grid search, only when the whole space is small.
     let space = options
         .iter()
         .try_fold(1u128, |a, os| a.checked_mul(os.len() as u128));
     if space.is_some_and(|s| s <= MAX_GRID_PROPOSALS) {
-        let sorted = sorted_options(options, true);
+        let sorted = &by_depth;
         let mut idx = vec![0usize; n];
         'grid: loop {
             if Instant::now() > deadline {
@@ -470,7 +464,7 @@ pub fn torchrec_search(
                 break;
             }
             let p: Vec<usize> = (0..n).map(|t| sorted[t][idx[t]]).collect();
-            consider(&p, &part.uniform_base(&p), &mut best);
+            consider(&p, &part.uniform_base(&p));
             // itertools.product order: the last table varies fastest.
             for t in (0..n).rev() {
                 idx[t] += 1;
@@ -504,7 +498,13 @@ pub fn torchrec_search(
         if truncated {
             break;
         }
-        let sorted = sorted_options(options, depth);
+        let by_sum;
+        let sorted = if depth {
+            &by_depth
+        } else {
+            by_sum = sorted_options(options, false);
+            &by_sum
+        };
         let mut idx = vec![0usize; n];
         let mut p: Vec<usize> = (0..n).map(|t| sorted[t][0]).collect();
         let mut base = part.uniform_base(&p);
@@ -513,7 +513,7 @@ pub fn torchrec_search(
                 truncated = true;
                 break;
             }
-            consider(&p, &base, &mut best);
+            consider(&p, &base);
             let mut largest: Option<(usize, (u64, u64, u64, u64))> = None;
             for t in 0..n {
                 if idx[t] + 1 < sorted[t].len() {
@@ -538,7 +538,7 @@ pub fn torchrec_search(
     // Uniform: one proposal per sharding type every table offers, in order of first
     // appearance.
     if !truncated {
-        let sorted = sorted_options(options, true);
+        let sorted = &by_depth;
         let mut types: Vec<ShardingType> = Vec::new();
         for os in options {
             for o in os {
@@ -557,7 +557,7 @@ pub fn torchrec_search(
                 })
                 .collect();
             if let Some(p) = proposal {
-                consider(&p, &part.uniform_base(&p), &mut best);
+                consider(&p, &part.uniform_base(&p));
             }
         }
     }

@@ -14,9 +14,10 @@
 //!
 //! A change is kept only if it lowers the makespan, or keeps it and lowers the sum of squared
 //! rank loads, so the search terminates; the best plan over all starts wins, so under
-//! TorchRec's cost model the result is never worse than TorchRec's planner on the same input. Placement rules follow TorchRec's partition types:
-//! row-wise/data-parallel shard `i` on rank `i`; table-wise/column-wise shards anywhere;
-//! table-row-wise and table-column-wise within one host; grid column blocks one host each.
+//! TorchRec's cost model the result is never worse than TorchRec's planner on the same input.
+//! Placement rules follow TorchRec's partition types: row-wise/data-parallel shard `i` on
+//! rank `i`; table-wise/column-wise shards anywhere; table-row-wise and table-column-wise
+//! within one host; grid column blocks one host each.
 
 use crate::config::Problem;
 use crate::error::{PlannerError, Shortfall};

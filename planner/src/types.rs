@@ -249,6 +249,16 @@ impl Perf {
         self.prefetch_compute += other.prefetch_compute;
         self.input_dist_comms += other.input_dist_comms;
     }
+
+    /// Component-wise difference (undoes [`Perf::add`]).
+    pub fn sub(&mut self, other: &Perf) {
+        self.fwd_compute -= other.fwd_compute;
+        self.fwd_comms -= other.fwd_comms;
+        self.bwd_compute -= other.bwd_compute;
+        self.bwd_comms -= other.bwd_comms;
+        self.prefetch_compute -= other.prefetch_compute;
+        self.input_dist_comms -= other.input_dist_comms;
+    }
 }
 
 /// Bytes one shard occupies on its rank.

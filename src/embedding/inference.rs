@@ -441,17 +441,7 @@ impl QuantizedTableBatchedEmbedding {
     /// `B × ΣD` values (pooled modes only).
     pub fn forward_into(&self, input: TbeInput<'_>, out: &mut [f32]) -> Result<()> {
         let batch = self.validate_input(input)?;
-        if self.pooling == PoolingMode::None || out.len() != batch.batch_size * self.out_stride {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "forward_into needs a pooled operator and {}×{} outputs, got {}",
-                    batch.batch_size,
-                    self.out_stride,
-                    out.len()
-                ),
-            ));
-        }
+        batch.check_pooled_buffer(OP, self.pooling, self.out_stride, out.len())?;
         match &self.on_device {
             Some(d) => {
                 let values = d.forward(&DeviceBatch::upload(d.device(), &batch)?)?;
@@ -490,11 +480,7 @@ impl QuantizedTableBatchedEmbedding {
     }
 
     fn forward_f32(&self, batch: &Batch<'_>) -> (Vec<f32>, Vec<usize>) {
-        let rows = if self.pooling == PoolingMode::None {
-            batch.ids.len()
-        } else {
-            batch.batch_size
-        };
+        let rows = batch.output_rows(self.pooling);
         let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * self.out_stride);
         self.pool_into(batch, &mut out);
         (out, vec![rows, self.out_stride])

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::config::BoundsCheckMode;
+use super::config::{BoundsCheckMode, PoolingMode};
 use crate::{DType, Error, Result, Tensor};
 
 /// Borrowed ids or offsets, as i32 or i64 (FBGEMM accepts both).
@@ -159,6 +159,37 @@ impl Batch<'_> {
     #[inline]
     pub(crate) fn bag(&self, bag: usize) -> std::ops::Range<usize> {
         self.offsets[bag]..self.offsets[bag + 1]
+    }
+
+    /// Rows of a lookup's output (and of its gradient): one per sample when pooled, one per
+    /// id when not.
+    pub(crate) fn output_rows(&self, pooling: PoolingMode) -> usize {
+        if pooling == PoolingMode::None {
+            self.ids.len()
+        } else {
+            self.batch_size
+        }
+    }
+
+    /// Checks a caller's buffer for a pooled lookup of this batch into it (`forward_into`):
+    /// the operator must pool and the buffer hold `B × out_stride` values.
+    pub(crate) fn check_pooled_buffer(
+        &self,
+        op: &'static str,
+        pooling: PoolingMode,
+        out_stride: usize,
+        len: usize,
+    ) -> Result<()> {
+        if pooling == PoolingMode::None || len != self.batch_size * out_stride {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "forward_into needs a pooled operator and {}×{out_stride} outputs, got {len}",
+                    self.batch_size
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -637,18 +637,12 @@ impl TableBatchedEmbedding {
     /// the host: `out` must hold `B × ΣD` values. For serving loops that reuse their output.
     pub fn forward_into(&self, input: TbeInput<'_>, out: &mut [f32]) -> Result<()> {
         let batch = self.validate_input(input)?;
-        let cfg = &self.inner.config;
-        let stride = self.inner.layout.out_stride;
-        if cfg.pooling == PoolingMode::None || out.len() != batch.batch_size * stride {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "forward_into needs a pooled operator and {}×{stride} outputs, got {}",
-                    batch.batch_size,
-                    out.len()
-                ),
-            ));
-        }
+        batch.check_pooled_buffer(
+            OP,
+            self.inner.config.pooling,
+            self.inner.layout.out_stride,
+            out.len(),
+        )?;
         match &self.inner.state.read().tables {
             Tables::Host(h) => {
                 h.forward_into(&self.inner, &batch, out);
@@ -923,11 +917,7 @@ impl TableBatchedEmbedding {
 
     /// Rows of the output (and its gradient) for `batch`.
     fn output_rows(&self, batch: &Batch<'_>) -> usize {
-        if self.inner.config.pooling == PoolingMode::None {
-            batch.ids.len()
-        } else {
-            batch.batch_size
-        }
+        batch.output_rows(self.inner.config.pooling)
     }
 
     /// The fused backward of host tables under `optimizer` (the configured one, or

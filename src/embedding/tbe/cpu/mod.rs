@@ -58,11 +58,7 @@ impl HostTables {
     /// Pooled (or unpooled) lookup of a validated batch.
     pub(crate) fn forward(&self, inner: &TbeInner, batch: &Batch<'_>) -> Result<Tensor> {
         let stride = inner.layout.out_stride;
-        let rows = if inner.config.pooling == PoolingMode::None {
-            batch.ids.len()
-        } else {
-            batch.batch_size
-        };
+        let rows = batch.output_rows(inner.config.pooling);
         // Untouched zero pages on huge pages: the kernel's first writes fault in 2 MiB at a
         // time, not 4 KiB (measured: ~1 ms of an 8 MiB output's 13 ms forward otherwise).
         let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * stride);
