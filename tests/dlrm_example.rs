@@ -380,3 +380,48 @@ fn movielens_split_by_time() {
     assert!(log.contains("trained 25 steps"), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A time split of ratings without a timestamp column (RecBole `.inter` may have none) is an
+/// error naming the file, and so is early stopping with `--plan` (not supported there yet).
+#[test]
+fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
+    let dir = scratch("movielens-no-time");
+    let path = dir.join("ml.inter");
+    std::fs::write(
+        &path,
+        "user_id:token\titem_id:token\trating:float\n1\t2\t5\n3\t4\t1\n",
+    )
+    .unwrap();
+    let out_dir = dir.join("out");
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--data",
+        "movielens",
+        "--path",
+        path.to_str().unwrap(),
+        "--movielens-split",
+        "time",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("ml.inter has no timestamp column"), "{log}");
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--plan",
+        "auto",
+        "--early-stop-patience",
+        "2",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("--early-stop-patience is not supported with --plan"),
+        "{log}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
