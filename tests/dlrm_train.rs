@@ -245,6 +245,49 @@ fn checkpoint_writer_child() -> Result<()> {
     Ok(())
 }
 
+/// Sends `signal` (a name such as `STOP`) to process `pid` with kill(1).
+fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}
+
+/// Whether process `pid` is stopped, from the state field of `/proc/<pid>/stat`.
+fn is_stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The state follows the command name, which is in parentheses and may hold spaces.
+    let state = stat[stat.rfind(')').unwrap() + 1..]
+        .split_whitespace()
+        .next();
+    matches!(state, Some("T" | "t"))
+}
+
+/// Leaves process `pid` stopped while its temporary checkpoint file `tmp` exists: stops it as
+/// soon as the file appears, and resumes it to try again if the write finished meanwhile.
+fn stop_inside_a_write(pid: u32, tmp: &Path) {
+    let start = Instant::now();
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "never caught the writer inside a write"
+        );
+        if !tmp.exists() {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        signal(pid, "STOP");
+        while !is_stopped(pid) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        if tmp.exists() {
+            return;
+        }
+        signal(pid, "CONT");
+    }
+}
+
 #[test]
 fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result<()> {
     let g = data(1_000_000, 26, 20_000);
@@ -254,10 +297,13 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     let mut loaded = Vec::new();
     let mut killed_mid_write = 0;
     // Each round: start the writer, wait until it has written at least once, kill it (SIGKILL,
-    // no cleanup) at a moment that moves around between rounds, then load what is on disk.
+    // no cleanup), then load what is on disk. Odd rounds kill at a moment that moves around
+    // between rounds; even rounds catch the writer inside a write: when its temporary file
+    // appears the child is stopped (SIGSTOP, confirmed in /proc), and killed only if the file
+    // is still there while it cannot move (else it is resumed and caught at the next write).
     // Rounds go on until two kills have landed inside a write (a leftover temporary file
-    // proves it) or 40 rounds have passed; at least one must have landed inside a write, and
-    // every round's checkpoint must load.
+    // proves it) or 40 rounds have passed; two must have landed inside a write, and every
+    // round's checkpoint must load.
     let mut round = 0u64;
     while round < 4 || (killed_mid_write < 2 && round < 40) {
         round += 1;
@@ -266,6 +312,8 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
             .env(CHILD_ENV, &path)
             .spawn()
             .unwrap();
+        let pid = child.id();
+        let tmp = dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
         let start = Instant::now();
         let first = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
         // Wait for a new checkpoint from this child (or the first one ever).
@@ -280,11 +328,13 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-        std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
-        let pid = child.id();
+        if round % 2 == 0 {
+            stop_inside_a_write(pid, &tmp);
+        } else {
+            std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
-        let tmp = dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
         if tmp.exists() {
             // Killed in the middle of a write: the half-written file is left behind.
             killed_mid_write += 1;
@@ -297,7 +347,10 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
         loaded.push(written);
     }
     println!("checkpoints loaded after kills: {loaded:?}, {killed_mid_write} kills mid-write");
-    assert!(killed_mid_write > 0, "no kill landed during a write");
+    assert!(
+        killed_mid_write >= 2,
+        "{killed_mid_write} kills landed during a write in {round} rounds"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
