@@ -28,6 +28,7 @@ fn trainer() -> DlrmTrainer {
         embedding_dim: D,
         dense_arch: vec![512, 256],
         over_arch: vec![512, 512, 256],
+        tasks: vec!["click".to_string()],
         dcn: None,
         dense_optimizer: DenseOptimizer::Adagrad { lr: 0.01 },
         sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
@@ -63,6 +64,7 @@ fn batches() -> Vec<Batch> {
                 ids,
                 vec![1; F * B],
                 labels,
+                1,
             )
             .expect("valid batch")
         })

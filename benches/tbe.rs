@@ -6,7 +6,14 @@
 //! After criterion's runs a summary prints one line per measurement in the format of
 //! `benches/peers/tbe.py` (median ms, GB/s, M lookups/s) so `benches/peers/tbe.sh` can put the
 //! two side by side. `EMBERS_TBE_SHAPE="T B D E L"` changes the shape (criterion refuses extra
-//! arguments); `EMBERS_TBE_QUICK=1` skips criterion and prints only the summary.
+//! arguments); `EMBERS_TBE_QUICK=1` skips criterion and prints only the summary;
+//! `EMBERS_TBE_FORWARD_ONLY=1` measures the FP32 forward only (for shapes whose training state
+//! or quantized copies would not fit beside the tables, e.g. E=1e7).
+//!
+//! The memory limit it reports is this machine's sequential read bandwidth (all threads, huge
+//! pages, a buffer far larger than the caches): no gather of whole rows can read DRAM faster
+//! than streaming it. Each figure is given as a fraction of it (rows read; the fused backward
+//! also writes every row it reads).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -174,6 +181,40 @@ fn gather_bandwidth(shape: Shape) -> (f64, usize, bool) {
     best
 }
 
+/// This machine's sequential read bandwidth in GB/s: all threads sum contiguous slices of a
+/// `bytes`-sized buffer on huge pages (8 independent 16-lane accumulators per thread, so the
+/// adds never limit it), median of 10 passes after 2 warm-up passes.
+fn read_bandwidth(bytes: usize) -> f64 {
+    use rayon::prelude::*;
+    let n = bytes / 4;
+    let mut buffer = embers::embedding::RowBuffer::<f32>::zeros(n).expect("allocate read buffer");
+    for (i, x) in buffer.iter_mut().enumerate() {
+        *x = (i % 5) as f32;
+    }
+    let buffer = &buffer[..];
+    let per_thread = n.div_ceil(rayon::current_num_threads().max(1) * 4);
+    let t = median_time(10, || {
+        let total: f32 = buffer
+            .par_chunks(per_thread)
+            .map(|chunk| {
+                let mut acc = [[0.0f32; 16]; 8];
+                let mut blocks = chunk.chunks_exact(128);
+                for block in &mut blocks {
+                    for (a, lane) in acc.iter_mut().zip(block.chunks_exact(16)) {
+                        for (x, y) in a.iter_mut().zip(lane) {
+                            *x += y;
+                        }
+                    }
+                }
+                let tail: f32 = blocks.remainder().iter().sum();
+                acc.iter().flatten().sum::<f32>() + tail
+            })
+            .sum();
+        black_box(total);
+    });
+    (n * 4) as f64 / t.as_secs_f64() / 1e9
+}
+
 /// Starts fetching every cache line of `row`, into L1 or (`l2`) into L2 only.
 fn prefetch_row(row: &[f32], l2: bool) {
     #[cfg(target_arch = "x86_64")]
@@ -237,6 +278,7 @@ fn training_tbe(shape: Shape) -> TableBatchedEmbedding {
 fn main() {
     let shape = parse_shape();
     let quick = std::env::var("EMBERS_TBE_QUICK").is_ok_and(|v| v == "1");
+    let forward_only = std::env::var("EMBERS_TBE_FORWARD_ONLY").is_ok_and(|v| v == "1");
     let mut criterion = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
@@ -257,6 +299,9 @@ fn main() {
     ];
     // Measured first and freed, so its buffer does not add to the peak RSS of the TBE runs.
     let gather = gather_bandwidth(shape);
+    // A buffer 8× a large L3 at least, at most the table set (or 4 GiB).
+    let table_set = shape.t * shape.e * shape.d * 4;
+    let stream = read_bandwidth(table_set.clamp(256 << 20, 4 << 30));
     let rss_before = current_rss_mib();
     let mut summary: Vec<(String, Duration, f64)> = Vec::new();
 
@@ -290,6 +335,9 @@ fn main() {
         let mut reused = vec![0.0f32; shape.b * shape.t * shape.d];
         let t = median_time(20, || tbe.forward_into(input, &mut reused).unwrap());
         summary.push((format!("embers fp32 fwd into reused buffer {dist}"), t, 4.0));
+        if forward_only {
+            continue;
+        }
 
         let ids_t = Tensor::from_vec(ids.clone(), &[ids.len()]).unwrap();
         let off_t = Tensor::from_vec(offsets.clone(), &[offsets.len()]).unwrap();
@@ -328,13 +376,14 @@ fn main() {
             .collect::<Vec<f32>>()
     };
     let mut inference_overhead = Vec::new();
-    for (ty, bpp) in [
+    let types = [
         (WeightType::Fp32, 4.0),
         (WeightType::Fp16, 2.0),
         (WeightType::Int8, 1.0),
         (WeightType::Int4, 0.5),
         (WeightType::Fp8, 1.0),
-    ] {
+    ];
+    for (ty, bpp) in types.into_iter().filter(|_| !forward_only) {
         let tables: Vec<TableSpec> = (0..shape.t)
             .map(|t| TableSpec::new(format!("t{t}"), shape.e, shape.d))
             .collect();
@@ -386,23 +435,28 @@ fn main() {
     for (name, t, bpp) in &summary {
         report(name, shape, *t, *bpp);
     }
-    let (roofline, best_distance, l2) = gather;
+    let (gathered, best_distance, l2) = gather;
+    let limit = stream.max(gathered);
     println!(
-        "gather roofline (this machine, random {} B rows, all threads, huge pages, prefetch \
-         {best_distance} rows ahead into {}): {roofline:.2} GB/s of rows",
+        "memory limit: sequential read {stream:.2} GB/s (all threads, huge pages, {} MiB); a \
+         plain gather of random {} B rows (prefetch {best_distance} rows ahead into {}) reaches \
+         {gathered:.2} GB/s of rows",
+        table_set.clamp(256 << 20, 4 << 30) >> 20,
         shape.d * 4,
         if l2 { "L2" } else { "L1" }
     );
-    // The FP32 lines as a fraction of it, counting the rows read only (the roofline's unit).
-    let row_bytes = (shape.lookups() * shape.d * 4) as f64;
+    // Every line as a fraction of the limit, counting the row bytes it must move: rows read
+    // (at their stored width), and for the fused backward rows read and written back.
+    println!("fraction of the memory limit ({limit:.2} GB/s), row bytes moved:");
     for (name, t, bpp) in &summary {
-        if *bpp == 4.0 {
-            let rate = row_bytes / t.as_secs_f64() / 1e9;
-            println!(
-                "  {name}: rows at {rate:.2} GB/s = {:.0}% of the roofline",
-                100.0 * rate / roofline
-            );
-        }
+        let passes = if name.contains("bwd") { 2.0 } else { 1.0 };
+        let passes = if name.contains("fwd+bwd") { 3.0 } else { passes };
+        let row_bytes = shape.lookups() as f64 * shape.d as f64 * bpp * passes;
+        let rate = row_bytes / t.as_secs_f64() / 1e9;
+        println!(
+            "  {name:44} rows at {rate:6.2} GB/s = {:3.0}% of the limit",
+            100.0 * rate / limit
+        );
     }
     if let Some(o) = overhead {
         println!(

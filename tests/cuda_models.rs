@@ -609,6 +609,7 @@ fn dlrm_training_steps_on_the_device_match_the_cpu() {
         embedding_dim: 8,
         dense_arch: vec![16],
         over_arch: vec![16],
+        tasks: vec!["click".to_string()],
         dcn: None,
         dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
         sparse_optimizer: FusedOptimizer::RowWiseAdagrad {

@@ -130,6 +130,56 @@ fn resume_on_synthetic_data_is_bit_identical() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Several tasks: one logit and one set of metrics each (the report, `metrics.json`), resumed
+/// bit-identically; the task flags of another data source are refused.
+#[test]
+fn several_tasks_on_synthetic_data() {
+    let dir = scratch("tasks");
+    let common: Vec<&str> = QUICK
+        .iter()
+        .copied()
+        .chain([
+            "--synthetic-train",
+            "100000",
+            "--synthetic-eval",
+            "2000",
+            "--batch-size",
+            "256",
+            "--synthetic-tasks",
+            "3",
+        ])
+        .collect();
+    straight_equals_resumed(&dir, &common, 15, 40);
+    let log = text(&run(&common
+        .iter()
+        .copied()
+        .chain(["--steps", "30", "--out", dir.join("c").to_str().unwrap()])
+        .collect::<Vec<_>>()));
+    for task in ["task1", "task2"] {
+        assert!(log.contains(&format!("task {task}: test AUC 0.")), "{log}");
+    }
+    let json = std::fs::read_to_string(dir.join("c/metrics.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    for key in ["auc", "auc/task1", "ne/task2"] {
+        let v = json["test"][key].as_f64();
+        assert!(v.is_some_and(|v| v > 0.0), "test.{key} = {v:?} in {json}");
+    }
+    for (flag, value, names) in [
+        ("--label-columns", "label,like", "--label-columns"),
+        ("--synthetic-tasks", "2", "--synthetic-tasks"),
+    ] {
+        let data = if flag == "--label-columns" {
+            "synthetic"
+        } else {
+            "movielens"
+        };
+        let out = run(&["--data", data, flag, value, "--path", "x"]);
+        assert!(!out.status.success());
+        assert!(text(&out).contains(names), "{}", text(&out));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A Criteo TSV file (label, 13 integer and 26 hashed categorical columns), shuffled through a
 /// buffer: the resumed run skips exactly the batches already trained on, across an epoch.
 #[test]

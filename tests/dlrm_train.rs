@@ -61,6 +61,7 @@ fn config(g: &SyntheticCriteo, dim: usize) -> DlrmConfig {
         embedding_dim: dim,
         dense_arch: vec![32],
         over_arch: vec![32],
+        tasks: vec!["click".to_string()],
         dcn: None,
         dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
         sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
@@ -99,6 +100,114 @@ fn synthetic_training_reaches_the_planted_best_auc() -> Result<()> {
             .get("auc");
         assert!((qa - auc).abs() < tol, "{ty:?}: {qa} vs {auc}");
     }
+    Ok(())
+}
+
+#[test]
+fn several_tasks_train_one_head_each_with_their_own_metrics() -> Result<()> {
+    let g = SyntheticCriteo::new(SyntheticCriteoConfig {
+        seed: 7,
+        table_sizes: vec![200; 8],
+        ids_per_feature: vec![1; 8],
+        num_train: 300_000,
+        num_validation: 0,
+        num_test: 20_000,
+        num_tasks: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let tasks = g.schema().tasks.clone();
+    assert_eq!(tasks, ["click", "task1"]);
+    let mut trainer = DlrmConfig {
+        tasks: tasks.clone(),
+        ..config(&g, 8)
+    }
+    .build()?;
+    // The loss is the mean over samples and tasks of the BCE, checked in f64 against the
+    // probabilities the model gives before the step.
+    let first = batches(&g, Split::Train, 256, 1).next().unwrap()?;
+    assert_eq!(first.num_tasks(), 2);
+    let probs = trainer.predict(&first, None)?;
+    let labels = first.labels.to_vec::<f32>()?;
+    assert_eq!(probs.len(), 2 * 256);
+    let expected = (probs.iter().zip(&labels))
+        .map(|(&p, &y)| {
+            let (p, y) = (f64::from(p), f64::from(y));
+            -(y * p.ln() + (1.0 - y) * (1.0 - p).ln())
+        })
+        .sum::<f64>()
+        / probs.len() as f64;
+    let loss = trainer.train_step(&first)?.loss;
+    assert!((loss - expected).abs() < 1e-5, "loss {loss} vs {expected}");
+    for batch in batches(&g, Split::Train, 256, 1).skip(1) {
+        trainer.train_step(&batch?)?;
+    }
+    let train = trainer.train_metrics();
+    assert!(train.contains_key("auc") && train.contains_key("window_auc/task1"));
+    // Each task reaches its own planted best AUC.
+    let report = trainer.evaluate(batches(&g, Split::Test, 1024, 0), None)?;
+    for (t, key) in [(0, "auc"), (1, "auc/task1")] {
+        let best = g.best_task_auc(Split::Test, t, None).unwrap();
+        let auc = report.get(key);
+        println!("task {t}: test AUC {auc:.4}, best achievable {best:.4}");
+        assert!(
+            auc > best - 0.015 && auc <= best + 0.01,
+            "task {t}: {auc} vs {best}"
+        );
+    }
+    // The per-task metrics are those of each task's column alone.
+    let mut alone = [Vec::new(), Vec::new()];
+    let mut truth = [Vec::new(), Vec::new()];
+    for batch in batches(&g, Split::Test, 1024, 0) {
+        let batch = batch?;
+        let p = trainer.predict(&batch, None)?;
+        let y = batch.labels.to_vec::<f32>()?;
+        for t in 0..2 {
+            alone[t].extend(p.iter().skip(t).step_by(2));
+            truth[t].extend(y.iter().skip(t).step_by(2));
+        }
+    }
+    for (t, key) in [(0, "auc"), (1, "auc/task1")] {
+        let exact = embers_datasets::tie_corrected_auc(&alone[t], &truth[t]).unwrap();
+        assert!(
+            (report.get(key) - exact).abs() < 2e-3,
+            "task {t}: {} vs {exact}",
+            report.get(key)
+        );
+    }
+    // A checkpoint keeps both heads and both tasks' metrics.
+    let dir = temp_dir("tasks");
+    let path = dir.join("tasks.safetensors");
+    trainer.save_checkpoint(&path, &BTreeMap::new())?;
+    let mut again = DlrmConfig {
+        tasks: tasks.clone(),
+        ..config(&g, 8)
+    }
+    .build()?;
+    again.load_checkpoint(&path)?;
+    assert!(state_bits(&again) == state_bits(&trainer));
+    assert_eq!(again.train_metrics(), trainer.train_metrics());
+    // A single-task model refuses this checkpoint (its metrics and over arch differ), and a
+    // batch with the wrong number of label columns is an error naming them.
+    let mut single = config(&g, 8).build()?;
+    assert!(single.load_checkpoint(&path).is_err());
+    let message = single.train_step(&first).unwrap_err().to_string();
+    assert!(message.contains("2 label column(s)"), "{message}");
+    for bad in [
+        vec![],
+        vec!["a".to_string(), "a".to_string()],
+        vec!["a|b".to_string()],
+    ] {
+        let error = DlrmConfig {
+            tasks: bad.clone(),
+            ..config(&g, 8)
+        }
+        .build()
+        .err()
+        .unwrap_or_else(|| panic!("tasks {bad:?} accepted"));
+        assert!(error.to_string().contains("task"), "{error}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
 

@@ -22,6 +22,7 @@ fn dlrm() -> DlrmConfig {
         embedding_dim: 4,
         dense_arch: vec![8],
         over_arch: vec![8],
+        tasks: vec!["click".to_string()],
         dcn: None,
         dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
         sparse_optimizer: FusedOptimizer::RowWiseAdagrad {

@@ -37,7 +37,7 @@ impl RawBatch {
     pub fn from_examples(schema: &FeatureSchema, examples: &[Example]) -> Result<RawBatch> {
         let num_dense = schema.num_dense();
         let num_keys = schema.num_keys();
-        let num_tasks = schema.num_tasks;
+        let num_tasks = schema.num_tasks();
         let batch_size = examples.len();
         let with_probability = examples
             .first()
@@ -171,17 +171,8 @@ impl RawBatch {
     }
 
     /// Turns the batch into embers tensors and one `KeyedJaggedTensor` (moving the buffers,
-    /// no per-feature copies). Single-task batches only: DLRM predicts one click label.
+    /// no per-feature copies); the labels become `[batch_size, num_tasks]`.
     pub fn into_batch(self) -> embers::Result<embers::train::Batch> {
-        if self.num_tasks != 1 {
-            return Err(embers::Error::invalid(
-                "RawBatch::into_batch",
-                format!(
-                    "the batch has {} label columns; a DLRM batch has one",
-                    self.num_tasks
-                ),
-            ));
-        }
         embers::train::Batch::from_parts(
             self.dense,
             self.num_dense,
@@ -189,6 +180,7 @@ impl RawBatch {
             self.values,
             self.lengths,
             self.labels,
+            self.num_tasks,
         )
     }
 }

@@ -17,7 +17,7 @@ pub fn criteo_schema() -> FeatureSchema {
         sparse_keys: (0..CRITEO_NUM_CATEGORICAL)
             .map(|i| format!("cat_{i}"))
             .collect(),
-        num_tasks: 1,
+        tasks: vec!["click".to_string()],
     }
 }
 

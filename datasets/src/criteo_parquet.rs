@@ -27,15 +27,16 @@ const DEFAULT_ROWS_PER_BATCH: usize = 8192;
 
 /// Names of the Parquet columns holding the Criteo fields.
 ///
-/// Accepted column types: `label` — any integer, float or boolean type (values in [0, 1]);
+/// Accepted column types: labels — any integer, float or boolean type (values in [0, 1]);
 /// dense — any integer or float type (null → 0, then the dense transform); categorical — any
 /// integer type (signed values are reinterpreted as unsigned of the same width, so ids that
 /// were stored as `int32` from 32-bit hex round-trip), or a UTF-8 string of hex digits as in
 /// the TSV files (null or empty → the missing id).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CriteoParquetColumns {
-    /// Label column (default `label`).
-    pub label: String,
+    /// Label columns, one per task (default: `label`). One column is the task `click`;
+    /// several are tasks named after their columns.
+    pub labels: Vec<String>,
     /// The 13 dense columns (default `int_0..int_12`).
     pub dense: Vec<String>,
     /// The 26 categorical columns (default `cat_0..cat_25`).
@@ -46,7 +47,7 @@ impl Default for CriteoParquetColumns {
     fn default() -> Self {
         let schema = criteo_schema();
         CriteoParquetColumns {
-            label: "label".to_string(),
+            labels: vec!["label".to_string()],
             dense: schema.dense_names,
             categorical: schema.sparse_keys,
         }
@@ -166,7 +167,7 @@ impl TypedColumn {
 
 /// One decoded record batch with its columns in Criteo order.
 struct DecodedBatch {
-    label: TypedColumn,
+    labels: Vec<TypedColumn>,
     dense: Vec<TypedColumn>,
     categorical: Vec<TypedColumn>,
     num_rows: usize,
@@ -244,6 +245,27 @@ impl CriteoParquetReader {
                 columns.categorical.len()
             )));
         }
+        let labels = &columns.labels;
+        if labels.is_empty() {
+            return Err(DatasetError::InvalidConfig(
+                "column mapping must name at least one label column".to_string(),
+            ));
+        }
+        let all: Vec<&String> = (labels.iter())
+            .chain(&columns.dense)
+            .chain(&columns.categorical)
+            .collect();
+        if let Some(name) =
+            (all.iter().enumerate()).find_map(|(i, n)| all[..i].contains(n).then_some(n))
+        {
+            return Err(DatasetError::InvalidConfig(format!(
+                "column `{name}` is named twice in the column mapping"
+            )));
+        }
+        let mut schema = criteo_schema();
+        if labels.len() > 1 {
+            schema.tasks = labels.clone();
+        }
         let paths: Vec<PathBuf> = paths.into_iter().map(Into::into).collect();
         if paths.is_empty() {
             return Err(DatasetError::InvalidConfig(
@@ -255,7 +277,7 @@ impl CriteoParquetReader {
             next_file: 0,
             config,
             columns,
-            schema: criteo_schema(),
+            schema,
             skipped: SkippedRecords::default(),
             rows_per_batch: DEFAULT_ROWS_PER_BATCH,
             file: None,
@@ -277,7 +299,7 @@ impl CriteoParquetReader {
     }
 
     fn all_column_names(&self) -> impl Iterator<Item = &String> {
-        std::iter::once(&self.columns.label)
+        (self.columns.labels.iter())
             .chain(&self.columns.dense)
             .chain(&self.columns.categorical)
     }
@@ -401,7 +423,9 @@ impl CriteoParquetReader {
             Ok(typed)
         };
         Ok(DecodedBatch {
-            label: column(&self.columns.label, false)?,
+            labels: (self.columns.labels.iter())
+                .map(|name| column(name, false))
+                .collect::<Result<_>>()?,
             dense: self
                 .columns
                 .dense
@@ -434,18 +458,20 @@ impl CriteoParquetReader {
             field: field.clone(),
             message,
         };
-        let label = if decoded.label.is_null(row) {
-            return Err(fail(&self.columns.label, "label is null".to_string()));
-        } else {
-            let value = decoded.label.number(row).unwrap_or(f64::NAN);
+        let mut labels = Vec::with_capacity(decoded.labels.len());
+        for (column, name) in decoded.labels.iter().zip(&self.columns.labels) {
+            if column.is_null(row) {
+                return Err(fail(name, "label is null".to_string()));
+            }
+            let value = column.number(row).unwrap_or(f64::NAN);
             if !(0.0..=1.0).contains(&value) {
                 return Err(fail(
-                    &self.columns.label,
+                    name,
                     format!("label must be in [0, 1], found {value}"),
                 ));
             }
-            value as f32
-        };
+            labels.push(value as f32);
+        }
         let mut dense = Vec::with_capacity(CRITEO_NUM_DENSE);
         for (column, name) in decoded.dense.iter().zip(&self.columns.dense) {
             let raw = if column.is_null(row) {
@@ -486,7 +512,7 @@ impl CriteoParquetReader {
             dense,
             ids,
             lengths: vec![1; CRITEO_NUM_CATEGORICAL],
-            labels: vec![label],
+            labels,
             true_probability: None,
         })
     }

@@ -9,8 +9,9 @@ pub struct FeatureSchema {
     pub dense_names: Vec<String>,
     /// Names of the sparse features, i.e. the KJT keys, in order.
     pub sparse_keys: Vec<String>,
-    /// Number of label columns (1 for single-task click prediction).
-    pub num_tasks: usize,
+    /// Names of the tasks, one label column each, in label order (`["click"]` for
+    /// single-task click prediction).
+    pub tasks: Vec<String>,
 }
 
 impl FeatureSchema {
@@ -22,6 +23,11 @@ impl FeatureSchema {
     /// Number of sparse features (KJT keys).
     pub fn num_keys(&self) -> usize {
         self.sparse_keys.len()
+    }
+
+    /// Number of tasks (label columns).
+    pub fn num_tasks(&self) -> usize {
+        self.tasks.len()
     }
 }
 
@@ -37,9 +43,9 @@ pub struct Example {
     pub ids: Vec<i64>,
     /// Number of ids of each feature (`num_keys` entries, summing to `ids.len()`).
     pub lengths: Vec<i32>,
-    /// Labels, `num_tasks` values.
+    /// Labels, one per task.
     pub labels: Vec<f32>,
-    /// The probability the label was drawn with (synthetic data only).
+    /// The probability the first task's label was drawn with (synthetic data only).
     pub true_probability: Option<f32>,
 }
 

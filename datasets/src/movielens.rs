@@ -187,7 +187,7 @@ impl MovieLensReader {
                 "day_of_week".to_string(),
             ],
             sparse_keys,
-            num_tasks: 1,
+            tasks: vec!["click".to_string()],
         };
         Ok(MovieLensReader {
             records: LineRecords::new(lines, config.bad_records, true),

@@ -19,6 +19,9 @@ const SALT_LABEL: u64 = 0x1AB;
 const SALT_WEIGHT: u64 = 0x3E1;
 const SALT_MEAN: u64 = 0x3EA;
 
+/// √½: a task's effects mix task 0's and its own with equal weight and unit variance.
+const HALF_SQRT: f64 = std::f64::consts::FRAC_1_SQRT_2;
+
 /// Parameters of [`SyntheticCriteo`]. Every field has a default; see [`Default`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticCriteoConfig {
@@ -52,6 +55,10 @@ pub struct SyntheticCriteoConfig {
     pub num_validation: u64,
     /// Examples in the test split (the next `num_test` indices).
     pub num_test: u64,
+    /// Tasks (label columns; default 1). Task 0 is `click`; task `t` ≥ 1 (`task<t>`) has its
+    /// own dense weights and id effects, each `√½·(task 0's) + √½·(its own draw)` — related
+    /// tasks (correlation ½ of the effects), each with its own labels drawn independently.
+    pub num_tasks: usize,
 }
 
 impl Default for SyntheticCriteoConfig {
@@ -69,6 +76,7 @@ impl Default for SyntheticCriteoConfig {
             num_train: 1_000_000,
             num_validation: 100_000,
             num_test: 100_000,
+            num_tasks: 1,
         }
     }
 }
@@ -78,7 +86,8 @@ struct Generator {
     config: SyntheticCriteoConfig,
     schema: FeatureSchema,
     zipf: Vec<ZipfSampler>,
-    dense_weights: Vec<f64>,
+    /// Dense weights of each task (`[task][feature]`).
+    dense_weights: Vec<Vec<f64>>,
     dense_means: Vec<f64>,
     /// E[ln(1 + count)] per dense feature, subtracted so dense weights don't move the click rate.
     dense_centres: Vec<f64>,
@@ -148,6 +157,12 @@ impl SyntheticCriteo {
                 return invalid(format!("{name} must be finite, got {value}"));
             }
         }
+        if config.num_tasks == 0 || config.num_tasks > 1024 {
+            return invalid(format!(
+                "num_tasks must be in 1..=1024, got {}",
+                config.num_tasks
+            ));
+        }
         if config
             .num_train
             .checked_add(config.num_validation)
@@ -162,8 +177,21 @@ impl SyntheticCriteo {
             .map(|&n| ZipfSampler::new(n, config.zipf_exponent))
             .collect::<Result<Vec<_>>>()?;
         let seed = config.seed;
-        let dense_weights: Vec<f64> = (0..config.num_dense as u64)
-            .map(|j| config.dense_weight_std * standard_normal(hash_words(&[seed, SALT_WEIGHT, j])))
+        let std = config.dense_weight_std;
+        let first: Vec<f64> = (0..config.num_dense as u64)
+            .map(|j| std * standard_normal(hash_words(&[seed, SALT_WEIGHT, j])))
+            .collect();
+        let dense_weights: Vec<Vec<f64>> = (0..config.num_tasks as u64)
+            .map(|t| match t {
+                0 => first.clone(),
+                _ => (first.iter().enumerate())
+                    .map(|(j, w0)| {
+                        let own =
+                            std * standard_normal(hash_words(&[seed, SALT_WEIGHT, j as u64, t]));
+                        HALF_SQRT * (w0 + own)
+                    })
+                    .collect(),
+            })
             .collect();
         let dense_means: Vec<f64> = (0..config.num_dense as u64)
             .map(|j| {
@@ -180,7 +208,12 @@ impl SyntheticCriteo {
             sparse_keys: (0..config.table_sizes.len())
                 .map(|f| format!("cat_{f}"))
                 .collect(),
-            num_tasks: 1,
+            tasks: (0..config.num_tasks)
+                .map(|t| match t {
+                    0 => "click".to_string(),
+                    _ => format!("task{t}"),
+                })
+                .collect(),
         };
         Ok(SyntheticCriteo {
             inner: Arc::new(Generator {
@@ -218,16 +251,22 @@ impl SyntheticCriteo {
 
     /// The effect of id `id` of feature `feature` on the logit (0 outside the table).
     pub fn sparse_effect(&self, feature: usize, id: i64) -> f64 {
+        self.task_sparse_effect(0, feature, id)
+    }
+
+    /// The planted logit effect of id `id` of sparse feature `feature` on task `task` (0 for an
+    /// id outside the table or a task the data does not have).
+    pub fn task_sparse_effect(&self, task: usize, feature: usize, id: i64) -> f64 {
         let c = &self.inner.config;
         match c.table_sizes.get(feature) {
-            Some(&size) if id >= 0 && (id as u64) < size => {
-                c.sparse_effect_std
-                    * standard_normal(hash_words(&[
-                        c.seed,
-                        SALT_EFFECT,
-                        feature as u64,
-                        id as u64,
-                    ]))
+            Some(&size) if id >= 0 && (id as u64) < size && task < c.num_tasks => {
+                let (f, i) = (feature as u64, id as u64);
+                let draw = |words: &[u64]| c.sparse_effect_std * standard_normal(hash_words(words));
+                let first = draw(&[c.seed, SALT_EFFECT, f, i]);
+                match task {
+                    0 => first,
+                    t => HALF_SQRT * (first + draw(&[c.seed, SALT_EFFECT, f, i, t as u64])),
+                }
             }
             _ => 0.0,
         }
@@ -235,10 +274,16 @@ impl SyntheticCriteo {
 
     /// Example `index`, a pure function of the seed and `index`.
     pub fn example(&self, index: u64) -> Example {
+        self.example_with_probabilities(index).0
+    }
+
+    /// Example `index` and the probability each task's label was drawn with.
+    pub fn example_with_probabilities(&self, index: u64) -> (Example, Vec<f64>) {
         let g = &*self.inner;
         let c = &g.config;
         let seed = c.seed;
-        let mut logit = c.bias;
+        let tasks = c.num_tasks;
+        let mut logits = vec![c.bias; tasks];
         let mut dense = Vec::with_capacity(c.num_dense);
         for j in 0..c.num_dense {
             let u = unit_open(hash_words(&[seed, SALT_DENSE, index, j as u64]));
@@ -246,15 +291,18 @@ impl SyntheticCriteo {
             let m = g.dense_means[j];
             let count = (u.ln() / (m / (m + 1.0)).ln()).floor();
             let value = DenseTransform::Log1p.apply(count);
-            logit += g.dense_weights[j] * (f64::from(value) - g.dense_centres[j]);
+            for (logit, weights) in logits.iter_mut().zip(&g.dense_weights) {
+                *logit += weights[j] * (f64::from(value) - g.dense_centres[j]);
+            }
             dense.push(value);
         }
         let total_ids: usize = c.ids_per_feature.iter().map(|&n| n as usize).sum();
         let mut ids = Vec::with_capacity(total_ids);
         let mut lengths = Vec::with_capacity(c.table_sizes.len());
+        let mut effects = vec![0.0; tasks];
         for (f, sampler) in g.zipf.iter().enumerate() {
             let count = c.ids_per_feature[f];
-            let mut effect = 0.0;
+            effects.iter_mut().for_each(|e| *e = 0.0);
             for slot in 0..u64::from(count) {
                 let mut attempt = 0u64;
                 let rank = sampler.sample(|| {
@@ -262,23 +310,39 @@ impl SyntheticCriteo {
                     unit_open(hash_words(&[seed, SALT_ID, index, f as u64, slot, attempt]))
                 });
                 let id = (rank - 1) as i64;
-                effect += self.sparse_effect(f, id);
+                for (t, effect) in effects.iter_mut().enumerate() {
+                    *effect += self.task_sparse_effect(t, f, id);
+                }
                 ids.push(id);
             }
-            logit += effect / f64::from(count);
+            for (logit, effect) in logits.iter_mut().zip(&effects) {
+                *logit += effect / f64::from(count);
+            }
             lengths.push(count as i32);
         }
-        let probability = 1.0 / (1.0 + (-logit).exp());
-        let u = unit_open(hash_words(&[seed, SALT_LABEL, index]));
-        let label = if u < probability { 1.0 } else { 0.0 };
-        Example {
+        let probabilities: Vec<f64> = logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect();
+        let labels = (probabilities.iter().enumerate())
+            .map(|(t, &p)| {
+                let u = match t {
+                    0 => unit_open(hash_words(&[seed, SALT_LABEL, index])),
+                    _ => unit_open(hash_words(&[seed, SALT_LABEL, index, t as u64])),
+                };
+                if u < p {
+                    1.0
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let example = Example {
             index,
             dense,
             ids,
             lengths,
-            labels: vec![label],
-            true_probability: Some(probability as f32),
-        }
+            labels,
+            true_probability: Some(probabilities[0] as f32),
+        };
+        (example, probabilities)
     }
 
     /// A source yielding examples `range` in order.
@@ -297,8 +361,22 @@ impl SyntheticCriteo {
 
     /// The best achievable AUC on `split`: the tie-correct AUC of the true probability against
     /// the drawn labels, over the split's first `max_examples` examples (all when `None`).
-    /// `None` when the split is empty or has a single class.
+    /// `None` when the split is empty or has a single class. The first task's; see
+    /// [`best_task_auc`](Self::best_task_auc) for the others.
     pub fn best_auc(&self, split: Split, max_examples: Option<u64>) -> Option<f64> {
+        self.best_task_auc(split, 0, max_examples)
+    }
+
+    /// [`best_auc`](Self::best_auc) of task `task` (`None` also for a task the data lacks).
+    pub fn best_task_auc(
+        &self,
+        split: Split,
+        task: usize,
+        max_examples: Option<u64>,
+    ) -> Option<f64> {
+        if task >= self.inner.config.num_tasks {
+            return None;
+        }
         let range = self.split_range(split);
         let end = match max_examples {
             Some(n) => range.start + n.min(range.end - range.start),
@@ -307,9 +385,9 @@ impl SyntheticCriteo {
         let mut probabilities = Vec::with_capacity((end - range.start) as usize);
         let mut labels = Vec::with_capacity(probabilities.capacity());
         for index in range.start..end {
-            let example = self.example(index);
-            probabilities.push(example.true_probability.unwrap_or(0.5));
-            labels.push(example.labels[0]);
+            let (example, p) = self.example_with_probabilities(index);
+            probabilities.push(p[task] as f32);
+            labels.push(example.labels[task]);
         }
         tie_corrected_auc(&probabilities, &labels)
     }

@@ -12,7 +12,7 @@ use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema};
 use embers_datasets::{
     BadRecordPolicy, CategoricalMapping, CriteoConfig, CriteoParquetColumns, CriteoParquetReader,
-    DatasetError, Example,
+    DatasetError, Example, ExampleSource,
 };
 use parquet::arrow::ArrowWriter;
 
@@ -79,7 +79,7 @@ fn column_mapping_and_missing_column() {
     assert!((examples[4].dense[0] - ((4 + 12) as f32 + 1.0).ln()).abs() < 1e-5);
 
     let columns = CriteoParquetColumns {
-        label: "click".to_string(),
+        labels: vec!["click".to_string()],
         ..CriteoParquetColumns::default()
     };
     let error = CriteoParquetReader::open_with_columns([&path], raw_config(), columns)
@@ -92,6 +92,50 @@ fn column_mapping_and_missing_column() {
         text.contains("c.parquet") && text.contains("`click`"),
         "{text}"
     );
+}
+
+#[test]
+fn several_label_columns_are_tasks_named_after_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tasks.parquet");
+    write_file(&path, 60, 16);
+    let columns = CriteoParquetColumns {
+        labels: vec!["label".to_string(), "like".to_string()],
+        ..CriteoParquetColumns::default()
+    };
+    let reader = CriteoParquetReader::open_with_columns([&path], raw_config(), columns).unwrap();
+    assert_eq!(reader.schema().tasks, ["label", "like"]);
+    let results: Vec<_> = reader.with_rows_per_batch(7).collect();
+    for (r, result) in results.iter().enumerate().take(41) {
+        let e = result.as_ref().unwrap();
+        let like = if r % 3 == 0 { 1.0 } else { 0.0 };
+        assert_eq!(e.labels, vec![(r % 2) as f32, like], "row {r}");
+    }
+    // Row 41's `like` is null: an error naming the column and the row.
+    let text = results[41].as_ref().unwrap_err().to_string();
+    assert!(text.contains("`like`") && text.contains("null"), "{text}");
+    // One label column is the task `click`, whatever its name.
+    let one = CriteoParquetReader::open([&path], raw_config()).unwrap();
+    assert_eq!(one.schema().tasks, ["click"]);
+    // No label column, or a column named twice, is refused at open.
+    for labels in [
+        vec![],
+        vec!["int_2".to_string()],
+        vec!["like".into(), "like".into()],
+    ] {
+        let columns = CriteoParquetColumns {
+            labels: labels.clone(),
+            ..CriteoParquetColumns::default()
+        };
+        let error = CriteoParquetReader::open_with_columns([&path], raw_config(), columns)
+            .err()
+            .unwrap_or_else(|| panic!("labels {labels:?} were accepted"));
+        let text = error.to_string();
+        assert!(
+            text.contains("label column") || text.contains("named twice"),
+            "{text}"
+        );
+    }
 }
 
 #[test]

@@ -22,7 +22,7 @@ fn counting(n: u64) -> Counting {
         schema: FeatureSchema {
             dense_names: vec!["x".into()],
             sparse_keys: vec!["a".into(), "b".into()],
-            num_tasks: 1,
+            tasks: vec!["click".to_string()],
         },
         next: 0,
         n,

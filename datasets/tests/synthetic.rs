@@ -243,3 +243,83 @@ fn multi_hot_features_and_config_errors() {
     })
     .is_err());
 }
+
+#[test]
+fn several_tasks_keep_the_first_and_add_related_ones() {
+    let config = SyntheticCriteoConfig {
+        num_train: 0,
+        num_validation: 0,
+        num_test: 20_000,
+        ..SyntheticCriteoConfig::default()
+    };
+    let one = SyntheticCriteo::new(config.clone()).unwrap();
+    let three = SyntheticCriteo::new(SyntheticCriteoConfig {
+        num_tasks: 3,
+        ..config.clone()
+    })
+    .unwrap();
+    assert_eq!(one.schema().tasks, ["click"]);
+    assert_eq!(three.schema().tasks, ["click", "task1", "task2"]);
+    let test = three.split_range(Split::Test);
+    let mut labels = vec![Vec::new(); 3];
+    let mut probabilities = vec![Vec::new(); 3];
+    for i in test.clone() {
+        let single = one.example(i);
+        let (e, p) = three.example_with_probabilities(i);
+        // Task 0 is the single-task data, bit for bit; the features do not depend on tasks.
+        assert_eq!(e.labels[0], single.labels[0]);
+        assert_eq!(e.true_probability, single.true_probability);
+        assert_eq!((&e.dense, &e.ids), (&single.dense, &single.ids));
+        assert_eq!(e.labels.len(), 3);
+        for t in 0..3 {
+            labels[t].push(e.labels[t]);
+            probabilities[t].push(p[t]);
+        }
+    }
+    // Each task's label follows its own probability (the mean label is the mean probability
+    // within 4 standard errors), its best AUC is a real signal, and the tasks are related but
+    // not copies: probabilities correlate clearly below 1.
+    let n = labels[0].len() as f64;
+    for t in 0..3 {
+        let mean_label = labels[t].iter().map(|&y| f64::from(y)).sum::<f64>() / n;
+        let mean_p = probabilities[t].iter().sum::<f64>() / n;
+        let se = (mean_p * (1.0 - mean_p) / n).sqrt();
+        assert!(
+            (mean_label - mean_p).abs() < 4.0 * se,
+            "task {t}: {mean_label} vs {mean_p}"
+        );
+        let best = three.best_task_auc(Split::Test, t, None).unwrap();
+        assert!((0.68..0.9).contains(&best), "task {t}: best AUC {best}");
+    }
+    let correlation = |a: &[f64], b: &[f64]| {
+        let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
+        let cov: f64 = a.iter().zip(b).map(|(x, y)| (x - ma) * (y - mb)).sum();
+        let va: f64 = a.iter().map(|x| (x - ma) * (x - ma)).sum();
+        let vb: f64 = b.iter().map(|y| (y - mb) * (y - mb)).sum();
+        cov / (va * vb).sqrt()
+    };
+    for (a, b) in [(0, 1), (0, 2), (1, 2)] {
+        let r = correlation(&probabilities[a], &probabilities[b]);
+        assert!((0.2..0.8).contains(&r), "tasks {a}, {b}: correlation {r}");
+    }
+    assert_eq!(one.best_task_auc(Split::Test, 1, None), None);
+    assert_eq!(
+        one.best_auc(Split::Test, None),
+        three.best_task_auc(Split::Test, 0, None)
+    );
+    // Batches carry one label column per task, row-major.
+    let batch = &batches(&three, Split::Test)[0];
+    assert_eq!(batch.num_tasks, 3);
+    assert_eq!(
+        &batch.labels[3..6],
+        &three.example(test.start + 1).labels[..]
+    );
+    for bad in [0, 5000] {
+        let error = SyntheticCriteo::new(SyntheticCriteoConfig {
+            num_tasks: bad,
+            ..config.clone()
+        })
+        .unwrap_err();
+        assert!(error.to_string().contains("num_tasks"), "{error}");
+    }
+}

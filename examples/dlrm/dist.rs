@@ -91,12 +91,14 @@ mod with_mpi {
         all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig,
         ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
     };
-    use embers::metrics::{MetricKind, RecMetrics};
+    use embers::metrics::RecMetrics;
     use embers::models::DlrmDense;
     use embers::nn::Module;
     use embers::optim::Optimizer;
     use embers::tensor::{no_grad, rng::seeded, Reduction};
-    use embers::train::{lifetime_metrics, write_dense_state, Batch, DenseState};
+    use embers::train::{
+        lifetime_metrics, task_metrics, update_task_metrics, write_dense_state, Batch, DenseState,
+    };
     use embers_datasets::Split;
     use indicatif::{ProgressBar, ProgressStyle};
 
@@ -129,14 +131,25 @@ mod with_mpi {
         optimizer: Box<dyn Optimizer + Send>,
         features: usize,
         dim: usize,
+        tasks: Vec<String>,
     }
 
     impl Model {
-        /// Pooled embeddings → logits `[B]`.
+        /// Pooled embeddings → logits `[B, tasks]`.
         fn logits(&self, batch: &Batch, pooled: &embers::Tensor) -> Result<embers::Tensor> {
             let b = batch.batch_size();
+            if batch.num_tasks() != self.tasks.len() {
+                return Err(Error::invalid(
+                    "dlrm",
+                    format!(
+                        "the batch has {} label column(s), the model has {} task(s)",
+                        batch.num_tasks(),
+                        self.tasks.len()
+                    ),
+                ));
+            }
             let embedded = pooled.reshape(&[b, self.features, self.dim])?;
-            self.dense.forward(&batch.dense, &embedded)?.reshape(&[b])
+            self.dense.forward(&batch.dense, &embedded)
         }
     }
 
@@ -147,13 +160,12 @@ mod with_mpi {
         pipeline: &TrainPipeline,
         batches: Batches,
     ) -> Result<(BTreeMap<String, f64>, u64)> {
-        let mut metrics = RecMetrics::new(&["click"], &MetricKind::all(), 1)?;
+        let mut metrics = task_metrics(&model.tasks, 1)?;
         let mut examples = 0u64;
         no_grad(|| {
             pipeline.run(batches, |batch: &Batch, pooled| {
                 let probs = model.logits(batch, pooled.values())?.sigmoid()?;
-                let labels = batch.labels.to_vec::<f32>()?;
-                metrics.update(&[&probs.to_vec::<f32>()?], &[&labels], None)?;
+                update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
                 examples += batch.batch_size() as u64;
                 Ok(())
             })
@@ -161,7 +173,8 @@ mod with_mpi {
         let comm = model.sharded.comm();
         let total = comm.all_gather_v("eval.examples", &[examples], None)?;
         let examples = total.iter().map(|v| v[0]).sum();
-        Ok((lifetime_metrics(global_metrics(comm, &metrics)?), examples))
+        let all = global_metrics(comm, &metrics)?;
+        Ok((lifetime_metrics(&model.tasks, all), examples))
     }
 
     /// Writes the checkpoint of step `step` into `<out>/checkpoint/` (see the module docs).
@@ -274,8 +287,9 @@ mod with_mpi {
             optimizer,
             features,
             dim: config.embedding_dim,
+            tasks: config.tasks.clone(),
         };
-        let mut metrics = RecMetrics::new(&["click"], &MetricKind::all(), config.metrics_window)?;
+        let mut metrics = task_metrics(&config.tasks, config.metrics_window)?;
         let start_step = match &args.resume {
             Some(dir) => resume(&mut model, &mut metrics, dir)?,
             None => 0,
@@ -385,14 +399,13 @@ mod with_mpi {
                     format!("rank {rank}: the loss of step {step} is {loss}: training diverged"),
                 ));
             }
-            let labels = batch.labels.to_vec::<f32>()?;
-            metrics.update(&[&probs.to_vec::<f32>()?], &[&labels], None)?;
+            update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
             (loss_sum, loss_count) = (loss_sum + loss, loss_count + 1);
             step += 1;
             bar.set_position(step);
             if args.validate_every > 0 && step % args.validate_every == 0 {
                 let (val, n) = validation(model)?;
-                let train = lifetime_metrics(global_metrics(model.sharded.comm(), &metrics)?);
+                let train = lifetime_metrics(&model.tasks, global_metrics(model.sharded.comm(), &metrics)?);
                 if lead {
                     say(&bar, format!(
                         "step {step}: loss {:.4}, train AUC {:.4}, validation AUC {:.4} NE {:.4} ({n} examples)",
@@ -416,7 +429,10 @@ mod with_mpi {
         let test =
             data.batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))?;
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
-        let train = lifetime_metrics(global_metrics(model.sharded.comm(), &metrics)?);
+        let train = lifetime_metrics(
+            &model.tasks,
+            global_metrics(model.sharded.comm(), &metrics)?,
+        );
         let bytes = model.sharded.comm().bytes();
         let sent: u64 = bytes.values().map(|b| b.sent).sum();
         let all_sent = model

@@ -21,9 +21,10 @@ use embers::nn::Module;
 use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer, EvalReport};
 use embers::{Error, Result};
 use embers_datasets::{
-    BatchConfig, Batcher, CategoricalMapping, CriteoConfig, CriteoParquetReader, CriteoTsvReader,
-    ExampleSource, FeatureSchema, MovieLensConfig, MovieLensFormat, MovieLensReader, RawBatch,
-    ShuffleConfig, Split, SplitRule, SyntheticCriteo, SyntheticCriteoConfig, MOVIELENS_GENRES,
+    BatchConfig, Batcher, CategoricalMapping, CriteoConfig, CriteoParquetColumns,
+    CriteoParquetReader, CriteoTsvReader, ExampleSource, FeatureSchema, MovieLensConfig,
+    MovieLensFormat, MovieLensReader, RawBatch, ShuffleConfig, Split, SplitRule, SyntheticCriteo,
+    SyntheticCriteoConfig, MOVIELENS_GENRES,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -130,6 +131,14 @@ struct Args {
     /// Validation and test examples (each) of the synthetic data.
     #[arg(long, default_value_t = 100_000)]
     synthetic_eval: u64,
+    /// Tasks of the synthetic data (label columns): `click`, then `task1`, `task2`, … with
+    /// related planted signals. The model gets one logit per task, the metrics one set each.
+    #[arg(long, default_value_t = 1)]
+    synthetic_tasks: usize,
+    /// Label columns of Criteo Parquet files, one task each (named after its column when
+    /// there are several; one column is the task `click`).
+    #[arg(long, value_delimiter = ',', default_value = "label")]
+    label_columns: Vec<String>,
     /// Fraction of file examples held out for validation and for test (each).
     #[arg(long, default_value_t = 0.1)]
     holdout: f64,
@@ -155,7 +164,7 @@ struct Args {
     /// Hidden widths of the bottom MLP (the embedding dim is appended).
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
     dense_arch: Vec<usize>,
-    /// Hidden widths of the top MLP (the 1-wide logit layer is appended).
+    /// Hidden widths of the top MLP (the logit layer, one logit per task, is appended).
     #[arg(long, value_delimiter = ',', default_value = "64,32")]
     over_arch: Vec<usize>,
     /// Use DLRM-DCNv2 (a low-rank cross network) instead of the dot interaction.
@@ -415,6 +424,7 @@ impl Data {
                     num_train: args.synthetic_train,
                     num_validation: args.synthetic_eval,
                     num_test: args.synthetic_eval,
+                    num_tasks: args.synthetic_tasks,
                     ..defaults
                 };
                 let features = (config.table_sizes.iter().enumerate())
@@ -438,7 +448,10 @@ impl Data {
                 } else {
                     None
                 };
-                let schema = embers_datasets::criteo_schema();
+                let mut schema = embers_datasets::criteo_schema();
+                if args.data == DataSource::CriteoParquet && args.label_columns.len() > 1 {
+                    schema.tasks = args.label_columns.clone();
+                }
                 let features = (schema.sparse_keys.iter())
                     .map(|k| (k.clone(), args.table_cap as usize))
                     .collect();
@@ -477,6 +490,14 @@ impl Data {
                 };
                 Ok((data, features))
             }
+        }
+    }
+
+    /// The tasks (label columns), in order.
+    fn tasks(&self) -> Vec<String> {
+        match self {
+            Data::Synthetic(g) => g.schema().tasks.clone(),
+            Data::Files { schema, .. } => schema.tasks.clone(),
         }
     }
 
@@ -570,7 +591,14 @@ impl Data {
                         to_batches(CriteoTsvReader::open(paths, criteo_config(args))?, config)
                     }
                     DataSource::CriteoParquet => to_batches(
-                        CriteoParquetReader::open(paths, criteo_config(args))?,
+                        CriteoParquetReader::open_with_columns(
+                            paths,
+                            criteo_config(args),
+                            CriteoParquetColumns {
+                                labels: args.label_columns.clone(),
+                                ..Default::default()
+                            },
+                        )?,
                         config,
                     ),
                     _ => to_batches(MovieLensReader::open(movielens_config(args)?)?, config),
@@ -588,8 +616,13 @@ impl Data {
     }
 
     fn best_auc(&self, split: Split, max_examples: Option<u64>) -> Option<f64> {
+        self.best_task_auc(split, 0, max_examples)
+    }
+
+    /// The best achievable AUC of task `task` (synthetic data only).
+    fn best_task_auc(&self, split: Split, task: usize, max_examples: Option<u64>) -> Option<f64> {
         match self {
-            Data::Synthetic(g) => g.best_auc(split, max_examples),
+            Data::Synthetic(g) => g.best_task_auc(split, task, max_examples),
             Data::Files { .. } => None,
         }
     }
@@ -623,7 +656,12 @@ fn movielens_config(args: &Args) -> Result<MovieLensConfig> {
     Ok(config)
 }
 
-fn model_config(args: &Args, num_dense: usize, features: Vec<(String, usize)>) -> DlrmConfig {
+fn model_config(
+    args: &Args,
+    num_dense: usize,
+    features: Vec<(String, usize)>,
+    tasks: Vec<String>,
+) -> DlrmConfig {
     let lr = args.sparse_lr;
     DlrmConfig {
         num_dense,
@@ -631,6 +669,7 @@ fn model_config(args: &Args, num_dense: usize, features: Vec<(String, usize)>) -
         embedding_dim: args.emb_dim,
         dense_arch: args.dense_arch.clone(),
         over_arch: args.over_arch.clone(),
+        tasks,
         dcn: args.dcn.then_some((args.dcn_layers, args.dcn_rank)),
         dense_optimizer: match args.dense_optimizer {
             DenseOpt::Sgd => DenseOptimizer::Sgd { lr: args.dense_lr },
@@ -752,8 +791,20 @@ fn run(args: Args) -> Result<()> {
         source: e,
     };
     std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
+    if args.label_columns != ["label"] && args.data != DataSource::CriteoParquet {
+        return Err(Error::invalid(
+            "dlrm",
+            "--label-columns names the label columns of --data criteo-parquet only",
+        ));
+    }
+    if args.synthetic_tasks != 1 && args.data != DataSource::Synthetic {
+        return Err(Error::invalid(
+            "dlrm",
+            "--synthetic-tasks applies to --data synthetic only",
+        ));
+    }
     let (data, features) = Data::open(&args)?;
-    let config = model_config(&args, data.num_dense(), features);
+    let config = model_config(&args, data.num_dense(), features, data.tasks());
     if let Some(path) = &args.write_planner_config {
         return dist::write_planner_config(&args, &config, path);
     }
@@ -1028,6 +1079,18 @@ fn run(args: Args) -> Result<()> {
         println!(
             "          best achievable AUC {b:.4}: the model is {:.4} below it",
             b - test.get("auc")
+        );
+    }
+    for (t, task) in config.tasks.iter().enumerate().skip(1) {
+        let of = |name: &str| test.get(&format!("{name}/{task}"));
+        let best = data.best_task_auc(Split::Test, t, None);
+        println!(
+            "  task {task}: test AUC {:.4}  NE {:.4}  logloss {:.4}  CTR {:.4}{}",
+            of("auc"),
+            of("ne"),
+            of("logloss"),
+            of("ctr"),
+            best.map_or(String::new(), |b| format!("  (best achievable AUC {b:.4})"))
         );
     }
     let mut quantized = Vec::new();

@@ -27,23 +27,23 @@ use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
 const OP: &str = "DlrmTrainer";
 const FORMAT: &str = "embers.dlrm-trainer.v1";
-const TASK: &str = "click";
 
 /// One training or evaluation batch: dense features `[B, num_dense]` (f32), sparse features
-/// (a KJT with batch size `B`) and click labels `[B]` (f32 in `[0, 1]`).
+/// (a KJT with batch size `B`) and labels `[B, T]` (f32 in `[0, 1]`), one column per task (`T`
+/// = 1 for click prediction).
 #[derive(Clone, Debug)]
 pub struct Batch {
     /// Dense features `[B, num_dense]`.
     pub dense: Tensor,
     /// Sparse features, stride `B`.
     pub sparse: KeyedJaggedTensor,
-    /// Labels `[B]`.
+    /// Labels `[B, T]`, one column per task.
     pub labels: Tensor,
 }
 
 impl Batch {
-    /// Checks the parts fit together: dense is 2-D f32 and finite, labels are `B` finite values
-    /// in `[0, 1]`, the KJT's batch size is `B`.
+    /// Checks the parts fit together: dense is 2-D f32 and finite, labels are `[B, T]` (or
+    /// `[B]`, one task) finite values in `[0, 1]`, the KJT's batch size is `B`.
     pub fn new(dense: Tensor, sparse: KeyedJaggedTensor, labels: Tensor) -> Result<Self> {
         const OP: &str = "Batch::new";
         if dense.dtype() != DType::F32 || dense.shape().len() != 2 {
@@ -57,21 +57,23 @@ impl Batch {
             ));
         }
         let b = dense.shape()[0];
-        let labels = if labels.shape() == [b, 1] {
-            labels.reshape(&[b])?
+        let labels = if labels.shape() == [b] {
+            labels.reshape(&[b, 1])?
         } else {
             labels
         };
-        if labels.dtype() != DType::F32 || labels.shape() != [b] {
+        let shape = labels.shape().to_vec();
+        if labels.dtype() != DType::F32 || shape.len() != 2 || shape[0] != b || shape[1] == 0 {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "labels must be f32 [{b}] (one task), got {:?} {:?}",
+                    "labels must be f32 [{b}, tasks] (or [{b}] for one task), got {:?} {:?}",
                     labels.dtype(),
                     labels.shape()
                 ),
             ));
         }
+        let tasks = shape[1];
         if sparse.variable_stride_per_key() || sparse.stride() != b {
             return Err(Error::invalid(
                 OP,
@@ -97,7 +99,11 @@ impl Batch {
         {
             return Err(Error::invalid(
                 OP,
-                format!("label of sample {i} is {y}, expected a value in [0, 1]"),
+                format!(
+                    "label {} of sample {} is {y}, expected a value in [0, 1]",
+                    i % tasks,
+                    i / tasks
+                ),
             ));
         }
         Ok(Batch {
@@ -108,7 +114,8 @@ impl Batch {
     }
 
     /// Builds a batch from flat buffers in TorchRec's layout: dense `[B × num_dense]`
-    /// row-major, ids and lengths key-major (all samples of key 0, then key 1, …), labels `[B]`.
+    /// row-major, ids and lengths key-major (all samples of key 0, then key 1, …), labels
+    /// `[B × num_tasks]` row-major.
     pub fn from_parts(
         dense: Vec<f32>,
         num_dense: usize,
@@ -116,8 +123,18 @@ impl Batch {
         ids: Vec<i64>,
         lengths: Vec<i32>,
         labels: Vec<f32>,
+        num_tasks: usize,
     ) -> Result<Self> {
-        let b = labels.len();
+        if num_tasks == 0 || labels.len() % num_tasks != 0 {
+            return Err(Error::invalid(
+                "Batch::from_parts",
+                format!(
+                    "{} labels are not a whole number of samples of {num_tasks} task(s)",
+                    labels.len()
+                ),
+            ));
+        }
+        let b = labels.len() / num_tasks;
         let n = ids.len();
         let l = lengths.len();
         let sparse = KeyedJaggedTensor::from_lengths(
@@ -130,13 +147,23 @@ impl Batch {
         Batch::new(
             Tensor::from_vec(dense, &[b, num_dense])?,
             sparse,
-            Tensor::from_vec(labels, &[b])?,
+            Tensor::from_vec(labels, &[b, num_tasks])?,
         )
     }
 
     /// Number of samples.
     pub fn batch_size(&self) -> usize {
         self.dense.shape()[0]
+    }
+
+    /// Number of label columns (tasks).
+    pub fn num_tasks(&self) -> usize {
+        self.labels.shape()[1]
+    }
+
+    /// The labels task by task: `T` columns of `B` values.
+    pub fn label_columns(&self) -> Result<Vec<Vec<f32>>> {
+        columns(&self.labels.to_vec::<f32>()?, self.num_tasks())
     }
 }
 
@@ -190,8 +217,12 @@ pub struct DlrmConfig {
     pub embedding_dim: usize,
     /// Hidden widths of the dense (bottom) arch; `D` is appended as its last layer.
     pub dense_arch: Vec<usize>,
-    /// Hidden widths of the over (top) arch; the 1-wide logit layer is appended.
+    /// Hidden widths of the over (top) arch; the logit layer (one logit per task) is appended.
     pub over_arch: Vec<usize>,
+    /// The tasks, one label column and one logit each, in label-column order (`["click"]`
+    /// for click prediction). The first is the primary task: its metrics carry the plain
+    /// names (`auc`, `ne`, …), the others' are suffixed `/<task>` (`auc/like`).
+    pub tasks: Vec<String>,
     /// DLRM-DCN: `Some((layers, rank))` replaces the dot interaction by a low-rank cross net.
     pub dcn: Option<(usize, usize)>,
     /// Optimizer of the dense half.
@@ -215,6 +246,7 @@ impl DlrmConfig {
                 "need at least one sparse feature and an embedding dim of at least 1",
             ));
         }
+        check_tasks(&self.tasks)?;
         let mut rng = seeded(self.seed);
         let ebc =
             EmbeddingBagCollection::new(self.table_configs(), self.sparse_optimizer, &mut rng)?;
@@ -222,7 +254,7 @@ impl DlrmConfig {
         let mut model = Dlrm::new(ebc, dense)?;
         model.to_device(self.device)?;
         let optimizer = self.dense_optimizer.build(model.dense.parameters())?;
-        DlrmTrainer::new(model, optimizer, self.metrics_window)
+        DlrmTrainer::new(model, optimizer, &self.tasks, self.metrics_window)
     }
 
     /// The tables: one per sparse feature, `t_<feature>`, of `embedding_dim` columns.
@@ -239,7 +271,7 @@ impl DlrmConfig {
         let mut dense_sizes = self.dense_arch.clone();
         dense_sizes.push(self.embedding_dim);
         let mut over_sizes = self.over_arch.clone();
-        over_sizes.push(1);
+        over_sizes.push(self.tasks.len());
         let f = self.sparse_features.len();
         match self.dcn {
             None => DlrmDense::dot(
@@ -273,7 +305,8 @@ pub struct StepOutput {
     pub batch_size: usize,
 }
 
-/// Metrics of an evaluation pass (`lifetime_*` values of [`RecMetrics`], task `click`).
+/// Metrics of an evaluation pass (`lifetime_*` values of [`RecMetrics`]; the primary task's
+/// under plain names, the others' suffixed `/<task>`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalReport {
     /// Metric name (`auc`, `ne`, `logloss`, `calibration`, `ctr`, …) → value.
@@ -289,27 +322,86 @@ impl EvalReport {
     }
 }
 
-/// Short metric names out of [`RecMetrics::compute`] keys: `ne-click|lifetime_ne` → `ne`,
-/// `ne-click|window_ne` → `window_ne`.
-fn short_names(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+/// Checks a model's task names: at least one, unique, each a non-empty word of letters,
+/// digits, `_` and `.` (they name metrics and label columns).
+pub fn check_tasks(tasks: &[String]) -> Result<()> {
+    if tasks.is_empty() {
+        return Err(Error::invalid("tasks", "a model needs at least one task"));
+    }
+    for (i, task) in tasks.iter().enumerate() {
+        let word = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
+        if task.is_empty() || !task.chars().all(word) {
+            return Err(Error::invalid(
+                "tasks",
+                format!("task name `{task}` must be a non-empty word of letters, digits, `_`, `.`"),
+            ));
+        }
+        if tasks[..i].contains(task) {
+            return Err(Error::invalid(
+                "tasks",
+                format!("task `{task}` is named twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The training metrics of `tasks` (every [`MetricKind`], windows of `window` samples).
+pub fn task_metrics(tasks: &[String], window: usize) -> Result<RecMetrics> {
+    let names: Vec<&str> = tasks.iter().map(String::as_str).collect();
+    RecMetrics::new(&names, &MetricKind::all(), window)
+}
+
+/// Short metric names out of [`RecMetrics::compute`] keys, the first (primary) task's plain
+/// and the others' suffixed with their name: `ne-click|lifetime_ne` → `ne`,
+/// `ne-click|window_ne` → `window_ne`, `auc-like|lifetime_auc` → `auc/like` when `like` is
+/// not the first task.
+pub fn short_names(tasks: &[String], all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
     all.into_iter()
         .filter_map(|(k, v)| {
-            let (_, rest) = k.split_once('|')?;
-            Some((
-                rest.strip_prefix("lifetime_").unwrap_or(rest).to_string(),
-                v,
-            ))
+            let (metric, rest) = k.split_once('|')?;
+            let name = rest.strip_prefix("lifetime_").unwrap_or(rest);
+            let (_, task) = metric.rsplit_once('-')?;
+            let task = tasks.iter().position(|t| t == task)?;
+            Some(match task {
+                0 => (name.to_string(), v),
+                _ => (format!("{name}/{}", tasks[task]), v),
+            })
         })
         .collect()
 }
 
-/// The lifetime values of [`RecMetrics::compute`] under their short names
-/// (`ne-click|lifetime_ne` → `ne`), window values left out: what an evaluation reports.
-pub fn lifetime_metrics(all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
-    short_names(all)
+/// The lifetime values of [`RecMetrics::compute`] under their short names (see
+/// [`short_names`]), window values left out: what an evaluation reports.
+pub fn lifetime_metrics(tasks: &[String], all: BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    short_names(tasks, all)
         .into_iter()
         .filter(|(k, _)| !k.starts_with("window_"))
         .collect()
+}
+
+/// Splits row-major `[B, tasks]` values into `tasks` columns of `B` values.
+pub fn columns(values: &[f32], tasks: usize) -> Result<Vec<Vec<f32>>> {
+    if tasks == 0 || values.len() % tasks != 0 {
+        return Err(Error::invalid(
+            "columns",
+            format!("{} values are not rows of {tasks} task(s)", values.len()),
+        ));
+    }
+    Ok((0..tasks)
+        .map(|t| values.iter().skip(t).step_by(tasks).copied().collect())
+        .collect())
+}
+
+/// Feeds probabilities `[B, T]` (row-major, one per task) and `batch`'s labels `[B, T]` to
+/// `metrics` (one task of `metrics` per column).
+pub fn update_task_metrics(metrics: &mut RecMetrics, probs: &[f32], batch: &Batch) -> Result<()> {
+    let t = batch.num_tasks();
+    let probs = columns(probs, t)?;
+    let labels = batch.label_columns()?;
+    let probs: Vec<&[f32]> = probs.iter().map(Vec::as_slice).collect();
+    let labels: Vec<&[f32]> = labels.iter().map(Vec::as_slice).collect();
+    metrics.update(&probs, &labels, None)
 }
 
 /// Adds the dense half of a training state to `w`: the dense parameters (`dense.*`), the
@@ -402,6 +494,7 @@ impl DenseState {
 pub struct DlrmTrainer {
     model: Dlrm,
     optimizer: Box<dyn Optimizer + Send>,
+    tasks: Vec<String>,
     metrics: RecMetrics,
     step: u64,
     examples: u64,
@@ -409,12 +502,20 @@ pub struct DlrmTrainer {
 
 impl DlrmTrainer {
     /// A trainer for `model` whose dense parameters are updated by `optimizer` (built over
-    /// `model.dense`'s parameters); training metrics keep windows of `window` samples.
-    pub fn new(model: Dlrm, optimizer: Box<dyn Optimizer + Send>, window: usize) -> Result<Self> {
-        let metrics = RecMetrics::new(&[TASK], &MetricKind::all(), window)?;
+    /// `model.dense`'s parameters) and whose logits are `tasks` in order; training metrics
+    /// keep windows of `window` samples.
+    pub fn new(
+        model: Dlrm,
+        optimizer: Box<dyn Optimizer + Send>,
+        tasks: &[String],
+        window: usize,
+    ) -> Result<Self> {
+        check_tasks(tasks)?;
+        let metrics = task_metrics(tasks, window)?;
         Ok(DlrmTrainer {
             model,
             optimizer,
+            tasks: tasks.to_vec(),
             metrics,
             step: 0,
             examples: 0,
@@ -431,6 +532,11 @@ impl DlrmTrainer {
         self.optimizer.as_mut()
     }
 
+    /// The tasks, in label-column order.
+    pub fn tasks(&self) -> &[String] {
+        &self.tasks
+    }
+
     /// Steps taken so far.
     pub fn step(&self) -> u64 {
         self.step
@@ -441,7 +547,35 @@ impl DlrmTrainer {
         self.examples
     }
 
-    /// One step: forward, mean BCE loss, backward (which updates the looked-up table rows
+    /// Checks `batch` carries one label column per task and `logits` (`[B, T]`) one logit per
+    /// task.
+    fn check_tasks_of(&self, batch: &Batch, logits: &Tensor) -> Result<()> {
+        let t = self.tasks.len();
+        if batch.num_tasks() != t {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the batch has {} label column(s), the model has {t} task(s) {:?}",
+                    batch.num_tasks(),
+                    self.tasks
+                ),
+            ));
+        }
+        if logits.shape() != [batch.batch_size(), t] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the model gives logits {:?}, expected [{}, {t}] (one per task)",
+                    logits.shape(),
+                    batch.batch_size()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One step: forward, BCE loss (mean over samples and tasks: each task's mean loss,
+    /// averaged), backward (which updates the looked-up table rows
     /// through the fused optimizer), dense optimizer step, metrics update. A non-finite loss
     /// is an error naming the step; that step's update has then been applied, so the
     /// parameters may hold non-finite values (restore a checkpoint).
@@ -451,10 +585,8 @@ impl DlrmTrainer {
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepOutput> {
         let b = batch.batch_size();
         self.optimizer.zero_grad();
-        let logits = self
-            .model
-            .forward(&batch.dense, &batch.sparse)?
-            .reshape(&[b])?;
+        let logits = self.model.forward(&batch.dense, &batch.sparse)?;
+        self.check_tasks_of(batch, &logits)?;
         let labels = batch.labels.to_device(self.model.device())?;
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let probs = no_grad(|| logits.detach().sigmoid())?;
@@ -471,9 +603,7 @@ impl DlrmTrainer {
                 ),
             ));
         }
-        let probs = probs.to_vec::<f32>()?;
-        let labels = batch.labels.to_vec::<f32>()?;
-        self.metrics.update(&[&probs], &[&labels], None)?;
+        self.update_metrics(&probs.to_vec::<f32>()?, batch)?;
         self.step += 1;
         self.examples += b as u64;
         Ok(StepOutput {
@@ -482,14 +612,21 @@ impl DlrmTrainer {
         })
     }
 
-    /// The training metrics so far: lifetime values under their short names (`auc`, `ne`,
-    /// …) and window values as `window_auc`, `window_ne`, ….
-    pub fn train_metrics(&self) -> BTreeMap<String, f64> {
-        short_names(self.metrics.compute())
+    /// Feeds probabilities `[B, T]` (row-major) and `batch`'s labels to the training metrics.
+    fn update_metrics(&mut self, probs: &[f32], batch: &Batch) -> Result<()> {
+        update_task_metrics(&mut self.metrics, probs, batch)
     }
 
-    /// Click probabilities for a batch, through the trained tables or, when given, a
-    /// quantized copy of them.
+    /// The training metrics so far: lifetime values under their short names (`auc`, `ne`,
+    /// …) and window values as `window_auc`, `window_ne`, … (other tasks' suffixed
+    /// `/<task>`).
+    pub fn train_metrics(&self) -> BTreeMap<String, f64> {
+        short_names(&self.tasks, self.metrics.compute())
+    }
+
+    /// Probabilities for a batch, `[B × T]` row-major (one per task; for one task, the click
+    /// probability of each sample), through the trained tables or, when given, a quantized
+    /// copy of them.
     pub fn predict(
         &self,
         batch: &Batch,
@@ -503,6 +640,7 @@ impl DlrmTrainer {
                     self.model.forward_pooled(&batch.dense, pooled.values())?
                 }
             };
+            self.check_tasks_of(batch, &logits)?;
             logits.sigmoid()?.to_vec::<f32>()
         })
     }
@@ -517,16 +655,15 @@ impl DlrmTrainer {
     where
         I: IntoIterator<Item = Result<Batch>>,
     {
-        let mut metrics = RecMetrics::new(&[TASK], &MetricKind::all(), 1)?;
+        let mut metrics = task_metrics(&self.tasks, 1)?;
         let mut examples = 0;
         for batch in batches {
             let batch = batch?;
             let probs = self.predict(&batch, tables)?;
-            let labels = batch.labels.to_vec::<f32>()?;
-            metrics.update(&[&probs], &[&labels], None)?;
+            update_task_metrics(&mut metrics, &probs, &batch)?;
             examples += batch.batch_size() as u64;
         }
-        let metrics = lifetime_metrics(metrics.compute());
+        let metrics = lifetime_metrics(&self.tasks, metrics.compute());
         Ok(EvalReport { metrics, examples })
     }
 
