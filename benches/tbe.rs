@@ -450,7 +450,11 @@ fn main() {
     println!("fraction of the memory limit ({limit:.2} GB/s), row bytes moved:");
     for (name, t, bpp) in &summary {
         let passes = if name.contains("bwd") { 2.0 } else { 1.0 };
-        let passes = if name.contains("fwd+bwd") { 3.0 } else { passes };
+        let passes = if name.contains("fwd+bwd") {
+            3.0
+        } else {
+            passes
+        };
         let row_bytes = shape.lookups() as f64 * shape.d as f64 * bpp * passes;
         let rate = row_bytes / t.as_secs_f64() / 1e9;
         println!(

@@ -324,7 +324,7 @@ fn a_world_other_than_the_expected_one_is_refused() {
     assert!(log.contains("expected a world of 3"), "{log}");
 }
 
-/// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined): 60 steps
+/// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks): 60 steps
 /// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
 /// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
 #[test]
@@ -368,6 +368,8 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
         "fp16,bf16",
         "--batch-size",
         "256",
+        "--synthetic-tasks",
+        "2",
     ];
     let run = |ranks: usize, extra: &[&str]| {
         let args: Vec<&str> = common.iter().chain(extra).copied().collect();
@@ -379,6 +381,7 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     let log = run(2, &["--steps", "60", "--out", a]);
     assert!(log.contains("trained 60 steps on 2 ranks"), "{log}");
     assert!(log.contains("DLRM on 2 processes"), "{log}");
+    assert!(log.contains("task task1: test AUC 0."), "{log}");
     run(2, &["--steps", "30", "--out", b]);
     let resume = format!("{b}/checkpoint");
     let log = run(2, &["--steps", "60", "--resume", &resume, "--out", b]);

@@ -458,6 +458,14 @@ mod with_mpi {
             if let Some(b) = data.best_auc(Split::Test, None) {
                 println!("best achievable test AUC {b:.4}");
             }
+            for task in model.tasks.iter().skip(1) {
+                let of = |name: &str| test.get(&format!("{name}/{task}")).copied();
+                println!(
+                    "  task {task}: test AUC {:.4}  NE {:.4}",
+                    of("auc").unwrap_or(f64::NAN),
+                    of("ne").unwrap_or(f64::NAN)
+                );
+            }
             let out = json!({
                 "world_size": world,
                 "plan": plan_summary(&plan),
