@@ -35,5 +35,5 @@ for dist in ["uniform", "zipf1.15"]:
     print(f"  fp32 fwd {dist:9s} nn.EmbeddingBag {peer:8.2f} ms ({p1[pk]:.2f}/{p2.get(pk, float('nan')):.2f})  "
           f"embers {e[ek]:8.2f} ms  ratio {r:5.2f}x  target >= 1.3x  {'OK' if r >= 1.3 else 'BELOW'}")
 PYEOF
-  grep -E "embers fp32 fwd (uniform|zipf)" "$OUT/embers_$tag.txt" | grep "% of the limit" || true
+  grep -E "embers fp32 fwd (uniform|zipf)|transparent huge" "$OUT/embers_$tag.txt" | grep -E "% of the limit|huge" || true
 done
