@@ -614,35 +614,70 @@ fn sparse_gradients_flow_to_autograd_with_optimizer_none() {
     }
 }
 
+/// A few bags of one table of `rows` rows for the every-dimension tests: lengths 0, 1, 7, 13
+/// and 30, random ids and per-sample weights.
+fn every_dim_input(
+    rng: &mut embers::tensor::rng::Rng,
+    rows: usize,
+) -> (Vec<i64>, Vec<i64>, Vec<f32>) {
+    let mut offsets = vec![0i64];
+    let mut ids = Vec::new();
+    for l in [0usize, 1, 7, 13, 30] {
+        ids.extend((0..l).map(|_| rng.random_range(0..rows as i64)));
+        offsets.push(ids.len() as i64);
+    }
+    let weights = ids.iter().map(|_| rng.random_range(-2.0..2.0)).collect();
+    (ids, offsets, weights)
+}
+
+/// Checks pooled `out` (`[bags, dim]`) against the f64 sum (or mean) of rows `values` (`[rows,
+/// dim]`) within f32 rounding.
+fn check_pooled(
+    out: &[f32],
+    values: &[f32],
+    dim: usize,
+    (ids, offsets, weights): (&[i64], &[i64], Option<&[f32]>),
+    mean: bool,
+    what: &str,
+) {
+    assert_eq!(out.len(), (offsets.len() - 1) * dim, "{what}");
+    for bag in 0..offsets.len() - 1 {
+        let (s, e) = (offsets[bag] as usize, offsets[bag + 1] as usize);
+        for c in 0..dim {
+            let (mut sum, mut scale) = (0.0f64, 0.0f64);
+            for p in s..e {
+                let w = weights.map_or(1.0, |w| f64::from(w[p]));
+                let x = f64::from(values[ids[p] as usize * dim + c]);
+                sum += w * x;
+                scale += (w * x).abs();
+            }
+            if mean && e > s {
+                sum /= (e - s) as f64;
+                scale /= (e - s) as f64;
+            }
+            let got = f64::from(out[bag * dim + c]);
+            assert!(
+                (got - sum).abs() <= 8e-6 * scale + 1e-7,
+                "{what}: dim {dim} bag {bag} col {c}: {got} vs {sum}"
+            );
+        }
+    }
+}
+
 /// The FP32 forward pools a bag by column blocks of 64, 32, 16 and 8 columns and a last
 /// narrower one; every dimension from 1 to 200 (all block combinations), sum and mean,
 /// weighted and not, equals the f64 sum of the rows within f32 rounding.
 #[test]
 fn forward_of_every_dimension_matches_the_f64_sum() {
     let mut rng = seeded(11);
+    let rows = 50;
     for dim in 1..=200usize {
-        let rows = 50;
-        let tbe = TableBatchedEmbedding::new(TbeConfig::one_feature_per_table(
-            vec![TableSpec::new("t", rows, dim)],
-            PoolingMode::Sum,
-            FusedOptimizer::None,
-        ))
-        .unwrap();
         let values: Vec<f32> = (0..rows * dim)
             .map(|_| rng.random_range(-1.0..1.0))
             .collect();
-        tbe.set_table_weights(0, &values).unwrap();
-        let b = 5;
-        let lengths = [0usize, 1, 7, 13, 30];
-        let mut offsets = vec![0i64];
-        let mut ids = Vec::new();
-        for &l in &lengths {
-            ids.extend((0..l).map(|_| rng.random_range(0..rows as i64)));
-            offsets.push(ids.len() as i64);
-        }
-        let weights: Vec<f32> = ids.iter().map(|_| rng.random_range(-2.0..2.0)).collect();
-        for (weighted, mean) in [(false, false), (true, false), (false, true), (true, true)] {
-            let config = TbeConfig::one_feature_per_table(
+        let (ids, offsets, weights) = every_dim_input(&mut rng, rows);
+        for mean in [false, true] {
+            let tbe = TableBatchedEmbedding::new(TbeConfig::one_feature_per_table(
                 vec![TableSpec::new("t", rows, dim)],
                 if mean {
                     PoolingMode::Mean
@@ -650,40 +685,62 @@ fn forward_of_every_dimension_matches_the_f64_sum() {
                     PoolingMode::Sum
                 },
                 FusedOptimizer::None,
-            );
-            let tbe = if mean {
-                let t = TableBatchedEmbedding::new(config).unwrap();
-                t.set_table_weights(0, &values).unwrap();
-                t
-            } else {
-                tbe.clone()
-            };
-            let mut input = TbeInput::new(&ids[..], &offsets[..]);
-            if weighted {
-                input = input.with_weights(&weights);
-            }
-            let out = tbe.lookup(input).unwrap().to_vec::<f32>().unwrap();
-            assert_eq!(out.len(), b * dim);
-            for bag in 0..b {
-                let (s, e) = (offsets[bag] as usize, offsets[bag + 1] as usize);
-                for c in 0..dim {
-                    let mut sum = 0.0f64;
-                    let mut scale = 0.0f64;
-                    for p in s..e {
-                        let w = if weighted { f64::from(weights[p]) } else { 1.0 };
-                        sum += w * f64::from(values[ids[p] as usize * dim + c]);
-                        scale += w.abs() * f64::from(values[ids[p] as usize * dim + c]).abs();
-                    }
-                    if mean && e > s {
-                        sum /= (e - s) as f64;
-                        scale /= (e - s) as f64;
-                    }
-                    let got = f64::from(out[bag * dim + c]);
-                    assert!(
-                        (got - sum).abs() <= 1e-6 * scale.max(1e-30) * 8.0 + 1e-7,
-                        "dim {dim} bag {bag} col {c} weighted {weighted} mean {mean}: {got} vs {sum}"
-                    );
+            ))
+            .unwrap();
+            tbe.set_table_weights(0, &values).unwrap();
+            for weighted in [false, true] {
+                let mut input = TbeInput::new(&ids[..], &offsets[..]);
+                if weighted {
+                    input = input.with_weights(&weights);
                 }
+                let out = tbe.lookup(input).unwrap().to_vec::<f32>().unwrap();
+                let w = weighted.then_some(&weights[..]);
+                let what = format!("fp32 weighted {weighted} mean {mean}");
+                check_pooled(&out, &values, dim, (&ids, &offsets, w), mean, &what);
+            }
+        }
+    }
+}
+
+/// The quantized inference forward (FP32, FP16, INT8 and INT4 rows, row at a time): every
+/// dimension from 1 to 200, weighted or not, equals the f64 sum of the rows as
+/// `dequantize_table` decodes them.
+#[test]
+fn quantized_forward_of_every_dimension_matches_the_f64_sum_of_its_rows() {
+    use embers::embedding::{QuantizedTableBatchedEmbedding, WeightType};
+    let mut rng = seeded(12);
+    let rows = 50;
+    for dim in 1..=200usize {
+        let source: Vec<f32> = (0..rows * dim)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let (ids, offsets, weights) = every_dim_input(&mut rng, rows);
+        let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+        for ty in [
+            WeightType::Fp32,
+            WeightType::Fp16,
+            WeightType::Int8,
+            WeightType::Int4,
+        ] {
+            let mut q = QuantizedTableBatchedEmbedding::new(
+                vec![TableSpec::new("t", rows, dim)],
+                vec![ty],
+                vec![0],
+                PoolingMode::Sum,
+            )
+            .unwrap();
+            q.quantize_table_from(0, &source).unwrap();
+            let values = q.dequantize_table(0).unwrap();
+            for weighted in [false, true] {
+                let mut input = TbeInput::new(&ids32[..], &off32[..]);
+                if weighted {
+                    input = input.with_weights(&weights);
+                }
+                let out = q.forward(input).unwrap().to_vec::<f32>().unwrap();
+                let w = weighted.then_some(&weights[..]);
+                let what = format!("{ty:?} weighted {weighted}");
+                check_pooled(&out, &values, dim, (&ids, &offsets, w), false, &what);
             }
         }
     }
