@@ -372,7 +372,10 @@ impl<K: RowDecode> TableRows for QuantRows<'_, K> {
     #[inline(always)]
     fn prefetch(&self, id: usize) {
         // Unchecked address, as for FP32 rows: a prefetch never faults.
-        let row = self.bytes.as_ptr().wrapping_add(id.wrapping_mul(self.row_bytes));
+        let row = self
+            .bytes
+            .as_ptr()
+            .wrapping_add(id.wrapping_mul(self.row_bytes));
         prefetch_lines::<false>(row, self.row_bytes);
     }
 
