@@ -1,0 +1,285 @@
+//! The dynamic batcher (see the [module docs](super)).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+/// A model the batcher can run: rows in, one output per row out, in order.
+pub trait BatchModel: Send + Sync + 'static {
+    /// One input row (e.g. one sample's features).
+    type Row: Send + 'static;
+    /// What one row yields (e.g. a click probability).
+    type Output: Send + 'static;
+    /// Checks one request's rows before they join a batch: a bad row fails its own request
+    /// only, never a batch shared with other clients. The message names what is wrong.
+    fn validate(&self, rows: &[Self::Row]) -> Result<(), String>;
+    /// Runs one batch (rows already validated); returns one output per row, in order. Called on
+    /// a blocking thread, one batch at a time.
+    fn run(&self, rows: Vec<Self::Row>) -> crate::Result<Vec<Self::Output>>;
+}
+
+/// When a batch closes and how much may wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatcherConfig {
+    /// A batch closes when it holds this many rows (a request larger than this runs alone).
+    pub max_batch_rows: usize,
+    /// … or this long after its first request arrived, whichever comes first.
+    pub max_delay: Duration,
+    /// Rows queued or running at most; a request that would exceed it is refused
+    /// ([`ServeError::Overloaded`]).
+    pub max_queued_rows: usize,
+}
+
+impl Default for BatcherConfig {
+    /// 256 rows, 2 ms, 8192 rows queued.
+    fn default() -> Self {
+        BatcherConfig {
+            max_batch_rows: 256,
+            max_delay: Duration::from_millis(2),
+            max_queued_rows: 8192,
+        }
+    }
+}
+
+/// Why a request got no outputs.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum ServeError {
+    /// The request's own rows are invalid (the client's fault; nothing else was affected).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The queue is full: try again after `retry_after`.
+    #[error("overloaded: {queued_rows} rows queued (limit {limit}); retry after {retry_after:?}")]
+    Overloaded {
+        /// Rows queued or running when the request came.
+        queued_rows: usize,
+        /// The configured limit.
+        limit: usize,
+        /// A hint: about the time the queue needs to drain one batch.
+        retry_after: Duration,
+    },
+    /// The model failed on the batch this request was part of.
+    #[error("the model failed on the batch: {0}")]
+    Model(String),
+    /// The batcher was shut down before the request ran.
+    #[error("the batcher is shut down")]
+    ShuttingDown,
+}
+
+/// Counters of what the batcher did (all since it started).
+#[derive(Debug, Default)]
+pub struct BatchStats {
+    /// Requests answered with outputs.
+    pub requests: AtomicU64,
+    /// Requests refused as invalid.
+    pub invalid: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub overloaded: AtomicU64,
+    /// Requests whose batch failed in the model.
+    pub model_errors: AtomicU64,
+    /// Batches run.
+    pub batches: AtomicU64,
+    /// Rows run, over all batches.
+    pub rows: AtomicU64,
+    /// The largest batch run, in rows.
+    pub max_batch_rows: AtomicU64,
+}
+
+type Reply<O> = oneshot::Sender<Result<Vec<O>, ServeError>>;
+
+/// One client's request waiting for its batch.
+struct Job<M: BatchModel> {
+    rows: Vec<M::Row>,
+    reply: Reply<M::Output>,
+}
+
+/// Batches requests for a [`BatchModel`]; cheap to clone (clones share the queue). Dropping the
+/// last clone lets the worker finish every request already queued, then stop.
+pub struct DynamicBatcher<M: BatchModel> {
+    model: Arc<M>,
+    sender: mpsc::UnboundedSender<Job<M>>,
+    queued: Arc<AtomicUsize>,
+    stats: Arc<BatchStats>,
+    config: BatcherConfig,
+}
+
+impl<M: BatchModel> Clone for DynamicBatcher<M> {
+    fn clone(&self) -> Self {
+        DynamicBatcher {
+            model: self.model.clone(),
+            sender: self.sender.clone(),
+            queued: self.queued.clone(),
+            stats: self.stats.clone(),
+            config: self.config,
+        }
+    }
+}
+
+impl<M: BatchModel> DynamicBatcher<M> {
+    /// Starts the batcher's worker on the current tokio runtime. Errors on a configuration
+    /// that could never run a batch (zero rows).
+    pub fn new(model: M, config: BatcherConfig) -> crate::Result<Self> {
+        if config.max_batch_rows == 0 || config.max_queued_rows == 0 {
+            return Err(crate::Error::invalid(
+                "DynamicBatcher",
+                format!("max_batch_rows and max_queued_rows must be at least 1, got {config:?}"),
+            ));
+        }
+        let model = Arc::new(model);
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let stats = Arc::new(BatchStats::default());
+        tokio::spawn(worker(
+            model.clone(),
+            receiver,
+            queued.clone(),
+            stats.clone(),
+            config,
+        ));
+        Ok(DynamicBatcher {
+            model,
+            sender,
+            queued,
+            stats,
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> BatcherConfig {
+        self.config
+    }
+
+    /// What the batcher has done so far.
+    pub fn stats(&self) -> &BatchStats {
+        &self.stats
+    }
+
+    /// Rows queued or running now.
+    pub fn queued_rows(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Runs `rows` in the next batch that has room and returns their outputs, in order. Invalid
+    /// rows and a full queue are refused at once, without waiting.
+    pub async fn submit(&self, rows: Vec<M::Row>) -> Result<Vec<M::Output>, ServeError> {
+        if let Err(message) = self.model.validate(&rows) {
+            self.stats.invalid.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::Invalid(message));
+        }
+        if rows.is_empty() {
+            self.stats.requests.fetch_add(1, Ordering::Relaxed);
+            return Ok(Vec::new());
+        }
+        let n = rows.len();
+        let limit = self.config.max_queued_rows;
+        let before = self.queued.fetch_add(n, Ordering::AcqRel);
+        // A request alone may exceed the limit only when nothing else waits (else it would
+        // never run): the limit bounds what piles up, not one request.
+        if before > 0 && before + n > limit {
+            self.queued.fetch_sub(n, Ordering::AcqRel);
+            self.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+            let batches_ahead = before.div_ceil(self.config.max_batch_rows).max(1) as u32;
+            return Err(ServeError::Overloaded {
+                queued_rows: before,
+                limit,
+                retry_after: self.config.max_delay * batches_ahead,
+            });
+        }
+        let (reply, answer) = oneshot::channel();
+        if self.sender.send(Job { rows, reply }).is_err() {
+            self.queued.fetch_sub(n, Ordering::AcqRel);
+            return Err(ServeError::ShuttingDown);
+        }
+        answer.await.unwrap_or(Err(ServeError::ShuttingDown))
+    }
+}
+
+/// Forms batches from the queue and runs them, one at a time, until every sender is gone and
+/// the queue is empty.
+async fn worker<M: BatchModel>(
+    model: Arc<M>,
+    mut receiver: mpsc::UnboundedReceiver<Job<M>>,
+    queued: Arc<AtomicUsize>,
+    stats: Arc<BatchStats>,
+    config: BatcherConfig,
+) {
+    // A request that did not fit into the last batch opens the next one.
+    let mut carried: Option<Job<M>> = None;
+    loop {
+        let first = match carried.take() {
+            Some(job) => job,
+            None => match receiver.recv().await {
+                Some(job) => job,
+                None => return,
+            },
+        };
+        let deadline = Instant::now() + config.max_delay;
+        let mut rows = first.rows.len();
+        let mut jobs = vec![first];
+        while rows < config.max_batch_rows {
+            match tokio::time::timeout_at(deadline, receiver.recv()).await {
+                Ok(Some(job)) if rows + job.rows.len() > config.max_batch_rows => {
+                    carried = Some(job);
+                    break;
+                }
+                Ok(Some(job)) => {
+                    rows += job.rows.len();
+                    jobs.push(job);
+                }
+                // Closed or past the deadline: run what there is.
+                Ok(None) | Err(_) => break,
+            }
+        }
+        run_batch(&model, jobs, rows, &stats).await;
+        queued.fetch_sub(rows, Ordering::AcqRel);
+    }
+}
+
+/// Runs one batch on a blocking thread and answers each of its requests.
+async fn run_batch<M: BatchModel>(
+    model: &Arc<M>,
+    jobs: Vec<Job<M>>,
+    rows: usize,
+    stats: &BatchStats,
+) {
+    let mut all = Vec::with_capacity(rows);
+    let mut replies = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        replies.push((job.reply, job.rows.len()));
+        all.extend(job.rows);
+    }
+    let runner = model.clone();
+    let result = match tokio::task::spawn_blocking(move || runner.run(all)).await {
+        Ok(Ok(outputs)) if outputs.len() == rows => Ok(outputs),
+        Ok(Ok(outputs)) => Err(format!(
+            "the model returned {} outputs for {rows} rows",
+            outputs.len()
+        )),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(format!("the model panicked: {e}")),
+    };
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+    stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
+    stats
+        .max_batch_rows
+        .fetch_max(rows as u64, Ordering::Relaxed);
+    match result {
+        Ok(outputs) => {
+            let mut outputs = outputs.into_iter();
+            for (reply, n) in replies {
+                stats.requests.fetch_add(1, Ordering::Relaxed);
+                // A client that went away no longer wants its answer.
+                let _ = reply.send(Ok(outputs.by_ref().take(n).collect()));
+            }
+        }
+        Err(message) => {
+            for (reply, _) in replies {
+                stats.model_errors.fetch_add(1, Ordering::Relaxed);
+                let _ = reply.send(Err(ServeError::Model(message.clone())));
+            }
+        }
+    }
+}

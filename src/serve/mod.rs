@@ -1,0 +1,10 @@
+//! Serving: answering requests with a trained model. [`DynamicBatcher`] is its core: requests
+//! from many clients queue, close into a batch at `max_batch_rows` rows or `max_delay` after the
+//! first, run on a blocking thread (so the async runtime never waits on compute), and each
+//! client gets its own rows' outputs back. The queue is bounded in rows: past it a request is
+//! refused at once with a retry hint (back-pressure instead of unbounded memory), and a request
+//! whose rows are invalid fails alone, before it can join a batch shared with others.
+
+mod batcher;
+
+pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError};

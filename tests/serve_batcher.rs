@@ -1,0 +1,274 @@
+//! The dynamic batcher under concurrent clients: every client gets exactly its own rows'
+//! outputs (equal to the model run on them alone), batches close at `max_batch_rows` or
+//! `max_delay`, a full queue refuses at once with a retry hint, an invalid request fails alone,
+//! a failing batch fails only its own requests, and dropping the batcher drains the queue.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use embers::serve::{BatchModel, BatcherConfig, DynamicBatcher, ServeError};
+
+/// Row `(id, x)` → `2x + id`, a function of the row alone; records every batch's size and can
+/// be slowed down or made to fail on a marked row.
+#[derive(Default)]
+struct Toy {
+    batches: Arc<Mutex<Vec<usize>>>,
+    delay: Duration,
+    fail_on: Option<u32>,
+    running: Arc<AtomicBool>,
+}
+
+impl BatchModel for Toy {
+    type Row = (u32, f32);
+    type Output = f32;
+
+    fn validate(&self, rows: &[(u32, f32)]) -> Result<(), String> {
+        match rows.iter().position(|r| !r.1.is_finite()) {
+            Some(i) => Err(format!("row {i}: x is {}", rows[i].1)),
+            None => Ok(()),
+        }
+    }
+
+    fn run(&self, rows: Vec<(u32, f32)>) -> embers::Result<Vec<f32>> {
+        // One batch at a time: a second concurrent run would be a bug.
+        assert!(
+            !self.running.swap(true, Ordering::SeqCst),
+            "two batches ran at once"
+        );
+        self.batches.lock().unwrap().push(rows.len());
+        std::thread::sleep(self.delay);
+        self.running.store(false, Ordering::SeqCst);
+        if let Some(bad) = self.fail_on {
+            if rows.iter().any(|r| r.0 == bad) {
+                return Err(embers::Error::invalid("Toy", format!("row {bad} fails")));
+            }
+        }
+        Ok(rows.iter().map(|&(id, x)| 2.0 * x + id as f32).collect())
+    }
+}
+
+fn expected(rows: &[(u32, f32)]) -> Vec<f32> {
+    rows.iter().map(|&(id, x)| 2.0 * x + id as f32).collect()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn concurrent_clients_get_their_own_rows_in_batches_of_at_most_max_rows() {
+    runtime().block_on(async {
+        let model = Toy::default();
+        let batches = model.batches.clone();
+        let config = BatcherConfig {
+            max_batch_rows: 64,
+            max_delay: Duration::from_millis(5),
+            max_queued_rows: 100_000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let mut clients = Vec::new();
+        for c in 0..300u32 {
+            let batcher = batcher.clone();
+            clients.push(tokio::spawn(async move {
+                let n = 1 + (c as usize * 7) % 20;
+                let rows: Vec<(u32, f32)> = (0..n)
+                    .map(|i| (c * 100 + i as u32, c as f32 * 0.5 - i as f32))
+                    .collect();
+                let out = batcher.submit(rows.clone()).await.unwrap();
+                assert_eq!(out, expected(&rows), "client {c}");
+                n
+            }));
+        }
+        let mut total = 0;
+        for client in clients {
+            total += client.await.unwrap();
+        }
+        let sizes = batches.lock().unwrap().clone();
+        assert_eq!(sizes.iter().sum::<usize>(), total);
+        assert!(sizes.iter().all(|&s| s <= 64), "{sizes:?}");
+        // 300 concurrent clients must have shared batches, not run one by one.
+        assert!(
+            sizes.len() < 200,
+            "{} batches for 300 requests",
+            sizes.len()
+        );
+        let stats = batcher.stats();
+        assert_eq!(stats.requests.load(Ordering::Relaxed), 300);
+        assert_eq!(stats.batches.load(Ordering::Relaxed), sizes.len() as u64);
+        assert_eq!(batcher.queued_rows(), 0);
+    });
+}
+
+#[test]
+fn a_lone_request_waits_at_most_about_max_delay_and_a_large_one_runs_alone() {
+    runtime().block_on(async {
+        let model = Toy::default();
+        let batches = model.batches.clone();
+        let config = BatcherConfig {
+            max_batch_rows: 8,
+            max_delay: Duration::from_millis(20),
+            max_queued_rows: 1000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let start = Instant::now();
+        let out = batcher.submit(vec![(1, 1.0)]).await.unwrap();
+        let waited = start.elapsed();
+        assert_eq!(out, vec![3.0]);
+        assert!(
+            waited >= Duration::from_millis(15),
+            "closed early: {waited:?}"
+        );
+        assert!(waited < Duration::from_millis(500), "waited {waited:?}");
+        // Larger than a batch: runs as one batch of its own, outputs in order.
+        let rows: Vec<(u32, f32)> = (0..20).map(|i| (i, i as f32)).collect();
+        assert_eq!(batcher.submit(rows.clone()).await.unwrap(), expected(&rows));
+        assert_eq!(*batches.lock().unwrap(), vec![1, 20]);
+        // An empty request is answered without a batch.
+        assert_eq!(batcher.submit(vec![]).await.unwrap(), Vec::<f32>::new());
+    });
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_with_a_retry_hint() {
+    runtime().block_on(async {
+        let model = Toy {
+            delay: Duration::from_millis(100),
+            ..Toy::default()
+        };
+        let config = BatcherConfig {
+            max_batch_rows: 4,
+            max_delay: Duration::from_millis(1),
+            max_queued_rows: 10,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let mut clients = Vec::new();
+        for c in 0..12u32 {
+            let batcher = batcher.clone();
+            clients.push(tokio::spawn(async move {
+                let start = Instant::now();
+                let result = batcher.submit(vec![(c, 1.0), (c, 2.0)]).await;
+                (result, start.elapsed())
+            }));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let (mut ok, mut refused) = (0, 0);
+        for client in clients {
+            match client.await.unwrap() {
+                (Ok(out), _) => {
+                    ok += 1;
+                    assert_eq!(out.len(), 2);
+                }
+                (
+                    Err(ServeError::Overloaded {
+                        limit, retry_after, ..
+                    }),
+                    waited,
+                ) => {
+                    refused += 1;
+                    assert_eq!(limit, 10);
+                    assert!(retry_after > Duration::ZERO);
+                    assert!(
+                        waited < Duration::from_millis(50),
+                        "refused after {waited:?}"
+                    );
+                }
+                (Err(e), _) => panic!("unexpected {e}"),
+            }
+        }
+        // 12 requests of 2 rows against a limit of 10 rows while each batch takes 100 ms.
+        assert!(ok >= 5 && refused >= 1, "{ok} answered, {refused} refused");
+        assert_eq!(
+            batcher.stats().overloaded.load(Ordering::Relaxed),
+            refused as u64
+        );
+    });
+}
+
+#[test]
+fn an_invalid_request_or_a_failing_batch_fails_only_its_own_requests() {
+    runtime().block_on(async {
+        let model = Toy {
+            fail_on: Some(666),
+            ..Toy::default()
+        };
+        let config = BatcherConfig {
+            max_batch_rows: 1000,
+            max_delay: Duration::from_millis(30),
+            max_queued_rows: 10_000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let good = {
+            let b = batcher.clone();
+            tokio::spawn(async move { b.submit(vec![(1, 1.0), (2, 2.0)]).await })
+        };
+        let bad = {
+            let b = batcher.clone();
+            tokio::spawn(async move { b.submit(vec![(3, 1.0), (4, f32::NAN)]).await })
+        };
+        let bad = bad.await.unwrap().unwrap_err();
+        assert!(
+            matches!(&bad, ServeError::Invalid(m) if m.contains("row 1")),
+            "{bad}"
+        );
+        assert_eq!(good.await.unwrap().unwrap(), vec![3.0, 6.0]);
+        // A row the model fails on fails its batch, and the next batch runs normally.
+        let failing = batcher.submit(vec![(666, 1.0)]).await.unwrap_err();
+        assert!(
+            matches!(&failing, ServeError::Model(m) if m.contains("666")),
+            "{failing}"
+        );
+        assert_eq!(batcher.submit(vec![(5, 0.5)]).await.unwrap(), vec![6.0]);
+        assert_eq!(batcher.stats().invalid.load(Ordering::Relaxed), 1);
+        assert_eq!(batcher.stats().model_errors.load(Ordering::Relaxed), 1);
+    });
+}
+
+#[test]
+fn dropping_the_batcher_still_answers_every_queued_request() {
+    runtime().block_on(async {
+        let model = Toy {
+            delay: Duration::from_millis(20),
+            ..Toy::default()
+        };
+        let config = BatcherConfig {
+            max_batch_rows: 2,
+            max_delay: Duration::from_millis(1),
+            max_queued_rows: 1000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let mut clients = Vec::new();
+        for c in 0..10u32 {
+            let b = batcher.clone();
+            clients.push(tokio::spawn(async move { b.submit(vec![(c, 1.0)]).await }));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        drop(batcher);
+        for (c, client) in clients.into_iter().enumerate() {
+            assert_eq!(client.await.unwrap().unwrap(), vec![2.0 + c as f32]);
+        }
+    });
+}
+
+#[test]
+fn a_batcher_that_could_never_run_is_refused() {
+    runtime().block_on(async {
+        for config in [
+            BatcherConfig {
+                max_batch_rows: 0,
+                ..BatcherConfig::default()
+            },
+            BatcherConfig {
+                max_queued_rows: 0,
+                ..BatcherConfig::default()
+            },
+        ] {
+            let error = DynamicBatcher::new(Toy::default(), config).err().unwrap();
+            assert!(error.to_string().contains("at least 1"), "{error}");
+        }
+    });
+}
