@@ -272,3 +272,153 @@ fn a_batcher_that_could_never_run_is_refused() {
         }
     });
 }
+
+/// A trained DLRM behind the batcher: 40 concurrent clients of 1–8 rows each get the
+/// probabilities the model gives their rows (compared with the same rows run alone through an
+/// identical copy of the model), for FP32 and INT8 tables; rows with a bad id or dense width
+/// fail alone, naming the row and feature.
+#[test]
+fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
+    use embers::embedding::{FusedOptimizer, WeightType};
+    use embers::serve::{DlrmRow, DlrmServable};
+    use embers::train::{DenseOptimizer, DlrmConfig};
+    use embers_datasets::{BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo};
+
+    let g = SyntheticCriteo::new(embers_datasets::SyntheticCriteoConfig {
+        table_sizes: vec![100; 4],
+        ids_per_feature: vec![2, 1, 3, 1],
+        num_train: 5_000,
+        num_validation: 0,
+        num_test: 400,
+        num_tasks: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let config = DlrmConfig {
+        num_dense: g.schema().num_dense(),
+        sparse_features: (g.schema().sparse_keys.iter())
+            .map(|k| (k.clone(), 100))
+            .collect(),
+        embedding_dim: 8,
+        dense_arch: vec![16],
+        over_arch: vec![16],
+        tasks: g.schema().tasks.clone(),
+        dcn: None,
+        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        seed: 1,
+        metrics_window: 100,
+        device: embers::Device::Cpu,
+    };
+    let mut trainer = config.build().unwrap();
+    let batches = Batcher::new(
+        g.split(Split::Train),
+        BatchConfig {
+            batch_size: 128,
+            ..BatchConfig::default()
+        },
+    )
+    .unwrap();
+    for batch in batches {
+        trainer
+            .train_step(&RawBatch::into_batch(batch.unwrap()).unwrap())
+            .unwrap();
+    }
+    let dir = std::env::temp_dir().join(format!("embers-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    trainer.save_checkpoint(&path, &Default::default()).unwrap();
+    let copy = || {
+        let mut t = config.build().unwrap();
+        t.load_checkpoint(&path).unwrap();
+        t
+    };
+    let rows: Vec<DlrmRow> = g
+        .examples(g.split_range(Split::Test))
+        .map(|e| {
+            let e = e.unwrap();
+            let mut ids = Vec::new();
+            let mut at = 0;
+            for &l in &e.lengths {
+                ids.push(e.ids[at..at + l as usize].to_vec());
+                at += l as usize;
+            }
+            DlrmRow {
+                dense: e.dense,
+                ids,
+            }
+        })
+        .collect();
+    for quantized in [false, true] {
+        let tables = |t: &embers::train::DlrmTrainer| {
+            quantized.then(|| t.model().sparse_arch.quantize(WeightType::Int8).unwrap())
+        };
+        let served = copy();
+        let q = tables(&served);
+        let reference = {
+            let t = copy();
+            let q = tables(&t);
+            DlrmServable::new(t, q)
+        };
+        let servable = DlrmServable::new(served, q);
+        assert_eq!(servable.keys(), &g.schema().sparse_keys[..]);
+        let rows = rows.clone();
+        runtime().block_on(async move {
+            let batcher = DynamicBatcher::new(
+                servable,
+                BatcherConfig {
+                    max_batch_rows: 64,
+                    max_delay: Duration::from_millis(5),
+                    max_queued_rows: 10_000,
+                },
+            )
+            .unwrap();
+            let mut clients = Vec::new();
+            let mut at = 0;
+            for c in 0..40 {
+                let n = 1 + c % 8;
+                let mine: Vec<DlrmRow> = rows[at..at + n].to_vec();
+                at += n;
+                let b = batcher.clone();
+                clients.push(tokio::spawn(async move {
+                    let out = b.submit(mine.clone()).await.unwrap();
+                    (mine, out)
+                }));
+            }
+            let mut worst = 0.0f32;
+            for client in clients {
+                let (mine, out) = client.await.unwrap();
+                let alone = reference.run(mine).unwrap();
+                assert_eq!(out.len(), alone.len());
+                for (a, b) in out.iter().zip(&alone) {
+                    assert_eq!(a.len(), 2, "one probability per task");
+                    for (x, y) in a.iter().zip(b) {
+                        worst = worst.max((x - y).abs());
+                    }
+                }
+            }
+            println!("quantized {quantized}: largest |batched - alone| = {worst:e}");
+            assert!(worst <= 1e-6, "batched and alone differ by {worst}");
+            assert!(batcher.stats().max_batch_rows.load(Ordering::Relaxed) > 8);
+            // Bad rows fail their own request, naming row and feature.
+            let mut bad = rows[0].clone();
+            bad.ids[2][0] = 100;
+            let e = batcher
+                .submit(vec![rows[1].clone(), bad])
+                .await
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("row 1: feature `cat_2` id 100"),
+                "{e}"
+            );
+            let mut short = rows[0].clone();
+            short.dense.pop();
+            let e = batcher.submit(vec![short]).await.unwrap_err();
+            assert!(e.to_string().contains("dense values"), "{e}");
+        });
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

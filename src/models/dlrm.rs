@@ -36,6 +36,11 @@ impl DenseArch {
     pub fn out_features(&self) -> usize {
         self.mlp.out_features()
     }
+
+    /// Input width (dense features per sample).
+    pub fn in_features(&self) -> usize {
+        self.mlp.in_features()
+    }
 }
 
 impl Module for DenseArch {
@@ -335,7 +340,7 @@ impl Dlrm {
     }
 
     /// `dense_features [B, dense_in]`, `sparse_features` (a KJT with the tables' features) →
-    /// logits `[B, 1]`.
+    /// logits `[B, tasks]`.
     pub fn forward(
         &self,
         dense_features: &Tensor,
@@ -366,7 +371,7 @@ impl Dlrm {
     }
 
     /// The dense half on already pooled embeddings `[B, F·D]` (e.g. from a quantized copy of
-    /// the tables, [`EmbeddingBagCollection::quantize`]) → logits `[B, 1]`.
+    /// the tables, [`EmbeddingBagCollection::quantize`]) → logits `[B, tasks]`.
     pub fn forward_pooled(&self, dense_features: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         let b = dense_features.shape().first().copied().unwrap_or(0);
         let d = self.dense.dense_arch.out_features();

@@ -117,6 +117,11 @@ impl Mlp {
     pub fn out_features(&self) -> usize {
         self.layers.last().map_or(0, Linear::out_features)
     }
+
+    /// Input width.
+    pub fn in_features(&self) -> usize {
+        self.layers.first().map_or(0, Linear::in_features)
+    }
 }
 
 impl Module for Mlp {

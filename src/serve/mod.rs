@@ -6,5 +6,7 @@
 //! whose rows are invalid fails alone, before it can join a batch shared with others.
 
 mod batcher;
+mod dlrm;
 
 pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError};
+pub use dlrm::{DlrmRow, DlrmServable};

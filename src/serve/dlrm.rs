@@ -1,0 +1,136 @@
+//! A trained DLRM as a [`BatchModel`]: one row per sample, one probability per task out.
+
+use std::sync::Mutex;
+
+use super::BatchModel;
+use crate::embedding::QuantizedEmbeddingBagCollection;
+use crate::train::{Batch, DlrmTrainer};
+use crate::{Error, Result};
+
+/// One sample to score: its dense features and, for every sparse feature in
+/// [`DlrmServable::keys`] order, its ids.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DlrmRow {
+    /// Dense features (the model's dense width).
+    pub dense: Vec<f32>,
+    /// Ids of each sparse feature, in [`DlrmServable::keys`] order.
+    pub ids: Vec<Vec<i64>>,
+}
+
+/// A trained DLRM answering batches of [`DlrmRow`]s through its FP32 tables or a quantized copy
+/// of them; each row yields one probability per task.
+pub struct DlrmServable {
+    trainer: Mutex<DlrmTrainer>,
+    tables: Option<QuantizedEmbeddingBagCollection>,
+    keys: Vec<String>,
+    rows: Vec<usize>,
+    num_dense: usize,
+    tasks: usize,
+}
+
+impl DlrmServable {
+    /// Serves `trainer`'s model, through `tables` (a quantized copy of its tables) when given.
+    pub fn new(trainer: DlrmTrainer, tables: Option<QuantizedEmbeddingBagCollection>) -> Self {
+        let model = trainer.model();
+        let mut keys = Vec::new();
+        let mut rows = Vec::new();
+        for config in model.sparse_arch.configs() {
+            for feature in &config.feature_names {
+                keys.push(feature.clone());
+                rows.push(config.num_embeddings);
+            }
+        }
+        let num_dense = model.dense.dense_arch.in_features();
+        let tasks = trainer.tasks().len();
+        DlrmServable {
+            trainer: Mutex::new(trainer),
+            tables,
+            keys,
+            rows,
+            num_dense,
+            tasks,
+        }
+    }
+
+    /// The sparse features, in the order of [`DlrmRow::ids`].
+    pub fn keys(&self) -> &[String] {
+        &self.keys
+    }
+
+    /// Dense features per row.
+    pub fn num_dense(&self) -> usize {
+        self.num_dense
+    }
+}
+
+impl BatchModel for DlrmServable {
+    type Row = DlrmRow;
+    type Output = Vec<f32>;
+
+    fn validate(&self, rows: &[DlrmRow]) -> std::result::Result<(), String> {
+        for (i, row) in rows.iter().enumerate() {
+            if row.dense.len() != self.num_dense {
+                return Err(format!(
+                    "row {i}: {} dense values, the model takes {}",
+                    row.dense.len(),
+                    self.num_dense
+                ));
+            }
+            if let Some(j) = row.dense.iter().position(|x| !x.is_finite()) {
+                return Err(format!("row {i}: dense value {j} is {}", row.dense[j]));
+            }
+            if row.ids.len() != self.keys.len() {
+                return Err(format!(
+                    "row {i}: ids for {} features, the model has {} ({:?})",
+                    row.ids.len(),
+                    self.keys.len(),
+                    self.keys
+                ));
+            }
+            for ((ids, key), &n) in row.ids.iter().zip(&self.keys).zip(&self.rows) {
+                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= n) {
+                    return Err(format!(
+                        "row {i}: feature `{key}` id {id} is outside 0..{n}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&self, rows: Vec<DlrmRow>) -> Result<Vec<Vec<f32>>> {
+        let b = rows.len();
+        let mut dense = Vec::with_capacity(b * self.num_dense);
+        for row in &rows {
+            dense.extend_from_slice(&row.dense);
+        }
+        // Key-major, as a KJT: every row's ids of feature 0, then of feature 1, ….
+        let mut ids = Vec::new();
+        let mut lengths = Vec::with_capacity(b * self.keys.len());
+        for f in 0..self.keys.len() {
+            for row in &rows {
+                ids.extend_from_slice(&row.ids[f]);
+                lengths.push(row.ids[f].len() as i32);
+            }
+        }
+        let labels = vec![0.0; b * self.tasks];
+        let batch = Batch::from_parts(
+            dense,
+            self.num_dense,
+            self.keys.clone(),
+            ids,
+            lengths,
+            labels,
+            self.tasks,
+        )?;
+        let trainer = self
+            .trainer
+            .lock()
+            .map_err(|_| Error::invalid("DlrmServable", "an earlier batch panicked"))?;
+        let probabilities = trainer.predict(&batch, self.tables.as_ref())?;
+        Ok(probabilities
+            .chunks(self.tasks)
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}
