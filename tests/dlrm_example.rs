@@ -111,21 +111,29 @@ const QUICK: [&str; 6] = [
     "1000",
 ];
 
+/// [`QUICK`] on 100k synthetic training examples, `eval` each for validation and test, batches
+/// of 256, then `extra`.
+fn synthetic<'a>(eval: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let data = [
+        "--synthetic-train",
+        "100000",
+        "--synthetic-eval",
+        eval,
+        "--batch-size",
+        "256",
+    ];
+    QUICK
+        .iter()
+        .copied()
+        .chain(data)
+        .chain(extra.iter().copied())
+        .collect()
+}
+
 #[test]
 fn resume_on_synthetic_data_is_bit_identical() {
     let dir = scratch("synthetic");
-    let common: Vec<&str> = QUICK
-        .iter()
-        .copied()
-        .chain([
-            "--synthetic-train",
-            "100000",
-            "--synthetic-eval",
-            "1000",
-            "--batch-size",
-            "256",
-        ])
-        .collect();
+    let common = synthetic("1000", &[]);
     straight_equals_resumed(&dir, &common, 15, 40);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -135,20 +143,7 @@ fn resume_on_synthetic_data_is_bit_identical() {
 #[test]
 fn several_tasks_on_synthetic_data() {
     let dir = scratch("tasks");
-    let common: Vec<&str> = QUICK
-        .iter()
-        .copied()
-        .chain([
-            "--synthetic-train",
-            "100000",
-            "--synthetic-eval",
-            "2000",
-            "--batch-size",
-            "256",
-            "--synthetic-tasks",
-            "3",
-        ])
-        .collect();
+    let common = synthetic("2000", &["--synthetic-tasks", "3"]);
     straight_equals_resumed(&dir, &common, 15, 40);
     let log = text(&run(&common
         .iter()

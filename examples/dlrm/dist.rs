@@ -97,7 +97,8 @@ mod with_mpi {
     use embers::optim::Optimizer;
     use embers::tensor::{no_grad, rng::seeded, Reduction};
     use embers::train::{
-        lifetime_metrics, task_metrics, update_task_metrics, write_dense_state, Batch, DenseState,
+        check_logits, lifetime_metrics, task_metrics, update_task_metrics, write_dense_state,
+        Batch, DenseState,
     };
     use embers_datasets::Split;
     use indicatif::{ProgressBar, ProgressStyle};
@@ -138,18 +139,10 @@ mod with_mpi {
         /// Pooled embeddings → logits `[B, tasks]`.
         fn logits(&self, batch: &Batch, pooled: &embers::Tensor) -> Result<embers::Tensor> {
             let b = batch.batch_size();
-            if batch.num_tasks() != self.tasks.len() {
-                return Err(Error::invalid(
-                    "dlrm",
-                    format!(
-                        "the batch has {} label column(s), the model has {} task(s)",
-                        batch.num_tasks(),
-                        self.tasks.len()
-                    ),
-                ));
-            }
             let embedded = pooled.reshape(&[b, self.features, self.dim])?;
-            self.dense.forward(&batch.dense, &embedded)
+            let logits = self.dense.forward(&batch.dense, &embedded)?;
+            check_logits(&self.tasks, batch, &logits)?;
+            Ok(logits)
         }
     }
 

@@ -393,6 +393,32 @@ pub fn columns(values: &[f32], tasks: usize) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
+/// Checks that `batch` carries one label column per task of `tasks` and `logits` (`[B, T]`)
+/// one logit per task: what the trainer and the sharded example check after each forward.
+pub fn check_logits(tasks: &[String], batch: &Batch, logits: &Tensor) -> Result<()> {
+    let t = tasks.len();
+    if batch.num_tasks() != t {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "the batch has {} label column(s), the model has {t} task(s) {tasks:?}",
+                batch.num_tasks()
+            ),
+        ));
+    }
+    if logits.shape() != [batch.batch_size(), t] {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "the model gives logits {:?}, expected [{}, {t}] (one per task)",
+                logits.shape(),
+                batch.batch_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Feeds probabilities `[B, T]` (row-major, one per task) and `batch`'s labels `[B, T]` to
 /// `metrics` (one task of `metrics` per column).
 pub fn update_task_metrics(metrics: &mut RecMetrics, probs: &[f32], batch: &Batch) -> Result<()> {
@@ -547,33 +573,6 @@ impl DlrmTrainer {
         self.examples
     }
 
-    /// Checks `batch` carries one label column per task and `logits` (`[B, T]`) one logit per
-    /// task.
-    fn check_tasks_of(&self, batch: &Batch, logits: &Tensor) -> Result<()> {
-        let t = self.tasks.len();
-        if batch.num_tasks() != t {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the batch has {} label column(s), the model has {t} task(s) {:?}",
-                    batch.num_tasks(),
-                    self.tasks
-                ),
-            ));
-        }
-        if logits.shape() != [batch.batch_size(), t] {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the model gives logits {:?}, expected [{}, {t}] (one per task)",
-                    logits.shape(),
-                    batch.batch_size()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// One step: forward, BCE loss (mean over samples and tasks: each task's mean loss,
     /// averaged), backward (which updates the looked-up table rows
     /// through the fused optimizer), dense optimizer step, metrics update. A non-finite loss
@@ -586,7 +585,7 @@ impl DlrmTrainer {
         let b = batch.batch_size();
         self.optimizer.zero_grad();
         let logits = self.model.forward(&batch.dense, &batch.sparse)?;
-        self.check_tasks_of(batch, &logits)?;
+        check_logits(&self.tasks, batch, &logits)?;
         let labels = batch.labels.to_device(self.model.device())?;
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let probs = no_grad(|| logits.detach().sigmoid())?;
@@ -603,18 +602,13 @@ impl DlrmTrainer {
                 ),
             ));
         }
-        self.update_metrics(&probs.to_vec::<f32>()?, batch)?;
+        update_task_metrics(&mut self.metrics, &probs.to_vec::<f32>()?, batch)?;
         self.step += 1;
         self.examples += b as u64;
         Ok(StepOutput {
             loss: loss_value,
             batch_size: b,
         })
-    }
-
-    /// Feeds probabilities `[B, T]` (row-major) and `batch`'s labels to the training metrics.
-    fn update_metrics(&mut self, probs: &[f32], batch: &Batch) -> Result<()> {
-        update_task_metrics(&mut self.metrics, probs, batch)
     }
 
     /// The training metrics so far: lifetime values under their short names (`auc`, `ne`,
@@ -640,7 +634,7 @@ impl DlrmTrainer {
                     self.model.forward_pooled(&batch.dense, pooled.values())?
                 }
             };
-            self.check_tasks_of(batch, &logits)?;
+            check_logits(&self.tasks, batch, &logits)?;
             logits.sigmoid()?.to_vec::<f32>()
         })
     }

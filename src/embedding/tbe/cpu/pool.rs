@@ -89,6 +89,18 @@ pub(crate) trait TableRows: Sync {
     }
 }
 
+impl F32Rows<'_> {
+    /// Prefetches row `id` (into L2 with `L2`). The row's address by wrapping arithmetic,
+    /// without the slice's bounds checks: a prefetch never faults (and `id` was validated at
+    /// the boundary). Dropping the checks made the forward ~10% faster on Zipf ids, where most
+    /// rows are already cached and instructions per row decide.
+    #[inline(always)]
+    fn prefetch_row<const L2: bool>(&self, id: usize) {
+        let row = self.rows.as_ptr().wrapping_add(id.wrapping_mul(self.dim));
+        prefetch_lines::<L2>(row as *const u8, self.dim * 4);
+    }
+}
+
 /// FP32 rows of a training table.
 pub(crate) struct F32Rows<'a> {
     pub rows: &'a [f32],
@@ -98,8 +110,7 @@ pub(crate) struct F32Rows<'a> {
 impl TableRows for F32Rows<'_> {
     #[inline(always)]
     fn prefetch(&self, id: usize) {
-        let row = self.rows.as_ptr().wrapping_add(id.wrapping_mul(self.dim));
-        prefetch_lines::<false>(row as *const u8, self.dim * 4);
+        self.prefetch_row::<false>(id);
     }
 
     #[inline(always)]
@@ -114,12 +125,7 @@ impl TableRows for F32Rows<'_> {
 
     #[inline(always)]
     fn prefetch_l2(&self, id: usize) {
-        // The row's address by wrapping arithmetic, without the slice's bounds checks: a
-        // prefetch never faults (and `id` was validated at the boundary). Dropping the checks
-        // made the forward ~10% faster on Zipf ids, where most rows are already cached and
-        // instructions per row decide.
-        let row = self.rows.as_ptr().wrapping_add(id.wrapping_mul(self.dim));
-        prefetch_lines::<true>(row as *const u8, self.dim * 4);
+        self.prefetch_row::<true>(id);
     }
 
     #[inline(always)]
