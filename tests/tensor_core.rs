@@ -664,3 +664,85 @@ fn f64_to_half_precision_rounds_once() {
         );
     }
 }
+
+/// Inside `row_invariant`, a row's linear output is bit-identical alone, inside any batch and
+/// at any position, and equals an f64 reference to float rounding; the shapes cover gemm's
+/// dot-product, matrix-vector and packed paths (n = 1, m·n ≤ 256, depth above 512), the kernel's
+/// 4-row and 2-output blocks and their tails, and a depth that is not a multiple of 8.
+#[test]
+fn row_invariant_linear_rows_do_not_depend_on_the_batch() {
+    use embers::tensor::{is_row_invariant, row_invariant};
+    let mut rng = seeded(11);
+    for &(n, k) in &[
+        (1usize, 256usize),
+        (64, 256),
+        (256, 512),
+        (7, 13),
+        (3, 1100),
+        (512, 415),
+    ] {
+        for dtype in [DType::F32, DType::F64] {
+            let w = Tensor::randn(&[n, k], 0.0, 1.0, dtype, &mut rng);
+            let b = Tensor::randn(&[n], 0.0, 1.0, dtype, &mut rng);
+            let x = Tensor::randn(&[300, k], 0.0, 1.0, dtype, &mut rng);
+            let as_f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+            let (wv, bv, xv) = (as_f64(&w), as_f64(&b), as_f64(&x));
+            let full = row_invariant(|| {
+                assert!(is_row_invariant());
+                x.linear(&w, Some(&b)).unwrap()
+            });
+            assert!(!is_row_invariant(), "the mode ends with its closure");
+            let full_v = as_f64(&full);
+            // Against an f64 reference (tolerance: float rounding of a k-term sum).
+            let eps = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+            for r in 0..300 {
+                for j in 0..n {
+                    let exact: f64 =
+                        bv[j] + (0..k).map(|i| xv[r * k + i] * wv[j * k + i]).sum::<f64>();
+                    let scale: f64 = 1.0
+                        + (0..k)
+                            .map(|i| (xv[r * k + i] * wv[j * k + i]).abs())
+                            .sum::<f64>();
+                    let got = full_v[r * n + j];
+                    assert!(
+                        (got - exact).abs() <= eps * scale,
+                        "n={n} k={k} row {r} out {j}: {got} vs {exact}"
+                    );
+                }
+            }
+            // Any window of rows, at any offset, gives the same bits as the full batch.
+            for &(start, rows) in &[
+                (0usize, 1usize),
+                (5, 1),
+                (299, 1),
+                (1, 3),
+                (6, 4),
+                (10, 7),
+                (3, 33),
+                (17, 256),
+            ] {
+                let part = x.narrow(0, start, rows).unwrap();
+                let got = row_invariant(|| part.linear(&w, Some(&b)).unwrap());
+                assert_eq!(
+                    as_f64(&got),
+                    full_v[start * n..(start + rows) * n].to_vec(),
+                    "{dtype:?} n={n} k={k}: rows {start}..{}",
+                    start + rows
+                );
+            }
+            // And the default (gemm) path agrees to rounding.
+            let plain = as_f64(&x.linear(&w, Some(&b)).unwrap());
+            for (i, (p, f)) in plain.iter().zip(&full_v).enumerate() {
+                let r = i / n;
+                let scale: f64 = 1.0
+                    + (0..k)
+                        .map(|c| (xv[r * k + c] * wv[(i % n) * k + c]).abs())
+                        .sum::<f64>();
+                assert!(
+                    (p - f).abs() <= 2.0 * eps * scale,
+                    "{dtype:?} n={n} k={k} elem {i}: {p} vs {f}"
+                );
+            }
+        }
+    }
+}

@@ -23,5 +23,6 @@ pub use device::Device;
 pub use dtype::{DType, FloatElem, NumElem, WithDType};
 pub use layout::Layout;
 pub use ops::loss::Reduction;
+pub use ops::matmul::{is_row_invariant, row_invariant};
 pub use storage::CpuStorage;
 pub use tensor::Tensor;

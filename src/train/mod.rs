@@ -620,22 +620,25 @@ impl DlrmTrainer {
 
     /// Probabilities for a batch, `[B × T]` row-major (one per task; for one task, the click
     /// probability of each sample), through the trained tables or, when given, a quantized
-    /// copy of them.
+    /// copy of them. Row-invariant on CPU ([`row_invariant`](crate::tensor::row_invariant)): a
+    /// sample's probabilities are bit-identical whatever else the batch holds.
     pub fn predict(
         &self,
         batch: &Batch,
         tables: Option<&QuantizedEmbeddingBagCollection>,
     ) -> Result<Vec<f32>> {
-        no_grad(|| {
-            let logits = match tables {
-                None => self.model.forward(&batch.dense, &batch.sparse)?,
-                Some(q) => {
-                    let pooled = q.forward(&batch.sparse)?;
-                    self.model.forward_pooled(&batch.dense, pooled.values())?
-                }
-            };
-            check_logits(&self.tasks, batch, &logits)?;
-            logits.sigmoid()?.to_vec::<f32>()
+        crate::tensor::row_invariant(|| {
+            no_grad(|| {
+                let logits = match tables {
+                    None => self.model.forward(&batch.dense, &batch.sparse)?,
+                    Some(q) => {
+                        let pooled = q.forward(&batch.sparse)?;
+                        self.model.forward_pooled(&batch.dense, pooled.values())?
+                    }
+                };
+                check_logits(&self.tasks, batch, &logits)?;
+                logits.sigmoid()?.to_vec::<f32>()
+            })
         })
     }
 

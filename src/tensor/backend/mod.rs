@@ -191,6 +191,9 @@ pub(crate) trait MatmulOps {
     fn matmul(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor>;
     /// `x · wᵀ + bias` for `x` `[rows, in]`, `w` `[out, in]`, `bias` `[out]`.
     fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+    /// [`linear`](Self::linear) with each output element summed in an order that depends
+    /// only on its own input row (see [`row_invariant`](crate::tensor::row_invariant)).
+    fn linear_row_invariant(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
 }
 
 /// An operation with a CPU half and a CUDA half, written side by side in the op's own folder

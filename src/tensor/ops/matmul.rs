@@ -6,6 +6,32 @@ use crate::tensor::backend::{with_backend, MatmulOps};
 use crate::tensor::layout::broadcast_shapes;
 use crate::{Error, Result, Tensor};
 
+thread_local! {
+    static ROW_INVARIANT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every [`Tensor::linear`] on this thread *row-invariant* (CPU tensors): each
+/// output row is computed in an order that depends only on that input row, so a sample gets
+/// bit-identical values alone or inside any batch. The default gemm is faster on large batches
+/// but picks its kernel and blocking by shape, so the last bits of a row can depend on the
+/// batch it is in. Serving and [`DlrmTrainer::predict`](crate::train::DlrmTrainer::predict)
+/// run inside this mode; cuBLAS makes no such promise, so on a CUDA device it changes nothing.
+pub fn row_invariant<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ROW_INVARIANT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(ROW_INVARIANT.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether [`row_invariant`] is in force on this thread.
+pub fn is_row_invariant() -> bool {
+    ROW_INVARIANT.with(|c| c.get())
+}
+
 fn check_matmul(a: &Tensor, b: &Tensor) -> Result<(usize, usize, usize, Vec<usize>)> {
     if a.rank() < 2 || b.rank() < 2 {
         return Err(Error::ShapeMismatch {
@@ -143,7 +169,8 @@ impl Tensor {
     }
 
     /// `x·Wᵀ + b` for `x` of shape `[..., in]`, `weight` `[out, in]`, `bias` `[out]`: one
-    /// gemm that accumulates onto the broadcast bias.
+    /// gemm that accumulates onto the broadcast bias (inside [`row_invariant`], a kernel whose
+    /// every row's values are independent of the other rows).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         if weight.rank() != 2
             || self.rank() == 0
@@ -182,7 +209,11 @@ impl Tensor {
         let rows = self.numel() / in_f.max(1);
         let x2 = self.reshape(&[rows, in_f])?.detach();
         let (w, b) = (weight.detach(), bias.map(Tensor::detach));
-        let out = with_backend!(self.device(), B => B::linear(&x2, &w, b.as_ref()))?;
+        let out = if is_row_invariant() {
+            with_backend!(self.device(), B => B::linear_row_invariant(&x2, &w, b.as_ref()))?
+        } else {
+            with_backend!(self.device(), B => B::linear(&x2, &w, b.as_ref()))?
+        };
         let mut shape = self.shape().to_vec();
         *shape.last_mut().expect("rank >= 1") = out_f;
         let out = out.reshape(&shape)?;

@@ -156,4 +156,26 @@ impl MatmulOps for Cpu {
         });
         out.cast_values(storage)
     }
+
+    fn linear_row_invariant(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (rows, in_f, out_f) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+        let (xc, storage) = float_compute("linear", x)?;
+        let (wc, _) = float_compute("linear", w)?;
+        let bc = bias
+            .map(|b| float_compute("linear", b))
+            .transpose()?
+            .map(|(b, _)| b);
+        let out = with_float!(xc.dtype(), "linear", T => {
+            let out = xc.with_contiguous(|xd: &[T]| {
+                wc.with_contiguous(|wd: &[T]| match &bc {
+                    Some(b) => b.with_contiguous(|bd: &[T]| {
+                        super::rowwise::linear(xd, wd, Some(bd), rows, in_f, out_f)
+                    }),
+                    None => Ok(super::rowwise::linear(xd, wd, None, rows, in_f, out_f)),
+                })
+            })???;
+            Tensor::from_vec(out, &[rows, out_f])?
+        });
+        out.cast_values(storage)
+    }
 }

@@ -6,3 +6,4 @@ mod elementwise;
 mod index;
 mod matmul;
 mod reduce;
+mod rowwise;

@@ -62,4 +62,10 @@ impl MatmulOps for Cuda {
             None => Ok(out),
         }
     }
+
+    /// cuBLAS picks its algorithm by shape, so on a device this is the plain
+    /// [`linear`](Self::linear): row invariance is a CPU promise only.
+    fn linear_row_invariant(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        Self::linear(x, w, bias)
+    }
 }
