@@ -35,7 +35,7 @@ pub enum WeightDecay {
 }
 
 /// The optimizer fused into a TBE's backward.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum FusedOptimizer {
     /// No update: backward produces row-sparse gradients instead.
     None,

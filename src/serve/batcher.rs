@@ -7,6 +7,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::Histogram;
+
 /// A model the batcher can run: rows in, one output per row out, in order.
 pub trait BatchModel: Send + Sync + 'static {
     /// One input row (e.g. one sample's features).
@@ -69,7 +71,7 @@ pub enum ServeError {
 }
 
 /// Counters of what the batcher did (all since it started).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct BatchStats {
     /// Requests answered with outputs.
     pub requests: AtomicU64,
@@ -85,6 +87,23 @@ pub struct BatchStats {
     pub rows: AtomicU64,
     /// The largest batch run, in rows.
     pub max_batch_rows: AtomicU64,
+    /// Rows per batch run (bounds 1, 2, 4, …, 4096).
+    pub batch_rows: Histogram,
+}
+
+impl Default for BatchStats {
+    fn default() -> Self {
+        BatchStats {
+            requests: AtomicU64::new(0),
+            invalid: AtomicU64::new(0),
+            overloaded: AtomicU64::new(0),
+            model_errors: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            rows: AtomicU64::new(0),
+            max_batch_rows: AtomicU64::new(0),
+            batch_rows: Histogram::exponential(1.0, 2.0, 13),
+        }
+    }
 }
 
 type Reply<O> = oneshot::Sender<Result<Vec<O>, ServeError>>;
@@ -266,6 +285,7 @@ async fn run_batch<M: BatchModel>(
     stats
         .max_batch_rows
         .fetch_max(rows as u64, Ordering::Relaxed);
+    stats.batch_rows.observe(rows as f64);
     match result {
         Ok(outputs) => {
             let mut outputs = outputs.into_iter();

@@ -2,9 +2,11 @@
 
 use std::sync::Mutex;
 
+use std::path::Path;
+
 use super::BatchModel;
-use crate::embedding::QuantizedEmbeddingBagCollection;
-use crate::train::{Batch, DlrmTrainer};
+use crate::embedding::{QuantizedEmbeddingBagCollection, WeightType};
+use crate::train::{Batch, DlrmConfig, DlrmTrainer};
 use crate::{Error, Result};
 
 /// One sample to score: its dense features and, for every sparse feature in
@@ -26,9 +28,42 @@ pub struct DlrmServable {
     rows: Vec<usize>,
     num_dense: usize,
     tasks: usize,
+    task_names: Vec<String>,
+    weights: Option<WeightType>,
 }
 
 impl DlrmServable {
+    /// Loads a trainer checkpoint (its model configuration comes from the file, see
+    /// [`DlrmConfig::from_checkpoint`]) and, with `quantize`, serves a copy of its tables in
+    /// that format. The loaded model must score a probe row (every dense value 0, id 0 of every
+    /// feature) to finite probabilities, so a checkpoint that reads but holds NaNs is refused.
+    pub fn from_checkpoint(path: impl AsRef<Path>, quantize: Option<WeightType>) -> Result<Self> {
+        let path = path.as_ref();
+        let config = DlrmConfig::from_checkpoint(path)?;
+        let mut trainer = config.build()?;
+        trainer.load_checkpoint(path)?;
+        let tables = quantize
+            .map(|w| trainer.model().sparse_arch.quantize(w))
+            .transpose()?;
+        let mut servable = DlrmServable::new(trainer, tables);
+        servable.weights = quantize;
+        let probe = DlrmRow {
+            dense: vec![0.0; servable.num_dense],
+            ids: vec![vec![0]; servable.keys.len()],
+        };
+        let out = servable.run(vec![probe])?;
+        if let Some(bad) = out.iter().flatten().find(|p| !p.is_finite()) {
+            return Err(Error::invalid(
+                "checkpoint",
+                format!(
+                    "{}: the loaded model scores a probe row to {bad} (non-finite weights?)",
+                    path.display()
+                ),
+            ));
+        }
+        Ok(servable)
+    }
+
     /// Serves `trainer`'s model, through `tables` (a quantized copy of its tables) when given.
     pub fn new(trainer: DlrmTrainer, tables: Option<QuantizedEmbeddingBagCollection>) -> Self {
         let model = trainer.model();
@@ -41,15 +76,33 @@ impl DlrmServable {
             }
         }
         let num_dense = model.dense.dense_arch.in_features();
-        let tasks = trainer.tasks().len();
+        let task_names = trainer.tasks().to_vec();
         DlrmServable {
             trainer: Mutex::new(trainer),
             tables,
             keys,
             rows,
             num_dense,
-            tasks,
+            tasks: task_names.len(),
+            task_names,
+            weights: None,
         }
+    }
+
+    /// The tasks, in the order of each row's outputs.
+    pub fn tasks(&self) -> &[String] {
+        &self.task_names
+    }
+
+    /// Rows of each sparse feature's table, in [`keys`](Self::keys) order (ids must lie below).
+    pub fn table_rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// The quantized format the tables are served in, when [`from_checkpoint`](Self::from_checkpoint)
+    /// quantized them.
+    pub fn weights(&self) -> Option<WeightType> {
+        self.weights
     }
 
     /// The sparse features, in the order of [`DlrmRow::ids`].

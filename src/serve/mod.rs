@@ -4,9 +4,17 @@
 //! client gets its own rows' outputs back. The queue is bounded in rows: past it a request is
 //! refused at once with a retry hint (back-pressure instead of unbounded memory), and a request
 //! whose rows are invalid fails alone, before it can join a batch shared with others.
+//! [`Server`] (feature `server`, on by default) puts a trained DLRM behind HTTP with hot
+//! reload, health and Prometheus metrics; the `embers-serve` binary runs it.
 
 mod batcher;
 mod dlrm;
+mod histogram;
+#[cfg(feature = "server")]
+mod http;
 
 pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError};
 pub use dlrm::{DlrmRow, DlrmServable};
+pub use histogram::Histogram;
+#[cfg(feature = "server")]
+pub use http::{Server, ServerConfig, ARROW_STREAM};

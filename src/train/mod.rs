@@ -27,6 +27,8 @@ use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
 const OP: &str = "DlrmTrainer";
 const FORMAT: &str = "embers.dlrm-trainer.v1";
+/// The checkpoint metadata holding the [`DlrmConfig`] as JSON.
+const CONFIG_KEY: &str = "model.config";
 
 /// One training or evaluation batch: dense features `[B, num_dense]` (f32), sparse features
 /// (a KJT with batch size `B`) and labels `[B, T]` (f32 in `[0, 1]`), one column per task (`T`
@@ -168,7 +170,7 @@ impl Batch {
 }
 
 /// The dense-parameter optimizer of a [`DlrmConfig`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum DenseOptimizer {
     /// Plain SGD.
     Sgd {
@@ -205,8 +207,11 @@ impl DenseOptimizer {
 }
 
 /// Everything that defines a DLRM and its training: the shape of TorchRec's `DLRM` /
-/// `DLRM_DCN` plus optimizers and seed.
-#[derive(Clone, Debug, PartialEq)]
+/// `DLRM_DCN` plus optimizers and seed. Every trainer checkpoint carries it as JSON (metadata
+/// `model.config`, without the device), so a checkpoint alone rebuilds its model
+/// ([`from_checkpoint`](Self::from_checkpoint)).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DlrmConfig {
     /// Dense features per sample.
     pub num_dense: usize,
@@ -233,7 +238,9 @@ pub struct DlrmConfig {
     pub seed: u64,
     /// Samples in the training metrics' sliding window.
     pub metrics_window: usize,
-    /// Where the model trains (`Device::Cuda(n)`: dense half and tables on that GPU).
+    /// Where the model trains (`Device::Cuda(n)`: dense half and tables on that GPU). Not
+    /// stored in checkpoints (a checkpoint loads on any device; the CPU when read back).
+    #[serde(skip)]
     pub device: Device,
 }
 
@@ -254,7 +261,36 @@ impl DlrmConfig {
         let mut model = Dlrm::new(ebc, dense)?;
         model.to_device(self.device)?;
         let optimizer = self.dense_optimizer.build(model.dense.parameters())?;
-        DlrmTrainer::new(model, optimizer, &self.tasks, self.metrics_window)
+        let mut trainer = DlrmTrainer::new(model, optimizer, &self.tasks, self.metrics_window)?;
+        trainer.config = Some(self.clone());
+        Ok(trainer)
+    }
+
+    /// The configuration a trainer checkpoint was written with (its `model.config` metadata;
+    /// the device is the CPU): `from_checkpoint(p)?.build()?.load_checkpoint(p)` restores
+    /// the trainer from the file alone.
+    pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<DlrmConfig> {
+        let r = CheckpointReader::open(path)?;
+        let bad =
+            |msg: String| Error::invalid("checkpoint", format!("{}: {msg}", r.path().display()));
+        let format = r.metadata("format").unwrap_or("");
+        if format != FORMAT {
+            return Err(bad(format!(
+                "format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)"
+            )));
+        }
+        let json = r.metadata(CONFIG_KEY).ok_or_else(|| {
+            bad(format!(
+                "no `{CONFIG_KEY}` metadata (written by a trainer not built from a DlrmConfig)"
+            ))
+        })?;
+        let config: DlrmConfig = serde_json::from_str(json).map_err(|e| {
+            bad(format!(
+                "metadata `{CONFIG_KEY}` is not a DLRM configuration: {e}"
+            ))
+        })?;
+        check_tasks(&config.tasks).map_err(|e| bad(e.to_string()))?;
+        Ok(config)
     }
 
     /// The tables: one per sparse feature, `t_<feature>`, of `embedding_dim` columns.
@@ -518,6 +554,8 @@ impl DenseState {
 /// Trains a [`Dlrm`]: the tables through their fused optimizer, the dense half through a
 /// dense [`Optimizer`].
 pub struct DlrmTrainer {
+    /// What built it (stored in checkpoints), when a [`DlrmConfig`] did.
+    config: Option<DlrmConfig>,
     model: Dlrm,
     optimizer: Box<dyn Optimizer + Send>,
     tasks: Vec<String>,
@@ -539,6 +577,7 @@ impl DlrmTrainer {
         check_tasks(tasks)?;
         let metrics = task_metrics(tasks, window)?;
         Ok(DlrmTrainer {
+            config: None,
             model,
             optimizer,
             tasks: tasks.to_vec(),
@@ -676,6 +715,11 @@ impl DlrmTrainer {
         w.set_metadata("format", FORMAT);
         w.set_metadata("step", self.step.to_string());
         w.set_metadata("examples", self.examples.to_string());
+        if let Some(config) = &self.config {
+            let json = serde_json::to_string(config)
+                .map_err(|e| Error::invalid("checkpoint", format!("model.config: {e}")))?;
+            w.set_metadata(CONFIG_KEY, json);
+        }
         for (k, v) in user {
             w.set_metadata(format!("user.{k}"), v.clone());
         }

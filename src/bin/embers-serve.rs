@@ -1,0 +1,181 @@
+//! `embers-serve`: a trainer checkpoint behind HTTP (routes and body formats:
+//! [`embers::serve::Server`]). SIGHUP (or `POST /v1/models/{name}:reload`) reloads the
+//! checkpoint file; `--watch` reloads it whenever it changes; SIGINT/SIGTERM drain in-flight
+//! requests and exit.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use clap::{Parser, ValueEnum};
+use embers::embedding::WeightType;
+use embers::serve::{BatcherConfig, Server, ServerConfig};
+
+/// Serve a trained DLRM checkpoint over HTTP with dynamic batching.
+#[derive(Parser, Debug)]
+#[command(name = "embers-serve", version)]
+struct Args {
+    /// The trainer checkpoint (e.g. `dlrm-out/checkpoint.safetensors` of the DLRM example).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The model's name in the URL: `/v1/models/<name>:predict`.
+    #[arg(long, default_value = "dlrm")]
+    name: String,
+    /// Address to listen on (port 0: any free port; the chosen one is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: SocketAddr,
+    /// Serve the tables in this format (quantized at load) instead of FP32.
+    #[arg(long, value_enum)]
+    quantize: Option<Quantize>,
+    /// A batch closes at this many rows …
+    #[arg(long, default_value_t = 256)]
+    max_batch: usize,
+    /// … or this many microseconds after its first request.
+    #[arg(long, default_value_t = 2000)]
+    max_delay_us: u64,
+    /// Rows queued or running at most; past it requests get 503 with Retry-After.
+    #[arg(long, default_value_t = 8192)]
+    max_queued_rows: usize,
+    /// Largest request body, in bytes (413 above it).
+    #[arg(long, default_value_t = 8 << 20)]
+    max_body_bytes: usize,
+    /// Check the checkpoint's modification time every this many seconds and reload it when
+    /// it changes (0: never; SIGHUP always reloads).
+    #[arg(long, default_value_t = 0)]
+    watch: u64,
+    /// Compute threads (rayon) for the model (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Quantize {
+    Fp16,
+    Bf16,
+    Fp8,
+    Int8,
+    Int4,
+    Int2,
+}
+
+impl Quantize {
+    fn weight_type(self) -> WeightType {
+        match self {
+            Quantize::Fp16 => WeightType::Fp16,
+            Quantize::Bf16 => WeightType::Bf16,
+            Quantize::Fp8 => WeightType::Fp8,
+            Quantize::Int8 => WeightType::Int8,
+            Quantize::Int4 => WeightType::Int4,
+            Quantize::Int2 => WeightType::Int2,
+        }
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = run(args) {
+        eprintln!("embers-serve: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    if args.threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(args.threads)
+            .build_global()?;
+    }
+    let config = ServerConfig {
+        model_name: args.name.clone(),
+        checkpoint: args.checkpoint.clone(),
+        quantize: args.quantize.map(Quantize::weight_type),
+        batcher: BatcherConfig {
+            max_batch_rows: args.max_batch,
+            max_delay: Duration::from_micros(args.max_delay_us),
+            max_queued_rows: args.max_queued_rows,
+        },
+        max_body_bytes: args.max_body_bytes,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let server = Server::start(config).await?;
+        let listener = tokio::net::TcpListener::bind(args.addr).await?;
+        println!(
+            "embers-serve: serving `{}` (version {}) from {} on http://{}",
+            args.name,
+            server.version(),
+            args.checkpoint.display(),
+            listener.local_addr()?
+        );
+        tokio::spawn(reload_on_sighup(server.clone()));
+        if args.watch > 0 {
+            tokio::spawn(watch(server.clone(), args.checkpoint.clone(), args.watch));
+        }
+        server.serve(listener, shutdown_signal()).await?;
+        println!("embers-serve: drained, exiting");
+        Ok(())
+    })
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    println!("embers-serve: shutting down, draining in-flight requests");
+}
+
+/// Reloads the checkpoint on every SIGHUP.
+async fn reload_on_sighup(server: Server) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            report(server.reload().await);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = server;
+}
+
+/// Reloads the checkpoint whenever its modification time changes.
+async fn watch(server: Server, path: PathBuf, every: u64) {
+    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut last: Option<SystemTime> = modified(&path);
+    let mut tick = tokio::time::interval(Duration::from_secs(every));
+    loop {
+        tick.tick().await;
+        let now = modified(&path);
+        if now.is_some() && now != last {
+            last = now;
+            report(server.reload().await);
+        }
+    }
+}
+
+fn report(result: embers::Result<u64>) {
+    match result {
+        Ok(v) => println!("embers-serve: reloaded, now serving version {v}"),
+        Err(e) => eprintln!("embers-serve: reload refused, the old model keeps serving: {e}"),
+    }
+}

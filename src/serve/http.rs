@@ -1,0 +1,846 @@
+//! The HTTP server: a trained DLRM behind [`DynamicBatcher`], on axum.
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/models/{name}:predict` | scores rows: JSON (`application/json`) or Arrow IPC (`application/vnd.apache.arrow.stream`) in, the same format out |
+//! | `POST /v1/models/{name}:reload` | loads the checkpoint file again, checks it, swaps it in |
+//! | `GET /v1/models/{name}` | the model's features, tasks, version and table format |
+//! | `GET /healthz` | 200 while the process runs |
+//! | `GET /readyz` | 200 while a model is loaded and the server is not draining, else 503 |
+//! | `GET /metrics` | Prometheus text: responses by route and code, errors by kind, latency and batch-size histograms, queue depth, model version, reloads |
+//!
+//! **JSON** `{"instances": [{"dense": [0.1, …], "cat_0": [12, 7], "cat_1": 3}, …]}`: each
+//! instance has its dense values under `dense` and, under each sparse feature's name, its ids
+//! (a list, or one integer); a feature left out is an empty bag. The answer:
+//! `{"model", "version", "predictions": [p, …], "outputs": {"<task>": [p, …], …}}`, one
+//! probability per instance in request order (`predictions` is the first task's).
+//!
+//! **Arrow IPC** (one stream, any number of record batches): a `dense` column (list or
+//! fixed-size list of float32/float64) and one column per sparse feature (list of int64/int32,
+//! or int64/int32 for one id per row). The answer is a stream with one float32 column per task.
+//!
+//! Every bad request gets a 4xx naming the field (`{"error": {"kind", "message"}}`); a full
+//! queue gets 503 with `Retry-After`. A reload loads and checks the new checkpoint on the
+//! blocking pool while the old model serves; the swap is one pointer store, and requests already
+//! holding the old model finish on it; a checkpoint that fails to load leaves the old model.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::io::Cursor;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float32Type, Float64Type, Int32Type, Int64Type};
+use arrow_array::{Array, ArrayRef, Float32Array, RecordBatch};
+use arrow_schema::{DataType, Field, Schema};
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Value};
+
+use super::{BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, ServeError};
+use crate::embedding::WeightType;
+use crate::{Error, Result};
+
+/// The Arrow IPC stream media type.
+pub const ARROW_STREAM: &str = "application/vnd.apache.arrow.stream";
+
+/// What to serve and how.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The model's name in the URL (`/v1/models/{name}:predict`).
+    pub model_name: String,
+    /// The trainer checkpoint (loaded at start and again on every reload).
+    pub checkpoint: PathBuf,
+    /// Serve a quantized copy of the tables (FP16, INT8, INT4, FP8, …) instead of FP32.
+    pub quantize: Option<WeightType>,
+    /// Batching and queue bounds.
+    pub batcher: BatcherConfig,
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+}
+
+impl ServerConfig {
+    /// Serves `checkpoint` as `model_name` with FP32 tables, default batching and an 8 MiB body
+    /// limit.
+    pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
+        ServerConfig {
+            model_name: model_name.into(),
+            checkpoint: checkpoint.into(),
+            quantize: None,
+            batcher: BatcherConfig::default(),
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+/// One loaded model version.
+struct Loaded {
+    batcher: DynamicBatcher<DlrmServable>,
+    version: u64,
+    keys: Vec<String>,
+    key_index: HashMap<String, usize>,
+    table_rows: Vec<usize>,
+    num_dense: usize,
+    tasks: Vec<String>,
+}
+
+/// Server-wide counters.
+struct Metrics {
+    /// Responses by (route, status code).
+    responses: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    /// Error responses by kind.
+    errors: Mutex<BTreeMap<&'static str, u64>>,
+    /// Seconds from a predict request's arrival to its answer.
+    latency: Histogram,
+    /// Rows answered.
+    rows: AtomicU64,
+    reloads_ok: AtomicU64,
+    reloads_failed: AtomicU64,
+}
+
+struct Shared {
+    config: ServerConfig,
+    model: RwLock<Option<Arc<Loaded>>>,
+    reloading: tokio::sync::Mutex<()>,
+    versions: AtomicU64,
+    draining: AtomicBool,
+    metrics: Metrics,
+}
+
+/// The inference server: a loaded model, its batcher and the HTTP routes over them. Cheap to
+/// clone (clones share everything).
+#[derive(Clone)]
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+/// A request's failure, as the client sees it.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    fn bad(kind: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, kind, message)
+    }
+}
+
+impl From<ServeError> for ApiError {
+    fn from(e: ServeError) -> Self {
+        match e {
+            ServeError::Invalid(m) => ApiError::bad("invalid", m),
+            ServeError::Overloaded { retry_after, .. } => ApiError {
+                retry_after: Some(retry_after),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", e.to_string())
+            },
+            ServeError::Model(m) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "model", m),
+            ServeError::ShuttingDown => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the model is shutting down",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"kind": self.kind, "message": self.message});
+        if let Some(r) = self.retry_after {
+            error["retry_after_ms"] = json!(r.as_millis() as u64);
+        }
+        let mut response = (self.status, axum::Json(json!({ "error": error }))).into_response();
+        if let Some(r) = self.retry_after {
+            // Retry-After is whole seconds; round the hint up so it is never zero.
+            let secs = r.as_secs() + u64::from(r.subsec_nanos() > 0);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        response
+    }
+}
+
+impl Server {
+    /// Loads the model of `config` (on the blocking pool) and starts its batcher. Must run
+    /// inside a tokio runtime.
+    pub async fn start(config: ServerConfig) -> Result<Server> {
+        if config.max_body_bytes == 0 {
+            return Err(Error::invalid(
+                "ServerConfig",
+                "max_body_bytes must be at least 1",
+            ));
+        }
+        let shared = Arc::new(Shared {
+            config,
+            model: RwLock::new(None),
+            reloading: tokio::sync::Mutex::new(()),
+            versions: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            metrics: Metrics {
+                responses: Mutex::new(BTreeMap::new()),
+                errors: Mutex::new(BTreeMap::new()),
+                latency: Histogram::exponential(1e-4, 2.0, 18),
+                rows: AtomicU64::new(0),
+                reloads_ok: AtomicU64::new(0),
+                reloads_failed: AtomicU64::new(0),
+            },
+        });
+        let server = Server { shared };
+        server.load().await?;
+        Ok(server)
+    }
+
+    /// The model version being served (1 after start, +1 per successful reload).
+    pub fn version(&self) -> u64 {
+        self.current().map_or(0, |m| m.version)
+    }
+
+    /// Loads the checkpoint file again and swaps it in once it has loaded and scored a probe
+    /// row; returns the new version. On error the old model keeps serving.
+    pub async fn reload(&self) -> Result<u64> {
+        let result = self.load().await;
+        let counter = match result {
+            Ok(_) => &self.shared.metrics.reloads_ok,
+            Err(_) => &self.shared.metrics.reloads_failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    async fn load(&self) -> Result<u64> {
+        let _one_at_a_time = self.shared.reloading.lock().await;
+        let (path, quantize) = (
+            self.shared.config.checkpoint.clone(),
+            self.shared.config.quantize,
+        );
+        let servable =
+            tokio::task::spawn_blocking(move || DlrmServable::from_checkpoint(&path, quantize))
+                .await
+                .map_err(|e| Error::invalid("checkpoint", format!("loading panicked: {e}")))??;
+        let keys = servable.keys().to_vec();
+        let loaded = Loaded {
+            key_index: keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.clone(), i))
+                .collect(),
+            table_rows: servable.table_rows().to_vec(),
+            num_dense: servable.num_dense(),
+            tasks: servable.tasks().to_vec(),
+            keys,
+            version: self.shared.versions.fetch_add(1, Ordering::AcqRel) + 1,
+            batcher: DynamicBatcher::new(servable, self.shared.config.batcher)?,
+        };
+        let version = loaded.version;
+        // The swap: requests that already hold the old model finish on it; its batcher drains
+        // and stops when the last of them lets go.
+        *self.shared.model.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(loaded));
+        Ok(version)
+    }
+
+    fn current(&self) -> Option<Arc<Loaded>> {
+        self.shared
+            .model
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The routes (see the [module docs](self)).
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .route("/v1/models/{target}", get(model_info).post(model_post))
+            .fallback(|| async {
+                ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+            })
+            .with_state(self.clone())
+    }
+
+    /// Serves HTTP on `listener` until `shutdown` completes, then stops accepting, reports not
+    /// ready, and returns once every in-flight request has been answered.
+    pub async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let shared = self.shared.clone();
+        let shutdown = async move {
+            shutdown.await;
+            shared.draining.store(true, Ordering::Release);
+        };
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(shutdown)
+            .await
+    }
+
+    fn count(&self, route: &'static str, status: StatusCode, kind: Option<&'static str>) {
+        let m = &self.shared.metrics;
+        *m.responses
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((route, status.as_u16()))
+            .or_default() += 1;
+        if let Some(kind) = kind {
+            *m.errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(kind)
+                .or_default() += 1;
+        }
+    }
+
+    /// The model named `name`, or 404 / 503.
+    fn model(&self, name: &str) -> std::result::Result<Arc<Loaded>, ApiError> {
+        if name != self.shared.config.model_name {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!(
+                    "no model `{name}` (this server serves `{}`)",
+                    self.shared.config.model_name
+                ),
+            ));
+        }
+        self.current().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_ready",
+                "no model loaded",
+            )
+        })
+    }
+}
+
+async fn readyz(State(server): State<Server>) -> Response {
+    if server.shared.draining.load(Ordering::Acquire) {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
+    } else if server.current().is_some() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no model loaded\n").into_response()
+    }
+}
+
+async fn model_info(State(server): State<Server>, Path(name): Path<String>) -> Response {
+    let response = match server.model(&name) {
+        Ok(m) => {
+            let features: Vec<Value> = (m.keys.iter().zip(&m.table_rows))
+                .map(|(k, r)| json!({"name": k, "rows": r}))
+                .collect();
+            let weights = server
+                .shared
+                .config
+                .quantize
+                .map_or("fp32".to_string(), |w| format!("{w:?}").to_lowercase());
+            axum::Json(json!({
+                "name": name,
+                "version": m.version,
+                "dense": m.num_dense,
+                "features": features,
+                "tasks": m.tasks,
+                "weights": weights,
+                "checkpoint": server.shared.config.checkpoint.display().to_string(),
+            }))
+            .into_response()
+        }
+        Err(e) => e.into_response(),
+    };
+    server.count("model", response.status(), None);
+    response
+}
+
+/// `POST /v1/models/{name}:{verb}`.
+async fn model_post(
+    State(server): State<Server>,
+    Path(target): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let (route, result) = match target.rsplit_once(':') {
+        Some((name, "predict")) => ("predict", predict(&server, name, &headers, body).await),
+        Some((name, "reload")) => ("reload", reload(&server, name).await),
+        _ => (
+            "unknown",
+            Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("`{target}`: expected `<model>:predict` or `<model>:reload`"),
+            )),
+        ),
+    };
+    let (response, kind) = match result {
+        Ok(r) => (r, None),
+        Err(e) => {
+            let kind = e.kind;
+            (e.into_response(), Some(kind))
+        }
+    };
+    if route == "predict" {
+        server
+            .shared
+            .metrics
+            .latency
+            .observe(started.elapsed().as_secs_f64());
+    }
+    server.count(route, response.status(), kind);
+    response
+}
+
+async fn reload(server: &Server, name: &str) -> std::result::Result<Response, ApiError> {
+    server.model(name)?;
+    match server.reload().await {
+        Ok(version) => Ok(axum::Json(json!({ "version": version })).into_response()),
+        Err(e) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "reload_failed",
+            format!("the old model keeps serving: {e}"),
+        )),
+    }
+}
+
+/// The request's body format.
+#[derive(Clone, Copy, PartialEq)]
+enum Format {
+    Json,
+    Arrow,
+}
+
+async fn predict(
+    server: &Server,
+    name: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let model = server.model(name)?;
+    let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
+        None => Format::Json,
+        Some(Ok(t)) if t.starts_with("application/json") => Format::Json,
+        Some(Ok(t)) if t.starts_with(ARROW_STREAM) => Format::Arrow,
+        Some(t) => {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!(
+                    "content-type {:?}: expected application/json or {ARROW_STREAM}",
+                    t.unwrap_or("(not text)")
+                ),
+            ))
+        }
+    };
+    let limit = server.shared.config.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the body exceeds {limit} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let text = format!("{e:?}");
+        if text.contains("LengthLimit") {
+            too_large()
+        } else {
+            ApiError::bad("body", format!("the body could not be read: {e}"))
+        }
+    })?;
+    let rows = match format {
+        Format::Json => rows_from_json(&model, &bytes)?,
+        Format::Arrow => {
+            // The IPC decoder trusts some offsets in the stream and can panic on a corrupt
+            // one (seen under fuzzing): a panic there is a malformed body, not a crash.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                rows_from_arrow(&model, &bytes)
+            }))
+            .unwrap_or_else(|_| {
+                Err(ApiError::bad(
+                    "malformed_arrow",
+                    "malformed Arrow IPC stream (the decoder rejected its buffers)",
+                ))
+            })?
+        }
+    };
+    if rows.is_empty() {
+        return Err(ApiError::bad("invalid", "no instances"));
+    }
+    let n = rows.len();
+    let outputs = model.batcher.submit(rows).await?;
+    server
+        .shared
+        .metrics
+        .rows
+        .fetch_add(n as u64, Ordering::Relaxed);
+    let tasks = &model.tasks;
+    let column = |t: usize| outputs.iter().map(|o| o[t]).collect::<Vec<f32>>();
+    Ok(match format {
+        Format::Json => {
+            let per_task: serde_json::Map<String, Value> = (tasks.iter().enumerate())
+                .map(|(t, name)| (name.clone(), json!(column(t))))
+                .collect();
+            axum::Json(json!({
+                "model": name,
+                "version": model.version,
+                "predictions": column(0),
+                "outputs": per_task,
+            }))
+            .into_response()
+        }
+        Format::Arrow => {
+            let fields: Vec<Field> = tasks
+                .iter()
+                .map(|t| Field::new(t, DataType::Float32, false))
+                .collect();
+            let columns: Vec<ArrayRef> = (0..tasks.len())
+                .map(|t| Arc::new(Float32Array::from(column(t))) as ArrayRef)
+                .collect();
+            let encode = || -> std::result::Result<Vec<u8>, arrow_schema::ArrowError> {
+                let schema = Arc::new(Schema::new(fields));
+                let batch = RecordBatch::try_new(schema.clone(), columns)?;
+                let mut out = Vec::new();
+                let mut writer = arrow_ipc::writer::StreamWriter::try_new(&mut out, &schema)?;
+                writer.write(&batch)?;
+                writer.finish()?;
+                drop(writer);
+                Ok(out)
+            };
+            let bytes = encode().map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "encode", e.to_string())
+            })?;
+            ([(header::CONTENT_TYPE, ARROW_STREAM)], bytes).into_response()
+        }
+    })
+}
+
+/// `{"instances": [...]}` → rows (see the [module docs](self)).
+fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
+    let instances = value
+        .get("instances")
+        .ok_or_else(|| ApiError::bad("invalid", "missing `instances` (a list of objects)"))?
+        .as_array()
+        .ok_or_else(|| ApiError::bad("invalid", "`instances` must be a list of objects"))?;
+    let mut rows = Vec::with_capacity(instances.len());
+    for (i, instance) in instances.iter().enumerate() {
+        let at = |field: &str| format!("instances[{i}].{field}");
+        let object = instance
+            .as_object()
+            .ok_or_else(|| ApiError::bad("invalid", format!("instances[{i}] is not an object")))?;
+        let mut row = DlrmRow {
+            dense: Vec::new(),
+            ids: vec![Vec::new(); model.keys.len()],
+        };
+        let mut has_dense = false;
+        for (key, value) in object {
+            if key == "dense" {
+                has_dense = true;
+                let list = value.as_array().ok_or_else(|| {
+                    ApiError::bad(
+                        "wrong_type",
+                        format!("{}: expected a list of numbers", at(key)),
+                    )
+                })?;
+                for (j, x) in list.iter().enumerate() {
+                    let x = x.as_f64().ok_or_else(|| {
+                        ApiError::bad(
+                            "wrong_type",
+                            format!("{}[{j}]: expected a number, got {x}", at(key)),
+                        )
+                    })?;
+                    row.dense.push(x as f32);
+                }
+                if row.dense.len() != model.num_dense {
+                    return Err(ApiError::bad(
+                        "invalid",
+                        format!(
+                            "{}: {} values, the model takes {}",
+                            at(key),
+                            row.dense.len(),
+                            model.num_dense
+                        ),
+                    ));
+                }
+            } else if let Some(&f) = model.key_index.get(key) {
+                let id = |v: &Value, where_: String| {
+                    v.as_i64().ok_or_else(|| {
+                        ApiError::bad(
+                            "wrong_type",
+                            format!("{where_}: expected an integer id, got {v}"),
+                        )
+                    })
+                };
+                row.ids[f] = match value {
+                    Value::Array(list) => (list.iter().enumerate())
+                        .map(|(j, v)| id(v, format!("{}[{j}]", at(key))))
+                        .collect::<std::result::Result<_, _>>()?,
+                    v => vec![id(v, at(key))?],
+                };
+            } else {
+                return Err(ApiError::bad(
+                    "unknown_feature",
+                    format!(
+                        "instances[{i}]: unknown feature `{key}` (the model takes `dense` and {:?})",
+                        model.keys
+                    ),
+                ));
+            }
+        }
+        if !has_dense {
+            return Err(ApiError::bad(
+                "invalid",
+                format!(
+                    "instances[{i}]: missing `dense` ({} values)",
+                    model.num_dense
+                ),
+            ));
+        }
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// An Arrow IPC stream → rows (see the [module docs](self)).
+fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+    let malformed = |e: arrow_schema::ArrowError| {
+        ApiError::bad(
+            "malformed_arrow",
+            format!("malformed Arrow IPC stream: {e}"),
+        )
+    };
+    let reader =
+        arrow_ipc::reader::StreamReader::try_new(Cursor::new(bytes), None).map_err(malformed)?;
+    let mut rows = Vec::new();
+    for batch in reader {
+        let batch = batch.map_err(malformed)?;
+        // Offsets, lengths and null counts checked before any value is read.
+        for column in batch.columns() {
+            column.to_data().validate_full().map_err(malformed)?;
+        }
+        let first = rows.len();
+        rows.extend((0..batch.num_rows()).map(|_| DlrmRow {
+            dense: Vec::new(),
+            ids: vec![Vec::new(); model.keys.len()],
+        }));
+        let mut has_dense = false;
+        for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+            let name = field.name();
+            if name == "dense" {
+                has_dense = true;
+                for r in 0..batch.num_rows() {
+                    let values = arrow_floats(column, r).map_err(|m| {
+                        ApiError::bad(
+                            "wrong_type",
+                            format!("column `dense` row {}: {m}", first + r),
+                        )
+                    })?;
+                    if values.len() != model.num_dense {
+                        return Err(ApiError::bad(
+                            "invalid",
+                            format!(
+                                "column `dense` row {}: {} values, the model takes {}",
+                                first + r,
+                                values.len(),
+                                model.num_dense
+                            ),
+                        ));
+                    }
+                    rows[first + r].dense = values;
+                }
+            } else if let Some(&f) = model.key_index.get(name.as_str()) {
+                for r in 0..batch.num_rows() {
+                    rows[first + r].ids[f] = arrow_ids(column, r).map_err(|m| {
+                        ApiError::bad(
+                            "wrong_type",
+                            format!("column `{name}` row {}: {m}", first + r),
+                        )
+                    })?;
+                }
+            } else {
+                return Err(ApiError::bad(
+                    "unknown_feature",
+                    format!(
+                        "unknown column `{name}` (the model takes `dense` and {:?})",
+                        model.keys
+                    ),
+                ));
+            }
+        }
+        if !has_dense && batch.num_rows() > 0 {
+            return Err(ApiError::bad(
+                "invalid",
+                format!("no `dense` column ({} values per row)", model.num_dense),
+            ));
+        }
+    }
+    Ok(rows)
+}
+
+/// The list at row `r` of `column`, when it is a list-like column.
+fn arrow_list(column: &ArrayRef, r: usize) -> Option<ArrayRef> {
+    if let Some(l) = column.as_list_opt::<i32>() {
+        Some(l.value(r))
+    } else if let Some(l) = column.as_list_opt::<i64>() {
+        Some(l.value(r))
+    } else {
+        column.as_fixed_size_list_opt().map(|l| l.value(r))
+    }
+}
+
+/// Row `r` of a list-of-floats column.
+fn arrow_floats(column: &ArrayRef, r: usize) -> std::result::Result<Vec<f32>, String> {
+    if column.is_null(r) {
+        return Err("null".into());
+    }
+    let values = arrow_list(column, r).ok_or_else(|| {
+        format!(
+            "expected a list of float32/float64, got {}",
+            column.data_type()
+        )
+    })?;
+    if values.null_count() > 0 {
+        return Err("a null value".into());
+    }
+    if let Some(v) = values.as_primitive_opt::<Float32Type>() {
+        Ok(v.values().to_vec())
+    } else if let Some(v) = values.as_primitive_opt::<Float64Type>() {
+        Ok(v.values().iter().map(|&x| x as f32).collect())
+    } else {
+        Err(format!(
+            "expected float32/float64 values, got {}",
+            values.data_type()
+        ))
+    }
+}
+
+/// Row `r` of an ids column (a list of int64/int32, or one int64/int32 per row).
+fn arrow_ids(column: &ArrayRef, r: usize) -> std::result::Result<Vec<i64>, String> {
+    if column.is_null(r) {
+        return Err("null".into());
+    }
+    if let Some(v) = column.as_primitive_opt::<Int64Type>() {
+        return Ok(vec![v.value(r)]);
+    }
+    if let Some(v) = column.as_primitive_opt::<Int32Type>() {
+        return Ok(vec![i64::from(v.value(r))]);
+    }
+    let values = arrow_list(column, r).ok_or_else(|| {
+        format!(
+            "expected int64/int32 or a list of them, got {}",
+            column.data_type()
+        )
+    })?;
+    if values.null_count() > 0 {
+        return Err("a null id".into());
+    }
+    if let Some(v) = values.as_primitive_opt::<Int64Type>() {
+        Ok(v.values().to_vec())
+    } else if let Some(v) = values.as_primitive_opt::<Int32Type>() {
+        Ok(v.values().iter().map(|&x| i64::from(x)).collect())
+    } else {
+        Err(format!(
+            "expected int64/int32 ids, got {}",
+            values.data_type()
+        ))
+    }
+}
+
+/// `GET /metrics`.
+async fn metrics(State(server): State<Server>) -> Response {
+    use std::fmt::Write as _;
+    let m = &server.shared.metrics;
+    let mut out = String::new();
+    let counter = |out: &mut String, name: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    };
+    counter(
+        &mut out,
+        "embers_responses_total",
+        "HTTP responses by route and status code.",
+    );
+    for ((route, code), n) in m.responses.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = writeln!(
+            out,
+            "embers_responses_total{{route=\"{route}\",code=\"{code}\"}} {n}"
+        );
+    }
+    counter(&mut out, "embers_errors_total", "Error responses by kind.");
+    for (kind, n) in m.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = writeln!(out, "embers_errors_total{{kind=\"{kind}\"}} {n}");
+    }
+    counter(&mut out, "embers_rows_total", "Rows scored.");
+    let _ = writeln!(out, "embers_rows_total {}", m.rows.load(Ordering::Relaxed));
+    counter(&mut out, "embers_reloads_total", "Model reloads by result.");
+    let _ = writeln!(
+        out,
+        "embers_reloads_total{{result=\"ok\"}} {}",
+        m.reloads_ok.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "embers_reloads_total{{result=\"failed\"}} {}",
+        m.reloads_failed.load(Ordering::Relaxed)
+    );
+    m.latency.write(
+        &mut out,
+        "embers_request_duration_seconds",
+        "Predict requests, arrival to answer.",
+    );
+    if let Some(model) = server.current() {
+        let stats = model.batcher.stats();
+        let _ = writeln!(
+            out,
+            "# HELP embers_model_version The model version served.\n# TYPE embers_model_version gauge\nembers_model_version {}",
+            model.version
+        );
+        let _ = writeln!(
+            out,
+            "# HELP embers_queue_rows Rows queued or running now.\n# TYPE embers_queue_rows gauge\nembers_queue_rows {}",
+            model.batcher.queued_rows()
+        );
+        counter(
+            &mut out,
+            "embers_batches_total",
+            "Batches run by the current model version.",
+        );
+        let _ = writeln!(
+            out,
+            "embers_batches_total {}",
+            stats.batches.load(Ordering::Relaxed)
+        );
+        stats.batch_rows.write(
+            &mut out,
+            "embers_batch_rows",
+            "Rows per batch run by the current model version.",
+        );
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

@@ -1,0 +1,1004 @@
+//! The HTTP server over real sockets on 127.0.0.1: concurrent clients get exactly what
+//! `DlrmTrainer::predict` gives their rows (bit-equal, FP32 and INT8 tables, JSON and Arrow),
+//! a reload under load fails no request and a corrupt checkpoint is refused, a full queue
+//! answers 503 at once, malformed bodies of every kind get a 4xx (never a crash), the
+//! `embers-serve` binary starts, reloads on SIGHUP and drains on SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow_array::builder::{Float32Builder, Int64Builder, ListBuilder};
+use arrow_array::{ArrayRef, RecordBatch};
+use bytes::Bytes;
+use embers::embedding::{FusedOptimizer, QuantizedEmbeddingBagCollection, WeightType};
+use embers::serve::{BatcherConfig, DlrmRow, Server, ServerConfig, ARROW_STREAM};
+use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer};
+use embers_datasets::{BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo};
+use http_body_util::{BodyExt, Full};
+use serde_json::{json, Value};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A fresh directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("embers-serve-http-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn data() -> SyntheticCriteo {
+    SyntheticCriteo::new(embers_datasets::SyntheticCriteoConfig {
+        table_sizes: vec![100; 4],
+        ids_per_feature: vec![2, 1, 3, 1],
+        num_train: 3_000,
+        num_validation: 0,
+        num_test: 300,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+fn config(g: &SyntheticCriteo) -> DlrmConfig {
+    DlrmConfig {
+        num_dense: g.schema().num_dense(),
+        sparse_features: (g.schema().sparse_keys.iter())
+            .map(|k| (k.clone(), 100))
+            .collect(),
+        embedding_dim: 8,
+        dense_arch: vec![16],
+        over_arch: vec![16],
+        tasks: g.schema().tasks.clone(),
+        dcn: None,
+        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        seed: 1,
+        metrics_window: 100,
+        device: embers::Device::Cpu,
+    }
+}
+
+/// Trains `epochs` passes over the synthetic data.
+fn train(trainer: &mut DlrmTrainer, g: &SyntheticCriteo, epochs: usize) {
+    for _ in 0..epochs {
+        let batches = Batcher::new(
+            g.split(Split::Train),
+            BatchConfig {
+                batch_size: 128,
+                ..BatchConfig::default()
+            },
+        )
+        .unwrap();
+        for batch in batches {
+            trainer
+                .train_step(&RawBatch::into_batch(batch.unwrap()).unwrap())
+                .unwrap();
+        }
+    }
+}
+
+/// The test split as serving rows.
+fn rows(g: &SyntheticCriteo) -> Vec<DlrmRow> {
+    g.examples(g.split_range(Split::Test))
+        .map(|e| {
+            let e = e.unwrap();
+            let mut ids = Vec::new();
+            let mut at = 0;
+            for &l in &e.lengths {
+                ids.push(e.ids[at..at + l as usize].to_vec());
+                at += l as usize;
+            }
+            DlrmRow {
+                dense: e.dense,
+                ids,
+            }
+        })
+        .collect()
+}
+
+/// `DlrmTrainer::predict` on `rows` as one batch (the reference every answer must equal).
+fn predict(
+    trainer: &DlrmTrainer,
+    keys: &[String],
+    rows: &[DlrmRow],
+    q: Option<&QuantizedEmbeddingBagCollection>,
+) -> Vec<f32> {
+    let mut dense = Vec::new();
+    rows.iter().for_each(|r| dense.extend_from_slice(&r.dense));
+    let (mut ids, mut lengths) = (Vec::new(), Vec::new());
+    for f in 0..keys.len() {
+        for r in rows {
+            ids.extend_from_slice(&r.ids[f]);
+            lengths.push(r.ids[f].len() as i32);
+        }
+    }
+    let n = rows[0].dense.len();
+    let labels = vec![0.0; rows.len()];
+    let batch = Batch::from_parts(dense, n, keys.to_vec(), ids, lengths, labels, 1).unwrap();
+    trainer.predict(&batch, q).unwrap()
+}
+
+fn json_body(keys: &[String], rows: &[DlrmRow]) -> Vec<u8> {
+    let instances: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            let mut o = serde_json::Map::new();
+            o.insert("dense".into(), json!(r.dense));
+            for (k, ids) in keys.iter().zip(&r.ids) {
+                o.insert(k.clone(), json!(ids));
+            }
+            Value::Object(o)
+        })
+        .collect();
+    serde_json::to_vec(&json!({ "instances": instances })).unwrap()
+}
+
+fn arrow_body(keys: &[String], rows: &[DlrmRow]) -> Vec<u8> {
+    let mut dense = ListBuilder::new(Float32Builder::new());
+    for r in rows {
+        dense.values().append_slice(&r.dense);
+        dense.append(true);
+    }
+    let mut columns: Vec<(String, ArrayRef)> = vec![("dense".into(), Arc::new(dense.finish()))];
+    for (f, k) in keys.iter().enumerate() {
+        let mut ids = ListBuilder::new(Int64Builder::new());
+        for r in rows {
+            ids.values().append_slice(&r.ids[f]);
+            ids.append(true);
+        }
+        columns.push((k.clone(), Arc::new(ids.finish())));
+    }
+    let batch = RecordBatch::try_from_iter(columns).unwrap();
+    let mut out = Vec::new();
+    let mut w = arrow_ipc::writer::StreamWriter::try_new(&mut out, &batch.schema()).unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+    drop(w);
+    out
+}
+
+/// One HTTP/1.1 request on a new connection: status, headers, body.
+async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: Vec<u8>,
+) -> (u16, hyper::HeaderMap, Bytes) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let mut request = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "127.0.0.1");
+    if let Some(t) = content_type {
+        request = request.header("content-type", t);
+    }
+    let response = sender
+        .send_request(request.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, body)
+}
+
+/// The probabilities of a JSON answer.
+fn json_predictions(body: &[u8]) -> Vec<f32> {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    (v["predictions"].as_array().unwrap().iter())
+        .map(|p| p.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// The first column of an Arrow answer.
+fn arrow_predictions(body: &[u8]) -> Vec<f32> {
+    use arrow_array::cast::AsArray;
+    let reader =
+        arrow_ipc::reader::StreamReader::try_new(std::io::Cursor::new(body), None).unwrap();
+    let mut out = Vec::new();
+    for batch in reader {
+        let batch = batch.unwrap();
+        assert_eq!(batch.schema().field(0).name(), "click");
+        let column = batch
+            .column(0)
+            .as_primitive::<arrow_array::types::Float32Type>();
+        out.extend(column.values().iter().copied());
+    }
+    out
+}
+
+/// A running server: its address, and a sender that shuts it down.
+struct Running {
+    addr: SocketAddr,
+    server: Server,
+    stop: tokio::sync::oneshot::Sender<()>,
+    done: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(config: ServerConfig) -> Running {
+    let server = Server::start(config).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let s = server.clone();
+    let done = tokio::spawn(async move {
+        s.serve(listener, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    Running {
+        addr,
+        server,
+        stop,
+        done,
+    }
+}
+
+fn write_checkpoint(trainer: &DlrmTrainer, path: &Path) {
+    trainer.save_checkpoint(path, &Default::default()).unwrap();
+}
+
+/// Concurrent clients over HTTP, JSON and Arrow, FP32 and INT8 tables: every answer equals
+/// `DlrmTrainer::predict` on the same rows bit for bit, whatever batch the server put it in.
+#[test]
+fn concurrent_http_clients_get_exactly_what_predict_gives() {
+    let g = data();
+    let dir = scratch("concurrent");
+    let path = dir.join("model.safetensors");
+    let mut trainer = config(&g).build().unwrap();
+    train(&mut trainer, &g, 1);
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = Arc::new(rows(&g));
+    for quantize in [None, Some(WeightType::Int8)] {
+        // The reference: the checkpoint loaded back, predicting each request's rows alone.
+        let config_read = DlrmConfig::from_checkpoint(&path).unwrap();
+        assert_eq!(config_read.tasks, trainer.tasks());
+        let mut reference = config_read.build().unwrap();
+        reference.load_checkpoint(&path).unwrap();
+        let q = quantize.map(|w| reference.model().sparse_arch.quantize(w).unwrap());
+        let reference = (reference, q);
+        let (keys, rows, path) = (keys.clone(), rows.clone(), path.clone());
+        runtime().block_on(async move {
+            let mut cfg = ServerConfig::new("dlrm", &path);
+            cfg.quantize = quantize;
+            cfg.batcher = BatcherConfig {
+                max_batch_rows: 64,
+                max_delay: Duration::from_millis(5),
+                max_queued_rows: 10_000,
+            };
+            let running = start(cfg).await;
+            let addr = running.addr;
+            let mut clients = Vec::new();
+            let mut at = 0;
+            for c in 0..48 {
+                let n = 1 + c % 7;
+                let mine = rows[at % 250..at % 250 + n].to_vec();
+                at += n;
+                let keys = keys.clone();
+                clients.push(tokio::spawn(async move {
+                    let arrow = c % 3 == 0;
+                    let (status, _, body) = if arrow {
+                        send(
+                            addr,
+                            "POST",
+                            "/v1/models/dlrm:predict",
+                            Some(ARROW_STREAM),
+                            arrow_body(&keys, &mine),
+                        )
+                        .await
+                    } else {
+                        send(
+                            addr,
+                            "POST",
+                            "/v1/models/dlrm:predict",
+                            Some("application/json"),
+                            json_body(&keys, &mine),
+                        )
+                        .await
+                    };
+                    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+                    let got = if arrow {
+                        arrow_predictions(&body)
+                    } else {
+                        json_predictions(&body)
+                    };
+                    (c, arrow, mine, got)
+                }));
+            }
+            for client in clients {
+                let (c, arrow, mine, got) = client.await.unwrap();
+                let want = predict(&reference.0, &keys, &mine, reference.1.as_ref());
+                assert_eq!(got, want, "client {c} (arrow {arrow}, {quantize:?})");
+            }
+            // Requests really were batched together.
+            let (status, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+            assert_eq!(status, 200);
+            let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+            let batches: u64 = metric(&metrics, "embers_batches_total");
+            assert!(
+                batches < 48,
+                "48 requests ran in {batches} batches: none were batched\n{metrics}"
+            );
+            assert_eq!(metric(&metrics, "embers_rows_total"), at as u64);
+            assert!(
+                metrics.contains("embers_responses_total{route=\"predict\",code=\"200\"} 48"),
+                "{metrics}"
+            );
+            // Model info names the features and the table format.
+            let (status, _, info) = send(addr, "GET", "/v1/models/dlrm", None, vec![]).await;
+            assert_eq!(status, 200);
+            let info: Value = serde_json::from_slice(&info).unwrap();
+            assert_eq!(
+                info["weights"],
+                if quantize.is_some() { "int8" } else { "fp32" }
+            );
+            assert_eq!(info["features"].as_array().unwrap().len(), keys.len());
+            assert_eq!(send(addr, "GET", "/healthz", None, vec![]).await.0, 200);
+            assert_eq!(send(addr, "GET", "/readyz", None, vec![]).await.0, 200);
+            running.stop.send(()).unwrap();
+            running.done.await.unwrap().unwrap();
+        });
+    }
+}
+
+/// The value of an unlabelled metric line `name value`.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Clients keep sending while the checkpoint is replaced and reloaded: no request fails, each
+/// answer is either the old model's or the new one's (never a mix within a request), and after
+/// the reload only the new one's; a truncated and a NaN checkpoint are refused and the model
+/// before them keeps serving.
+#[test]
+fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
+    let g = data();
+    let dir = scratch("reload");
+    let path = dir.join("model.safetensors");
+    let mut trainer = config(&g).build().unwrap();
+    train(&mut trainer, &g, 1);
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    let probe = rows[..5].to_vec();
+    let old = predict(&trainer, &keys, &probe, None);
+    train(&mut trainer, &g, 1);
+    let new = predict(&trainer, &keys, &probe, None);
+    assert_ne!(old, new);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.batcher.max_delay = Duration::from_millis(1);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let body = json_body(&keys, &probe);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            let (body, stop, old, new) = (body.clone(), stop.clone(), old.clone(), new.clone());
+            clients.push(tokio::spawn(async move {
+                let (mut n_old, mut n_new) = (0, 0);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (status, _, answer) =
+                        send(addr, "POST", "/v1/models/dlrm:predict", None, body.clone()).await;
+                    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+                    let p = json_predictions(&answer);
+                    if p == old {
+                        n_old += 1;
+                    } else {
+                        assert_eq!(p, new, "an answer from neither model");
+                        n_new += 1;
+                    }
+                }
+                (n_old, n_new)
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Replace the file atomically, as the trainer does, and reload.
+        write_checkpoint(&trainer, &path);
+        let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(running.server.version(), 2);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // A truncated checkpoint: refused, version 2 keeps serving.
+        let good = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &good[..good.len() / 2]).unwrap();
+        let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
+        assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+        assert!(String::from_utf8_lossy(&answer).contains("old model keeps serving"));
+        // Weights that load but hold NaN: refused by the probe row.
+        let nan_path = dir.join("nan.safetensors");
+        write_checkpoint(&trainer, &nan_path);
+        let mut bytes = std::fs::read(&nan_path).unwrap();
+        // Every f32 of the tensor data becomes NaN (the header, an 8-byte length and JSON,
+        // stays).
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize + 8;
+        for chunk in bytes[header..].chunks_exact_mut(4) {
+            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
+        assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(running.server.version(), 2);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (mut total_old, mut total_new) = (0, 0);
+        for c in clients {
+            let (o, n) = c.await.unwrap();
+            total_old += o;
+            total_new += n;
+        }
+        assert!(
+            total_old > 0 && total_new > 0,
+            "old {total_old}, new {total_new}"
+        );
+        let (_, _, answer) = send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
+        assert_eq!(json_predictions(&answer), new);
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        assert!(
+            metrics.contains("embers_reloads_total{result=\"ok\"} 1"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("embers_reloads_total{result=\"failed\"} 2"),
+            "{metrics}"
+        );
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+    });
+}
+
+/// A queue bounded at 8 rows with batches waiting 400 ms: requests past it get 503 with a
+/// Retry-After header at once (long before the batch runs); the queue never holds more than
+/// its bound; the admitted requests are answered.
+#[test]
+fn a_full_queue_answers_503_at_once() {
+    let g = data();
+    let dir = scratch("overload");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.batcher = BatcherConfig {
+            max_batch_rows: 1000,
+            max_delay: Duration::from_millis(400),
+            max_queued_rows: 8,
+        };
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let mut clients = Vec::new();
+        for c in 0..20 {
+            let body = json_body(&keys, &rows[c..c + 2]);
+            clients.push(tokio::spawn(async move {
+                let t = Instant::now();
+                let (status, headers, answer) =
+                    send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
+                (status, headers, answer, t.elapsed())
+            }));
+        }
+        let (mut ok, mut refused) = (0, 0);
+        for c in clients {
+            let (status, headers, answer, took) = c.await.unwrap();
+            match status {
+                200 => ok += 1,
+                503 => {
+                    refused += 1;
+                    assert!(took < Duration::from_millis(300), "a 503 took {took:?}");
+                    assert!(headers.contains_key("retry-after"));
+                    let v: Value = serde_json::from_slice(&answer).unwrap();
+                    assert_eq!(v["error"]["kind"], "overloaded");
+                }
+                s => panic!("status {s}: {}", String::from_utf8_lossy(&answer)),
+            }
+        }
+        assert_eq!(ok, 4, "8 rows admitted, 2 per request");
+        assert_eq!(refused, 16);
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+    });
+}
+
+/// Malformed requests of every kind at every endpoint, then thousands of seeded random
+/// mutations of valid JSON and Arrow bodies: every answer is a 2xx or a 4xx with a JSON error
+/// naming what is wrong (never a 5xx, a dropped connection or a crash), and the server still
+/// answers correctly afterwards.
+#[test]
+fn malformed_requests_get_4xx_and_never_break_the_server() {
+    use rand::{Rng, SeedableRng};
+    let g = data();
+    let dir = scratch("fuzz");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    let want = predict(&trainer, &keys, &rows[..3], None);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.max_body_bytes = 64 << 10;
+        cfg.batcher.max_delay = Duration::from_micros(200);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let k0 = keys[0].clone();
+        let dense13 = json!(rows[0].dense);
+        let one = |extra: Value| {
+            let mut o = json!({"dense": dense13.clone()});
+            for (k, v) in extra.as_object().unwrap() {
+                o[k] = v.clone();
+            }
+            serde_json::to_vec(&json!({ "instances": [o] })).unwrap()
+        };
+        let json_t = Some("application/json");
+        let cases: Vec<(&str, &str, Option<&str>, Vec<u8>, u16, &str)> = vec![
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                b"{not json".to_vec(),
+                400,
+                "malformed JSON",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                b"".to_vec(),
+                400,
+                "malformed JSON",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                b"{}".to_vec(),
+                400,
+                "instances",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                br#"{"instances": 3}"#.to_vec(),
+                400,
+                "instances",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                br#"{"instances": []}"#.to_vec(),
+                400,
+                "no instances",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                br#"{"instances": [7]}"#.to_vec(),
+                400,
+                "instances[0] is not an object",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({"nope": [1]})),
+                400,
+                "unknown feature `nope`",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({ k0.clone(): ["a"] })),
+                400,
+                "expected an integer id",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({ k0.clone(): [1.5] })),
+                400,
+                "expected an integer id",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({ k0.clone(): [100] })),
+                400,
+                "id 100 is outside 0..100",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({ k0.clone(): [-1] })),
+                400,
+                "id -1 is outside",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({"dense": [1.0, 2.0]})),
+                400,
+                "2 values, the model takes 13",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({"dense": "x"})),
+                400,
+                "expected a list of numbers",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                one(json!({"dense": vec![1e39f64; 13]})),
+                400,
+                "inf",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                br#"{"instances": [{"cat_0": [1]}]}"#.to_vec(),
+                400,
+                "missing `dense`",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                vec![b' '; 70 << 10],
+                413,
+                "exceeds",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                Some("text/csv"),
+                b"1,2".to_vec(),
+                415,
+                "content-type",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:predict",
+                Some(ARROW_STREAM),
+                b"\xff\xff\xff\xff garbage".to_vec(),
+                400,
+                "malformed Arrow",
+            ),
+            (
+                "POST",
+                "/v1/models/other:predict",
+                json_t,
+                one(json!({})),
+                404,
+                "no model `other`",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm:explode",
+                json_t,
+                one(json!({})),
+                404,
+                "expected `<model>:predict`",
+            ),
+            (
+                "POST",
+                "/v1/models/dlrm",
+                json_t,
+                one(json!({})),
+                404,
+                "expected `<model>:predict`",
+            ),
+            ("GET", "/v1/models/other", None, vec![], 404, "no model"),
+            ("GET", "/nowhere", None, vec![], 404, "no such route"),
+            (
+                "POST",
+                "/v1/models/other:reload",
+                None,
+                vec![],
+                404,
+                "no model",
+            ),
+        ];
+        for (method, path, ctype, body, status, needle) in cases {
+            let (got, _, answer) = send(addr, method, path, ctype, body).await;
+            let text = String::from_utf8_lossy(&answer);
+            assert_eq!(got, status, "{method} {path}: {text}");
+            assert!(
+                text.contains(needle),
+                "{method} {path}: `{text}` does not say `{needle}`"
+            );
+        }
+        // Arrow bodies with bad columns.
+        let mut arrow_cases = Vec::new();
+        {
+            use arrow_array::{Float32Array, Int64Array, StringArray};
+            let good = arrow_body(&keys, &rows[..2]);
+            arrow_cases.push((good[..good.len() / 2].to_vec(), "malformed Arrow"));
+            let nan_rows: Vec<DlrmRow> = vec![DlrmRow {
+                dense: vec![f32::NAN; 13],
+                ids: rows[0].ids.clone(),
+            }];
+            arrow_cases.push((arrow_body(&keys, &nan_rows), "NaN"));
+            let batch = |columns: Vec<(&str, ArrayRef)>| {
+                let b = RecordBatch::try_from_iter(columns).unwrap();
+                let mut out = Vec::new();
+                let mut w =
+                    arrow_ipc::writer::StreamWriter::try_new(&mut out, &b.schema()).unwrap();
+                w.write(&b).unwrap();
+                w.finish().unwrap();
+                drop(w);
+                out
+            };
+            arrow_cases.push((
+                batch(vec![(
+                    "dense",
+                    Arc::new(Float32Array::from(vec![1.0])) as ArrayRef,
+                )]),
+                "expected a list",
+            ));
+            arrow_cases.push((
+                batch(vec![(
+                    "who",
+                    Arc::new(StringArray::from(vec!["x"])) as ArrayRef,
+                )]),
+                "unknown column `who`",
+            ));
+            arrow_cases.push((
+                batch(vec![(
+                    k0.as_str(),
+                    Arc::new(Int64Array::from(vec![3])) as ArrayRef,
+                )]),
+                "no `dense` column",
+            ));
+            arrow_cases.push((
+                batch(vec![(
+                    k0.as_str(),
+                    Arc::new(StringArray::from(vec!["x"])) as ArrayRef,
+                )]),
+                "expected int64/int32",
+            ));
+        }
+        for (body, needle) in arrow_cases {
+            let (got, _, answer) = send(
+                addr,
+                "POST",
+                "/v1/models/dlrm:predict",
+                Some(ARROW_STREAM),
+                body,
+            )
+            .await;
+            let text = String::from_utf8_lossy(&answer);
+            assert_eq!(got, 400, "{text}");
+            assert!(text.contains(needle), "`{text}` does not say `{needle}`");
+        }
+        // Random mutations: flipped, dropped and inserted bytes of valid bodies.
+        let valid = [
+            (json_t, json_body(&keys, &rows[..3])),
+            (Some(ARROW_STREAM), arrow_body(&keys, &rows[..3])),
+        ];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let mut statuses = std::collections::BTreeMap::new();
+        for i in 0..600 {
+            let (ctype, body) = &valid[i % 2];
+            let mut body = body.clone();
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..body.len());
+                match rng.random_range(0..3) {
+                    0 => body[at] = rng.random(),
+                    1 => {
+                        body.remove(at);
+                    }
+                    _ => body.insert(at, rng.random()),
+                }
+            }
+            let (status, _, answer) =
+                send(addr, "POST", "/v1/models/dlrm:predict", *ctype, body).await;
+            assert!(
+                status == 200 || (400..500).contains(&status),
+                "mutation {i}: {status} {}",
+                String::from_utf8_lossy(&answer)
+            );
+            if status != 200 {
+                let v: Value = serde_json::from_slice(&answer).expect("errors are JSON");
+                assert!(v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()));
+            }
+            *statuses.entry(status).or_insert(0) += 1;
+        }
+        println!("mutated bodies: {statuses:?}");
+        assert!(
+            statuses.len() > 1,
+            "the mutations hit more than one outcome: {statuses:?}"
+        );
+        // Still serving, correctly.
+        let (status, _, answer) = send(
+            addr,
+            "POST",
+            "/v1/models/dlrm:predict",
+            json_t,
+            json_body(&keys, &rows[..3]),
+        )
+        .await;
+        assert_eq!(status, 200);
+        assert_eq!(json_predictions(&answer), want);
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        assert!(
+            metrics.contains("embers_errors_total{kind=\"malformed_json\"}"),
+            "{metrics}"
+        );
+        assert!(!metrics.contains("code=\"5"), "no 5xx: {metrics}");
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+    });
+}
+
+/// Shutdown drains: a request waiting in a batch (400 ms delay) when shutdown begins is still
+/// answered, and `serve` returns only after it.
+#[test]
+fn shutdown_answers_in_flight_requests_first() {
+    let g = data();
+    let dir = scratch("drain");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    let want = predict(&trainer, &keys, &rows[..2], None);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.batcher.max_delay = Duration::from_millis(400);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let body = json_body(&keys, &rows[..2]);
+        let client =
+            tokio::spawn(
+                async move { send(addr, "POST", "/v1/models/dlrm:predict", None, body).await },
+            );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t = Instant::now();
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+        let (status, _, answer) = client.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(json_predictions(&answer), want);
+        assert!(
+            t.elapsed() >= Duration::from_millis(200),
+            "serve returned before the batch ran"
+        );
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "still accepting after shutdown"
+        );
+    });
+}
+
+/// The binary: starts on a free port, answers, reloads on SIGHUP, refuses a bad checkpoint
+/// with the old model serving, and exits 0 after draining on SIGTERM.
+#[cfg(unix)]
+#[test]
+fn the_embers_serve_binary_serves_reloads_and_drains() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let g = data();
+    let dir = scratch("binary");
+    let path = dir.join("model.safetensors");
+    let mut trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_embers-serve"))
+        .args([
+            "--checkpoint",
+            path.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+            "--quantize",
+            "int8",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr: SocketAddr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("{line}"));
+    let q = trainer
+        .model()
+        .sparse_arch
+        .quantize(WeightType::Int8)
+        .unwrap();
+    let want = predict(&trainer, &keys, &rows[..4], Some(&q));
+    let body = json_body(&keys, &rows[..4]);
+    let rt = runtime();
+    let (status, _, answer) = rt.block_on(send(
+        addr,
+        "POST",
+        "/v1/models/dlrm:predict",
+        None,
+        body.clone(),
+    ));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(json_predictions(&answer), want);
+    // Train on, replace the checkpoint, SIGHUP: the new model answers.
+    train(&mut trainer, &g, 1);
+    write_checkpoint(&trainer, &path);
+    let signal = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+    signal("-HUP");
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert!(line.contains("now serving version 2"), "{line}");
+    let q = trainer
+        .model()
+        .sparse_arch
+        .quantize(WeightType::Int8)
+        .unwrap();
+    let (_, _, answer) = rt.block_on(send(
+        addr,
+        "POST",
+        "/v1/models/dlrm:predict",
+        None,
+        body.clone(),
+    ));
+    assert_eq!(
+        json_predictions(&answer),
+        predict(&trainer, &keys, &rows[..4], Some(&q))
+    );
+    signal("-TERM");
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(status.success(), "exit {status}: {rest}");
+    assert!(rest.contains("drained"), "{rest}");
+}
