@@ -474,7 +474,7 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
 
 /// A queue bounded at 8 rows with batches waiting 400 ms: requests past it get 503 with a
 /// Retry-After header at once (long before the batch runs); the queue never holds more than
-/// its bound; the admitted requests are answered.
+/// its bound; the admitted requests are answered. Requests in flight are bounded the same way.
 #[test]
 fn a_full_queue_answers_503_at_once() {
     let g = data();
@@ -520,6 +520,39 @@ fn a_full_queue_answers_503_at_once() {
         }
         assert_eq!(ok, 4, "8 rows admitted, 2 per request");
         assert_eq!(refused, 16);
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+        // Requests in flight are bounded too (each may hold a body of max_body_bytes).
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.batcher.max_delay = Duration::from_millis(400);
+        cfg.max_inflight_requests = 3;
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let mut clients = Vec::new();
+        for c in 0..10 {
+            let body = json_body(&keys, &rows[c..c + 1]);
+            clients.push(tokio::spawn(async move {
+                send(addr, "POST", "/v1/models/dlrm:predict", None, body).await
+            }));
+        }
+        let mut statuses = Vec::new();
+        for c in clients {
+            let (status, _, answer) = c.await.unwrap();
+            if status == 503 {
+                assert!(String::from_utf8_lossy(&answer).contains("3 requests in flight"));
+            }
+            statuses.push(status);
+        }
+        assert_eq!(
+            statuses.iter().filter(|&&s| s == 200).count(),
+            3,
+            "{statuses:?}"
+        );
+        assert_eq!(
+            statuses.iter().filter(|&&s| s == 503).count(),
+            7,
+            "{statuses:?}"
+        );
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
     });

@@ -39,6 +39,9 @@ struct Args {
     /// Largest request body, in bytes (413 above it).
     #[arg(long, default_value_t = 8 << 20)]
     max_body_bytes: usize,
+    /// Predict requests in flight at most (each holds up to max-body-bytes); past it, 503.
+    #[arg(long, default_value_t = 1024)]
+    max_inflight: usize,
     /// Check the checkpoint's modification time every this many seconds and reload it when
     /// it changes (0: never; SIGHUP always reloads).
     #[arg(long, default_value_t = 0)]
@@ -95,6 +98,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             max_queued_rows: args.max_queued_rows,
         },
         max_body_bytes: args.max_body_bytes,
+        max_inflight_requests: args.max_inflight,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

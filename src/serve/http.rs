@@ -64,11 +64,15 @@ pub struct ServerConfig {
     pub batcher: BatcherConfig,
     /// Largest request body accepted (413 above it).
     pub max_body_bytes: usize,
+    /// Predict requests being read, parsed or waiting at once; past it, 503 at once. With
+    /// `max_body_bytes` it bounds the memory requests can hold (the batcher's queue bounds
+    /// rows only once they are parsed).
+    pub max_inflight_requests: usize,
 }
 
 impl ServerConfig {
-    /// Serves `checkpoint` as `model_name` with FP32 tables, default batching and an 8 MiB body
-    /// limit.
+    /// Serves `checkpoint` as `model_name` with FP32 tables, default batching, an 8 MiB body
+    /// limit and 1024 requests in flight.
     pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
         ServerConfig {
             model_name: model_name.into(),
@@ -76,6 +80,7 @@ impl ServerConfig {
             quantize: None,
             batcher: BatcherConfig::default(),
             max_body_bytes: 8 << 20,
+            max_inflight_requests: 1024,
         }
     }
 }
@@ -111,6 +116,7 @@ struct Shared {
     reloading: tokio::sync::Mutex<()>,
     versions: AtomicU64,
     draining: AtomicBool,
+    inflight: tokio::sync::Semaphore,
     metrics: Metrics,
 }
 
@@ -184,13 +190,14 @@ impl Server {
     /// Loads the model of `config` (on the blocking pool) and starts its batcher. Must run
     /// inside a tokio runtime.
     pub async fn start(config: ServerConfig) -> Result<Server> {
-        if config.max_body_bytes == 0 {
+        if config.max_body_bytes == 0 || config.max_inflight_requests == 0 {
             return Err(Error::invalid(
                 "ServerConfig",
-                "max_body_bytes must be at least 1",
+                "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
         let shared = Arc::new(Shared {
+            inflight: tokio::sync::Semaphore::new(config.max_inflight_requests),
             config,
             model: RwLock::new(None),
             reloading: tokio::sync::Mutex::new(()),
@@ -436,6 +443,17 @@ async fn predict(
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let model = server.model(name)?;
+    let _permit = server.shared.inflight.try_acquire().map_err(|_| ApiError {
+        retry_after: Some(server.shared.config.batcher.max_delay),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            format!(
+                "{} requests in flight (limit)",
+                server.shared.config.max_inflight_requests
+            ),
+        )
+    })?;
     let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
         None => Format::Json,
         Some(Ok(t)) if t.starts_with("application/json") => Format::Json,
