@@ -28,7 +28,9 @@ pub trait BatchModel: Send + Sync + 'static {
 pub struct BatcherConfig {
     /// A batch closes when it holds this many rows (a request larger than this runs alone).
     pub max_batch_rows: usize,
-    /// … or this long after its first request arrived, whichever comes first.
+    /// … or this long after its first request arrived, whichever comes first (tokio's
+    /// timers have 1 ms resolution; 0: the batch is whatever is queued when the previous one
+    /// finishes, so an idle server answers at once and a busy one still batches).
     pub max_delay: Duration,
     /// Rows queued or running at most; a request that would exceed it is refused
     /// ([`ServeError::Overloaded`]).
@@ -239,17 +241,31 @@ async fn worker<M: BatchModel>(
         let mut rows = first.rows.len();
         let mut jobs = vec![first];
         while rows < config.max_batch_rows {
-            match tokio::time::timeout_at(deadline, receiver.recv()).await {
-                Ok(Some(job)) if rows + job.rows.len() > config.max_batch_rows => {
+            // What is already queued joins without a timer: tokio's timers tick in whole
+            // milliseconds, so even an elapsed deadline would cost up to 1 ms (with
+            // `max_delay` 0 the batch is exactly what was queued).
+            let next = match receiver.try_recv() {
+                Ok(job) => Some(job),
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+                Err(mpsc::error::TryRecvError::Empty) if Instant::now() >= deadline => None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    tokio::time::timeout_at(deadline, receiver.recv())
+                        .await
+                        .ok()
+                        .flatten()
+                }
+            };
+            match next {
+                Some(job) if rows + job.rows.len() > config.max_batch_rows => {
                     carried = Some(job);
                     break;
                 }
-                Ok(Some(job)) => {
+                Some(job) => {
                     rows += job.rows.len();
                     jobs.push(job);
                 }
                 // Closed or past the deadline: run what there is.
-                Ok(None) | Err(_) => break,
+                None => break,
             }
         }
         run_batch(&model, jobs, rows, &stats).await;
