@@ -98,9 +98,30 @@ fn dot_interaction(c: &mut Criterion) {
     });
 }
 
+/// Inference `linear` (no grad) at serving shapes: the default gemm path against the
+/// row-invariant kernel serving runs in (`embers::tensor::row_invariant`).
+fn linear_row_invariant(c: &mut Criterion) {
+    let mut rng = seeded(3);
+    for (rows, k, n) in [(256, 367, 64), (256, 64, 32), (256, 415, 512), (1, 415, 512)] {
+        let x = Tensor::randn(&[rows, k], 0.0, 1.0, DType::F32, &mut rng);
+        let w = Tensor::randn(&[n, k], 0.0, 1.0, DType::F32, &mut rng);
+        let b = Tensor::randn(&[n], 0.0, 1.0, DType::F32, &mut rng);
+        embers::no_grad(|| {
+            c.bench_function(&format!("linear gemm {rows}x{k}->{n}"), |bench| {
+                bench.iter(|| x.linear(&w, Some(&b)).unwrap())
+            });
+            c.bench_function(&format!("linear row-invariant {rows}x{k}->{n}"), |bench| {
+                bench.iter(|| {
+                    embers::tensor::row_invariant(|| x.linear(&w, Some(&b)).unwrap())
+                })
+            });
+        });
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(4));
-    targets = matmul, dlrm_mlps, dot_interaction
+    targets = matmul, dlrm_mlps, dot_interaction, linear_row_invariant
 }
 criterion_main!(benches);
