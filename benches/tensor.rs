@@ -102,7 +102,12 @@ fn dot_interaction(c: &mut Criterion) {
 /// row-invariant kernel serving runs in (`embers::tensor::row_invariant`).
 fn linear_row_invariant(c: &mut Criterion) {
     let mut rng = seeded(3);
-    for (rows, k, n) in [(256, 367, 64), (256, 64, 32), (256, 415, 512), (1, 415, 512)] {
+    for (rows, k, n) in [
+        (256, 367, 64),
+        (256, 64, 32),
+        (256, 415, 512),
+        (1, 415, 512),
+    ] {
         let x = Tensor::randn(&[rows, k], 0.0, 1.0, DType::F32, &mut rng);
         let w = Tensor::randn(&[n, k], 0.0, 1.0, DType::F32, &mut rng);
         let b = Tensor::randn(&[n], 0.0, 1.0, DType::F32, &mut rng);
@@ -111,9 +116,7 @@ fn linear_row_invariant(c: &mut Criterion) {
                 bench.iter(|| x.linear(&w, Some(&b)).unwrap())
             });
             c.bench_function(&format!("linear row-invariant {rows}x{k}->{n}"), |bench| {
-                bench.iter(|| {
-                    embers::tensor::row_invariant(|| x.linear(&w, Some(&b)).unwrap())
-                })
+                bench.iter(|| embers::tensor::row_invariant(|| x.linear(&w, Some(&b)).unwrap()))
             });
         });
     }

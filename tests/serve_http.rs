@@ -558,6 +558,10 @@ fn a_full_queue_answers_503_at_once() {
     });
 }
 
+/// A malformed request: method, path, content type, body, expected status, and what the
+/// error message must say.
+type Case<'a> = (&'a str, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);
+
 /// Malformed requests of every kind at every endpoint, then thousands of seeded random
 /// mutations of valid JSON and Arrow bodies: every answer is a 2xx or a 4xx with a JSON error
 /// naming what is wrong (never a 5xx, a dropped connection or a crash), and the server still
@@ -589,7 +593,7 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
             serde_json::to_vec(&json!({ "instances": [o] })).unwrap()
         };
         let json_t = Some("application/json");
-        let cases: Vec<(&str, &str, Option<&str>, Vec<u8>, u16, &str)> = vec![
+        let cases: Vec<Case> = vec![
             (
                 "POST",
                 "/v1/models/dlrm:predict",

@@ -1,28 +1,4 @@
-//! The HTTP server: a trained DLRM behind [`DynamicBatcher`], on axum.
-//!
-//! | route | what |
-//! |---|---|
-//! | `POST /v1/models/{name}:predict` | scores rows: JSON (`application/json`) or Arrow IPC (`application/vnd.apache.arrow.stream`) in, the same format out |
-//! | `POST /v1/models/{name}:reload` | loads the checkpoint file again, checks it, swaps it in |
-//! | `GET /v1/models/{name}` | the model's features, tasks, version and table format |
-//! | `GET /healthz` | 200 while the process runs |
-//! | `GET /readyz` | 200 while a model is loaded and the server is not draining, else 503 |
-//! | `GET /metrics` | Prometheus text: responses by route and code, errors by kind, latency and batch-size histograms, queue depth, model version, reloads |
-//!
-//! **JSON** `{"instances": [{"dense": [0.1, …], "cat_0": [12, 7], "cat_1": 3}, …]}`: each
-//! instance has its dense values under `dense` and, under each sparse feature's name, its ids
-//! (a list, or one integer); a feature left out is an empty bag. The answer:
-//! `{"model", "version", "predictions": [p, …], "outputs": {"<task>": [p, …], …}}`, one
-//! probability per instance in request order (`predictions` is the first task's).
-//!
-//! **Arrow IPC** (one stream, any number of record batches): a `dense` column (list or
-//! fixed-size list of float32/float64) and one column per sparse feature (list of int64/int32,
-//! or int64/int32 for one id per row). The answer is a stream with one float32 column per task.
-//!
-//! Every bad request gets a 4xx naming the field (`{"error": {"kind", "message"}}`); a full
-//! queue gets 503 with `Retry-After`. A reload loads and checks the new checkpoint on the
-//! blocking pool while the old model serves; the swap is one pointer store, and requests already
-//! holding the old model finish on it; a checkpoint that fails to load leaves the old model.
+//! The HTTP server: a trained DLRM behind [`DynamicBatcher`], on axum (see [`Server`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -122,6 +98,31 @@ struct Shared {
 
 /// The inference server: a loaded model, its batcher and the HTTP routes over them. Cheap to
 /// clone (clones share everything).
+///
+/// | route | what |
+/// |---|---|
+/// | `POST /v1/models/{name}:predict` | scores rows: JSON (`application/json`) or Arrow IPC (`application/vnd.apache.arrow.stream`) in, the same format out |
+/// | `POST /v1/models/{name}:reload` | loads the checkpoint file again, checks it, swaps it in |
+/// | `GET /v1/models/{name}` | the model's features, tasks, version and table format |
+/// | `GET /healthz` | 200 while the process runs |
+/// | `GET /readyz` | 200 while a model is loaded and the server is not draining, else 503 |
+/// | `GET /metrics` | Prometheus text: responses by route and code, errors by kind, latency and batch-size histograms, queue depth, model version, reloads |
+///
+/// **JSON** (`application/json`, or no type, or curl's default form type)
+/// `{"instances": [{"dense": [0.1, …], "cat_0": [12, 7], "cat_1": 3}, …]}`: each
+/// instance has its dense values under `dense` and, under each sparse feature's name, its ids
+/// (a list, or one integer); a feature left out is an empty bag. The answer:
+/// `{"model", "version", "predictions": [p, …], "outputs": {"<task>": [p, …], …}}`, one
+/// probability per instance in request order (`predictions` is the first task's).
+///
+/// **Arrow IPC** (one stream, any number of record batches): a `dense` column (list or
+/// fixed-size list of float32/float64) and one column per sparse feature (list of int64/int32,
+/// or int64/int32 for one id per row). The answer is a stream with one float32 column per task.
+///
+/// Every bad request gets a 4xx naming the field (`{"error": {"kind", "message"}}`); a full
+/// queue gets 503 with `Retry-After`. A reload loads and checks the new checkpoint on the
+/// blocking pool while the old model serves; the swap is one pointer store, and requests already
+/// holding the old model finish on it; a checkpoint that fails to load leaves the old model.
 #[derive(Clone)]
 pub struct Server {
     shared: Arc<Shared>,
@@ -273,7 +274,7 @@ impl Server {
             .clone()
     }
 
-    /// The routes (see the [module docs](self)).
+    /// The routes (see [`Server`]).
     pub fn router(&self) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok\n" }))
@@ -457,6 +458,8 @@ async fn predict(
     let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
         None => Format::Json,
         Some(Ok(t)) if t.starts_with("application/json") => Format::Json,
+        // What `curl -d` sends when no type is given: the body is still read as JSON.
+        Some(Ok(t)) if t.starts_with("application/x-www-form-urlencoded") => Format::Json,
         Some(Ok(t)) if t.starts_with(ARROW_STREAM) => Format::Arrow,
         Some(t) => {
             return Err(ApiError::new(
@@ -558,7 +561,7 @@ async fn predict(
     })
 }
 
-/// `{"instances": [...]}` → rows (see the [module docs](self)).
+/// `{"instances": [...]}` → rows (see [`Server`]).
 fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
@@ -646,7 +649,7 @@ fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmR
     Ok(rows)
 }
 
-/// An Arrow IPC stream → rows (see the [module docs](self)).
+/// An Arrow IPC stream → rows (see [`Server`]).
 fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let malformed = |e: arrow_schema::ArrowError| {
         ApiError::bad(

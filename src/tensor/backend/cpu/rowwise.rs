@@ -140,7 +140,7 @@ fn portable<T: FloatElem>(args: Args<'_, T>) {
             let mut lanes = [T::zero(); 8];
             for c in (0..full).step_by(8) {
                 for l in 0..8 {
-                    lanes[l] = lanes[l] + xr[c + l] * wr[c + l];
+                    lanes[l] += xr[c + l] * wr[c + l];
                 }
             }
             *o = finish(lanes, xr, wr, full, bias.map(|b| b[j]), false);
