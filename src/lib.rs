@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod models;
 pub mod nn;
 pub mod optim;
+pub mod retrieval;
 pub mod serve;
 pub mod simd;
 pub mod sparse;

@@ -1,0 +1,212 @@
+//! Exact search: blocked query × base products on the tensor core's matmul, then a bounded
+//! selection per query.
+
+use std::collections::HashSet;
+
+use rayon::prelude::*;
+
+use super::select::TopK;
+use super::{check_new_ids, check_vectors, Metric, Neighbors};
+use crate::tensor::no_grad;
+use crate::{Error, Result, Tensor};
+
+/// Queries per product block.
+const QUERY_BLOCK: usize = 256;
+/// Base vectors per product block.
+const BASE_BLOCK: usize = 4096;
+
+/// The `k` best of `base` (rows of `dim`) for every query, as per-query [`TopK`]s of scores to
+/// maximise: the inner product, or for L2 `2⟨q,b⟩ − ‖b‖²` (the distance is `‖q‖²` minus it).
+/// `norms` are the base rows' squared norms (L2 only); `ids` name the rows (their index when
+/// `None`).
+pub(crate) fn scan(
+    queries: &[f32],
+    base: &[f32],
+    dim: usize,
+    norms: Option<&[f32]>,
+    ids: Option<&[i64]>,
+    metric: Metric,
+    k: usize,
+) -> Result<Vec<TopK>> {
+    let nq = queries.len() / dim;
+    let nb = base.len() / dim;
+    let mut tops: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
+    no_grad(|| -> Result<()> {
+        for q0 in (0..nq).step_by(QUERY_BLOCK) {
+            let qn = QUERY_BLOCK.min(nq - q0);
+            let q = Tensor::from_slice(&queries[q0 * dim..(q0 + qn) * dim], &[qn, dim])?;
+            for b0 in (0..nb).step_by(BASE_BLOCK) {
+                let bn = BASE_BLOCK.min(nb - b0);
+                let b = Tensor::from_slice(&base[b0 * dim..(b0 + bn) * dim], &[bn, dim])?;
+                // [qn, bn] = q · bᵀ
+                let products = q.linear(&b, None)?.to_vec::<f32>()?;
+                tops[q0..q0 + qn]
+                    .par_iter_mut()
+                    .zip(products.par_chunks(bn))
+                    .for_each(|(top, row)| {
+                        for (j, &p) in row.iter().enumerate() {
+                            let score = match (metric, norms) {
+                                (Metric::L2, Some(n)) => 2.0 * p - n[b0 + j],
+                                _ => p,
+                            };
+                            if score >= top.threshold() {
+                                let id = ids.map_or((b0 + j) as i64, |ids| ids[b0 + j]);
+                                top.push(score, id);
+                            }
+                        }
+                    });
+            }
+        }
+        Ok(())
+    })?;
+    Ok(tops)
+}
+
+/// Squared norms of the rows of `vectors`.
+pub(crate) fn squared_norms(vectors: &[f32], dim: usize) -> Vec<f32> {
+    vectors
+        .chunks_exact(dim)
+        .map(|v| v.iter().map(|x| x * x).sum())
+        .collect()
+}
+
+/// Turns per-query [`TopK`]s of maximised scores into [`Neighbors`] in the metric's own units.
+pub(crate) fn to_neighbors(
+    tops: Vec<TopK>,
+    queries: &[f32],
+    dim: usize,
+    metric: Metric,
+    k: usize,
+) -> Neighbors {
+    let mut ids = Vec::with_capacity(tops.len() * k);
+    let mut scores = Vec::with_capacity(tops.len() * k);
+    for (q, top) in tops.into_iter().enumerate() {
+        let qnorm: f32 = queries[q * dim..(q + 1) * dim].iter().map(|x| x * x).sum();
+        for (score, id) in top.into_sorted() {
+            ids.push(id);
+            scores.push(match metric {
+                Metric::InnerProduct => score,
+                // Clamped at 0: rounding can take ‖q‖² − (2⟨q,b⟩ − ‖b‖²) just below it.
+                Metric::L2 if id >= 0 => (qnorm - score).max(0.0),
+                Metric::L2 => f32::INFINITY,
+            });
+        }
+    }
+    Neighbors { k, ids, scores }
+}
+
+/// Exact nearest-neighbour search: every query against every stored vector (FAISS's
+/// `IndexFlatIP` / `IndexFlatL2`, with ids).
+#[derive(Clone, Debug)]
+pub struct FlatIndex {
+    dim: usize,
+    metric: Metric,
+    vectors: Vec<f32>,
+    ids: Vec<i64>,
+    norms: Vec<f32>,
+    present: HashSet<i64>,
+}
+
+impl FlatIndex {
+    /// An empty index of `dim`-dimensional vectors.
+    pub fn new(dim: usize, metric: Metric) -> Result<Self> {
+        if dim == 0 {
+            return Err(Error::invalid(
+                "FlatIndex",
+                "the dimension must be at least 1",
+            ));
+        }
+        Ok(FlatIndex {
+            dim,
+            metric,
+            vectors: Vec::new(),
+            ids: Vec::new(),
+            norms: Vec::new(),
+            present: HashSet::new(),
+        })
+    }
+
+    /// The vectors' dimension.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Vectors stored.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether no vector is stored.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Adds `vectors` (rows of `dim`) under `ids` (unique, non-negative, new).
+    pub fn add(&mut self, ids: &[i64], vectors: &[f32]) -> Result<()> {
+        let n = check_vectors("FlatIndex::add", vectors, self.dim)?;
+        check_new_ids("FlatIndex::add", ids, n, |id| self.present.contains(&id))?;
+        self.vectors.extend_from_slice(vectors);
+        self.norms.extend(squared_norms(vectors, self.dim));
+        self.ids.extend_from_slice(ids);
+        self.present.extend(ids.iter().copied());
+        Ok(())
+    }
+
+    /// Removes the vectors with these ids (ids not stored are ignored); returns how many went.
+    pub fn remove(&mut self, ids: &[i64]) -> usize {
+        let gone: HashSet<i64> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.present.contains(id))
+            .collect();
+        if gone.is_empty() {
+            return 0;
+        }
+        let dim = self.dim;
+        let mut keep = 0;
+        for i in 0..self.ids.len() {
+            if !gone.contains(&self.ids[i]) {
+                self.ids[keep] = self.ids[i];
+                self.norms[keep] = self.norms[i];
+                self.vectors.copy_within(i * dim..(i + 1) * dim, keep * dim);
+                keep += 1;
+            }
+        }
+        self.ids.truncate(keep);
+        self.norms.truncate(keep);
+        self.vectors.truncate(keep * dim);
+        self.present.retain(|id| !gone.contains(id));
+        gone.len()
+    }
+
+    /// The `k` nearest stored vectors of each query (rows of `dim`), best first.
+    pub fn search(&self, queries: &[f32], k: usize) -> Result<Neighbors> {
+        check_vectors("FlatIndex::search", queries, self.dim)?;
+        check_k("FlatIndex::search", k, self.len())?;
+        let norms = (self.metric == Metric::L2).then_some(&self.norms[..]);
+        let tops = scan(
+            queries,
+            &self.vectors,
+            self.dim,
+            norms,
+            Some(&self.ids),
+            self.metric,
+            k,
+        )?;
+        Ok(to_neighbors(tops, queries, self.dim, self.metric, k))
+    }
+}
+
+/// `k` must be at least 1 and at most the vectors stored.
+pub(crate) fn check_k(what: &'static str, k: usize, stored: usize) -> Result<()> {
+    if stored == 0 {
+        return Err(Error::invalid(what, "the index is empty"));
+    }
+    if k == 0 || k > stored {
+        return Err(Error::invalid(
+            what,
+            format!("k = {k}, but the index holds {stored} vectors (k must be 1..={stored})"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,426 @@
+//! IVF-PQ: inverted lists over a k-means coarse quantizer, residuals stored as PQ codes.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use super::flat::{check_k, scan, squared_norms};
+use super::select::TopK;
+use super::{check_new_ids, check_vectors, kmeans, Metric, Neighbors, ProductQuantizer, KSUB};
+use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::{Error, Result};
+
+const FORMAT: &str = "embers.ivfpq.v1";
+
+/// The shape of an [`IvfPqIndex`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IvfPqConfig {
+    /// Inverted lists (coarse centroids).
+    pub nlist: usize,
+    /// Sub-quantizers: code bytes per vector (the dimension must divide by it).
+    pub m: usize,
+    /// Inner product or squared L2.
+    pub metric: Metric,
+    /// k-means rounds for the coarse quantizer and each sub-quantizer (FAISS: 25 by default).
+    pub iters: usize,
+    /// Seed of both k-means.
+    pub seed: u64,
+}
+
+impl IvfPqConfig {
+    /// `nlist` lists, `m` sub-quantizers, 25 k-means rounds, seed 0.
+    pub fn new(nlist: usize, m: usize, metric: Metric) -> Self {
+        IvfPqConfig {
+            nlist,
+            m,
+            metric,
+            iters: 25,
+            seed: 0,
+        }
+    }
+}
+
+/// One inverted list: ids and their `m`-byte codes, in the same order.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct InvList {
+    ids: Vec<i64>,
+    codes: Vec<u8>,
+}
+
+/// Approximate nearest-neighbour search (FAISS's `IndexIVFPQ` with 8-bit codes, residuals
+/// encoded): each vector lives in the list of its nearest coarse centroid as `m` PQ codes of
+/// its residual; a query scans its `nprobe` best lists with one distance table per query
+/// (inner product) or per probed list (L2).
+#[derive(Clone, Debug)]
+pub struct IvfPqIndex {
+    config: IvfPqConfig,
+    dim: usize,
+    coarse: Vec<f32>,
+    coarse_norms: Vec<f32>,
+    pq: ProductQuantizer,
+    lists: Vec<InvList>,
+    list_of: HashMap<i64, u32>,
+}
+
+impl IvfPqIndex {
+    /// Trains the coarse quantizer on `vectors` (rows of `dim`; at least `nlist` and 256 of
+    /// them) and the product quantizer on their residuals. The index starts empty: [`add`]
+    /// the vectors to serve.
+    ///
+    /// [`add`]: Self::add
+    pub fn train(config: IvfPqConfig, vectors: &[f32], dim: usize) -> Result<Self> {
+        let n = check_vectors("IvfPqIndex::train", vectors, dim)?;
+        if config.nlist == 0 {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                "nlist must be at least 1",
+            ));
+        }
+        if config.m == 0 || dim % config.m != 0 {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                format!(
+                    "dimension {dim} is not divisible into m = {} sub-vectors",
+                    config.m
+                ),
+            ));
+        }
+        if n < config.nlist.max(KSUB) {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                format!(
+                    "{} lists and 256 PQ centroids need at least {} training vectors, got {n}",
+                    config.nlist,
+                    config.nlist.max(KSUB)
+                ),
+            ));
+        }
+        let coarse = kmeans(vectors, dim, config.nlist, config.iters, config.seed)?;
+        let coarse_norms = squared_norms(&coarse, dim);
+        let mut index = IvfPqIndex {
+            config,
+            dim,
+            coarse,
+            coarse_norms,
+            // Replaced below once the residuals exist.
+            pq: ProductQuantizer::from_centroids(dim, config.m, vec![0.0; dim * KSUB])?,
+            lists: vec![InvList::default(); config.nlist],
+            list_of: HashMap::new(),
+        };
+        let lists = index.assign(vectors)?;
+        let residuals = index.residuals(vectors, &lists);
+        index.pq = ProductQuantizer::train(
+            &residuals,
+            dim,
+            config.m,
+            config.iters,
+            config.seed.wrapping_add(1),
+        )?;
+        Ok(index)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> IvfPqConfig {
+        self.config
+    }
+
+    /// The vectors' dimension.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Vectors stored.
+    pub fn len(&self) -> usize {
+        self.list_of.len()
+    }
+
+    /// Whether no vector is stored.
+    pub fn is_empty(&self) -> bool {
+        self.list_of.is_empty()
+    }
+
+    /// Vectors in each inverted list.
+    pub fn list_sizes(&self) -> Vec<usize> {
+        self.lists.iter().map(|l| l.ids.len()).collect()
+    }
+
+    /// The product quantizer.
+    pub fn pq(&self) -> &ProductQuantizer {
+        &self.pq
+    }
+
+    /// The nearest coarse centroid of each vector (by the index's metric).
+    fn assign(&self, vectors: &[f32]) -> Result<Vec<usize>> {
+        let norms = (self.config.metric == Metric::L2).then_some(&self.coarse_norms[..]);
+        let tops = scan(
+            vectors,
+            &self.coarse,
+            self.dim,
+            norms,
+            None,
+            self.config.metric,
+            1,
+        )?;
+        Ok(tops
+            .into_iter()
+            .map(|t| t.into_sorted()[0].1 as usize)
+            .collect())
+    }
+
+    fn residuals(&self, vectors: &[f32], lists: &[usize]) -> Vec<f32> {
+        let dim = self.dim;
+        let mut out = Vec::with_capacity(vectors.len());
+        for (v, &l) in vectors.chunks_exact(dim).zip(lists) {
+            let c = &self.coarse[l * dim..(l + 1) * dim];
+            out.extend(v.iter().zip(c).map(|(x, c)| x - c));
+        }
+        out
+    }
+
+    /// Adds `vectors` (rows of `dim`) under `ids` (unique, non-negative, new) to the lists of
+    /// their nearest centroids; the quantizers are not retrained.
+    pub fn add(&mut self, ids: &[i64], vectors: &[f32]) -> Result<()> {
+        let n = check_vectors("IvfPqIndex::add", vectors, self.dim)?;
+        check_new_ids("IvfPqIndex::add", ids, n, |id| {
+            self.list_of.contains_key(&id)
+        })?;
+        let lists = self.assign(vectors)?;
+        let codes = self.pq.encode(&self.residuals(vectors, &lists))?;
+        let m = self.config.m;
+        for (i, (&id, &l)) in ids.iter().zip(&lists).enumerate() {
+            let list = &mut self.lists[l];
+            list.ids.push(id);
+            list.codes.extend_from_slice(&codes[i * m..(i + 1) * m]);
+            self.list_of.insert(id, l as u32);
+        }
+        Ok(())
+    }
+
+    /// The vector id `id` stands for in the index: its list's centroid plus its decoded
+    /// residual (what search scores against); `None` if the id is not stored.
+    pub fn reconstruct(&self, id: i64) -> Option<Vec<f32>> {
+        let l = *self.list_of.get(&id)? as usize;
+        let list = &self.lists[l];
+        let at = list.ids.iter().position(|&x| x == id)?;
+        let m = self.config.m;
+        let residual = self.pq.decode(&list.codes[at * m..(at + 1) * m]);
+        let c = &self.coarse[l * self.dim..(l + 1) * self.dim];
+        Some(residual.iter().zip(c).map(|(r, c)| r + c).collect())
+    }
+
+    /// Removes the vectors with these ids (ids not stored are ignored); returns how many went.
+    pub fn remove(&mut self, ids: &[i64]) -> usize {
+        let m = self.config.m;
+        let mut removed = 0;
+        for id in ids {
+            let Some(l) = self.list_of.remove(id) else {
+                continue;
+            };
+            let list = &mut self.lists[l as usize];
+            let at = list
+                .ids
+                .iter()
+                .position(|x| x == id)
+                .expect("list_of names the list holding the id");
+            let last = list.ids.len() - 1;
+            list.ids.swap_remove(at);
+            list.codes.copy_within(last * m..(last + 1) * m, at * m);
+            list.codes.truncate(last * m);
+            removed += 1;
+        }
+        removed
+    }
+
+    /// The `k` nearest stored vectors of each query (rows of `dim`) among the `nprobe` lists
+    /// nearest to it, best first (approximate: scores come from the PQ codes).
+    pub fn search(&self, queries: &[f32], k: usize, nprobe: usize) -> Result<Neighbors> {
+        let nq = check_vectors("IvfPqIndex::search", queries, self.dim)?;
+        check_k("IvfPqIndex::search", k, self.len())?;
+        if nprobe == 0 || nprobe > self.config.nlist {
+            return Err(Error::invalid(
+                "IvfPqIndex::search",
+                format!("nprobe = {nprobe}, must be 1..={}", self.config.nlist),
+            ));
+        }
+        let metric = self.config.metric;
+        let norms = (metric == Metric::L2).then_some(&self.coarse_norms[..]);
+        let probes = scan(queries, &self.coarse, self.dim, norms, None, metric, nprobe)?;
+        let dim = self.dim;
+        let results: Vec<Vec<(f32, i64)>> = probes
+            .into_par_iter()
+            .enumerate()
+            .map(|(q, probe)| {
+                let query = &queries[q * dim..(q + 1) * dim];
+                let mut top = TopK::new(k);
+                let ip_table = (metric == Metric::InnerProduct)
+                    .then(|| self.pq.table(query, Metric::InnerProduct));
+                let mut residual = vec![0f32; dim];
+                for (coarse_score, l) in probe.into_sorted() {
+                    if l < 0 {
+                        continue;
+                    }
+                    let l = l as usize;
+                    let list = &self.lists[l];
+                    if list.ids.is_empty() {
+                        continue;
+                    }
+                    let (table, base, sign) = match &ip_table {
+                        // ⟨q, c + r⟩ = ⟨q, c⟩ + Σ_j table_j[code_j]
+                        Some(t) => (std::borrow::Cow::Borrowed(t), coarse_score, 1.0),
+                        // ‖q − c − r‖² = Σ_j table(q − c)_j[code_j]; maximise its negation.
+                        None => {
+                            let c = &self.coarse[l * dim..(l + 1) * dim];
+                            for ((r, x), c) in residual.iter_mut().zip(query).zip(c) {
+                                *r = x - c;
+                            }
+                            (
+                                std::borrow::Cow::Owned(self.pq.table(&residual, Metric::L2)),
+                                0.0,
+                                -1.0,
+                            )
+                        }
+                    };
+                    scan_list(list, &table, self.config.m, base, sign, &mut top);
+                }
+                top.into_sorted()
+            })
+            .collect();
+        let mut ids = Vec::with_capacity(nq * k);
+        let mut scores = Vec::with_capacity(nq * k);
+        for row in results {
+            for (score, id) in row {
+                ids.push(id);
+                scores.push(match metric {
+                    Metric::InnerProduct => score,
+                    Metric::L2 => -score,
+                });
+            }
+        }
+        Ok(Neighbors { k, ids, scores })
+    }
+
+    /// Writes the index to `path` atomically (temporary file, fsync, rename): a crash leaves
+    /// the previous file whole.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut w = CheckpointWriter::new();
+        w.set_metadata("format", FORMAT);
+        w.set_metadata("metric", self.config.metric.name());
+        w.set_metadata("dim", self.dim.to_string());
+        w.set_metadata("nlist", self.config.nlist.to_string());
+        w.set_metadata("m", self.config.m.to_string());
+        w.set_metadata("iters", self.config.iters.to_string());
+        w.set_metadata("seed", self.config.seed.to_string());
+        w.add("coarse", &[self.config.nlist, self.dim], &self.coarse)?;
+        w.add(
+            "pq",
+            &[self.config.m, KSUB, self.pq.dsub()],
+            self.pq.centroids(),
+        )?;
+        let sizes: Vec<i64> = self.lists.iter().map(|l| l.ids.len() as i64).collect();
+        let ids: Vec<i64> = self
+            .lists
+            .iter()
+            .flat_map(|l| l.ids.iter().copied())
+            .collect();
+        let codes: Vec<u8> = self
+            .lists
+            .iter()
+            .flat_map(|l| l.codes.iter().copied())
+            .collect();
+        w.add("list_sizes", &[self.config.nlist], &sizes)?;
+        w.add("ids", &[ids.len()], &ids)?;
+        w.add("codes", &[ids.len(), self.config.m], &codes)?;
+        w.write(path)
+    }
+
+    /// Reads an index written by [`save`](Self::save); a truncated, corrupt or inconsistent
+    /// file is an error naming it.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let r = CheckpointReader::open(path)?;
+        let bad = |msg: String| {
+            Error::invalid("IvfPqIndex::load", format!("{}: {msg}", r.path().display()))
+        };
+        if r.metadata("format") != Some(FORMAT) {
+            return Err(bad(format!(
+                "not an IVF-PQ index (format {:?})",
+                r.metadata("format")
+            )));
+        }
+        let number = |key: &str| -> Result<usize> {
+            let v = r.required_metadata(key)?;
+            v.parse()
+                .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
+        };
+        let (dim, nlist, m) = (number("dim")?, number("nlist")?, number("m")?);
+        let metric = Metric::from_name(r.required_metadata("metric")?)
+            .ok_or_else(|| bad("metric is neither `ip` nor `l2`".into()))?;
+        if dim == 0 || nlist == 0 || m == 0 || dim % m != 0 {
+            return Err(bad(format!(
+                "dim {dim}, nlist {nlist}, m {m} do not fit together"
+            )));
+        }
+        let config = IvfPqConfig {
+            nlist,
+            m,
+            metric,
+            iters: number("iters")?,
+            seed: number("seed")? as u64,
+        };
+        let coarse: Vec<f32> = r.read("coarse", &[nlist, dim])?;
+        check_vectors("IvfPqIndex::load", &coarse, dim).map_err(|e| bad(e.to_string()))?;
+        let pq = ProductQuantizer::from_centroids(dim, m, r.read("pq", &[m, KSUB, dim / m])?)
+            .map_err(|e| bad(e.to_string()))?;
+        let sizes: Vec<i64> = r.read("list_sizes", &[nlist])?;
+        if sizes.iter().any(|&s| s < 0) {
+            return Err(bad("a negative list size".into()));
+        }
+        let total: usize = sizes.iter().map(|&s| s as usize).sum();
+        let ids: Vec<i64> = r.read("ids", &[total])?;
+        let codes: Vec<u8> = r.read("codes", &[total, m])?;
+        let mut lists = Vec::with_capacity(nlist);
+        let mut list_of = HashMap::with_capacity(total);
+        let mut at = 0;
+        for (l, &size) in sizes.iter().enumerate() {
+            let size = size as usize;
+            let list = InvList {
+                ids: ids[at..at + size].to_vec(),
+                codes: codes[at * m..(at + size) * m].to_vec(),
+            };
+            for &id in &list.ids {
+                if id < 0 || list_of.insert(id, l as u32).is_some() {
+                    return Err(bad(format!("id {id} is negative or stored twice")));
+                }
+            }
+            lists.push(list);
+            at += size;
+        }
+        Ok(IvfPqIndex {
+            config,
+            dim,
+            coarse_norms: squared_norms(&coarse, dim),
+            coarse,
+            pq,
+            lists,
+            list_of,
+        })
+    }
+}
+
+/// Scores every entry of `list` as `base + sign · Σ_j table[j][code_j]` into `top`.
+fn scan_list(list: &InvList, table: &[f32], m: usize, base: f32, sign: f32, top: &mut TopK) {
+    let tables: Vec<&[f32; KSUB]> = table
+        .chunks_exact(KSUB)
+        .map(|t| t.try_into().expect("KSUB entries"))
+        .collect();
+    for (code, &id) in list.codes.chunks_exact(m).zip(&list.ids) {
+        let mut sum = 0f32;
+        for (t, &c) in tables.iter().zip(code) {
+            sum += t[c as usize];
+        }
+        let score = base + sign * sum;
+        if score >= top.threshold() {
+            top.push(score, id);
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Product quantization: a vector cut into `m` sub-vectors, each stored as the one-byte index
+//! of its nearest of 256 sub-centroids (FAISS's `ProductQuantizer` with `nbits = 8`).
+
+use rayon::prelude::*;
+
+use super::flat::{scan, squared_norms};
+use super::{check_vectors, kmeans, Metric};
+use crate::{Error, Result};
+
+/// Sub-centroids per sub-quantizer (8-bit codes).
+pub const KSUB: usize = 256;
+
+/// `m` sub-quantizers of `dim / m` dimensions, 256 centroids each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProductQuantizer {
+    dim: usize,
+    m: usize,
+    /// `[m × 256 × dsub]`.
+    centroids: Vec<f32>,
+}
+
+impl ProductQuantizer {
+    /// Trains the `m` sub-quantizers on `data` (rows of `dim`; `dim` divisible by `m`, at least
+    /// 256 rows) with `iters` k-means rounds each.
+    pub fn train(data: &[f32], dim: usize, m: usize, iters: usize, seed: u64) -> Result<Self> {
+        let n = check_vectors("ProductQuantizer::train", data, dim)?;
+        if m == 0 || dim % m != 0 {
+            return Err(Error::invalid(
+                "ProductQuantizer::train",
+                format!("dimension {dim} is not divisible into m = {m} sub-vectors"),
+            ));
+        }
+        if n < KSUB {
+            return Err(Error::invalid(
+                "ProductQuantizer::train",
+                format!(
+                    "256 centroids per sub-quantizer need at least 256 training vectors, got {n}"
+                ),
+            ));
+        }
+        let dsub = dim / m;
+        let subs: Vec<Vec<f32>> = (0..m)
+            .map(|j| sub_vectors(data, dim, j * dsub, dsub))
+            .collect();
+        let trained: Vec<Result<Vec<f32>>> = subs
+            .par_iter()
+            .enumerate()
+            .map(|(j, sub)| kmeans(sub, dsub, KSUB, iters, seed.wrapping_add(j as u64)))
+            .collect();
+        let mut centroids = Vec::with_capacity(m * KSUB * dsub);
+        for t in trained {
+            centroids.extend(t?);
+        }
+        Ok(ProductQuantizer { dim, m, centroids })
+    }
+
+    /// A quantizer from stored centroids (`[m × 256 × dim/m]`, finite).
+    pub fn from_centroids(dim: usize, m: usize, centroids: Vec<f32>) -> Result<Self> {
+        if m == 0 || dim % m != 0 || centroids.len() != dim * KSUB {
+            return Err(Error::invalid(
+                "ProductQuantizer",
+                format!(
+                    "{} centroid values for dimension {dim} and m = {m} (expected {})",
+                    centroids.len(),
+                    dim * KSUB
+                ),
+            ));
+        }
+        check_vectors("ProductQuantizer", &centroids, dim / m)?;
+        Ok(ProductQuantizer { dim, m, centroids })
+    }
+
+    /// The vectors' dimension.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Sub-quantizers (code bytes per vector).
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    /// Dimensions per sub-vector.
+    pub fn dsub(&self) -> usize {
+        self.dim / self.m
+    }
+
+    /// The centroids, `[m × 256 × dsub]`.
+    pub fn centroids(&self) -> &[f32] {
+        &self.centroids
+    }
+
+    fn sub_centroids(&self, j: usize) -> &[f32] {
+        let size = KSUB * self.dsub();
+        &self.centroids[j * size..(j + 1) * size]
+    }
+
+    /// The codes of `vectors` (rows of `dim`): `m` bytes per vector, each the nearest (L2)
+    /// sub-centroid of that sub-vector.
+    pub fn encode(&self, vectors: &[f32]) -> Result<Vec<u8>> {
+        let n = check_vectors("ProductQuantizer::encode", vectors, self.dim)?;
+        let dsub = self.dsub();
+        let mut codes = vec![0u8; n * self.m];
+        for j in 0..self.m {
+            let sub = sub_vectors(vectors, self.dim, j * dsub, dsub);
+            let centroids = self.sub_centroids(j);
+            let norms = squared_norms(centroids, dsub);
+            let tops = scan(&sub, centroids, dsub, Some(&norms), None, Metric::L2, 1)?;
+            for (i, top) in tops.into_iter().enumerate() {
+                codes[i * self.m + j] = top.into_sorted()[0].1 as u8;
+            }
+        }
+        Ok(codes)
+    }
+
+    /// The vectors `codes` stand for (each sub-vector its sub-centroid).
+    pub fn decode(&self, codes: &[u8]) -> Vec<f32> {
+        let dsub = self.dsub();
+        let mut out = Vec::with_capacity(codes.len() / self.m * self.dim);
+        for code in codes.chunks_exact(self.m) {
+            for (j, &c) in code.iter().enumerate() {
+                let at = c as usize * dsub;
+                out.extend_from_slice(&self.sub_centroids(j)[at..at + dsub]);
+            }
+        }
+        out
+    }
+
+    /// The distance table of one query (`dim` values): `[m × 256]`, entry `(j, c)` the inner
+    /// product (or squared L2 distance) of sub-vector `j` with sub-centroid `c`; a code's
+    /// score is the sum of its `m` entries.
+    pub fn table(&self, query: &[f32], metric: Metric) -> Vec<f32> {
+        let dsub = self.dsub();
+        let mut table = Vec::with_capacity(self.m * KSUB);
+        for j in 0..self.m {
+            let q = &query[j * dsub..(j + 1) * dsub];
+            for c in self.sub_centroids(j).chunks_exact(dsub) {
+                table.push(match metric {
+                    Metric::InnerProduct => q.iter().zip(c).map(|(a, b)| a * b).sum(),
+                    Metric::L2 => q.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum(),
+                });
+            }
+        }
+        table
+    }
+}
+
+/// Columns `start..start+width` of every row of `data` (rows of `dim`).
+fn sub_vectors(data: &[f32], dim: usize, start: usize, width: usize) -> Vec<f32> {
+    data.chunks_exact(dim)
+        .flat_map(|row| row[start..start + width].iter().copied())
+        .collect()
+}
