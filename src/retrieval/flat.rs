@@ -62,6 +62,49 @@ pub(crate) fn scan(
     Ok(tops)
 }
 
+/// The nearest row of `base` (squared L2; `norms` its rows' squared norms) to each row of
+/// `data`: `(index, ‖x‖² − (2⟨x,b⟩ − ‖b‖²))` per data row. The k = 1 case of [`scan`] without a
+/// heap: k-means, PQ encoding and list assignment call it for every vector.
+pub(crate) fn nearest(
+    data: &[f32],
+    base: &[f32],
+    dim: usize,
+    norms: &[f32],
+) -> Result<Vec<(usize, f32)>> {
+    let n = data.len() / dim;
+    let nb = base.len() / dim;
+    let mut best = vec![(0usize, f32::NEG_INFINITY); n];
+    no_grad(|| -> Result<()> {
+        for q0 in (0..n).step_by(QUERY_BLOCK * 4) {
+            let qn = (QUERY_BLOCK * 4).min(n - q0);
+            let q = Tensor::from_slice(&data[q0 * dim..(q0 + qn) * dim], &[qn, dim])?;
+            for b0 in (0..nb).step_by(BASE_BLOCK) {
+                let bn = BASE_BLOCK.min(nb - b0);
+                let b = Tensor::from_slice(&base[b0 * dim..(b0 + bn) * dim], &[bn, dim])?;
+                let products = q.linear(&b, None)?.to_vec::<f32>()?;
+                let norms = &norms[b0..b0 + bn];
+                best[q0..q0 + qn]
+                    .par_iter_mut()
+                    .zip(products.par_chunks(bn))
+                    .for_each(|(best, row)| {
+                        for (j, (&p, &nb)) in row.iter().zip(norms).enumerate() {
+                            let score = 2.0 * p - nb;
+                            if score > best.1 {
+                                *best = (b0 + j, score);
+                            }
+                        }
+                    });
+            }
+        }
+        Ok(())
+    })?;
+    Ok(best
+        .into_iter()
+        .zip(data.chunks_exact(dim))
+        .map(|((i, score), x)| (i, (x.iter().map(|v| v * v).sum::<f32>() - score).max(0.0)))
+        .collect())
+}
+
 /// Squared norms of the rows of `vectors`.
 pub(crate) fn squared_norms(vectors: &[f32], dim: usize) -> Vec<f32> {
     vectors

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::flat::{check_k, scan, squared_norms};
+use super::flat::{check_k, nearest, scan, squared_norms};
 use super::select::TopK;
 use super::{check_new_ids, check_vectors, kmeans, Metric, Neighbors, ProductQuantizer, KSUB};
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
@@ -61,7 +61,15 @@ pub struct IvfPqIndex {
     pq: ProductQuantizer,
     lists: Vec<InvList>,
     list_of: HashMap<i64, u32>,
+    /// L2 only, when it fits in [`PRECOMPUTED_MAX_BYTES`]: `[nlist × m × 256]`, entry
+    /// `(l, j, c)` = `‖r_jc‖² + 2⟨c_l,j, r_jc⟩` (sub-centroid `r_jc`, list centroid `c_l`), so a
+    /// query needs one inner-product table instead of one L2 table per probed list (FAISS's
+    /// precomputed tables).
+    precomputed: Option<Vec<f32>>,
 }
+
+/// The largest precomputed L2 term table kept (bytes).
+const PRECOMPUTED_MAX_BYTES: usize = 256 << 20;
 
 impl IvfPqIndex {
     /// Trains the coarse quantizer on `vectors` (rows of `dim`; at least `nlist` and 256 of
@@ -107,6 +115,7 @@ impl IvfPqIndex {
             pq: ProductQuantizer::from_centroids(dim, config.m, vec![0.0; dim * KSUB])?,
             lists: vec![InvList::default(); config.nlist],
             list_of: HashMap::new(),
+            precomputed: None,
         };
         let lists = index.assign(vectors)?;
         let residuals = index.residuals(vectors, &lists);
@@ -117,7 +126,34 @@ impl IvfPqIndex {
             config.iters,
             config.seed.wrapping_add(1),
         )?;
+        index.precomputed = index.precompute();
         Ok(index)
+    }
+
+    /// The precomputed L2 term table (see the field), if L2 and small enough.
+    fn precompute(&self) -> Option<Vec<f32>> {
+        let (nlist, m, dim) = (self.config.nlist, self.config.m, self.dim);
+        if self.config.metric != Metric::L2 || nlist * m * KSUB * 4 > PRECOMPUTED_MAX_BYTES {
+            return None;
+        }
+        let dsub = dim / m;
+        let sub = self.pq.centroids();
+        let mut table = vec![0f32; nlist * m * KSUB];
+        table
+            .par_chunks_mut(m * KSUB)
+            .enumerate()
+            .for_each(|(l, out)| {
+                let c = &self.coarse[l * dim..(l + 1) * dim];
+                for j in 0..m {
+                    let cj = &c[j * dsub..(j + 1) * dsub];
+                    for k in 0..KSUB {
+                        let r = &sub[(j * KSUB + k) * dsub..(j * KSUB + k + 1) * dsub];
+                        out[j * KSUB + k] =
+                            r.iter().zip(cj).map(|(r, c)| r * r + 2.0 * c * r).sum();
+                    }
+                }
+            });
+        Some(table)
     }
 
     /// The configuration.
@@ -152,12 +188,15 @@ impl IvfPqIndex {
 
     /// The nearest coarse centroid of each vector (by the index's metric).
     fn assign(&self, vectors: &[f32]) -> Result<Vec<usize>> {
-        let norms = (self.config.metric == Metric::L2).then_some(&self.coarse_norms[..]);
+        if self.config.metric == Metric::L2 {
+            let near = nearest(vectors, &self.coarse, self.dim, &self.coarse_norms)?;
+            return Ok(near.into_iter().map(|(c, _)| c).collect());
+        }
         let tops = scan(
             vectors,
             &self.coarse,
             self.dim,
-            norms,
+            None,
             None,
             self.config.metric,
             1,
@@ -252,36 +291,44 @@ impl IvfPqIndex {
             .enumerate()
             .map(|(q, probe)| {
                 let query = &queries[q * dim..(q + 1) * dim];
+                let qnorm: f32 = query.iter().map(|x| x * x).sum();
                 let mut top = TopK::new(k);
-                let ip_table = (metric == Metric::InnerProduct)
+                // Inner product, and L2 with precomputed terms: one ⟨q, r⟩ table per query.
+                let ip_table = (metric == Metric::InnerProduct || self.precomputed.is_some())
                     .then(|| self.pq.table(query, Metric::InnerProduct));
+                let mut table = vec![0f32; self.config.m * KSUB];
                 let mut residual = vec![0f32; dim];
                 for (coarse_score, l) in probe.into_sorted() {
-                    if l < 0 {
+                    if l < 0 || self.lists[l as usize].ids.is_empty() {
                         continue;
                     }
                     let l = l as usize;
-                    let list = &self.lists[l];
-                    if list.ids.is_empty() {
-                        continue;
-                    }
-                    let (table, base, sign) = match &ip_table {
-                        // ⟨q, c + r⟩ = ⟨q, c⟩ + Σ_j table_j[code_j]
-                        Some(t) => (std::borrow::Cow::Borrowed(t), coarse_score, 1.0),
-                        // ‖q − c − r‖² = Σ_j table(q − c)_j[code_j]; maximise its negation.
-                        None => {
+                    let (base, sign) = match (metric, &ip_table, &self.precomputed) {
+                        // ⟨q, c + r⟩ = ⟨q, c⟩ + Σ_j ⟨q_j, r_j⟩
+                        (Metric::InnerProduct, Some(ip), _) => {
+                            table.copy_from_slice(ip);
+                            (coarse_score, 1.0)
+                        }
+                        // ‖q − c − r‖² = ‖q − c‖² + Σ_j (‖r_j‖² + 2⟨c_j, r_j⟩ − 2⟨q_j, r_j⟩);
+                        // the coarse score is 2⟨q,c⟩ − ‖c‖², so ‖q − c‖² = ‖q‖² − it.
+                        (_, Some(ip), Some(pre)) => {
+                            let terms = &pre[l * table.len()..(l + 1) * table.len()];
+                            for ((t, p), i) in table.iter_mut().zip(terms).zip(ip.iter()) {
+                                *t = p - 2.0 * i;
+                            }
+                            (-(qnorm - coarse_score), -1.0)
+                        }
+                        // ‖q − c − r‖² = Σ_j ‖(q − c)_j − r_j‖², a table per list.
+                        _ => {
                             let c = &self.coarse[l * dim..(l + 1) * dim];
                             for ((r, x), c) in residual.iter_mut().zip(query).zip(c) {
                                 *r = x - c;
                             }
-                            (
-                                std::borrow::Cow::Owned(self.pq.table(&residual, Metric::L2)),
-                                0.0,
-                                -1.0,
-                            )
+                            table.copy_from_slice(&self.pq.table(&residual, Metric::L2));
+                            (0.0, -1.0)
                         }
                     };
-                    scan_list(list, &table, self.config.m, base, sign, &mut top);
+                    scan_list(&self.lists[l], &table, self.config.m, base, sign, &mut top);
                 }
                 top.into_sorted()
             })
@@ -395,7 +442,7 @@ impl IvfPqIndex {
             lists.push(list);
             at += size;
         }
-        Ok(IvfPqIndex {
+        let mut index = IvfPqIndex {
             config,
             dim,
             coarse_norms: squared_norms(&coarse, dim),
@@ -403,7 +450,10 @@ impl IvfPqIndex {
             pq,
             lists,
             list_of,
-        })
+            precomputed: None,
+        };
+        index.precomputed = index.precompute();
+        Ok(index)
     }
 }
 

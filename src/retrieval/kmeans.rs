@@ -5,8 +5,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use super::flat::{scan, squared_norms};
-use super::{check_vectors, Metric};
+use super::check_vectors;
+use super::flat::{nearest, squared_norms};
 use crate::{Error, Result};
 
 /// Training points per centroid at most (FAISS's `max_points_per_centroid`): larger sets are
@@ -43,9 +43,11 @@ pub fn kmeans(data: &[f32], dim: usize, k: usize, iters: usize, seed: u64) -> Re
     let mut assign = vec![0usize; n];
     for _ in 0..iters {
         let norms = squared_norms(&centroids, dim);
-        let tops = scan(&sample, &centroids, dim, Some(&norms), None, Metric::L2, 1)?;
-        for (a, top) in assign.iter_mut().zip(tops) {
-            *a = top.into_sorted()[0].1 as usize;
+        for (a, (c, _)) in assign
+            .iter_mut()
+            .zip(nearest(&sample, &centroids, dim, &norms)?)
+        {
+            *a = c;
         }
         let mut sums = vec![0f64; k * dim];
         let mut counts = vec![0usize; k];

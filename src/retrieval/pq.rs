@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::flat::{scan, squared_norms};
+use super::flat::{nearest, squared_norms};
 use super::{check_vectors, kmeans, Metric};
 use crate::{Error, Result};
 
@@ -105,9 +105,11 @@ impl ProductQuantizer {
             let sub = sub_vectors(vectors, self.dim, j * dsub, dsub);
             let centroids = self.sub_centroids(j);
             let norms = squared_norms(centroids, dsub);
-            let tops = scan(&sub, centroids, dsub, Some(&norms), None, Metric::L2, 1)?;
-            for (i, top) in tops.into_iter().enumerate() {
-                codes[i * self.m + j] = top.into_sorted()[0].1 as u8;
+            for (i, (c, _)) in nearest(&sub, centroids, dsub, &norms)?
+                .into_iter()
+                .enumerate()
+            {
+                codes[i * self.m + j] = c as u8;
             }
         }
         Ok(codes)
