@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use embers::serve::{BatchModel, BatcherConfig, DynamicBatcher, ServeError};
 
+#[path = "support/serve_dlrm.rs"]
+mod support;
+
 /// Row `(id, x)` → `2x + id`, a function of the row alone; records every batch's size and can
 /// be slowed down or made to fail on a marked row.
 #[derive(Default)]
@@ -279,54 +282,13 @@ fn a_batcher_that_could_never_run_is_refused() {
 /// fail alone, naming the row and feature.
 #[test]
 fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
-    use embers::embedding::{FusedOptimizer, WeightType};
+    use embers::embedding::WeightType;
     use embers::serve::{DlrmRow, DlrmServable};
-    use embers::train::{DenseOptimizer, DlrmConfig};
-    use embers_datasets::{BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo};
 
-    let g = SyntheticCriteo::new(embers_datasets::SyntheticCriteoConfig {
-        table_sizes: vec![100; 4],
-        ids_per_feature: vec![2, 1, 3, 1],
-        num_train: 5_000,
-        num_validation: 0,
-        num_test: 400,
-        num_tasks: 2,
-        ..Default::default()
-    })
-    .unwrap();
-    let config = DlrmConfig {
-        num_dense: g.schema().num_dense(),
-        sparse_features: (g.schema().sparse_keys.iter())
-            .map(|k| (k.clone(), 100))
-            .collect(),
-        embedding_dim: 8,
-        dense_arch: vec![16],
-        over_arch: vec![16],
-        tasks: g.schema().tasks.clone(),
-        dcn: None,
-        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
-        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
-            lr: 0.05,
-            eps: 1e-8,
-        },
-        seed: 1,
-        metrics_window: 100,
-        device: embers::Device::Cpu,
-    };
+    let g = support::data(5_000, 400, 2);
+    let config = support::config(&g);
     let mut trainer = config.build().unwrap();
-    let batches = Batcher::new(
-        g.split(Split::Train),
-        BatchConfig {
-            batch_size: 128,
-            ..BatchConfig::default()
-        },
-    )
-    .unwrap();
-    for batch in batches {
-        trainer
-            .train_step(&RawBatch::into_batch(batch.unwrap()).unwrap())
-            .unwrap();
-    }
+    support::train(&mut trainer, &g, 1);
     let dir = std::env::temp_dir().join(format!("embers-serve-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");
@@ -336,22 +298,7 @@ fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
         t.load_checkpoint(&path).unwrap();
         t
     };
-    let rows: Vec<DlrmRow> = g
-        .examples(g.split_range(Split::Test))
-        .map(|e| {
-            let e = e.unwrap();
-            let mut ids = Vec::new();
-            let mut at = 0;
-            for &l in &e.lengths {
-                ids.push(e.ids[at..at + l as usize].to_vec());
-                at += l as usize;
-            }
-            DlrmRow {
-                dense: e.dense,
-                ids,
-            }
-        })
-        .collect();
+    let rows: Vec<DlrmRow> = support::rows(&g);
     for quantized in [false, true] {
         let tables = |t: &embers::train::DlrmTrainer| {
             quantized.then(|| t.model().sparse_arch.quantize(WeightType::Int8).unwrap())

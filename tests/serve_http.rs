@@ -12,11 +12,15 @@ use std::time::{Duration, Instant};
 use arrow_array::builder::{Float32Builder, Int64Builder, ListBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
 use bytes::Bytes;
-use embers::embedding::{FusedOptimizer, QuantizedEmbeddingBagCollection, WeightType};
+use embers::embedding::{QuantizedEmbeddingBagCollection, WeightType};
 use embers::serve::{BatcherConfig, DlrmRow, Server, ServerConfig, ARROW_STREAM};
-use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer};
-use embers_datasets::{BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo};
+use embers::train::{Batch, DlrmConfig, DlrmTrainer};
+use embers_datasets::SyntheticCriteo;
 use http_body_util::{BodyExt, Full};
+use support::{config, rows, train};
+
+#[path = "support/serve_dlrm.rs"]
+mod support;
 use serde_json::{json, Value};
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -36,75 +40,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn data() -> SyntheticCriteo {
-    SyntheticCriteo::new(embers_datasets::SyntheticCriteoConfig {
-        table_sizes: vec![100; 4],
-        ids_per_feature: vec![2, 1, 3, 1],
-        num_train: 3_000,
-        num_validation: 0,
-        num_test: 300,
-        ..Default::default()
-    })
-    .unwrap()
-}
-
-fn config(g: &SyntheticCriteo) -> DlrmConfig {
-    DlrmConfig {
-        num_dense: g.schema().num_dense(),
-        sparse_features: (g.schema().sparse_keys.iter())
-            .map(|k| (k.clone(), 100))
-            .collect(),
-        embedding_dim: 8,
-        dense_arch: vec![16],
-        over_arch: vec![16],
-        tasks: g.schema().tasks.clone(),
-        dcn: None,
-        dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
-        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
-            lr: 0.05,
-            eps: 1e-8,
-        },
-        seed: 1,
-        metrics_window: 100,
-        device: embers::Device::Cpu,
-    }
-}
-
-/// Trains `epochs` passes over the synthetic data.
-fn train(trainer: &mut DlrmTrainer, g: &SyntheticCriteo, epochs: usize) {
-    for _ in 0..epochs {
-        let batches = Batcher::new(
-            g.split(Split::Train),
-            BatchConfig {
-                batch_size: 128,
-                ..BatchConfig::default()
-            },
-        )
-        .unwrap();
-        for batch in batches {
-            trainer
-                .train_step(&RawBatch::into_batch(batch.unwrap()).unwrap())
-                .unwrap();
-        }
-    }
-}
-
-/// The test split as serving rows.
-fn rows(g: &SyntheticCriteo) -> Vec<DlrmRow> {
-    g.examples(g.split_range(Split::Test))
-        .map(|e| {
-            let e = e.unwrap();
-            let mut ids = Vec::new();
-            let mut at = 0;
-            for &l in &e.lengths {
-                ids.push(e.ids[at..at + l as usize].to_vec());
-                at += l as usize;
-            }
-            DlrmRow {
-                dense: e.dense,
-                ids,
-            }
-        })
-        .collect()
+    support::data(3_000, 300, 1)
 }
 
 /// `DlrmTrainer::predict` on `rows` as one batch (the reference every answer must equal).

@@ -83,6 +83,21 @@ fn gemm_into<T: 'static + Copy + num_traits::One + num_traits::Zero>(
     }
 }
 
+/// `linear`'s operands in their compute dtype (f16/bf16 → f32), and the output's storage dtype.
+fn linear_operands(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<(Tensor, Tensor, Option<Tensor>, crate::DType)> {
+    let (xc, storage) = float_compute("linear", x)?;
+    let (wc, _) = float_compute("linear", w)?;
+    let bc = bias
+        .map(|b| float_compute("linear", b))
+        .transpose()?
+        .map(|(b, _)| b);
+    Ok((xc, wc, bc, storage))
+}
+
 /// Storage offsets of every matrix of a batched operand broadcast to `batch`.
 fn batch_offsets(l: &Layout, batch: &[usize]) -> Vec<usize> {
     let r = l.shape().len();
@@ -133,12 +148,7 @@ impl MatmulOps for Cpu {
 
     fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let (rows, in_f, out_f) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-        let (xc, storage) = float_compute("linear", x)?;
-        let (wc, _) = float_compute("linear", w)?;
-        let bc = bias
-            .map(|b| float_compute("linear", b))
-            .transpose()?
-            .map(|(b, _)| b);
+        let (xc, wc, bc, storage) = linear_operands(x, w, bias)?;
         let out = with_float!(xc.dtype(), "linear", T => {
             let mut out = vec![T::default(); rows * out_f];
             if let Some(b) = &bc {
@@ -159,12 +169,7 @@ impl MatmulOps for Cpu {
 
     fn linear_row_invariant(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let (rows, in_f, out_f) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-        let (xc, storage) = float_compute("linear", x)?;
-        let (wc, _) = float_compute("linear", w)?;
-        let bc = bias
-            .map(|b| float_compute("linear", b))
-            .transpose()?
-            .map(|(b, _)| b);
+        let (xc, wc, bc, storage) = linear_operands(x, w, bias)?;
         let out = with_float!(xc.dtype(), "linear", T => {
             let out = xc.with_contiguous(|xd: &[T]| {
                 wc.with_contiguous(|wd: &[T]| match &bc {
