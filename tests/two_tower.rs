@@ -9,11 +9,11 @@ use embers::models::two_tower::{
 };
 use embers::nn::{Activation, Forward, Mlp};
 use embers::optim::{Adam, AdamConfig, Optimizer};
-use embers::retrieval::{FlatIndex, Metric};
+use embers::retrieval::{FlatIndex, IvfPqConfig, IvfPqIndex, Metric};
 use embers::sparse::KeyedJaggedTensor;
 use embers::tensor::rng::seeded;
 use embers::tensor::testing::check_gradients;
-use embers::{no_grad, DType, Tensor};
+use embers::{DType, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::StandardNormal;
@@ -158,8 +158,8 @@ fn the_frequency_estimator_tracks_each_items_rate() {
 
 /// Users and items with planted 8-dimensional factors and item popularity; interactions drawn
 /// from the planted softmax. A TwoTower trained with in-batch softmax and log-Q correction
-/// retrieves (exact index over item embeddings) held-out interactions with recall@10 close to
-/// the planted model's own.
+/// retrieves (through `TwoTower::retrieve` over an exact and an IVF-PQ index of the item
+/// embeddings) held-out interactions with recall@10 close to the planted model's own.
 #[test]
 fn training_on_planted_factors_recovers_them() {
     let (users, items, k) = (200usize, 1000usize, 8usize);
@@ -260,26 +260,29 @@ fn training_on_planted_factors_recovers_them() {
             total / (train.len() / batch) as f64
         );
     }
-    // Retrieval: every item embedded, every test user's top-10 from the exact index.
-    let (item_emb, user_emb) = no_grad(|| {
-        (
-            model
-                .embed_candidates(&kjt("item", (0..items as i64).collect()))
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap(),
-            model
-                .embed_queries(&kjt("user", (0..users as i64).collect()))
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap(),
-        )
-    });
-    let mut index = FlatIndex::new(d, Metric::InnerProduct).unwrap();
-    index
-        .add(&(0..items as i64).collect::<Vec<_>>(), &item_emb)
+    // Retrieval: the catalogue embedded into an exact index and an IVF-PQ index, every user's
+    // top-10 through the model's retrieval call.
+    let item_ids: Vec<i64> = (0..items as i64).collect();
+    let item_emb = model
+        .embed_catalogue(&kjt("item", item_ids.clone()))
         .unwrap();
-    let top = index.search(&user_emb, 10).unwrap();
+    let mut index = FlatIndex::new(d, Metric::InnerProduct).unwrap();
+    index.add(&item_ids, &item_emb).unwrap();
+    let all_users = kjt("user", (0..users as i64).collect());
+    let top = model.retrieve(&all_users, &index, 10).unwrap();
+    let config = IvfPqConfig {
+        iters: 10,
+        ..IvfPqConfig::new(16, 4, Metric::InnerProduct)
+    };
+    let mut ivf = IvfPqIndex::train(config, &item_emb, d).unwrap();
+    ivf.add(&item_ids, &item_emb).unwrap();
+    let approx = model.retrieve(&all_users, &ivf.with_nprobe(8), 10).unwrap();
+    let bad = FlatIndex::new(d + 1, Metric::InnerProduct).unwrap();
+    assert!(model
+        .retrieve(&all_users, &bad, 10)
+        .unwrap_err()
+        .to_string()
+        .contains("dimension 17"));
     let planted_top: Vec<Vec<usize>> = (0..users)
         .map(|u| {
             let mut s: Vec<usize> = (0..items).collect();
@@ -291,11 +294,16 @@ fn training_on_planted_factors_recovers_them() {
         test.iter().filter(|&&(u, i)| hit(u, i)).count() as f64 / test.len() as f64
     };
     let model_recall = recall(&|u, i| top.ids_of(u).contains(&(i as i64)));
+    let ivf_recall = recall(&|u, i| approx.ids_of(u).contains(&(i as i64)));
     let ceiling = recall(&|u, i| planted_top[u].contains(&i));
     let mut popular: Vec<usize> = (0..items).collect();
     popular.sort_by(|&a, &b| pop[b].total_cmp(&pop[a]));
     let popularity = recall(&|_, i| popular[..10].contains(&i));
-    println!("recall@10: model {model_recall:.3}, planted ceiling {ceiling:.3}, popularity {popularity:.3}");
+    println!("recall@10: model {model_recall:.3} (through IVF-PQ {ivf_recall:.3}), planted ceiling {ceiling:.3}, popularity {popularity:.3}");
+    assert!(
+        ivf_recall >= 0.8 * model_recall,
+        "IVF-PQ {ivf_recall} vs exact {model_recall}"
+    );
     assert!(
         model_recall >= 0.85 * ceiling,
         "model {model_recall} vs planted {ceiling}"

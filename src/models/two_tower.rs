@@ -9,9 +9,10 @@
 
 use crate::embedding::EmbeddingBagCollection;
 use crate::nn::{Forward, Mlp, Module};
+use crate::retrieval::{Neighbors, Search};
 use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::Reduction;
-use crate::{DType, Error, Result, Tensor};
+use crate::{no_grad, DType, Error, Result, Tensor};
 
 /// One tower: tables, then an MLP over their pooled outputs.
 #[derive(Clone, Debug)]
@@ -108,6 +109,38 @@ impl TwoTower {
         } else {
             Ok(x)
         }
+    }
+
+    /// Embeddings of a whole catalogue of candidates (`[n × D]` row-major, no autograd), to
+    /// add to an index ([`FlatIndex`](crate::retrieval::FlatIndex) with inner product, or an
+    /// [`IvfPqIndex`](crate::retrieval::IvfPqIndex)).
+    pub fn embed_catalogue(&self, candidates: &KeyedJaggedTensor) -> Result<Vec<f32>> {
+        no_grad(|| self.embed_candidates(candidates)?.to_vec::<f32>())
+    }
+
+    /// Retrieval: the `k` best candidates of `index` for each query (`queries`: a KJT of the
+    /// query tower's features), best first, with the index's scores (build it with
+    /// [`Metric::InnerProduct`](crate::retrieval::Metric) over
+    /// [`embed_catalogue`](Self::embed_catalogue) for the model's own ranking; IVF-PQ scores
+    /// approximately).
+    pub fn retrieve(
+        &self,
+        queries: &KeyedJaggedTensor,
+        index: &impl Search,
+        k: usize,
+    ) -> Result<Neighbors> {
+        let q = no_grad(|| self.embed_queries(queries)?.to_vec::<f32>())?;
+        if index.dim() != self.query.out_features() {
+            return Err(Error::invalid(
+                "TwoTower::retrieve",
+                format!(
+                    "the index holds vectors of dimension {}, the towers give {}",
+                    index.dim(),
+                    self.query.out_features()
+                ),
+            ));
+        }
+        index.search_k(&q, k)
     }
 
     /// The MLPs' parameters (query tower's first), for the dense optimizer.

@@ -347,6 +347,14 @@ impl IvfPqIndex {
         Ok(Neighbors { k, ids, scores })
     }
 
+    /// This index searched at `nprobe` lists per query, as a [`Search`](super::Search).
+    pub fn with_nprobe(&self, nprobe: usize) -> super::Probed<'_> {
+        super::Probed {
+            index: self,
+            nprobe,
+        }
+    }
+
     /// Writes the index to `path` atomically (temporary file, fsync, rename): a crash leaves
     /// the previous file whole.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {

@@ -25,6 +25,42 @@ pub use pq::{ProductQuantizer, KSUB};
 
 use crate::{Error, Result};
 
+/// Anything that answers "the `k` nearest of each query" over stored vectors: [`FlatIndex`],
+/// or an [`IvfPqIndex`] at a chosen `nprobe` ([`IvfPqIndex::with_nprobe`]).
+pub trait Search {
+    /// The stored vectors' dimension.
+    fn dim(&self) -> usize;
+    /// The `k` nearest stored vectors of each query (rows of [`dim`](Self::dim)), best first.
+    fn search_k(&self, queries: &[f32], k: usize) -> Result<Neighbors>;
+}
+
+impl Search for FlatIndex {
+    fn dim(&self) -> usize {
+        FlatIndex::dim(self)
+    }
+    fn search_k(&self, queries: &[f32], k: usize) -> Result<Neighbors> {
+        self.search(queries, k)
+    }
+}
+
+/// An [`IvfPqIndex`] searched at a fixed `nprobe`.
+#[derive(Clone, Copy, Debug)]
+pub struct Probed<'a> {
+    /// The index.
+    pub index: &'a IvfPqIndex,
+    /// Lists scanned per query.
+    pub nprobe: usize,
+}
+
+impl Search for Probed<'_> {
+    fn dim(&self) -> usize {
+        self.index.dim()
+    }
+    fn search_k(&self, queries: &[f32], k: usize) -> Result<Neighbors> {
+        self.index.search(queries, k, self.nprobe)
+    }
+}
+
 /// How closeness is measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Metric {
