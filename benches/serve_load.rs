@@ -9,8 +9,9 @@
 //! 1. idle: one client, sequential 1-row requests (the latency floor);
 //! 2. closed loop: N clients, each sending its next request when the last is answered, for
 //!    1-row and 32-row requests: throughput and latency percentiles;
-//! 3. open loop: 1-row requests at a fixed rate (50% and 90% of the closed loop's maximum),
-//!    latency measured from each request's scheduled time (no coordinated omission);
+//! 3. open loop: 1-row requests at fixed rates (`EMBERS_SERVE_QPS`, comma-separated requests/s;
+//!    by default 50% and 90% of the closed loop's maximum), latency measured from each
+//!    request's scheduled time (no coordinated omission);
 //! 4. the closed loop again with batching off (`max_batch_rows` 1): what batching buys.
 //!
 //! `EMBERS_SERVE_SECS` (default 4) is each phase's length; `EMBERS_SERVE_DELAY_US` (default
@@ -421,12 +422,21 @@ fn main() {
                 summary(&mut lat)
             );
         }
-        for share in [0.5, 0.9] {
-            let (mut lat, refused) = open_loop(addr, one.clone(), max_rate * share, secs).await;
+        // Open-loop rates: EMBERS_SERVE_QPS (comma-separated requests/s), else 50% and 90% of
+        // the closed-loop maximum.
+        let rates: Vec<f64> = match std::env::var("EMBERS_SERVE_QPS") {
+            Ok(list) => list
+                .split(',')
+                .map(|r| r.trim().parse().expect("EMBERS_SERVE_QPS: requests/s, comma-separated"))
+                .filter(|&r: &f64| r > 0.0)
+                .collect(),
+            Err(_) => vec![max_rate * 0.5, max_rate * 0.9],
+        };
+        for rate in rates {
+            let (mut lat, refused) = open_loop(addr, one.clone(), rate, secs).await;
             println!(
-                "open loop, 1-row requests at {:.0}/s ({:.0}% of the closed-loop max): {}, {refused} refused (503)",
-                max_rate * share,
-                share * 100.0,
+                "open loop, 1-row requests at {rate:.0}/s ({:.0}% of the closed-loop max): {}, {refused} refused (503)",
+                100.0 * rate / max_rate,
                 summary(&mut lat)
             );
         }
