@@ -303,32 +303,30 @@ impl IvfPqIndex {
                         continue;
                     }
                     let l = l as usize;
-                    let (base, sign) = match (metric, &ip_table, &self.precomputed) {
-                        // ⟨q, c + r⟩ = ⟨q, c⟩ + Σ_j ⟨q_j, r_j⟩
-                        (Metric::InnerProduct, Some(ip), _) => {
-                            table.copy_from_slice(ip);
-                            (coarse_score, 1.0)
-                        }
-                        // ‖q − c − r‖² = ‖q − c‖² + Σ_j (‖r_j‖² + 2⟨c_j, r_j⟩ − 2⟨q_j, r_j⟩);
-                        // the coarse score is 2⟨q,c⟩ − ‖c‖², so ‖q − c‖² = ‖q‖² − it.
-                        (_, Some(ip), Some(pre)) => {
-                            let terms = &pre[l * table.len()..(l + 1) * table.len()];
-                            for ((t, p), i) in table.iter_mut().zip(terms).zip(ip.iter()) {
-                                *t = p - 2.0 * i;
+                    let (scores, base, sign): (&[f32], f32, f32) =
+                        match (metric, &ip_table, &self.precomputed) {
+                            // ⟨q, c + r⟩ = ⟨q, c⟩ + Σ_j ⟨q_j, r_j⟩: the query's own table.
+                            (Metric::InnerProduct, Some(ip), _) => (ip, coarse_score, 1.0),
+                            // ‖q − c − r‖² = ‖q − c‖² + Σ_j (‖r_j‖² + 2⟨c_j, r_j⟩ − 2⟨q_j, r_j⟩);
+                            // the coarse score is 2⟨q,c⟩ − ‖c‖², so ‖q − c‖² = ‖q‖² − it.
+                            (_, Some(ip), Some(pre)) => {
+                                let terms = &pre[l * table.len()..(l + 1) * table.len()];
+                                for ((t, p), i) in table.iter_mut().zip(terms).zip(ip.iter()) {
+                                    *t = p - 2.0 * i;
+                                }
+                                (&table, -(qnorm - coarse_score), -1.0)
                             }
-                            (-(qnorm - coarse_score), -1.0)
-                        }
-                        // ‖q − c − r‖² = Σ_j ‖(q − c)_j − r_j‖², a table per list.
-                        _ => {
-                            let c = &self.coarse[l * dim..(l + 1) * dim];
-                            for ((r, x), c) in residual.iter_mut().zip(query).zip(c) {
-                                *r = x - c;
+                            // ‖q − c − r‖² = Σ_j ‖(q − c)_j − r_j‖², a table per list.
+                            _ => {
+                                let c = &self.coarse[l * dim..(l + 1) * dim];
+                                for ((r, x), c) in residual.iter_mut().zip(query).zip(c) {
+                                    *r = x - c;
+                                }
+                                table = self.pq.table(&residual, Metric::L2);
+                                (&table, 0.0, -1.0)
                             }
-                            table.copy_from_slice(&self.pq.table(&residual, Metric::L2));
-                            (0.0, -1.0)
-                        }
-                    };
-                    scan_list(&self.lists[l], &table, self.config.m, base, sign, &mut top);
+                        };
+                    scan_list(&self.lists[l], scores, self.config.m, base, sign, &mut top);
                 }
                 top.into_sorted()
             })

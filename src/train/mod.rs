@@ -270,15 +270,9 @@ impl DlrmConfig {
     /// the device is the CPU): `from_checkpoint(p)?.build()?.load_checkpoint(p)` restores
     /// the trainer from the file alone.
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<DlrmConfig> {
-        let r = CheckpointReader::open(path)?;
+        let r = open_trainer_checkpoint(path)?;
         let bad =
             |msg: String| Error::invalid("checkpoint", format!("{}: {msg}", r.path().display()));
-        let format = r.metadata("format").unwrap_or("");
-        if format != FORMAT {
-            return Err(bad(format!(
-                "format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)"
-            )));
-        }
         let json = r.metadata(CONFIG_KEY).ok_or_else(|| {
             bad(format!(
                 "no `{CONFIG_KEY}` metadata (written by a trainer not built from a DlrmConfig)"
@@ -427,6 +421,22 @@ pub fn columns(values: &[f32], tasks: usize) -> Result<Vec<Vec<f32>>> {
     Ok((0..tasks)
         .map(|t| values.iter().skip(t).step_by(tasks).copied().collect())
         .collect())
+}
+
+/// Opens `path` as a trainer checkpoint: its `format` metadata must be [`FORMAT`].
+fn open_trainer_checkpoint(path: impl AsRef<Path>) -> Result<CheckpointReader> {
+    let r = CheckpointReader::open(path)?;
+    let format = r.metadata("format").unwrap_or("");
+    if format != FORMAT {
+        return Err(Error::invalid(
+            "checkpoint",
+            format!(
+                "{}: format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)",
+                r.path().display()
+            ),
+        ));
+    }
+    Ok(r)
 }
 
 /// Checks that `batch` carries one label column per task of `tasks` and `logits` (`[B, T]`)
@@ -738,15 +748,9 @@ impl DlrmTrainer {
     /// read and checked before anything changes: a truncated, corrupt or mismatched file
     /// leaves the trainer as it was.
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
-        let r = CheckpointReader::open(path)?;
+        let r = open_trainer_checkpoint(path)?;
         let where_ = r.path().display().to_string();
         let bad = |msg: String| Error::invalid("checkpoint", format!("{where_}: {msg}"));
-        let format = r.metadata("format").unwrap_or("");
-        if format != FORMAT {
-            return Err(bad(format!(
-                "format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)"
-            )));
-        }
         let count = |key: &str| -> Result<u64> {
             let v = r.required_metadata(key)?;
             v.parse()
