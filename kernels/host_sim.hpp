@@ -276,6 +276,17 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     }
     return out;
 }
+// The lanes whose `value` equals this lane's, as a mask (sm_70+).
+template <class T>
+unsigned __match_any_sync(unsigned, T value) {
+    unsigned out = 0;
+    for (int lane = 0; lane < 32; ++lane) {
+        if (embers_sim::shuffle(value, lane) == value) out |= 1u << lane;
+    }
+    return out;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
 inline int __all_sync(unsigned mask, int p) {
     return __ballot_sync(mask, p) == __ballot_sync(mask, 1);

@@ -19,6 +19,7 @@ pub static ALL: &[&KernelSource] = &[
     &crate::embedding::tbe::cuda::forward::FORWARD_QUANTIZED,
     &crate::embedding::tbe::cuda::backward::BACKWARD,
     &crate::models::interaction::cuda::INTERACTION,
+    &crate::retrieval::cuda::TOPK,
 ];
 
 /// The source of kernel file `file` (`tbe_forward.cu`, ...), or an error naming it.

@@ -12,7 +12,7 @@ use crate::nn::{Forward, Mlp, Module};
 use crate::retrieval::{Neighbors, Search};
 use crate::sparse::KeyedJaggedTensor;
 use crate::tensor::Reduction;
-use crate::{no_grad, DType, Error, Result, Tensor};
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
 /// One tower: tables, then an MLP over their pooled outputs.
 #[derive(Clone, Debug)]
@@ -143,6 +143,15 @@ impl TwoTower {
         index.search_k(&q, k)
     }
 
+    /// Moves both towers (tables, with their optimizer state, and MLPs) to `device`, in place.
+    pub fn to_device(&self, device: Device) -> Result<()> {
+        for tower in [&self.query, &self.candidate] {
+            tower.tables.to_device(device)?;
+            tower.mlp.to_device(device)?;
+        }
+        Ok(())
+    }
+
     /// The MLPs' parameters (query tower's first), for the dense optimizer.
     pub fn dense_parameters(&self) -> Vec<Tensor> {
         let mut p = self.query.mlp.parameters();
@@ -206,12 +215,13 @@ pub fn pointwise_bce(q: &Tensor, c: &Tensor, labels: &Tensor, temperature: f64) 
         });
     }
     let logits = q.mul(c)?.sum(&[1], false)?.div_scalar(temperature)?;
-    logits.bce_with_logits(&labels.to_dtype(logits.dtype())?, None, Reduction::Mean)
+    let labels = labels.to_dtype(logits.dtype())?.to_device(logits.device())?;
+    logits.bce_with_logits(&labels, None, Reduction::Mean)
 }
 
 /// In-batch sampled softmax: row `i`'s positive is candidate `i`, the other candidates of the
 /// batch its negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j`, where `log_q` (`[B]`, optional) is the
-/// log of candidate `j`'s probability of appearing in a batch — subtracting it corrects the
+/// log of candidate `j`'s probability of appearing in a batch, on any device — subtracting it corrects the
 /// bias of in-batch sampling toward popular items (Yi et al. 2019). Loss: cross-entropy of the
 /// diagonal, mean over rows.
 pub fn in_batch_softmax(
@@ -231,9 +241,11 @@ pub fn in_batch_softmax(
                 detail: "one log-probability per candidate".into(),
             });
         }
-        logits = logits.sub(&lq.to_dtype(logits.dtype())?.reshape(&[1, b])?)?;
+        // On the logits' device (the estimator's tensors are made on the CPU).
+        let lq = lq.to_dtype(logits.dtype())?.to_device(logits.device())?;
+        logits = logits.sub(&lq.reshape(&[1, b])?)?;
     }
-    let target = Tensor::arange(0, b as i64, DType::I64);
+    let target = Tensor::arange(0, b as i64, DType::I64).to_device(logits.device())?;
     logits.cross_entropy(&target, Reduction::Mean)
 }
 

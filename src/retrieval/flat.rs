@@ -2,13 +2,15 @@
 //! selection per query.
 
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
+use super::cuda::{DeviceBase, GpuBlocks};
 use super::select::TopK;
 use super::{check_new_ids, check_vectors, Metric, Neighbors};
 use crate::tensor::no_grad;
-use crate::{Error, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 
 /// Queries per product block.
 const QUERY_BLOCK: usize = 256;
@@ -113,19 +115,20 @@ pub(crate) fn squared_norms(vectors: &[f32], dim: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Turns per-query [`TopK`]s of maximised scores into [`Neighbors`] in the metric's own units.
+/// Turns per-query rows of `k` maximised `(score, id)`s, best first, into [`Neighbors`] in the
+/// metric's own units.
 pub(crate) fn to_neighbors(
-    tops: Vec<TopK>,
+    rows: impl ExactSizeIterator<Item = Vec<(f32, i64)>>,
     queries: &[f32],
     dim: usize,
     metric: Metric,
     k: usize,
 ) -> Neighbors {
-    let mut ids = Vec::with_capacity(tops.len() * k);
-    let mut scores = Vec::with_capacity(tops.len() * k);
-    for (q, top) in tops.into_iter().enumerate() {
+    let mut ids = Vec::with_capacity(rows.len() * k);
+    let mut scores = Vec::with_capacity(rows.len() * k);
+    for (q, row) in rows.enumerate() {
         let qnorm: f32 = queries[q * dim..(q + 1) * dim].iter().map(|x| x * x).sum();
-        for (score, id) in top.into_sorted() {
+        for (score, id) in row {
             ids.push(id);
             scores.push(match metric {
                 Metric::InnerProduct => score,
@@ -139,8 +142,10 @@ pub(crate) fn to_neighbors(
 }
 
 /// Exact nearest-neighbour search: every query against every stored vector (FAISS's
-/// `IndexFlatIP` / `IndexFlatL2`, with ids).
-#[derive(Clone, Debug)]
+/// `IndexFlatIP` / `IndexFlatL2`, with ids), on the CPU or, after
+/// [`to_device`](Self::to_device), on a CUDA GPU (products on cuBLAS, selection by
+/// `kernels/topk.cu`, `k` up to [`MAX_GPU_K`](crate::retrieval::MAX_GPU_K)).
+#[derive(Debug)]
 pub struct FlatIndex {
     dim: usize,
     metric: Metric,
@@ -148,6 +153,26 @@ pub struct FlatIndex {
     ids: Vec<i64>,
     norms: Vec<f32>,
     present: HashSet<i64>,
+    device: Device,
+    gpu_blocks: GpuBlocks,
+    /// The vectors in device memory (CUDA devices): copied at the first search after a change.
+    on_device: Mutex<Option<Arc<DeviceBase>>>,
+}
+
+impl Clone for FlatIndex {
+    fn clone(&self) -> Self {
+        FlatIndex {
+            dim: self.dim,
+            metric: self.metric,
+            vectors: self.vectors.clone(),
+            ids: self.ids.clone(),
+            norms: self.norms.clone(),
+            present: self.present.clone(),
+            device: self.device,
+            gpu_blocks: self.gpu_blocks,
+            on_device: Mutex::new(self.device_copy_if_current()),
+        }
+    }
 }
 
 impl FlatIndex {
@@ -166,7 +191,62 @@ impl FlatIndex {
             ids: Vec::new(),
             norms: Vec::new(),
             present: HashSet::new(),
+            device: Device::Cpu,
+            gpu_blocks: GpuBlocks::default(),
+            on_device: Mutex::new(None),
         })
+    }
+
+    /// The index searching on `device`: the CPU, or a CUDA GPU (opened here; an error says why
+    /// it cannot be used). The vectors stay on the host too (for `remove` and copies); the
+    /// device holds a copy, refreshed at the first search after an `add` or `remove`.
+    pub fn to_device(mut self, device: Device) -> Result<Self> {
+        if device.is_cuda() {
+            crate::cuda::open(device)?;
+        }
+        self.device = device;
+        *self.on_device.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(self)
+    }
+
+    /// Where searches run.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Sets how a GPU search splits its work (memory per product block against launches).
+    pub fn set_gpu_blocks(&mut self, blocks: GpuBlocks) {
+        self.gpu_blocks = blocks;
+    }
+
+    /// The device copy, if one is current.
+    fn device_copy_if_current(&self) -> Option<Arc<DeviceBase>> {
+        self.on_device
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The device copy of the vectors, made now if none is current (the index is not empty).
+    fn device_copy(&self) -> Result<Arc<DeviceBase>> {
+        let mut slot = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(copy) = &*slot {
+            return Ok(copy.clone());
+        }
+        let copy = Arc::new(DeviceBase::upload(
+            self.device,
+            &self.vectors,
+            self.dim,
+            &self.norms,
+            &self.ids,
+        )?);
+        *slot = Some(copy.clone());
+        Ok(copy)
+    }
+
+    /// Forgets the device copy (the vectors changed).
+    fn invalidate(&mut self) {
+        *self.on_device.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// The vectors' dimension.
@@ -192,6 +272,7 @@ impl FlatIndex {
         self.norms.extend(squared_norms(vectors, self.dim));
         self.ids.extend_from_slice(ids);
         self.present.extend(ids.iter().copied());
+        self.invalidate();
         Ok(())
     }
 
@@ -219,6 +300,7 @@ impl FlatIndex {
         self.norms.truncate(keep);
         self.vectors.truncate(keep * dim);
         self.present.retain(|id| !gone.contains(id));
+        self.invalidate();
         gone.len()
     }
 
@@ -226,6 +308,17 @@ impl FlatIndex {
     pub fn search(&self, queries: &[f32], k: usize) -> Result<Neighbors> {
         check_vectors("FlatIndex::search", queries, self.dim)?;
         check_k("FlatIndex::search", k, self.len())?;
+        if self.device.is_cuda() {
+            let l2 = self.metric == Metric::L2;
+            let rows = self.device_copy()?.search(queries, self.dim, l2, k, self.gpu_blocks)?;
+            return Ok(to_neighbors(
+                rows.into_iter(),
+                queries,
+                self.dim,
+                self.metric,
+                k,
+            ));
+        }
         let norms = (self.metric == Metric::L2).then_some(&self.norms[..]);
         let tops = scan(
             queries,
@@ -236,7 +329,13 @@ impl FlatIndex {
             self.metric,
             k,
         )?;
-        Ok(to_neighbors(tops, queries, self.dim, self.metric, k))
+        Ok(to_neighbors(
+            tops.into_iter().map(TopK::into_sorted),
+            queries,
+            self.dim,
+            self.metric,
+            k,
+        ))
     }
 }
 

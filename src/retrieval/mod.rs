@@ -2,7 +2,8 @@
 //! recommender (retrieve a few hundred candidates out of millions, then rank them).
 //!
 //! - [`FlatIndex`]: exact search, every query against every vector — blocked products on the
-//!   tensor core's matmul, then a bounded selection per query;
+//!   tensor core's matmul, then a bounded selection per query (on the CPU, or on a CUDA GPU
+//!   with `kernels/topk.cu`);
 //! - [`IvfPqIndex`]: FAISS's IVF-PQ — a k-means coarse quantizer ([`kmeans`]) splits the
 //!   vectors into `nlist` inverted lists, each vector's residual from its list centroid is
 //!   stored as `m` one-byte codes of a [`ProductQuantizer`], and a query scans only its
@@ -12,12 +13,14 @@
 //! queries, items added and removed without retraining, and atomic save/load (IVF-PQ).
 //! Results come as [`Neighbors`]: `k` ids and scores per query, best first.
 
+pub(crate) mod cuda;
 mod flat;
 mod ivfpq;
 mod kmeans;
 mod pq;
 mod select;
 
+pub use cuda::{GpuBlocks, MAX_K as MAX_GPU_K};
 pub use flat::FlatIndex;
 pub use ivfpq::{IvfPqConfig, IvfPqIndex};
 pub use kmeans::kmeans;
