@@ -91,6 +91,29 @@ fn main() {
                 100.0 * gemm_ms / ms
             );
         }
+        if nb == 1_000_000 && dim == 64 {
+            // How the product blocks' size moves the time (the default is the first).
+            for (queries_per, chunk) in [(512, 32_768), (256, 16_384), (256, 32_768), (1024, 16_384)] {
+                let mut tuned = index.clone();
+                tuned.set_gpu_blocks(GpuBlocks {
+                    queries: queries_per,
+                    chunk,
+                });
+                for k in [10usize, 100] {
+                    tuned.search(&queries, k).unwrap();
+                    let t = Instant::now();
+                    for _ in 0..3 {
+                        tuned.search(&queries, k).unwrap();
+                    }
+                    let ms = t.elapsed().as_secs_f64() * 1e3 / 3.0;
+                    println!(
+                        "  blocks {queries_per} queries x {chunk} vectors, k={k}: {ms:.2} ms \
+                         (product block {} MiB)",
+                        queries_per * chunk * 4 >> 20
+                    );
+                }
+            }
+        }
         drop(index);
         device.empty_cache();
     }

@@ -1,20 +1,31 @@
 // Row-wise top-k selection: the `k` largest scores of every row of a [rows x cols] matrix
 // (exact nearest-neighbour search: query x base products from cuBLAS), with their ids, best
 // first; ties keep the smaller id (ids compared as unsigned, so the padding id -1 loses every
-// tie), as the CPU's `retrieval::select::TopK` does. One block per row:
-//   1. radix selection of the k-th largest score: 4 passes of 8 bits over the scores' order
-//      keys (floats mapped to unsigned integers that sort the same way, -0 below +0 as
-//      `f32::total_cmp`), each pass a 256-bin histogram of the keys that share the digits found
-//      so far (warp-aggregated atomics: lanes with the same bin add once);
-//   2. if more scores tie with the k-th than are needed, the same selection over the tied
-//      scores' ids (8 passes of 8 bits) finds which of them to keep;
-//   3. the k kept entries are gathered into shared memory and sorted (bitonic, best first).
-// Every pass reads the row again (coalesced); deterministic (atomics only count or hand out
-// slots of entries that are sorted afterwards).
+// tie), as the CPU's `retrieval::select::TopK` does. One block per row; scores are compared as
+// order keys (floats mapped to unsigned integers that sort the same way, -0 below +0 as
+// `f32::total_cmp`):
+//   1. one read of the row: a histogram of the keys' top 11 bits (warp-aggregated shared
+//      atomics: lanes with the same bin add once); a block-wide scan finds the bin holding the
+//      k-th largest key;
+//   2. a second read: keys above that bin are kept outright; the keys in it (usually few: the
+//      k-th largest sits in the sparse tail) are copied into shared memory, where the
+//      remaining 21 bits are selected (8 + 8 + 5 bit passes) without touching the row again.
+//      When that bin holds more keys than shared memory takes (massive ties), the remaining
+//      passes read the row instead;
+//   3. if more keys tie with the k-th than are needed, the same selection over the tied keys'
+//      ids (8 passes of 8 bits) finds which of them to keep;
+//   4. the k kept entries are sorted in shared memory (bitonic, best first) and written.
+// Deterministic: atomics only count, or hand out slots of entries that are sorted afterwards.
 
 #define TOPK_THREADS 256
 #define TOPK_MAX 1024
-#define TOPK_RADIX 256
+#define TOPK_TOP_BITS 11
+#define TOPK_TOP_BINS (1 << TOPK_TOP_BITS)
+#define TOPK_BINS 256
+#define TOPK_CANDIDATES 2048
+#define TOPK_UNROLL 8
+
+typedef unsigned long long u64;
 
 // Unsigned keys ordered as the floats are (total order: -0 below +0).
 __device__ __forceinline__ unsigned topk_key(float x) {
@@ -26,45 +37,190 @@ __device__ __forceinline__ float topk_value(unsigned key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
-// Column j's score in a row: the product, or with `bias` (squared L2 as a score to maximise)
-// alpha * product - bias[col_offset + j].
-__device__ __forceinline__ float topk_score(const float* row, const float* bias, float alpha, i64 col_offset, i64 j) {
-    return bias ? alpha * row[j] - bias[col_offset + j] : row[j];
-}
+// One row's scores and ids: column j's score is the product, or with `bias` (squared L2 as a
+// score to maximise) alpha * product - bias[col_offset + j]; its id ids[r * ids_ld +
+// col_offset + j], or col_offset + j without ids.
+struct RowSource {
+    const float* row;
+    const float* bias;
+    float alpha;
+    const i64* ids;
+    i64 ids_ld, col_offset, r, n;
+    __device__ __forceinline__ unsigned key(i64 j) const {
+        return topk_key(bias ? alpha * row[j] - bias[col_offset + j] : row[j]);
+    }
+    __device__ __forceinline__ u64 id(i64 j) const {
+        return (u64)(ids ? ids[r * ids_ld + col_offset + j] : col_offset + j);
+    }
+};
 
-// Column j's id (unsigned) in row r: ids[r * ids_ld + col_offset + j], or col_offset + j.
-__device__ __forceinline__ unsigned long long topk_id(const i64* ids, i64 ids_ld, i64 col_offset, i64 r, i64 j) {
-    return (unsigned long long)(ids ? ids[r * ids_ld + col_offset + j] : col_offset + j);
-}
+// Candidates copied into shared memory.
+struct SharedSource {
+    const unsigned* keys;
+    const u64* ids;
+    i64 n;
+    __device__ __forceinline__ unsigned key(i64 j) const { return keys[j]; }
+    __device__ __forceinline__ u64 id(i64 j) const { return ids[j]; }
+};
 
 // Adds 1 to hist[bin] for every lane of the warp with `take` set, one atomic per distinct bin.
 // Every lane of the warp must call it.
 __device__ __forceinline__ void topk_count(unsigned* hist, unsigned bin, bool take) {
     unsigned b = take ? bin : 0xffffffffu;
     unsigned peers = __match_any_sync(0xffffffffu, b);
-    int lane = threadIdx.x & 31;
-    if (take && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+    if (take && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
 }
 
-// Thread 0's walk over the histogram: from the top digit down (largest first) or from the
-// bottom up, the digit where the running count reaches *need; subtracts the counts passed.
-__device__ __forceinline__ int topk_pick_digit(const unsigned* hist, unsigned* need, bool from_top) {
-    unsigned passed = 0;
-    for (int i = 0; i < TOPK_RADIX - 1; ++i) {
-        int d = from_top ? TOPK_RADIX - 1 - i : i;
-        if (passed + hist[d] >= *need) {
-            *need -= passed;
-            return d;
-        }
-        passed += hist[d];
+// Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32);
+// every thread must call it. `scratch`: 32 shared values. Sets *total.
+__device__ __forceinline__ unsigned topk_block_scan(unsigned v, unsigned* scratch, unsigned* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    unsigned x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
     }
-    *need -= passed;
-    return from_top ? 0 : TOPK_RADIX - 1;
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned t = lane < warps ? scratch[lane] : 0u;
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        scratch[lane] = t;
+    }
+    __syncthreads();
+    unsigned before = warp > 0 ? scratch[warp - 1] : 0u;
+    *total = scratch[warps - 1];
+    __syncthreads();
+    return before + x - v;
 }
 
-// `a` ranks before `b`: a larger key, or the same key and a smaller id.
-__device__ __forceinline__ bool topk_before(unsigned ka, unsigned long long ia, unsigned kb, unsigned long long ib) {
-    return ka > kb || (ka == kb && ia < ib);
+// The shared state of one row's selection.
+struct TopkShared {
+    unsigned scan[32];
+    unsigned digit, need, count;  // find_digit's answer
+    unsigned taken, tied_taken;
+};
+
+// Over `bins` counts (from the largest digit down, or from the smallest up), the digit where
+// the running count reaches `need`: sets sh->digit, sh->need (how many of that digit's keys
+// are still needed) and sh->count (that digit's count). Every thread must call it; the answer
+// is read after it returns.
+__device__ void topk_find_digit(const unsigned* hist, int bins, unsigned need, bool from_top, TopkShared* sh) {
+    int per = bins / (int)blockDim.x;  // bins is a multiple of blockDim.x
+    int first = threadIdx.x * per;
+    unsigned local = 0;
+    for (int i = first; i < first + per; ++i) local += hist[from_top ? bins - 1 - i : i];
+    unsigned total;
+    unsigned before = topk_block_scan(local, sh->scan, &total);
+    if (before < need && need <= before + local) {
+        unsigned passed = before;
+        for (int i = first; i < first + per; ++i) {
+            int d = from_top ? bins - 1 - i : i;
+            if (passed + hist[d] >= need) {
+                sh->digit = (unsigned)d;
+                sh->need = need - passed;
+                sh->count = hist[d];
+                break;
+            }
+            passed += hist[d];
+        }
+    }
+    __syncthreads();
+}
+
+// Refines the selection of the need-th largest key among `src`'s keys that match (prefix,
+// mask), over the `rem` low bits still unknown (8 bits per pass): returns the key T, with
+// *need the number of keys equal to T to keep and *ties how many there are.
+template <class S>
+__device__ unsigned topk_select_key(const S& src, unsigned prefix, unsigned mask, int rem, unsigned* need,
+                                    unsigned* ties, unsigned* hist, TopkShared* sh) {
+    const i64 span = (src.n + blockDim.x - 1) / blockDim.x * blockDim.x;
+    while (rem > 0) {
+        int width = rem < 8 ? rem : 8;
+        int low = rem - width;
+        for (int d = threadIdx.x; d < TOPK_BINS; d += blockDim.x) hist[d] = 0;
+        __syncthreads();
+        for (i64 j0 = 0; j0 < span; j0 += blockDim.x) {
+            i64 j = j0 + threadIdx.x;
+            unsigned key = j < src.n ? src.key(j) : 0u;
+            topk_count(hist, (key >> low) & ((1u << width) - 1), j < src.n && (key & mask) == prefix);
+        }
+        __syncthreads();
+        topk_find_digit(hist, TOPK_BINS, *need, true, sh);
+        prefix |= sh->digit << low;
+        mask |= ((1u << width) - 1) << low;
+        *need = sh->need;
+        *ties = sh->count;
+        __syncthreads();
+        rem = low;
+    }
+    return prefix;
+}
+
+// Among `src`'s keys equal to T, the need-th smallest id (unsigned): returns it, with *need
+// set to how many entries of exactly that id to keep (ids repeat only as padding, -1).
+template <class S>
+__device__ u64 topk_select_id(const S& src, unsigned threshold, unsigned* need, unsigned* hist, TopkShared* sh) {
+    const i64 span = (src.n + blockDim.x - 1) / blockDim.x * blockDim.x;
+    u64 prefix = 0, mask = 0;
+    for (int low = 56; low >= 0; low -= 8) {
+        for (int d = threadIdx.x; d < TOPK_BINS; d += blockDim.x) hist[d] = 0;
+        __syncthreads();
+        for (i64 j0 = 0; j0 < span; j0 += blockDim.x) {
+            i64 j = j0 + threadIdx.x;
+            bool tied = j < src.n && src.key(j) == threshold;
+            u64 id = tied ? src.id(j) : 0ull;
+            topk_count(hist, (unsigned)((id >> low) & 255u), tied && (id & mask) == prefix);
+        }
+        __syncthreads();
+        topk_find_digit(hist, TOPK_BINS, *need, false, sh);
+        prefix |= (u64)sh->digit << low;
+        mask |= 255ull << low;
+        *need = sh->need;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// Appends to top_* every entry of `src` above T, and of those equal to T the ones kept: all
+// of them, or (choose_ties) those with ids below id_t and id_need of those with id id_t.
+template <class S>
+__device__ void topk_gather(const S& src, unsigned threshold, bool choose_ties, u64 id_t, unsigned id_need,
+                            unsigned* top_key, u64* top_id, TopkShared* sh) {
+    for (i64 j = threadIdx.x; j < src.n; j += blockDim.x) {
+        unsigned key = src.key(j);
+        bool keep = key > threshold;
+        if (key == threshold) {
+            if (!choose_ties) {
+                keep = true;
+            } else {
+                u64 id = src.id(j);
+                keep = id < id_t || (id == id_t && atomicAdd(&sh->tied_taken, 1u) < id_need);
+            }
+        }
+        if (keep) {
+            unsigned slot = atomicAdd(&sh->taken, 1u);
+            top_key[slot] = key;
+            top_id[slot] = src.id(j);
+        }
+    }
+}
+
+// Selects, among the keys of `src` matching (prefix, mask) with `rem` bits unknown, the `need`
+// best (ties to the smaller id) and appends them to top_*.
+template <class S>
+__device__ void topk_finish(const S& src, unsigned prefix, unsigned mask, int rem, unsigned need, unsigned* hist,
+                            unsigned* top_key, u64* top_id, TopkShared* sh) {
+    unsigned ties = 0;
+    unsigned threshold = topk_select_key(src, prefix, mask, rem, &need, &ties, hist, sh);
+    bool choose_ties = ties > need;
+    u64 id_t = 0;
+    unsigned id_need = need;
+    if (choose_ties) id_t = topk_select_id(src, threshold, &id_need, hist, sh);
+    topk_gather(src, threshold, choose_ties, id_t, id_need, top_key, top_id, sh);
 }
 
 // out_scores / out_ids rows (stride out_ld, from column out_col) get row r's min(k, cols)
@@ -76,97 +232,85 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
     const float* __restrict__ scores, i64 ld, i64 cols, const float* __restrict__ bias, float alpha,
     const i64* __restrict__ ids, i64 ids_ld, i64 col_offset, int k, float* __restrict__ out_scores,
     i64* __restrict__ out_ids, i64 out_ld, i64 out_col) {
-    __shared__ unsigned hist[TOPK_RADIX];
-    __shared__ unsigned s_prefix, s_need, s_ties;
-    __shared__ unsigned long long s_id_prefix;
-    __shared__ unsigned s_taken, s_tied_taken;
+    __shared__ unsigned hist[TOPK_TOP_BINS];
+    __shared__ TopkShared sh;
+    __shared__ unsigned cand_key[TOPK_CANDIDATES];
+    __shared__ u64 cand_id[TOPK_CANDIDATES];
     __shared__ unsigned top_key[TOPK_MAX];
-    __shared__ unsigned long long top_id[TOPK_MAX];
-    const i64 r = blockIdx.x;
-    const float* row = scores + r * ld;
-    const int want = cols < (i64)k ? (int)cols : k;
+    __shared__ u64 top_id[TOPK_MAX];
     const int tid = threadIdx.x;
-    // Loops step over whole blocks so every lane of a warp takes part in the warp collectives.
-    const i64 span = (cols + blockDim.x - 1) / blockDim.x * blockDim.x;
-
-    // 1. The want-th largest key T, and how many of the keys equal to T to keep.
-    unsigned prefix = 0, mask = 0, need = (unsigned)want;
-    for (int shift = 24; shift >= 0 && want > 0; shift -= 8) {
-        for (int d = tid; d < TOPK_RADIX; d += blockDim.x) hist[d] = 0;
-        __syncthreads();
-        for (i64 j0 = 0; j0 < span; j0 += blockDim.x) {
-            i64 j = j0 + tid;
-            unsigned key = j < cols ? topk_key(topk_score(row, bias, alpha, col_offset, j)) : 0u;
-            topk_count(hist, (key >> shift) & 255u, j < cols && (key & mask) == prefix);
-        }
-        __syncthreads();
-        if (tid == 0) {
-            unsigned n = need;
-            int d = topk_pick_digit(hist, &n, true);
-            s_prefix = prefix | ((unsigned)d << shift);
-            s_need = n;
-            s_ties = hist[d];  // after the last pass: how many keys equal T
-        }
-        __syncthreads();
-        prefix = s_prefix;
-        need = s_need;
-        mask |= 255u << shift;
-    }
-    const unsigned threshold = prefix;
-    const bool choose_ties = want > 0 && s_ties > need;
-
-    // 2. Among the keys equal to T, the need-th smallest id (unsigned): keep the tied entries
-    // with smaller ids, and `need` minus those of the ones with exactly that id.
-    unsigned long long id_prefix = 0, id_mask = 0;
-    unsigned id_need = need;
-    if (choose_ties) {
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            for (int d = tid; d < TOPK_RADIX; d += blockDim.x) hist[d] = 0;
-            __syncthreads();
-            for (i64 j0 = 0; j0 < span; j0 += blockDim.x) {
-                i64 j = j0 + tid;
-                bool tied = j < cols && topk_key(topk_score(row, bias, alpha, col_offset, j)) == threshold;
-                unsigned long long id = tied ? topk_id(ids, ids_ld, col_offset, r, j) : 0ull;
-                topk_count(hist, (unsigned)((id >> shift) & 255u), tied && (id & id_mask) == id_prefix);
-            }
-            __syncthreads();
-            if (tid == 0) {
-                unsigned n = id_need;
-                int d = topk_pick_digit(hist, &n, false);
-                s_id_prefix = id_prefix | ((unsigned long long)d << shift);
-                s_need = n;
-            }
-            __syncthreads();
-            id_prefix = s_id_prefix;
-            id_need = s_need;
-            id_mask |= 255ull << shift;
-        }
-    }
-
-    // 3. Gather the kept entries and sort them, best first.
+    RowSource row{scores + (i64)blockIdx.x * ld, bias, alpha, ids, ids_ld, col_offset, (i64)blockIdx.x, cols};
+    const int want = cols < (i64)k ? (int)cols : k;
     if (tid == 0) {
-        s_taken = 0;
-        s_tied_taken = 0;
+        sh.taken = 0;
+        sh.tied_taken = 0;
     }
-    __syncthreads();
-    for (i64 j = tid; j < cols && want > 0; j += blockDim.x) {
-        unsigned key = topk_key(topk_score(row, bias, alpha, col_offset, j));
-        bool keep = key > threshold;
-        if (key == threshold) {
-            if (!choose_ties) {
-                keep = true;
-            } else {
-                unsigned long long id = topk_id(ids, ids_ld, col_offset, r, j);
-                keep = id < id_prefix || (id == id_prefix && atomicAdd(&s_tied_taken, 1u) < id_need);
+    if (want > 0) {
+        // 1. The bin of the top 11 bits holding the want-th largest key.
+        const int low = 32 - TOPK_TOP_BITS;
+        for (int d = tid; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
+        __syncthreads();
+        // TOPK_UNROLL loads in flight per thread (the loop is latency-bound otherwise); whole
+        // steps so that every lane takes part in the warp collectives.
+        const i64 step = (i64)TOPK_UNROLL * blockDim.x;
+        const i64 span = (cols + step - 1) / step * step;
+        for (i64 j0 = 0; j0 < span; j0 += step) {
+            unsigned keys[TOPK_UNROLL];
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                keys[u] = j < cols ? row.key(j) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                topk_count(hist, keys[u] >> low, j < cols);
             }
         }
-        if (keep) {
-            unsigned slot = atomicAdd(&s_taken, 1u);
-            top_key[slot] = key;
-            top_id[slot] = topk_id(ids, ids_ld, col_offset, r, j);
+        __syncthreads();
+        topk_find_digit(hist, TOPK_TOP_BINS, (unsigned)want, true, &sh);
+        const unsigned bin = sh.digit, need = sh.need, in_bin = sh.count;
+        const unsigned prefix = bin << low, mask = ~0u << low;
+        __syncthreads();
+        if (in_bin <= TOPK_CANDIDATES) {
+            // 2. Keys above the bin are kept; the bin's keys move to shared memory.
+            __shared__ unsigned n_cand;
+            if (tid == 0) n_cand = 0;
+            __syncthreads();
+            for (i64 j0 = 0; j0 < cols; j0 += step) {
+                unsigned keys[TOPK_UNROLL];
+#pragma unroll
+                for (int u = 0; u < TOPK_UNROLL; ++u) {
+                    i64 j = j0 + u * blockDim.x + tid;
+                    keys[u] = j < cols ? row.key(j) : 0u;
+                }
+#pragma unroll
+                for (int u = 0; u < TOPK_UNROLL; ++u) {
+                    i64 j = j0 + u * blockDim.x + tid;
+                    unsigned b = keys[u] >> low;
+                    if (j >= cols || b < bin) continue;
+                    if (b > bin) {
+                        unsigned slot = atomicAdd(&sh.taken, 1u);
+                        top_key[slot] = keys[u];
+                        top_id[slot] = row.id(j);
+                    } else {
+                        unsigned slot = atomicAdd(&n_cand, 1u);
+                        cand_key[slot] = keys[u];
+                        cand_id[slot] = row.id(j);
+                    }
+                }
+            }
+            __syncthreads();
+            SharedSource cand{cand_key, cand_id, (i64)in_bin};
+            topk_finish(cand, prefix, mask, low, need, hist, top_key, top_id, &sh);
+        } else {
+            // The bin is too full for shared memory: refine over the row itself.
+            topk_finish(row, prefix, mask, low, need, hist, top_key, top_id, &sh);
         }
     }
     __syncthreads();
+
+    // 4. Sort the kept entries, best first.
     int n2 = 1;
     while (n2 < want) n2 <<= 1;
     for (int i = want + tid; i < n2; i += blockDim.x) {
@@ -180,12 +324,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
                 int j = i ^ stride;
                 if (j > i) {
                     bool ascending = (i & size) == 0;  // "ascending": best first
-                    bool j_first = topk_before(top_key[j], top_id[j], top_key[i], top_id[i]);
+                    bool j_first = top_key[j] > top_key[i] || (top_key[j] == top_key[i] && top_id[j] < top_id[i]);
                     if (ascending == j_first) {
                         unsigned tk = top_key[i];
                         top_key[i] = top_key[j];
                         top_key[j] = tk;
-                        unsigned long long ti = top_id[i];
+                        u64 ti = top_id[i];
                         top_id[i] = top_id[j];
                         top_id[j] = ti;
                     }
@@ -196,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
     }
     for (int i = tid; i < k; i += blockDim.x) {
         bool real = i < want;
-        out_scores[r * out_ld + out_col + i] = real ? topk_value(top_key[i]) : __uint_as_float(0xff800000u);  // -inf
-        out_ids[r * out_ld + out_col + i] = real ? (i64)top_id[i] : (i64)-1;
+        out_scores[(i64)blockIdx.x * out_ld + out_col + i] = real ? topk_value(top_key[i]) : __uint_as_float(0xff800000u);  // -inf
+        out_ids[(i64)blockIdx.x * out_ld + out_col + i] = real ? (i64)top_id[i] : (i64)-1;
     }
 }

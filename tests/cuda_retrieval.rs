@@ -262,3 +262,35 @@ fn two_tower_trains_and_retrieves_on_the_gpu_as_on_the_cpu() {
     let agree = (0..30 * 5).filter(|&i| got.ids[i] == want.ids[i]).count();
     assert!(agree >= 30 * 5 - 3, "only {agree} of 150 retrieved ids agree");
 }
+
+#[test]
+fn gpu_selection_falls_back_to_the_row_when_the_kth_bin_overflows_shared_memory() {
+    // 3000 vectors of 0s and 1s in 2 dimensions, 81% of them (1, 1): for every query the most
+    // common score is shared by ~2430 vectors (all 3000 for the zero query), more than the
+    // kernel's shared candidate buffer holds (2048), and k = 5 and k = 1000 both fall in it.
+    let Some(dev) = device() else { return };
+    let (dim, nb) = (2, 3000);
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let base: Vec<f32> = (0..nb * dim)
+        .map(|_| f32::from(u8::from(rng.random::<f32>() < 0.9)))
+        .collect();
+    let queries = [1.0, 1.0, 2.0, 3.0, 0.0, 0.0];
+    let ids: Vec<i64> = (0..nb as i64).map(|i| (i * 1009) % 3001).collect();
+    for metric in [Metric::InnerProduct, Metric::L2] {
+        let mut cpu = FlatIndex::new(dim, metric).unwrap();
+        cpu.add(&ids, &base).unwrap();
+        let mut gpu = cpu.clone().to_device(dev).unwrap();
+        gpu.set_gpu_blocks(GpuBlocks {
+            queries: 2,
+            chunk: 4096,
+        });
+        for k in [5, 1000] {
+            assert_same(
+                &gpu.search(&queries, k).unwrap(),
+                &cpu.search(&queries, k).unwrap(),
+                0.0,
+                &format!("{metric:?} overflowing bin, k {k}"),
+            );
+        }
+    }
+}
