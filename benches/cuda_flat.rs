@@ -93,7 +93,7 @@ fn main() {
         }
         if nb == 1_000_000 && dim == 64 {
             // How the product blocks' size moves the time (the default is the first).
-            for (queries_per, chunk) in [(512, 32_768), (256, 16_384), (256, 32_768), (1024, 16_384)] {
+            for (queries_per, chunk) in [(1024, 16_384), (2048, 32_768), (512, 65_536)] {
                 let mut tuned = index.clone();
                 tuned.set_gpu_blocks(GpuBlocks {
                     queries: queries_per,

@@ -4,6 +4,9 @@
 // tie), as the CPU's `retrieval::select::TopK` does. One block per row; scores are compared as
 // order keys (floats mapped to unsigned integers that sort the same way, -0 below +0 as
 // `f32::total_cmp`):
+//   0. a lower bound of the k-th largest from a sample of the row (its first columns), and one
+//      read of the row copying every key at or above the bound into shared memory, where the
+//      selection finishes (steps 3-4) — unless more keys pass than shared memory holds; then
 //   1. one read of the row: a histogram of the keys' top 11 bits (warp-aggregated shared
 //      atomics: lanes with the same bin add once); a block-wide scan finds the bin holding the
 //      k-th largest key;
@@ -22,7 +25,8 @@
 #define TOPK_TOP_BITS 11
 #define TOPK_TOP_BINS (1 << TOPK_TOP_BITS)
 #define TOPK_BINS 256
-#define TOPK_CANDIDATES 2048
+#define TOPK_CANDIDATES 3072
+#define TOPK_MIN_SAMPLE 256
 #define TOPK_UNROLL 8
 
 typedef unsigned long long u64;
@@ -54,13 +58,14 @@ struct RowSource {
     }
 };
 
-// Candidates copied into shared memory.
+// Candidates copied into shared memory: their keys and columns in the row.
 struct SharedSource {
     const unsigned* keys;
-    const u64* ids;
+    const unsigned* cols;
+    RowSource row;
     i64 n;
     __device__ __forceinline__ unsigned key(i64 j) const { return keys[j]; }
-    __device__ __forceinline__ u64 id(i64 j) const { return ids[j]; }
+    __device__ __forceinline__ u64 id(i64 j) const { return row.id(cols[j]); }
 };
 
 // Adds 1 to hist[bin] for every lane of the warp with `take` set, one atomic per distinct bin.
@@ -69,6 +74,18 @@ __device__ __forceinline__ void topk_count(unsigned* hist, unsigned bin, bool ta
     unsigned b = take ? bin : 0xffffffffu;
     unsigned peers = __match_any_sync(0xffffffffu, b);
     if (take && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned)__popc(peers));
+}
+
+// A slot of `*counter` for every lane of the warp with `take` set, one atomic per warp (the
+// lanes' slots are consecutive, in lane order). Every lane of the warp must call it; lanes
+// without `take` get an unspecified value.
+__device__ __forceinline__ unsigned topk_claim(unsigned* counter, bool take) {
+    unsigned lanes = __ballot_sync(0xffffffffu, take);
+    int lane = threadIdx.x & 31;
+    unsigned base = 0;
+    if (lanes != 0 && lane == __ffs(lanes) - 1) base = atomicAdd(counter, (unsigned)__popc(lanes));
+    base = __shfl_sync(0xffffffffu, base, lanes != 0 ? __ffs(lanes) - 1 : 0);
+    return base + (unsigned)__popc(lanes & ((1u << lane) - 1u));
 }
 
 // Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32);
@@ -235,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
     __shared__ unsigned hist[TOPK_TOP_BINS];
     __shared__ TopkShared sh;
     __shared__ unsigned cand_key[TOPK_CANDIDATES];
-    __shared__ u64 cand_id[TOPK_CANDIDATES];
+    __shared__ unsigned cand_col[TOPK_CANDIDATES];
+    __shared__ unsigned n_cand;
     __shared__ unsigned top_key[TOPK_MAX];
     __shared__ u64 top_id[TOPK_MAX];
     const int tid = threadIdx.x;
@@ -245,14 +263,75 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
         sh.taken = 0;
         sh.tied_taken = 0;
     }
-    if (want > 0) {
+    const int low = 32 - TOPK_TOP_BITS;
+    // TOPK_UNROLL loads in flight per thread (the loops are latency-bound otherwise); whole
+    // steps so that every lane takes part in the warp collectives.
+    const i64 step = (i64)TOPK_UNROLL * blockDim.x;
+    bool done = want == 0;
+    // 0. A lower bound of the want-th largest key from a sample (the first columns): the
+    // lower edge of the top-11-bit bin holding the sample's want-th largest. One read of the
+    // row then copies every key at or above it to shared memory (expected: about
+    // want * cols / sample of them), where the selection finishes. Skipped when the sample
+    // would be half the row; abandoned when the bound lets through more than shared memory
+    // holds.
+    // The bound passes about want * cols / sample keys, times the looseness of a bin's lower
+    // edge and of a small sample's estimate: an eighth of the row at least, and enough that
+    // the expectation stays well inside shared memory.
+    i64 sample = 8 * (i64)want * cols / TOPK_CANDIDATES;
+    sample = sample > cols / 8 ? sample : cols / 8;
+    sample = sample > TOPK_MIN_SAMPLE ? sample : TOPK_MIN_SAMPLE;
+    if (!done && 2 * sample <= cols) {
+        for (int d = tid; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
+        if (tid == 0) n_cand = 0;
+        __syncthreads();
+        for (i64 j0 = 0; j0 < sample; j0 += step) {
+            unsigned keys[TOPK_UNROLL];
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                keys[u] = j < sample ? row.key(j) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                topk_count(hist, keys[u] >> low, j < sample);
+            }
+        }
+        __syncthreads();
+        topk_find_digit(hist, TOPK_TOP_BINS, (unsigned)want, true, &sh);
+        const unsigned bound = sh.digit << low;
+        for (i64 j0 = 0; j0 < cols; j0 += step) {
+            unsigned keys[TOPK_UNROLL];
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                keys[u] = j < cols ? row.key(j) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < TOPK_UNROLL; ++u) {
+                i64 j = j0 + u * blockDim.x + tid;
+                bool take = j < cols && keys[u] >= bound;
+                unsigned slot = topk_claim(&n_cand, take);
+                if (take && slot < TOPK_CANDIDATES) {
+                    cand_key[slot] = keys[u];
+                    cand_col[slot] = (unsigned)j;
+                }
+            }
+        }
+        __syncthreads();
+        const unsigned found = n_cand;
+        if (found <= TOPK_CANDIDATES) {
+            // Every key of the want best is at or above the bound: select among the copies.
+            SharedSource cand{cand_key, cand_col, row, (i64)found};
+            topk_finish(cand, 0u, 0u, 32, (unsigned)want, hist, top_key, top_id, &sh);
+            done = true;
+        }
+        __syncthreads();
+    }
+    if (!done) {
         // 1. The bin of the top 11 bits holding the want-th largest key.
-        const int low = 32 - TOPK_TOP_BITS;
         for (int d = tid; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
         __syncthreads();
-        // TOPK_UNROLL loads in flight per thread (the loop is latency-bound otherwise); whole
-        // steps so that every lane takes part in the warp collectives.
-        const i64 step = (i64)TOPK_UNROLL * blockDim.x;
         const i64 span = (cols + step - 1) / step * step;
         for (i64 j0 = 0; j0 < span; j0 += step) {
             unsigned keys[TOPK_UNROLL];
@@ -274,7 +353,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
         __syncthreads();
         if (in_bin <= TOPK_CANDIDATES) {
             // 2. Keys above the bin are kept; the bin's keys move to shared memory.
-            __shared__ unsigned n_cand;
             if (tid == 0) n_cand = 0;
             __syncthreads();
             for (i64 j0 = 0; j0 < cols; j0 += step) {
@@ -296,12 +374,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
                     } else {
                         unsigned slot = atomicAdd(&n_cand, 1u);
                         cand_key[slot] = keys[u];
-                        cand_id[slot] = row.id(j);
+                        cand_col[slot] = (unsigned)j;
                     }
                 }
             }
             __syncthreads();
-            SharedSource cand{cand_key, cand_id, (i64)in_bin};
+            SharedSource cand{cand_key, cand_col, row, (i64)in_bin};
             topk_finish(cand, prefix, mask, low, need, hist, top_key, top_id, &sh);
         } else {
             // The bin is too full for shared memory: refine over the row itself.

@@ -69,6 +69,19 @@ fn gpu_exact_search_equals_the_cpu() {
                 &what,
             );
         }
+        // Chunks of 700 columns: the kernel's sampled bound (its first 256 columns) is taken.
+        gpu.set_gpu_blocks(GpuBlocks {
+            queries: 16,
+            chunk: 700,
+        });
+        for k in [1, 10, 50] {
+            assert_same(
+                &gpu.search(&queries, k).unwrap(),
+                &cpu.search(&queries, k).unwrap(),
+                1e-5,
+                &format!("{metric:?} sampled bound, k {k}"),
+            );
+        }
         // One chunk holding everything (k = the whole index) and the default blocks.
         let all = gpu.search(&queries[..2 * dim], nb).unwrap();
         assert_same(&all, &cpu.search(&queries[..2 * dim], nb).unwrap(), 1e-5, "whole index");
@@ -265,17 +278,18 @@ fn two_tower_trains_and_retrieves_on_the_gpu_as_on_the_cpu() {
 
 #[test]
 fn gpu_selection_falls_back_to_the_row_when_the_kth_bin_overflows_shared_memory() {
-    // 3000 vectors of 0s and 1s in 2 dimensions, 81% of them (1, 1): for every query the most
-    // common score is shared by ~2430 vectors (all 3000 for the zero query), more than the
-    // kernel's shared candidate buffer holds (2048), and k = 5 and k = 1000 both fall in it.
+    // 4000 vectors of 0s and 1s in 2 dimensions, 81% of them (1, 1): for every query the most
+    // common score is shared by ~3240 vectors (all 4000 for the zero query), more than the
+    // kernel's shared candidate buffer holds (3072), and k = 5 and k = 1000 both fall in it:
+    // the sampled bound and the top bin both overflow, and the selection reads the row.
     let Some(dev) = device() else { return };
-    let (dim, nb) = (2, 3000);
+    let (dim, nb) = (2, 4000);
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     let base: Vec<f32> = (0..nb * dim)
         .map(|_| f32::from(u8::from(rng.random::<f32>() < 0.9)))
         .collect();
     let queries = [1.0, 1.0, 2.0, 3.0, 0.0, 0.0];
-    let ids: Vec<i64> = (0..nb as i64).map(|i| (i * 1009) % 3001).collect();
+    let ids: Vec<i64> = (0..nb as i64).map(|i| (i * 1009) % 4001).collect();
     for metric in [Metric::InnerProduct, Metric::L2] {
         let mut cpu = FlatIndex::new(dim, metric).unwrap();
         cpu.add(&ids, &base).unwrap();
