@@ -69,9 +69,7 @@ fn main() {
         let end = device.record_event().unwrap();
         let gemm_ms = start.elapsed_ms(&end).unwrap() / 5.0;
         let tflops = 2.0 * (nq * nb * dim) as f64 / (gemm_ms * 1e-3) / 1e12;
-        println!(
-            "products nb={nb} d={dim} nq={nq}: {gemm_ms:.2} ms ({tflops:.1} TFLOP/s FP32)"
-        );
+        println!("products nb={nb} d={dim} nq={nq}: {gemm_ms:.2} ms ({tflops:.1} TFLOP/s FP32)");
         drop((base_t, q_t));
         for k in [10usize, 100] {
             index.search(&queries, k).unwrap();

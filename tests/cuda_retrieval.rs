@@ -22,12 +22,19 @@ fn gaussian(n: usize, dim: usize, seed: u64) -> Vec<f32> {
 /// Small integers (-2..=2): every product is exact on any device, and scores tie massively.
 fn small_integers(n: usize, dim: usize, seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n * dim).map(|_| rng.random_range(-2i32..=2) as f32).collect()
+    (0..n * dim)
+        .map(|_| rng.random_range(-2i32..=2) as f32)
+        .collect()
 }
 
 /// GPU and CPU answers agree: ids exactly, scores within `tol` relative (products are summed in
 /// another order on the GPU).
-fn assert_same(gpu: &embers::retrieval::Neighbors, cpu: &embers::retrieval::Neighbors, tol: f32, what: &str) {
+fn assert_same(
+    gpu: &embers::retrieval::Neighbors,
+    cpu: &embers::retrieval::Neighbors,
+    tol: f32,
+    what: &str,
+) {
     assert_eq!(gpu.k, cpu.k, "{what}: k");
     assert_eq!(gpu.num_queries(), cpu.num_queries(), "{what}: queries");
     for q in 0..cpu.num_queries() {
@@ -84,7 +91,12 @@ fn gpu_exact_search_equals_the_cpu() {
         }
         // One chunk holding everything (k = the whole index) and the default blocks.
         let all = gpu.search(&queries[..2 * dim], nb).unwrap();
-        assert_same(&all, &cpu.search(&queries[..2 * dim], nb).unwrap(), 1e-5, "whole index");
+        assert_same(
+            &all,
+            &cpu.search(&queries[..2 * dim], nb).unwrap(),
+            1e-5,
+            "whole index",
+        );
         gpu.set_gpu_blocks(GpuBlocks::default());
         assert_same(
             &gpu.search(&queries, 10).unwrap(),
@@ -145,12 +157,25 @@ fn gpu_search_follows_add_and_remove() {
         index.add(&ids[200..], &base[200 * dim..]).unwrap();
     }
     let before = gpu.search(&queries, 5).unwrap();
-    assert_same(&before, &cpu.search(&queries, 5).unwrap(), 1e-5, "after add");
+    assert_same(
+        &before,
+        &cpu.search(&queries, 5).unwrap(),
+        1e-5,
+        "after add",
+    );
     let found = before.ids.clone();
     assert_eq!(gpu.remove(&found), cpu.remove(&found));
     let after = gpu.search(&queries, 5).unwrap();
-    assert!(after.ids.iter().all(|id| !found.contains(id)), "removed ids found");
-    assert_same(&after, &cpu.search(&queries, 5).unwrap(), 1e-5, "after remove");
+    assert!(
+        after.ids.iter().all(|id| !found.contains(id)),
+        "removed ids found"
+    );
+    assert_same(
+        &after,
+        &cpu.search(&queries, 5).unwrap(),
+        1e-5,
+        "after remove",
+    );
 }
 
 #[test]
@@ -164,7 +189,10 @@ fn gpu_k_limit_is_a_named_error() {
         .unwrap();
     let ids: Vec<i64> = (0..nb as i64).collect();
     gpu.add(&ids, &gaussian(nb, dim, 7)).unwrap();
-    let err = gpu.search(&[1.0, 0.0], MAX_GPU_K + 1).unwrap_err().to_string();
+    let err = gpu
+        .search(&[1.0, 0.0], MAX_GPU_K + 1)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("k = 1025") && err.contains("1024"), "{err}");
 }
 
@@ -176,7 +204,12 @@ fn two_tower() -> embers::models::two_tower::TwoTower {
     let mut init = embers::tensor::rng::seeded(21);
     let mut tower = |name: &str, rows: usize| {
         let tables = EmbeddingBagCollection::new(
-            vec![EmbeddingBagConfig::new(format!("t_{name}"), rows, 8, &[name])],
+            vec![EmbeddingBagConfig::new(
+                format!("t_{name}"),
+                rows,
+                8,
+                &[name],
+            )],
             FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
             &mut init,
         )
@@ -228,12 +261,14 @@ fn two_tower_trains_and_retrieves_on_the_gpu_as_on_the_cpu() {
             (&cpu, &mut opt_cpu, embers::Device::Cpu),
             (&gpu, &mut opt_gpu, dev),
         ] {
-            let qe = model.embed_queries(&one_hot("user", users.clone())).unwrap();
-            let ce = model.embed_candidates(&one_hot("item", items.clone())).unwrap();
-            assert_eq!(qe.device(), on);
-            let loss = model
-                .in_batch_loss(&qe, &ce, Some(&log_q))
+            let qe = model
+                .embed_queries(&one_hot("user", users.clone()))
                 .unwrap();
+            let ce = model
+                .embed_candidates(&one_hot("item", items.clone()))
+                .unwrap();
+            assert_eq!(qe.device(), on);
+            let loss = model.in_batch_loss(&qe, &ce, Some(&log_q)).unwrap();
             losses.push(loss.to_vec::<f32>().unwrap()[0]);
             loss.backward().unwrap();
             opt.step().unwrap();
@@ -260,9 +295,13 @@ fn two_tower_trains_and_retrieves_on_the_gpu_as_on_the_cpu() {
     let catalogue = one_hot("item", (0..60).collect());
     let ids: Vec<i64> = (0..60).collect();
     let mut cpu_index = FlatIndex::new(8, Metric::InnerProduct).unwrap();
-    cpu_index.add(&ids, &cpu.embed_catalogue(&catalogue).unwrap()).unwrap();
+    cpu_index
+        .add(&ids, &cpu.embed_catalogue(&catalogue).unwrap())
+        .unwrap();
     let mut gpu_index = FlatIndex::new(8, Metric::InnerProduct).unwrap();
-    gpu_index.add(&ids, &gpu.embed_catalogue(&catalogue).unwrap()).unwrap();
+    gpu_index
+        .add(&ids, &gpu.embed_catalogue(&catalogue).unwrap())
+        .unwrap();
     let gpu_index = gpu_index.to_device(dev).unwrap();
     let users = one_hot("user", (0..30).collect());
     let want = cpu.retrieve(&users, &cpu_index, 5).unwrap();
@@ -273,7 +312,10 @@ fn two_tower_trains_and_retrieves_on_the_gpu_as_on_the_cpu() {
         }
     }
     let agree = (0..30 * 5).filter(|&i| got.ids[i] == want.ids[i]).count();
-    assert!(agree >= 30 * 5 - 3, "only {agree} of 150 retrieved ids agree");
+    assert!(
+        agree >= 30 * 5 - 3,
+        "only {agree} of 150 retrieved ids agree"
+    );
 }
 
 #[test]

@@ -313,3 +313,248 @@ fn training_on_planted_factors_recovers_them() {
         "model {model_recall} vs popularity {popularity}"
     );
 }
+
+/// The sampled softmax over the batch plus extra candidates, with log-Q and an additive mask,
+/// against an f64 reference; its gradient by finite differences.
+#[test]
+fn sampled_softmax_with_extra_candidates_and_mask_matches_f64() {
+    use embers::models::two_tower::sampled_softmax;
+    let (b, n, d, tau) = (4, 7, 3, 0.8);
+    let q = randn(&[b, d], 31);
+    let c = randn(&[n, d], 32);
+    let lq: Vec<f64> = randn(&[n], 33).iter().map(|x| -x.abs() - 0.2).collect();
+    let mut m = vec![0.0; b * n];
+    m[1] = -1e9; // row 0 ignores candidate 1
+    m[2 * n + 5] = -1e9; // row 2 ignores candidate 5
+    let qt = Tensor::from_vec(q.clone(), &[b, d]).unwrap();
+    let ct = Tensor::from_vec(c.clone(), &[n, d]).unwrap();
+    let lt = Tensor::from_vec(lq.clone(), &[n]).unwrap();
+    let mt = Tensor::from_vec(m.clone(), &[b, n]).unwrap();
+    let got = sampled_softmax(&qt, &ct, Some(&lt), Some(&mt), tau)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap()[0];
+    let mut want = 0.0;
+    for i in 0..b {
+        let logits: Vec<f64> = (0..n)
+            .map(|j| {
+                (0..d).map(|k| q[i * d + k] * c[j * d + k]).sum::<f64>() / tau - lq[j]
+                    + m[i * n + j]
+            })
+            .collect();
+        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+        want += (lse - logits[i]) / b as f64;
+    }
+    assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    check_gradients(
+        |x| sampled_softmax(&x[0], &x[1], Some(&lt), Some(&mt), tau),
+        &[
+            qt.clone().with_requires_grad(true),
+            ct.clone().with_requires_grad(true),
+        ],
+        1e-6,
+        1e-6,
+    )
+    .unwrap();
+    // Fewer candidates than queries, and masks or log-Q of the wrong shape, are named errors.
+    for e in [
+        sampled_softmax(&qt, &ct.narrow(0, 0, 3).unwrap(), None, None, tau).unwrap_err(),
+        sampled_softmax(&qt, &ct, Some(&lt.narrow(0, 0, 3).unwrap()), None, tau).unwrap_err(),
+        sampled_softmax(&qt, &ct, None, Some(&mt.narrow(1, 0, 3).unwrap()), tau).unwrap_err(),
+    ] {
+        assert!(e.to_string().contains("sampled_softmax"), "{e}");
+    }
+}
+
+#[test]
+fn towers_that_do_not_fit_are_named_errors() {
+    let mut init = seeded(40);
+    let tables = |d: usize, init: &mut embers::tensor::rng::Rng| {
+        EmbeddingBagCollection::new(
+            vec![EmbeddingBagConfig::new("t", 10, d, &["f"])],
+            FusedOptimizer::Sgd { lr: 0.1 },
+            init,
+        )
+        .unwrap()
+    };
+    let t8 = tables(8, &mut init);
+    let mlp = Mlp::new(4, &[4], Activation::Relu, &mut init).unwrap();
+    let e = Tower::new(t8.clone(), mlp).unwrap_err().to_string();
+    assert!(
+        e.contains("Tower::new") && e.contains("4 inputs") && e.contains("8"),
+        "{e}"
+    );
+    let q = Tower::new(
+        t8.clone(),
+        Mlp::new(8, &[4], Activation::Relu, &mut init).unwrap(),
+    )
+    .unwrap();
+    let c = Tower::new(t8, Mlp::new(8, &[5], Activation::Relu, &mut init).unwrap()).unwrap();
+    let e = TwoTower::new(q.clone(), c, false, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("TwoTower::new") && e.contains('4') && e.contains('5'),
+        "{e}"
+    );
+    for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = TwoTower::new(q.clone(), q.clone(), false, t)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("temperature"), "{t}: {e}");
+    }
+}
+
+/// One-hot features of one key.
+fn one_hot(key: &str, ids: &[i64]) -> KeyedJaggedTensor {
+    let n = ids.len();
+    KeyedJaggedTensor::from_lengths(
+        vec![key.to_string()],
+        Tensor::from_vec(ids.to_vec(), &[n]).unwrap(),
+        Tensor::from_vec(vec![1i32; n], &[n]).unwrap(),
+        None,
+        None,
+    )
+    .unwrap()
+}
+
+fn trainer_config(loss: embers::train::TwoTowerLoss) -> embers::train::TwoTowerConfig {
+    use embers::train::{DenseOptimizer, TwoTowerConfig};
+    TwoTowerConfig {
+        query_features: vec![("user".into(), 40)],
+        candidate_features: vec![("item".into(), 60)],
+        embedding_dim: 8,
+        layers: vec![16, 8],
+        normalize: true,
+        temperature: 0.2,
+        loss,
+        estimator_buckets: 256,
+        estimator_alpha: 0.05,
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        dense_optimizer: DenseOptimizer::Adam { lr: 0.01 },
+        seed: 41,
+        device: embers::Device::Cpu,
+    }
+}
+
+fn pair_batch(step: u64, labels: bool) -> embers::train::PairBatch {
+    let mut rng = ChaCha8Rng::seed_from_u64(100 + step);
+    let users: Vec<i64> = (0..16).map(|_| rng.random_range(0..40)).collect();
+    // Items correlated with users (so there is something to learn), with repeats in a batch.
+    let items: Vec<i64> = users
+        .iter()
+        .map(|u| (u * 3 + rng.random_range(0..3)) % 60)
+        .collect();
+    embers::train::PairBatch {
+        queries: one_hot("user", &users),
+        candidates: one_hot("item", &items),
+        candidate_ids: items,
+        labels: labels.then(|| {
+            let y: Vec<f32> = (0..16).map(|i| (i % 2) as f32).collect();
+            Tensor::from_vec(y, &[16]).unwrap()
+        }),
+    }
+}
+
+fn sampler() -> embers::train::NegativeSampler {
+    Box::new(|ids: &[i64]| Ok(one_hot("item", ids)))
+}
+
+/// Training through the trainer with mixed negatives lowers the loss; a checkpoint taken
+/// midway and loaded into a fresh trainer continues bit-identically (tables with their
+/// optimizer state, MLPs with Adam's, the frequency estimator, the negatives' draws).
+#[test]
+fn the_trainer_resumes_from_a_checkpoint_exactly() {
+    use embers::train::TwoTowerLoss;
+    let loss = TwoTowerLoss::Softmax {
+        log_q: true,
+        random_negatives: 8,
+    };
+    let dir = std::env::temp_dir().join(format!("embers-two-tower-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tt.ckpt");
+    let mut a = trainer_config(loss)
+        .build()
+        .unwrap()
+        .with_negative_sampler(60, sampler());
+    let first: Vec<f64> = (0..30)
+        .map(|s| a.train_step(&pair_batch(s, false)).unwrap())
+        .collect();
+    let early: f64 = first[..5].iter().sum::<f64>() / 5.0;
+    let late: f64 = first[25..].iter().sum::<f64>() / 5.0;
+    assert!(late < early - 0.1, "loss {early} -> {late}");
+    let user = std::collections::BTreeMap::from([("epoch".to_string(), "3".to_string())]);
+    a.save_checkpoint(&path, &user).unwrap();
+    let config = embers::train::TwoTowerConfig::from_checkpoint(&path).unwrap();
+    assert_eq!(config, trainer_config(loss));
+    let mut b = config.build().unwrap().with_negative_sampler(60, sampler());
+    assert_eq!(b.load_checkpoint(&path).unwrap(), user);
+    assert_eq!((b.step(), b.examples_seen()), (30, 30 * 16));
+    for s in 30..40 {
+        let la = a.train_step(&pair_batch(s, false)).unwrap();
+        let lb = b.train_step(&pair_batch(s, false)).unwrap();
+        assert_eq!(la.to_bits(), lb.to_bits(), "step {s}: {la} vs {lb}");
+    }
+    for (t, (x, y)) in [
+        ("t_user", (&a.model().query.tables, &b.model().query.tables)),
+        (
+            "t_item",
+            (&a.model().candidate.tables, &b.model().candidate.tables),
+        ),
+    ] {
+        assert_eq!(
+            x.table_weights(t).unwrap(),
+            y.table_weights(t).unwrap(),
+            "{t}"
+        );
+    }
+    // Bad checkpoints change nothing: another configuration, a truncated file, not a file of
+    // this kind.
+    let mut other = trainer_config(TwoTowerLoss::Pointwise).build().unwrap();
+    let e = other.load_checkpoint(&path).unwrap_err().to_string();
+    assert!(e.contains("another configuration"), "{e}");
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.join("cut.ckpt");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let before = b.model().query.tables.table_weights("t_user").unwrap();
+    let e = b.load_checkpoint(&cut).unwrap_err().to_string();
+    assert!(e.contains("cut.ckpt"), "{e}");
+    assert_eq!(
+        b.model().query.tables.table_weights("t_user").unwrap(),
+        before
+    );
+    assert_eq!(b.step(), 40);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn trainer_misuse_is_a_named_error() {
+    use embers::train::TwoTowerLoss;
+    // Random negatives without a sampler.
+    let mut t = trainer_config(TwoTowerLoss::Softmax {
+        log_q: false,
+        random_negatives: 4,
+    })
+    .build()
+    .unwrap();
+    let e = t.train_step(&pair_batch(0, false)).unwrap_err().to_string();
+    assert!(e.contains("with_negative_sampler"), "{e}");
+    // Pointwise without labels; then with labels it trains.
+    let mut t = trainer_config(TwoTowerLoss::Pointwise).build().unwrap();
+    let e = t.train_step(&pair_batch(0, false)).unwrap_err().to_string();
+    assert!(e.contains("labels"), "{e}");
+    assert!(t.train_step(&pair_batch(0, true)).unwrap().is_finite());
+    // Candidate ids that do not match the rows.
+    let mut batch = pair_batch(1, true);
+    batch.candidate_ids.pop();
+    let e = t.train_step(&batch).unwrap_err().to_string();
+    assert!(e.contains("15 candidate ids"), "{e}");
+    // A configuration without features.
+    let mut c = trainer_config(TwoTowerLoss::Pointwise);
+    c.query_features.clear();
+    assert!(c.build().is_err());
+}

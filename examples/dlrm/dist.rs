@@ -185,7 +185,12 @@ mod with_mpi {
         let mut w = CheckpointWriter::new();
         w.set_metadata("step", step.to_string());
         w.set_metadata("world", world.to_string());
-        write_dense_state(&mut w, &model.dense, model.optimizer.as_ref(), metrics)?;
+        write_dense_state(
+            &mut w,
+            &model.dense,
+            model.optimizer.as_ref(),
+            Some(metrics),
+        )?;
         w.write(partial.join(format!("rank{rank}.safetensors")))?;
         comm.barrier("checkpoint.written")?;
         if rank == 0 {
@@ -220,7 +225,7 @@ mod with_mpi {
         // On another world size the metrics restart: other ranks saw other data.
         let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
         model.sharded.load(dir.join("tables"))?;
-        dense.apply(model.optimizer.as_mut(), metrics)?;
+        dense.apply(model.optimizer.as_mut(), Some(metrics))?;
         if rank == 0 && !same_world {
             println!(
                 "resumed a checkpoint of {saved_world} ranks on {world}: tables resharded, dense \

@@ -215,37 +215,79 @@ pub fn pointwise_bce(q: &Tensor, c: &Tensor, labels: &Tensor, temperature: f64) 
         });
     }
     let logits = q.mul(c)?.sum(&[1], false)?.div_scalar(temperature)?;
-    let labels = labels.to_dtype(logits.dtype())?.to_device(logits.device())?;
+    let labels = labels
+        .to_dtype(logits.dtype())?
+        .to_device(logits.device())?;
     logits.bce_with_logits(&labels, None, Reduction::Mean)
 }
 
 /// In-batch sampled softmax: row `i`'s positive is candidate `i`, the other candidates of the
-/// batch its negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j`, where `log_q` (`[B]`, optional) is the
-/// log of candidate `j`'s probability of appearing in a batch, on any device — subtracting it corrects the
-/// bias of in-batch sampling toward popular items (Yi et al. 2019). Loss: cross-entropy of the
-/// diagonal, mean over rows.
+/// batch its negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j`, where `log_q` (`[B]`, optional, on
+/// any device) is the log of candidate `j`'s probability of appearing in a batch — subtracting
+/// it corrects the bias of in-batch sampling toward popular items (Yi et al. 2019). Loss:
+/// cross-entropy of the diagonal, mean over rows. [`sampled_softmax`] with no extra
+/// candidates and no mask.
 pub fn in_batch_softmax(
     q: &Tensor,
     c: &Tensor,
     log_q: Option<&Tensor>,
     temperature: f64,
 ) -> Result<Tensor> {
-    let (b, _) = check_pair("in_batch_softmax", q, c)?;
+    check_pair("in_batch_softmax", q, c)?;
+    sampled_softmax(q, c, log_q, None, temperature)
+}
+
+/// Sampled softmax over `n ≥ B` candidates: row `i` of `q` (`[B, D]`) has candidate `i` of `c`
+/// (`[n, D]`; the first `B` rows are the batch's positives, the rest e.g. random negatives)
+/// as its positive and all the others as negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j + M_ij`
+/// with `log_q` (`[n]`, optional) the log of each candidate's expected count in the sample and
+/// `mask` (`[B, n]`, optional, additive: a large negative value removes an accidental hit);
+/// both may be on any device. Loss: cross-entropy of the diagonal, mean over rows.
+pub fn sampled_softmax(
+    q: &Tensor,
+    c: &Tensor,
+    log_q: Option<&Tensor>,
+    mask: Option<&Tensor>,
+    temperature: f64,
+) -> Result<Tensor> {
+    const OP: &str = "sampled_softmax";
+    if q.rank() != 2 || c.rank() != 2 || q.shape()[1] != c.shape()[1] || c.shape()[0] < q.shape()[0]
+    {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: q.shape().to_vec(),
+            rhs: c.shape().to_vec(),
+            detail: "expected queries [B, D] and at least B candidates [n, D]".into(),
+        });
+    }
+    let (b, n) = (q.shape()[0], c.shape()[0]);
     let mut logits = q.matmul(&c.t()?)?.div_scalar(temperature)?;
+    let device = logits.device();
     if let Some(lq) = log_q {
-        if lq.shape() != [b] {
+        if lq.shape() != [n] {
             return Err(Error::ShapeMismatch {
-                op: "in_batch_softmax",
+                op: OP,
                 lhs: lq.shape().to_vec(),
-                rhs: vec![b],
+                rhs: vec![n],
                 detail: "one log-probability per candidate".into(),
             });
         }
         // On the logits' device (the estimator's tensors are made on the CPU).
-        let lq = lq.to_dtype(logits.dtype())?.to_device(logits.device())?;
-        logits = logits.sub(&lq.reshape(&[1, b])?)?;
+        let lq = lq.to_dtype(logits.dtype())?.to_device(device)?;
+        logits = logits.sub(&lq.reshape(&[1, n])?)?;
     }
-    let target = Tensor::arange(0, b as i64, DType::I64).to_device(logits.device())?;
+    if let Some(m) = mask {
+        if m.shape() != [b, n] {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: m.shape().to_vec(),
+                rhs: vec![b, n],
+                detail: "one mask value per query and candidate".into(),
+            });
+        }
+        logits = logits.add(&m.to_dtype(logits.dtype())?.to_device(device)?)?;
+    }
+    let target = Tensor::arange(0, b as i64, DType::I64).to_device(device)?;
     logits.cross_entropy(&target, Reduction::Mean)
 }
 
@@ -313,6 +355,47 @@ impl FrequencyEstimator {
         } else {
             1.0
         }
+    }
+
+    /// The estimator's state: per bucket the step an item was last seen and the moving
+    /// average interval, then the learning rate and the steps recorded (for checkpoints).
+    pub fn to_parts(&self) -> (&[u64], &[f64], f64, u64) {
+        (&self.last, &self.interval, self.alpha, self.step)
+    }
+
+    /// An estimator from [`to_parts`](Self::to_parts)'s values, checked: equal bucket counts,
+    /// `alpha` in (0, 1], no bucket seen after `step`, intervals finite and non-negative.
+    pub fn from_parts(last: Vec<u64>, interval: Vec<f64>, alpha: f64, step: u64) -> Result<Self> {
+        let mut e = FrequencyEstimator::new(last.len(), alpha)?;
+        if interval.len() != last.len() {
+            return Err(Error::invalid(
+                "FrequencyEstimator",
+                format!(
+                    "{} last-seen steps, {} intervals",
+                    last.len(),
+                    interval.len()
+                ),
+            ));
+        }
+        if let Some(i) = last.iter().position(|&t| t > step) {
+            return Err(Error::invalid(
+                "FrequencyEstimator",
+                format!(
+                    "bucket {i} was last seen at step {}, after step {step}",
+                    last[i]
+                ),
+            ));
+        }
+        if let Some(i) = interval.iter().position(|v| !(v.is_finite() && *v >= 0.0)) {
+            return Err(Error::invalid(
+                "FrequencyEstimator",
+                format!("bucket {i}'s interval is {}", interval[i]),
+            ));
+        }
+        e.last = last;
+        e.interval = interval;
+        e.step = step;
+        Ok(e)
     }
 
     /// `log Q` of each id, as an f32 tensor `[n]` for [`in_batch_softmax`].

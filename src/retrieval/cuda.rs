@@ -93,7 +93,10 @@ impl DeviceBase {
         if k > MAX_K {
             return Err(Error::invalid(
                 "FlatIndex::search",
-                format!("k = {k} on {}: the GPU selection keeps at most {MAX_K}", self.device),
+                format!(
+                    "k = {k} on {}: the GPU selection keeps at most {MAX_K}",
+                    self.device
+                ),
             ));
         }
         let n = self.base.shape()[0];

@@ -310,7 +310,9 @@ impl FlatIndex {
         check_k("FlatIndex::search", k, self.len())?;
         if self.device.is_cuda() {
             let l2 = self.metric == Metric::L2;
-            let rows = self.device_copy()?.search(queries, self.dim, l2, k, self.gpu_blocks)?;
+            let rows = self
+                .device_copy()?
+                .search(queries, self.dim, l2, k, self.gpu_blocks)?;
             return Ok(to_neighbors(
                 rows.into_iter(),
                 queries,

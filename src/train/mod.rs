@@ -25,6 +25,10 @@ use crate::tensor::ops::loss::Reduction;
 use crate::tensor::rng::{seeded, Rng};
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 
+mod two_tower;
+
+pub use two_tower::{NegativeSampler, PairBatch, TwoTowerConfig, TwoTowerLoss, TwoTowerTrainer};
+
 const OP: &str = "DlrmTrainer";
 const FORMAT: &str = "embers.dlrm-trainer.v1";
 /// The checkpoint metadata holding the [`DlrmConfig`] as JSON.
@@ -477,13 +481,14 @@ pub fn update_task_metrics(metrics: &mut RecMetrics, probs: &[f32], batch: &Batc
 }
 
 /// Adds the dense half of a training state to `w`: the dense parameters (`dense.*`), the
-/// dense optimizer's state (`optim.*`) and the training metrics' state (`metrics.*`). Shared
+/// dense optimizer's state (`optim.*`) and, when given, the training metrics' state
+/// (`metrics.*`). Shared
 /// by [`DlrmTrainer`]'s checkpoints and the per-rank files of a sharded run.
 pub fn write_dense_state(
     w: &mut CheckpointWriter,
     dense: &impl Module,
     optimizer: &dyn Optimizer,
-    metrics: &RecMetrics,
+    metrics: Option<&RecMetrics>,
 ) -> Result<()> {
     for (name, p) in dense.named_parameters() {
         w.add_tensor(format!("dense.{name}"), &p)?;
@@ -491,7 +496,7 @@ pub fn write_dense_state(
     for (name, t) in optimizer.state_dict()? {
         w.add_tensor(format!("optim.{name}"), &t)?;
     }
-    for (name, values) in metrics.state_dict() {
+    for (name, values) in metrics.map(RecMetrics::state_dict).unwrap_or_default() {
         w.add(format!("metrics.{name}"), &[values.len()], &values)?;
     }
     Ok(())
@@ -548,14 +553,18 @@ impl DenseState {
 
     /// Applies it: the optimizer's state first (it checks the whole state before changing
     /// anything; after it, nothing left can fail on a value already checked), then the
-    /// parameters, then the metrics when they were read.
-    pub fn apply(self, optimizer: &mut dyn Optimizer, metrics: &mut RecMetrics) -> Result<()> {
+    /// parameters, then the metrics when they were read (into `metrics`, when given).
+    pub fn apply(
+        self,
+        optimizer: &mut dyn Optimizer,
+        metrics: Option<&mut RecMetrics>,
+    ) -> Result<()> {
         optimizer.load_state_dict(&self.optim)?;
         for (p, new) in self.params {
             p.copy_from(&new)?;
         }
-        if let Some(m) = self.metrics {
-            *metrics = m;
+        if let (Some(m), Some(into)) = (self.metrics, metrics) {
+            *into = m;
         }
         Ok(())
     }
@@ -737,7 +746,7 @@ impl DlrmTrainer {
             &mut w,
             &self.model.dense,
             self.optimizer.as_ref(),
-            &self.metrics,
+            Some(&self.metrics),
         )?;
         self.model.sparse_arch.checkpoint_into(&mut w, "tables.")?;
         w.write(path)
@@ -780,7 +789,7 @@ impl DlrmTrainer {
         // The optimizer checks its whole state before changing anything; after it, nothing
         // left can fail on a value already checked.
         dense
-            .apply(self.optimizer.as_mut(), &mut self.metrics)
+            .apply(self.optimizer.as_mut(), Some(&mut self.metrics))
             .map_err(named)?;
         tables
             .apply(&self.model.sparse_arch.tbes())

@@ -1,0 +1,441 @@
+//! Training a [`TwoTower`]: [`TwoTowerConfig`] (everything that defines the model and its
+//! training; stored in checkpoints) builds a [`TwoTowerTrainer`], which takes batches of
+//! positive (query, candidate) pairs and trains with pointwise BCE (TorchRec's retrieval
+//! example) or a sampled softmax over the batch's candidates, with the log-Q correction of
+//! Yi et al. 2019 from a streaming [`FrequencyEstimator`], optionally mixed with uniformly
+//! drawn random negatives (Yang et al. 2020, "Mixed negative sampling"), accidental hits
+//! (a negative that is the row's own positive item) masked out. Checkpoints are atomic and
+//! hold the tables with their fused optimizer state, the MLPs with the dense optimizer's
+//! state, the frequency estimator and the step: training continues exactly.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rand::Rng as _;
+
+use super::{write_dense_state, DenseOptimizer, DenseState};
+use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
+use crate::models::two_tower::{
+    pointwise_bce, sampled_softmax, FrequencyEstimator, Tower, TwoTower,
+};
+use crate::nn::{Activation, Mlp, Module};
+use crate::optim::Optimizer;
+use crate::sparse::KeyedJaggedTensor;
+use crate::tensor::rng::seeded;
+use crate::{Device, Error, Result, Tensor};
+
+const OP: &str = "TwoTowerTrainer";
+const FORMAT: &str = "embers.two-tower-trainer.v1";
+const CONFIG_KEY: &str = "model.config";
+/// Added to the logit of an accidental hit (a sampled negative that is the row's positive).
+const HIT_MASK: f32 = -1.0e9;
+
+/// The loss a [`TwoTowerTrainer`] trains with.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum TwoTowerLoss {
+    /// Pointwise BCE on labelled pairs (TorchRec's retrieval example): every batch carries
+    /// labels.
+    Pointwise,
+    /// Sampled softmax: each query's positive against the batch's other candidates and
+    /// `random_negatives` uniformly drawn ones (shared by the batch); with `log_q`, logits are
+    /// corrected by the log of each candidate's expected count in the sample (streaming
+    /// frequency estimate for in-batch candidates, `random_negatives / catalogue` for the
+    /// random ones).
+    Softmax {
+        /// Apply the log-Q correction.
+        log_q: bool,
+        /// Uniform negatives per batch (0: in-batch only); needs
+        /// [`TwoTowerTrainer::with_negative_sampler`].
+        random_negatives: usize,
+    },
+}
+
+/// Everything that defines a TwoTower and its training. Every trainer checkpoint carries it as
+/// JSON (metadata `model.config`, without the device).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TwoTowerConfig {
+    /// The query tower's sparse features and their tables' rows (a table `t_<feature>` each).
+    pub query_features: Vec<(String, usize)>,
+    /// The candidate tower's sparse features and their tables' rows.
+    pub candidate_features: Vec<(String, usize)>,
+    /// Embedding dimension of every table.
+    pub embedding_dim: usize,
+    /// Each tower's MLP widths (ReLU between layers, none after the last); the last is the
+    /// width of the towers' output embeddings.
+    pub layers: Vec<usize>,
+    /// L2-normalise the towers' outputs.
+    pub normalize: bool,
+    /// Scores are divided by this.
+    pub temperature: f64,
+    /// The loss.
+    pub loss: TwoTowerLoss,
+    /// Hash buckets of the frequency estimator (more than the catalogue's items).
+    pub estimator_buckets: usize,
+    /// The frequency estimator's learning rate, in (0, 1].
+    pub estimator_alpha: f64,
+    /// Optimizer fused into the tables' backward.
+    pub sparse_optimizer: FusedOptimizer,
+    /// Optimizer of the MLPs.
+    pub dense_optimizer: DenseOptimizer,
+    /// Seed of the initialisation and of the random negatives.
+    pub seed: u64,
+    /// Where the model trains. Not stored in checkpoints.
+    #[serde(skip)]
+    pub device: Device,
+}
+
+impl TwoTowerConfig {
+    /// Builds the model (initialised from `seed`) and its trainer.
+    pub fn build(&self) -> Result<TwoTowerTrainer> {
+        if self.query_features.is_empty() || self.candidate_features.is_empty() {
+            return Err(Error::invalid(
+                "TwoTowerConfig",
+                "each tower needs at least one sparse feature",
+            ));
+        }
+        if self.embedding_dim == 0 || self.layers.is_empty() {
+            return Err(Error::invalid(
+                "TwoTowerConfig",
+                "the embedding dimension and the MLP widths must be given",
+            ));
+        }
+        let mut rng = seeded(self.seed);
+        let mut tower = |features: &[(String, usize)]| -> Result<Tower> {
+            let configs = (features.iter())
+                .map(|(f, rows)| {
+                    EmbeddingBagConfig::new(format!("t_{f}"), *rows, self.embedding_dim, &[f])
+                })
+                .collect();
+            let tables = EmbeddingBagCollection::new(configs, self.sparse_optimizer, &mut rng)?;
+            let width = features.len() * self.embedding_dim;
+            let mlp =
+                Mlp::new(width, &self.layers, Activation::Relu, &mut rng)?.activate_last(false);
+            Tower::new(tables, mlp)
+        };
+        let query = tower(&self.query_features)?;
+        let candidate = tower(&self.candidate_features)?;
+        let model = TwoTower::new(query, candidate, self.normalize, self.temperature)?;
+        model.to_device(self.device)?;
+        let optimizer = self.dense_optimizer.build(model.dense_parameters())?;
+        let estimator = FrequencyEstimator::new(self.estimator_buckets, self.estimator_alpha)?;
+        Ok(TwoTowerTrainer {
+            config: self.clone(),
+            model,
+            optimizer,
+            estimator,
+            negatives: None,
+            step: 0,
+            examples: 0,
+        })
+    }
+
+    /// The configuration a trainer checkpoint was written with (the device is the CPU).
+    pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<TwoTowerConfig> {
+        let r = open(path)?;
+        let bad =
+            |msg: String| Error::invalid("checkpoint", format!("{}: {msg}", r.path().display()));
+        let json = r
+            .metadata(CONFIG_KEY)
+            .ok_or_else(|| bad(format!("no `{CONFIG_KEY}` metadata")))?;
+        serde_json::from_str(json).map_err(|e| {
+            bad(format!(
+                "`{CONFIG_KEY}` is not a TwoTower configuration: {e}"
+            ))
+        })
+    }
+}
+
+fn open(path: impl AsRef<Path>) -> Result<CheckpointReader> {
+    let r = CheckpointReader::open(path)?;
+    let format = r.metadata("format").unwrap_or("");
+    if format != FORMAT {
+        return Err(Error::invalid(
+            "checkpoint",
+            format!(
+                "{}: format is `{format}`, expected `{FORMAT}` (not a TwoTower trainer checkpoint)",
+                r.path().display()
+            ),
+        ));
+    }
+    Ok(r)
+}
+
+/// A batch of positive pairs: row `i` of `queries` interacted with row `i` of `candidates`.
+#[derive(Clone, Debug)]
+pub struct PairBatch {
+    /// The query tower's features, `B` rows.
+    pub queries: KeyedJaggedTensor,
+    /// The candidate tower's features, `B` rows.
+    pub candidates: KeyedJaggedTensor,
+    /// The candidates' item ids (frequency estimate, accidental hits), `B`.
+    pub candidate_ids: Vec<i64>,
+    /// Labels `[B]` (0/1), for [`TwoTowerLoss::Pointwise`] only.
+    pub labels: Option<Tensor>,
+}
+
+/// Builds the candidate tower's features of the given item ids (random negatives).
+pub type NegativeSampler = Box<dyn Fn(&[i64]) -> Result<KeyedJaggedTensor> + Send>;
+
+/// The MLPs of both towers as one module (names `query.*`, `candidate.*`) for checkpoints.
+struct Mlps<'a>(&'a TwoTower);
+
+impl Module for Mlps<'_> {
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut p = crate::nn::prefixed("query", self.0.query.mlp.named_parameters());
+        p.extend(crate::nn::prefixed(
+            "candidate",
+            self.0.candidate.mlp.named_parameters(),
+        ));
+        p
+    }
+}
+
+/// Trains a [`TwoTower`] (see the module docs).
+pub struct TwoTowerTrainer {
+    config: TwoTowerConfig,
+    model: TwoTower,
+    optimizer: Box<dyn Optimizer + Send>,
+    estimator: FrequencyEstimator,
+    negatives: Option<(usize, NegativeSampler)>,
+    step: u64,
+    examples: u64,
+}
+
+impl TwoTowerTrainer {
+    /// The model.
+    pub fn model(&self) -> &TwoTower {
+        &self.model
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TwoTowerConfig {
+        &self.config
+    }
+
+    /// Steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Training pairs seen.
+    pub fn examples_seen(&self) -> u64 {
+        self.examples
+    }
+
+    /// The streaming frequency estimate of the candidates.
+    pub fn estimator(&self) -> &FrequencyEstimator {
+        &self.estimator
+    }
+
+    /// Random negatives are drawn uniformly from item ids `0..catalogue`; `features` builds
+    /// their candidate features.
+    pub fn with_negative_sampler(mut self, catalogue: usize, features: NegativeSampler) -> Self {
+        self.negatives = Some((catalogue, features));
+        self
+    }
+
+    /// One step on a batch of positive pairs: forward through both towers, the loss,
+    /// backward (the tables update through their fused optimizer), the MLPs' optimizer step.
+    /// Returns the loss; a non-finite loss is an error naming the step.
+    pub fn train_step(&mut self, batch: &PairBatch) -> Result<f64> {
+        let b = batch.candidate_ids.len();
+        for (what, kjt) in [
+            ("queries", &batch.queries),
+            ("candidates", &batch.candidates),
+        ] {
+            if kjt.stride() != b {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{} {what} rows for {b} candidate ids", kjt.stride()),
+                ));
+            }
+        }
+        self.optimizer.zero_grad();
+        let q = self.model.embed_queries(&batch.queries)?;
+        let c = self.model.embed_candidates(&batch.candidates)?;
+        let loss = match self.config.loss {
+            TwoTowerLoss::Pointwise => {
+                let labels = batch.labels.as_ref().ok_or_else(|| {
+                    Error::invalid(OP, "the pointwise loss needs labels in every batch")
+                })?;
+                pointwise_bce(&q, &c, labels, self.config.temperature)?
+            }
+            TwoTowerLoss::Softmax {
+                log_q,
+                random_negatives,
+            } => {
+                self.estimator.update(&batch.candidate_ids);
+                let mut ids = batch.candidate_ids.clone();
+                let mut lq: Vec<f32> = (ids.iter())
+                    .map(|&id| self.estimator.probability(id).ln() as f32)
+                    .collect();
+                let mut candidates = c;
+                if random_negatives > 0 {
+                    let (catalogue, features) = self.negatives.as_ref().ok_or_else(|| {
+                        Error::invalid(
+                            OP,
+                            "random negatives are configured but no sampler was given \
+                             (with_negative_sampler)",
+                        )
+                    })?;
+                    // Reproducible from the seed and the step alone (a resumed run draws
+                    // the same negatives).
+                    let mut rng = seeded(
+                        self.config.seed ^ (self.step + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    );
+                    let neg: Vec<i64> = (0..random_negatives)
+                        .map(|_| rng.random_range(0..*catalogue as i64))
+                        .collect();
+                    let ne = self.model.embed_candidates(&features(&neg)?)?;
+                    candidates = Tensor::cat(&[&candidates, &ne], 0)?;
+                    let expected = (random_negatives as f64 / *catalogue as f64).ln() as f32;
+                    lq.extend(std::iter::repeat_n(expected, random_negatives));
+                    ids.extend(neg);
+                }
+                let n = ids.len();
+                // Accidental hits: another column holding row i's own positive item.
+                let mut mask = vec![0f32; b * n];
+                for i in 0..b {
+                    for (j, &id) in ids.iter().enumerate() {
+                        if j != i && id == ids[i] {
+                            mask[i * n + j] = HIT_MASK;
+                        }
+                    }
+                }
+                let mask = Tensor::from_vec(mask, &[b, n])?;
+                let lq = log_q.then(|| Tensor::from_vec(lq, &[n])).transpose()?;
+                sampled_softmax(
+                    &q,
+                    &candidates,
+                    lq.as_ref(),
+                    Some(&mask),
+                    self.config.temperature,
+                )?
+            }
+        };
+        loss.backward()?;
+        self.optimizer.step()?;
+        let value = loss.item()?;
+        self.step += 1;
+        if !value.is_finite() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the loss of step {} is {value}: training diverged",
+                    self.step - 1
+                ),
+            ));
+        }
+        self.examples += b as u64;
+        Ok(value)
+    }
+
+    /// Writes everything needed to continue training exactly to `path` (atomically), with
+    /// `user` metadata (returned by [`load_checkpoint`](Self::load_checkpoint)).
+    pub fn save_checkpoint(
+        &self,
+        path: impl AsRef<Path>,
+        user: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        let mut w = CheckpointWriter::new();
+        w.set_metadata("format", FORMAT);
+        w.set_metadata("step", self.step.to_string());
+        w.set_metadata("examples", self.examples.to_string());
+        let json = serde_json::to_string(&self.config)
+            .map_err(|e| Error::invalid("checkpoint", format!("model.config: {e}")))?;
+        w.set_metadata(CONFIG_KEY, json);
+        for (k, v) in user {
+            w.set_metadata(format!("user.{k}"), v.clone());
+        }
+        write_dense_state(&mut w, &Mlps(&self.model), self.optimizer.as_ref(), None)?;
+        self.model
+            .query
+            .tables
+            .checkpoint_into(&mut w, "query.tables.")?;
+        self.model
+            .candidate
+            .tables
+            .checkpoint_into(&mut w, "candidate.tables.")?;
+        let (last, interval, _, steps) = self.estimator.to_parts();
+        let last: Vec<i64> = last.iter().map(|&t| t as i64).collect();
+        w.add("estimator.last", &[last.len()], &last)?;
+        w.add("estimator.interval", &[interval.len()], interval)?;
+        w.set_metadata("estimator.steps", steps.to_string());
+        w.write(path)
+    }
+
+    /// Restores a checkpoint of the same configuration written by
+    /// [`save_checkpoint`](Self::save_checkpoint); returns its user metadata. Everything is
+    /// read and checked before anything changes.
+    pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+        let r = open(path)?;
+        let where_ = r.path().display().to_string();
+        let bad = |msg: String| Error::invalid("checkpoint", format!("{where_}: {msg}"));
+        let named = |e: Error| {
+            if e.to_string().contains(&where_) {
+                e
+            } else {
+                bad(e.to_string())
+            }
+        };
+        let count = |key: &str| -> Result<u64> {
+            let v = r.required_metadata(key).map_err(named)?;
+            v.parse()
+                .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
+        };
+        let (step, examples, steps) = (
+            count("step")?,
+            count("examples")?,
+            count("estimator.steps")?,
+        );
+        let saved: TwoTowerConfig =
+            serde_json::from_str(r.required_metadata(CONFIG_KEY).map_err(named)?)
+                .map_err(|e| bad(format!("`{CONFIG_KEY}`: {e}")))?;
+        let mut mine = self.config.clone();
+        mine.device = saved.device;
+        if saved != mine {
+            return Err(bad(format!(
+                "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
+            )));
+        }
+        let dense = DenseState::read(&r, &Mlps(&self.model), None).map_err(named)?;
+        let query = self
+            .model
+            .query
+            .tables
+            .stage_from(&r, "query.tables.")
+            .map_err(named)?;
+        let candidate = (self.model.candidate.tables)
+            .stage_from(&r, "candidate.tables.")
+            .map_err(named)?;
+        let buckets = self.config.estimator_buckets;
+        let last: Vec<i64> = r.read("estimator.last", &[buckets]).map_err(named)?;
+        let interval: Vec<f64> = r.read("estimator.interval", &[buckets]).map_err(named)?;
+        if let Some(i) = last.iter().position(|&t| t < 0) {
+            return Err(bad(format!("estimator.last[{i}] is negative")));
+        }
+        let estimator = FrequencyEstimator::from_parts(
+            last.into_iter().map(|t| t as u64).collect(),
+            interval,
+            self.config.estimator_alpha,
+            steps,
+        )
+        .map_err(named)?;
+        let user = (r.names_of_metadata().into_iter())
+            .filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v)))
+            .collect();
+        dense.apply(self.optimizer.as_mut(), None).map_err(named)?;
+        query
+            .apply(&self.model.query.tables.tbes())
+            .map_err(named)?;
+        candidate
+            .apply(&self.model.candidate.tables.tbes())
+            .map_err(named)?;
+        self.estimator = estimator;
+        self.step = step;
+        self.examples = examples;
+        Ok(user)
+    }
+}
