@@ -1,0 +1,98 @@
+//! The TwoTower example as a user runs it, on its synthetic data (planted factors): it trains,
+//! writes its checkpoint, metrics and plot, retrieves better than popularity through exact
+//! search and close to it through IVF-PQ, and re-ranks with a DLRM; missing MovieLens files
+//! are an error naming where it looked and how to fetch them.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The example binary, built beside the test binaries by `cargo test`.
+fn example() -> PathBuf {
+    let me = std::env::current_exe().unwrap();
+    let exe = me
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/two_tower");
+    assert!(
+        exe.exists(),
+        "{} was not built (cargo test builds the examples)",
+        exe.display()
+    );
+    exe
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(example())
+        .args(args)
+        .output()
+        .expect("the example starts")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn synthetic_run_beats_popularity_and_writes_its_outputs() {
+    let dir = std::env::temp_dir().join(format!("embers-two-tower-example-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = run(&[
+        "--data",
+        "synthetic",
+        "--epochs",
+        "3",
+        "--nprobe",
+        "8",
+        "--rerank",
+        "--rerank-epochs",
+        "1",
+        "--no-progress",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    for f in ["checkpoint.safetensors", "metrics.json", "curves.png"] {
+        assert!(dir.join(f).is_file(), "{f} missing\n{}", text(&out));
+    }
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("metrics.json")).unwrap()).unwrap();
+    let at = |path: &[&str]| -> f64 {
+        let mut v = &m;
+        for p in path {
+            v = &v[*p];
+        }
+        v.as_f64().unwrap_or_else(|| panic!("{path:?} in {m}"))
+    };
+    let exact = at(&["exact", "recall_at_100"]);
+    let ivf = at(&["ivf_pq", "quality", "recall_at_100"]);
+    let popular = at(&["popularity", "recall_at_100"]);
+    assert!(
+        exact > popular + 0.05,
+        "exact {exact} vs popularity {popular}\n{}",
+        text(&out)
+    );
+    assert!(ivf >= 0.8 * exact, "IVF-PQ {ivf} vs exact {exact}");
+    assert!(
+        at(&["rerank", "quality", "recall_at_100"]) == exact,
+        "re-ranking keeps the 100"
+    );
+    assert_eq!(m["history"].as_array().map(Vec::len), Some(3));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn missing_movielens_files_are_a_named_error() {
+    let out = run(&["--path", "/nonexistent/ml", "--no-progress"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/ml/ml-100k.inter") && err.contains("movielens-100k.sh"),
+        "{err}"
+    );
+}
