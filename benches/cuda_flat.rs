@@ -107,7 +107,7 @@ fn main() {
                     println!(
                         "  blocks {queries_per} queries x {chunk} vectors, k={k}: {ms:.2} ms \
                          (product block {} MiB)",
-                        queries_per * chunk * 4 >> 20
+                        (queries_per * chunk * 4) >> 20
                     );
                 }
             }

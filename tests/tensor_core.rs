@@ -746,3 +746,35 @@ fn row_invariant_linear_rows_do_not_depend_on_the_batch() {
         }
     }
 }
+
+/// `on_worker` runs on a pool thread with the caller's autograd and row-invariance modes, also
+/// when pool threads steal each other's jobs while callers with other modes run concurrently.
+#[test]
+fn on_worker_carries_the_callers_modes() {
+    use embers::tensor::{is_grad_enabled, is_row_invariant, no_grad, on_worker, row_invariant};
+    let x = Tensor::ones(&[300, 300], DType::F32, Device::Cpu).with_requires_grad(true);
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let x = &x;
+            s.spawn(move || {
+                for _ in 0..20 {
+                    // A large op inside makes the pool thread wait, and steal.
+                    let check = |grad: bool, rows: bool| {
+                        on_worker(|| {
+                            let y = x.mul(x).unwrap().sum_all().unwrap();
+                            assert_eq!(is_grad_enabled(), grad);
+                            assert_eq!(is_row_invariant(), rows);
+                            assert_eq!(y.requires_grad(), grad);
+                        })
+                    };
+                    match t % 4 {
+                        0 => check(true, false),
+                        1 => no_grad(|| check(false, false)),
+                        2 => row_invariant(|| check(true, true)),
+                        _ => no_grad(|| row_invariant(|| check(false, true))),
+                    }
+                }
+            });
+        }
+    });
+}

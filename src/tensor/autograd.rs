@@ -176,6 +176,14 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs `f` with recording on or off on this thread, restoring the mode after.
+pub(crate) fn with_grad_enabled<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let _guard = NoGradGuard {
+        previous: GRAD_ENABLED.with(|g| g.replace(on)),
+    };
+    f()
+}
+
 enum EdgeTarget {
     Node(Arc<Node>),
     Leaf(Tensor),

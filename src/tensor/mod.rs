@@ -26,3 +26,20 @@ pub use ops::loss::Reduction;
 pub use ops::matmul::{is_row_invariant, row_invariant};
 pub use storage::CpuStorage;
 pub use tensor::Tensor;
+
+/// Runs `f` on a thread of rayon's pool (directly when already on one), with this thread's
+/// autograd and row-invariance modes. A whole training step run this way makes every parallel
+/// op inside it start from a pool thread, so the calling thread does not sleep and wake once
+/// per op (on few cores that round trip costs more than small ops themselves). The modes are
+/// set explicitly on the pool thread, and restored after: a pool thread waiting inside one
+/// job may run another (work stealing), whose modes are not the waiting job's.
+pub fn on_worker<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let grad = autograd::is_grad_enabled();
+    let rows = is_row_invariant();
+    let run =
+        move || autograd::with_grad_enabled(grad, || ops::matmul::with_row_invariant(rows, f));
+    if rayon::current_thread_index().is_some() {
+        return run();
+    }
+    rayon::scope(move |_| run())
+}

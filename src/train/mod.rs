@@ -640,6 +640,14 @@ impl DlrmTrainer {
     /// The loss and predictions are read back only once the whole step is queued: on a GPU
     /// the host waits for the device once per step, not between forward and backward.
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepOutput> {
+        if self.model.device() == Device::Cpu {
+            crate::tensor::on_worker(|| self.step_inner(batch))
+        } else {
+            self.step_inner(batch)
+        }
+    }
+
+    fn step_inner(&mut self, batch: &Batch) -> Result<StepOutput> {
         let b = batch.batch_size();
         self.optimizer.zero_grad();
         let logits = self.model.forward(&batch.dense, &batch.sparse)?;

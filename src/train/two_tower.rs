@@ -240,6 +240,14 @@ impl TwoTowerTrainer {
     /// backward (the tables update through their fused optimizer), the MLPs' optimizer step.
     /// Returns the loss; a non-finite loss is an error naming the step.
     pub fn train_step(&mut self, batch: &PairBatch) -> Result<f64> {
+        if self.config.device == Device::Cpu {
+            crate::tensor::on_worker(|| self.step_inner(batch))
+        } else {
+            self.step_inner(batch)
+        }
+    }
+
+    fn step_inner(&mut self, batch: &PairBatch) -> Result<f64> {
         let b = batch.candidate_ids.len();
         for (what, kjt) in [
             ("queries", &batch.queries),

@@ -17,13 +17,18 @@ thread_local! {
 /// batch it is in. Serving and [`DlrmTrainer::predict`](crate::train::DlrmTrainer::predict)
 /// run inside this mode; cuBLAS makes no such promise, so on a CUDA device it changes nothing.
 pub fn row_invariant<R>(f: impl FnOnce() -> R) -> R {
+    with_row_invariant(true, f)
+}
+
+/// Runs `f` with [`row_invariant`] on or off on this thread, restoring the mode after.
+pub(crate) fn with_row_invariant<R>(on: bool, f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
             ROW_INVARIANT.with(|c| c.set(self.0));
         }
     }
-    let _restore = Restore(ROW_INVARIANT.with(|c| c.replace(true)));
+    let _restore = Restore(ROW_INVARIANT.with(|c| c.replace(on)));
     f()
 }
 

@@ -80,6 +80,39 @@ fn softmax_kernel<T: FloatElem>(
     log: bool,
 ) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
+    if inner == 1 {
+        // Along the last dimension: rows are contiguous, each one independent (in parallel
+        // when the tensor is large enough).
+        let row = |(src, dst): (&[T], &mut [T])| {
+            let m = src.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
+            let mut s = T::zero();
+            for (d, &v) in dst.iter_mut().zip(src) {
+                let e = (v - m).exp();
+                *d = e;
+                s += e;
+            }
+            if log {
+                let ls = s.ln();
+                for (d, &v) in dst.iter_mut().zip(src) {
+                    *d = v - m - ls;
+                }
+            } else {
+                let inv = T::one() / s;
+                for d in dst.iter_mut() {
+                    *d *= inv;
+                }
+            }
+        };
+        if x.len() >= PAR_THRESHOLD && outer > 1 {
+            x.par_chunks(n)
+                .zip(out.par_chunks_mut(n))
+                .with_min_len((PAR_THRESHOLD / n.max(1)).max(1))
+                .for_each(row);
+        } else {
+            x.chunks(n).zip(out.chunks_mut(n)).for_each(row);
+        }
+        return out;
+    }
     for o in 0..outer {
         for i in 0..inner {
             let at = |k: usize| (o * n + k) * inner + i;
