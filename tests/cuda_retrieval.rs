@@ -67,7 +67,7 @@ fn gpu_exact_search_equals_the_cpu() {
         let mut gpu = cpu.clone().to_device(dev).unwrap();
         assert_eq!(gpu.device(), dev);
         gpu.set_gpu_blocks(SMALL);
-        for k in [1, 10, 100] {
+        for k in [1, 100] {
             let what = format!("{metric:?} k {k}");
             assert_same(
                 &gpu.search(&queries, k).unwrap(),
@@ -81,14 +81,12 @@ fn gpu_exact_search_equals_the_cpu() {
             queries: 16,
             chunk: 700,
         });
-        for k in [1, 10, 50] {
-            assert_same(
-                &gpu.search(&queries, k).unwrap(),
-                &cpu.search(&queries, k).unwrap(),
-                1e-5,
-                &format!("{metric:?} sampled bound, k {k}"),
-            );
-        }
+        assert_same(
+            &gpu.search(&queries, 10).unwrap(),
+            &cpu.search(&queries, 10).unwrap(),
+            1e-5,
+            &format!("{metric:?} sampled bound, k 10"),
+        );
         // One chunk holding everything (k = the whole index) and the default blocks.
         let all = gpu.search(&queries[..2 * dim], nb).unwrap();
         assert_same(
