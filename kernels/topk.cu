@@ -240,6 +240,36 @@ __device__ void topk_finish(const S& src, unsigned prefix, unsigned mask, int re
     topk_gather(src, threshold, choose_ties, id_t, id_need, top_key, top_id, sh);
 }
 
+// Loads the keys of columns j0 + u * blockDim.x + threadIdx.x (u < TOPK_UNROLL) of `row`, 0
+// past `n`: TOPK_UNROLL loads in flight per thread (the row loops are latency-bound otherwise).
+__device__ __forceinline__ void topk_load(const RowSource& row, i64 j0, i64 n, unsigned* keys) {
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) {
+        i64 j = j0 + u * blockDim.x + threadIdx.x;
+        keys[u] = j < n ? row.key(j) : 0u;
+    }
+}
+
+// hist (TOPK_TOP_BINS) = counts of the top TOPK_TOP_BITS bits of the keys of the row's first
+// `n` columns. Every thread must call it (whole steps: every lane takes part in the warp
+// collectives).
+__device__ void topk_top_histogram(const RowSource& row, i64 n, unsigned* hist) {
+    const int low = 32 - TOPK_TOP_BITS;
+    const i64 step = (i64)TOPK_UNROLL * blockDim.x;
+    for (int d = threadIdx.x; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
+    __syncthreads();
+    for (i64 j0 = 0; j0 < n; j0 += step) {
+        unsigned keys[TOPK_UNROLL];
+        topk_load(row, j0, n, keys);
+#pragma unroll
+        for (int u = 0; u < TOPK_UNROLL; ++u) {
+            i64 j = j0 + u * blockDim.x + threadIdx.x;
+            topk_count(hist, keys[u] >> low, j < n);
+        }
+    }
+    __syncthreads();
+}
+
 // out_scores / out_ids rows (stride out_ld, from column out_col) get row r's min(k, cols)
 // best, best first, then (-inf, -1) up to k. scores: [rows x cols], row stride ld; bias: null
 // or indexed from col_offset; ids: null (ids are col_offset + j) or rows of stride ids_ld
@@ -264,8 +294,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
         sh.tied_taken = 0;
     }
     const int low = 32 - TOPK_TOP_BITS;
-    // TOPK_UNROLL loads in flight per thread (the loops are latency-bound otherwise); whole
-    // steps so that every lane takes part in the warp collectives.
+    // Row loops go in whole steps of TOPK_UNROLL loads per thread (topk_load).
     const i64 step = (i64)TOPK_UNROLL * blockDim.x;
     bool done = want == 0;
     // 0. A lower bound of the want-th largest key from a sample (the first columns): the
@@ -281,32 +310,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
     sample = sample > cols / 8 ? sample : cols / 8;
     sample = sample > TOPK_MIN_SAMPLE ? sample : TOPK_MIN_SAMPLE;
     if (!done && 2 * sample <= cols) {
-        for (int d = tid; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
         if (tid == 0) n_cand = 0;
-        __syncthreads();
-        for (i64 j0 = 0; j0 < sample; j0 += step) {
-            unsigned keys[TOPK_UNROLL];
-#pragma unroll
-            for (int u = 0; u < TOPK_UNROLL; ++u) {
-                i64 j = j0 + u * blockDim.x + tid;
-                keys[u] = j < sample ? row.key(j) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < TOPK_UNROLL; ++u) {
-                i64 j = j0 + u * blockDim.x + tid;
-                topk_count(hist, keys[u] >> low, j < sample);
-            }
-        }
-        __syncthreads();
+        topk_top_histogram(row, sample, hist);
         topk_find_digit(hist, TOPK_TOP_BINS, (unsigned)want, true, &sh);
         const unsigned bound = sh.digit << low;
         for (i64 j0 = 0; j0 < cols; j0 += step) {
             unsigned keys[TOPK_UNROLL];
-#pragma unroll
-            for (int u = 0; u < TOPK_UNROLL; ++u) {
-                i64 j = j0 + u * blockDim.x + tid;
-                keys[u] = j < cols ? row.key(j) : 0u;
-            }
+            topk_load(row, j0, cols, keys);
 #pragma unroll
             for (int u = 0; u < TOPK_UNROLL; ++u) {
                 i64 j = j0 + u * blockDim.x + tid;
@@ -330,23 +340,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
     }
     if (!done) {
         // 1. The bin of the top 11 bits holding the want-th largest key.
-        for (int d = tid; d < TOPK_TOP_BINS; d += blockDim.x) hist[d] = 0;
-        __syncthreads();
-        const i64 span = (cols + step - 1) / step * step;
-        for (i64 j0 = 0; j0 < span; j0 += step) {
-            unsigned keys[TOPK_UNROLL];
-#pragma unroll
-            for (int u = 0; u < TOPK_UNROLL; ++u) {
-                i64 j = j0 + u * blockDim.x + tid;
-                keys[u] = j < cols ? row.key(j) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < TOPK_UNROLL; ++u) {
-                i64 j = j0 + u * blockDim.x + tid;
-                topk_count(hist, keys[u] >> low, j < cols);
-            }
-        }
-        __syncthreads();
+        topk_top_histogram(row, cols, hist);
         topk_find_digit(hist, TOPK_TOP_BINS, (unsigned)want, true, &sh);
         const unsigned bin = sh.digit, need = sh.need, in_bin = sh.count;
         const unsigned prefix = bin << low, mask = ~0u << low;
@@ -357,11 +351,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_f32(
             __syncthreads();
             for (i64 j0 = 0; j0 < cols; j0 += step) {
                 unsigned keys[TOPK_UNROLL];
-#pragma unroll
-                for (int u = 0; u < TOPK_UNROLL; ++u) {
-                    i64 j = j0 + u * blockDim.x + tid;
-                    keys[u] = j < cols ? row.key(j) : 0u;
-                }
+                topk_load(row, j0, cols, keys);
 #pragma unroll
                 for (int u = 0; u < TOPK_UNROLL; ++u) {
                     i64 j = j0 + u * blockDim.x + tid;

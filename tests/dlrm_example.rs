@@ -6,35 +6,16 @@
 #[path = "support/checkpoint_files.rs"]
 mod checkpoint_files;
 
-use checkpoint_files::tensors_of;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+#[path = "support/example_bin.rs"]
+mod example_bin;
 
-/// The example binary, built beside the test binaries by `cargo test`.
-fn example() -> PathBuf {
-    let me = std::env::current_exe().unwrap();
-    let exe = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
-    assert!(
-        exe.exists(),
-        "{} was not built (cargo test builds the examples)",
-        exe.display()
-    );
-    exe
-}
+use checkpoint_files::tensors_of;
+use example_bin::text;
+use std::path::{Path, PathBuf};
+use std::process::Output;
 
 fn run(args: &[&str]) -> Output {
-    Command::new(example())
-        .args(args)
-        .output()
-        .expect("the example starts")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "--- stdout\n{}\n--- stderr\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    example_bin::run("dlrm", args)
 }
 
 fn scratch(name: &str) -> PathBuf {

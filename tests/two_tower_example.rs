@@ -3,39 +3,14 @@
 //! search and close to it through IVF-PQ, and re-ranks with a DLRM; missing MovieLens files
 //! are an error naming where it looked and how to fetch them.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+#[path = "support/example_bin.rs"]
+mod example_bin;
 
-/// The example binary, built beside the test binaries by `cargo test`.
-fn example() -> PathBuf {
-    let me = std::env::current_exe().unwrap();
-    let exe = me
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/two_tower");
-    assert!(
-        exe.exists(),
-        "{} was not built (cargo test builds the examples)",
-        exe.display()
-    );
-    exe
-}
+use example_bin::text;
+use std::process::Output;
 
 fn run(args: &[&str]) -> Output {
-    Command::new(example())
-        .args(args)
-        .output()
-        .expect("the example starts")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "--- stdout\n{}\n--- stderr\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    example_bin::run("two_tower", args)
 }
 
 #[test]

@@ -429,13 +429,23 @@ pub fn columns(values: &[f32], tasks: usize) -> Result<Vec<Vec<f32>>> {
 
 /// Opens `path` as a trainer checkpoint: its `format` metadata must be [`FORMAT`].
 fn open_trainer_checkpoint(path: impl AsRef<Path>) -> Result<CheckpointReader> {
+    open_checkpoint_of(path, FORMAT, "a trainer checkpoint")
+}
+
+/// Opens a checkpoint whose `format` metadata must be `format` (`what` names the kind in the
+/// error otherwise).
+pub(crate) fn open_checkpoint_of(
+    path: impl AsRef<Path>,
+    format: &str,
+    what: &str,
+) -> Result<CheckpointReader> {
     let r = CheckpointReader::open(path)?;
-    let format = r.metadata("format").unwrap_or("");
-    if format != FORMAT {
+    let found = r.metadata("format").unwrap_or("");
+    if found != format {
         return Err(Error::invalid(
             "checkpoint",
             format!(
-                "{}: format is `{format}`, expected `{FORMAT}` (not a trainer checkpoint)",
+                "{}: format is `{found}`, expected `{format}` (not {what})",
                 r.path().display()
             ),
         ));

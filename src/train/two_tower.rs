@@ -148,18 +148,7 @@ impl TwoTowerConfig {
 }
 
 fn open(path: impl AsRef<Path>) -> Result<CheckpointReader> {
-    let r = CheckpointReader::open(path)?;
-    let format = r.metadata("format").unwrap_or("");
-    if format != FORMAT {
-        return Err(Error::invalid(
-            "checkpoint",
-            format!(
-                "{}: format is `{format}`, expected `{FORMAT}` (not a TwoTower trainer checkpoint)",
-                r.path().display()
-            ),
-        ));
-    }
-    Ok(r)
+    super::open_checkpoint_of(path, FORMAT, "a TwoTower trainer checkpoint")
 }
 
 /// A batch of positive pairs: row `i` of `queries` interacted with row `i` of `candidates`.
