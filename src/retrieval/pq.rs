@@ -17,6 +17,9 @@ pub struct ProductQuantizer {
     m: usize,
     /// `[m × 256 × dsub]`.
     centroids: Vec<f32>,
+    /// The same, dimension-major per sub-quantizer: `[m × dsub × 256]` (tables vectorise
+    /// across the 256 centroids).
+    by_dim: Vec<f32>,
 }
 
 impl ProductQuantizer {
@@ -51,7 +54,25 @@ impl ProductQuantizer {
         for t in trained {
             centroids.extend(t?);
         }
-        Ok(ProductQuantizer { dim, m, centroids })
+        Ok(ProductQuantizer::new(dim, m, centroids))
+    }
+
+    fn new(dim: usize, m: usize, centroids: Vec<f32>) -> Self {
+        let dsub = dim / m;
+        let mut by_dim = vec![0f32; centroids.len()];
+        for j in 0..m {
+            for c in 0..KSUB {
+                for d in 0..dsub {
+                    by_dim[(j * dsub + d) * KSUB + c] = centroids[(j * KSUB + c) * dsub + d];
+                }
+            }
+        }
+        ProductQuantizer {
+            dim,
+            m,
+            centroids,
+            by_dim,
+        }
     }
 
     /// A quantizer from stored centroids (`[m × 256 × dim/m]`, finite).
@@ -67,7 +88,7 @@ impl ProductQuantizer {
             ));
         }
         check_vectors("ProductQuantizer", &centroids, dim / m)?;
-        Ok(ProductQuantizer { dim, m, centroids })
+        Ok(ProductQuantizer::new(dim, m, centroids))
     }
 
     /// The vectors' dimension.
@@ -133,14 +154,26 @@ impl ProductQuantizer {
     /// score is the sum of its `m` entries.
     pub fn table(&self, query: &[f32], metric: Metric) -> Vec<f32> {
         let dsub = self.dsub();
-        let mut table = Vec::with_capacity(self.m * KSUB);
-        for j in 0..self.m {
+        let mut table = vec![0f32; self.m * KSUB];
+        // Entry by entry the same sums as Σ_d over the sub-vector, in the same order; laid out
+        // so the loop runs across the 256 centroids.
+        for (j, out) in table.chunks_exact_mut(KSUB).enumerate() {
             let q = &query[j * dsub..(j + 1) * dsub];
-            for c in self.sub_centroids(j).chunks_exact(dsub) {
-                table.push(match metric {
-                    Metric::InnerProduct => q.iter().zip(c).map(|(a, b)| a * b).sum(),
-                    Metric::L2 => q.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum(),
-                });
+            for (d, &qd) in q.iter().enumerate() {
+                let col = &self.by_dim[(j * dsub + d) * KSUB..(j * dsub + d + 1) * KSUB];
+                match metric {
+                    Metric::InnerProduct => {
+                        for (o, &c) in out.iter_mut().zip(col) {
+                            *o += qd * c;
+                        }
+                    }
+                    Metric::L2 => {
+                        for (o, &c) in out.iter_mut().zip(col) {
+                            let t = qd - c;
+                            *o += t * t;
+                        }
+                    }
+                }
             }
         }
         table
