@@ -274,20 +274,9 @@ impl DlrmConfig {
     /// the device is the CPU): `from_checkpoint(p)?.build()?.load_checkpoint(p)` restores
     /// the trainer from the file alone.
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<DlrmConfig> {
-        let r = open_trainer_checkpoint(path)?;
-        let bad =
-            |msg: String| Error::invalid("checkpoint", format!("{}: {msg}", r.path().display()));
-        let json = r.metadata(CONFIG_KEY).ok_or_else(|| {
-            bad(format!(
-                "no `{CONFIG_KEY}` metadata (written by a trainer not built from a DlrmConfig)"
-            ))
-        })?;
-        let config: DlrmConfig = serde_json::from_str(json).map_err(|e| {
-            bad(format!(
-                "metadata `{CONFIG_KEY}` is not a DLRM configuration: {e}"
-            ))
-        })?;
-        check_tasks(&config.tasks).map_err(|e| bad(e.to_string()))?;
+        let f = TrainerFile::open(path, FORMAT, "a trainer checkpoint")?;
+        let config: DlrmConfig = f.config("a DlrmConfig")?;
+        check_tasks(&config.tasks).map_err(|e| f.bad(e))?;
         Ok(config)
     }
 
@@ -427,30 +416,90 @@ pub fn columns(values: &[f32], tasks: usize) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
-/// Opens `path` as a trainer checkpoint: its `format` metadata must be [`FORMAT`].
-fn open_trainer_checkpoint(path: impl AsRef<Path>) -> Result<CheckpointReader> {
-    open_checkpoint_of(path, FORMAT, "a trainer checkpoint")
+/// A trainer checkpoint being read (the DLRM trainer's and the TwoTower trainer's share this
+/// header): the reader, and errors that name its file.
+pub(crate) struct TrainerFile {
+    pub(crate) r: CheckpointReader,
+    path: String,
 }
 
-/// Opens a checkpoint whose `format` metadata must be `format` (`what` names the kind in the
-/// error otherwise).
-pub(crate) fn open_checkpoint_of(
-    path: impl AsRef<Path>,
-    format: &str,
-    what: &str,
-) -> Result<CheckpointReader> {
-    let r = CheckpointReader::open(path)?;
-    let found = r.metadata("format").unwrap_or("");
-    if found != format {
-        return Err(Error::invalid(
-            "checkpoint",
-            format!(
-                "{}: format is `{found}`, expected `{format}` (not {what})",
-                r.path().display()
-            ),
-        ));
+impl TrainerFile {
+    /// Opens `path`; its `format` metadata must be `format` (`what` names the kind otherwise).
+    pub(crate) fn open(path: impl AsRef<Path>, format: &str, what: &str) -> Result<Self> {
+        let r = CheckpointReader::open(path)?;
+        let path = r.path().display().to_string();
+        let found = r.metadata("format").unwrap_or("");
+        if found != format {
+            return Err(Error::invalid(
+                "checkpoint",
+                format!("{path}: format is `{found}`, expected `{format}` (not {what})"),
+            ));
+        }
+        Ok(TrainerFile { r, path })
     }
-    Ok(r)
+
+    /// An error about this file.
+    pub(crate) fn bad(&self, msg: impl std::fmt::Display) -> Error {
+        Error::invalid("checkpoint", format!("{}: {msg}", self.path))
+    }
+
+    /// `e`, naming this file if it does not already (the readers do not all know it).
+    pub(crate) fn named(&self, e: Error) -> Error {
+        if e.to_string().contains(&self.path) {
+            e
+        } else {
+            self.bad(e)
+        }
+    }
+
+    /// Metadata `key` as a count.
+    pub(crate) fn count(&self, key: &str) -> Result<u64> {
+        let v = self.r.required_metadata(key).map_err(|e| self.named(e))?;
+        v.parse()
+            .map_err(|_| self.bad(format!("metadata `{key}` = `{v}` is not a count")))
+    }
+
+    /// The `user.*` metadata, prefix removed.
+    pub(crate) fn user(&self) -> BTreeMap<String, String> {
+        (self.r.names_of_metadata().into_iter())
+            .filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v)))
+            .collect()
+    }
+
+    /// The model configuration (metadata `model.config`, JSON) as `what` (a `DlrmConfig`, ...).
+    pub(crate) fn config<T: serde::de::DeserializeOwned>(&self, what: &str) -> Result<T> {
+        let json = self.r.metadata(CONFIG_KEY).ok_or_else(|| {
+            self.bad(format!(
+                "no `{CONFIG_KEY}` metadata (written by a trainer not built from {what})"
+            ))
+        })?;
+        serde_json::from_str(json)
+            .map_err(|e| self.bad(format!("metadata `{CONFIG_KEY}` is not {what}: {e}")))
+    }
+}
+
+/// A checkpoint writer holding a trainer checkpoint's header: `format`, the step, the examples
+/// seen, the configuration as JSON (`model.config`, when there is one) and `user` as `user.*`.
+pub(crate) fn trainer_writer(
+    format: &str,
+    step: u64,
+    examples: u64,
+    config: Option<&impl serde::Serialize>,
+    user: &BTreeMap<String, String>,
+) -> Result<CheckpointWriter> {
+    let mut w = CheckpointWriter::new();
+    w.set_metadata("format", format);
+    w.set_metadata("step", step.to_string());
+    w.set_metadata("examples", examples.to_string());
+    if let Some(config) = config {
+        let json = serde_json::to_string(config)
+            .map_err(|e| Error::invalid("checkpoint", format!("{CONFIG_KEY}: {e}")))?;
+        w.set_metadata(CONFIG_KEY, json);
+    }
+    for (k, v) in user {
+        w.set_metadata(format!("user.{k}"), v.clone());
+    }
+    Ok(w)
 }
 
 /// Checks that `batch` carries one label column per task of `tasks` and `logits` (`[B, T]`)
@@ -748,18 +797,7 @@ impl DlrmTrainer {
         path: impl AsRef<Path>,
         user: &BTreeMap<String, String>,
     ) -> Result<()> {
-        let mut w = CheckpointWriter::new();
-        w.set_metadata("format", FORMAT);
-        w.set_metadata("step", self.step.to_string());
-        w.set_metadata("examples", self.examples.to_string());
-        if let Some(config) = &self.config {
-            let json = serde_json::to_string(config)
-                .map_err(|e| Error::invalid("checkpoint", format!("model.config: {e}")))?;
-            w.set_metadata(CONFIG_KEY, json);
-        }
-        for (k, v) in user {
-            w.set_metadata(format!("user.{k}"), v.clone());
-        }
+        let mut w = trainer_writer(FORMAT, self.step, self.examples, self.config.as_ref(), user)?;
         write_dense_state(
             &mut w,
             &self.model.dense,
@@ -775,35 +813,18 @@ impl DlrmTrainer {
     /// read and checked before anything changes: a truncated, corrupt or mismatched file
     /// leaves the trainer as it was.
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
-        let r = open_trainer_checkpoint(path)?;
-        let where_ = r.path().display().to_string();
-        let bad = |msg: String| Error::invalid("checkpoint", format!("{where_}: {msg}"));
-        let count = |key: &str| -> Result<u64> {
-            let v = r.required_metadata(key)?;
-            v.parse()
-                .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
-        };
-        let (step, examples) = (count("step")?, count("examples")?);
-        // Every error names the file (the readers below do not all know it).
-        let named = |e: Error| {
-            if e.to_string().contains(&where_) {
-                e
-            } else {
-                bad(e.to_string())
-            }
-        };
+        let f = TrainerFile::open(path, FORMAT, "a trainer checkpoint")?;
+        let (step, examples) = (f.count("step")?, f.count("examples")?);
+        let named = |e| f.named(e);
         // Stage everything.
-        let dense = DenseState::read(&r, &self.model.dense, Some(&self.metrics)).map_err(named)?;
+        let dense =
+            DenseState::read(&f.r, &self.model.dense, Some(&self.metrics)).map_err(named)?;
         let tables = self
             .model
             .sparse_arch
-            .stage_from(&r, "tables.")
+            .stage_from(&f.r, "tables.")
             .map_err(named)?;
-        let user = r
-            .names_of_metadata()
-            .into_iter()
-            .filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v)))
-            .collect();
+        let user = f.user();
         // The optimizer checks its whole state before changing anything; after it, nothing
         // left can fail on a value already checked.
         dense

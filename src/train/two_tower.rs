@@ -13,8 +13,7 @@ use std::path::Path;
 
 use rand::Rng as _;
 
-use super::{write_dense_state, DenseOptimizer, DenseState};
-use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use super::{trainer_writer, write_dense_state, DenseOptimizer, DenseState, TrainerFile};
 use crate::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
 use crate::models::two_tower::{
     pointwise_bce, sampled_softmax, FrequencyEstimator, Tower, TwoTower,
@@ -27,7 +26,6 @@ use crate::{Device, Error, Result, Tensor};
 
 const OP: &str = "TwoTowerTrainer";
 const FORMAT: &str = "embers.two-tower-trainer.v1";
-const CONFIG_KEY: &str = "model.config";
 /// Added to the logit of an accidental hit (a sampled negative that is the row's positive).
 const HIT_MASK: f32 = -1.0e9;
 
@@ -133,22 +131,12 @@ impl TwoTowerConfig {
 
     /// The configuration a trainer checkpoint was written with (the device is the CPU).
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<TwoTowerConfig> {
-        let r = open(path)?;
-        let bad =
-            |msg: String| Error::invalid("checkpoint", format!("{}: {msg}", r.path().display()));
-        let json = r
-            .metadata(CONFIG_KEY)
-            .ok_or_else(|| bad(format!("no `{CONFIG_KEY}` metadata")))?;
-        serde_json::from_str(json).map_err(|e| {
-            bad(format!(
-                "`{CONFIG_KEY}` is not a TwoTower configuration: {e}"
-            ))
-        })
+        open(path)?.config("a TwoTowerConfig")
     }
 }
 
-fn open(path: impl AsRef<Path>) -> Result<CheckpointReader> {
-    super::open_checkpoint_of(path, FORMAT, "a TwoTower trainer checkpoint")
+fn open(path: impl AsRef<Path>) -> Result<TrainerFile> {
+    TrainerFile::open(path, FORMAT, "a TwoTower trainer checkpoint")
 }
 
 /// A batch of positive pairs: row `i` of `queries` interacted with row `i` of `candidates`.
@@ -336,16 +324,7 @@ impl TwoTowerTrainer {
         path: impl AsRef<Path>,
         user: &BTreeMap<String, String>,
     ) -> Result<()> {
-        let mut w = CheckpointWriter::new();
-        w.set_metadata("format", FORMAT);
-        w.set_metadata("step", self.step.to_string());
-        w.set_metadata("examples", self.examples.to_string());
-        let json = serde_json::to_string(&self.config)
-            .map_err(|e| Error::invalid("checkpoint", format!("model.config: {e}")))?;
-        w.set_metadata(CONFIG_KEY, json);
-        for (k, v) in user {
-            w.set_metadata(format!("user.{k}"), v.clone());
-        }
+        let mut w = trainer_writer(FORMAT, self.step, self.examples, Some(&self.config), user)?;
         write_dense_state(&mut w, &Mlps(&self.model), self.optimizer.as_ref(), None)?;
         self.model
             .query
@@ -367,51 +346,36 @@ impl TwoTowerTrainer {
     /// [`save_checkpoint`](Self::save_checkpoint); returns its user metadata. Everything is
     /// read and checked before anything changes.
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
-        let r = open(path)?;
-        let where_ = r.path().display().to_string();
-        let bad = |msg: String| Error::invalid("checkpoint", format!("{where_}: {msg}"));
-        let named = |e: Error| {
-            if e.to_string().contains(&where_) {
-                e
-            } else {
-                bad(e.to_string())
-            }
-        };
-        let count = |key: &str| -> Result<u64> {
-            let v = r.required_metadata(key).map_err(named)?;
-            v.parse()
-                .map_err(|_| bad(format!("metadata `{key}` = `{v}` is not a count")))
-        };
+        let f = open(path)?;
+        let named = |e| f.named(e);
         let (step, examples, steps) = (
-            count("step")?,
-            count("examples")?,
-            count("estimator.steps")?,
+            f.count("step")?,
+            f.count("examples")?,
+            f.count("estimator.steps")?,
         );
-        let saved: TwoTowerConfig =
-            serde_json::from_str(r.required_metadata(CONFIG_KEY).map_err(named)?)
-                .map_err(|e| bad(format!("`{CONFIG_KEY}`: {e}")))?;
+        let saved: TwoTowerConfig = f.config("a TwoTowerConfig")?;
         let mut mine = self.config.clone();
         mine.device = saved.device;
         if saved != mine {
-            return Err(bad(format!(
+            return Err(f.bad(format!(
                 "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
             )));
         }
-        let dense = DenseState::read(&r, &Mlps(&self.model), None).map_err(named)?;
+        let dense = DenseState::read(&f.r, &Mlps(&self.model), None).map_err(named)?;
         let query = self
             .model
             .query
             .tables
-            .stage_from(&r, "query.tables.")
+            .stage_from(&f.r, "query.tables.")
             .map_err(named)?;
         let candidate = (self.model.candidate.tables)
-            .stage_from(&r, "candidate.tables.")
+            .stage_from(&f.r, "candidate.tables.")
             .map_err(named)?;
         let buckets = self.config.estimator_buckets;
-        let last: Vec<i64> = r.read("estimator.last", &[buckets]).map_err(named)?;
-        let interval: Vec<f64> = r.read("estimator.interval", &[buckets]).map_err(named)?;
+        let last: Vec<i64> = f.r.read("estimator.last", &[buckets]).map_err(named)?;
+        let interval: Vec<f64> = f.r.read("estimator.interval", &[buckets]).map_err(named)?;
         if let Some(i) = last.iter().position(|&t| t < 0) {
-            return Err(bad(format!("estimator.last[{i}] is negative")));
+            return Err(f.bad(format!("estimator.last[{i}] is negative")));
         }
         let estimator = FrequencyEstimator::from_parts(
             last.into_iter().map(|t| t as u64).collect(),
@@ -420,9 +384,7 @@ impl TwoTowerTrainer {
             steps,
         )
         .map_err(named)?;
-        let user = (r.names_of_metadata().into_iter())
-            .filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v)))
-            .collect();
+        let user = f.user();
         dense.apply(self.optimizer.as_mut(), None).map_err(named)?;
         query
             .apply(&self.model.query.tables.tbes())
