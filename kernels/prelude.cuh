@@ -114,3 +114,30 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32,
+// at most 1024; every thread must call it). `scratch` is shared, 32 values. Sets *total.
+template <class T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* scratch, T* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    T x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        T y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        T t = lane < warps ? scratch[lane] : (T)0;
+        for (int o = 1; o < 32; o <<= 1) {
+            T y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        scratch[lane] = t;
+    }
+    __syncthreads();
+    T before = warp > 0 ? scratch[warp - 1] : (T)0;
+    *total = scratch[warps - 1];
+    __syncthreads();  // scratch is free again for the next call
+    return before + x - v;
+}

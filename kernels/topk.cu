@@ -88,32 +88,6 @@ __device__ __forceinline__ unsigned topk_claim(unsigned* counter, bool take) {
     return base + (unsigned)__popc(lanes & ((1u << lane) - 1u));
 }
 
-// Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32);
-// every thread must call it. `scratch`: 32 shared values. Sets *total.
-__device__ __forceinline__ unsigned topk_block_scan(unsigned v, unsigned* scratch, unsigned* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    unsigned x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        unsigned y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) scratch[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        unsigned t = lane < warps ? scratch[lane] : 0u;
-        for (int o = 1; o < 32; o <<= 1) {
-            unsigned y = __shfl_up_sync(0xffffffffu, t, o);
-            if (lane >= o) t += y;
-        }
-        scratch[lane] = t;
-    }
-    __syncthreads();
-    unsigned before = warp > 0 ? scratch[warp - 1] : 0u;
-    *total = scratch[warps - 1];
-    __syncthreads();
-    return before + x - v;
-}
-
 // The shared state of one row's selection.
 struct TopkShared {
     unsigned scan[32];
@@ -131,7 +105,7 @@ __device__ void topk_find_digit(const unsigned* hist, int bins, unsigned need, b
     unsigned local = 0;
     for (int i = first; i < first + per; ++i) local += hist[from_top ? bins - 1 - i : i];
     unsigned total;
-    unsigned before = topk_block_scan(local, sh->scan, &total);
+    unsigned before = block_exclusive_scan(local, sh->scan, &total);
     if (before < need && need <= before + local) {
         unsigned passed = before;
         for (int i = first; i < first + per; ++i) {
