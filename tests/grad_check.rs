@@ -204,6 +204,36 @@ fn softmax_family() {
     check(|x| x[0].log_softmax(1), &[x.clone()]);
 }
 
+/// The CPU's one-pass f32 backward along the last dimension (large enough to run in
+/// parallel) against the gradient composed of f64 tensor ops.
+#[test]
+fn softmax_family_f32_last_dim_matches_f64() {
+    let (rows, n) = (300, 200);
+    let x64 = Tensor::rand_uniform(&[rows, n], -3.0, 3.0, DType::F64, &mut seeded(35));
+    let g64 = Tensor::rand_uniform(&[rows, n], -1.0, 1.0, DType::F64, &mut seeded(36));
+    for log in [false, true] {
+        let grad = |dtype: DType| {
+            let x = x64.to_dtype(dtype).unwrap().with_requires_grad(true);
+            let y = if log {
+                x.log_softmax(-1)
+            } else {
+                x.softmax(-1)
+            }
+            .unwrap();
+            let g = g64.to_dtype(dtype).unwrap();
+            y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            x.grad().unwrap().to_vec_f64().unwrap()
+        };
+        let (fast, reference) = (grad(DType::F32), grad(DType::F64));
+        for (i, (a, b)) in fast.iter().zip(&reference).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "log {log}, element {i}: f32 {a} vs f64 {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn losses() {
     let logits = leaf(&[4, 3], -2.0, 2.0, 32);

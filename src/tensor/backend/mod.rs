@@ -168,6 +168,11 @@ pub(crate) trait ReduceOps {
     ) -> Result<Tensor>;
     /// softmax (or log_softmax) along dimension `d`.
     fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor>;
+    /// The gradient of softmax (or log_softmax) along `d` from its output `y` and the output
+    /// gradient `g`; by default composed of tensor ops.
+    fn softmax_backward(y: &Tensor, g: &Tensor, d: usize, log: bool) -> Result<Tensor> {
+        crate::tensor::ops::softmax::softmax_backward_composed(y, g, d, log)
+    }
 }
 
 /// Row and element indexing.

@@ -20,62 +20,27 @@ impl BackwardOp for SoftmaxBackward {
         }
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        if let Some(gx) = last_dim_cpu_f32(&self.y, g, self.dim, self.log)? {
-            return Ok(vec![Some(Gradient::Dense(gx))]);
-        }
-        let d = self.dim as isize;
-        let gx = if self.log {
-            // g − softmax · Σg
-            g.sub(&self.y.exp()?.mul(&g.sum(&[d], true)?)?)?
-        } else {
-            // y ⊙ (g − Σ(g ⊙ y))
-            self.y.mul(&g.sub(&g.mul(&self.y)?.sum(&[d], true)?)?)?
-        };
+        let gx =
+            with_backend!(g.device(), B => B::softmax_backward(&self.y, g, self.dim, self.log))?;
         Ok(vec![Some(Gradient::Dense(gx))])
     }
 }
 
-/// The backward along the last dimension of f32 CPU tensors in one pass per row (in parallel
-/// over rows): the same formulas as the general path, without its intermediate tensors.
-/// `None` for anything else.
-fn last_dim_cpu_f32(y: &Tensor, g: &Tensor, dim: usize, log: bool) -> Result<Option<Tensor>> {
-    use rayon::prelude::*;
-    let cpu_f32 = |t: &Tensor| t.device() == crate::Device::Cpu && t.dtype() == crate::DType::F32;
-    if !(cpu_f32(y) && cpu_f32(g)) || dim + 1 != y.rank() || g.shape() != y.shape() {
-        return Ok(None);
+/// softmax's gradient from its output `y` and the output gradient `g` along `dim`, composed of
+/// tensor ops: `y ⊙ (g − Σ(g ⊙ y))`, or for log_softmax `g − exp(y) · Σg`. The backends' default
+/// ([`ReduceOps::softmax_backward`]).
+pub(crate) fn softmax_backward_composed(
+    y: &Tensor,
+    g: &Tensor,
+    dim: usize,
+    log: bool,
+) -> Result<Tensor> {
+    let d = dim as isize;
+    if log {
+        g.sub(&y.exp()?.mul(&g.sum(&[d], true)?)?)
+    } else {
+        y.mul(&g.sub(&g.mul(y)?.sum(&[d], true)?)?)
     }
-    let n = y.shape()[dim].max(1);
-    let mut out = vec![0f32; y.numel()];
-    y.with_contiguous(|ys: &[f32]| {
-        g.with_contiguous(|gs: &[f32]| {
-            let row = |((yr, gr), or): ((&[f32], &[f32]), &mut [f32])| {
-                if log {
-                    // g − softmax · Σg
-                    let sg: f32 = gr.iter().sum();
-                    for ((o, &yv), &gv) in or.iter_mut().zip(yr).zip(gr) {
-                        *o = gv - yv.exp() * sg;
-                    }
-                } else {
-                    // y ⊙ (g − Σ(g ⊙ y))
-                    let sgy: f32 = gr.iter().zip(yr).map(|(a, b)| a * b).sum();
-                    for ((o, &yv), &gv) in or.iter_mut().zip(yr).zip(gr) {
-                        *o = yv * (gv - sgy);
-                    }
-                }
-            };
-            if ys.len() >= crate::tensor::ops::PAR_THRESHOLD && ys.len() > n {
-                (ys.par_chunks(n).zip(gs.par_chunks(n)))
-                    .zip(out.par_chunks_mut(n))
-                    .with_min_len((crate::tensor::ops::PAR_THRESHOLD / n).max(1))
-                    .for_each(row);
-            } else {
-                (ys.chunks(n).zip(gs.chunks(n)))
-                    .zip(out.chunks_mut(n))
-                    .for_each(row);
-            }
-        })
-    })??;
-    Ok(Some(Tensor::from_vec(out, y.shape())?))
 }
 
 fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {

@@ -5,7 +5,7 @@ use super::super::{Cpu, ReduceOps};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::tensor::dtype::{FloatElem, NumElem, WithDType};
+use crate::tensor::dtype::{DType, FloatElem, NumElem, WithDType};
 use crate::tensor::ops::reduce::split_at_dim;
 use crate::tensor::ops::{float_compute, with_float, with_num, PAR_THRESHOLD};
 use crate::Tensor;
@@ -207,6 +207,47 @@ impl ReduceOps for Cpu {
             Tensor::from_vec(gx, input_shape)?
         });
         gx.cast_values(storage)
+    }
+
+    /// Along the last dimension of f32 tensors: one pass per row (in parallel over rows), the
+    /// same formulas as the composed default without its intermediate tensors.
+    fn softmax_backward(y: &Tensor, g: &Tensor, d: usize, log: bool) -> Result<Tensor> {
+        let f32s = y.dtype() == DType::F32 && g.dtype() == DType::F32;
+        if !f32s || d + 1 != y.rank() || g.shape() != y.shape() {
+            return crate::tensor::ops::softmax::softmax_backward_composed(y, g, d, log);
+        }
+        let n = y.shape()[d].max(1);
+        let mut out = vec![0f32; y.numel()];
+        y.with_contiguous(|ys: &[f32]| {
+            g.with_contiguous(|gs: &[f32]| {
+                let row = |((yr, gr), or): ((&[f32], &[f32]), &mut [f32])| {
+                    if log {
+                        // g − softmax · Σg
+                        let sg: f32 = gr.iter().sum();
+                        for ((o, &yv), &gv) in or.iter_mut().zip(yr).zip(gr) {
+                            *o = gv - yv.exp() * sg;
+                        }
+                    } else {
+                        // y ⊙ (g − Σ(g ⊙ y))
+                        let sgy: f32 = gr.iter().zip(yr).map(|(a, b)| a * b).sum();
+                        for ((o, &yv), &gv) in or.iter_mut().zip(yr).zip(gr) {
+                            *o = yv * (gv - sgy);
+                        }
+                    }
+                };
+                if ys.len() >= PAR_THRESHOLD && ys.len() > n {
+                    (ys.par_chunks(n).zip(gs.par_chunks(n)))
+                        .zip(out.par_chunks_mut(n))
+                        .with_min_len((PAR_THRESHOLD / n).max(1))
+                        .for_each(row);
+                } else {
+                    (ys.chunks(n).zip(gs.chunks(n)))
+                        .zip(out.chunks_mut(n))
+                        .for_each(row);
+                }
+            })
+        })??;
+        Tensor::from_vec(out, y.shape())
     }
 
     fn softmax(x: &Tensor, d: usize, log: bool) -> Result<Tensor> {
