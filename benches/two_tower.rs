@@ -21,15 +21,7 @@ const ITEMS: usize = 1682;
 const BATCH: usize = 256;
 
 fn one_hot(key: &str, ids: &[i64]) -> KeyedJaggedTensor {
-    let n = ids.len();
-    KeyedJaggedTensor::from_lengths(
-        vec![key.to_string()],
-        Tensor::from_vec(ids.to_vec(), &[n]).unwrap(),
-        Tensor::from_vec(vec![1i32; n], &[n]).unwrap(),
-        None,
-        None,
-    )
-    .unwrap()
+    KeyedJaggedTensor::one_hot(key, ids).unwrap()
 }
 
 fn batch(rng: &mut ChaCha8Rng, labels: bool) -> PairBatch {

@@ -220,16 +220,7 @@ fn two_tower() -> embers::models::two_tower::TwoTower {
 }
 
 fn one_hot(key: &str, ids: Vec<i64>) -> embers::sparse::KeyedJaggedTensor {
-    use embers::Tensor;
-    let n = ids.len();
-    embers::sparse::KeyedJaggedTensor::from_lengths(
-        vec![key.to_string()],
-        Tensor::from_vec(ids, &[n]).unwrap(),
-        Tensor::from_vec(vec![1i32; n], &[n]).unwrap(),
-        None,
-        None,
-    )
-    .unwrap()
+    embers::sparse::KeyedJaggedTensor::one_hot(key, &ids).unwrap()
 }
 
 #[test]

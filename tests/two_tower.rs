@@ -224,17 +224,7 @@ fn training_on_planted_factors_recovers_them() {
     )
     .unwrap();
     let mut freq = FrequencyEstimator::new(4096, 0.01).unwrap();
-    let kjt = |key: &str, ids: Vec<i64>| {
-        let n = ids.len();
-        KeyedJaggedTensor::from_lengths(
-            vec![key.to_string()],
-            Tensor::from_vec(ids, &[n]).unwrap(),
-            Tensor::from_vec(vec![1i32; n], &[n]).unwrap(),
-            None,
-            None,
-        )
-        .unwrap()
-    };
+    let kjt = |key: &str, ids: Vec<i64>| one_hot(key, &ids);
     let batch = 128;
     let mut order: Vec<usize> = (0..train.len()).collect();
     for epoch in 0..8 {
@@ -408,15 +398,7 @@ fn towers_that_do_not_fit_are_named_errors() {
 
 /// One-hot features of one key.
 fn one_hot(key: &str, ids: &[i64]) -> KeyedJaggedTensor {
-    let n = ids.len();
-    KeyedJaggedTensor::from_lengths(
-        vec![key.to_string()],
-        Tensor::from_vec(ids.to_vec(), &[n]).unwrap(),
-        Tensor::from_vec(vec![1i32; n], &[n]).unwrap(),
-        None,
-        None,
-    )
-    .unwrap()
+    KeyedJaggedTensor::one_hot(key, ids).unwrap()
 }
 
 fn trainer_config(loss: embers::train::TwoTowerLoss) -> embers::train::TwoTowerConfig {

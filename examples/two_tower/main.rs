@@ -305,17 +305,6 @@ fn split(data: &Data, fraction: f64) -> Split {
     Split { train, test, seen }
 }
 
-fn one_hot(key: &str, ids: &[i64]) -> Result<KeyedJaggedTensor> {
-    let n = ids.len();
-    KeyedJaggedTensor::from_lengths(
-        vec![key.to_string()],
-        Tensor::from_vec(ids.to_vec(), &[n])?,
-        Tensor::from_vec(vec![1i32; n], &[n])?,
-        None,
-        None,
-    )
-}
-
 /// The candidate tower's features of `items`: `item` (one-hot) and `genre` (multi-hot).
 fn item_features(items: &[i64], genres: &[Vec<i64>]) -> Result<KeyedJaggedTensor> {
     let mut values: Vec<i64> = items.to_vec();
@@ -400,7 +389,7 @@ fn retrieve(
     let ids: Vec<i64> = users.iter().map(|&u| u as i64).collect();
     let found = trainer
         .model()
-        .retrieve(&one_hot("user", &ids)?, index, k)?;
+        .retrieve(&KeyedJaggedTensor::one_hot("user", &ids)?, index, k)?;
     Ok(users
         .iter()
         .enumerate()
@@ -423,12 +412,35 @@ fn catalogue(trainer: &TwoTowerTrainer, data: &Data) -> Result<Vec<f32>> {
         .embed_catalogue(&item_features(&ids, &data.genres)?)
 }
 
-fn exact_index(trainer: &TwoTowerTrainer, data: &Data, device: Device) -> Result<FlatIndex> {
-    let emb = catalogue(trainer, data)?;
-    let dim = emb.len() / data.items;
+/// The model now: the catalogue's embeddings, every test user's top 100 through exact search,
+/// their quality and the search's time in seconds.
+struct Evaluation {
+    catalogue: Vec<f32>,
+    lists: HashMap<usize, Vec<usize>>,
+    quality: Quality,
+    search_seconds: f64,
+}
+
+fn evaluate(
+    trainer: &TwoTowerTrainer,
+    data: &Data,
+    split: &Split,
+    device: Device,
+) -> Result<Evaluation> {
+    let catalogue = catalogue(trainer, data)?;
+    let dim = catalogue.len() / data.items;
     let mut index = FlatIndex::new(dim, Metric::InnerProduct)?;
-    index.add(&(0..data.items as i64).collect::<Vec<_>>(), &emb)?;
-    index.to_device(device)
+    index.add(&(0..data.items as i64).collect::<Vec<_>>(), &catalogue)?;
+    let index = index.to_device(device)?;
+    let t = Instant::now();
+    let lists = retrieve(trainer, split, &index, data.items)?;
+    let search_seconds = t.elapsed().as_secs_f64();
+    Ok(Evaluation {
+        quality: quality(split, &lists),
+        catalogue,
+        lists,
+        search_seconds,
+    })
 }
 
 /// Ranks by training popularity, seen items excluded.
@@ -630,6 +642,7 @@ fn run(args: Args) -> Result<()> {
     let (mut loss_sum, mut loss_n) = (0.0, 0usize);
     let mut train_seconds = 0.0;
     let checkpoint = args.out.join("checkpoint.safetensors");
+    let mut last = None;
     for epoch in 1..=args.epochs {
         order.shuffle(&mut rng);
         let started = Instant::now();
@@ -653,7 +666,7 @@ fn run(args: Args) -> Result<()> {
                 users
             };
             let batch = PairBatch {
-                queries: one_hot("user", &users)?,
+                queries: KeyedJaggedTensor::one_hot("user", &users)?,
                 candidates: item_features(&items, &data.genres)?,
                 candidate_ids: items,
                 labels,
@@ -671,15 +684,9 @@ fn run(args: Args) -> Result<()> {
             }
         }
         train_seconds += started.elapsed().as_secs_f64();
-        let q = quality(
-            &split,
-            &retrieve(
-                &trainer,
-                &split,
-                &exact_index(&trainer, &data, args.device)?,
-                data.items,
-            )?,
-        );
+        let evaluation = evaluate(&trainer, &data, &split, args.device)?;
+        let q = evaluation.quality;
+        last = Some(evaluation);
         let line = format!("epoch {epoch}: {q}");
         if args.no_progress {
             println!("{line}");
@@ -699,13 +706,17 @@ fn run(args: Args) -> Result<()> {
     bar.finish_and_clear();
     let pairs_per_s = (split.train.len() * args.epochs) as f64 / train_seconds;
 
-    // The final model: exact search, IVF-PQ, popularity, and optionally the re-ranked top 100.
-    let exact_index = exact_index(&trainer, &data, args.device)?;
-    let t = Instant::now();
-    let exact_lists = retrieve(&trainer, &split, &exact_index, data.items)?;
-    let exact_s = t.elapsed().as_secs_f64();
-    let exact = quality(&split, &exact_lists);
-    let emb = catalogue(&trainer, &data)?;
+    // The final model (the last epoch's evaluation): exact search, IVF-PQ, popularity, and
+    // optionally the re-ranked top 100.
+    let Evaluation {
+        catalogue: emb,
+        lists: exact_lists,
+        quality: exact,
+        search_seconds: exact_s,
+    } = match last {
+        Some(evaluation) => evaluation,
+        None => evaluate(&trainer, &data, &split, args.device)?,
+    };
     let dim = emb.len() / data.items;
     let t = Instant::now();
     let mut ivf = IvfPqIndex::train(

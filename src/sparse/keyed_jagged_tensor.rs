@@ -306,6 +306,18 @@ impl KeyedJaggedTensor {
         )
     }
 
+    /// One key with exactly one id per sample (a user id, an item id): `ids.len()` bags of one.
+    pub fn one_hot(key: impl Into<String>, ids: &[i64]) -> Result<Self> {
+        let n = ids.len();
+        Self::from_lengths(
+            vec![key.into()],
+            Tensor::from_vec(ids.to_vec(), &[n])?,
+            Tensor::from_vec(vec![1i32; n], &[n])?,
+            None,
+            Some(n),
+        )
+    }
+
     /// Builds from key-major `offsets` (`keys × stride + 1` entries, starting at 0,
     /// non-decreasing, ending at the number of values).
     pub fn from_offsets(
