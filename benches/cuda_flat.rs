@@ -93,10 +93,12 @@ fn main() {
             // How the product blocks' size moves the time (the default is the first).
             for (queries_per, chunk) in [(1024, 16_384), (2048, 32_768), (512, 65_536)] {
                 let mut tuned = index.clone();
-                tuned.set_gpu_blocks(GpuBlocks {
-                    queries: queries_per,
-                    chunk,
-                });
+                tuned
+                    .set_gpu_blocks(GpuBlocks {
+                        queries: queries_per,
+                        chunk,
+                    })
+                    .unwrap();
                 for k in [10usize, 100] {
                     tuned.search(&queries, k).unwrap();
                     let t = Instant::now();

@@ -66,7 +66,7 @@ fn gpu_exact_search_equals_the_cpu() {
         cpu.add(&ids, &base).unwrap();
         let mut gpu = cpu.clone().to_device(dev).unwrap();
         assert_eq!(gpu.device(), dev);
-        gpu.set_gpu_blocks(SMALL);
+        gpu.set_gpu_blocks(SMALL).unwrap();
         for k in [1, 100] {
             let what = format!("{metric:?} k {k}");
             assert_same(
@@ -80,7 +80,8 @@ fn gpu_exact_search_equals_the_cpu() {
         gpu.set_gpu_blocks(GpuBlocks {
             queries: 16,
             chunk: 700,
-        });
+        })
+        .unwrap();
         assert_same(
             &gpu.search(&queries, 10).unwrap(),
             &cpu.search(&queries, 10).unwrap(),
@@ -95,7 +96,7 @@ fn gpu_exact_search_equals_the_cpu() {
             1e-5,
             "whole index",
         );
-        gpu.set_gpu_blocks(GpuBlocks::default());
+        gpu.set_gpu_blocks(GpuBlocks::default()).unwrap();
         assert_same(
             &gpu.search(&queries, 10).unwrap(),
             &cpu.search(&queries, 10).unwrap(),
@@ -117,7 +118,7 @@ fn gpu_ties_keep_the_smaller_ids_as_the_cpu_does() {
         let mut cpu = FlatIndex::new(dim, metric).unwrap();
         cpu.add(&ids, &base).unwrap();
         let mut gpu = cpu.clone().to_device(dev).unwrap();
-        gpu.set_gpu_blocks(SMALL);
+        gpu.set_gpu_blocks(SMALL).unwrap();
         for k in [1, 7, 50, 300] {
             let got = gpu.search(&queries, k).unwrap();
             let want = cpu.search(&queries, k).unwrap();
@@ -138,7 +139,7 @@ fn gpu_search_follows_add_and_remove() {
         .unwrap()
         .to_device(dev)
         .unwrap();
-    gpu.set_gpu_blocks(SMALL);
+    gpu.set_gpu_blocks(SMALL).unwrap();
     let mut cpu = FlatIndex::new(dim, Metric::L2).unwrap();
     let empty = gpu.search(&queries, 1).unwrap_err().to_string();
     assert!(empty.contains("empty"), "{empty}");
@@ -328,7 +329,8 @@ fn gpu_selection_falls_back_to_the_row_when_the_kth_bin_overflows_shared_memory(
         gpu.set_gpu_blocks(GpuBlocks {
             queries: 2,
             chunk: 4096,
-        });
+        })
+        .unwrap();
         for k in [5, 1000] {
             assert_same(
                 &gpu.search(&queries, k).unwrap(),

@@ -470,3 +470,25 @@ fn bad_inputs_are_named_errors() {
         );
     }
 }
+
+#[test]
+fn gpu_blocks_out_of_range_are_refused() {
+    use embers::retrieval::GpuBlocks;
+    let mut index = FlatIndex::new(4, Metric::InnerProduct).unwrap();
+    for (queries, chunk) in [(0, 16), (16, 0), (16, (1 << 30) + 1)] {
+        let e = index
+            .set_gpu_blocks(GpuBlocks { queries, chunk })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("set_gpu_blocks") && e.contains(&format!("{queries} queries")),
+            "{e}"
+        );
+    }
+    index
+        .set_gpu_blocks(GpuBlocks {
+            queries: 1,
+            chunk: 1 << 30,
+        })
+        .unwrap();
+}

@@ -19,6 +19,8 @@ crate::kernel_source!(
 
 /// The largest `k` the selection kernel keeps per query (`TOPK_MAX` in `kernels/topk.cu`).
 pub const MAX_K: usize = 1024;
+/// The most vectors per chunk: the kernel numbers a chunk's columns in 32 bits.
+pub(crate) const MAX_CHUNK: usize = 1 << 30;
 /// Threads per row (`TOPK_THREADS`).
 const THREADS: u32 = 256;
 /// How the GPU search splits its work: queries per product block and stored vectors per chunk
@@ -101,9 +103,9 @@ impl DeviceBase {
         }
         let n = self.base.shape()[0];
         let nq = queries.len() / dim;
-        // Columns are numbered in 32 bits inside the kernel.
-        let chunk = blocks.chunk.clamp(1, 1 << 30).max(k).min(n);
-        let query_block = blocks.queries.max(1);
+        // Both at least 1 and the chunk at most MAX_CHUNK (FlatIndex::set_gpu_blocks checks).
+        let chunk = blocks.chunk.max(k).min(n);
+        let query_block = blocks.queries;
         let chunks = n.div_ceil(chunk);
         let bias = l2.then_some(&self.norms);
         let (alpha, kk) = (if l2 { 2.0f32 } else { 1.0f32 }, k as i32);

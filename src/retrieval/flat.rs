@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use super::cuda::{DeviceBase, GpuBlocks};
+use super::cuda::{DeviceBase, GpuBlocks, MAX_CHUNK};
 use super::select::TopK;
 use super::{check_new_ids, check_vectors, Metric, Neighbors};
 use crate::tensor::no_grad;
@@ -214,9 +214,22 @@ impl FlatIndex {
         self.device
     }
 
-    /// Sets how a GPU search splits its work (memory per product block against launches).
-    pub fn set_gpu_blocks(&mut self, blocks: GpuBlocks) {
+    /// Sets how a GPU search splits its work (memory per product block against launches):
+    /// at least one query per block, and 1 to 2^30 vectors per chunk (the kernel numbers a
+    /// chunk's columns in 32 bits); anything else is refused.
+    pub fn set_gpu_blocks(&mut self, blocks: GpuBlocks) -> Result<()> {
+        if blocks.queries == 0 || blocks.chunk == 0 || blocks.chunk > MAX_CHUNK {
+            return Err(Error::invalid(
+                "FlatIndex::set_gpu_blocks",
+                format!(
+                    "{} queries per block and {} vectors per chunk: each must be at least 1, \
+                     the chunk at most {MAX_CHUNK}",
+                    blocks.queries, blocks.chunk
+                ),
+            ));
+        }
         self.gpu_blocks = blocks;
+        Ok(())
     }
 
     /// The device copy, if one is current.
