@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+#[path = "support/kill.rs"]
+mod kill;
+
 use embers::embedding::{FusedOptimizer, WeightType};
 use embers::nn::Module;
 use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer};
@@ -15,6 +18,7 @@ use embers_datasets::{
     BatchConfig, Batcher, RawBatch, ShuffleConfig, Split, SplitRule, SyntheticCriteo,
     SyntheticCriteoConfig,
 };
+use kill::stop_inside_a_write;
 
 fn data(num_train: u64, tables: usize, rows: u64) -> SyntheticCriteo {
     SyntheticCriteo::new(SyntheticCriteoConfig {
@@ -354,49 +358,6 @@ fn checkpoint_writer_child() -> Result<()> {
     Ok(())
 }
 
-/// Sends `signal` (a name such as `STOP`) to process `pid` with kill(1).
-fn signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{signal} {pid} failed");
-}
-
-/// Whether process `pid` is stopped, from the state field of `/proc/<pid>/stat`.
-fn is_stopped(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // The state follows the command name, which is in parentheses and may hold spaces.
-    let state = stat[stat.rfind(')').unwrap() + 1..]
-        .split_whitespace()
-        .next();
-    matches!(state, Some("T" | "t"))
-}
-
-/// Leaves process `pid` stopped while its temporary checkpoint file `tmp` exists: stops it as
-/// soon as the file appears, and resumes it to try again if the write finished meanwhile.
-fn stop_inside_a_write(pid: u32, tmp: &Path) {
-    let start = Instant::now();
-    loop {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "never caught the writer inside a write"
-        );
-        if !tmp.exists() {
-            std::thread::sleep(Duration::from_micros(200));
-            continue;
-        }
-        signal(pid, "STOP");
-        while !is_stopped(pid) {
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        if tmp.exists() {
-            return;
-        }
-        signal(pid, "CONT");
-    }
-}
-
 #[test]
 fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result<()> {
     let g = data(1_000_000, 26, 20_000);
@@ -438,7 +399,7 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
             std::thread::sleep(Duration::from_millis(5));
         }
         if round % 2 == 0 {
-            stop_inside_a_write(pid, &tmp);
+            stop_inside_a_write(pid, || tmp.exists());
         } else {
             std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
         }

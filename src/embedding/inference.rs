@@ -389,6 +389,7 @@ impl QuantizedTableBatchedEmbedding {
             owner: self.id,
             batch,
             on_device,
+            cached: None,
         })
     }
 

@@ -51,4 +51,7 @@ pub use input::{IndexSlice, TbeInput};
 pub use optimizer::{FusedOptimizer, StateShape, WeightDecay};
 pub use storage::{RowBuffer, RowElement};
 pub use tbe::cpu::backward::{BackwardOutput, SparseTableGrad};
-pub use tbe::{TableBatchedEmbedding, TbeBatch, TbeConfig, TbeGradients};
+pub use tbe::{
+    CacheConfig, CachePolicy, CacheSize, CacheStats, TableBatchedEmbedding, TbeBatch, TbeConfig,
+    TbeGradients,
+};

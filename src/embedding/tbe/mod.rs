@@ -4,6 +4,7 @@
 //! ([`TableBatchedEmbedding::to_device`]). Inputs are checked by one validation pass on the
 //! host ([`validate`](super::input)) whatever the device.
 
+pub(crate) mod cache;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 
@@ -20,6 +21,8 @@ use super::optimizer::{FusedOptimizer, StateShape, WeightDecay};
 use crate::tensor::rng::Rng;
 use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
 use crate::{DType, Device, Error, Result, Tensor};
+pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats};
+use cache::{CachedBatch, CachedTables};
 use cpu::backward::{BackwardOutput, SparseTableGrad};
 use cpu::pool::FeatureSlot;
 use cpu::HostTables;
@@ -81,6 +84,8 @@ pub(crate) enum Tables {
     Host(HostTables),
     /// A CUDA device's memory.
     Device(DeviceTables),
+    /// A file, cached in host memory.
+    Cached(CachedTables),
 }
 
 /// Tables, optimizer state and the step count, behind one lock.
@@ -103,6 +108,41 @@ pub(crate) struct TbeLayout {
 }
 
 impl TbeLayout {
+    /// The layout of `config` (checked by the caller: ≥ 1 table and feature, features map to
+    /// tables, one dim for every feature with pooling NONE).
+    pub(crate) fn new(config: &TbeConfig) -> Result<TbeLayout> {
+        let dims: Vec<usize> = (config.feature_table_map.iter())
+            .map(|&t| config.tables[t].dim)
+            .collect();
+        let mut slots = Vec::with_capacity(dims.len());
+        let mut col = 0;
+        for &dim in &dims {
+            slots.push(FeatureSlot { col, dim });
+            col += dim;
+        }
+        let out_stride = if config.pooling == PoolingMode::None {
+            dims[0]
+        } else {
+            col
+        };
+        let mut weight_offsets = vec![0];
+        let mut row_offsets = vec![0];
+        for spec in &config.tables {
+            let elems = spec
+                .rows
+                .checked_mul(spec.dim)
+                .ok_or_else(|| Error::invalid(OP, format!("table `{}` is too large", spec.name)))?;
+            weight_offsets.push(weight_offsets.last().unwrap() + elems);
+            row_offsets.push(row_offsets.last().unwrap() + spec.rows);
+        }
+        Ok(TbeLayout {
+            weight_offsets,
+            row_offsets,
+            slots,
+            out_stride,
+        })
+    }
+
     /// Elements of all tables together.
     pub(crate) fn total_elements(&self) -> usize {
         *self
@@ -158,6 +198,10 @@ impl std::fmt::Debug for TableBatchedEmbedding {
 
 const OP: &str = "TableBatchedEmbedding";
 
+/// What a batch needs beside its ids: its copy on the tables' device, or its admission to
+/// the tables' cache.
+type Prepared = (Option<DeviceBatch>, Option<CachedBatch>);
+
 /// Leaves shaped like each table for its row-sparse gradients (stride-0 views of one zero,
 /// allocating nothing), on `device`; none with a fused optimizer.
 fn sparse_sinks(config: &TbeConfig, device: Device) -> Result<Vec<Tensor>> {
@@ -182,6 +226,18 @@ impl TableBatchedEmbedding {
     /// Builds the operator with all-zero tables and optimizer state made directly on `device`
     /// (no host copy: for tables larger than host memory wants to hold twice).
     pub fn new_on(config: TbeConfig, device: Device) -> Result<Self> {
+        Self::build(config, device, None)
+    }
+
+    /// Builds the operator with its tables and optimizer state in a new all-zero file
+    /// (`cache.path`, created or replaced) and a DRAM cache of `cache.size` in front of it:
+    /// for tables larger than host memory. Training through the cache gives the same tables,
+    /// bit for bit, as training the operator built by [`new`](Self::new).
+    pub fn new_cached(config: TbeConfig, cache: CacheConfig) -> Result<Self> {
+        Self::build(config, Device::Cpu, Some(&cache))
+    }
+
+    fn build(config: TbeConfig, device: Device, cache: Option<&CacheConfig>) -> Result<Self> {
         config.optimizer.validate()?;
         if let WeightDecay::L2(l) | WeightDecay::Decoupled(l) = config.weight_decay {
             if !l.is_finite() {
@@ -243,36 +299,17 @@ impl TableBatchedEmbedding {
                 format!("pooling NONE needs one dim for every feature, got {dims:?}"),
             ));
         }
-        let mut slots = Vec::with_capacity(dims.len());
-        let mut col = 0;
-        for &dim in &dims {
-            slots.push(FeatureSlot { col, dim });
-            col += dim;
-        }
-        let out_stride = if config.pooling == PoolingMode::None {
-            dims[0]
-        } else {
-            col
-        };
-        let mut weight_offsets = vec![0];
-        let mut row_offsets = vec![0];
-        for spec in &config.tables {
-            let elems = spec
-                .rows
-                .checked_mul(spec.dim)
-                .ok_or_else(|| Error::invalid(OP, format!("table `{}` is too large", spec.name)))?;
-            weight_offsets.push(weight_offsets.last().unwrap() + elems);
-            row_offsets.push(row_offsets.last().unwrap() + spec.rows);
-        }
-        let layout = TbeLayout {
-            weight_offsets,
-            row_offsets,
-            slots,
-            out_stride,
-        };
-        let tables = match device {
-            Device::Cpu => Tables::Host(HostTables::zeros(&layout, &config)?),
-            Device::Cuda(_) => {
+        let layout = TbeLayout::new(&config)?;
+        let tables = match (device, cache) {
+            (Device::Cpu, Some(cache)) => Tables::Cached(CachedTables::create(&config, cache)?),
+            (Device::Cpu, None) => Tables::Host(HostTables::zeros(&layout, &config)?),
+            (Device::Cuda(_), Some(_)) => {
+                return Err(Error::invalid(
+                    OP,
+                    "a GPU cache over unified memory is not built yet (cache on the host)",
+                ))
+            }
+            (Device::Cuda(_), None) => {
                 let lens: Vec<usize> = (0..config.optimizer.state_buffers().len())
                     .map(|i| cpu::state_len(&config, &layout, i))
                     .collect();
@@ -305,7 +342,7 @@ impl TableBatchedEmbedding {
     /// Where the tables live.
     pub fn device(&self) -> Device {
         match &self.inner.state.read().tables {
-            Tables::Host(_) => Device::Cpu,
+            Tables::Host(_) | Tables::Cached(_) => Device::Cpu,
             Tables::Device(d) => Device::Cuda(d.device().ordinal()),
         }
     }
@@ -328,7 +365,14 @@ impl TableBatchedEmbedding {
                 let host = download(cfg, layout, d)?;
                 Tables::Device(upload(cfg, layout, &host, open()?)?)
             }
-            (Tables::Host(_), Device::Cpu) => return Ok(()),
+            (Tables::Host(_) | Tables::Cached(_), Device::Cpu) => return Ok(()),
+            (Tables::Cached(_), Device::Cuda(_)) => {
+                return Err(Error::invalid(
+                    OP,
+                    "tables kept in a file with a DRAM cache stay on the host (copy them with \
+                     clone_to)",
+                ))
+            }
         };
         state.tables = moved;
         *inner.sparse_sinks.lock() = sparse_sinks(cfg, device)?;
@@ -354,6 +398,23 @@ impl TableBatchedEmbedding {
                     }
                 }
                 Tables::Device(d) => *host = download(cfg, layout, d)?,
+                Tables::Cached(c) => {
+                    for t in 0..cfg.tables.len() {
+                        let range = layout.weight_offsets[t]..layout.weight_offsets[t + 1];
+                        host.weights[range].copy_from_slice(&c.read_part(t, 0)?);
+                        for (i, (_, shape)) in cfg.optimizer.state_buffers().iter().enumerate() {
+                            let range = match shape {
+                                StateShape::PerRow => {
+                                    layout.row_offsets[t]..layout.row_offsets[t + 1]
+                                }
+                                StateShape::PerElement => {
+                                    layout.weight_offsets[t]..layout.weight_offsets[t + 1]
+                                }
+                            };
+                            host.state_mut(i)[range].copy_from_slice(&c.read_part(t, i + 1)?);
+                        }
+                    }
+                }
             }
             target.step = state.step;
         }
@@ -408,6 +469,7 @@ impl TableBatchedEmbedding {
         match &self.inner.state.read().tables {
             Tables::Host(h) => h.allocated_bytes(),
             Tables::Device(d) => d.allocated_bytes(),
+            Tables::Cached(c) => c.allocated_bytes(),
         }
     }
 
@@ -432,6 +494,7 @@ impl TableBatchedEmbedding {
         match &self.inner.state.read().tables {
             Tables::Host(h) => Ok(h.weights[range].to_vec()),
             Tables::Device(d) => d.read_weights(range),
+            Tables::Cached(c) => c.read_part(t, 0),
         }
     }
 
@@ -455,6 +518,7 @@ impl TableBatchedEmbedding {
         match &mut self.inner.state.write().tables {
             Tables::Host(h) => h.weights[range].copy_from_slice(values),
             Tables::Device(d) => d.write_weights(range.start, values)?,
+            Tables::Cached(c) => c.write_part(t, 0, values)?,
         }
         Ok(())
     }
@@ -469,6 +533,10 @@ impl TableBatchedEmbedding {
                     let mut values = vec![0.0f32; range.len()];
                     fill_init(&mut values, spec.rows, init, rng)?;
                     d.write_weights(range.start, &values)?;
+                }
+                // Chunk by chunk: the values are drawn in the same order as for one buffer.
+                Tables::Cached(c) => {
+                    c.modify_part(t, 0, |_, chunk| fill_init(chunk, spec.rows, init, rng))?
                 }
             }
         }
@@ -510,6 +578,7 @@ impl TableBatchedEmbedding {
         match &self.inner.state.read().tables {
             Tables::Host(h) => Ok(h.state(index)[range].to_vec()),
             Tables::Device(d) => d.read_state(index, range),
+            Tables::Cached(c) => c.read_part(t, index + 1),
         }
     }
 
@@ -530,6 +599,7 @@ impl TableBatchedEmbedding {
         match &mut self.inner.state.write().tables {
             Tables::Host(h) => h.state_mut(index)[range].copy_from_slice(values),
             Tables::Device(d) => d.write_state(index, range.start, values)?,
+            Tables::Cached(c) => c.write_part(t, index + 1, values)?,
         }
         Ok(())
     }
@@ -545,7 +615,7 @@ impl TableBatchedEmbedding {
     pub fn set_vectorized(&self, on: bool) -> bool {
         let dims: Vec<usize> = self.inner.config.tables.iter().map(|s| s.dim).collect();
         match &mut self.inner.state.write().tables {
-            Tables::Host(_) => false,
+            Tables::Host(_) | Tables::Cached(_) => false,
             Tables::Device(d) => d.set_vectorized(on, &dims),
         }
     }
@@ -573,32 +643,52 @@ impl TableBatchedEmbedding {
 
     /// A validated batch prepared (copied to the tables' device).
     fn prepare_validated(&self, batch: Batch<'_>) -> Result<TbeBatch> {
-        let on_device = match &self.inner.state.read().tables {
-            Tables::Host(_) => None,
-            Tables::Device(d) => Some(DeviceBatch::upload(d.device(), &batch)?),
+        let mut state = self.inner.state.write();
+        let (on_device, cached) = match &mut state.tables {
+            Tables::Host(_) => (None, None),
+            Tables::Device(d) => (Some(DeviceBatch::upload(d.device(), &batch)?), None),
+            Tables::Cached(c) => (None, Some(c.admit(&self.inner.config, &batch)?)),
         };
-        Ok(self.owned_batch(batch, on_device))
+        drop(state);
+        Ok(self.owned_batch(batch, (on_device, cached)))
     }
 
     /// A prepared batch of this operator holding `batch` (copied if borrowed).
-    fn owned_batch(&self, batch: Batch<'_>, on_device: Option<DeviceBatch>) -> TbeBatch {
+    fn owned_batch(&self, batch: Batch<'_>, (on_device, cached): Prepared) -> TbeBatch {
         TbeBatch {
             owner: self.inner.id,
             batch: batch.into_owned(),
             on_device,
+            cached,
         }
     }
 
     /// The lookup of a validated (borrowed) batch on the tables' device, and the batch's copy
     /// there (device tables): no copy of the batch on the host.
-    fn lookup_validated(&self, batch: &Batch<'_>) -> Result<(Tensor, Option<DeviceBatch>)> {
-        match &self.inner.state.read().tables {
-            Tables::Host(h) => Ok((h.forward(&self.inner, batch)?, None)),
-            Tables::Device(d) => {
-                let on_device = DeviceBatch::upload(d.device(), batch)?;
-                Ok((d.forward(&on_device)?, Some(on_device)))
+    fn lookup_validated(&self, batch: &Batch<'_>) -> Result<(Tensor, Prepared)> {
+        let inner = &self.inner;
+        {
+            let state = inner.state.read();
+            match &state.tables {
+                Tables::Host(h) => {
+                    return Ok((
+                        h.forward(&inner.config, &inner.layout, batch)?,
+                        (None, None),
+                    ))
+                }
+                Tables::Device(d) => {
+                    let on_device = DeviceBatch::upload(d.device(), batch)?;
+                    return Ok((d.forward(&on_device)?, (Some(on_device), None)));
+                }
+                Tables::Cached(_) => {}
             }
         }
+        let mut state = inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(moved_error());
+        };
+        let cached = c.admit(&inner.config, batch)?;
+        Ok((c.forward(&cached)?, (None, Some(cached))))
     }
 
     /// Refuses a batch prepared by another operator, or for the tables' other device.
@@ -609,7 +699,12 @@ impl TableBatchedEmbedding {
                 "the batch was prepared by another operator",
             ));
         }
-        if batch.on_device.is_some() != (self.device() != Device::Cpu) {
+        let (device, cached) = match &self.inner.state.read().tables {
+            Tables::Host(_) => (false, false),
+            Tables::Device(_) => (true, false),
+            Tables::Cached(_) => (false, true),
+        };
+        if batch.on_device.is_some() != device || batch.cached.is_some() != cached {
             return Err(moved_error());
         }
         Ok(())
@@ -619,8 +714,15 @@ impl TableBatchedEmbedding {
     /// with pooling NONE) on the tables' device, queued asynchronously there.
     pub fn lookup_batch(&self, batch: &TbeBatch) -> Result<Tensor> {
         self.check_batch(batch)?;
-        match (&self.inner.state.read().tables, &batch.on_device) {
-            (Tables::Host(h), None) => h.forward(&self.inner, &batch.batch),
+        let inner = &self.inner;
+        if let Some(cached) = &batch.cached {
+            let Tables::Cached(c) = &mut inner.state.write().tables else {
+                return Err(moved_error());
+            };
+            return c.forward(cached);
+        }
+        match (&inner.state.read().tables, &batch.on_device) {
+            (Tables::Host(h), None) => h.forward(&inner.config, &inner.layout, &batch.batch),
             (Tables::Device(d), Some(on_device)) => d.forward(on_device),
             _ => Err(moved_error()),
         }
@@ -643,16 +745,25 @@ impl TableBatchedEmbedding {
             self.inner.layout.out_stride,
             out.len(),
         )?;
-        match &self.inner.state.read().tables {
+        let inner = &self.inner;
+        match &inner.state.read().tables {
             Tables::Host(h) => {
-                h.forward_into(&self.inner, &batch, out);
-                Ok(())
+                h.forward_into(&inner.config, &inner.layout, &batch, out);
+                return Ok(());
             }
-            Tables::Device(_) => Err(Error::invalid(
-                OP,
-                "forward_into reads host tables; these live on a GPU (use lookup)",
-            )),
+            Tables::Device(_) => {
+                return Err(Error::invalid(
+                    OP,
+                    "forward_into reads host tables; these live on a GPU (use lookup)",
+                ))
+            }
+            Tables::Cached(_) => {}
         }
+        let Tables::Cached(c) = &mut inner.state.write().tables else {
+            return Err(moved_error());
+        };
+        let cached = c.admit(&inner.config, &batch)?;
+        c.forward_into(&cached, out)
     }
 
     /// Forward that takes part in autograd: backward of the result runs the fused optimizer
@@ -832,7 +943,9 @@ impl TableBatchedEmbedding {
         match &batch.on_device {
             None => {
                 let out = (grad_output.to_device_values(Device::Cpu)?).with_contiguous(
-                    |grad: &[f32]| self.backward_host(&batch.batch, grad, &optimizer),
+                    |grad: &[f32]| {
+                        self.backward_host(&batch.batch, batch.cached.as_ref(), grad, &optimizer)
+                    },
                 )??;
                 let tables = &self.inner.config.tables;
                 let per_sample_weights = (out.per_sample_weights_grad)
@@ -887,8 +1000,8 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
-        if self.device() == Device::Cpu {
-            return self.backward_host(&batch, grad_output, &self.inner.config.optimizer);
+        if matches!(self.inner.state.read().tables, Tables::Host(_)) {
+            return self.backward_host(&batch, None, grad_output, &self.inner.config.optimizer);
         }
         let batch = self.prepare_validated(batch)?;
         let grad = Tensor::from_slice(grad_output, &[rows, self.output_dim()])?;
@@ -920,25 +1033,37 @@ impl TableBatchedEmbedding {
         batch.output_rows(self.inner.config.pooling)
     }
 
-    /// The fused backward of host tables under `optimizer` (the configured one, or
-    /// [`FusedOptimizer::None`] for gradients only, which leaves the step count alone).
+    /// The fused backward of host (or cached, with the batch's admission `cached`) tables
+    /// under `optimizer` (the configured one, or [`FusedOptimizer::None`] for gradients only,
+    /// which leaves the step count alone).
     fn backward_host(
         &self,
         batch: &Batch<'_>,
+        cached: Option<&CachedBatch>,
         grad_output: &[f32],
         optimizer: &FusedOptimizer,
     ) -> Result<BackwardOutput> {
         let inner = &self.inner;
         let mut guard = inner.state.write();
         let state = &mut *guard;
-        let Tables::Host(tables) = &mut state.tables else {
-            return Err(moved_error());
-        };
         let gradients_only = *optimizer == FusedOptimizer::None;
-        if !gradients_only || inner.config.optimizer == FusedOptimizer::None {
-            state.step += 1;
-        }
-        let mut out = tables.backward(inner, batch, grad_output, optimizer, state.step);
+        let counts = !gradients_only || inner.config.optimizer == FusedOptimizer::None;
+        let step = state.step + u64::from(counts);
+        let mut out = match (&mut state.tables, cached) {
+            (Tables::Host(tables), None) => tables.backward(
+                &inner.config,
+                &inner.layout,
+                batch,
+                grad_output,
+                optimizer,
+                step,
+            ),
+            (Tables::Cached(tables), Some(cached)) => {
+                tables.backward(cached, grad_output, optimizer, step)?
+            }
+            _ => return Err(moved_error()),
+        };
+        state.step = step;
         // Tables no feature reads got no entry; give them an empty sparse gradient so the
         // list stays one per table.
         if let Some(grads) = out.sparse_grads.take() {
@@ -1047,7 +1172,7 @@ impl TableBatchedEmbedding {
 }
 
 /// The error of a backward whose tables moved to another device after its forward.
-fn moved_error() -> Error {
+pub(crate) fn moved_error() -> Error {
     Error::invalid(
         OP,
         "the tables moved to another device between this forward and its backward",
@@ -1152,6 +1277,8 @@ pub struct TbeBatch {
     pub(crate) batch: Batch<'static>,
     /// The batch's copy on the tables' device (device tables).
     pub(crate) on_device: Option<DeviceBatch>,
+    /// The batch admitted to the cache (cached tables): its rows stay cached until it drops.
+    pub(crate) cached: Option<CachedBatch>,
 }
 
 impl std::fmt::Debug for TbeBatch {

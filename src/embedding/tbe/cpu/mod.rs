@@ -4,7 +4,7 @@
 pub(crate) mod backward;
 pub(crate) mod pool;
 
-use super::{TbeInner, TbeLayout};
+use super::{TbeConfig, TbeLayout};
 use crate::embedding::config::PoolingMode;
 use crate::embedding::input::Batch;
 use crate::embedding::optimizer::{FusedOptimizer, StateShape};
@@ -23,7 +23,7 @@ pub(crate) struct HostTables {
 
 impl HostTables {
     /// Zero tables and state for `layout`.
-    pub(crate) fn zeros(layout: &TbeLayout, config: &super::TbeConfig) -> Result<Self> {
+    pub(crate) fn zeros(layout: &TbeLayout, config: &TbeConfig) -> Result<Self> {
         let len = |i: usize| state_len(config, layout, i);
         Ok(HostTables {
             weights: RowBuffer::zeros(layout.total_elements())?,
@@ -56,21 +56,30 @@ impl HostTables {
     }
 
     /// Pooled (or unpooled) lookup of a validated batch.
-    pub(crate) fn forward(&self, inner: &TbeInner, batch: &Batch<'_>) -> Result<Tensor> {
-        let stride = inner.layout.out_stride;
-        let rows = batch.output_rows(inner.config.pooling);
+    pub(crate) fn forward(
+        &self,
+        cfg: &TbeConfig,
+        layout: &TbeLayout,
+        batch: &Batch<'_>,
+    ) -> Result<Tensor> {
+        let stride = layout.out_stride;
+        let rows = batch.output_rows(cfg.pooling);
         // Untouched zero pages on huge pages: the kernel's first writes fault in 2 MiB at a
         // time, not 4 KiB (measured: ~1 ms of an 8 MiB output's 13 ms forward otherwise).
         let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * stride);
-        self.forward_into(inner, batch, &mut out);
+        self.forward_into(cfg, layout, batch, &mut out);
         Tensor::from_vec(out, &[rows, stride])
     }
 
     /// [`forward`](Self::forward) into `out` (`rows × out_stride`, checked by the caller),
     /// every element of which it writes.
-    pub(crate) fn forward_into(&self, inner: &TbeInner, batch: &Batch<'_>, out: &mut [f32]) {
-        let cfg = &inner.config;
-        let layout = &inner.layout;
+    pub(crate) fn forward_into(
+        &self,
+        cfg: &TbeConfig,
+        layout: &TbeLayout,
+        batch: &Batch<'_>,
+        out: &mut [f32],
+    ) {
         let visit = |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
             let t = cfg.feature_table_map[f];
             let rows = F32Rows {
@@ -91,14 +100,13 @@ impl HostTables {
     /// checked by the caller).
     pub(crate) fn backward(
         &mut self,
-        inner: &TbeInner,
+        cfg: &TbeConfig,
+        layout: &TbeLayout,
         batch: &Batch<'_>,
         grad_output: &[f32],
         optimizer: &FusedOptimizer,
         step: u64,
     ) -> BackwardOutput {
-        let cfg = &inner.config;
-        let layout = &inner.layout;
         // State slices follow the configured optimizer's layout, whatever `optimizer` runs.
         let state_len = |i: usize, rows: usize, elems: usize| match cfg.optimizer.state_shape(i) {
             None => 0,
@@ -148,7 +156,7 @@ impl HostTables {
 }
 
 /// Elements of optimizer state buffer `i` over every table (0 if the optimizer has none).
-pub(crate) fn state_len(config: &super::TbeConfig, layout: &TbeLayout, i: usize) -> usize {
+pub(crate) fn state_len(config: &TbeConfig, layout: &TbeLayout, i: usize) -> usize {
     match config.optimizer.state_shape(i) {
         Some(StateShape::PerRow) => layout.total_rows(),
         Some(StateShape::PerElement) => layout.total_elements(),

@@ -1,0 +1,245 @@
+//! What a [`TableBatchedEmbedding`] with cached tables offers beyond the uncached one:
+//! statistics, `flush`, `prefetch`, and checkpoints that are the row file itself plus a small
+//! manifest.
+//!
+//! A checkpoint directory holds `manifest.json` and the row file it names
+//! (`rows-<step>-<nonce>.bin`). Saving flushes the cache, copies the live row file under a
+//! temporary name, syncs it, renames it, then replaces the manifest atomically (temporary file,
+//! fsync, rename) and only then removes the previous row file: killed at any moment, the
+//! directory still holds a manifest and the complete file it names. Loading checks the
+//! manifest against the operator (tables, optimizer), the file's length and its checksum before
+//! touching anything.
+
+use std::path::Path;
+
+use serde_json::json;
+
+use super::store::{copy_with_checksum, io_error};
+use super::CacheStats;
+use crate::embedding::input::TbeInput;
+use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
+use crate::{Error, Result};
+
+const OP: &str = "cached TBE checkpoint";
+const FORMAT: &str = "embers.cached-tbe.v1";
+const MANIFEST: &str = "manifest.json";
+
+impl TableBatchedEmbedding {
+    /// Whether the tables live in a file behind a DRAM cache
+    /// ([`new_cached`](Self::new_cached)).
+    pub fn is_cached(&self) -> bool {
+        matches!(self.inner.state.read().tables, Tables::Cached(_))
+    }
+
+    /// Each table's cache counters since the operator was built (or the counters reset); `None`
+    /// unless the tables are cached.
+    pub fn cache_stats(&self) -> Option<Vec<CacheStats>> {
+        match &self.inner.state.read().tables {
+            Tables::Cached(c) => Some(c.stats()),
+            _ => None,
+        }
+    }
+
+    /// Zeroes the cache counters (nothing without a cache).
+    pub fn reset_cache_stats(&self) {
+        if let Tables::Cached(c) = &mut self.inner.state.write().tables {
+            c.reset_stats();
+        }
+    }
+
+    /// Per table, the cache slots that batches still alive (prepared, or recorded for a
+    /// backward) hold locked; empty without a cache.
+    pub fn locked_cache_slots(&self) -> Vec<usize> {
+        match &self.inner.state.read().tables {
+            Tables::Cached(c) => c.locked_slots(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Writes every cached row that changed back to the file and syncs it to disk (nothing
+    /// without a cache).
+    pub fn flush(&self) -> Result<()> {
+        match &mut self.inner.state.write().tables {
+            Tables::Cached(c) => c.flush(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Brings the rows of `input` into the cache now, so that its forward finds them there:
+    /// call it with batch `i + 1` while batch `i` trains (from another thread if you like;
+    /// calls are serialised with forward and backward). Rows of batches in flight are never
+    /// evicted, and a row a backward in flight will still update is kept coherent (the
+    /// backward writes where the row lives when it runs). Nothing happens without a cache.
+    pub fn prefetch(&self, input: TbeInput<'_>) -> Result<()> {
+        if !self.is_cached() {
+            return Ok(());
+        }
+        let batch = self.validate_input(input)?;
+        let Tables::Cached(c) = &mut self.inner.state.write().tables else {
+            return Err(moved_error());
+        };
+        // The admission's locks go with it: prefetched rows are merely cached.
+        drop(c.admit(&self.inner.config, &batch)?);
+        c.drain_released();
+        Ok(())
+    }
+
+    /// Saves the tables, optimizer state and step count to the directory `dir` (created if
+    /// needed): a copy of the row file, synced and renamed into place, then `manifest.json`
+    /// (its name, length, checksum, the tables, optimizer and step) replaced atomically, then
+    /// the previous row file removed — killed at any moment, `dir` holds a loadable checkpoint.
+    pub fn save_cached_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let cfg = &self.inner.config;
+        let mut state = self.inner.state.write();
+        let step = state.step;
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        c.flush()?;
+        std::fs::create_dir_all(dir).map_err(|e| io_error(dir, "creating", e))?;
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let name = format!("rows-{step}-{nonce:x}.bin");
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let checksum = match copy_with_checksum(c.path(), &tmp) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        let target = dir.join(&name);
+        std::fs::rename(&tmp, &target).map_err(|e| io_error(&target, "renaming", e))?;
+        let manifest = json!({
+            "format": FORMAT,
+            "rows_file": name,
+            "bytes": c.store().len(),
+            "checksum": format!("{checksum:016x}"),
+            "step": step,
+            "optimizer": cfg.optimizer.name(),
+            "cache_policy": c.policy().name(),
+            "tables": cfg.tables.iter().map(|s| json!({
+                "name": s.name, "rows": s.rows, "dim": s.dim,
+            })).collect::<Vec<_>>(),
+        });
+        let text = serde_json::to_string_pretty(&manifest)
+            .map_err(|e| Error::invalid(OP, format!("writing the manifest: {e}")))?;
+        crate::checkpoint::write_atomically(&dir.join(MANIFEST), text.as_bytes())?;
+        // Only now may the previous checkpoint's file go.
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                let stale = (n.starts_with("rows-") && n.ends_with(".bin") && n != name)
+                    || (n.starts_with(".rows-") && n.ends_with(".tmp"));
+                if stale {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads a checkpoint written by [`save_cached_checkpoint`](Self::save_cached_checkpoint)
+    /// into this operator (whose tables and optimizer must match): the row file is checked
+    /// (length, checksum) and copied over the live one, the cache emptied. Any error leaves the
+    /// operator as it was.
+    pub fn load_cached_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let cfg = &self.inner.config;
+        let path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, "reading", e))?;
+        let bad = |why: String| Error::invalid(OP, format!("{}: {why}", path.display()));
+        let m: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let field = |k: &str| m.get(k).ok_or_else(|| bad(format!("no `{k}`")));
+        if field("format")?.as_str() != Some(FORMAT) {
+            return Err(bad(format!("not a `{FORMAT}` manifest")));
+        }
+        let optimizer = field("optimizer")?.as_str().unwrap_or("?");
+        if optimizer != cfg.optimizer.name() {
+            return Err(bad(format!(
+                "saved with optimizer `{optimizer}`, this operator uses `{}`",
+                cfg.optimizer.name()
+            )));
+        }
+        let tables = field("tables")?
+            .as_array()
+            .ok_or_else(|| bad("`tables` is not a list".into()))?;
+        let ours: Vec<(String, u64, u64)> = (cfg.tables.iter())
+            .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
+            .collect();
+        let theirs: Vec<(String, u64, u64)> = tables
+            .iter()
+            .map(|t| {
+                (
+                    t["name"].as_str().unwrap_or("?").to_string(),
+                    t["rows"].as_u64().unwrap_or(0),
+                    t["dim"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        if ours != theirs {
+            return Err(bad(format!(
+                "tables (name, rows, dim) {theirs:?} differ from this operator's {ours:?}"
+            )));
+        }
+        let step = field("step")?
+            .as_u64()
+            .ok_or_else(|| bad("`step` is not a number".into()))?;
+        let bytes = field("bytes")?
+            .as_u64()
+            .ok_or_else(|| bad("`bytes` is not a number".into()))?;
+        let checksum = field("checksum")?.as_str().unwrap_or("").to_string();
+        let name = field("rows_file")?
+            .as_str()
+            .filter(|n| !n.contains('/') && !n.contains('\\') && !n.starts_with('.'))
+            .ok_or_else(|| bad("`rows_file` is not a file name".into()))?;
+        let rows_file = dir.join(name);
+        let mut state = self.inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        if bytes != c.store().len() {
+            return Err(bad(format!(
+                "says {bytes} bytes of rows, these tables need {}",
+                c.store().len()
+            )));
+        }
+        let have = std::fs::metadata(&rows_file)
+            .map_err(|e| io_error(&rows_file, "reading its size", e))?
+            .len();
+        if have != bytes {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: {have} bytes, the manifest says {bytes} (truncated?)",
+                    rows_file.display()
+                ),
+            ));
+        }
+        let live = c.path().to_path_buf();
+        let tmp = live.with_extension("restore.tmp");
+        let got = copy_with_checksum(&rows_file, &tmp);
+        let got = match got {
+            Ok(h) if format!("{h:016x}") == checksum => Ok(()),
+            Ok(h) => Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: checksum {h:016x}, the manifest says {checksum} (corrupt)",
+                    rows_file.display()
+                ),
+            )),
+            Err(e) => Err(e),
+        }
+        .and_then(|()| c.invalidate(cfg));
+        if let Err(e) = got {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        c.store_mut().replace_with(&tmp)?;
+        state.step = step;
+        Ok(())
+    }
+}

@@ -1,0 +1,170 @@
+//! The set-associative directory of one table's cache: which row each slot holds, which slots
+//! an in-flight batch has locked, and what the replacement policy needs (last use for LRU,
+//! per-row access counts for LFU). FBGEMM's layout: 32-way sets, a row's set chosen by the
+//! MurmurHash3 64-bit finaliser of its id modulo the number of sets.
+
+use super::CachePolicy;
+
+/// Ways per set (FBGEMM's `kWarpSize` associativity).
+pub(crate) const WAYS: usize = 32;
+
+const EMPTY: u64 = u64::MAX;
+
+/// The set of `row` in a cache of `sets` sets (MurmurHash3's 64-bit finaliser, as FBGEMM's
+/// `cache_slot`).
+pub(crate) fn set_of(row: u64, sets: usize) -> usize {
+    let mut h = row;
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^= h >> 33;
+    (h % sets as u64) as usize
+}
+
+/// The directory of one table's cache.
+pub(crate) struct Directory {
+    pub sets: usize,
+    /// Row held by each slot (`EMPTY` when none); slot = set × WAYS + way.
+    tags: Vec<u64>,
+    /// In-flight batches using each slot.
+    locks: Vec<u32>,
+    /// LRU: the tick of each slot's last use.
+    stamps: Vec<u64>,
+    /// Whether each slot differs from the store.
+    dirty: Vec<bool>,
+    /// LFU: accesses of every row of the table (saturating), cached or not.
+    counts: Vec<u32>,
+    policy: CachePolicy,
+}
+
+impl Directory {
+    /// An empty directory of `sets` sets for a table of `rows` rows.
+    pub(crate) fn new(sets: usize, rows: usize, policy: CachePolicy) -> Self {
+        let slots = sets * WAYS;
+        Directory {
+            sets,
+            tags: vec![EMPTY; slots],
+            locks: vec![0; slots],
+            stamps: vec![0; slots],
+            dirty: vec![false; slots],
+            counts: match policy {
+                CachePolicy::Lfu => vec![0; rows],
+                CachePolicy::Lru => Vec::new(),
+            },
+            policy,
+        }
+    }
+
+    /// Slots (sets × ways).
+    pub(crate) fn slots(&self) -> usize {
+        self.tags.len()
+    }
+
+    /// Bytes of bookkeeping.
+    pub(crate) fn bytes(&self) -> usize {
+        self.tags.len() * (8 + 4 + 8 + 1) + self.counts.len() * 4
+    }
+
+    /// The slot holding `row`, if any.
+    pub(crate) fn find(&self, row: u64) -> Option<usize> {
+        let base = set_of(row, self.sets) * WAYS;
+        (base..base + WAYS).find(|&s| self.tags[s] == row)
+    }
+
+    /// The row in `slot`, if any.
+    pub(crate) fn row_of(&self, slot: usize) -> Option<u64> {
+        Some(self.tags[slot]).filter(|&r| r != EMPTY)
+    }
+
+    /// Counts an access of `row` (LFU).
+    pub(crate) fn count(&mut self, row: u64) {
+        if let Some(c) = self.counts.get_mut(row as usize) {
+            *c = c.saturating_add(1);
+        }
+    }
+
+    /// Marks `slot` used at `tick` and locks it for an in-flight batch.
+    pub(crate) fn touch_and_lock(&mut self, slot: usize, tick: u64) {
+        self.stamps[slot] = tick;
+        self.locks[slot] += 1;
+    }
+
+    /// Releases one lock of `slot`.
+    pub(crate) fn unlock(&mut self, slot: usize) {
+        self.locks[slot] = self.locks[slot].saturating_sub(1);
+    }
+
+    /// The slot to receive `row` in its set: the first empty way, else the unlocked way the
+    /// policy likes least (LRU: oldest use; LFU: fewest accesses, then oldest use; ties to
+    /// the lowest way). `None` when every way is locked (a conflict miss).
+    pub(crate) fn victim(&self, row: u64) -> Option<usize> {
+        let base = set_of(row, self.sets) * WAYS;
+        let ways = base..base + WAYS;
+        if let Some(s) = ways.clone().find(|&s| self.tags[s] == EMPTY) {
+            return Some(s);
+        }
+        let key = |s: usize| match self.policy {
+            CachePolicy::Lru => (0, self.stamps[s]),
+            CachePolicy::Lfu => (self.counts[self.tags[s] as usize], self.stamps[s]),
+        };
+        ways.filter(|&s| self.locks[s] == 0).min_by_key(|&s| key(s))
+    }
+
+    /// Puts `row` in `slot` (its previous row already written back), clean.
+    pub(crate) fn install(&mut self, slot: usize, row: u64) {
+        self.tags[slot] = row;
+        self.dirty[slot] = false;
+    }
+
+    /// Whether `slot` differs from the store.
+    pub(crate) fn is_dirty(&self, slot: usize) -> bool {
+        self.dirty[slot]
+    }
+
+    /// Marks `slot` as differing from the store (or not).
+    pub(crate) fn set_dirty(&mut self, slot: usize, dirty: bool) {
+        self.dirty[slot] = dirty;
+    }
+
+    /// Every occupied slot and its row.
+    pub(crate) fn occupied(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        (self.tags.iter().enumerate())
+            .filter(|(_, &r)| r != EMPTY)
+            .map(|(s, &r)| (s, r))
+    }
+
+    /// Slots in use by in-flight batches.
+    pub(crate) fn locked_slots(&self) -> usize {
+        self.locks.iter().filter(|&&l| l > 0).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_hashing_matches_an_independent_murmur_finaliser() {
+        // Values from a separate (Python) implementation of MurmurHash3's fmix64, whose
+        // fmix64(1) = 0xb456bcfc34c2cb2c.
+        assert_eq!(set_of(1, 1000), 604);
+        assert_eq!(set_of(12345, 97), 3);
+        assert_eq!(set_of((1 << 40) + 7, 4096), 2622);
+        assert_eq!(set_of(0, 7), 0);
+    }
+
+    #[test]
+    fn locked_ways_are_never_victims() {
+        let mut d = Directory::new(1, 100, CachePolicy::Lru);
+        for r in 0..WAYS as u64 {
+            let s = d.victim(r).unwrap();
+            d.install(s, r);
+            d.touch_and_lock(s, 1);
+        }
+        assert_eq!(d.victim(99), None);
+        let s = d.find(5).unwrap();
+        d.unlock(s);
+        assert_eq!(d.victim(99), Some(s));
+    }
+}

@@ -1,0 +1,821 @@
+//! Tables bigger than the memory that computes on them: every row (with its optimizer state)
+//! lives in a backing file ([`store`]), and a set-associative cache in DRAM ([`directory`])
+//! holds the rows in use. The cache's buffers are an ordinary [`HostTables`] whose table `t`
+//! has `slots_t + scratch_t` rows, so forward and the fused backward are the host kernels
+//! themselves, run on a copy of the batch whose ids are cache slots.
+//!
+//! The life of a batch:
+//! * **admission** (at `prepare`, `forward` or `prefetch`): each table's unique ids are looked
+//!   up; hits are locked, misses take the least-wanted unlocked way of their set (LRU or LFU),
+//!   writing its old row back to the file if dirty and reading the new one. A miss whose set is
+//!   wholly locked by in-flight batches (a *conflict miss*) is served by direct reads instead:
+//!   a scratch row after the slots, filled from the row's current copy at each use.
+//! * **forward / backward** run on the slots; the backward marks its slots dirty and writes
+//!   scratch rows back where the row now lives (its slot, if a later admission cached it
+//!   meanwhile — the stale-copy race of a prefetch pipeline — or else the file).
+//! * the batch's locks are released when it is dropped.
+//!
+//! The authoritative copy of a row is its slot when cached, else the file; scratch rows are
+//! working copies refreshed at every use. Everything runs under the TBE's state lock, so the
+//! values seen and updated are exactly those of the uncached TBE, bit for bit.
+//!
+//! Unlike FBGEMM, which shares one cache among all tables of a TBE, each table gets its own
+//! share (`cache_load_factor × rows`, at least one set): the planner's per-table load factor
+//! then means what it says, and no table can evict another's rows.
+
+mod api;
+pub(crate) mod directory;
+pub(crate) mod store;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+
+use super::cpu::backward::BackwardOutput;
+use super::cpu::HostTables;
+use super::{TbeConfig, TbeLayout};
+use crate::embedding::input::{Batch, Ids};
+use crate::embedding::optimizer::{FusedOptimizer, StateShape};
+use crate::{Error, Result, Tensor};
+use directory::{Directory, WAYS};
+use store::RowStore;
+
+const OP: &str = "cached TBE";
+
+/// Which cached row makes room for a new one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CachePolicy {
+    /// Least recently used (the row whose last batch is oldest).
+    #[default]
+    Lru,
+    /// Least frequently used (fewest accesses since the TBE was built, counted for every row,
+    /// cached or not; ties go to the least recently used).
+    Lfu,
+}
+
+impl CachePolicy {
+    /// `lru` or `lfu` (FBGEMM's `CacheAlgorithm` names in lower case).
+    pub fn name(self) -> &'static str {
+        match self {
+            CachePolicy::Lru => "lru",
+            CachePolicy::Lfu => "lfu",
+        }
+    }
+
+    /// The policy called `name` (`lru` or `lfu`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "lru" => Ok(CachePolicy::Lru),
+            "lfu" => Ok(CachePolicy::Lfu),
+            _ => Err(Error::invalid(
+                OP,
+                format!("unknown cache policy `{name}` (lru or lfu)"),
+            )),
+        }
+    }
+}
+
+/// How large the DRAM cache is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CacheSize {
+    /// A fraction of every table's rows (the planner's `cache_load_factor`), rounded up to
+    /// whole 32-way sets, at least one set per table.
+    LoadFactor(f64),
+    /// A byte budget for rows and their optimizer state, shared among the tables in
+    /// proportion to their sizes (rounded down to whole sets, at least one set per table).
+    Bytes(u64),
+}
+
+/// The DRAM cache of a [`TableBatchedEmbedding`](crate::embedding::TableBatchedEmbedding)
+/// whose rows live in a file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// The backing file (created, or replaced, when the TBE is built).
+    pub path: PathBuf,
+    /// The cache's size.
+    pub size: CacheSize,
+    /// The replacement policy.
+    pub policy: CachePolicy,
+}
+
+impl CacheConfig {
+    /// A cache of `size` over the file `path`, LRU.
+    pub fn new(path: impl Into<PathBuf>, size: CacheSize) -> Self {
+        CacheConfig {
+            path: path.into(),
+            size,
+            policy: CachePolicy::Lru,
+        }
+    }
+
+    /// The same cache with `policy`.
+    pub fn with_policy(mut self, policy: CachePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+}
+
+/// One table's cache counters, as FBGEMM's cache statistics report them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// The table.
+    pub table: String,
+    /// Slots of the cache (sets × 32).
+    pub slots: usize,
+    /// Admissions (batches prepared, looked up or prefetched) that read this table.
+    pub calls: u64,
+    /// Ids looked up, duplicates included.
+    pub requested_ids: u64,
+    /// Distinct ids per admission, summed.
+    pub unique_ids: u64,
+    /// Distinct ids not cached when their admission began, summed.
+    pub unique_misses: u64,
+    /// Misses that found every way of their set locked by in-flight batches and were served
+    /// by direct reads (not cached).
+    pub conflict_misses: u64,
+    /// Cached rows evicted to make room.
+    pub evictions: u64,
+    /// Row records read from the file.
+    pub rows_read: u64,
+    /// Row records written to the file.
+    pub rows_written: u64,
+}
+
+impl CacheStats {
+    /// `unique_misses / unique_ids` (0 before any lookup).
+    pub fn miss_rate(&self) -> f64 {
+        if self.unique_ids == 0 {
+            0.0
+        } else {
+            self.unique_misses as f64 / self.unique_ids as f64
+        }
+    }
+}
+
+/// A row served by direct reads: table, row, its scratch row in the cache buffers.
+#[derive(Clone, Copy, Debug)]
+struct Fallback {
+    table: usize,
+    row: u64,
+    pos: usize,
+}
+
+/// The slots an admitted batch locked (released when it is dropped) and its direct reads.
+struct Lease {
+    locked: Vec<(usize, usize)>,
+    fallback: Vec<Fallback>,
+    released: Arc<Mutex<Vec<(usize, usize)>>>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Deferred to the next admission: a drop may happen while the TBE's lock is held.
+        self.released.lock().append(&mut self.locked);
+    }
+}
+
+/// A batch admitted to the cache: its ids as cache rows, and its lease.
+pub(crate) struct CachedBatch {
+    pub remapped: Batch<'static>,
+    lease: Lease,
+}
+
+/// Where a record's parts sit in the cache buffers.
+#[derive(Clone, Copy)]
+struct Parts {
+    dim: usize,
+    state: [usize; 2],
+}
+
+impl Parts {
+    fn record(&self) -> usize {
+        self.dim + self.state[0] + self.state[1]
+    }
+    /// Range of part `p` (0 weights, 1 and 2 the state buffers) in a record.
+    fn range(&self, p: usize) -> std::ops::Range<usize> {
+        let start = [0, self.dim, self.dim + self.state[0]][p];
+        let len = [self.dim, self.state[0], self.state[1]][p];
+        start..start + len
+    }
+}
+
+/// Tables in a file, cached in DRAM.
+pub(crate) struct CachedTables {
+    store: RowStore,
+    policy: CachePolicy,
+    dirs: Vec<Directory>,
+    /// The cache-shaped config: table `t` has `slots + scratch` rows.
+    cfg: TbeConfig,
+    layout: TbeLayout,
+    host: HostTables,
+    scratch: Vec<usize>,
+    parts: Vec<Parts>,
+    shapes: [Option<StateShape>; 2],
+    tick: u64,
+    stats: Vec<CacheStats>,
+    released: Arc<Mutex<Vec<(usize, usize)>>>,
+}
+
+/// Sets per table for `size` (records of `record` floats).
+fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
+    let full = |rows: usize| rows.div_ceil(WAYS).max(1);
+    match size {
+        CacheSize::LoadFactor(f) if f.is_finite() && f > 0.0 => Ok(tables
+            .iter()
+            .map(|&(rows, _)| {
+                let want = (f.min(1.0) * rows as f64 / WAYS as f64).ceil() as usize;
+                want.clamp(1, full(rows))
+            })
+            .collect()),
+        CacheSize::LoadFactor(f) => Err(Error::invalid(
+            OP,
+            format!("cache load factor {f} must be a finite number above 0"),
+        )),
+        CacheSize::Bytes(b) => {
+            let total: f64 = (tables.iter())
+                .map(|&(rows, record)| rows as f64 * record as f64 * 4.0)
+                .sum();
+            let f = b as f64 / total.max(1.0);
+            let min_bytes: u64 = (tables.iter())
+                .map(|&(_, record)| (WAYS * record * 4) as u64)
+                .sum();
+            if b < min_bytes {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "a cache budget of {b} bytes is below one 32-way set per table \
+                         ({min_bytes} bytes)"
+                    ),
+                ));
+            }
+            Ok(tables
+                .iter()
+                .map(|&(rows, _)| {
+                    let want = (f.min(1.0) * rows as f64 / WAYS as f64).floor() as usize;
+                    want.clamp(1, full(rows))
+                })
+                .collect())
+        }
+    }
+}
+
+impl CachedTables {
+    /// A cache over a new all-zero store at `cache.path` for the (logical) tables of `config`.
+    pub(crate) fn create(config: &TbeConfig, cache: &CacheConfig) -> Result<Self> {
+        let shapes = [
+            config.optimizer.state_shape(0),
+            config.optimizer.state_shape(1),
+        ];
+        let parts: Vec<Parts> = (config.tables.iter())
+            .map(|s| Parts {
+                dim: s.dim,
+                state: shapes.map(|sh| match sh {
+                    None => 0,
+                    Some(StateShape::PerRow) => 1,
+                    Some(StateShape::PerElement) => s.dim,
+                }),
+            })
+            .collect();
+        let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))
+            .map(|(s, p)| (s.rows, p.record()))
+            .collect();
+        let sets = sets_for(cache.size, &tables)?;
+        let store = RowStore::create(&cache.path, &tables)?;
+        let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
+            .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
+            .collect();
+        let stats = (config.tables.iter().zip(&dirs))
+            .map(|(s, d)| CacheStats {
+                table: s.name.clone(),
+                slots: d.slots(),
+                ..CacheStats::default()
+            })
+            .collect();
+        let scratch = vec![0; config.tables.len()];
+        let (cfg, layout, host) = Self::buffers(config, &dirs, &scratch)?;
+        Ok(CachedTables {
+            store,
+            policy: cache.policy,
+            dirs,
+            cfg,
+            layout,
+            host,
+            scratch,
+            parts,
+            shapes,
+            tick: 0,
+            stats,
+            released: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// The cache-shaped config, layout and zero buffers for `scratch` rows per table.
+    fn buffers(
+        logical: &TbeConfig,
+        dirs: &[Directory],
+        scratch: &[usize],
+    ) -> Result<(TbeConfig, TbeLayout, HostTables)> {
+        let mut cfg = logical.clone();
+        for ((spec, d), &s) in cfg.tables.iter_mut().zip(dirs).zip(scratch) {
+            spec.rows = d.slots() + s;
+        }
+        let layout = TbeLayout::new(&cfg)?;
+        let host = HostTables::zeros(&layout, &cfg)?;
+        Ok((cfg, layout, host))
+    }
+
+    /// The replacement policy.
+    pub(crate) fn policy(&self) -> CachePolicy {
+        self.policy
+    }
+
+    /// The backing file.
+    pub(crate) fn path(&self) -> &Path {
+        self.store.path()
+    }
+
+    /// Bytes of DRAM held: cache buffers (scratch included) and directories.
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.host.allocated_bytes() + self.dirs.iter().map(Directory::bytes).sum::<usize>()
+    }
+
+    /// The counters of every table.
+    pub(crate) fn stats(&self) -> Vec<CacheStats> {
+        self.stats.clone()
+    }
+
+    /// Zeroes the counters.
+    pub(crate) fn reset_stats(&mut self) {
+        for s in &mut self.stats {
+            *s = CacheStats {
+                table: std::mem::take(&mut s.table),
+                slots: s.slots,
+                ..CacheStats::default()
+            };
+        }
+    }
+
+    /// Slots locked by in-flight batches, per table.
+    pub(crate) fn locked_slots(&self) -> Vec<usize> {
+        self.dirs.iter().map(Directory::locked_slots).collect()
+    }
+
+    /// Copies cache row `idx` of table `t` (weights, then state) into `rec`.
+    fn gather(&self, t: usize, idx: usize, rec: &mut [f32]) {
+        let p = self.parts[t];
+        let w0 = self.layout.weight_offsets[t] + idx * p.dim;
+        rec[p.range(0)].copy_from_slice(&self.host.weights[w0..w0 + p.dim]);
+        for i in 0..2 {
+            if let Some(r) = self.state_range(t, idx, i) {
+                rec[p.range(i + 1)].copy_from_slice(&self.host.state(i)[r]);
+            }
+        }
+    }
+
+    /// Writes `rec` into cache row `idx` of table `t`.
+    fn scatter(&mut self, t: usize, idx: usize, rec: &[f32]) {
+        let p = self.parts[t];
+        let w0 = self.layout.weight_offsets[t] + idx * p.dim;
+        self.host.weights[w0..w0 + p.dim].copy_from_slice(&rec[p.range(0)]);
+        for i in 0..2 {
+            if let Some(r) = self.state_range(t, idx, i) {
+                self.host.state_mut(i)[r].copy_from_slice(&rec[p.range(i + 1)]);
+            }
+        }
+    }
+
+    /// Where state buffer `i` of cache row `idx` of table `t` sits, if the optimizer has one.
+    fn state_range(&self, t: usize, idx: usize, i: usize) -> Option<std::ops::Range<usize>> {
+        let dim = self.parts[t].dim;
+        match self.shapes[i]? {
+            StateShape::PerRow => {
+                let r = self.layout.row_offsets[t] + idx;
+                Some(r..r + 1)
+            }
+            StateShape::PerElement => {
+                let w = self.layout.weight_offsets[t] + idx * dim;
+                Some(w..w + dim)
+            }
+        }
+    }
+
+    /// Reads the records of `rows` of table `t` from the file, in parallel.
+    fn read_records(&self, t: usize, rows: &[u64]) -> Result<Vec<f32>> {
+        let rec = self.parts[t].record();
+        let mut buf = vec![0.0f32; rows.len() * rec];
+        if rec > 0 {
+            (buf.par_chunks_mut(rec).zip(rows.par_iter()))
+                .with_min_len(64)
+                .try_for_each(|(b, &r)| self.store.read_rows(t, r as usize, b))?;
+        }
+        Ok(buf)
+    }
+
+    /// Writes the cached rows `slots` of table `t` back to the file as rows `rows`.
+    fn write_back(&mut self, t: usize, slots: &[(usize, u64)]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let rec = self.parts[t].record();
+        let mut buf = vec![0.0f32; slots.len() * rec];
+        for (b, &(s, _)) in buf.chunks_mut(rec).zip(slots) {
+            self.gather(t, s, b);
+        }
+        let store = &self.store;
+        (buf.par_chunks(rec).zip(slots.par_iter()))
+            .with_min_len(64)
+            .try_for_each(|(b, &(_, r))| store.write_rows(t, r as usize, b))?;
+        self.stats[t].rows_written += slots.len() as u64;
+        Ok(())
+    }
+
+    /// Releases the locks of dropped batches.
+    pub(crate) fn drain_released(&mut self) {
+        let released = std::mem::take(&mut *self.released.lock());
+        for (t, s) in released {
+            self.dirs[t].unlock(s);
+        }
+    }
+
+    /// Admits a validated batch: caches (and locks) its rows and gives its ids as cache rows.
+    pub(crate) fn admit(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
+        self.drain_released();
+        self.tick += 1;
+        let tick = self.tick;
+        let b = batch.batch_size;
+        let mut remapped = vec![0i64; batch.ids.len()];
+        let mut lease = Lease {
+            locked: Vec::new(),
+            fallback: Vec::new(),
+            released: self.released.clone(),
+        };
+        for t in 0..logical.tables.len() {
+            let ranges: Vec<std::ops::Range<usize>> = (logical.feature_table_map.iter())
+                .enumerate()
+                .filter(|(_, &ft)| ft == t)
+                .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
+                .collect();
+            if ranges.is_empty() {
+                continue;
+            }
+            let mut rows: Vec<u64> = (ranges.iter().cloned().flatten())
+                .map(|p| batch.ids.get(p) as u64)
+                .collect();
+            let requested = rows.len();
+            rows.sort_unstable();
+            rows.dedup();
+            let slots = self.dirs[t].slots();
+            let mut loc = vec![0usize; rows.len()];
+            let mut misses = Vec::new();
+            {
+                let dir = &mut self.dirs[t];
+                for (k, &r) in rows.iter().enumerate() {
+                    dir.count(r);
+                    match dir.find(r) {
+                        Some(s) => {
+                            dir.touch_and_lock(s, tick);
+                            lease.locked.push((t, s));
+                            loc[k] = s;
+                        }
+                        None => misses.push(k),
+                    }
+                }
+            }
+            // Choose every miss's slot first (directory only), then move the data.
+            let mut evicted: Vec<(usize, u64)> = Vec::new();
+            let mut loads: Vec<(usize, u64)> = Vec::new();
+            let mut fallbacks = 0usize;
+            let mut evictions = 0u64;
+            for &k in &misses {
+                let r = rows[k];
+                let dir = &mut self.dirs[t];
+                match dir.victim(r) {
+                    Some(s) => {
+                        if let Some(old) = dir.row_of(s) {
+                            evictions += 1;
+                            if dir.is_dirty(s) {
+                                evicted.push((s, old));
+                            }
+                        }
+                        dir.install(s, r);
+                        dir.touch_and_lock(s, tick);
+                        lease.locked.push((t, s));
+                        loads.push((s, r));
+                        loc[k] = s;
+                    }
+                    None => {
+                        let pos = slots + fallbacks;
+                        fallbacks += 1;
+                        lease.fallback.push(Fallback {
+                            table: t,
+                            row: r,
+                            pos,
+                        });
+                        loc[k] = pos;
+                    }
+                }
+            }
+            self.write_back(t, &evicted)?;
+            let load_rows: Vec<u64> = loads.iter().map(|&(_, r)| r).collect();
+            let records = self.read_records(t, &load_rows)?;
+            let rec = self.parts[t].record();
+            for (&(s, _), r) in loads.iter().zip(records.chunks(rec.max(1))) {
+                self.scatter(t, s, r);
+            }
+            if fallbacks > self.scratch[t] {
+                self.grow_scratch(logical, t, fallbacks)?;
+            }
+            let st = &mut self.stats[t];
+            st.calls += 1;
+            st.requested_ids += requested as u64;
+            st.unique_ids += rows.len() as u64;
+            st.unique_misses += misses.len() as u64;
+            st.conflict_misses += fallbacks as u64;
+            st.evictions += evictions;
+            st.rows_read += loads.len() as u64;
+            for p in ranges.into_iter().flatten() {
+                let r = batch.ids.get(p) as u64;
+                let k = rows
+                    .binary_search(&r)
+                    .expect("every id is among its unique rows");
+                remapped[p] = loc[k] as i64;
+            }
+        }
+        Ok(CachedBatch {
+            remapped: Batch {
+                ids: Ids::I64(remapped.into()),
+                offsets: batch.offsets.clone(),
+                weights: batch.weights.clone().map(|w| w.into_owned().into()),
+                batch_size: batch.batch_size,
+                num_features: batch.num_features,
+                kept: batch.kept.clone(),
+            },
+            lease,
+        })
+    }
+
+    /// Gives table `t` room for `need` scratch rows (keeping every cached row).
+    fn grow_scratch(&mut self, logical: &TbeConfig, t: usize, need: usize) -> Result<()> {
+        let mut scratch = self.scratch.clone();
+        scratch[t] = need.max(scratch[t] * 2);
+        let (cfg, layout, host) = Self::buffers(logical, &self.dirs, &scratch)?;
+        let old = std::mem::replace(&mut self.host, host);
+        let old_layout = std::mem::replace(&mut self.layout, layout);
+        self.cfg = cfg;
+        for u in 0..self.dirs.len() {
+            let slots = self.dirs[u].slots();
+            let dim = self.parts[u].dim;
+            let (src, dst) = (old_layout.weight_offsets[u], self.layout.weight_offsets[u]);
+            self.host.weights[dst..dst + slots * dim]
+                .copy_from_slice(&old.weights[src..src + slots * dim]);
+            for i in 0..2 {
+                let (src, dst, n) = match self.shapes[i] {
+                    None => continue,
+                    Some(StateShape::PerRow) => {
+                        (old_layout.row_offsets[u], self.layout.row_offsets[u], slots)
+                    }
+                    Some(StateShape::PerElement) => (src, dst, slots * dim),
+                };
+                self.host.state_mut(i)[dst..dst + n].copy_from_slice(&old.state(i)[src..src + n]);
+            }
+        }
+        self.scratch = scratch;
+        Ok(())
+    }
+
+    /// Fills the scratch rows of `fallback` from each row's current copy.
+    fn refresh(&mut self, fallback: &[Fallback]) -> Result<()> {
+        let mut from_file: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.dirs.len()];
+        for f in fallback {
+            match self.dirs[f.table].find(f.row) {
+                Some(s) => {
+                    let mut rec = vec![0.0f32; self.parts[f.table].record()];
+                    self.gather(f.table, s, &mut rec);
+                    self.scatter(f.table, f.pos, &rec);
+                }
+                None => from_file[f.table].push((f.pos, f.row)),
+            }
+        }
+        for (t, list) in from_file.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let rows: Vec<u64> = list.iter().map(|&(_, r)| r).collect();
+            let records = self.read_records(t, &rows)?;
+            self.stats[t].rows_read += rows.len() as u64;
+            let rec = self.parts[t].record();
+            for (&(pos, _), r) in list.iter().zip(records.chunks(rec.max(1))) {
+                self.scatter(t, pos, r);
+            }
+        }
+        Ok(())
+    }
+
+    /// The lookup of an admitted batch into `out`.
+    pub(crate) fn forward_into(&mut self, batch: &CachedBatch, out: &mut [f32]) -> Result<()> {
+        self.refresh(&batch.lease.fallback)?;
+        self.host
+            .forward_into(&self.cfg, &self.layout, &batch.remapped, out);
+        Ok(())
+    }
+
+    /// The lookup of an admitted batch.
+    pub(crate) fn forward(&mut self, batch: &CachedBatch) -> Result<Tensor> {
+        self.refresh(&batch.lease.fallback)?;
+        self.host.forward(&self.cfg, &self.layout, &batch.remapped)
+    }
+
+    /// The fused backward of an admitted batch; sparse gradients come back in table rows.
+    pub(crate) fn backward(
+        &mut self,
+        batch: &CachedBatch,
+        grad_output: &[f32],
+        optimizer: &FusedOptimizer,
+        step: u64,
+    ) -> Result<BackwardOutput> {
+        let fallback = &batch.lease.fallback;
+        self.refresh(fallback)?;
+        let mut out = self.host.backward(
+            &self.cfg,
+            &self.layout,
+            &batch.remapped,
+            grad_output,
+            optimizer,
+            step,
+        );
+        if *optimizer != FusedOptimizer::None {
+            for &(t, s) in &batch.lease.locked {
+                self.dirs[t].set_dirty(s, true);
+            }
+            // Scratch rows go back where their row lives now.
+            let mut to_file: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.dirs.len()];
+            for f in fallback {
+                match self.dirs[f.table].find(f.row) {
+                    Some(s) => {
+                        let mut rec = vec![0.0f32; self.parts[f.table].record()];
+                        self.gather(f.table, f.pos, &mut rec);
+                        self.scatter(f.table, s, &rec);
+                        self.dirs[f.table].set_dirty(s, true);
+                    }
+                    None => to_file[f.table].push((f.pos, f.row)),
+                }
+            }
+            for (t, list) in to_file.iter().enumerate() {
+                self.write_back(t, list)?;
+            }
+        }
+        if let Some(grads) = out.sparse_grads.as_mut() {
+            // One per table read by a feature, in table order; rows are cache rows.
+            let mut read: Vec<usize> = self.cfg.feature_table_map.clone();
+            read.sort_unstable();
+            read.dedup();
+            for (g, &t) in grads.iter_mut().zip(&read) {
+                let slots = self.dirs[t].slots();
+                let dim = g.dim;
+                let mut order: Vec<(i64, usize)> = (g.rows.iter().enumerate())
+                    .map(|(k, &idx)| {
+                        let idx = idx as usize;
+                        let row = if idx < slots {
+                            self.dirs[t]
+                                .row_of(idx)
+                                .expect("a locked slot holds its row")
+                        } else {
+                            (fallback.iter())
+                                .find(|f| f.table == t && f.pos == idx)
+                                .expect("a scratch row of this batch")
+                                .row
+                        };
+                        (row as i64, k)
+                    })
+                    .collect();
+                order.sort_unstable();
+                let mut values = Vec::with_capacity(g.values.len());
+                for &(_, k) in &order {
+                    values.extend_from_slice(&g.values[k * dim..(k + 1) * dim]);
+                }
+                g.rows = order.iter().map(|&(r, _)| r).collect();
+                g.values = values;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes every dirty cached row back to the file and syncs it.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        for t in 0..self.dirs.len() {
+            let dirty: Vec<(usize, u64)> = (self.dirs[t].occupied())
+                .filter(|&(s, _)| self.dirs[t].is_dirty(s))
+                .collect();
+            self.write_back(t, &dirty)?;
+            for &(s, _) in &dirty {
+                self.dirs[t].set_dirty(s, false);
+            }
+        }
+        self.store.sync()
+    }
+
+    /// Part `p` (0 weights, 1/2 optimizer state) of every row of table `t`, in row order.
+    pub(crate) fn read_part(&self, t: usize, p: usize) -> Result<Vec<f32>> {
+        let parts = self.parts[t];
+        let rows = self.store.table(t).rows;
+        let (rec, width) = (parts.record(), parts.range(p).len());
+        let mut out = Vec::with_capacity(rows * width);
+        let chunk = (1 << 20) / rec.max(1) + 1;
+        let mut buf = vec![0.0f32; chunk * rec];
+        let mut first = 0;
+        while first < rows {
+            let n = chunk.min(rows - first);
+            self.store.read_rows(t, first, &mut buf[..n * rec])?;
+            for r in buf[..n * rec].chunks(rec) {
+                out.extend_from_slice(&r[parts.range(p)]);
+            }
+            first += n;
+        }
+        let mut rec_buf = vec![0.0f32; rec];
+        for (s, r) in self.dirs[t].occupied() {
+            self.gather(t, s, &mut rec_buf);
+            let r = r as usize;
+            out[r * width..(r + 1) * width].copy_from_slice(&rec_buf[parts.range(p)]);
+        }
+        Ok(out)
+    }
+
+    /// Overwrites part `p` of table `t` with `values` (every row, row order, checked by the
+    /// caller), in the file and in the cache.
+    pub(crate) fn write_part(&mut self, t: usize, p: usize, values: &[f32]) -> Result<()> {
+        self.modify_part(t, p, |offset, chunk| {
+            chunk.copy_from_slice(&values[offset..offset + chunk.len()]);
+            Ok(())
+        })
+    }
+
+    /// Rewrites part `p` of table `t` chunk by chunk, in row order: `fill(offset, values)`
+    /// overwrites the part's elements `offset..offset + values.len()`.
+    pub(crate) fn modify_part(
+        &mut self,
+        t: usize,
+        p: usize,
+        mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let parts = self.parts[t];
+        let rows = self.store.table(t).rows;
+        let (rec, width) = (parts.record(), parts.range(p).len());
+        let chunk = (1 << 20) / rec.max(1) + 1;
+        let mut buf = vec![0.0f32; chunk * rec];
+        let mut part = vec![0.0f32; chunk * width];
+        let mut first = 0;
+        while first < rows {
+            let n = chunk.min(rows - first);
+            self.store.read_rows(t, first, &mut buf[..n * rec])?;
+            let part = &mut part[..n * width];
+            fill(first * width, part)?;
+            for (r, v) in buf[..n * rec]
+                .chunks_mut(rec)
+                .zip(part.chunks(width.max(1)))
+            {
+                r[parts.range(p)].copy_from_slice(v);
+            }
+            self.store.write_rows(t, first, &buf[..n * rec])?;
+            // Cached copies of these rows take the new values too.
+            let mut rec_buf = vec![0.0f32; rec];
+            let cached: Vec<(usize, u64)> = (self.dirs[t].occupied())
+                .filter(|&(_, r)| (first..first + n).contains(&(r as usize)))
+                .collect();
+            for (s, r) in cached {
+                self.gather(t, s, &mut rec_buf);
+                let k = r as usize - first;
+                rec_buf[parts.range(p)].copy_from_slice(&part[k * width..(k + 1) * width]);
+                self.scatter(t, s, &rec_buf);
+            }
+            first += n;
+        }
+        Ok(())
+    }
+
+    /// Forgets every cached row without writing it back (after the file was replaced).
+    pub(crate) fn invalidate(&mut self, logical: &TbeConfig) -> Result<()> {
+        self.drain_released();
+        if self.dirs.iter().any(|d| d.locked_slots() > 0) {
+            return Err(Error::invalid(
+                OP,
+                "batches prepared before a checkpoint load are still alive (drop them first)",
+            ));
+        }
+        self.dirs = (self.dirs.iter().zip(&logical.tables))
+            .map(|(d, s)| Directory::new(d.sets, s.rows, self.policy))
+            .collect();
+        Ok(())
+    }
+
+    /// The row store.
+    pub(crate) fn store(&self) -> &RowStore {
+        &self.store
+    }
+
+    /// The row store, mutably.
+    pub(crate) fn store_mut(&mut self) -> &mut RowStore {
+        &mut self.store
+    }
+}

@@ -1,0 +1,718 @@
+//! Tables in a file behind a DRAM cache (`TableBatchedEmbedding::new_cached`): training through
+//! the cache is bit-identical to the uncached TBE for every fused optimizer, cache size and
+//! prefetch setting; hit and miss counts equal an independent simulation of the policy; rows
+//! locked by in-flight batches are never evicted and overflow is served by direct reads; the
+//! stale-copy race of a prefetch pipeline is handled; checkpoints survive kill -9.
+
+#[path = "support/kill.rs"]
+mod kill;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use embers::embedding::{
+    CacheConfig, CachePolicy, CacheSize, EmbeddingInit, FusedOptimizer, PoolingMode,
+    TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput, WeightDecay,
+};
+use embers::tensor::rng::seeded;
+use embers::{Result, Tensor};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("embers-cache-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small deterministic generator (SplitMix64).
+struct Gen(u64);
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Ids drawn from Zipf(`s`) over `rows` rows (s = 0: uniform), through a scrambled rank so the
+/// hot rows are spread over the table.
+struct Zipf {
+    cdf: Vec<f64>,
+    rows: usize,
+}
+impl Zipf {
+    fn new(rows: usize, s: f64) -> Self {
+        let mut cdf = Vec::with_capacity(rows);
+        let mut acc = 0.0;
+        for k in 1..=rows {
+            acc += 1.0 / (k as f64).powf(s);
+            cdf.push(acc);
+        }
+        for c in &mut cdf {
+            *c /= acc;
+        }
+        Zipf { cdf, rows }
+    }
+    fn draw(&self, g: &mut Gen) -> i64 {
+        let u = g.unit();
+        let rank = self.cdf.partition_point(|&c| c < u).min(self.rows - 1);
+        ((rank as u64 * 2_654_435_761) % self.rows as u64) as i64
+    }
+}
+
+/// One batch in FBGEMM's layout.
+#[derive(Clone)]
+struct Step {
+    ids: Vec<i64>,
+    offsets: Vec<i64>,
+    weights: Option<Vec<f32>>,
+}
+
+impl Step {
+    fn input(&self) -> TbeInput<'_> {
+        let input = TbeInput::new(&self.ids[..], &self.offsets[..]);
+        match &self.weights {
+            Some(w) => input.with_weights(w),
+            None => input,
+        }
+    }
+}
+
+/// `n` batches of `b` bags per feature of up to `max_len` ids, per feature from Zipf(`s`).
+fn batches(
+    cfg: &TbeConfig,
+    n: usize,
+    b: usize,
+    max_len: u64,
+    s: f64,
+    weighted: bool,
+    seed: u64,
+) -> Vec<Step> {
+    let mut g = Gen(seed);
+    let zipfs: Vec<Zipf> = (cfg.tables.iter()).map(|t| Zipf::new(t.rows, s)).collect();
+    (0..n)
+        .map(|_| {
+            let mut ids = Vec::new();
+            let mut offsets = vec![0i64];
+            for &t in &cfg.feature_table_map {
+                for _ in 0..b {
+                    for _ in 0..g.next() % (max_len + 1) {
+                        ids.push(zipfs[t].draw(&mut g));
+                    }
+                    offsets.push(ids.len() as i64);
+                }
+            }
+            let weights =
+                weighted.then(|| ids.iter().map(|_| (g.unit() * 2.0 - 0.5) as f32).collect());
+            Step {
+                ids,
+                offsets,
+                weights,
+            }
+        })
+        .collect()
+}
+
+fn optimizers() -> Vec<FusedOptimizer> {
+    let (lr, eps, beta1, beta2) = (0.05, 1e-3, 0.9, 0.99);
+    vec![
+        FusedOptimizer::None,
+        FusedOptimizer::Sgd { lr },
+        FusedOptimizer::Adagrad { lr, eps },
+        FusedOptimizer::RowWiseAdagrad { lr, eps },
+        FusedOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        },
+        FusedOptimizer::PartialRowWiseAdam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        },
+        FusedOptimizer::Lamb {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        },
+        FusedOptimizer::PartialRowWiseLamb {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        },
+    ]
+}
+
+/// Three tables (one read by two features), dims that are and are not multiples of 4.
+fn config(optimizer: FusedOptimizer, pooling: PoolingMode, decay: WeightDecay) -> TbeConfig {
+    let tables = vec![
+        TableSpec::new("big", 700, 8),
+        TableSpec::new("odd", 150, 3),
+        TableSpec::new("small", 20, 16),
+    ];
+    let mut cfg = TbeConfig::new(tables, vec![0, 1, 1, 2], pooling, optimizer);
+    cfg.weight_decay = decay;
+    cfg
+}
+
+/// Every table's weights and optimizer state, as bits, and the step count.
+fn state_bits(tbe: &TableBatchedEmbedding) -> Result<(Vec<u32>, u64)> {
+    let mut bits = Vec::new();
+    for t in 0..tbe.num_tables() {
+        bits.extend(tbe.table_weights(t)?.iter().map(|x| x.to_bits()));
+        for i in 0..tbe.optimizer_state_names().len() {
+            bits.extend(tbe.optimizer_state(i, t)?.iter().map(|x| x.to_bits()));
+        }
+    }
+    Ok((bits, tbe.step()))
+}
+
+/// Trains on `steps` (prepare, lookup, optionally prefetch the next batch, backward) and
+/// returns the bits of every output and every sparse gradient.
+fn train(tbe: &TableBatchedEmbedding, steps: &[Step], prefetch: bool) -> Result<Vec<u32>> {
+    let mut seen = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        let batch = tbe.prepare(step.input())?;
+        let out = tbe.lookup_batch(&batch)?;
+        if prefetch {
+            if let Some(next) = steps.get(i + 1) {
+                tbe.prefetch(next.input())?;
+            }
+        }
+        let values = out.to_vec::<f32>()?;
+        seen.extend(values.iter().map(|x| x.to_bits()));
+        let grad: Vec<f32> = (values.iter().enumerate())
+            .map(|(k, &x)| 0.5 * x + 0.01 * (k % 7) as f32 - 0.02)
+            .collect();
+        let grad = Tensor::from_vec(grad, out.shape())?;
+        let grads = tbe.backward_batch(&batch, &grad)?;
+        if let Some(g) = grads.per_sample_weights {
+            seen.extend(g.to_vec::<f32>()?.iter().map(|x| x.to_bits()));
+        }
+        for g in grads.sparse.unwrap_or_default() {
+            seen.extend(g.rows.iter().map(|&r| r as u32));
+            seen.extend(g.values.to_vec::<f32>()?.iter().map(|x| x.to_bits()));
+        }
+    }
+    Ok(seen)
+}
+
+fn cached(cfg: &TbeConfig, dir: &Path, name: &str, size: CacheSize) -> TableBatchedEmbedding {
+    let cache = CacheConfig::new(dir.join(name), size);
+    TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+}
+
+#[test]
+fn training_through_the_cache_is_bit_identical_for_every_optimizer_size_and_prefetch() -> Result<()>
+{
+    let dir = temp_dir("identical");
+    // 1 set per table, a tenth, half, and every row.
+    let sizes = [1e-9, 0.1, 0.5, 1.0].map(CacheSize::LoadFactor);
+    for (k, optimizer) in optimizers().into_iter().enumerate() {
+        let (pooling, decay, weighted) = match k % 3 {
+            0 => (PoolingMode::Sum, WeightDecay::None, true),
+            1 => (PoolingMode::Mean, WeightDecay::L2(0.01), false),
+            _ => (PoolingMode::Sum, WeightDecay::Decoupled(0.02), false),
+        };
+        let cfg = config(optimizer, pooling, decay);
+        let steps = batches(&cfg, 5, 12, 6, 1.1, weighted, 7 + k as u64);
+        let reference = TableBatchedEmbedding::new(cfg.clone())?;
+        reference.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(3))?;
+        let seen = train(&reference, &steps, false)?;
+        let expected = state_bits(&reference)?;
+        for size in sizes {
+            for prefetch in [false, true] {
+                let tbe = cached(&cfg, &dir, "rows.bin", size);
+                tbe.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(3))?;
+                let what = format!("{} with {size:?}, prefetch {prefetch}", optimizer.name());
+                assert!(
+                    train(&tbe, &steps, prefetch)? == seen,
+                    "{what}: outputs differ"
+                );
+                assert!(state_bits(&tbe)? == expected, "{what}: tables differ");
+                let stats = tbe.cache_stats().unwrap();
+                if size == CacheSize::LoadFactor(1e-9) {
+                    assert!(stats.iter().all(|s| s.slots == 32), "{stats:?}");
+                    assert!(stats[0].evictions > 0, "{what}: {stats:?}");
+                }
+                // The same after everything is written back.
+                tbe.flush()?;
+                assert!(
+                    state_bits(&tbe)? == expected,
+                    "{what}: tables differ after flush"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// The set of `row` among `sets`: MurmurHash3's fmix64 (written again here, independently of
+/// the library).
+fn set_of(row: u64, sets: u64) -> u64 {
+    let mut h = row;
+    for (shift, mul) in [(33, 0xff51_afd7_ed55_8ccdu64), (33, 0xc4ce_b9fe_1a85_ec53)] {
+        h ^= h >> shift;
+        h = h.wrapping_mul(mul);
+    }
+    (h ^ (h >> 33)) % sets
+}
+
+/// A plain simulation of one table's 32-way cache, one batch at a time (no batch outlives its
+/// step): counts unique misses, conflict misses and evictions.
+struct Simulated {
+    sets: Vec<Vec<Option<(u64, u64)>>>, // per set, per way: (row, last use)
+    counts: std::collections::HashMap<u64, u64>,
+    lfu: bool,
+    misses: u64,
+    conflicts: u64,
+    evictions: u64,
+}
+
+impl Simulated {
+    fn new(slots: usize, lfu: bool) -> Self {
+        Simulated {
+            sets: vec![vec![None; 32]; slots / 32],
+            counts: Default::default(),
+            lfu,
+            misses: 0,
+            conflicts: 0,
+            evictions: 0,
+        }
+    }
+
+    fn batch(&mut self, tick: u64, ids: &[i64]) {
+        let mut rows: Vec<u64> = ids.iter().map(|&r| r as u64).collect();
+        rows.sort();
+        rows.dedup();
+        let n = self.sets.len() as u64;
+        let mut missing = Vec::new();
+        for &r in &rows {
+            *self.counts.entry(r).or_default() += 1;
+            let set = &mut self.sets[set_of(r, n) as usize];
+            match set.iter_mut().flatten().find(|(row, _)| *row == r) {
+                Some(entry) => entry.1 = tick,
+                None => missing.push(r),
+            }
+        }
+        self.misses += missing.len() as u64;
+        for r in missing {
+            let set = &mut self.sets[set_of(r, n) as usize];
+            let way = match set.iter().position(Option::is_none) {
+                Some(w) => Some(w),
+                None => {
+                    // Rows of this batch (used at `tick`) cannot go.
+                    let candidates = (0..32).filter(|&w| set[w].unwrap().1 != tick);
+                    let counts = &self.counts;
+                    let lfu = self.lfu;
+                    let victim = candidates.min_by_key(|&w| {
+                        let (row, used) = set[w].unwrap();
+                        (if lfu { counts[&row] } else { 0 }, used, w)
+                    });
+                    if victim.is_some() {
+                        self.evictions += 1;
+                    }
+                    victim
+                }
+            };
+            match way {
+                Some(w) => set[w] = Some((r, tick)),
+                None => self.conflicts += 1,
+            }
+        }
+    }
+}
+
+#[test]
+fn hit_and_miss_counts_match_a_plain_simulation_on_zipf_and_uniform_ids() -> Result<()> {
+    let dir = temp_dir("counts");
+    for (s, policy) in [
+        (1.1, CachePolicy::Lru),
+        (0.0, CachePolicy::Lru),
+        (1.1, CachePolicy::Lfu),
+        (0.0, CachePolicy::Lfu),
+    ] {
+        let tables = vec![TableSpec::new("t", 3000, 4), TableSpec::new("u", 500, 2)];
+        let cfg = TbeConfig::new(
+            tables,
+            vec![0, 1, 0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.1 },
+        );
+        let steps = batches(&cfg, 40, 32, 8, s, false, 11);
+        let cache =
+            CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(0.08)).with_policy(policy);
+        let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache)?;
+        let stats = tbe.cache_stats().unwrap();
+        let mut sims: Vec<Simulated> = (stats.iter())
+            .map(|st| Simulated::new(st.slots, policy == CachePolicy::Lfu))
+            .collect();
+        let b = 32;
+        for (i, step) in steps.iter().enumerate() {
+            let batch = tbe.prepare(step.input())?;
+            drop(batch);
+            for (t, sim) in sims.iter_mut().enumerate() {
+                let ids: Vec<i64> = (cfg.feature_table_map.iter().enumerate())
+                    .filter(|(_, &ft)| ft == t)
+                    .flat_map(|(f, _)| {
+                        let (a, z) = (step.offsets[f * b], step.offsets[(f + 1) * b]);
+                        step.ids[a as usize..z as usize].to_vec()
+                    })
+                    .collect();
+                sim.batch(i as u64 + 1, &ids);
+            }
+        }
+        let stats = tbe.cache_stats().unwrap();
+        for (st, sim) in stats.iter().zip(&sims) {
+            let what = format!("zipf {s}, {policy:?}, table {}", st.table);
+            assert_eq!(st.unique_misses, sim.misses, "{what}");
+            assert_eq!(st.conflict_misses, sim.conflicts, "{what}");
+            assert_eq!(st.evictions, sim.evictions, "{what}");
+            assert_eq!(st.calls, steps.len() as u64, "{what}");
+            assert!(
+                st.unique_misses > 0 && st.unique_misses < st.unique_ids,
+                "{what}"
+            );
+        }
+        if s > 0.0 && policy == CachePolicy::Lru {
+            // A skewed trace is what a cache is for: most distinct ids hit.
+            assert!(stats[0].miss_rate() < 0.6, "{stats:?}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// One batch of single-id bags over one feature.
+fn bags(ids: std::ops::Range<i64>) -> Step {
+    let ids: Vec<i64> = ids.collect();
+    Step {
+        offsets: (0..=ids.len() as i64).collect(),
+        ids,
+        weights: None,
+    }
+}
+
+#[test]
+fn locked_rows_survive_pressure_overflow_reads_directly_and_the_prefetch_race_is_handled(
+) -> Result<()> {
+    let dir = temp_dir("race");
+    for optimizer in optimizers().into_iter().skip(1) {
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("t", 200, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            optimizer,
+        );
+        let reference = TableBatchedEmbedding::new(cfg.clone())?;
+        let tbe = cached(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(1e-9));
+        for t in [&reference, &tbe] {
+            t.init_weights(EmbeddingInit::Normal { std: 0.5 }, &mut seeded(5))?;
+        }
+        let what = optimizer.name();
+        let (a, b, c) = (bags(0..32), bags(16..64), bags(32..48));
+        let grad = |n: usize| Tensor::from_vec(vec![0.25f32; n * 4], &[n, 4]).unwrap();
+        // A fills and locks the single 32-way set; B finds 16 of its rows there and 32 more
+        // that cannot be cached while A is in flight: direct reads.
+        let run = |t: &TableBatchedEmbedding| -> Result<Vec<u32>> {
+            let mut seen = Vec::new();
+            let pa = t.prepare(a.input())?;
+            let pb = t.prepare(b.input())?;
+            if t.is_cached() {
+                assert_eq!(t.locked_cache_slots(), vec![32], "{what}");
+                let st = &t.cache_stats().unwrap()[0];
+                assert_eq!((st.unique_misses, st.conflict_misses), (64, 32), "{what}");
+            }
+            for p in [&pa, &pb] {
+                seen.extend(
+                    t.lookup_batch(p)?
+                        .to_vec::<f32>()?
+                        .iter()
+                        .map(|x| x.to_bits()),
+                );
+            }
+            t.backward_batch(&pa, &grad(32))?;
+            drop(pa);
+            // Prefetching C (B's overflow rows 32..48) while B's backward is still to come
+            // caches rows whose newest values B's backward is about to write: B must write
+            // them to the cache, or C reads stale rows.
+            t.prefetch(c.input())?;
+            if t.is_cached() {
+                assert_eq!(
+                    t.locked_cache_slots(),
+                    vec![16],
+                    "{what}: only B's hits stay locked"
+                );
+            }
+            t.backward_batch(&pb, &grad(48))?;
+            drop(pb);
+            let pc = t.prepare(c.input())?;
+            seen.extend(
+                t.lookup_batch(&pc)?
+                    .to_vec::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits()),
+            );
+            t.backward_batch(&pc, &grad(16))?;
+            Ok(seen)
+        };
+        assert!(run(&reference)? == run(&tbe)?, "{what}: outputs differ");
+        assert!(
+            state_bits(&reference)? == state_bits(&tbe)?,
+            "{what}: tables differ"
+        );
+        let st = &tbe.cache_stats().unwrap()[0];
+        // C's forward found every row cached by its prefetch.
+        assert_eq!(st.calls, 4, "{what}");
+        assert_eq!(st.unique_misses, 64 + 16, "{what}: {st:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
+    let dir = temp_dir("errors");
+    let cfg = config(
+        FusedOptimizer::Sgd { lr: 0.1 },
+        PoolingMode::Sum,
+        WeightDecay::None,
+    );
+    // Impossible sizes.
+    for size in [
+        CacheSize::LoadFactor(0.0),
+        CacheSize::LoadFactor(f64::NAN),
+        CacheSize::Bytes(100),
+    ] {
+        let cache = CacheConfig::new(dir.join("rows.bin"), size);
+        let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap_err();
+        assert!(err.to_string().contains("cache"), "{err}");
+    }
+    // A file that cannot be created.
+    let cache = CacheConfig::new(dir.join("no/such/dir/rows.bin"), CacheSize::LoadFactor(0.5));
+    let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no/such/dir/rows.bin"), "{err}");
+    // The file truncated under a running operator: the miss that reads past its end fails
+    // with the file's name, nothing crashes, and the operator still answers.
+    let tbe = cached(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(0.1));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("rows.bin"))
+        .unwrap()
+        .set_len(64)
+        .unwrap();
+    let step = bags(600..610);
+    let input = TbeInput::new(&step.ids[..], &[0i64, 10, 10, 10, 10][..]);
+    let err = tbe.lookup(input).unwrap_err().to_string();
+    assert!(
+        err.contains("rows.bin") && err.contains("ends early"),
+        "{err}"
+    );
+    // Out-of-range ids are refused before the cache sees them.
+    let input = TbeInput::new(&[700i64][..], &[0i64, 1, 1, 1, 1][..]);
+    let err = tbe.lookup(input).unwrap_err().to_string();
+    assert!(err.contains("700"), "{err}");
+    // A cached operator stays on the host.
+    assert!(tbe.to_device(embers::Device::Cuda(0)).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically() -> Result<()> {
+    let dir = temp_dir("ckpt");
+    let optimizer = FusedOptimizer::RowWiseAdagrad {
+        lr: 0.05,
+        eps: 1e-3,
+    };
+    let cfg = TbeConfig::new(
+        vec![TableSpec::new("t", 20_000, 16)],
+        vec![0, 0],
+        PoolingMode::Sum,
+        optimizer,
+    );
+    // Records are 17 floats: a budget of a quarter of the file.
+    let budget = 20_000 * 17 * 4 / 4;
+    let make = |name: &str| {
+        let cache = CacheConfig::new(dir.join(name), CacheSize::Bytes(budget));
+        TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+    };
+    let steps = batches(&cfg, 12, 64, 10, 1.05, false, 3);
+    let reference = TableBatchedEmbedding::new(cfg.clone())?;
+    let tbe = make("live.bin");
+    for t in [&reference, &tbe] {
+        t.init_weights(
+            EmbeddingInit::Uniform {
+                low: -0.1,
+                high: 0.1,
+            },
+            &mut seeded(9),
+        )?;
+    }
+    assert!(tbe.allocated_bytes() < reference.allocated_bytes() / 3);
+    train(&reference, &steps[..6], false)?;
+    train(&tbe, &steps[..6], true)?;
+    tbe.save_cached_checkpoint(dir.join("ckpt"))?;
+    let at_checkpoint = state_bits(&reference)?;
+    train(&reference, &steps[6..], false)?;
+    train(&tbe, &steps[6..], true)?;
+    assert!(state_bits(&tbe)? == state_bits(&reference)?);
+    // A new operator (its own file) resumes from the checkpoint.
+    let resumed = make("other.bin");
+    resumed.load_cached_checkpoint(dir.join("ckpt"))?;
+    assert!(state_bits(&resumed)? == at_checkpoint);
+    train(&resumed, &steps[6..], false)?;
+    assert!(state_bits(&resumed)? == state_bits(&reference)?);
+    // A corrupt or truncated checkpoint is refused and changes nothing.
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ckpt/manifest.json")).unwrap())
+            .unwrap();
+    let rows = dir
+        .join("ckpt")
+        .join(manifest["rows_file"].as_str().unwrap());
+    let mut bytes = std::fs::read(&rows).unwrap();
+    bytes[1000] ^= 0x40;
+    std::fs::write(&rows, &bytes).unwrap();
+    let before = state_bits(&resumed)?;
+    let err = resumed
+        .load_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("checksum"), "{err}");
+    std::fs::write(&rows, &bytes[..bytes.len() - 8]).unwrap();
+    let err = resumed
+        .load_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("truncated"), "{err}");
+    assert!(state_bits(&resumed)? == before);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+const CHILD_ENV: &str = "EMBERS_CACHED_CHECKPOINT_CHILD";
+
+fn kill_config() -> TbeConfig {
+    TbeConfig::new(
+        vec![TableSpec::new("t", 200_000, 32)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Adagrad {
+            lr: 0.05,
+            eps: 1e-3,
+        },
+    )
+}
+
+fn kill_steps(cfg: &TbeConfig) -> Vec<Step> {
+    batches(cfg, 400, 64, 8, 1.05, false, 21)
+}
+
+fn kill_tbe(dir: &Path, name: &str) -> TableBatchedEmbedding {
+    let cache = CacheConfig::new(dir.join(name), CacheSize::LoadFactor(0.05));
+    let tbe = TableBatchedEmbedding::new_cached(kill_config(), cache).unwrap();
+    tbe.init_weights(EmbeddingInit::Constant { value: 0.01 }, &mut seeded(0))
+        .unwrap();
+    tbe
+}
+
+/// Not a test on its own: the body of the child process of
+/// `a_kill_during_a_cached_checkpoint_leaves_the_previous_one_loadable`. It trains and writes
+/// a checkpoint after every step until it is killed.
+#[test]
+fn cached_checkpoint_writer_child() -> Result<()> {
+    let Ok(dir) = std::env::var(CHILD_ENV) else {
+        return Ok(());
+    };
+    let dir = PathBuf::from(dir);
+    let tbe = kill_tbe(&dir, &format!("live-{}.bin", std::process::id()));
+    let steps = kill_steps(&kill_config());
+    for step in &steps {
+        train(&tbe, std::slice::from_ref(step), false)?;
+        tbe.save_cached_checkpoint(dir.join("ckpt"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_kill_during_a_cached_checkpoint_leaves_the_previous_one_loadable() -> Result<()> {
+    let dir = temp_dir("kill");
+    let ckpt = dir.join("ckpt");
+    let manifest = ckpt.join("manifest.json");
+    let exe = std::env::current_exe().unwrap();
+    // Checkpoint contents a reference reaches step by step.
+    let steps = kill_steps(&kill_config());
+    let writing = || {
+        std::fs::read_dir(&ckpt).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        })
+    };
+    let mut killed_mid_write = 0;
+    let mut round = 0u64;
+    let mut loaded = Vec::new();
+    while round < 4 || (killed_mid_write < 2 && round < 30) {
+        round += 1;
+        let before = std::fs::metadata(&manifest).and_then(|m| m.modified()).ok();
+        let mut child = Command::new(&exe)
+            .args(["--exact", "cached_checkpoint_writer_child", "--nocapture"])
+            .env(CHILD_ENV, &dir)
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let start = Instant::now();
+        loop {
+            let now = std::fs::metadata(&manifest).and_then(|m| m.modified()).ok();
+            if now.is_some() && now != before {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(300),
+                "child wrote nothing"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Even rounds catch the child inside a write; odd rounds kill it at a moment that
+        // moves around between rounds.
+        if round % 2 == 0 {
+            kill::stop_inside_a_write(pid, writing);
+        } else {
+            std::thread::sleep(Duration::from_millis((13 + 97 * round) % 400));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        if writing() {
+            killed_mid_write += 1;
+        }
+        std::fs::remove_file(dir.join(format!("live-{pid}.bin"))).unwrap();
+        let tbe = kill_tbe(&dir, "check.bin");
+        tbe.load_cached_checkpoint(&ckpt)?;
+        let step = tbe.step() as usize;
+        // The checkpoint holds exactly the tables after its step.
+        let reference = TableBatchedEmbedding::new(kill_config())?;
+        reference.init_weights(EmbeddingInit::Constant { value: 0.01 }, &mut seeded(0))?;
+        train(&reference, &steps[..step], false)?;
+        assert!(state_bits(&reference)? == state_bits(&tbe)?, "step {step}");
+        loaded.push(step);
+    }
+    println!("cached checkpoints loaded after kills: {loaded:?}, {killed_mid_write} mid-write");
+    assert!(
+        killed_mid_write >= 2,
+        "{killed_mid_write} kills mid-write in {round} rounds"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
