@@ -451,3 +451,43 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--placement fused-uvm-caching` (tables in files behind a 5% DRAM cache) trains the same
+/// model as `--placement fused`, bit for bit, and reports the cache's miss rate.
+#[test]
+fn tables_in_files_behind_a_cache_train_the_same_model() {
+    let dir = scratch("cached");
+    let mut logs = Vec::new();
+    for (name, placement) in [("mem", "fused"), ("file", "fused-uvm-caching")] {
+        let out_dir = dir.join(name);
+        let extra = [
+            "--steps",
+            "30",
+            "--placement",
+            placement,
+            "--cache-load-factor",
+            "0.05",
+            "--cache-policy",
+            "lfu",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ];
+        let out = run(&synthetic("1000", &extra));
+        assert!(out.status.success(), "{}", text(&out));
+        logs.push(text(&out));
+    }
+    assert!(!logs[0].contains("table cache:"), "{}", logs[0]);
+    assert!(
+        logs[1].contains("table cache:") && logs[1].contains("miss rate"),
+        "{}",
+        logs[1]
+    );
+    assert!(dir.join("file/tables/ebc-group0.rows").exists());
+    let (x, y) = (
+        tensors_of(&dir.join("mem"), "checkpoint"),
+        tensors_of(&dir.join("file"), "checkpoint"),
+    );
+    assert!(x.len() > 4, "{x:?}");
+    assert!(x == y, "the cached and the in-memory run differ");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 #[path = "support/kill.rs"]
 mod kill;
 
-use embers::embedding::{FusedOptimizer, WeightType};
+use embers::embedding::{CachePolicy, FusedOptimizer, Placement, WeightType};
 use embers::nn::Module;
 use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer};
 use embers::Result;
@@ -293,6 +293,45 @@ fn resume_continues_bit_identically() -> Result<()> {
             "state differs after resume"
         );
         assert_eq!(a.train_metrics(), b.train_metrics());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn tables_in_files_behind_a_small_cache_train_like_tables_in_memory() -> Result<()> {
+    // A tenth of each table cached (one 32-way set for the small ones), LRU and LFU: the same
+    // losses and the same model, bit for bit; a checkpoint of the cached model resumes into an
+    // in-memory one and the other way round.
+    let g = data(30 * 128, 6, 3000);
+    let dir = temp_dir("cached-dlrm");
+    let all: Vec<Batch> = batches(&g, Split::Train, 128, 5).collect::<Result<_>>()?;
+    let cfg = config(&g, 8);
+    let mut plain = cfg.build()?;
+    let losses: Vec<f64> = (all.iter())
+        .map(|b| plain.train_step(b).map(|o| o.loss))
+        .collect::<Result<_>>()?;
+    for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
+        let placement =
+            Placement::for_kernel("fused_uvm_caching", Some(0.1), dir.join("rows"), policy)?;
+        let mut cached = cfg.build_with(&placement)?;
+        assert!(cached.model().sparse_arch.tbes()[0].is_cached());
+        let got: Vec<f64> = (all.iter())
+            .map(|b| cached.train_step(b).map(|o| o.loss))
+            .collect::<Result<_>>()?;
+        assert_eq!(got, losses, "{policy:?}");
+        assert!(state_bits(&cached) == state_bits(&plain), "{policy:?}");
+        let stats = cached.model().sparse_arch.tbes()[0].cache_stats().unwrap();
+        assert!(stats.iter().any(|s| s.evictions > 0), "{stats:?}");
+        let path = dir.join("ckpt.safetensors");
+        cached.save_checkpoint(&path, &BTreeMap::new())?;
+        let mut back = cfg.build()?;
+        back.load_checkpoint(&path)?;
+        assert!(state_bits(&back) == state_bits(&plain));
+        let mut again = cfg.build_with(&placement)?;
+        plain.save_checkpoint(&path, &BTreeMap::new())?;
+        again.load_checkpoint(&path)?;
+        assert!(state_bits(&again) == state_bits(&plain));
     }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use embers::embedding::{FusedOptimizer, WeightType};
+use embers::embedding::{CachePolicy, CacheStats, FusedOptimizer, Placement, WeightType};
 use embers::metrics::Throughput;
 use embers::nn::Module;
 use embers::train::{Batch, DenseOptimizer, DlrmConfig, DlrmTrainer, EvalReport};
@@ -45,6 +45,23 @@ enum DenseOpt {
     Sgd,
     Adagrad,
     Adam,
+}
+
+/// Where the tables live: the planner's compute kernels, on this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PlacementArg {
+    /// In memory.
+    Fused,
+    /// In files under --cache-dir, read through the smallest cache (one set per table).
+    FusedUvm,
+    /// In files under --cache-dir behind a DRAM cache of --cache-load-factor × rows.
+    FusedUvmCaching,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CachePolicyArg {
+    Lru,
+    Lfu,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -243,6 +260,36 @@ struct Args {
     /// With `--plan`: input distribution and training one after the other (no pipeline).
     #[arg(long)]
     no_pipeline: bool,
+    /// Where the tables live (the planner's kernel names): in memory, or in files behind a
+    /// DRAM cache, for tables larger than memory. Training is the same, bit for bit.
+    #[arg(long, value_enum, default_value_t = PlacementArg::Fused)]
+    placement: PlacementArg,
+    /// With `--placement fused-uvm-caching`: the cached fraction of each table's rows.
+    #[arg(long, default_value_t = 0.2)]
+    cache_load_factor: f64,
+    /// With a file placement: the cache's replacement policy.
+    #[arg(long, value_enum, default_value_t = CachePolicyArg::Lru)]
+    cache_policy: CachePolicyArg,
+    /// With a file placement: the directory of the row files (default `<out>/tables`).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+}
+
+impl Args {
+    /// The tables' placement the flags ask for.
+    fn placement(&self) -> Result<Placement> {
+        let kernel = match self.placement {
+            PlacementArg::Fused => "fused",
+            PlacementArg::FusedUvm => "fused_uvm",
+            PlacementArg::FusedUvmCaching => "fused_uvm_caching",
+        };
+        let policy = match self.cache_policy {
+            CachePolicyArg::Lru => CachePolicy::Lru,
+            CachePolicyArg::Lfu => CachePolicy::Lfu,
+        };
+        let dir = (self.cache_dir.clone()).unwrap_or_else(|| self.out.join("tables"));
+        Placement::for_kernel(kernel, Some(self.cache_load_factor), dir, policy)
+    }
 }
 
 /// The dataset chosen on the command line, able to produce batches of any split.
@@ -815,9 +862,15 @@ fn run(args: Args) -> Result<()> {
                 "--early-stop-patience is not supported with --plan yet",
             ));
         }
+        if args.placement != PlacementArg::Fused {
+            return Err(Error::invalid(
+                "dlrm",
+                "--placement other than fused is not supported with --plan yet",
+            ));
+        }
         return dist::run(&args, &data, &config);
     }
-    let mut trainer = config.build()?;
+    let mut trainer = config.build_with(&args.placement()?)?;
     let checkpoint = args.out.join("checkpoint.safetensors");
 
     let best_checkpoint = args.out.join("best.safetensors");
@@ -1116,6 +1169,32 @@ fn run(args: Args) -> Result<()> {
     if let Some(r) = rss {
         println!("peak RSS {r:.0} MiB");
     }
+    let cache: Vec<CacheStats> = (trainer.model().sparse_arch.tbes().iter())
+        .filter_map(|t| t.cache_stats())
+        .flatten()
+        .collect();
+    if !cache.is_empty() {
+        let (ids, misses, conflicts, read, written, slots, rows) =
+            cache.iter().fold((0, 0, 0, 0, 0, 0, 0usize), |a, s| {
+                let rows = (config.sparse_features.iter())
+                    .find(|(f, _)| format!("t_{f}") == s.table)
+                    .map_or(0, |f| f.1);
+                (
+                    a.0 + s.unique_ids,
+                    a.1 + s.unique_misses,
+                    a.2 + s.conflict_misses,
+                    a.3 + s.rows_read,
+                    a.4 + s.rows_written,
+                    a.5 + s.slots,
+                    a.6 + rows,
+                )
+            });
+        println!(
+            "table cache: {slots} slots for {rows} rows, miss rate {:.4} of {ids} unique ids \
+             ({conflicts} conflict misses), {read} rows read and {written} written back",
+            misses as f64 / ids.max(1) as f64
+        );
+    }
 
     let csv = args.out.join("metrics.csv");
     write_csv(&csv, &history)?;
@@ -1126,6 +1205,12 @@ fn run(args: Args) -> Result<()> {
         "train_seconds": train_seconds,
         "examples_per_second": throughput.lifetime(),
         "peak_rss_mib": rss,
+        "table_cache": cache.iter().map(|s| serde_json::json!({
+            "table": s.table, "slots": s.slots, "calls": s.calls,
+            "requested_ids": s.requested_ids, "unique_ids": s.unique_ids,
+            "unique_misses": s.unique_misses, "conflict_misses": s.conflict_misses,
+            "evictions": s.evictions, "rows_read": s.rows_read, "rows_written": s.rows_written,
+        })).collect::<Vec<_>>(),
         "best_achievable_test_auc": best_test,
         "validation": json_metrics(&validation.metrics),
         "test": json_metrics(&test.metrics),

@@ -17,7 +17,7 @@ use super::config::{
 use super::inference::QuantizedTableBatchedEmbedding;
 use super::input::TbeInput;
 use super::optimizer::{FusedOptimizer, WeightDecay};
-use super::tbe::{TableBatchedEmbedding, TbeConfig};
+use super::tbe::{Placement, TableBatchedEmbedding, TbeConfig};
 use crate::nn::Module;
 use crate::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::rng::Rng;
@@ -64,6 +64,7 @@ impl TableGroups {
         optimizer: FusedOptimizer,
         weight_decay: WeightDecay,
         bounds_check: BoundsCheckMode,
+        placement: &Placement,
         rng: &mut Rng,
     ) -> Result<Self> {
         let mut groups = Vec::new();
@@ -85,9 +86,13 @@ impl TableGroups {
             cfg.feature_names = Some(features.clone());
             cfg.weight_decay = weight_decay;
             cfg.bounds_check = bounds_check;
-            let tbe = TableBatchedEmbedding::new(cfg)?;
+            let name = format!("{}-group{}.rows", op_short(op), groups.len());
+            let tbe = match placement.cache_for(&name)? {
+                None => TableBatchedEmbedding::new(cfg)?,
+                Some(cache) => TableBatchedEmbedding::new_cached(cfg, cache)?,
+            };
             for (t, &i) in members.iter().enumerate() {
-                init_table(&tbe, t, tables[i].rows, tables[i].init, rng)?;
+                tbe.init_table(t, tables[i].init, rng)?;
             }
             groups.push(Group { tbe, features });
         }
@@ -516,6 +521,42 @@ impl EmbeddingBagCollection {
         bounds_check: BoundsCheckMode,
         rng: &mut Rng,
     ) -> Result<Self> {
+        Self::build(
+            configs,
+            optimizer,
+            weight_decay,
+            bounds_check,
+            &Placement::Memory,
+            rng,
+        )
+    }
+
+    /// [`new`](Self::new) with the tables placed by `placement` (e.g. in files behind a DRAM
+    /// cache, one per pooling group: `ebc-group<g>.rows`).
+    pub fn with_placement(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: FusedOptimizer,
+        placement: &Placement,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        Self::build(
+            configs,
+            optimizer,
+            WeightDecay::None,
+            BoundsCheckMode::Error,
+            placement,
+            rng,
+        )
+    }
+
+    fn build(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: FusedOptimizer,
+        weight_decay: WeightDecay,
+        bounds_check: BoundsCheckMode,
+        placement: &Placement,
+        rng: &mut Rng,
+    ) -> Result<Self> {
         let (output_keys, output_dims) = check_bag_configs(EBC, &configs)?;
         let defs = table_defs!(configs);
         let partition = [PoolingMode::Sum, PoolingMode::Mean]
@@ -535,6 +576,7 @@ impl EmbeddingBagCollection {
             optimizer,
             weight_decay,
             bounds_check,
+            placement,
             rng,
         )?;
         Ok(EmbeddingBagCollection {
@@ -591,17 +633,13 @@ impl EmbeddingBagCollection {
     }
 }
 
-fn init_table(
-    tbe: &TableBatchedEmbedding,
-    t: usize,
-    rows: usize,
-    init: EmbeddingInit,
-    rng: &mut Rng,
-) -> Result<()> {
-    let dim = tbe.config().tables[t].dim;
-    let mut values = vec![0.0f32; rows * dim];
-    super::tbe::fill_init(&mut values, rows, init, rng)?;
-    tbe.set_table_weights(t, &values)
+/// A short lower-case name of a collection kind for file names (`ebc`, `ec`).
+fn op_short(op: &str) -> &'static str {
+    if op == EBC {
+        "ebc"
+    } else {
+        "ec"
+    }
 }
 
 impl Module for EmbeddingBagCollection {
@@ -683,6 +721,7 @@ impl EmbeddingCollection {
             optimizer,
             WeightDecay::None,
             BoundsCheckMode::Error,
+            &Placement::Memory,
             rng,
         )?;
         Ok(EmbeddingCollection {

@@ -14,7 +14,8 @@ use std::path::Path;
 
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
 use crate::embedding::{
-    EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, QuantizedEmbeddingBagCollection,
+    EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, Placement,
+    QuantizedEmbeddingBagCollection,
 };
 use crate::metrics::{MetricKind, RecMetrics};
 use crate::models::{Dlrm, DlrmDense};
@@ -251,6 +252,13 @@ pub struct DlrmConfig {
 impl DlrmConfig {
     /// Builds the model (initialised from `seed`) and its trainer.
     pub fn build(&self) -> Result<DlrmTrainer> {
+        self.build_with(&Placement::Memory)
+    }
+
+    /// [`build`](Self::build) with the tables placed by `placement` (e.g. in files behind a
+    /// DRAM cache: tables larger than host memory). The same seed gives the same model and
+    /// the same training, whatever the placement.
+    pub fn build_with(&self, placement: &Placement) -> Result<DlrmTrainer> {
         if self.sparse_features.is_empty() || self.embedding_dim == 0 {
             return Err(Error::invalid(
                 "DlrmConfig",
@@ -259,8 +267,12 @@ impl DlrmConfig {
         }
         check_tasks(&self.tasks)?;
         let mut rng = seeded(self.seed);
-        let ebc =
-            EmbeddingBagCollection::new(self.table_configs(), self.sparse_optimizer, &mut rng)?;
+        let ebc = EmbeddingBagCollection::with_placement(
+            self.table_configs(),
+            self.sparse_optimizer,
+            placement,
+            &mut rng,
+        )?;
         let dense = self.dense_half(&mut rng)?;
         let mut model = Dlrm::new(ebc, dense)?;
         model.to_device(self.device)?;

@@ -21,7 +21,7 @@ use super::optimizer::{FusedOptimizer, StateShape, WeightDecay};
 use crate::tensor::rng::Rng;
 use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
 use crate::{DType, Device, Error, Result, Tensor};
-pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats};
+pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats, Placement};
 use cache::{CachedBatch, CachedTables};
 use cpu::backward::{BackwardOutput, SparseTableGrad};
 use cpu::pool::FeatureSlot;
@@ -525,8 +525,17 @@ impl TableBatchedEmbedding {
 
     /// Fills every table with `init` from `rng` (tables in order, rows in order).
     pub fn init_weights(&self, init: EmbeddingInit, rng: &mut Rng) -> Result<()> {
-        for (t, spec) in self.inner.config.tables.iter().enumerate() {
-            let range = self.weight_range(t);
+        for t in 0..self.num_tables() {
+            self.init_table(t, init, rng)?;
+        }
+        Ok(())
+    }
+
+    /// Fills table `t` with `init` from `rng` (rows in order), without a second copy of it.
+    pub(crate) fn init_table(&self, t: usize, init: EmbeddingInit, rng: &mut Rng) -> Result<()> {
+        let spec = self.check_table(t)?;
+        let range = self.weight_range(t);
+        {
             match &mut self.inner.state.write().tables {
                 Tables::Host(h) => fill_init(&mut h.weights[range], spec.rows, init, rng)?,
                 Tables::Device(d) => {

@@ -117,6 +117,74 @@ impl CacheConfig {
     }
 }
 
+/// Where the tables of a collection live (the placement the planner's compute kernel asks
+/// for, on a host).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Placement {
+    /// In the memory of the device the model runs on (the planner's `fused`).
+    #[default]
+    Memory,
+    /// In files under `dir` (one per table group), each behind a DRAM cache of `size`
+    /// (the planner's `fused_uvm_caching`; `fused_uvm` is the smallest cache, one set per
+    /// table, so almost every row is read from the file).
+    Cached {
+        /// Directory of the row files (created if needed).
+        dir: PathBuf,
+        /// Each group's cache size.
+        size: CacheSize,
+        /// The replacement policy.
+        policy: CachePolicy,
+    },
+}
+
+impl Placement {
+    /// The placement the planner's kernel `kernel` (`dense`, `fused`, `fused_uvm`,
+    /// `fused_uvm_caching`) asks for, with its `cache_load_factor` (FBGEMM's default 0.2 when
+    /// none), row files under `dir`.
+    pub fn for_kernel(
+        kernel: &str,
+        cache_load_factor: Option<f64>,
+        dir: impl Into<PathBuf>,
+        policy: CachePolicy,
+    ) -> Result<Placement> {
+        let size = match kernel {
+            "dense" | "fused" => return Ok(Placement::Memory),
+            "fused_uvm" => CacheSize::LoadFactor(f64::MIN_POSITIVE),
+            "fused_uvm_caching" => CacheSize::LoadFactor(cache_load_factor.unwrap_or(0.2)),
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "no placement for compute kernel `{kernel}` (dense, fused, fused_uvm, \
+                         fused_uvm_caching)"
+                    ),
+                ))
+            }
+        };
+        Ok(Placement::Cached {
+            dir: dir.into(),
+            size,
+            policy,
+        })
+    }
+
+    /// The cache of the group whose row file is called `name`, if cached.
+    pub(crate) fn cache_for(&self, name: &str) -> Result<Option<CacheConfig>> {
+        match self {
+            Placement::Memory => Ok(None),
+            Placement::Cached { dir, size, policy } => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| store::io_error(dir, "creating the row files' directory", e))?;
+                Ok(Some(CacheConfig {
+                    path: dir.join(name),
+                    size: *size,
+                    policy: *policy,
+                }))
+            }
+        }
+    }
+}
+
 /// One table's cache counters, as FBGEMM's cache statistics report them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
