@@ -504,22 +504,26 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("no/such/dir/rows.bin"), "{err}");
-    // The file truncated under a running operator: the miss that reads past its end fails
-    // with the file's name, nothing crashes, and the operator still answers.
+    // The file truncated under a running operator: the next batch fails with the file's
+    // name, nothing crashes; put back, the operator answers again.
     let tbe = cached(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(0.1));
-    std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .open(dir.join("rows.bin"))
-        .unwrap()
-        .set_len(64)
         .unwrap();
+    let len = file.metadata().unwrap().len();
+    file.set_len(64).unwrap();
     let step = bags(600..610);
     let input = TbeInput::new(&step.ids[..], &[0i64, 10, 10, 10, 10][..]);
     let err = tbe.lookup(input).unwrap_err().to_string();
     assert!(
-        err.contains("rows.bin") && err.contains("ends early"),
+        err.contains("rows.bin") && err.contains("truncated"),
         "{err}"
     );
+    assert!(tbe.flush().is_err() && tbe.table_weights(0).is_err());
+    file.set_len(len).unwrap();
+    let input = TbeInput::new(&step.ids[..], &[0i64, 10, 10, 10, 10][..]);
+    assert!(tbe.lookup(input).is_ok());
     // Out-of-range ids are refused before the cache sees them.
     let input = TbeInput::new(&[700i64][..], &[0i64, 1, 1, 1, 1][..]);
     let err = tbe.lookup(input).unwrap_err().to_string();
@@ -561,6 +565,11 @@ fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically()
             &mut seeded(9),
         )?;
     }
+    assert!(
+        tbe.allocated_bytes() as u64 <= budget,
+        "{}",
+        tbe.allocated_bytes()
+    );
     assert!(tbe.allocated_bytes() < reference.allocated_bytes() / 3);
     train(&reference, &steps[..6], false)?;
     train(&tbe, &steps[..6], true)?;

@@ -10,6 +10,9 @@ pub(crate) const WAYS: usize = 32;
 
 const EMPTY: u64 = u64::MAX;
 
+/// Bytes of bookkeeping per slot (its tag and state).
+pub(crate) const SLOT_BYTES: usize = 8 + std::mem::size_of::<Meta>();
+
 /// The set of `row` in a cache of `sets` sets (MurmurHash3's 64-bit finaliser, as FBGEMM's
 /// `cache_slot`).
 pub(crate) fn set_of(row: u64, sets: usize) -> usize {
@@ -22,17 +25,24 @@ pub(crate) fn set_of(row: u64, sets: usize) -> usize {
     (h % sets as u64) as usize
 }
 
+/// What the directory keeps of one slot.
+#[derive(Clone, Copy, Default)]
+struct Meta {
+    /// The tick of the slot's last use (LRU, and LFU's tie-break).
+    stamp: u64,
+    /// In-flight batches using the slot.
+    locks: u32,
+    /// Whether the slot differs from the store.
+    dirty: bool,
+}
+
 /// The directory of one table's cache.
 pub(crate) struct Directory {
     pub sets: usize,
     /// Row held by each slot (`EMPTY` when none); slot = set × WAYS + way.
     tags: Vec<u64>,
-    /// In-flight batches using each slot.
-    locks: Vec<u32>,
-    /// LRU: the tick of each slot's last use.
-    stamps: Vec<u64>,
-    /// Whether each slot differs from the store.
-    dirty: Vec<bool>,
+    /// Each slot's state, together so that a hit touches one cache line.
+    meta: Vec<Meta>,
     /// LFU: accesses of every row of the table (saturating), cached or not.
     counts: Vec<u32>,
     policy: CachePolicy,
@@ -45,9 +55,7 @@ impl Directory {
         Directory {
             sets,
             tags: vec![EMPTY; slots],
-            locks: vec![0; slots],
-            stamps: vec![0; slots],
-            dirty: vec![false; slots],
+            meta: vec![Meta::default(); slots],
             counts: match policy {
                 CachePolicy::Lfu => vec![0; rows],
                 CachePolicy::Lru => Vec::new(),
@@ -63,13 +71,20 @@ impl Directory {
 
     /// Bytes of bookkeeping.
     pub(crate) fn bytes(&self) -> usize {
-        self.tags.len() * (8 + 4 + 8 + 1) + self.counts.len() * 4
+        self.tags.len() * SLOT_BYTES + self.counts.len() * 4
     }
 
     /// The slot holding `row`, if any.
     pub(crate) fn find(&self, row: u64) -> Option<usize> {
         let base = set_of(row, self.sets) * WAYS;
         (base..base + WAYS).find(|&s| self.tags[s] == row)
+    }
+
+    /// Asks the CPU to fetch the tags of `row`'s set ahead of a lookup.
+    pub(crate) fn prefetch(&self, row: u64) {
+        let base = set_of(row, self.sets) * WAYS;
+        let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
+        prefetch(self.tags[base..].as_ptr() as *const u8, WAYS * 8);
     }
 
     /// The row in `slot`, if any.
@@ -86,13 +101,15 @@ impl Directory {
 
     /// Marks `slot` used at `tick` and locks it for an in-flight batch.
     pub(crate) fn touch_and_lock(&mut self, slot: usize, tick: u64) {
-        self.stamps[slot] = tick;
-        self.locks[slot] += 1;
+        let m = &mut self.meta[slot];
+        m.stamp = tick;
+        m.locks += 1;
     }
 
     /// Releases one lock of `slot`.
     pub(crate) fn unlock(&mut self, slot: usize) {
-        self.locks[slot] = self.locks[slot].saturating_sub(1);
+        let m = &mut self.meta[slot];
+        m.locks = m.locks.saturating_sub(1);
     }
 
     /// The slot to receive `row` in its set: the first empty way, else the unlocked way the
@@ -105,26 +122,27 @@ impl Directory {
             return Some(s);
         }
         let key = |s: usize| match self.policy {
-            CachePolicy::Lru => (0, self.stamps[s]),
-            CachePolicy::Lfu => (self.counts[self.tags[s] as usize], self.stamps[s]),
+            CachePolicy::Lru => (0, self.meta[s].stamp),
+            CachePolicy::Lfu => (self.counts[self.tags[s] as usize], self.meta[s].stamp),
         };
-        ways.filter(|&s| self.locks[s] == 0).min_by_key(|&s| key(s))
+        ways.filter(|&s| self.meta[s].locks == 0)
+            .min_by_key(|&s| key(s))
     }
 
     /// Puts `row` in `slot` (its previous row already written back), clean.
     pub(crate) fn install(&mut self, slot: usize, row: u64) {
         self.tags[slot] = row;
-        self.dirty[slot] = false;
+        self.meta[slot].dirty = false;
     }
 
     /// Whether `slot` differs from the store.
     pub(crate) fn is_dirty(&self, slot: usize) -> bool {
-        self.dirty[slot]
+        self.meta[slot].dirty
     }
 
     /// Marks `slot` as differing from the store (or not).
     pub(crate) fn set_dirty(&mut self, slot: usize, dirty: bool) {
-        self.dirty[slot] = dirty;
+        self.meta[slot].dirty = dirty;
     }
 
     /// Every occupied slot and its row.
@@ -136,7 +154,7 @@ impl Directory {
 
     /// Slots in use by in-flight batches.
     pub(crate) fn locked_slots(&self) -> usize {
-        self.locks.iter().filter(|&&l| l > 0).count()
+        self.meta.iter().filter(|m| m.locks > 0).count()
     }
 }
 

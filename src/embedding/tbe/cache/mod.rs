@@ -26,12 +26,12 @@
 mod api;
 pub(crate) mod directory;
 pub(crate) mod store;
+mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rayon::prelude::*;
 
 use super::cpu::backward::BackwardOutput;
 use super::cpu::HostTables;
@@ -39,8 +39,10 @@ use super::{TbeConfig, TbeLayout};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::{FusedOptimizer, StateShape};
 use crate::{Error, Result, Tensor};
-use directory::{Directory, WAYS};
+use directory::{Directory, SLOT_BYTES, WAYS};
+use rayon::prelude::*;
 use store::RowStore;
+use view::{RowsRef, TableAdmission, TableView};
 
 const OP: &str = "cached TBE";
 
@@ -83,8 +85,10 @@ pub enum CacheSize {
     /// A fraction of every table's rows (the planner's `cache_load_factor`), rounded up to
     /// whole 32-way sets, at least one set per table.
     LoadFactor(f64),
-    /// A byte budget for rows and their optimizer state, shared among the tables in
-    /// proportion to their sizes (rounded down to whole sets, at least one set per table).
+    /// A byte budget for cached rows, their optimizer state and the directory (24 bytes a
+    /// slot), shared among the tables in proportion to their sizes (rounded down to whole
+    /// sets, at least one set per table). LFU's access counts (4 bytes per table row) and
+    /// scratch rows for conflict misses come on top.
     Bytes(u64),
 }
 
@@ -232,15 +236,17 @@ struct Fallback {
 
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
 struct Lease {
-    locked: Vec<(usize, usize)>,
+    /// Per table, the slots locked.
+    locked: Vec<Vec<usize>>,
     fallback: Vec<Fallback>,
-    released: Arc<Mutex<Vec<(usize, usize)>>>,
+    released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // Deferred to the next admission: a drop may happen while the TBE's lock is held.
-        self.released.lock().append(&mut self.locked);
+        let locked = std::mem::take(&mut self.locked);
+        self.released.lock().push(locked);
     }
 }
 
@@ -252,7 +258,7 @@ pub(crate) struct CachedBatch {
 
 /// Where a record's parts sit in the cache buffers.
 #[derive(Clone, Copy)]
-struct Parts {
+pub(crate) struct Parts {
     dim: usize,
     state: [usize; 2],
 }
@@ -283,7 +289,8 @@ pub(crate) struct CachedTables {
     shapes: [Option<StateShape>; 2],
     tick: u64,
     stats: Vec<CacheStats>,
-    released: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// The locked slots of dropped batches (per batch, per table), not yet unlocked.
+    released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
 }
 
 /// Sets per table for `size` (records of `record` floats).
@@ -302,12 +309,14 @@ fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
             format!("cache load factor {f} must be a finite number above 0"),
         )),
         CacheSize::Bytes(b) => {
+            // A slot costs its record and its directory entry.
+            let slot = |record: usize| (record * 4 + SLOT_BYTES) as f64;
             let total: f64 = (tables.iter())
-                .map(|&(rows, record)| rows as f64 * record as f64 * 4.0)
+                .map(|&(rows, record)| rows as f64 * slot(record))
                 .sum();
             let f = b as f64 / total.max(1.0);
             let min_bytes: u64 = (tables.iter())
-                .map(|&(_, record)| (WAYS * record * 4) as u64)
+                .map(|&(_, record)| (WAYS as f64 * slot(record)) as u64)
                 .sum();
             if b < min_bytes {
                 return Err(Error::invalid(
@@ -430,185 +439,137 @@ impl CachedTables {
         self.dirs.iter().map(Directory::locked_slots).collect()
     }
 
-    /// Copies cache row `idx` of table `t` (weights, then state) into `rec`.
-    fn gather(&self, t: usize, idx: usize, rec: &mut [f32]) {
-        let p = self.parts[t];
-        let w0 = self.layout.weight_offsets[t] + idx * p.dim;
-        rec[p.range(0)].copy_from_slice(&self.host.weights[w0..w0 + p.dim]);
-        for i in 0..2 {
-            if let Some(r) = self.state_range(t, idx, i) {
-                rec[p.range(i + 1)].copy_from_slice(&self.host.state(i)[r]);
-            }
-        }
+    /// Floats of table `t`'s cache rows: weights, state 0, state 1.
+    fn lens(&self, t: usize) -> [usize; 3] {
+        let (rows, p) = (self.cfg.tables[t].rows, self.parts[t]);
+        [rows * p.dim, rows * p.state[0], rows * p.state[1]]
     }
 
-    /// Writes `rec` into cache row `idx` of table `t`.
-    fn scatter(&mut self, t: usize, idx: usize, rec: &[f32]) {
-        let p = self.parts[t];
-        let w0 = self.layout.weight_offsets[t] + idx * p.dim;
-        self.host.weights[w0..w0 + p.dim].copy_from_slice(&rec[p.range(0)]);
-        for i in 0..2 {
-            if let Some(r) = self.state_range(t, idx, i) {
-                self.host.state_mut(i)[r].copy_from_slice(&rec[p.range(i + 1)]);
-            }
+    /// Every table's share of the cache, the file, the directories and the counters.
+    fn views(&mut self) -> Vec<TableView<'_>> {
+        let n = self.dirs.len();
+        let lens: Vec<[usize; 3]> = (0..n).map(|t| self.lens(t)).collect();
+        let file_lens: Vec<usize> = (0..n)
+            .map(|t| {
+                let s = self.store.table(t);
+                s.rows * s.record * 4
+            })
+            .collect();
+        let HostTables { weights, m1, m2 } = &mut self.host;
+        let (mut w, mut a, mut b): (&mut [f32], &mut [f32], &mut [f32]) = (weights, m1, m2);
+        let mut file = self.store.bytes_mut();
+        let mut views = Vec::with_capacity(n);
+        for (((t, dir), stats), len) in (0..n).zip(&mut self.dirs).zip(&mut self.stats).zip(&lens) {
+            let (wt, rest) = std::mem::take(&mut w).split_at_mut(len[0]);
+            w = rest;
+            let (at, rest) = std::mem::take(&mut a).split_at_mut(len[1]);
+            a = rest;
+            let (bt, rest) = std::mem::take(&mut b).split_at_mut(len[2]);
+            b = rest;
+            let (ft, rest) = std::mem::take(&mut file).split_at_mut(file_lens[t]);
+            file = rest;
+            views.push(TableView {
+                parts: self.parts[t],
+                weights: wt,
+                state: [at, bt],
+                file: ft,
+                dir,
+                stats,
+            });
         }
+        views
     }
 
-    /// Where state buffer `i` of cache row `idx` of table `t` sits, if the optimizer has one.
-    fn state_range(&self, t: usize, idx: usize, i: usize) -> Option<std::ops::Range<usize>> {
-        let dim = self.parts[t].dim;
-        match self.shapes[i]? {
-            StateShape::PerRow => {
-                let r = self.layout.row_offsets[t] + idx;
-                Some(r..r + 1)
-            }
-            StateShape::PerElement => {
-                let w = self.layout.weight_offsets[t] + idx * dim;
-                Some(w..w + dim)
-            }
-        }
+    /// Table `t`'s share (see [`views`](Self::views)).
+    fn view(&mut self, t: usize) -> TableView<'_> {
+        self.views().swap_remove(t)
     }
 
-    /// Reads the records of `rows` of table `t` from the file, in parallel.
-    fn read_records(&self, t: usize, rows: &[u64]) -> Result<Vec<f32>> {
-        let rec = self.parts[t].record();
-        let mut buf = vec![0.0f32; rows.len() * rec];
-        if rec > 0 {
-            (buf.par_chunks_mut(rec).zip(rows.par_iter()))
-                .with_min_len(64)
-                .try_for_each(|(b, &r)| self.store.read_rows(t, r as usize, b))?;
+    /// Table `t`'s cache rows, read-only.
+    fn rows(&self, t: usize) -> RowsRef<'_> {
+        let mut start = [0usize; 3];
+        for u in 0..t {
+            for (s, l) in start.iter_mut().zip(self.lens(u)) {
+                *s += l;
+            }
         }
-        Ok(buf)
-    }
-
-    /// Writes the cached rows `slots` of table `t` back to the file as rows `rows`.
-    fn write_back(&mut self, t: usize, slots: &[(usize, u64)]) -> Result<()> {
-        if slots.is_empty() {
-            return Ok(());
+        let len = self.lens(t);
+        let h = &self.host;
+        RowsRef {
+            parts: self.parts[t],
+            weights: &h.weights[start[0]..start[0] + len[0]],
+            state: [
+                &h.m1[start[1]..start[1] + len[1]],
+                &h.m2[start[2]..start[2] + len[2]],
+            ],
         }
-        let rec = self.parts[t].record();
-        let mut buf = vec![0.0f32; slots.len() * rec];
-        for (b, &(s, _)) in buf.chunks_mut(rec).zip(slots) {
-            self.gather(t, s, b);
-        }
-        let store = &self.store;
-        (buf.par_chunks(rec).zip(slots.par_iter()))
-            .with_min_len(64)
-            .try_for_each(|(b, &(_, r))| store.write_rows(t, r as usize, b))?;
-        self.stats[t].rows_written += slots.len() as u64;
-        Ok(())
     }
 
     /// Releases the locks of dropped batches.
     pub(crate) fn drain_released(&mut self) {
         let released = std::mem::take(&mut *self.released.lock());
-        for (t, s) in released {
-            self.dirs[t].unlock(s);
+        if released.is_empty() {
+            return;
         }
+        (self.dirs.par_iter_mut().enumerate()).for_each(|(t, dir)| {
+            for lease in &released {
+                for &s in &lease[t] {
+                    dir.unlock(s);
+                }
+            }
+        });
     }
 
     /// Admits a validated batch: caches (and locks) its rows and gives its ids as cache rows.
+    /// Tables are admitted in parallel.
     pub(crate) fn admit(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
+        self.store.check_len()?;
         self.drain_released();
         self.tick += 1;
         let tick = self.tick;
         let b = batch.batch_size;
+        // Each table's id positions: the bags of the features reading it.
+        let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..logical.tables.len())
+            .map(|t| {
+                (logical.feature_table_map.iter().enumerate())
+                    .filter(|(_, &ft)| ft == t)
+                    .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
+                    .collect()
+            })
+            .collect();
+        let admitted: Vec<Option<TableAdmission>> = self
+            .views()
+            .into_par_iter()
+            .zip(&ranges)
+            .map(|(mut view, ranges)| {
+                if ranges.is_empty() {
+                    return None;
+                }
+                let ids: Vec<u64> = (ranges.iter().cloned().flatten())
+                    .map(|p| batch.ids.get(p) as u64)
+                    .collect();
+                Some(view.admit(&ids, tick))
+            })
+            .collect();
         let mut remapped = vec![0i64; batch.ids.len()];
         let mut lease = Lease {
-            locked: Vec::new(),
+            locked: vec![Vec::new(); logical.tables.len()],
             fallback: Vec::new(),
             released: self.released.clone(),
         };
-        for t in 0..logical.tables.len() {
-            let ranges: Vec<std::ops::Range<usize>> = (logical.feature_table_map.iter())
-                .enumerate()
-                .filter(|(_, &ft)| ft == t)
-                .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
-                .collect();
-            if ranges.is_empty() {
-                continue;
+        for (t, a) in admitted.into_iter().enumerate() {
+            let Some(a) = a else { continue };
+            let mut loc = a.loc.iter();
+            for p in ranges[t].iter().cloned().flatten() {
+                remapped[p] = *loc.next().expect("one cache row per id");
             }
-            let mut rows: Vec<u64> = (ranges.iter().cloned().flatten())
-                .map(|p| batch.ids.get(p) as u64)
-                .collect();
-            let requested = rows.len();
-            rows.sort_unstable();
-            rows.dedup();
-            let slots = self.dirs[t].slots();
-            let mut loc = vec![0usize; rows.len()];
-            let mut misses = Vec::new();
-            {
-                let dir = &mut self.dirs[t];
-                for (k, &r) in rows.iter().enumerate() {
-                    dir.count(r);
-                    match dir.find(r) {
-                        Some(s) => {
-                            dir.touch_and_lock(s, tick);
-                            lease.locked.push((t, s));
-                            loc[k] = s;
-                        }
-                        None => misses.push(k),
-                    }
-                }
-            }
-            // Choose every miss's slot first (directory only), then move the data.
-            let mut evicted: Vec<(usize, u64)> = Vec::new();
-            let mut loads: Vec<(usize, u64)> = Vec::new();
-            let mut fallbacks = 0usize;
-            let mut evictions = 0u64;
-            for &k in &misses {
-                let r = rows[k];
-                let dir = &mut self.dirs[t];
-                match dir.victim(r) {
-                    Some(s) => {
-                        if let Some(old) = dir.row_of(s) {
-                            evictions += 1;
-                            if dir.is_dirty(s) {
-                                evicted.push((s, old));
-                            }
-                        }
-                        dir.install(s, r);
-                        dir.touch_and_lock(s, tick);
-                        lease.locked.push((t, s));
-                        loads.push((s, r));
-                        loc[k] = s;
-                    }
-                    None => {
-                        let pos = slots + fallbacks;
-                        fallbacks += 1;
-                        lease.fallback.push(Fallback {
-                            table: t,
-                            row: r,
-                            pos,
-                        });
-                        loc[k] = pos;
-                    }
-                }
-            }
-            self.write_back(t, &evicted)?;
-            let load_rows: Vec<u64> = loads.iter().map(|&(_, r)| r).collect();
-            let records = self.read_records(t, &load_rows)?;
-            let rec = self.parts[t].record();
-            for (&(s, _), r) in loads.iter().zip(records.chunks(rec.max(1))) {
-                self.scatter(t, s, r);
-            }
+            lease.locked[t] = a.locked;
+            let fallbacks = a.fallback.len();
+            lease
+                .fallback
+                .extend((a.fallback.into_iter()).map(|(row, pos)| Fallback { table: t, row, pos }));
             if fallbacks > self.scratch[t] {
                 self.grow_scratch(logical, t, fallbacks)?;
-            }
-            let st = &mut self.stats[t];
-            st.calls += 1;
-            st.requested_ids += requested as u64;
-            st.unique_ids += rows.len() as u64;
-            st.unique_misses += misses.len() as u64;
-            st.conflict_misses += fallbacks as u64;
-            st.evictions += evictions;
-            st.rows_read += loads.len() as u64;
-            for p in ranges.into_iter().flatten() {
-                let r = batch.ids.get(p) as u64;
-                let k = rows
-                    .binary_search(&r)
-                    .expect("every id is among its unique rows");
-                remapped[p] = loc[k] as i64;
             }
         }
         Ok(CachedBatch {
@@ -655,27 +616,20 @@ impl CachedTables {
 
     /// Fills the scratch rows of `fallback` from each row's current copy.
     fn refresh(&mut self, fallback: &[Fallback]) -> Result<()> {
-        let mut from_file: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.dirs.len()];
-        for f in fallback {
-            match self.dirs[f.table].find(f.row) {
-                Some(s) => {
-                    let mut rec = vec![0.0f32; self.parts[f.table].record()];
-                    self.gather(f.table, s, &mut rec);
-                    self.scatter(f.table, f.pos, &rec);
-                }
-                None => from_file[f.table].push((f.pos, f.row)),
-            }
+        if fallback.is_empty() {
+            return Ok(());
         }
-        for (t, list) in from_file.iter().enumerate() {
-            if list.is_empty() {
-                continue;
-            }
-            let rows: Vec<u64> = list.iter().map(|&(_, r)| r).collect();
-            let records = self.read_records(t, &rows)?;
-            self.stats[t].rows_read += rows.len() as u64;
-            let rec = self.parts[t].record();
-            for (&(pos, _), r) in list.iter().zip(records.chunks(rec.max(1))) {
-                self.scatter(t, pos, r);
+        self.store.check_len()?;
+        let mut views = self.views();
+        for f in fallback {
+            let v = &mut views[f.table];
+            let mut rec = vec![0.0f32; v.parts.record()];
+            match v.dir.find(f.row) {
+                Some(s) => {
+                    v.gather(s, &mut rec);
+                    v.scatter(f.pos, &rec);
+                }
+                None => v.load(f.row, f.pos, &mut rec),
             }
         }
         Ok(())
@@ -714,24 +668,24 @@ impl CachedTables {
             step,
         );
         if *optimizer != FusedOptimizer::None {
-            for &(t, s) in &batch.lease.locked {
-                self.dirs[t].set_dirty(s, true);
-            }
-            // Scratch rows go back where their row lives now.
-            let mut to_file: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.dirs.len()];
-            for f in fallback {
-                match self.dirs[f.table].find(f.row) {
-                    Some(s) => {
-                        let mut rec = vec![0.0f32; self.parts[f.table].record()];
-                        self.gather(f.table, f.pos, &mut rec);
-                        self.scatter(f.table, s, &rec);
-                        self.dirs[f.table].set_dirty(s, true);
-                    }
-                    None => to_file[f.table].push((f.pos, f.row)),
+            for (dir, locked) in self.dirs.iter_mut().zip(&batch.lease.locked) {
+                for &s in locked {
+                    dir.set_dirty(s, true);
                 }
             }
-            for (t, list) in to_file.iter().enumerate() {
-                self.write_back(t, list)?;
+            // Scratch rows go back where their row lives now.
+            let mut views = self.views();
+            for f in fallback {
+                let v = &mut views[f.table];
+                let mut rec = vec![0.0f32; v.parts.record()];
+                match v.dir.find(f.row) {
+                    Some(s) => {
+                        v.gather(f.pos, &mut rec);
+                        v.scatter(s, &rec);
+                        v.dir.set_dirty(s, true);
+                    }
+                    None => v.write_back(f.pos, f.row, &mut rec),
+                }
             }
         }
         if let Some(grads) = out.sparse_grads.as_mut() {
@@ -772,13 +726,15 @@ impl CachedTables {
 
     /// Writes every dirty cached row back to the file and syncs it.
     pub(crate) fn flush(&mut self) -> Result<()> {
-        for t in 0..self.dirs.len() {
-            let dirty: Vec<(usize, u64)> = (self.dirs[t].occupied())
-                .filter(|&(s, _)| self.dirs[t].is_dirty(s))
+        self.store.check_len()?;
+        for mut v in self.views() {
+            let dirty: Vec<(usize, u64)> = (v.dir.occupied())
+                .filter(|&(s, _)| v.dir.is_dirty(s))
                 .collect();
-            self.write_back(t, &dirty)?;
-            for &(s, _) in &dirty {
-                self.dirs[t].set_dirty(s, false);
+            let mut rec = vec![0.0f32; v.parts.record()];
+            for (s, r) in dirty {
+                v.write_back(s, r, &mut rec);
+                v.dir.set_dirty(s, false);
             }
         }
         self.store.sync()
@@ -786,6 +742,7 @@ impl CachedTables {
 
     /// Part `p` (0 weights, 1/2 optimizer state) of every row of table `t`, in row order.
     pub(crate) fn read_part(&self, t: usize, p: usize) -> Result<Vec<f32>> {
+        self.store.check_len()?;
         let parts = self.parts[t];
         let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
@@ -795,15 +752,16 @@ impl CachedTables {
         let mut first = 0;
         while first < rows {
             let n = chunk.min(rows - first);
-            self.store.read_rows(t, first, &mut buf[..n * rec])?;
+            self.store.read_rows(t, first, &mut buf[..n * rec]);
             for r in buf[..n * rec].chunks(rec) {
                 out.extend_from_slice(&r[parts.range(p)]);
             }
             first += n;
         }
         let mut rec_buf = vec![0.0f32; rec];
+        let cache = self.rows(t);
         for (s, r) in self.dirs[t].occupied() {
-            self.gather(t, s, &mut rec_buf);
+            cache.gather(s, &mut rec_buf);
             let r = r as usize;
             out[r * width..(r + 1) * width].copy_from_slice(&rec_buf[parts.range(p)]);
         }
@@ -827,6 +785,7 @@ impl CachedTables {
         p: usize,
         mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
+        self.store.check_len()?;
         let parts = self.parts[t];
         let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
@@ -836,7 +795,7 @@ impl CachedTables {
         let mut first = 0;
         while first < rows {
             let n = chunk.min(rows - first);
-            self.store.read_rows(t, first, &mut buf[..n * rec])?;
+            self.store.read_rows(t, first, &mut buf[..n * rec]);
             let part = &mut part[..n * width];
             fill(first * width, part)?;
             for (r, v) in buf[..n * rec]
@@ -845,17 +804,18 @@ impl CachedTables {
             {
                 r[parts.range(p)].copy_from_slice(v);
             }
-            self.store.write_rows(t, first, &buf[..n * rec])?;
+            self.store.write_rows(t, first, &buf[..n * rec]);
             // Cached copies of these rows take the new values too.
             let mut rec_buf = vec![0.0f32; rec];
             let cached: Vec<(usize, u64)> = (self.dirs[t].occupied())
                 .filter(|&(_, r)| (first..first + n).contains(&(r as usize)))
                 .collect();
+            let mut v = self.view(t);
             for (s, r) in cached {
-                self.gather(t, s, &mut rec_buf);
+                v.gather(s, &mut rec_buf);
                 let k = r as usize - first;
                 rec_buf[parts.range(p)].copy_from_slice(&part[k * width..(k + 1) * width]);
-                self.scatter(t, s, &rec_buf);
+                v.scatter(s, &rec_buf);
             }
             first += n;
         }

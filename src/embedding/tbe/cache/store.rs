@@ -1,10 +1,18 @@
 //! The backing file of a DRAM-cached TBE: every row of every table with its optimizer state,
 //! one fixed-size record per row (`dim` weights, then each state buffer's per-row part), tables
-//! one after another. Read and written with positioned I/O (`pread`/`pwrite`), never mapped: a
-//! truncated or vanished file is then an error naming the file, never a `SIGBUS`.
+//! one after another, little-endian f32.
+//!
+//! The file is mapped (random access advised: no read-ahead) and records are copied in and out
+//! of the mapping. Its blocks are allocated when it is created (`posix_fallocate`), so a full
+//! disk is an error then, never a fault when a dirty page is written back; its length is checked
+//! at open and before every batch, so a file truncated under a running operator is an error
+//! naming it. (A truncation racing a batch's copies can still fault: the rule of every mapped
+//! file.)
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
+
+use memmap2::{Advice, MmapMut};
 
 use crate::{Error, Result};
 
@@ -24,53 +32,10 @@ pub(crate) struct StoreTable {
 /// A file holding the rows and optimizer state of a TBE's tables.
 pub(crate) struct RowStore {
     file: File,
+    map: Option<MmapMut>,
     path: PathBuf,
     tables: Vec<StoreTable>,
     len: u64,
-}
-
-/// Positioned reads and writes (Unix `pread`/`pwrite`, Windows `seek_read`/`seek_write`).
-#[cfg(unix)]
-mod pos {
-    use std::os::unix::fs::FileExt;
-    pub fn read_exact_at(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
-        f.read_exact_at(buf, at)
-    }
-    pub fn write_all_at(f: &std::fs::File, buf: &[u8], at: u64) -> std::io::Result<()> {
-        f.write_all_at(buf, at)
-    }
-}
-#[cfg(windows)]
-mod pos {
-    use std::os::windows::fs::FileExt;
-    pub fn read_exact_at(
-        f: &std::fs::File,
-        mut buf: &mut [u8],
-        mut at: u64,
-    ) -> std::io::Result<()> {
-        while !buf.is_empty() {
-            match f.seek_read(buf, at)? {
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                n => {
-                    buf = &mut buf[n..];
-                    at += n as u64;
-                }
-            }
-        }
-        Ok(())
-    }
-    pub fn write_all_at(f: &std::fs::File, mut buf: &[u8], mut at: u64) -> std::io::Result<()> {
-        while !buf.is_empty() {
-            match f.seek_write(buf, at)? {
-                0 => return Err(std::io::ErrorKind::WriteZero.into()),
-                n => {
-                    buf = &buf[n..];
-                    at += n as u64;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// An I/O error of `path` while doing `what`, with "the disk is full" and "the file is
@@ -86,9 +51,30 @@ pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
     Error::invalid(OP, format!("{}: {what}: {why}", path.display()))
 }
 
-/// Writes `bytes` at `at` in `file` (named `path` in errors).
-pub(crate) fn write_at(file: &File, path: &Path, bytes: &[u8], at: u64, what: &str) -> Result<()> {
-    pos::write_all_at(file, bytes, at).map_err(|e| io_error(path, what, e))
+/// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
+/// space the disk may not have.
+fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        let len = libc::off_t::try_from(len).map_err(|_| {
+            Error::invalid(OP, format!("{}: {len} bytes is too large", path.display()))
+        })?;
+        // SAFETY: posix_fallocate reads no user memory; the descriptor is open for writing.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+        // Some file systems (tmpfs of old kernels, network ones) cannot: the space is then
+        // claimed as pages are written, like any sparse file.
+        if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
+            return Err(io_error(
+                path,
+                &format!("allocating {len} bytes"),
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (file, path, len);
+    Ok(())
 }
 
 impl RowStore {
@@ -102,17 +88,16 @@ impl RowStore {
                 rows,
                 record,
             });
-            let bytes = (rows as u64)
+            offset = (rows as u64)
                 .checked_mul(record as u64 * 4)
                 .and_then(|b| b.checked_add(offset))
                 .ok_or_else(|| Error::invalid(OP, "the tables' size overflows 64 bits"))?;
-            offset = bytes;
         }
         Ok((out, offset))
     }
 
     /// Creates (or replaces) `path` as an all-zero store for `tables` (`(rows, floats per
-    /// record)`). The file is sparse: its blocks are allocated as rows are written back.
+    /// record)`), its blocks allocated.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize)]) -> Result<Self> {
         let (tables, len) = Self::layout(tables)?;
         let file = OpenOptions::new()
@@ -124,12 +109,8 @@ impl RowStore {
             .map_err(|e| io_error(path, "creating the row store", e))?;
         file.set_len(len)
             .map_err(|e| io_error(path, &format!("sizing the row store to {len} bytes"), e))?;
-        Ok(RowStore {
-            file,
-            path: path.to_path_buf(),
-            tables,
-            len,
-        })
+        allocate(&file, path, len)?;
+        Self::mapped(file, path, tables, len)
     }
 
     /// Opens an existing store for `tables`, refusing a file of the wrong length.
@@ -141,26 +122,50 @@ impl RowStore {
             .write(true)
             .open(path)
             .map_err(|e| io_error(path, "opening the row store", e))?;
-        let have = file
-            .metadata()
-            .map_err(|e| io_error(path, "reading the row store's size", e))?
-            .len();
-        if have != len {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{}: {have} bytes, but these tables need {len} (truncated or not this \
-                     model's file)",
-                    path.display()
-                ),
-            ));
-        }
+        let store = Self::mapped(file, path, tables, len)?;
+        store.check_len()?;
+        Ok(store)
+    }
+
+    fn mapped(file: File, path: &Path, tables: Vec<StoreTable>, len: u64) -> Result<Self> {
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: the file is this store's own (created or opened by it); a change of its
+            // length by another process is checked for before every batch (see the module docs).
+            let map = unsafe { MmapMut::map_mut(&file) }
+                .map_err(|e| io_error(path, "mapping the row store", e))?;
+            let _ = map.advise(Advice::Random);
+            Some(map)
+        };
         Ok(RowStore {
             file,
+            map,
             path: path.to_path_buf(),
             tables,
             len,
         })
+    }
+
+    /// Refuses a file whose length is not the store's (truncated, or replaced, under it).
+    pub(crate) fn check_len(&self) -> Result<()> {
+        let have = self
+            .file
+            .metadata()
+            .map_err(|e| io_error(&self.path, "reading the row store's size", e))?
+            .len();
+        if have != self.len {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: {have} bytes, but these tables need {} (truncated, or not this model's \
+                     file)",
+                    self.path.display(),
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The file's path.
@@ -178,53 +183,67 @@ impl RowStore {
         &self.tables[t]
     }
 
-    fn at(&self, t: usize, row: usize) -> u64 {
+    /// The byte range of `n` floats of records from row `first` of table `t`.
+    fn range(&self, t: usize, first: usize, n: usize) -> std::ops::Range<usize> {
         let s = &self.tables[t];
-        s.offset + row as u64 * s.record as u64 * 4
+        let start = (s.offset + first as u64 * s.record as u64 * 4) as usize;
+        let end = start + n * 4;
+        assert!(
+            end as u64 <= s.offset + s.rows as u64 * s.record as u64 * 4,
+            "records past the end of table {t} (internal)"
+        );
+        start..end
     }
 
     /// Reads the records of rows `first..` of table `t` into `buf` (a whole number of records).
-    pub(crate) fn read_rows(&self, t: usize, first: usize, buf: &mut [f32]) -> Result<()> {
-        let at = self.at(t, first);
-        pos::read_exact_at(&self.file, bytemuck::cast_slice_mut(buf), at).map_err(|e| {
-            io_error(
-                &self.path,
-                &format!("reading table {t} from row {first}"),
-                e,
-            )
-        })
+    pub(crate) fn read_rows(&self, t: usize, first: usize, buf: &mut [f32]) {
+        if let Some(map) = &self.map {
+            let bytes = &map[self.range(t, first, buf.len())];
+            bytemuck::cast_slice_mut::<f32, u8>(buf).copy_from_slice(bytes);
+        }
     }
 
     /// Writes the records of rows `first..` of table `t` from `buf`.
-    pub(crate) fn write_rows(&self, t: usize, first: usize, buf: &[f32]) -> Result<()> {
-        let at = self.at(t, first);
-        write_at(
-            &self.file,
-            &self.path,
-            bytemuck::cast_slice(buf),
-            at,
-            &format!("writing table {t} from row {first}"),
-        )
+    pub(crate) fn write_rows(&mut self, t: usize, first: usize, buf: &[f32]) {
+        let range = self.range(t, first, buf.len());
+        if let Some(map) = &mut self.map {
+            map[range].copy_from_slice(bytemuck::cast_slice(buf));
+        }
     }
 
-    /// Flushes everything written to the disk (`fsync`).
+    /// The whole file's bytes, to be split among the tables.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.map {
+            Some(m) => &mut m[..],
+            None => &mut [],
+        }
+    }
+
+    /// Flushes everything written to the disk (`msync`, then `fsync`).
     pub(crate) fn sync(&self) -> Result<()> {
+        if let Some(map) = &self.map {
+            map.flush()
+                .map_err(|e| io_error(&self.path, "writing the row store back", e))?;
+        }
         self.file
             .sync_all()
             .map_err(|e| io_error(&self.path, "syncing the row store", e))
     }
 
     /// Replaces the file with `source` (a complete store for these tables, on the same file
-    /// system: it is renamed over the file) and reopens it.
+    /// system: it is renamed over the file) and maps it instead.
     pub(crate) fn replace_with(&mut self, source: &Path) -> Result<()> {
+        self.map = None;
         std::fs::rename(source, &self.path)
             .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
-        self.file = OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(&self.path)
             .map_err(|e| io_error(&self.path, "reopening the row store", e))?;
-        Ok(())
+        let tables = std::mem::take(&mut self.tables);
+        *self = Self::mapped(file, &self.path.clone(), tables, self.len)?;
+        self.check_len()
     }
 }
 
@@ -274,36 +293,44 @@ mod tests {
     #[test]
     fn a_full_disk_is_named_as_such() {
         // /dev/full answers every write with ENOSPC.
-        let Ok(f) = OpenOptions::new().write(true).open("/dev/full") else {
+        use std::io::Write;
+        let Ok(mut f) = OpenOptions::new().write(true).open("/dev/full") else {
             return;
         };
-        let err = write_at(&f, Path::new("/dev/full"), &[0u8; 64], 0, "writing row 3")
-            .unwrap_err()
-            .to_string();
+        let e = f
+            .write_all(&[0u8; 64])
+            .and_then(|()| f.flush())
+            .unwrap_err();
+        let err = io_error(Path::new("/dev/full"), "writing row 3", e).to_string();
         assert!(err.contains("the disk is full"), "{err}");
         assert!(err.contains("/dev/full: writing row 3"), "{err}");
     }
 
     #[test]
-    fn a_truncated_store_is_refused_at_open_and_at_read() {
+    fn a_truncated_store_is_refused_at_open_and_before_use() {
         let dir = std::env::temp_dir().join(format!("embers-store-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("rows.bin");
-        let store = RowStore::create(&path, &[(10, 4), (5, 3)]).unwrap();
+        let mut store = RowStore::create(&path, &[(10, 4), (5, 3)]).unwrap();
         assert_eq!(store.len(), (10 * 4 + 5 * 3) * 4);
-        store.write_rows(1, 2, &[1.0, 2.0, 3.0]).unwrap();
+        store.write_rows(1, 2, &[1.0, 2.0, 3.0]);
         let mut back = [0.0f32; 3];
-        store.read_rows(1, 2, &mut back).unwrap();
+        store.read_rows(1, 2, &mut back);
         assert_eq!(back, [1.0, 2.0, 3.0]);
-        // Cut the file while open: the next read past its end fails with words.
+        store.sync().unwrap();
+        assert!(store.check_len().is_ok());
+        // Cut the file while open: the next check names it.
         std::fs::OpenOptions::new()
             .write(true)
             .open(&path)
             .unwrap()
             .set_len(100)
             .unwrap();
-        let err = store.read_rows(1, 4, &mut back).unwrap_err().to_string();
-        assert!(err.contains("ends early"), "{err}");
+        let err = store.check_len().unwrap_err().to_string();
+        assert!(
+            err.contains("100 bytes") && err.contains("truncated"),
+            "{err}"
+        );
         drop(store);
         let err = RowStore::open(&path, &[(10, 4), (5, 3)])
             .err()

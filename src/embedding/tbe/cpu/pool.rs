@@ -35,7 +35,7 @@ const BLOCK: usize = 64;
 /// buffers hold, and the T1 hint took its forward from ~13 to ~7 ms on the bench machine
 /// (T=32 B=512 D=128 E=1e5 L=20, side by side with nn.EmbeddingBag).
 #[inline(always)]
-fn prefetch_lines<const L2: bool>(start: *const u8, len: usize) {
+pub(crate) fn prefetch_lines<const L2: bool>(start: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};

@@ -1,0 +1,209 @@
+//! Tables bigger than their DRAM cache: training throughput of a TBE whose rows live in a file
+//! behind a cache of a quarter of the file (`TableBatchedEmbedding::new_cached`, the file four
+//! times the DRAM budget), beside the same tables fully in RAM, on Zipf(1.1) ids; fused
+//! row-wise Adagrad, forward + backward. Interleaved batch by batch so drift hits both alike.
+//!
+//! Reported: median ms per batch of each, their ratio, the miss rate, rows read from and
+//! written back to the file per batch, and the limit misses run into: the rate of random
+//! one-record copies out of this file's mapping (the page cache holds it here; on a disk that
+//! does not fit in RAM, page faults to the disk would set it).
+//!
+//! `EMBERS_CACHE_SHAPE="T B D E L"` changes the shape (default `8 2048 64 1000000 20`),
+//! `EMBERS_CACHE_LOAD_FACTOR` the cache (default 0.25), `EMBERS_CACHE_ZIPF` the skew (1.1),
+//! `EMBERS_CACHE_DIR` where the file goes (default the temp dir).
+
+use std::time::Instant;
+
+use embers::embedding::{
+    CacheConfig, CachePolicy, CacheSize, EmbeddingInit, FusedOptimizer, PoolingMode,
+    TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput,
+};
+use embers::tensor::rng::seeded;
+use embers::Tensor;
+use rand::Rng as _;
+use rand_distr::{Distribution, Zipf};
+
+fn env_f64(name: &str, default: f64) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+struct Batch {
+    ids: Vec<i64>,
+    offsets: Vec<i64>,
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let nums: Vec<usize> = std::env::var("EMBERS_CACHE_SHAPE")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let [t, b, d, e, l] = match nums[..] {
+        [t, b, d, e, l] => [t, b, d, e, l],
+        _ => [8, 2048, 64, 1_000_000, 20],
+    };
+    let clf = env_f64("EMBERS_CACHE_LOAD_FACTOR", 0.25);
+    let s = env_f64("EMBERS_CACHE_ZIPF", 1.1);
+    let dir = std::env::var("EMBERS_CACHE_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| std::env::temp_dir())
+        .join(format!("embers-cache-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tables: Vec<TableSpec> = (0..t)
+        .map(|i| TableSpec::new(format!("t{i}"), e, d))
+        .collect();
+    let optimizer = FusedOptimizer::RowWiseAdagrad {
+        lr: 0.01,
+        eps: 1e-8,
+    };
+    let cfg = TbeConfig::one_feature_per_table(tables, PoolingMode::Sum, optimizer);
+    let file_bytes = (t * e * (d + 1) * 4) as f64;
+    println!(
+        "tables: T={t} B={b} D={d} E={e} L={l}, row-wise Adagrad, Zipf({s}) ids; file {:.0} MiB, \
+         cache load factor {clf}",
+        file_bytes / (1 << 20) as f64
+    );
+
+    let in_ram = TableBatchedEmbedding::new(cfg.clone()).unwrap();
+    let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf))
+        .with_policy(CachePolicy::Lru);
+    let cached = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+    let init = EmbeddingInit::Uniform {
+        low: -0.01,
+        high: 0.01,
+    };
+    in_ram.init_weights(init, &mut seeded(1)).unwrap();
+    let t0 = Instant::now();
+    cached.init_weights(init, &mut seeded(1)).unwrap();
+    println!(
+        "DRAM: in RAM {:.0} MiB, cached {:.0} MiB ({:.2} of the file); file written in {:.1} s",
+        in_ram.allocated_bytes() as f64 / (1 << 20) as f64,
+        cached.allocated_bytes() as f64 / (1 << 20) as f64,
+        cached.allocated_bytes() as f64 / file_bytes,
+        t0.elapsed().as_secs_f64()
+    );
+
+    // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
+    let mut rng = seeded(7);
+    let zipf = Zipf::new(e as f64, s).unwrap();
+    let warm = 100;
+    let timed = 40;
+    let batches: Vec<Batch> = (0..warm + timed)
+        .map(|_| {
+            let ids: Vec<i64> = (0..t * b * l)
+                .map(|_| {
+                    let rank = zipf.sample(&mut rng) as u64 - 1;
+                    (rank.wrapping_mul(2_654_435_761) % e as u64) as i64
+                })
+                .collect();
+            let offsets = (0..=t * b).map(|i| (i * l) as i64).collect();
+            Batch { ids, offsets }
+        })
+        .collect();
+    let grad = Tensor::from_vec(vec![0.001f32; b * t * d], &[b, t * d]).unwrap();
+    // Milliseconds of prepare (the cache's admission), lookup and fused backward.
+    let step = |tbe: &TableBatchedEmbedding, batch: &Batch| -> [f64; 3] {
+        let t0 = Instant::now();
+        let input = TbeInput::new(&batch.ids[..], &batch.offsets[..]);
+        let prepared = tbe.prepare(input).unwrap();
+        let t1 = Instant::now();
+        let out = tbe.lookup_batch(&prepared).unwrap();
+        std::hint::black_box(&out);
+        let t2 = Instant::now();
+        tbe.backward_batch(&prepared, &grad).unwrap();
+        let t3 = Instant::now();
+        [t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64() * 1e3)
+    };
+    for batch in &batches[..warm] {
+        step(&in_ram, batch);
+        step(&cached, batch);
+    }
+    cached.reset_cache_stats();
+    let (mut ram_ms, mut cache_ms) = (Vec::new(), Vec::new());
+    for batch in &batches[warm..] {
+        ram_ms.push(step(&in_ram, batch));
+        cache_ms.push(step(&cached, batch));
+    }
+    let stats = cached.cache_stats().unwrap();
+    let sum = |f: fn(&embers::embedding::CacheStats) -> u64| stats.iter().map(f).sum::<u64>();
+    let (ids, uniq, miss, conflicts) = (
+        sum(|s| s.requested_ids),
+        sum(|s| s.unique_ids),
+        sum(|s| s.unique_misses),
+        sum(|s| s.conflict_misses),
+    );
+    let (read, written) = (sum(|s| s.rows_read), sum(|s| s.rows_written));
+    let total = |v: &[[f64; 3]]| median(v.iter().map(|p| p.iter().sum()).collect());
+    let part = |v: &[[f64; 3]], i: usize| median(v.iter().map(|p| p[i]).collect());
+    let (ram, cache) = (total(&ram_ms), total(&cache_ms));
+    let record = ((d + 1) * 4) as f64;
+    println!(
+        "fwd+bwd median: in RAM {ram:.2} ms, cached {cache:.2} ms: cached at {:.2} of in-RAM \
+         throughput ({:.2} M lookups/s vs {:.2})",
+        ram / cache,
+        (t * b * l) as f64 / cache / 1e3,
+        (t * b * l) as f64 / ram / 1e3,
+    );
+    println!(
+        "  prepare / lookup / backward medians: in RAM {:.2} / {:.2} / {:.2} ms, cached {:.2} / \
+         {:.2} / {:.2} ms",
+        part(&ram_ms, 0),
+        part(&ram_ms, 1),
+        part(&ram_ms, 2),
+        part(&cache_ms, 0),
+        part(&cache_ms, 1),
+        part(&cache_ms, 2),
+    );
+    println!(
+        "per batch: {:.0} ids, {:.0} unique, miss rate {:.4} of unique ids ({:.5} of ids), {:.0} \
+         conflict misses; {:.0} rows read ({:.1} MiB) and {:.0} written back ({:.1} MiB)",
+        ids as f64 / timed as f64,
+        uniq as f64 / timed as f64,
+        miss as f64 / uniq as f64,
+        miss as f64 / ids as f64,
+        conflicts as f64 / timed as f64,
+        read as f64 / timed as f64,
+        read as f64 * record / timed as f64 / (1 << 20) as f64,
+        written as f64 / timed as f64,
+        written as f64 * record / timed as f64 / (1 << 20) as f64,
+    );
+
+    // The limit misses run into: copying random records out of the mapped file, one thread
+    // (as the cache does), the file in the page cache.
+    let file = std::fs::File::open(dir.join("rows.bin")).unwrap();
+    // SAFETY: the bench's own file, not resized while mapped.
+    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    let n = 2_000_000;
+    let rows = (t * e) as u64;
+    let offsets: Vec<usize> = (0..n)
+        .map(|_| (rng.random_range(0..rows) * record as u64) as usize)
+        .collect();
+    let mut buf = vec![0u8; record as usize];
+    let start = Instant::now();
+    for &at in &offsets {
+        buf.copy_from_slice(&map[at..at + record as usize]);
+        std::hint::black_box(&buf);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let per_batch = (read + written) as f64 / timed as f64;
+    println!(
+        "limit: random record copies from the mapped file at {:.1} M/s ({:.0} MB/s), one \
+         thread: the batch's {per_batch:.0} reads and write-backs take ≥ {:.2} ms",
+        n as f64 / secs / 1e6,
+        n as f64 * record / secs / 1e6,
+        per_batch / (n as f64 / secs) * 1e3,
+    );
+    drop((in_ram, cached));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
