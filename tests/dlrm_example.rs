@@ -491,3 +491,36 @@ fn tables_in_files_behind_a_cache_train_the_same_model() {
     assert!(x == y, "the cached and the in-memory run differ");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--write-planner-config --cache-stats-batches N` measures each table's cache statistics on
+/// N training batches: the file is a valid planner input whose tables carry them.
+#[test]
+fn the_planner_config_carries_cache_statistics_measured_on_batches() {
+    let dir = scratch("planner");
+    let path = dir.join("planner.json");
+    let extra = [
+        "--write-planner-config",
+        path.to_str().unwrap(),
+        "--cache-stats-batches",
+        "20",
+    ];
+    let out = run(&synthetic("1000", &extra));
+    assert!(out.status.success(), "{}", text(&out));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let config = embers_planner::Config::from_json(&text).unwrap();
+    config.resolve().unwrap();
+    assert_eq!(config.tables.len(), 26);
+    for t in &config.tables {
+        let stats = t.constraints.cache_stats.as_ref().expect("cache stats");
+        assert_eq!(stats.height, t.rows);
+        assert_eq!(stats.mrc_hist_counts.len(), 100);
+        // 256 samples a batch, one id each: at most 256 distinct ids per batch.
+        assert!(stats.expected_lookups > 1.0 && stats.expected_lookups <= 256.0);
+        assert!(
+            stats.mrc_hist_counts.iter().sum::<f64>() > 0.0,
+            "{}",
+            t.name
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -725,3 +725,60 @@ fn a_kill_during_a_cached_checkpoint_leaves_the_previous_one_loadable() -> Resul
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
+
+#[test]
+fn the_planners_cache_statistics_from_a_trace_predict_an_lru_cache() -> Result<()> {
+    // With one bin per row the miss-ratio curve is exact: the planner's expected miss rate of
+    // a k-row cache is the miss rate of a fully associative LRU cache of k rows over the
+    // accesses that reuse an id (a plain move-to-front simulation here).
+    let rows = 400usize;
+    let cfg = TbeConfig::new(
+        vec![TableSpec::new("t", rows, 4)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    for s in [1.1, 0.0] {
+        let steps = batches(&cfg, 30, 16, 6, s, false, 5);
+        let stats = embers::embedding::planner_cache_stats(
+            rows as u64,
+            steps.iter().map(|b| b.ids.clone()),
+            rows,
+        )?;
+        let mut stack: Vec<i64> = Vec::new();
+        let mut distances = Vec::new();
+        let mut unique = 0;
+        for b in &steps {
+            let mut ids = b.ids.clone();
+            ids.sort();
+            ids.dedup();
+            unique += ids.len();
+            for id in ids {
+                if let Some(p) = stack.iter().position(|&x| x == id) {
+                    distances.push(p);
+                    stack.remove(p);
+                }
+                stack.insert(0, id);
+            }
+        }
+        assert_eq!(stats.expected_lookups, unique as f64 / steps.len() as f64);
+        for k in [1, 10, 40, 100, 250, 400] {
+            let simulated =
+                distances.iter().filter(|&&d| d >= k).count() as f64 / distances.len() as f64;
+            let planned = embers_planner::estimator::cache_stats::expected_miss_rate(
+                &stats,
+                k as f64 / rows as f64,
+            );
+            assert!(
+                (planned - simulated).abs() < 1e-6,
+                "zipf {s}, {k} rows: planner {planned}, simulation {simulated}"
+            );
+        }
+        let c = stats.cacheability.unwrap();
+        assert!(c > 0.0 && c < 1.0, "{c}");
+    }
+    // Bad traces are refused with words.
+    let err = embers::embedding::planner_cache_stats(10, [vec![3i64, 10]], 4).unwrap_err();
+    assert!(err.to_string().contains("id 10"), "{err}");
+    Ok(())
+}

@@ -18,13 +18,22 @@ use std::path::Path;
 
 use embers::{Error, Result};
 use serde_json::json;
+use std::collections::BTreeMap;
+
+use embers_planner::config::CacheStats;
 
 use crate::Args;
 use embers::train::DlrmConfig;
 
 /// The planner's input for this model on `ranks` CPU ranks (one host): the tables, one id
-/// per sample and feature, the per-rank batch size and the fused optimizer.
-pub fn planner_config(args: &Args, config: &DlrmConfig, ranks: usize) -> serde_json::Value {
+/// per sample and feature, the per-rank batch size and the fused optimizer; with `cache_stats`
+/// (by table name), each table's cache statistics measured on sample batches.
+pub fn planner_config(
+    args: &Args,
+    config: &DlrmConfig,
+    ranks: usize,
+    cache_stats: &BTreeMap<String, CacheStats>,
+) -> serde_json::Value {
     // The planner's names are the fused optimizers' with `row_wise` for `rowwise`.
     let kind = config
         .sparse_optimizer
@@ -32,12 +41,17 @@ pub fn planner_config(args: &Args, config: &DlrmConfig, ranks: usize) -> serde_j
         .replace("rowwise", "row_wise");
     let tables: Vec<serde_json::Value> = (config.sparse_features.iter())
         .map(|(f, rows)| {
-            json!({
-                "name": format!("t_{f}"),
+            let name = format!("t_{f}");
+            let mut table = json!({
+                "name": name,
                 "rows": rows,
                 "dim": config.embedding_dim,
                 "features": [{ "name": f, "pooling_factor": 1.0 }],
-            })
+            });
+            if let Some(stats) = cache_stats.get(&name) {
+                table["constraints"] = json!({ "cache_stats": stats });
+            }
+            table
         })
         .collect();
     json!({
@@ -53,8 +67,13 @@ pub fn planner_config(args: &Args, config: &DlrmConfig, ranks: usize) -> serde_j
 }
 
 /// Writes [`planner_config`] to `path` (the input of `embers-plan plan`).
-pub fn write_planner_config(args: &Args, config: &DlrmConfig, path: &Path) -> Result<()> {
-    let text = serde_json::to_string_pretty(&planner_config(args, config, args.ranks))
+pub fn write_planner_config(
+    args: &Args,
+    config: &DlrmConfig,
+    cache_stats: &BTreeMap<String, CacheStats>,
+    path: &Path,
+) -> Result<()> {
+    let text = serde_json::to_string_pretty(&planner_config(args, config, args.ranks, cache_stats))
         .map_err(|e| Error::invalid("dlrm", e.to_string()))?;
     embers::checkpoint::write_atomically(path, text.as_bytes())?;
     println!(
@@ -241,7 +260,7 @@ mod with_mpi {
         if spec != "auto" {
             return ShardingPlan::load(spec);
         }
-        let text = planner_config(args, config, comm.size()).to_string();
+        let text = planner_config(args, config, comm.size(), &BTreeMap::new()).to_string();
         let problem = embers_planner::Config::from_json(&text)
             .and_then(|c| c.resolve())
             .map_err(|e| Error::invalid("embers-plan", e.to_string()))?;

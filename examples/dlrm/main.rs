@@ -250,6 +250,10 @@ struct Args {
     /// file and exit: the input of `embers-plan plan`.
     #[arg(long)]
     write_planner_config: Option<PathBuf>,
+    /// With `--write-planner-config`: measure each table's cache statistics (the planner's
+    /// `constraints.cache_stats`, for `fused_uvm_caching` costs) on this many training batches.
+    #[arg(long, default_value_t = 0)]
+    cache_stats_batches: usize,
     /// Ranks for `--write-planner-config`.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
@@ -826,6 +830,35 @@ fn main() {
     }
 }
 
+/// Each table's cache statistics on the first `--cache-stats-batches` training batches (none
+/// when 0), by table name.
+fn measured_cache_stats(
+    args: &Args,
+    data: &Data,
+    config: &DlrmConfig,
+) -> Result<BTreeMap<String, embers_planner::config::CacheStats>> {
+    let mut ids: BTreeMap<String, Vec<Vec<i64>>> = BTreeMap::new();
+    let batches = data.batches(Split::Train, 0, args.batch_size, args.seed)?;
+    for batch in batches.take(args.cache_stats_batches) {
+        let batch = batch?;
+        for (f, _) in &config.sparse_features {
+            let values = batch.sparse.get(f)?.values().to_dtype(embers::DType::I64)?;
+            ids.entry(format!("t_{f}"))
+                .or_default()
+                .push(values.to_vec::<i64>()?);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (f, rows) in &config.sparse_features {
+        let name = format!("t_{f}");
+        if let Some(trace) = ids.get(&name) {
+            let stats = embers::embedding::planner_cache_stats(*rows as u64, trace, 100)?;
+            out.insert(name, stats);
+        }
+    }
+    Ok(out)
+}
+
 fn run(args: Args) -> Result<()> {
     if args.batch_size == 0 || args.emb_dim == 0 {
         return Err(Error::invalid(
@@ -853,7 +886,8 @@ fn run(args: Args) -> Result<()> {
     let (data, features) = Data::open(&args)?;
     let config = model_config(&args, data.num_dense(), features, data.tasks());
     if let Some(path) = &args.write_planner_config {
-        return dist::write_planner_config(&args, &config, path);
+        let stats = measured_cache_stats(&args, &data, &config)?;
+        return dist::write_planner_config(&args, &config, &stats, path);
     }
     if args.plan.is_some() {
         if args.early_stop_patience > 0 {

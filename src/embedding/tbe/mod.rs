@@ -21,6 +21,7 @@ use super::optimizer::{FusedOptimizer, StateShape, WeightDecay};
 use crate::tensor::rng::Rng;
 use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
 use crate::{DType, Device, Error, Result, Tensor};
+pub use cache::trace::planner_cache_stats;
 pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats, Placement};
 use cache::{CachedBatch, CachedTables};
 use cpu::backward::{BackwardOutput, SparseTableGrad};

@@ -26,6 +26,7 @@
 mod api;
 pub(crate) mod directory;
 pub(crate) mod store;
+pub(crate) mod trace;
 mod view;
 
 use std::path::{Path, PathBuf};
