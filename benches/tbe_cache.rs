@@ -10,7 +10,8 @@
 //!
 //! `EMBERS_CACHE_SHAPE="T B D E L"` changes the shape (default `8 2048 64 1000000 20`),
 //! `EMBERS_CACHE_LOAD_FACTOR` the cache (default 0.25), `EMBERS_CACHE_ZIPF` the skew (1.1),
-//! `EMBERS_CACHE_DIR` where the file goes (default the temp dir).
+//! `EMBERS_CACHE_POLICY` the policy (`lru`, the default, or `lfu`), `EMBERS_CACHE_DIR` where the
+//! file goes (default the temp dir).
 
 use std::time::Instant;
 
@@ -71,13 +72,18 @@ fn main() {
     let file_bytes = (t * e * (d + 1) * 4) as f64;
     println!(
         "tables: T={t} B={b} D={d} E={e} L={l}, row-wise Adagrad, Zipf({s}) ids; file {:.0} MiB, \
-         cache load factor {clf}",
-        file_bytes / (1 << 20) as f64
+         cache load factor {clf}, {}",
+        file_bytes / (1 << 20) as f64,
+        std::env::var("EMBERS_CACHE_POLICY").unwrap_or_else(|_| "lru".into())
     );
 
     let in_ram = TableBatchedEmbedding::new(cfg.clone()).unwrap();
+    let policy = match std::env::var("EMBERS_CACHE_POLICY").as_deref() {
+        Ok("lfu") => CachePolicy::Lfu,
+        _ => CachePolicy::Lru,
+    };
     let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf))
-        .with_policy(CachePolicy::Lru);
+        .with_policy(policy);
     let cached = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
     let init = EmbeddingInit::Uniform {
         low: -0.01,
