@@ -82,8 +82,8 @@ fn main() {
         Ok("lfu") => CachePolicy::Lfu,
         _ => CachePolicy::Lru,
     };
-    let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf))
-        .with_policy(policy);
+    let cache =
+        CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf)).with_policy(policy);
     let cached = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
     let init = EmbeddingInit::Uniform {
         low: -0.01,
