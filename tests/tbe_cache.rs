@@ -180,12 +180,15 @@ fn state_bits(tbe: &TableBatchedEmbedding) -> Result<(Vec<u32>, u64)> {
 /// returns the bits of every output and every sparse gradient.
 fn train(tbe: &TableBatchedEmbedding, steps: &[Step], prefetch: bool) -> Result<Vec<u32>> {
     let mut seen = Vec::new();
+    let mut pinned = None;
     for (i, step) in steps.iter().enumerate() {
         let batch = tbe.prepare(step.input())?;
+        drop(pinned.take());
         let out = tbe.lookup_batch(&batch)?;
+        // The next batch's rows, brought in and locked until that batch has been admitted.
         if prefetch {
             if let Some(next) = steps.get(i + 1) {
-                tbe.prefetch(next.input())?;
+                pinned = Some(tbe.prefetch(next.input())?);
             }
         }
         let values = out.to_vec::<f32>()?;
@@ -446,7 +449,7 @@ fn locked_rows_survive_pressure_overflow_reads_directly_and_the_prefetch_race_is
             // Prefetching C (B's overflow rows 32..48) while B's backward is still to come
             // caches rows whose newest values B's backward is about to write: B must write
             // them to the cache, or C reads stale rows.
-            t.prefetch(c.input())?;
+            drop(t.prefetch(c.input())?);
             if t.is_cached() {
                 assert_eq!(
                     t.locked_cache_slots(),
@@ -780,5 +783,49 @@ fn the_planners_cache_statistics_from_a_trace_predict_an_lru_cache() -> Result<(
     // Bad traces are refused with words.
     let err = embers::embedding::planner_cache_stats(10, [vec![3i64, 10]], 4).unwrap_err();
     assert!(err.to_string().contains("id 10"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_collection_prefetches_its_cached_tables_rows_for_the_next_batch() -> Result<()> {
+    use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, Placement};
+    use embers::sparse::KeyedJaggedTensor;
+    let dir = temp_dir("ebc-prefetch");
+    let configs = vec![
+        EmbeddingBagConfig::new("users", 5000, 8, &["user"]),
+        EmbeddingBagConfig::new("items", 3000, 4, &["item"]),
+    ];
+    let placement = Placement::Cached {
+        dir: dir.clone(),
+        size: CacheSize::LoadFactor(0.05),
+        policy: CachePolicy::Lru,
+    };
+    let sgd = FusedOptimizer::Sgd { lr: 0.1 };
+    let ebc = EmbeddingBagCollection::with_placement(configs, sgd, &placement, &mut seeded(1))?;
+    // Four samples, one user and two items each.
+    let kjt = KeyedJaggedTensor::from_lengths(
+        vec!["user".into(), "item".into()],
+        Tensor::from_vec(vec![7i64, 4999, 12, 7, 1, 2, 3, 4, 5, 6, 2999, 2998], &[12])?,
+        Tensor::from_vec(vec![1i64, 1, 1, 1, 2, 2, 2, 2], &[8])?,
+        None,
+        None,
+    )?;
+    let tbe = &ebc.tbes()[0];
+    let pinned = ebc.prefetch(&kjt)?;
+    let misses = |t: &TableBatchedEmbedding| -> Vec<u64> {
+        t.cache_stats()
+            .unwrap()
+            .iter()
+            .map(|s| s.unique_misses)
+            .collect()
+    };
+    assert_eq!(misses(tbe), vec![3, 8]);
+    assert_eq!(tbe.locked_cache_slots(), vec![3, 8]);
+    let pooled = ebc.forward(&kjt)?;
+    drop(pinned);
+    // The forward found every row already cached.
+    assert_eq!(misses(tbe), vec![3, 8]);
+    assert_eq!(pooled.values().shape(), &[4, 12]);
+    std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

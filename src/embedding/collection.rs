@@ -17,7 +17,7 @@ use super::config::{
 use super::inference::QuantizedTableBatchedEmbedding;
 use super::input::TbeInput;
 use super::optimizer::{FusedOptimizer, WeightDecay};
-use super::tbe::{Placement, TableBatchedEmbedding, TbeConfig};
+use super::tbe::{Placement, PrefetchedRows, TableBatchedEmbedding, TbeConfig};
 use crate::nn::Module;
 use crate::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::rng::Rng;
@@ -610,6 +610,28 @@ impl EmbeddingBagCollection {
             outputs.push((&g.features, out));
         }
         assemble_pooled(&self.output_keys, &self.output_dims, outputs)
+    }
+
+    /// Brings the rows `kjt` will look up into the caches of cached tables (see
+    /// [`TableBatchedEmbedding::prefetch`]) and keeps them locked until the result is dropped;
+    /// nothing for tables in memory. Call it with batch `i + 1` while batch `i` trains.
+    pub fn prefetch(&self, kjt: &KeyedJaggedTensor) -> Result<PrefetchedRows> {
+        let mut all = PrefetchedRows::default();
+        for g in &self.tables.groups {
+            if !g.tbe.is_cached() {
+                continue;
+            }
+            let (ids, offsets, weights) = tbe_input_from_kjt(EBC, kjt, &g.features)?;
+            let ids = ids.cast_values(DType::I64)?.to_vec::<i64>()?;
+            let offsets = offsets.cast_values(DType::I64)?.to_vec::<i64>()?;
+            let weights = weights.map(|w| w.to_vec::<f32>()).transpose()?;
+            let mut input = TbeInput::new(&ids[..], &offsets[..]);
+            if let Some(w) = &weights {
+                input = input.with_weights(w);
+            }
+            all.merge(g.tbe.prefetch(input)?);
+        }
+        Ok(all)
     }
 
     /// An inference copy with every table quantized to `weight_type` (FBGEMM's row formats),

@@ -15,12 +15,37 @@ use std::path::Path;
 use serde_json::json;
 
 use super::store::{copy_with_checksum, io_error};
-use super::CacheStats;
+use super::{CacheStats, Lease};
 use crate::embedding::input::TbeInput;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
 use crate::{Error, Result};
 
 const OP: &str = "cached TBE checkpoint";
+
+/// Rows brought into a cache by [`TableBatchedEmbedding::prefetch`] (or
+/// [`EmbeddingBagCollection::prefetch`](crate::embedding::EmbeddingBagCollection::prefetch)),
+/// kept locked in it until this is dropped.
+#[derive(Default)]
+#[must_use = "the prefetched rows are unlocked (and may be evicted) when this is dropped"]
+pub struct PrefetchedRows {
+    leases: Vec<Lease>,
+}
+
+impl PrefetchedRows {
+    /// Adds `other`'s rows to these (both stay locked until this is dropped).
+    pub fn merge(&mut self, other: PrefetchedRows) {
+        self.leases.extend(other.leases);
+    }
+}
+
+impl std::fmt::Debug for PrefetchedRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let slots: usize = (self.leases.iter())
+            .map(|l| l.locked.iter().map(Vec::len).sum::<usize>())
+            .sum();
+        write!(f, "PrefetchedRows({slots} slots locked)")
+    }
+}
 const FORMAT: &str = "embers.cached-tbe.v1";
 const MANIFEST: &str = "manifest.json";
 
@@ -50,8 +75,11 @@ impl TableBatchedEmbedding {
     /// Per table, the cache slots that batches still alive (prepared, or recorded for a
     /// backward) hold locked; empty without a cache.
     pub fn locked_cache_slots(&self) -> Vec<usize> {
-        match &self.inner.state.read().tables {
-            Tables::Cached(c) => c.locked_slots(),
+        match &mut self.inner.state.write().tables {
+            Tables::Cached(c) => {
+                c.drain_released();
+                c.locked_slots()
+            }
             _ => Vec::new(),
         }
     }
@@ -65,23 +93,24 @@ impl TableBatchedEmbedding {
         }
     }
 
-    /// Brings the rows of `input` into the cache now, so that its forward finds them there:
-    /// call it with batch `i + 1` while batch `i` trains (from another thread if you like;
-    /// calls are serialised with forward and backward). Rows of batches in flight are never
-    /// evicted, and a row a backward in flight will still update is kept coherent (the
-    /// backward writes where the row lives when it runs). Nothing happens without a cache.
-    pub fn prefetch(&self, input: TbeInput<'_>) -> Result<()> {
+    /// Brings the rows of `input` into the cache now and keeps them there (locked, never
+    /// evicted) until the returned [`PrefetchedRows`] is dropped: call it with batch `i + 1`
+    /// while batch `i` trains (from another thread if you like; calls are serialised with
+    /// forward and backward), and drop the handle once batch `i + 1` has been looked up. A row
+    /// a backward in flight will still update is kept coherent (the backward writes where the
+    /// row lives when it runs). Without a cache it does nothing.
+    pub fn prefetch(&self, input: TbeInput<'_>) -> Result<PrefetchedRows> {
         if !self.is_cached() {
-            return Ok(());
+            return Ok(PrefetchedRows::default());
         }
         let batch = self.validate_input(input)?;
         let Tables::Cached(c) = &mut self.inner.state.write().tables else {
             return Err(moved_error());
         };
-        // The admission's locks go with it: prefetched rows are merely cached.
-        drop(c.admit(&self.inner.config, &batch)?);
-        c.drain_released();
-        Ok(())
+        let admitted = c.admit(&self.inner.config, &batch)?;
+        Ok(PrefetchedRows {
+            leases: vec![admitted.into_lease()],
+        })
     }
 
     /// Saves the tables, optimizer state and step count to the directory `dir` (created if

@@ -24,6 +24,7 @@
 //! then means what it says, and no table can evict another's rows.
 
 mod api;
+pub use api::PrefetchedRows;
 pub(crate) mod directory;
 pub(crate) mod store;
 pub(crate) mod trace;
@@ -236,7 +237,7 @@ struct Fallback {
 }
 
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
-struct Lease {
+pub(crate) struct Lease {
     /// Per table, the slots locked.
     locked: Vec<Vec<usize>>,
     fallback: Vec<Fallback>,
@@ -255,6 +256,13 @@ impl Drop for Lease {
 pub(crate) struct CachedBatch {
     pub remapped: Batch<'static>,
     lease: Lease,
+}
+
+impl CachedBatch {
+    /// The batch's locks alone (its rows stay locked until the lease is dropped).
+    pub(crate) fn into_lease(self) -> Lease {
+        self.lease
+    }
 }
 
 /// Where a record's parts sit in the cache buffers.
