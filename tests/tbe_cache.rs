@@ -829,3 +829,63 @@ fn a_collection_prefetches_its_cached_tables_rows_for_the_next_batch() -> Result
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
+
+#[test]
+fn every_entry_point_of_a_cached_tbe_matches_the_uncached_one() -> Result<()> {
+    // forward (autograd), forward_into, backward_fused, row gradients and apply_row_gradients,
+    // clone_to: the same values through the cache (one set: conflicts and evictions) as in
+    // memory.
+    let dir = temp_dir("entry-points");
+    let cfg = config(
+        FusedOptimizer::Adagrad { lr: 0.1, eps: 1e-3 },
+        PoolingMode::Mean,
+        WeightDecay::None,
+    );
+    let steps = batches(&cfg, 4, 12, 6, 1.1, true, 31);
+    let plain = TableBatchedEmbedding::new(cfg.clone())?;
+    let tbe = cached(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(1e-9));
+    for t in [&plain, &tbe] {
+        t.init_weights(EmbeddingInit::Normal { std: 0.2 }, &mut seeded(8))?;
+    }
+    let width = plain.output_dim();
+    for step in &steps {
+        let n = step.offsets.len() - 1;
+        let b = n / cfg.feature_table_map.len();
+        let mut outs = Vec::new();
+        for t in [&plain, &tbe] {
+            // forward_into, then backward_fused with a gradient of the output.
+            let mut out = vec![0.0f32; b * width];
+            t.forward_into(step.input(), &mut out)?;
+            let grad: Vec<f32> = out.iter().map(|x| x * 0.3 + 0.01).collect();
+            let back = t.backward_fused(step.input(), &grad)?;
+            // forward through autograd, backward into the tables.
+            let ids = Tensor::from_vec(step.ids.clone(), &[step.ids.len()])?;
+            let offsets = Tensor::from_vec(step.offsets.clone(), &[step.offsets.len()])?;
+            let y = t.forward(&ids, &offsets, None)?;
+            y.sum_all()?.backward()?;
+            // Row gradients summed over two looks, applied once.
+            let batch = t.prepare(step.input())?;
+            let g = Tensor::from_vec(vec![0.05f32; b * width], &[b, width])?;
+            let rows = t.row_gradients_batch(&batch, &g)?;
+            drop(batch);
+            t.apply_row_gradients(&rows)?;
+            outs.push((
+                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                back.per_sample_weights_grad
+                    .map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+                y.to_vec::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                rows.iter().map(|r| r.rows.clone()).collect::<Vec<_>>(),
+            ));
+        }
+        assert!(outs[0] == outs[1]);
+        assert!(state_bits(&plain)? == state_bits(&tbe)?);
+    }
+    let copy = tbe.clone_to(embers::Device::Cpu)?;
+    assert!(!copy.is_cached());
+    assert!(state_bits(&copy)? == state_bits(&plain)?);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
