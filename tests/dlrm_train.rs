@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 #[path = "support/kill.rs"]
 mod kill;
@@ -18,7 +17,6 @@ use embers_datasets::{
     BatchConfig, Batcher, RawBatch, ShuffleConfig, Split, SplitRule, SyntheticCriteo,
     SyntheticCriteoConfig,
 };
-use kill::stop_inside_a_write;
 
 fn data(num_train: u64, tables: usize, rows: u64) -> SyntheticCriteo {
     SyntheticCriteo::new(SyntheticCriteoConfig {
@@ -423,25 +421,10 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
             .unwrap();
         let pid = child.id();
         let tmp = dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
-        let start = Instant::now();
-        let first = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        let first = kill::modified(&path);
         // Wait for a new checkpoint from this child (or the first one ever).
-        loop {
-            let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-            if now.is_some() && now != first {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(300),
-                "child wrote nothing"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if round % 2 == 0 {
-            stop_inside_a_write(pid, || tmp.exists());
-        } else {
-            std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
-        }
+        kill::wait_for_new_version(&path, first);
+        kill::before_kill(pid, round, || tmp.exists());
         child.kill().unwrap();
         child.wait().unwrap();
         if tmp.exists() {

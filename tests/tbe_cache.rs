@@ -9,7 +9,6 @@ mod kill;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use embers::embedding::{
     CacheConfig, CachePolicy, CacheSize, EmbeddingInit, FusedOptimizer, PoolingMode,
@@ -678,32 +677,15 @@ fn a_kill_during_a_cached_checkpoint_leaves_the_previous_one_loadable() -> Resul
     let mut loaded = Vec::new();
     while round < 4 || (killed_mid_write < 2 && round < 30) {
         round += 1;
-        let before = std::fs::metadata(&manifest).and_then(|m| m.modified()).ok();
+        let before = kill::modified(&manifest);
         let mut child = Command::new(&exe)
             .args(["--exact", "cached_checkpoint_writer_child", "--nocapture"])
             .env(CHILD_ENV, &dir)
             .spawn()
             .unwrap();
         let pid = child.id();
-        let start = Instant::now();
-        loop {
-            let now = std::fs::metadata(&manifest).and_then(|m| m.modified()).ok();
-            if now.is_some() && now != before {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(300),
-                "child wrote nothing"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        // Even rounds catch the child inside a write; odd rounds kill it at a moment that
-        // moves around between rounds.
-        if round % 2 == 0 {
-            kill::stop_inside_a_write(pid, writing);
-        } else {
-            std::thread::sleep(Duration::from_millis((13 + 97 * round) % 400));
-        }
+        kill::wait_for_new_version(&manifest, before);
+        kill::before_kill(pid, round, writing);
         child.kill().unwrap();
         child.wait().unwrap();
         if writing() {

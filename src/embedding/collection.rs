@@ -322,6 +322,21 @@ fn check_unique_names<'a>(op: &'static str, names: impl Iterator<Item = &'a str>
     Ok(())
 }
 
+/// [`tbe_input_from_kjt`] copied to the host: ids and offsets as i64, weights as f32.
+#[allow(clippy::type_complexity)]
+fn host_tbe_input(
+    op: &'static str,
+    kjt: &KeyedJaggedTensor,
+    features: &[String],
+) -> Result<(Vec<i64>, Vec<i64>, Option<Vec<f32>>)> {
+    let (ids, offsets, weights) = tbe_input_from_kjt(op, kjt, features)?;
+    Ok((
+        ids.cast_values(DType::I64)?.to_vec::<i64>()?,
+        offsets.cast_values(DType::I64)?.to_vec::<i64>()?,
+        weights.map(|w| w.to_vec::<f32>()).transpose()?,
+    ))
+}
+
 /// Builds the TBE input of `features` from a KJT: zero-copy when the KJT holds exactly those
 /// keys in that order, else one gather of their ids (and weights).
 fn tbe_input_from_kjt(
@@ -455,10 +470,7 @@ impl QuantizedEmbeddingBagCollection {
         const OP: &str = "QuantizedEmbeddingBagCollection";
         let mut outputs: Vec<(&[String], Tensor)> = Vec::new();
         for (q, features) in &self.groups {
-            let (ids, offsets, weights) = tbe_input_from_kjt(OP, kjt, features)?;
-            let ids = ids.cast_values(DType::I64)?.to_vec::<i64>()?;
-            let offsets = offsets.cast_values(DType::I64)?.to_vec::<i64>()?;
-            let weights = weights.map(|w| w.to_vec::<f32>()).transpose()?;
+            let (ids, offsets, weights) = host_tbe_input(OP, kjt, features)?;
             let mut input = TbeInput::new(&ids[..], &offsets[..]);
             if let Some(w) = &weights {
                 input = input.with_weights(w);
@@ -621,10 +633,7 @@ impl EmbeddingBagCollection {
             if !g.tbe.is_cached() {
                 continue;
             }
-            let (ids, offsets, weights) = tbe_input_from_kjt(EBC, kjt, &g.features)?;
-            let ids = ids.cast_values(DType::I64)?.to_vec::<i64>()?;
-            let offsets = offsets.cast_values(DType::I64)?.to_vec::<i64>()?;
-            let weights = weights.map(|w| w.to_vec::<f32>()).transpose()?;
+            let (ids, offsets, weights) = host_tbe_input(EBC, kjt, &g.features)?;
             let mut input = TbeInput::new(&ids[..], &offsets[..]);
             if let Some(w) = &weights {
                 input = input.with_weights(w);

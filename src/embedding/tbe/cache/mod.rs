@@ -623,8 +623,10 @@ impl CachedTables {
         Ok(())
     }
 
-    /// Fills the scratch rows of `fallback` from each row's current copy.
-    fn refresh(&mut self, fallback: &[Fallback]) -> Result<()> {
+    /// Moves the scratch rows of `fallback` between them and each row's current copy (its
+    /// slot if cached, else the file): `into_scratch` fills them (before a forward or
+    /// backward); otherwise they go back (after a backward), a cached slot marked dirty.
+    fn sync_scratch(&mut self, fallback: &[Fallback], into_scratch: bool) -> Result<()> {
         if fallback.is_empty() {
             return Ok(());
         }
@@ -633,12 +635,18 @@ impl CachedTables {
         for f in fallback {
             let v = &mut views[f.table];
             let mut rec = vec![0.0f32; v.parts.record()];
-            match v.dir.find(f.row) {
-                Some(s) => {
+            match (v.dir.find(f.row), into_scratch) {
+                (Some(s), true) => {
                     v.gather(s, &mut rec);
                     v.scatter(f.pos, &rec);
                 }
-                None => v.load(f.row, f.pos, &mut rec),
+                (Some(s), false) => {
+                    v.gather(f.pos, &mut rec);
+                    v.scatter(s, &rec);
+                    v.dir.set_dirty(s, true);
+                }
+                (None, true) => v.load(f.row, f.pos, &mut rec),
+                (None, false) => v.write_back(f.pos, f.row, &mut rec),
             }
         }
         Ok(())
@@ -646,7 +654,7 @@ impl CachedTables {
 
     /// The lookup of an admitted batch into `out`.
     pub(crate) fn forward_into(&mut self, batch: &CachedBatch, out: &mut [f32]) -> Result<()> {
-        self.refresh(&batch.lease.fallback)?;
+        self.sync_scratch(&batch.lease.fallback, true)?;
         self.host
             .forward_into(&self.cfg, &self.layout, &batch.remapped, out);
         Ok(())
@@ -654,7 +662,7 @@ impl CachedTables {
 
     /// The lookup of an admitted batch.
     pub(crate) fn forward(&mut self, batch: &CachedBatch) -> Result<Tensor> {
-        self.refresh(&batch.lease.fallback)?;
+        self.sync_scratch(&batch.lease.fallback, true)?;
         self.host.forward(&self.cfg, &self.layout, &batch.remapped)
     }
 
@@ -667,7 +675,7 @@ impl CachedTables {
         step: u64,
     ) -> Result<BackwardOutput> {
         let fallback = &batch.lease.fallback;
-        self.refresh(fallback)?;
+        self.sync_scratch(fallback, true)?;
         let mut out = self.host.backward(
             &self.cfg,
             &self.layout,
@@ -683,19 +691,7 @@ impl CachedTables {
                 }
             }
             // Scratch rows go back where their row lives now.
-            let mut views = self.views();
-            for f in fallback {
-                let v = &mut views[f.table];
-                let mut rec = vec![0.0f32; v.parts.record()];
-                match v.dir.find(f.row) {
-                    Some(s) => {
-                        v.gather(f.pos, &mut rec);
-                        v.scatter(s, &rec);
-                        v.dir.set_dirty(s, true);
-                    }
-                    None => v.write_back(f.pos, f.row, &mut rec),
-                }
-            }
+            self.sync_scratch(fallback, false)?;
         }
         if let Some(grads) = out.sparse_grads.as_mut() {
             // One per table read by a feature, in table order; rows are cache rows.
