@@ -326,6 +326,9 @@ fn tables_in_files_behind_a_small_cache_train_like_tables_in_memory() -> Result<
         let mut back = cfg.build()?;
         back.load_checkpoint(&path)?;
         assert!(state_bits(&back) == state_bits(&plain));
+        // The row files are the first model's while it lives: a second one is refused.
+        assert!(cfg.build_with(&placement).is_err());
+        drop(cached);
         let mut again = cfg.build_with(&placement)?;
         plain.save_checkpoint(&path, &BTreeMap::new())?;
         again.load_checkpoint(&path)?;

@@ -526,6 +526,26 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
     file.set_len(len).unwrap();
     let input = TbeInput::new(&step.ids[..], &[0i64, 10, 10, 10, 10][..]);
     assert!(tbe.lookup(input).is_ok());
+    // A second operator given the same row file is refused, not handed the first one's rows.
+    let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(0.1));
+    let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already uses this row file"), "{err}");
+    // Another operator's checkpoint directory is not overwritten.
+    tbe.save_cached_checkpoint(dir.join("ckpt"))?;
+    let other_cfg = TbeConfig::new(
+        vec![TableSpec::new("other", 10, 2)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    let other = cached(&other_cfg, &dir, "other.bin", CacheSize::LoadFactor(1.0));
+    let err = other
+        .save_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("other tables"), "{err}");
     // Out-of-range ids are refused before the cache sees them.
     let input = TbeInput::new(&[700i64][..], &[0i64, 1, 1, 1, 1][..]);
     let err = tbe.lookup(input).unwrap_err().to_string();

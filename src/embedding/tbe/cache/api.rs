@@ -125,6 +125,24 @@ impl TableBatchedEmbedding {
         let Tables::Cached(c) = &mut state.tables else {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
+        let ours: Vec<(String, u64, u64)> = (cfg.tables.iter())
+            .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
+            .collect();
+        if let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST)) {
+            let theirs = serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|m| manifest_tables(&m));
+            if theirs.as_ref() != Some(&ours) {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{} holds the checkpoint of other tables ({theirs:?}); give each \
+                         operator its own directory",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
         c.flush()?;
         std::fs::create_dir_all(dir).map_err(|e| io_error(dir, "creating", e))?;
         let nonce = std::time::SystemTime::now()
@@ -193,21 +211,10 @@ impl TableBatchedEmbedding {
                 cfg.optimizer.name()
             )));
         }
-        let tables = field("tables")?
-            .as_array()
-            .ok_or_else(|| bad("`tables` is not a list".into()))?;
+        let theirs =
+            manifest_tables(&m).ok_or_else(|| bad("`tables` is not a list of tables".into()))?;
         let ours: Vec<(String, u64, u64)> = (cfg.tables.iter())
             .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
-            .collect();
-        let theirs: Vec<(String, u64, u64)> = tables
-            .iter()
-            .map(|t| {
-                (
-                    t["name"].as_str().unwrap_or("?").to_string(),
-                    t["rows"].as_u64().unwrap_or(0),
-                    t["dim"].as_u64().unwrap_or(0),
-                )
-            })
             .collect();
         if ours != theirs {
             return Err(bad(format!(
@@ -262,13 +269,28 @@ impl TableBatchedEmbedding {
             )),
             Err(e) => Err(e),
         }
-        .and_then(|()| c.invalidate(cfg));
+        .and_then(|()| c.check_idle())
+        .and_then(|()| c.store_mut().replace_with(&tmp));
         if let Err(e) = got {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        c.store_mut().replace_with(&tmp)?;
+        // The old file's rows (dirty ones included) are gone with it: forget them.
+        c.invalidate(cfg)?;
         state.step = step;
         Ok(())
     }
+}
+
+/// The `(name, rows, dim)` of every table a manifest lists, if it lists them.
+fn manifest_tables(m: &serde_json::Value) -> Option<Vec<(String, u64, u64)>> {
+    (m.get("tables")?.as_array()?.iter())
+        .map(|t| {
+            Some((
+                t["name"].as_str()?.to_string(),
+                t["rows"].as_u64()?,
+                t["dim"].as_u64()?,
+            ))
+        })
+        .collect()
 }

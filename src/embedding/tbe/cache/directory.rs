@@ -4,6 +4,7 @@
 //! MurmurHash3 64-bit finaliser of its id modulo the number of sets.
 
 use super::CachePolicy;
+use crate::{Error, Result};
 
 /// Ways per set (FBGEMM's `kWarpSize` associativity).
 pub(crate) const WAYS: usize = 32;
@@ -50,18 +51,26 @@ pub(crate) struct Directory {
 
 impl Directory {
     /// An empty directory of `sets` sets for a table of `rows` rows.
-    pub(crate) fn new(sets: usize, rows: usize, policy: CachePolicy) -> Self {
+    pub(crate) fn new(sets: usize, rows: usize, policy: CachePolicy) -> Result<Self> {
         let slots = sets * WAYS;
-        Directory {
+        let mut counts = Vec::new();
+        if policy == CachePolicy::Lfu {
+            // 4 bytes per table row: refused in words when memory lacks, not an abort.
+            counts.try_reserve_exact(rows).map_err(|_| {
+                Error::invalid(
+                    "cached TBE",
+                    format!("out of memory for LFU's access counts of {rows} rows (use LRU)"),
+                )
+            })?;
+            counts.resize(rows, 0);
+        }
+        Ok(Directory {
             sets,
             tags: vec![EMPTY; slots],
             meta: vec![Meta::default(); slots],
-            counts: match policy {
-                CachePolicy::Lfu => vec![0; rows],
-                CachePolicy::Lru => Vec::new(),
-            },
+            counts,
             policy,
-        }
+        })
     }
 
     /// Slots (sets × ways).
@@ -109,6 +118,7 @@ impl Directory {
     /// Releases one lock of `slot`.
     pub(crate) fn unlock(&mut self, slot: usize) {
         let m = &mut self.meta[slot];
+        debug_assert!(m.locks > 0, "slot {slot} unlocked more often than locked");
         m.locks = m.locks.saturating_sub(1);
     }
 
@@ -174,7 +184,7 @@ mod tests {
 
     #[test]
     fn locked_ways_are_never_victims() {
-        let mut d = Directory::new(1, 100, CachePolicy::Lru);
+        let mut d = Directory::new(1, 100, CachePolicy::Lru).unwrap();
         for r in 0..WAYS as u64 {
             let s = d.victim(r).unwrap();
             d.install(s, r);

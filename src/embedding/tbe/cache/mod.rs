@@ -371,7 +371,7 @@ impl CachedTables {
         let store = RowStore::create(&cache.path, &tables)?;
         let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
             .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
-            .collect();
+            .collect::<Result<_>>()?;
         let stats = (config.tables.iter().zip(&dirs))
             .map(|(s, d)| CacheStats {
                 table: s.name.clone(),
@@ -566,6 +566,7 @@ impl CachedTables {
             fallback: Vec::new(),
             released: self.released.clone(),
         };
+        let mut fallbacks = vec![0; ranges.len()];
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
             let mut loc = a.loc.iter();
@@ -573,12 +574,15 @@ impl CachedTables {
                 remapped[p] = *loc.next().expect("one cache row per id");
             }
             lease.locked[t] = a.locked;
-            let fallbacks = a.fallback.len();
+            fallbacks[t] = a.fallback.len();
             lease
                 .fallback
                 .extend((a.fallback.into_iter()).map(|(row, pos)| Fallback { table: t, row, pos }));
-            if fallbacks > self.scratch[t] {
-                self.grow_scratch(logical, t, fallbacks)?;
+        }
+        // Every lock is in the lease now: if growing fails, dropping it releases them all.
+        for (t, &n) in fallbacks.iter().enumerate() {
+            if n > self.scratch[t] {
+                self.grow_scratch(logical, t, n)?;
             }
         }
         Ok(CachedBatch {
@@ -630,7 +634,9 @@ impl CachedTables {
         if fallback.is_empty() {
             return Ok(());
         }
-        self.store.check_len()?;
+        if into_scratch {
+            self.store.check_len()?;
+        }
         let mut views = self.views();
         for f in fallback {
             let v = &mut views[f.table];
@@ -675,6 +681,8 @@ impl CachedTables {
         step: u64,
     ) -> Result<BackwardOutput> {
         let fallback = &batch.lease.fallback;
+        // Checked once, before anything changes: the write-back after the kernel cannot fail.
+        self.store.check_len()?;
         self.sync_scratch(fallback, true)?;
         let mut out = self.host.backward(
             &self.cfg,
@@ -701,6 +709,11 @@ impl CachedTables {
             for (g, &t) in grads.iter_mut().zip(&read) {
                 let slots = self.dirs[t].slots();
                 let dim = g.dim;
+                // Scratch row → its row, for this table.
+                let mut scratch_rows = vec![0u64; self.scratch[t]];
+                for f in fallback.iter().filter(|f| f.table == t) {
+                    scratch_rows[f.pos - slots] = f.row;
+                }
                 let mut order: Vec<(i64, usize)> = (g.rows.iter().enumerate())
                     .map(|(k, &idx)| {
                         let idx = idx as usize;
@@ -709,10 +722,7 @@ impl CachedTables {
                                 .row_of(idx)
                                 .expect("a locked slot holds its row")
                         } else {
-                            (fallback.iter())
-                                .find(|f| f.table == t && f.pos == idx)
-                                .expect("a scratch row of this batch")
-                                .row
+                            scratch_rows[idx - slots]
                         };
                         (row as i64, k)
                     })
@@ -829,6 +839,16 @@ impl CachedTables {
 
     /// Forgets every cached row without writing it back (after the file was replaced).
     pub(crate) fn invalidate(&mut self, logical: &TbeConfig) -> Result<()> {
+        self.check_idle()?;
+        let dirs = (self.dirs.iter().zip(&logical.tables))
+            .map(|(d, s)| Directory::new(d.sets, s.rows, self.policy))
+            .collect::<Result<Vec<_>>>()?;
+        self.dirs = dirs;
+        Ok(())
+    }
+
+    /// Refuses while batches admitted to the cache are alive (their rows are locked).
+    pub(crate) fn check_idle(&mut self) -> Result<()> {
         self.drain_released();
         if self.dirs.iter().any(|d| d.locked_slots() > 0) {
             return Err(Error::invalid(
@@ -836,9 +856,6 @@ impl CachedTables {
                 "batches prepared before a checkpoint load are still alive (drop them first)",
             ));
         }
-        self.dirs = (self.dirs.iter().zip(&logical.tables))
-            .map(|(d, s)| Directory::new(d.sets, s.rows, self.policy))
-            .collect();
         Ok(())
     }
 

@@ -51,6 +51,33 @@ pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
     Error::invalid(OP, format!("{}: {what}: {why}", path.display()))
 }
 
+/// Takes an exclusive advisory lock on `file` (held while it is open): a second operator
+/// given the same row file is refused instead of sharing, and zeroing, the first one's rows.
+fn lock_exclusively(file: &File, path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: flock reads no user memory; the descriptor is open.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{}: another operator (or process) already uses this row file",
+                        path.display()
+                    ),
+                ));
+            }
+            return Err(io_error(path, "locking the row store", e));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (file, path);
+    Ok(())
+}
+
 /// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
 /// space the disk may not have.
 fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
@@ -100,14 +127,16 @@ impl RowStore {
     /// record)`), its blocks allocated.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize)]) -> Result<Self> {
         let (tables, len) = Self::layout(tables)?;
+        #[allow(clippy::suspicious_open_options)] // emptied below, once locked
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
             .open(path)
             .map_err(|e| io_error(path, "creating the row store", e))?;
-        file.set_len(len)
+        lock_exclusively(&file, path)?;
+        file.set_len(0)
+            .and_then(|()| file.set_len(len))
             .map_err(|e| io_error(path, &format!("sizing the row store to {len} bytes"), e))?;
         allocate(&file, path, len)?;
         Self::mapped(file, path, tables, len)
@@ -231,19 +260,23 @@ impl RowStore {
     }
 
     /// Replaces the file with `source` (a complete store for these tables, on the same file
-    /// system: it is renamed over the file) and maps it instead.
+    /// system: it is renamed over the file) and maps it instead. Nothing changes unless every
+    /// step succeeds.
     pub(crate) fn replace_with(&mut self, source: &Path) -> Result<()> {
-        self.map = None;
-        std::fs::rename(source, &self.path)
-            .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .open(&self.path)
-            .map_err(|e| io_error(&self.path, "reopening the row store", e))?;
-        let tables = std::mem::take(&mut self.tables);
-        *self = Self::mapped(file, &self.path.clone(), tables, self.len)?;
-        self.check_len()
+            .open(source)
+            .map_err(|e| io_error(source, "opening the new row store", e))?;
+        lock_exclusively(&file, source)?;
+        let new = Self::mapped(file, source, self.tables.clone(), self.len)?;
+        new.check_len()?;
+        std::fs::rename(source, &self.path)
+            .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
+        // The mapping follows the file (same inode) under its new name.
+        let path = std::mem::take(&mut self.path);
+        *self = RowStore { path, ..new };
+        Ok(())
     }
 }
 
