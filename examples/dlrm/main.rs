@@ -996,8 +996,6 @@ fn run(args: Args) -> Result<()> {
     let mut yielded = 0u64;
     let tables = trainer.model().sparse_arch.clone();
     let prefetching = args.placement != PlacementArg::Fused && args.cache_prefetch;
-    // The rows prefetched for the coming batch (locked until it has trained).
-    let mut _pinned: Option<embers::embedding::PrefetchedRows> = None;
     'epochs: while progress.epoch < args.epochs {
         let mut batches = data.batches(Split::Train, progress.epoch, args.batch_size, args.seed)?;
         // Resuming: skip the batches of this epoch that were already trained on.
@@ -1017,23 +1015,18 @@ fn run(args: Args) -> Result<()> {
             }
             let batch = batch?;
             yielded += 1;
-            // Tables behind a cache: the next batch's rows come in on another thread while
-            // this one trains, and stay locked until it has trained.
+            // Tables behind a cache: the next batch is admitted (its rows read in) on another
+            // thread while this one trains.
             let next = batches.peek().and_then(|b| b.as_ref().ok());
-            let (out, rows) = match next.filter(|_| prefetching) {
+            let out = match next.filter(|_| prefetching) {
                 Some(next) => std::thread::scope(|s| {
-                    let rows = s.spawn(|| tables.prefetch(&next.sparse));
+                    let prefetch = s.spawn(|| tables.prefetch(&next.sparse));
                     let out = trainer.train_step(&batch);
-                    (
-                        out,
-                        Some(rows.join().expect("the prefetch thread panicked")),
-                    )
-                }),
-                None => (trainer.train_step(&batch), None),
+                    prefetch.join().expect("the prefetch thread panicked")?;
+                    out
+                })?,
+                None => trainer.train_step(&batch)?,
             };
-            // This batch has trained: the rows prefetched for it may go, the next one's stay.
-            _pinned = rows.transpose()?;
-            let out = out?;
             throughput.step(out.batch_size as u64);
             progress.batch_in_epoch += 1;
             loss_sum += out.loss;

@@ -17,7 +17,7 @@ use super::config::{
 use super::inference::QuantizedTableBatchedEmbedding;
 use super::input::TbeInput;
 use super::optimizer::{FusedOptimizer, WeightDecay};
-use super::tbe::{Placement, PrefetchedRows, TableBatchedEmbedding, TbeConfig};
+use super::tbe::{Placement, TableBatchedEmbedding, TbeConfig};
 use crate::nn::Module;
 use crate::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::rng::Rng;
@@ -624,11 +624,11 @@ impl EmbeddingBagCollection {
         assemble_pooled(&self.output_keys, &self.output_dims, outputs)
     }
 
-    /// Brings the rows `kjt` will look up into the caches of cached tables (see
-    /// [`TableBatchedEmbedding::prefetch`]) and keeps them locked until the result is dropped;
-    /// nothing for tables in memory. Call it with batch `i + 1` while batch `i` trains.
-    pub fn prefetch(&self, kjt: &KeyedJaggedTensor) -> Result<PrefetchedRows> {
-        let mut all = PrefetchedRows::default();
+    /// Prefetches the batch `kjt` into the caches of cached tables (see
+    /// [`TableBatchedEmbedding::prefetch`]): its forward then finds its rows cached and its
+    /// admission done. Nothing for tables in memory. Call it with batch `i + 1` while batch `i`
+    /// trains.
+    pub fn prefetch(&self, kjt: &KeyedJaggedTensor) -> Result<()> {
         for g in &self.tables.groups {
             if !g.tbe.is_cached() {
                 continue;
@@ -638,9 +638,9 @@ impl EmbeddingBagCollection {
             if let Some(w) = &weights {
                 input = input.with_weights(w);
             }
-            all.merge(g.tbe.prefetch(input)?);
+            g.tbe.prefetch(input)?;
         }
-        Ok(all)
+        Ok(())
     }
 
     /// An inference copy with every table quantized to `weight_type` (FBGEMM's row formats),

@@ -15,37 +15,12 @@ use std::path::Path;
 use serde_json::json;
 
 use super::store::{copy_with_checksum, io_error};
-use super::{CacheStats, Lease};
+use super::CacheStats;
 use crate::embedding::input::TbeInput;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
 use crate::{Error, Result};
 
 const OP: &str = "cached TBE checkpoint";
-
-/// Rows brought into a cache by [`TableBatchedEmbedding::prefetch`] (or
-/// [`EmbeddingBagCollection::prefetch`](crate::embedding::EmbeddingBagCollection::prefetch)),
-/// kept locked in it until this is dropped.
-#[derive(Default)]
-#[must_use = "the prefetched rows are unlocked (and may be evicted) when this is dropped"]
-pub struct PrefetchedRows {
-    leases: Vec<Lease>,
-}
-
-impl PrefetchedRows {
-    /// Adds `other`'s rows to these (both stay locked until this is dropped).
-    pub fn merge(&mut self, other: PrefetchedRows) {
-        self.leases.extend(other.leases);
-    }
-}
-
-impl std::fmt::Debug for PrefetchedRows {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let slots: usize = (self.leases.iter())
-            .map(|l| l.locked.iter().map(Vec::len).sum::<usize>())
-            .sum();
-        write!(f, "PrefetchedRows({slots} slots locked)")
-    }
-}
 const FORMAT: &str = "embers.cached-tbe.v1";
 const MANIFEST: &str = "manifest.json";
 
@@ -93,24 +68,22 @@ impl TableBatchedEmbedding {
         }
     }
 
-    /// Brings the rows of `input` into the cache now and keeps them there (locked, never
-    /// evicted) until the returned [`PrefetchedRows`] is dropped: call it with batch `i + 1`
-    /// while batch `i` trains (from another thread if you like; calls are serialised with
-    /// forward and backward), and drop the handle once batch `i + 1` has been looked up. A row
-    /// a backward in flight will still update is kept coherent (the backward writes where the
-    /// row lives when it runs). Without a cache it does nothing.
-    pub fn prefetch(&self, input: TbeInput<'_>) -> Result<PrefetchedRows> {
+    /// Admits the batch `input` to the cache now — its rows read in and locked — and keeps
+    /// the admission for the batch's own `prepare` or `forward`, which then takes it instead of
+    /// admitting the batch again (FBGEMM's prefetch): call it with batch `i + 1` while batch
+    /// `i` trains, from another thread if you like (calls are serialised with forward and
+    /// backward). At most two prefetched batches wait; an older one is dropped (its rows
+    /// unlocked). A row a backward in flight will still update is kept coherent: the backward
+    /// writes where the row lives when it runs. Without a cache it does nothing.
+    pub fn prefetch(&self, input: TbeInput<'_>) -> Result<()> {
         if !self.is_cached() {
-            return Ok(PrefetchedRows::default());
+            return Ok(());
         }
         let batch = self.validate_input(input)?;
         let Tables::Cached(c) = &mut self.inner.state.write().tables else {
             return Err(moved_error());
         };
-        let admitted = c.admit(&self.inner.config, &batch)?;
-        Ok(PrefetchedRows {
-            leases: vec![admitted.into_lease()],
-        })
+        c.prefetch(&self.inner.config, &batch)
     }
 
     /// Saves the tables, optimizer state and step count to the directory `dir` (created if

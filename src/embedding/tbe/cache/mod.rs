@@ -24,7 +24,6 @@
 //! then means what it says, and no table can evict another's rows.
 
 mod api;
-pub use api::PrefetchedRows;
 pub(crate) mod directory;
 pub(crate) mod store;
 pub(crate) mod trace;
@@ -237,7 +236,7 @@ struct Fallback {
 }
 
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
-pub(crate) struct Lease {
+struct Lease {
     /// Per table, the slots locked.
     locked: Vec<Vec<usize>>,
     fallback: Vec<Fallback>,
@@ -256,13 +255,6 @@ impl Drop for Lease {
 pub(crate) struct CachedBatch {
     pub remapped: Batch<'static>,
     lease: Lease,
-}
-
-impl CachedBatch {
-    /// The batch's locks alone (its rows stay locked until the lease is dropped).
-    pub(crate) fn into_lease(self) -> Lease {
-        self.lease
-    }
 }
 
 /// Where a record's parts sit in the cache buffers.
@@ -300,7 +292,13 @@ pub(crate) struct CachedTables {
     stats: Vec<CacheStats>,
     /// The locked slots of dropped batches (per batch, per table), not yet unlocked.
     released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
+    /// Admissions made by `prefetch`, oldest first, with the ids and offsets they admitted:
+    /// the admission of the same batch takes one instead of admitting it again.
+    prefetched: std::collections::VecDeque<(Vec<i64>, Vec<usize>, CachedBatch)>,
 }
+
+/// Prefetched admissions kept at most (a pipeline one batch deep needs one).
+const MAX_PREFETCHED: usize = 2;
 
 /// Sets per table for `size` (records of `record` floats).
 fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
@@ -394,6 +392,7 @@ impl CachedTables {
             tick: 0,
             stats,
             released: Arc::new(Mutex::new(Vec::new())),
+            prefetched: Default::default(),
         })
     }
 
@@ -533,6 +532,15 @@ impl CachedTables {
     /// Tables are admitted in parallel.
     pub(crate) fn admit(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
         self.store.check_len()?;
+        if let Some(k) = (self.prefetched.iter())
+            .position(|(ids, offsets, _)| *offsets == batch.offsets && same_ids(ids, &batch.ids))
+        {
+            // Prefetched: its rows are cached and locked already; the weights are this batch's.
+            let (_, _, mut admitted) = self.prefetched.remove(k).expect("a queued admission");
+            admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
+            admitted.remapped.kept = batch.kept.clone();
+            return Ok(admitted);
+        }
         self.drain_released();
         self.tick += 1;
         let tick = self.tick;
@@ -847,8 +855,26 @@ impl CachedTables {
         Ok(())
     }
 
+    /// Admits `batch` now and keeps the admission for the admission of the same batch (its
+    /// rows stay cached and locked meanwhile); the oldest kept admission beyond
+    /// [`MAX_PREFETCHED`] is dropped.
+    pub(crate) fn prefetch(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<()> {
+        let admitted = self.admit(logical, batch)?;
+        let ids = (0..batch.ids.len())
+            .map(|p| batch.ids.get(p) as i64)
+            .collect();
+        self.prefetched
+            .push_back((ids, batch.offsets.clone(), admitted));
+        while self.prefetched.len() > MAX_PREFETCHED {
+            self.prefetched.pop_front();
+        }
+        Ok(())
+    }
+
     /// Refuses while batches admitted to the cache are alive (their rows are locked).
+    /// Prefetched admissions are forgotten first.
     pub(crate) fn check_idle(&mut self) -> Result<()> {
+        self.prefetched.clear();
         self.drain_released();
         if self.dirs.iter().any(|d| d.locked_slots() > 0) {
             return Err(Error::invalid(
@@ -867,5 +893,15 @@ impl CachedTables {
     /// The row store, mutably.
     pub(crate) fn store_mut(&mut self) -> &mut RowStore {
         &mut self.store
+    }
+}
+
+/// Whether `ids` holds the same values as `batch`.
+fn same_ids(ids: &[i64], batch: &Ids<'_>) -> bool {
+    match batch {
+        Ids::I64(b) => ids == &b[..],
+        Ids::I32(b) => {
+            ids.len() == b.len() && ids.iter().zip(b.iter()).all(|(&a, &b)| a == b as i64)
+        }
     }
 }
