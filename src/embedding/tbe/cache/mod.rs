@@ -9,7 +9,9 @@
 //!   up; hits are locked, misses take the least-wanted unlocked way of their set (LRU or LFU),
 //!   writing its old row back to the file if dirty and reading the new one. A miss whose set is
 //!   wholly locked by in-flight batches (a *conflict miss*) is served by direct reads instead:
-//!   a scratch row after the slots, filled from the row's current copy at each use.
+//!   a scratch row after the slots, filled from the row's current copy at each use. An
+//!   admission made by `prefetch` is kept, and the same batch's `prepare` or `forward` takes it
+//!   instead of admitting again.
 //! * **forward / backward** run on the slots; the backward marks its slots dirty and writes
 //!   scratch rows back where the row now lives (its slot, if a later admission cached it
 //!   meanwhile — the stale-copy race of a prefetch pipeline — or else the file).
