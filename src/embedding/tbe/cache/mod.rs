@@ -289,7 +289,6 @@ pub(crate) struct CachedTables {
     host: HostTables,
     scratch: Vec<usize>,
     parts: Vec<Parts>,
-    shapes: [Option<StateShape>; 2],
     tick: u64,
     stats: Vec<CacheStats>,
     /// The locked slots of dropped batches (per batch, per table), not yet unlocked.
@@ -390,7 +389,6 @@ impl CachedTables {
             host,
             scratch,
             parts,
-            shapes,
             tick: 0,
             stats,
             released: Arc::new(Mutex::new(Vec::new())),
@@ -613,27 +611,24 @@ impl CachedTables {
         let mut scratch = self.scratch.clone();
         scratch[t] = need.max(scratch[t] * 2);
         let (cfg, layout, host) = Self::buffers(logical, &self.dirs, &scratch)?;
+        let n = self.dirs.len();
+        let old_lens: Vec<[usize; 3]> = (0..n).map(|u| self.lens(u)).collect();
         let old = std::mem::replace(&mut self.host, host);
-        let old_layout = std::mem::replace(&mut self.layout, layout);
-        self.cfg = cfg;
-        for u in 0..self.dirs.len() {
-            let slots = self.dirs[u].slots();
-            let dim = self.parts[u].dim;
-            let (src, dst) = (old_layout.weight_offsets[u], self.layout.weight_offsets[u]);
-            self.host.weights[dst..dst + slots * dim]
-                .copy_from_slice(&old.weights[src..src + slots * dim]);
-            for i in 0..2 {
-                let (src, dst, n) = match self.shapes[i] {
-                    None => continue,
-                    Some(StateShape::PerRow) => {
-                        (old_layout.row_offsets[u], self.layout.row_offsets[u], slots)
-                    }
-                    Some(StateShape::PerElement) => (src, dst, slots * dim),
-                };
-                self.host.state_mut(i)[dst..dst + n].copy_from_slice(&old.state(i)[src..src + n]);
+        (self.cfg, self.layout, self.scratch) = (cfg, layout, scratch);
+        let new_lens: Vec<[usize; 3]> = (0..n).map(|u| self.lens(u)).collect();
+        // In each buffer, every table's slot rows move to the table's new start (scratch rows
+        // are working copies, filled at each use).
+        let HostTables { weights, m1, m2 } = &mut self.host;
+        let buffers = [(&old.weights, weights), (&old.m1, m1), (&old.m2, m2)];
+        for (p, (src, dst)) in buffers.into_iter().enumerate() {
+            let (mut from, mut to) = (0, 0);
+            for u in 0..n {
+                let len = self.dirs[u].slots() * self.parts[u].range(p).len();
+                dst[to..to + len].copy_from_slice(&src[from..from + len]);
+                from += old_lens[u][p];
+                to += new_lens[u][p];
             }
         }
-        self.scratch = scratch;
         Ok(())
     }
 
