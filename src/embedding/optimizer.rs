@@ -114,6 +114,15 @@ pub enum StateShape {
 }
 
 impl FusedOptimizer {
+    /// Values of state buffer `i` for `rows` rows of `dim` (0 when the optimizer has none).
+    pub(crate) fn state_len(&self, i: usize, rows: usize, dim: usize) -> usize {
+        match self.state_shape(i) {
+            None => 0,
+            Some(StateShape::PerRow) => rows,
+            Some(StateShape::PerElement) => rows * dim,
+        }
+    }
+
     /// Names and shapes of the state buffers this optimizer keeps beside the weights.
     pub fn state_buffers(&self) -> &'static [(&'static str, StateShape)] {
         match self {

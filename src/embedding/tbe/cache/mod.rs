@@ -40,7 +40,7 @@ use super::cpu::backward::BackwardOutput;
 use super::cpu::HostTables;
 use super::{TbeConfig, TbeLayout};
 use crate::embedding::input::{Batch, Ids};
-use crate::embedding::optimizer::{FusedOptimizer, StateShape};
+use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Error, Result, Tensor};
 use directory::{Directory, SLOT_BYTES, WAYS};
 use rayon::prelude::*;
@@ -349,18 +349,10 @@ fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
 impl CachedTables {
     /// A cache over a new all-zero store at `cache.path` for the (logical) tables of `config`.
     pub(crate) fn create(config: &TbeConfig, cache: &CacheConfig) -> Result<Self> {
-        let shapes = [
-            config.optimizer.state_shape(0),
-            config.optimizer.state_shape(1),
-        ];
         let parts: Vec<Parts> = (config.tables.iter())
             .map(|s| Parts {
                 dim: s.dim,
-                state: shapes.map(|sh| match sh {
-                    None => 0,
-                    Some(StateShape::PerRow) => 1,
-                    Some(StateShape::PerElement) => s.dim,
-                }),
+                state: [0, 1].map(|i| config.optimizer.state_len(i, 1, s.dim)),
             })
             .collect();
         let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))

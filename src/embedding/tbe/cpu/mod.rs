@@ -108,11 +108,7 @@ impl HostTables {
         step: u64,
     ) -> BackwardOutput {
         // State slices follow the configured optimizer's layout, whatever `optimizer` runs.
-        let state_len = |i: usize, rows: usize, elems: usize| match cfg.optimizer.state_shape(i) {
-            None => 0,
-            Some(StateShape::PerRow) => rows,
-            Some(StateShape::PerElement) => elems,
-        };
+        let state_len = |i: usize, rows: usize, dim: usize| cfg.optimizer.state_len(i, rows, dim);
         let mut weights_rest: &mut [f32] = &mut self.weights;
         let mut m1_rest: &mut [f32] = &mut self.m1;
         let mut m2_rest: &mut [f32] = &mut self.m2;
@@ -122,10 +118,10 @@ impl HostTables {
             let (w, rest) = std::mem::take(&mut weights_rest).split_at_mut(elems);
             weights_rest = rest;
             let (m1, rest) =
-                std::mem::take(&mut m1_rest).split_at_mut(state_len(0, spec.rows, elems));
+                std::mem::take(&mut m1_rest).split_at_mut(state_len(0, spec.rows, spec.dim));
             m1_rest = rest;
             let (m2, rest) =
-                std::mem::take(&mut m2_rest).split_at_mut(state_len(1, spec.rows, elems));
+                std::mem::take(&mut m2_rest).split_at_mut(state_len(1, spec.rows, spec.dim));
             m2_rest = rest;
             let features: Vec<(usize, usize)> = (cfg.feature_table_map.iter().enumerate())
                 .filter(|(_, &ft)| ft == t)
