@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 #[path = "support/kill.rs"]
 mod kill;
@@ -403,9 +402,6 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     let g = data(1_000_000, 26, 20_000);
     let dir = temp_dir("kill");
     let path = dir.join("ckpt.safetensors");
-    let exe = std::env::current_exe().unwrap();
-    let mut loaded = Vec::new();
-    let mut killed_mid_write = 0;
     // Each round: start the writer, wait until it has written at least once, kill it (SIGKILL,
     // no cleanup), then load what is on disk. Odd rounds kill at a moment that moves around
     // between rounds; even rounds catch the writer inside a write: when its temporary file
@@ -414,38 +410,26 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     // Rounds go on until two kills have landed inside a write (a leftover temporary file
     // proves it) or 40 rounds have passed; two must have landed inside a write, and every
     // round's checkpoint must load.
-    let mut round = 0u64;
-    while round < 4 || (killed_mid_write < 2 && round < 40) {
-        round += 1;
-        let mut child = Command::new(&exe)
-            .args(["--exact", "checkpoint_writer_child", "--nocapture"])
-            .env(CHILD_ENV, &path)
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        let tmp = dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
-        let first = kill::modified(&path);
-        // Wait for a new checkpoint from this child (or the first one ever).
-        kill::wait_for_new_version(&path, first);
-        kill::before_kill(pid, round, || tmp.exists());
-        child.kill().unwrap();
-        child.wait().unwrap();
-        if tmp.exists() {
-            // Killed in the middle of a write: the half-written file is left behind.
-            killed_mid_write += 1;
-            std::fs::remove_file(&tmp).unwrap();
-        }
-        let mut t = config(&g, 16).build()?;
-        let user = t.load_checkpoint(&path)?;
-        let written: u64 = user["written"].parse().unwrap();
-        assert_eq!(t.step(), written + 1);
-        loaded.push(written);
-    }
-    println!("checkpoints loaded after kills: {loaded:?}, {killed_mid_write} kills mid-write");
-    assert!(
-        killed_mid_write >= 2,
-        "{killed_mid_write} kills landed during a write in {round} rounds"
-    );
+    let tmp = |pid: u32| dir.join(format!(".ckpt.safetensors.tmp.{pid}"));
+    let loaded = kill::kill_rounds(
+        "checkpoint_writer_child",
+        (CHILD_ENV, &path),
+        &path,
+        40,
+        |pid| tmp(pid).exists(),
+        |pid, mid_write| -> Result<u64> {
+            if mid_write {
+                // Killed in the middle of a write: the half-written file is left behind.
+                std::fs::remove_file(tmp(pid)).unwrap();
+            }
+            let mut t = config(&g, 16).build()?;
+            let user = t.load_checkpoint(&path)?;
+            let written: u64 = user["written"].parse().unwrap();
+            assert_eq!(t.step(), written + 1);
+            Ok(written)
+        },
+    )?;
+    println!("checkpoints loaded after kills: {loaded:?}");
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

@@ -8,7 +8,6 @@
 mod kill;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use embers::embedding::{
     CacheConfig, CachePolicy, CacheSize, EmbeddingInit, FusedOptimizer, PoolingMode,
@@ -677,51 +676,35 @@ fn a_kill_during_a_cached_checkpoint_leaves_the_previous_one_loadable() -> Resul
     let dir = temp_dir("kill");
     let ckpt = dir.join("ckpt");
     let manifest = ckpt.join("manifest.json");
-    let exe = std::env::current_exe().unwrap();
     // Checkpoint contents a reference reaches step by step.
     let steps = kill_steps(&kill_config());
-    let writing = || {
+    let writing = |_pid: u32| {
         std::fs::read_dir(&ckpt).is_ok_and(|entries| {
             entries
                 .flatten()
                 .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
         })
     };
-    let mut killed_mid_write = 0;
-    let mut round = 0u64;
-    let mut loaded = Vec::new();
-    while round < 4 || (killed_mid_write < 2 && round < 30) {
-        round += 1;
-        let before = kill::modified(&manifest);
-        let mut child = Command::new(&exe)
-            .args(["--exact", "cached_checkpoint_writer_child", "--nocapture"])
-            .env(CHILD_ENV, &dir)
-            .spawn()
-            .unwrap();
-        let pid = child.id();
-        kill::wait_for_new_version(&manifest, before);
-        kill::before_kill(pid, round, writing);
-        child.kill().unwrap();
-        child.wait().unwrap();
-        if writing() {
-            killed_mid_write += 1;
-        }
-        std::fs::remove_file(dir.join(format!("live-{pid}.bin"))).unwrap();
-        let tbe = kill_tbe(&dir, "check.bin");
-        tbe.load_cached_checkpoint(&ckpt)?;
-        let step = tbe.step() as usize;
-        // The checkpoint holds exactly the tables after its step.
-        let reference = TableBatchedEmbedding::new(kill_config())?;
-        reference.init_weights(EmbeddingInit::Constant { value: 0.01 }, &mut seeded(0))?;
-        train(&reference, &steps[..step], false)?;
-        assert!(state_bits(&reference)? == state_bits(&tbe)?, "step {step}");
-        loaded.push(step);
-    }
-    println!("cached checkpoints loaded after kills: {loaded:?}, {killed_mid_write} mid-write");
-    assert!(
-        killed_mid_write >= 2,
-        "{killed_mid_write} kills mid-write in {round} rounds"
-    );
+    let loaded = kill::kill_rounds(
+        "cached_checkpoint_writer_child",
+        (CHILD_ENV, &dir),
+        &manifest,
+        30,
+        writing,
+        |pid, _| -> Result<usize> {
+            std::fs::remove_file(dir.join(format!("live-{pid}.bin"))).unwrap();
+            let tbe = kill_tbe(&dir, "check.bin");
+            tbe.load_cached_checkpoint(&ckpt)?;
+            let step = tbe.step() as usize;
+            // The checkpoint holds exactly the tables after its step.
+            let reference = TableBatchedEmbedding::new(kill_config())?;
+            reference.init_weights(EmbeddingInit::Constant { value: 0.01 }, &mut seeded(0))?;
+            train(&reference, &steps[..step], false)?;
+            assert!(state_bits(&reference)? == state_bits(&tbe)?, "step {step}");
+            Ok(step)
+        },
+    )?;
+    println!("cached checkpoints loaded after kills: {loaded:?}");
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

@@ -79,3 +79,46 @@ pub fn before_kill(pid: u32, round: u64, writing: impl Fn() -> bool) {
         std::thread::sleep(Duration::from_millis((13 + 37 * round) % 300));
     }
 }
+
+/// Kills children until at least 4 rounds have run and two kills landed inside a write (or
+/// `max_rounds` rounds have run), and asserts that two did. Each round runs this test
+/// binary's test `child` with `env` set, waits for a new version of `watched`, kills it
+/// (SIGKILL, no cleanup; even rounds inside a write, see [`before_kill`]) and calls
+/// `after(pid, mid_write)`, where `mid_write` is `writing(pid)` once the child is dead. Returns
+/// what `after` returned, round by round.
+pub fn kill_rounds<T, E>(
+    child: &str,
+    env: (&str, &Path),
+    watched: &Path,
+    max_rounds: u64,
+    writing: impl Fn(u32) -> bool,
+    mut after: impl FnMut(u32, bool) -> Result<T, E>,
+) -> Result<Vec<T>, E> {
+    let exe = std::env::current_exe().unwrap();
+    let mut results = Vec::new();
+    let mut killed_mid_write = 0;
+    let mut round = 0u64;
+    while round < 4 || (killed_mid_write < 2 && round < max_rounds) {
+        round += 1;
+        let before = modified(watched);
+        let mut child = Command::new(&exe)
+            .args(["--exact", child, "--nocapture"])
+            .env(env.0, env.1)
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        wait_for_new_version(watched, before);
+        before_kill(pid, round, || writing(pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let mid_write = writing(pid);
+        killed_mid_write += u64::from(mid_write);
+        results.push(after(pid, mid_write)?);
+    }
+    println!("{child}: {killed_mid_write} of {round} kills landed inside a write");
+    assert!(
+        killed_mid_write >= 2,
+        "{killed_mid_write} kills landed during a write in {round} rounds"
+    );
+    Ok(results)
+}
