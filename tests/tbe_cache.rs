@@ -4,6 +4,8 @@
 //! locked by in-flight batches are never evicted and overflow is served by direct reads; the
 //! stale-copy race of a prefetch pipeline is handled; checkpoints survive kill -9.
 
+#[path = "support/cuda_device.rs"]
+mod cuda_device;
 #[path = "support/kill.rs"]
 mod kill;
 
@@ -14,7 +16,7 @@ use embers::embedding::{
     TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput, WeightDecay,
 };
 use embers::tensor::rng::seeded;
-use embers::{Result, Tensor};
+use embers::{Device, Result, Tensor};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("embers-cache-{name}-{}", std::process::id()));
@@ -206,16 +208,43 @@ fn train(tbe: &TableBatchedEmbedding, steps: &[Step], prefetch: bool) -> Result<
 }
 
 fn cached(cfg: &TbeConfig, dir: &Path, name: &str, size: CacheSize) -> TableBatchedEmbedding {
+    cached_on(cfg, dir, name, size, Device::Cpu)
+}
+
+/// A TBE whose rows live in `dir/name` behind a cache of `size` in the memory of `device`.
+fn cached_on(
+    cfg: &TbeConfig,
+    dir: &Path,
+    name: &str,
+    size: CacheSize,
+    device: Device,
+) -> TableBatchedEmbedding {
     let cache = CacheConfig::new(dir.join(name), size);
-    TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+    TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap()
 }
 
 #[test]
 fn training_through_the_cache_is_bit_identical_for_every_optimizer_size_and_prefetch() -> Result<()>
 {
-    let dir = temp_dir("identical");
     // 1 set per table, a tenth, half, and every row.
-    let sizes = [1e-9, 0.1, 0.5, 1.0].map(CacheSize::LoadFactor);
+    training_is_bit_identical(Device::Cpu, &[1e-9, 0.1, 0.5, 1.0], "identical")
+}
+
+#[test]
+fn gpu_training_through_an_hbm_cache_is_bit_identical_for_every_optimizer_size_and_prefetch(
+) -> Result<()> {
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    // Compared with the same tables all in the GPU's memory.
+    training_is_bit_identical(device, &[1e-9, 0.1, 1.0], "gpu-identical")
+}
+
+/// Training through caches of `sizes` (load factors) in `device`'s memory, with and without
+/// prefetching, against the uncached TBE on `device`, for every fused optimizer.
+fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str) -> Result<()> {
+    let dir = temp_dir(name);
+    let sizes: Vec<CacheSize> = sizes.iter().copied().map(CacheSize::LoadFactor).collect();
     for (k, optimizer) in optimizers().into_iter().enumerate() {
         let (pooling, decay, weighted) = match k % 3 {
             0 => (PoolingMode::Sum, WeightDecay::None, true),
@@ -226,11 +255,13 @@ fn training_through_the_cache_is_bit_identical_for_every_optimizer_size_and_pref
         let steps = batches(&cfg, 5, 12, 6, 1.1, weighted, 7 + k as u64);
         let reference = TableBatchedEmbedding::new(cfg.clone())?;
         reference.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(3))?;
+        reference.to_device(device)?;
         let seen = train(&reference, &steps, false)?;
         let expected = state_bits(&reference)?;
-        for size in sizes {
+        for &size in &sizes {
             for prefetch in [false, true] {
-                let tbe = cached(&cfg, &dir, "rows.bin", size);
+                let tbe = cached_on(&cfg, &dir, "rows.bin", size, device);
+                assert_eq!(tbe.device(), device);
                 tbe.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(3))?;
                 let what = format!("{} with {size:?}, prefetch {prefetch}", optimizer.name());
                 assert!(
@@ -405,7 +436,22 @@ fn bags(ids: std::ops::Range<i64>) -> Step {
 #[test]
 fn locked_rows_survive_pressure_overflow_reads_directly_and_the_prefetch_race_is_handled(
 ) -> Result<()> {
-    let dir = temp_dir("race");
+    pressure_and_race(Device::Cpu, "race")
+}
+
+#[test]
+fn gpu_locked_rows_survive_pressure_overflow_reads_directly_and_the_prefetch_race_is_handled(
+) -> Result<()> {
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    pressure_and_race(device, "gpu-race")
+}
+
+/// Rows locked by in-flight batches under pressure, direct reads, and the stale-copy race of
+/// a prefetch, with the cache in `device`'s memory, against the uncached TBE there.
+fn pressure_and_race(device: Device, name: &str) -> Result<()> {
+    let dir = temp_dir(name);
     for optimizer in optimizers().into_iter().skip(1) {
         let cfg = TbeConfig::new(
             vec![TableSpec::new("t", 200, 4)],
@@ -414,13 +460,18 @@ fn locked_rows_survive_pressure_overflow_reads_directly_and_the_prefetch_race_is
             optimizer,
         );
         let reference = TableBatchedEmbedding::new(cfg.clone())?;
-        let tbe = cached(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(1e-9));
+        let tbe = cached_on(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(1e-9), device);
         for t in [&reference, &tbe] {
             t.init_weights(EmbeddingInit::Normal { std: 0.5 }, &mut seeded(5))?;
         }
+        reference.to_device(device)?;
         let what = optimizer.name();
         let (a, b, c) = (bags(0..32), bags(16..64), bags(32..48));
-        let grad = |n: usize| Tensor::from_vec(vec![0.25f32; n * 4], &[n, 4]).unwrap();
+        let grad = |n: usize| {
+            (Tensor::from_vec(vec![0.25f32; n * 4], &[n, 4]).unwrap())
+                .to_device(device)
+                .unwrap()
+        };
         // A fills and locks the single 32-way set; B finds 16 of its rows there and 32 more
         // that cannot be cached while A is in flight: direct reads.
         let run = |t: &TableBatchedEmbedding| -> Result<Vec<u32>> {

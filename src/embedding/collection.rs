@@ -21,7 +21,7 @@ use super::tbe::{Placement, TableBatchedEmbedding, TbeConfig};
 use crate::nn::Module;
 use crate::sparse::{JaggedTensor, KeyedJaggedTensor, KeyedTensor};
 use crate::tensor::rng::Rng;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// One TBE of a collection and which features/tables it serves.
 #[derive(Clone, Debug)]
@@ -65,6 +65,7 @@ impl TableGroups {
         weight_decay: WeightDecay,
         bounds_check: BoundsCheckMode,
         placement: &Placement,
+        device: Device,
         rng: &mut Rng,
     ) -> Result<Self> {
         let mut groups = Vec::new();
@@ -89,7 +90,7 @@ impl TableGroups {
             let name = format!("{}-group{}.rows", op_short(op), groups.len());
             let tbe = match placement.cache_for(&name)? {
                 None => TableBatchedEmbedding::new(cfg)?,
-                Some(cache) => TableBatchedEmbedding::new_cached(cfg, cache)?,
+                Some(cache) => TableBatchedEmbedding::new_cached_on(cfg, cache, device)?,
             };
             for (t, &i) in members.iter().enumerate() {
                 tbe.init_table(t, tables[i].init, rng)?;
@@ -538,7 +539,7 @@ impl EmbeddingBagCollection {
             optimizer,
             weight_decay,
             bounds_check,
-            &Placement::Memory,
+            (&Placement::Memory, Device::Cpu),
             rng,
         )
     }
@@ -551,12 +552,25 @@ impl EmbeddingBagCollection {
         placement: &Placement,
         rng: &mut Rng,
     ) -> Result<Self> {
+        Self::with_placement_on(configs, optimizer, placement, Device::Cpu, rng)
+    }
+
+    /// [`with_placement`](Self::with_placement) with the caches of cached tables in the
+    /// memory of `device` (a GPU: rows in host memory, the hot ones in HBM); tables in memory
+    /// are built on the host (move them with `to_device`).
+    pub fn with_placement_on(
+        configs: Vec<EmbeddingBagConfig>,
+        optimizer: FusedOptimizer,
+        placement: &Placement,
+        device: Device,
+        rng: &mut Rng,
+    ) -> Result<Self> {
         Self::build(
             configs,
             optimizer,
             WeightDecay::None,
             BoundsCheckMode::Error,
-            placement,
+            (placement, device),
             rng,
         )
     }
@@ -566,7 +580,7 @@ impl EmbeddingBagCollection {
         optimizer: FusedOptimizer,
         weight_decay: WeightDecay,
         bounds_check: BoundsCheckMode,
-        placement: &Placement,
+        (placement, device): (&Placement, Device),
         rng: &mut Rng,
     ) -> Result<Self> {
         let (output_keys, output_dims) = check_bag_configs(EBC, &configs)?;
@@ -589,6 +603,7 @@ impl EmbeddingBagCollection {
             weight_decay,
             bounds_check,
             placement,
+            device,
             rng,
         )?;
         Ok(EmbeddingBagCollection {
@@ -753,6 +768,7 @@ impl EmbeddingCollection {
             WeightDecay::None,
             BoundsCheckMode::Error,
             &Placement::Memory,
+            Device::Cpu,
             rng,
         )?;
         Ok(EmbeddingCollection {

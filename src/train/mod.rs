@@ -267,10 +267,12 @@ impl DlrmConfig {
         }
         check_tasks(&self.tasks)?;
         let mut rng = seeded(self.seed);
-        let ebc = EmbeddingBagCollection::with_placement(
+        // Cached tables get their cache on the model's device (HBM on a GPU).
+        let ebc = EmbeddingBagCollection::with_placement_on(
             self.table_configs(),
             self.sparse_optimizer,
             placement,
+            self.device,
             &mut rng,
         )?;
         let dense = self.dense_half(&mut rng)?;

@@ -238,6 +238,16 @@ impl TableBatchedEmbedding {
         Self::build(config, Device::Cpu, Some(&cache))
     }
 
+    /// Builds the operator with its tables and optimizer state in a new all-zero file
+    /// (`cache.path`, in host memory through the page cache) and a cache of `cache.size` in
+    /// the memory of `device`: on a GPU, FBGEMM's `MANAGED_CACHING` placement (rows in host
+    /// memory, the hot ones cached in HBM); on [`Device::Cpu`], [`new_cached`](Self::new_cached).
+    /// Training through the cache gives the same tables, bit for bit, as training the operator
+    /// built by [`new_on`](Self::new_on) the same device.
+    pub fn new_cached_on(config: TbeConfig, cache: CacheConfig, device: Device) -> Result<Self> {
+        Self::build(config, device, Some(&cache))
+    }
+
     fn build(config: TbeConfig, device: Device, cache: Option<&CacheConfig>) -> Result<Self> {
         config.optimizer.validate()?;
         if let WeightDecay::L2(l) | WeightDecay::Decoupled(l) = config.weight_decay {
@@ -302,14 +312,15 @@ impl TableBatchedEmbedding {
         }
         let layout = TbeLayout::new(&config)?;
         let tables = match (device, cache) {
-            (Device::Cpu, Some(cache)) => Tables::Cached(CachedTables::create(&config, cache)?),
-            (Device::Cpu, None) => Tables::Host(HostTables::zeros(&layout, &config)?),
-            (Device::Cuda(_), Some(_)) => {
-                return Err(Error::invalid(
-                    OP,
-                    "a GPU cache over unified memory is not built yet (cache on the host)",
-                ))
+            (Device::Cpu, Some(cache)) => {
+                Tables::Cached(CachedTables::create(&config, cache, None)?)
             }
+            (Device::Cpu, None) => Tables::Host(HostTables::zeros(&layout, &config)?),
+            (Device::Cuda(_), Some(cache)) => Tables::Cached(CachedTables::create(
+                &config,
+                cache,
+                Some(crate::cuda::open(device)?),
+            )?),
             (Device::Cuda(_), None) => {
                 let lens: Vec<usize> = (0..config.optimizer.state_buffers().len())
                     .map(|i| cpu::state_len(&config, &layout, i))
@@ -343,7 +354,8 @@ impl TableBatchedEmbedding {
     /// Where the tables live.
     pub fn device(&self) -> Device {
         match &self.inner.state.read().tables {
-            Tables::Host(_) | Tables::Cached(_) => Device::Cpu,
+            Tables::Host(_) => Device::Cpu,
+            Tables::Cached(c) => c.device(),
             Tables::Device(d) => Device::Cuda(d.device().ordinal()),
         }
     }
@@ -366,12 +378,15 @@ impl TableBatchedEmbedding {
                 let host = download(cfg, layout, d)?;
                 Tables::Device(upload(cfg, layout, &host, open()?)?)
             }
-            (Tables::Host(_) | Tables::Cached(_), Device::Cpu) => return Ok(()),
-            (Tables::Cached(_), Device::Cuda(_)) => {
+            (Tables::Host(_), Device::Cpu) => return Ok(()),
+            (Tables::Cached(c), _) => {
                 return Err(Error::invalid(
                     OP,
-                    "tables kept in a file with a DRAM cache stay on the host (copy them with \
-                     clone_to)",
+                    format!(
+                        "tables kept in a file with a cache on {:?} stay there (copy them to \
+                         {device:?} with clone_to)",
+                        c.device()
+                    ),
                 ))
             }
         };
@@ -950,6 +965,10 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
+        if let Some(cached) = batch.cached.as_ref().filter(|c| c.is_on_device()) {
+            let grad = grad_output.to_device(self.device())?;
+            return self.backward_cached_device(&batch.batch, cached, &grad, optimizer);
+        }
         match &batch.on_device {
             None => {
                 let out = (grad_output.to_device_values(Device::Cpu)?).with_contiguous(
@@ -1124,18 +1143,7 @@ impl TableBatchedEmbedding {
         })?;
         state.step = step;
         drop(guard);
-        let per_sample_weights = match (grads.weights_grad, &batch.kept) {
-            (Some(g), Some((kept, n))) => {
-                // Ids were skipped: put each kept id's gradient back at its caller position.
-                let values = g.to_vec::<f32>()?;
-                let mut full = vec![0.0f32; *n];
-                for (&p, &v) in kept.iter().zip(&values) {
-                    full[p] = v;
-                }
-                Some(Tensor::from_vec(full, &[*n])?.to_device(g.device())?)
-            }
-            (g, _) => g,
-        };
+        let per_sample_weights = restore_kept(grads.weights_grad, batch)?;
         let sparse = match grads.sparse {
             None => None,
             Some((rows, values)) => {
@@ -1163,6 +1171,33 @@ impl TableBatchedEmbedding {
         })
     }
 
+    /// The fused (or row-sparse) backward of a GPU cache for the admitted batch `cached` of
+    /// `batch`, under `optimizer` (as [`backward_host`](Self::backward_host)).
+    fn backward_cached_device(
+        &self,
+        batch: &Batch<'_>,
+        cached: &CachedBatch,
+        grad_output: &Tensor,
+        optimizer: FusedOptimizer,
+    ) -> Result<TbeGradients> {
+        let cfg = &self.inner.config;
+        let mut guard = self.inner.state.write();
+        let state = &mut *guard;
+        let Tables::Cached(tables) = &mut state.tables else {
+            return Err(moved_error());
+        };
+        let counts = optimizer != FusedOptimizer::None || cfg.optimizer == FusedOptimizer::None;
+        let step = state.step + u64::from(counts);
+        let (weights_grad, sparse) =
+            tables.backward_device(cached, grad_output, optimizer, cfg.weight_decay, step)?;
+        state.step = step;
+        drop(guard);
+        Ok(TbeGradients {
+            per_sample_weights: restore_kept(weights_grad, batch)?,
+            sparse,
+        })
+    }
+
     /// With [`FusedOptimizer::None`]: the row-sparse gradient accumulated on table `t` by
     /// autograd backward calls since the last [`zero_sparse_gradients`](Self::zero_sparse_gradients)
     /// (its values on the tables' device).
@@ -1179,6 +1214,22 @@ impl TableBatchedEmbedding {
             s.zero_grad();
         }
     }
+}
+
+/// The per-sample weights' gradient of `batch` in its caller's positions: where ids were
+/// skipped, each kept id's gradient goes back to its position (zeros elsewhere).
+fn restore_kept(grad: Option<Tensor>, batch: &Batch<'_>) -> Result<Option<Tensor>> {
+    Ok(match (grad, &batch.kept) {
+        (Some(g), Some((kept, n))) => {
+            let values = g.to_vec::<f32>()?;
+            let mut full = vec![0.0f32; *n];
+            for (&p, &v) in kept.iter().zip(&values) {
+                full[p] = v;
+            }
+            Some(Tensor::from_vec(full, &[*n])?.to_device(g.device())?)
+        }
+        (g, _) => g,
+    })
 }
 
 /// The error of a backward whose tables moved to another device after its forward.

@@ -38,14 +38,18 @@ use parking_lot::Mutex;
 
 use super::cpu::backward::BackwardOutput;
 use super::cpu::HostTables;
+use super::cuda::records::RecordAt;
+use super::cuda::{BackwardInput, DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
+use crate::cuda::CudaDevice;
 use crate::embedding::input::{Batch, Ids};
-use crate::embedding::optimizer::FusedOptimizer;
-use crate::{Error, Result, Tensor};
+use crate::embedding::optimizer::{FusedOptimizer, WeightDecay};
+use crate::tensor::RowSparseGrad;
+use crate::{Device, Error, Result, Tensor};
 use directory::{Directory, SLOT_BYTES, WAYS};
 use rayon::prelude::*;
 use store::RowStore;
-use view::{RowsRef, TableAdmission, TableView};
+use view::{TableAdmission, TableView};
 
 const OP: &str = "cached TBE";
 
@@ -253,11 +257,31 @@ impl Drop for Lease {
     }
 }
 
-/// A batch admitted to the cache: its ids as cache rows, and its lease.
+/// A batch admitted to the cache: its ids as cache rows (copied to the GPU for a GPU cache),
+/// and its lease.
 pub(crate) struct CachedBatch {
     pub remapped: Batch<'static>,
+    on_device: Option<DeviceBatch>,
     lease: Lease,
 }
+
+impl CachedBatch {
+    /// Whether the batch was admitted to a GPU cache.
+    pub(crate) fn is_on_device(&self) -> bool {
+        self.on_device.is_some()
+    }
+}
+
+/// The cache rows (cache-shaped tables: table `t` has `slots_t + scratch_t` rows), in host
+/// memory or in a GPU's memory.
+#[allow(clippy::large_enum_variant)] // one per TBE
+pub(crate) enum CacheRows {
+    Host(HostTables),
+    Device(DeviceTables),
+}
+
+/// A moved row: its slot, the dirty row it evicts (written back first), the row read in.
+pub(crate) type Move = (usize, Option<u64>, u64);
 
 /// Where a record's parts sit in the cache buffers.
 #[derive(Clone, Copy)]
@@ -286,7 +310,7 @@ pub(crate) struct CachedTables {
     /// The cache-shaped config: table `t` has `slots + scratch` rows.
     cfg: TbeConfig,
     layout: TbeLayout,
-    host: HostTables,
+    rows: CacheRows,
     scratch: Vec<usize>,
     parts: Vec<Parts>,
     tick: u64,
@@ -347,8 +371,13 @@ fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
 }
 
 impl CachedTables {
-    /// A cache over a new all-zero store at `cache.path` for the (logical) tables of `config`.
-    pub(crate) fn create(config: &TbeConfig, cache: &CacheConfig) -> Result<Self> {
+    /// A cache over a new all-zero store at `cache.path` for the (logical) tables of `config`,
+    /// its rows in host memory or, given `device`, in that GPU's memory.
+    pub(crate) fn create(
+        config: &TbeConfig,
+        cache: &CacheConfig,
+        device: Option<Arc<CudaDevice>>,
+    ) -> Result<Self> {
         let parts: Vec<Parts> = (config.tables.iter())
             .map(|s| Parts {
                 dim: s.dim,
@@ -371,14 +400,14 @@ impl CachedTables {
             })
             .collect();
         let scratch = vec![0; config.tables.len()];
-        let (cfg, layout, host) = Self::buffers(config, &dirs, &scratch)?;
+        let (cfg, layout, rows) = Self::buffers(config, &dirs, &scratch, device.as_ref())?;
         Ok(CachedTables {
             store,
             policy: cache.policy,
             dirs,
             cfg,
             layout,
-            host,
+            rows,
             scratch,
             parts,
             tick: 0,
@@ -388,19 +417,50 @@ impl CachedTables {
         })
     }
 
-    /// The cache-shaped config, layout and zero buffers for `scratch` rows per table.
+    /// The cache-shaped config, layout and zero buffers for `scratch` rows per table (on
+    /// `device`, when given).
     fn buffers(
         logical: &TbeConfig,
         dirs: &[Directory],
         scratch: &[usize],
-    ) -> Result<(TbeConfig, TbeLayout, HostTables)> {
+        device: Option<&Arc<CudaDevice>>,
+    ) -> Result<(TbeConfig, TbeLayout, CacheRows)> {
         let mut cfg = logical.clone();
         for ((spec, d), &s) in cfg.tables.iter_mut().zip(dirs).zip(scratch) {
             spec.rows = d.slots() + s;
         }
         let layout = TbeLayout::new(&cfg)?;
-        let host = HostTables::zeros(&layout, &cfg)?;
-        Ok((cfg, layout, host))
+        let rows = match device {
+            None => CacheRows::Host(HostTables::zeros(&layout, &cfg)?),
+            Some(device) => {
+                let lens: Vec<usize> = (0..cfg.optimizer.state_buffers().len())
+                    .map(|i| super::cpu::state_len(&cfg, &layout, i))
+                    .collect();
+                CacheRows::Device(DeviceTables::f32_zeros(
+                    device.clone(),
+                    super::feature_layout(&cfg, &layout),
+                    layout.total_elements(),
+                    &lens,
+                )?)
+            }
+        };
+        Ok((cfg, layout, rows))
+    }
+
+    /// Where the cache rows live.
+    pub(crate) fn device(&self) -> Device {
+        match &self.rows {
+            CacheRows::Host(_) => Device::Cpu,
+            CacheRows::Device(d) => Device::Cuda(d.device().ordinal()),
+        }
+    }
+
+    /// The GPU holding the cache rows, if any.
+    fn gpu(&self) -> Option<&Arc<CudaDevice>> {
+        match &self.rows {
+            CacheRows::Host(_) => None,
+            CacheRows::Device(d) => Some(d.device()),
+        }
     }
 
     /// The replacement policy.
@@ -413,9 +473,14 @@ impl CachedTables {
         self.store.path()
     }
 
-    /// Bytes of DRAM held: cache buffers (scratch included) and directories.
+    /// Bytes held by the cache buffers (scratch included; in host or GPU memory) and the
+    /// directories (host memory).
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.host.allocated_bytes() + self.dirs.iter().map(Directory::bytes).sum::<usize>()
+        let rows = match &self.rows {
+            CacheRows::Host(h) => h.allocated_bytes(),
+            CacheRows::Device(d) => d.allocated_bytes(),
+        };
+        rows + self.dirs.iter().map(Directory::bytes).sum::<usize>()
     }
 
     /// The counters of every table.
@@ -445,18 +510,24 @@ impl CachedTables {
         [rows * p.dim, rows * p.state[0], rows * p.state[1]]
     }
 
-    /// Every table's share of the cache, the file, the directories and the counters.
+    /// Every table's share of the cache, the file, the directories and the counters (a GPU
+    /// cache's rows are not in host memory: its views have empty rows and defer their moves).
     fn views(&mut self) -> Vec<TableView<'_>> {
         let n = self.dirs.len();
-        let lens: Vec<[usize; 3]> = (0..n).map(|t| self.lens(t)).collect();
+        let on_host = matches!(self.rows, CacheRows::Host(_));
+        let lens: Vec<[usize; 3]> = (0..n)
+            .map(|t| if on_host { self.lens(t) } else { [0; 3] })
+            .collect();
         let file_lens: Vec<usize> = (0..n)
             .map(|t| {
                 let s = self.store.table(t);
                 s.rows * s.record * 4
             })
             .collect();
-        let HostTables { weights, m1, m2 } = &mut self.host;
-        let (mut w, mut a, mut b): (&mut [f32], &mut [f32], &mut [f32]) = (weights, m1, m2);
+        let (mut w, mut a, mut b): (&mut [f32], &mut [f32], &mut [f32]) = match &mut self.rows {
+            CacheRows::Host(HostTables { weights, m1, m2 }) => (weights, m1, m2),
+            CacheRows::Device(_) => (&mut [], &mut [], &mut []),
+        };
         let mut file = self.store.bytes_mut();
         let mut views = Vec::with_capacity(n);
         for (((t, dir), stats), len) in (0..n).zip(&mut self.dirs).zip(&mut self.stats).zip(&lens) {
@@ -475,34 +546,118 @@ impl CachedTables {
                 file: ft,
                 dir,
                 stats,
+                defer: !on_host,
             });
         }
         views
     }
 
-    /// Table `t`'s share (see [`views`](Self::views)).
-    fn view(&mut self, t: usize) -> TableView<'_> {
-        self.views().swap_remove(t)
+    /// Element offsets of every table's first cache row in the weights and the two state
+    /// buffers.
+    fn starts(&self) -> Vec<[usize; 3]> {
+        let mut at = [0usize; 3];
+        (0..self.dirs.len())
+            .map(|t| {
+                let start = at;
+                for (a, l) in at.iter_mut().zip(self.lens(t)) {
+                    *a += l;
+                }
+                start
+            })
+            .collect()
     }
 
-    /// Table `t`'s cache rows, read-only.
-    fn rows(&self, t: usize) -> RowsRef<'_> {
-        let mut start = [0usize; 3];
-        for u in 0..t {
-            for (s, l) in start.iter_mut().zip(self.lens(u)) {
-                *s += l;
+    /// Where the records of cache rows `rows` ((table, cache row) pairs) sit in the buffers.
+    fn record_at(&self, starts: &[[usize; 3]], rows: &[(usize, usize)]) -> Vec<RecordAt> {
+        (rows.iter())
+            .map(|&(t, idx)| {
+                let (p, s) = (self.parts[t], starts[t]);
+                RecordAt {
+                    weights: (s[0] + idx * p.dim, p.dim),
+                    state: [0, 1].map(|i| (s[i + 1] + idx * p.state[i], p.state[i])),
+                }
+            })
+            .collect()
+    }
+
+    /// The records (weights, then state) of cache rows `rows`, back to back.
+    fn take(&self, rows: &[(usize, usize)]) -> Result<Vec<f32>> {
+        let at = self.record_at(&self.starts(), rows);
+        match &self.rows {
+            CacheRows::Host(h) => {
+                let mut out = Vec::with_capacity(at.iter().map(RecordAt::len).sum());
+                for r in &at {
+                    out.extend_from_slice(&h.weights[r.weights.0..][..r.weights.1]);
+                    out.extend_from_slice(&h.m1[r.state[0].0..][..r.state[0].1]);
+                    out.extend_from_slice(&h.m2[r.state[1].0..][..r.state[1].1]);
+                }
+                Ok(out)
             }
+            CacheRows::Device(d) => d.take_records(&at),
         }
-        let len = self.lens(t);
-        let h = &self.host;
-        RowsRef {
-            parts: self.parts[t],
-            weights: &h.weights[start[0]..start[0] + len[0]],
-            state: [
-                &h.m1[start[1]..start[1] + len[1]],
-                &h.m2[start[2]..start[2] + len[2]],
-            ],
+    }
+
+    /// Writes `records` (back to back, as [`take`](Self::take) gives them) into cache rows
+    /// `rows`.
+    fn put(&mut self, rows: &[(usize, usize)], records: &[f32]) -> Result<()> {
+        let at = self.record_at(&self.starts(), rows);
+        match &mut self.rows {
+            CacheRows::Host(h) => {
+                let mut rec = records;
+                for r in &at {
+                    let copy = |dst: &mut [f32], (start, len): (usize, usize), rec: &mut &[f32]| {
+                        dst[start..start + len].copy_from_slice(&rec[..len]);
+                        *rec = &rec[len..];
+                    };
+                    copy(&mut h.weights, r.weights, &mut rec);
+                    copy(&mut h.m1, r.state[0], &mut rec);
+                    copy(&mut h.m2, r.state[1], &mut rec);
+                }
+                Ok(())
+            }
+            CacheRows::Device(d) => d.put_records(&at, records),
         }
+    }
+
+    /// Reads row `row` of table `t` from the file into `rec` (counted).
+    fn read_row(&mut self, t: usize, row: u64, rec: &mut [f32]) {
+        self.store.read_rows(t, row as usize, rec);
+        self.stats[t].rows_read += 1;
+    }
+
+    /// Writes `rec` as row `row` of table `t` in the file (counted).
+    fn write_row(&mut self, t: usize, row: u64, rec: &[f32]) {
+        self.store.write_rows(t, row as usize, rec);
+        self.stats[t].rows_written += 1;
+    }
+
+    /// Carries out the moves a GPU cache's admission deferred, per table: the dirty victims
+    /// come back from the device and go to the file first, then the new rows go up.
+    fn apply_moves(&mut self, moves: &[Vec<Move>]) -> Result<()> {
+        let evicted: Vec<(usize, usize, u64)> = (moves.iter().enumerate())
+            .flat_map(|(t, m)| m.iter().filter_map(move |&(s, old, _)| Some((t, s, old?))))
+            .collect();
+        let slots: Vec<(usize, usize)> = evicted.iter().map(|&(t, s, _)| (t, s)).collect();
+        let records = self.take(&slots)?;
+        let mut rec = records.as_slice();
+        for &(t, _, old) in &evicted {
+            let (this, rest) = rec.split_at(self.parts[t].record());
+            self.write_row(t, old, this);
+            rec = rest;
+        }
+        let loaded: Vec<(usize, usize, u64)> = (moves.iter().enumerate())
+            .flat_map(|(t, m)| m.iter().map(move |&(s, _, new)| (t, s, new)))
+            .collect();
+        let len = loaded.iter().map(|&(t, ..)| self.parts[t].record()).sum();
+        let mut records = vec![0.0f32; len];
+        let mut at = 0;
+        for &(t, _, new) in &loaded {
+            let n = self.parts[t].record();
+            self.read_row(t, new, &mut records[at..at + n]);
+            at += n;
+        }
+        let slots: Vec<(usize, usize)> = loaded.iter().map(|&(t, s, _)| (t, s)).collect();
+        self.put(&slots, &records)
     }
 
     /// Releases the locks of dropped batches.
@@ -531,6 +686,9 @@ impl CachedTables {
             let (_, _, mut admitted) = self.prefetched.remove(k).expect("a queued admission");
             admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
             admitted.remapped.kept = batch.kept.clone();
+            if let (Some(d), Some(_)) = (self.gpu(), &batch.weights) {
+                admitted.on_device = Some(DeviceBatch::upload(d, &admitted.remapped)?);
+            }
             return Ok(admitted);
         }
         self.drain_released();
@@ -567,8 +725,10 @@ impl CachedTables {
             released: self.released.clone(),
         };
         let mut fallbacks = vec![0; ranges.len()];
+        let mut moves = vec![Vec::new(); ranges.len()];
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
+            moves[t] = a.moves;
             let mut loc = a.loc.iter();
             for p in ranges[t].iter().cloned().flatten() {
                 remapped[p] = *loc.next().expect("one cache row per id");
@@ -585,15 +745,23 @@ impl CachedTables {
                 self.grow_scratch(logical, t, n)?;
             }
         }
+        if self.gpu().is_some() {
+            self.apply_moves(&moves)?;
+        }
+        let remapped = Batch {
+            ids: Ids::I64(remapped.into()),
+            offsets: batch.offsets.clone(),
+            weights: batch.weights.clone().map(|w| w.into_owned().into()),
+            batch_size: batch.batch_size,
+            num_features: batch.num_features,
+            kept: batch.kept.clone(),
+        };
+        let on_device = (self.gpu())
+            .map(|d| DeviceBatch::upload(d, &remapped))
+            .transpose()?;
         Ok(CachedBatch {
-            remapped: Batch {
-                ids: Ids::I64(remapped.into()),
-                offsets: batch.offsets.clone(),
-                weights: batch.weights.clone().map(|w| w.into_owned().into()),
-                batch_size: batch.batch_size,
-                num_features: batch.num_features,
-                kept: batch.kept.clone(),
-            },
+            remapped,
+            on_device,
             lease,
         })
     }
@@ -602,25 +770,48 @@ impl CachedTables {
     fn grow_scratch(&mut self, logical: &TbeConfig, t: usize, need: usize) -> Result<()> {
         let mut scratch = self.scratch.clone();
         scratch[t] = need.max(scratch[t] * 2);
-        let (cfg, layout, host) = Self::buffers(logical, &self.dirs, &scratch)?;
+        let (cfg, layout, rows) = Self::buffers(logical, &self.dirs, &scratch, None)?;
+        let CacheRows::Host(mut host) = rows else {
+            unreachable!("host buffers were asked for");
+        };
         let n = self.dirs.len();
         let old_lens: Vec<[usize; 3]> = (0..n).map(|u| self.lens(u)).collect();
-        let old = std::mem::replace(&mut self.host, host);
-        (self.cfg, self.layout, self.scratch) = (cfg, layout, scratch);
-        let new_lens: Vec<[usize; 3]> = (0..n).map(|u| self.lens(u)).collect();
+        let new_lens: Vec<[usize; 3]> = (0..n)
+            .map(|u| {
+                let (rows, p) = (cfg.tables[u].rows, self.parts[u]);
+                [rows * p.dim, rows * p.state[0], rows * p.state[1]]
+            })
+            .collect();
+        // A GPU cache's rows are rearranged on the host (growing is rare: a batch with more
+        // conflict misses than ever before).
+        let downloaded;
+        let old = match &self.rows {
+            CacheRows::Host(h) => h,
+            CacheRows::Device(d) => {
+                downloaded = super::download(&self.cfg, &self.layout, d)?;
+                &downloaded
+            }
+        };
         // In each buffer, every table's slot rows move to the table's new start (scratch rows
         // are working copies, filled at each use).
-        let HostTables { weights, m1, m2 } = &mut self.host;
-        let buffers = [(&old.weights, weights), (&old.m1, m1), (&old.m2, m2)];
-        for (p, (src, dst)) in buffers.into_iter().enumerate() {
-            let (mut from, mut to) = (0, 0);
-            for u in 0..n {
-                let len = self.dirs[u].slots() * self.parts[u].range(p).len();
-                dst[to..to + len].copy_from_slice(&src[from..from + len]);
-                from += old_lens[u][p];
-                to += new_lens[u][p];
+        {
+            let HostTables { weights, m1, m2 } = &mut host;
+            let buffers = [(&old.weights, weights), (&old.m1, m1), (&old.m2, m2)];
+            for (p, (src, dst)) in buffers.into_iter().enumerate() {
+                let (mut from, mut to) = (0, 0);
+                for u in 0..n {
+                    let len = self.dirs[u].slots() * self.parts[u].range(p).len();
+                    dst[to..to + len].copy_from_slice(&src[from..from + len]);
+                    from += old_lens[u][p];
+                    to += new_lens[u][p];
+                }
             }
         }
+        let rows = match self.gpu() {
+            None => CacheRows::Host(host),
+            Some(d) => CacheRows::Device(super::upload(&cfg, &layout, &host, d.clone())?),
+        };
+        (self.cfg, self.layout, self.scratch, self.rows) = (cfg, layout, scratch, rows);
         Ok(())
     }
 
@@ -634,42 +825,101 @@ impl CachedTables {
         if into_scratch {
             self.store.check_len()?;
         }
-        let mut views = self.views();
-        for f in fallback {
-            let v = &mut views[f.table];
-            let mut rec = vec![0.0f32; v.parts.record()];
-            match (v.dir.find(f.row), into_scratch) {
-                (Some(s), true) => {
-                    v.gather(s, &mut rec);
-                    v.scatter(f.pos, &rec);
+        let current: Vec<Option<usize>> = (fallback.iter())
+            .map(|f| self.dirs[f.table].find(f.row))
+            .collect();
+        let scratch_rows: Vec<(usize, usize)> = fallback.iter().map(|f| (f.table, f.pos)).collect();
+        let cached: Vec<(usize, usize)> = (fallback.iter().zip(&current))
+            .filter_map(|(f, s)| Some((f.table, (*s)?)))
+            .collect();
+        if into_scratch {
+            let from_slots = self.take(&cached)?;
+            let mut from_slots = from_slots.as_slice();
+            let mut records = Vec::new();
+            for (f, s) in fallback.iter().zip(&current) {
+                let n = self.parts[f.table].record();
+                let at = records.len();
+                records.resize(at + n, 0.0);
+                match s {
+                    Some(_) => {
+                        records[at..].copy_from_slice(&from_slots[..n]);
+                        from_slots = &from_slots[n..];
+                    }
+                    None => self.read_row(f.table, f.row, &mut records[at..]),
                 }
-                (Some(s), false) => {
-                    v.gather(f.pos, &mut rec);
-                    v.scatter(s, &rec);
-                    v.dir.set_dirty(s, true);
-                }
-                (None, true) => v.load(f.row, f.pos, &mut rec),
-                (None, false) => v.write_back(f.pos, f.row, &mut rec),
             }
+            self.put(&scratch_rows, &records)
+        } else {
+            let records = self.take(&scratch_rows)?;
+            let mut rec = records.as_slice();
+            let mut to_slots = Vec::new();
+            for (f, s) in fallback.iter().zip(&current) {
+                let (this, rest) = rec.split_at(self.parts[f.table].record());
+                rec = rest;
+                match s {
+                    Some(s) => {
+                        to_slots.extend_from_slice(this);
+                        self.dirs[f.table].set_dirty(*s, true);
+                    }
+                    None => self.write_row(f.table, f.row, this),
+                }
+            }
+            self.put(&cached, &to_slots)
         }
-        Ok(())
     }
 
-    /// The lookup of an admitted batch into `out`.
+    /// The lookup of an admitted batch into `out` (a host cache).
     pub(crate) fn forward_into(&mut self, batch: &CachedBatch, out: &mut [f32]) -> Result<()> {
         self.sync_scratch(&batch.lease.fallback, true)?;
-        self.host
-            .forward_into(&self.cfg, &self.layout, &batch.remapped, out);
-        Ok(())
+        match &self.rows {
+            CacheRows::Host(h) => {
+                h.forward_into(&self.cfg, &self.layout, &batch.remapped, out);
+                Ok(())
+            }
+            CacheRows::Device(_) => Err(Error::invalid(
+                OP,
+                "forward_into reads host tables; this cache lives on a GPU (use lookup)",
+            )),
+        }
     }
 
-    /// The lookup of an admitted batch.
+    /// The lookup of an admitted batch (on the cache's device).
     pub(crate) fn forward(&mut self, batch: &CachedBatch) -> Result<Tensor> {
         self.sync_scratch(&batch.lease.fallback, true)?;
-        self.host.forward(&self.cfg, &self.layout, &batch.remapped)
+        match (&self.rows, &batch.on_device) {
+            (CacheRows::Host(h), None) => h.forward(&self.cfg, &self.layout, &batch.remapped),
+            (CacheRows::Device(d), Some(on_device)) => d.forward(on_device),
+            _ => Err(super::moved_error()),
+        }
     }
 
-    /// The fused backward of an admitted batch; sparse gradients come back in table rows.
+    /// Marks the slots of an admitted batch dirty (its backward updated them).
+    fn mark_dirty(&mut self, batch: &CachedBatch) {
+        for (dir, locked) in self.dirs.iter_mut().zip(&batch.lease.locked) {
+            for &s in locked {
+                dir.set_dirty(s, true);
+            }
+        }
+    }
+
+    /// The table row held by cache row `idx` of table `t` for a batch whose direct reads are
+    /// `fallback`.
+    fn row_of(&self, t: usize, idx: usize, fallback: &[Fallback]) -> u64 {
+        let slots = self.dirs[t].slots();
+        if idx < slots {
+            self.dirs[t]
+                .row_of(idx)
+                .expect("a locked slot holds its row")
+        } else {
+            (fallback.iter())
+                .find(|f| f.table == t && f.pos == idx)
+                .expect("a scratch row serves a direct read")
+                .row
+        }
+    }
+
+    /// The fused backward of an admitted batch on a host cache; sparse gradients come back
+    /// in table rows.
     pub(crate) fn backward(
         &mut self,
         batch: &CachedBatch,
@@ -681,7 +931,10 @@ impl CachedTables {
         // Checked once, before anything changes: the write-back after the kernel cannot fail.
         self.store.check_len()?;
         self.sync_scratch(fallback, true)?;
-        let mut out = self.host.backward(
+        let CacheRows::Host(host) = &mut self.rows else {
+            return Err(super::moved_error());
+        };
+        let mut out = host.backward(
             &self.cfg,
             &self.layout,
             &batch.remapped,
@@ -690,11 +943,7 @@ impl CachedTables {
             step,
         );
         if *optimizer != FusedOptimizer::None {
-            for (dir, locked) in self.dirs.iter_mut().zip(&batch.lease.locked) {
-                for &s in locked {
-                    dir.set_dirty(s, true);
-                }
-            }
+            self.mark_dirty(batch);
             // Scratch rows go back where their row lives now.
             self.sync_scratch(fallback, false)?;
         }
@@ -704,25 +953,9 @@ impl CachedTables {
             read.sort_unstable();
             read.dedup();
             for (g, &t) in grads.iter_mut().zip(&read) {
-                let slots = self.dirs[t].slots();
                 let dim = g.dim;
-                // Scratch row → its row, for this table.
-                let mut scratch_rows = vec![0u64; self.scratch[t]];
-                for f in fallback.iter().filter(|f| f.table == t) {
-                    scratch_rows[f.pos - slots] = f.row;
-                }
                 let mut order: Vec<(i64, usize)> = (g.rows.iter().enumerate())
-                    .map(|(k, &idx)| {
-                        let idx = idx as usize;
-                        let row = if idx < slots {
-                            self.dirs[t]
-                                .row_of(idx)
-                                .expect("a locked slot holds its row")
-                        } else {
-                            scratch_rows[idx - slots]
-                        };
-                        (row as i64, k)
-                    })
+                    .map(|(k, &idx)| (self.row_of(t, idx as usize, fallback) as i64, k))
                     .collect();
                 order.sort_unstable();
                 let mut values = Vec::with_capacity(g.values.len());
@@ -736,18 +969,86 @@ impl CachedTables {
         Ok(out)
     }
 
+    /// The fused backward of an admitted batch on a GPU cache (`grad_output` on the GPU):
+    /// the per-sample weights' gradient (the kernel's, in kept positions) and, with
+    /// [`FusedOptimizer::None`], every table's row-sparse gradient in table rows.
+    pub(crate) fn backward_device(
+        &mut self,
+        batch: &CachedBatch,
+        grad_output: &Tensor,
+        optimizer: FusedOptimizer,
+        decay: WeightDecay,
+        step: u64,
+    ) -> Result<(Option<Tensor>, Option<Vec<RowSparseGrad>>)> {
+        let fallback = &batch.lease.fallback;
+        self.store.check_len()?;
+        self.sync_scratch(fallback, true)?;
+        let (CacheRows::Device(tables), Some(on_device)) = (&mut self.rows, &batch.on_device)
+        else {
+            return Err(super::moved_error());
+        };
+        let grads = tables.backward(BackwardInput {
+            batch: on_device,
+            grad_output,
+            optimizer,
+            decay,
+            step,
+            weights_grad: on_device.weights.is_some(),
+        })?;
+        if optimizer != FusedOptimizer::None {
+            self.mark_dirty(batch);
+            self.sync_scratch(fallback, false)?;
+        }
+        let sparse = match grads.sparse {
+            None => None,
+            Some((rows, values)) => {
+                let row_offsets = &self.layout.row_offsets;
+                let mut per_table = Vec::with_capacity(self.cfg.tables.len());
+                for (t, spec) in self.cfg.tables.iter().enumerate() {
+                    let (first, end) = (row_offsets[t] as i64, row_offsets[t + 1] as i64);
+                    let a = rows.partition_point(|&r| r < first);
+                    let b = rows.partition_point(|&r| r < end);
+                    let mut order: Vec<(i64, usize)> = (rows[a..b].iter().enumerate())
+                        .map(|(k, &r)| (self.row_of(t, (r - first) as usize, fallback) as i64, k))
+                        .collect();
+                    order.sort_unstable();
+                    let positions: Vec<i64> = order.iter().map(|&(_, k)| k as i64).collect();
+                    let positions =
+                        Tensor::from_vec(positions, &[order.len()])?.to_device(self.device())?;
+                    let values = (values.narrow(0, a, b - a)?.narrow(1, 0, spec.dim)?)
+                        .contiguous()?
+                        .index_select(&positions)?;
+                    per_table.push(RowSparseGrad {
+                        rows: order.iter().map(|&(r, _)| r).collect(),
+                        values,
+                        // The logical table's rows (the spec here is cache-shaped).
+                        num_rows: self.store.table(t).rows,
+                    });
+                }
+                Some(per_table)
+            }
+        };
+        Ok((grads.weights_grad, sparse))
+    }
+
     /// Writes every dirty cached row back to the file and syncs it.
     pub(crate) fn flush(&mut self) -> Result<()> {
         self.store.check_len()?;
-        for mut v in self.views() {
-            let dirty: Vec<(usize, u64)> = (v.dir.occupied())
-                .filter(|&(s, _)| v.dir.is_dirty(s))
-                .collect();
-            let mut rec = vec![0.0f32; v.parts.record()];
-            for (s, r) in dirty {
-                v.write_back(s, r, &mut rec);
-                v.dir.set_dirty(s, false);
-            }
+        let dirty: Vec<(usize, usize, u64)> = (self.dirs.iter().enumerate())
+            .flat_map(|(t, d)| {
+                (d.occupied())
+                    .filter(|&(s, _)| d.is_dirty(s))
+                    .map(move |(s, r)| (t, s, r))
+            })
+            .collect();
+        let slots: Vec<(usize, usize)> = dirty.iter().map(|&(t, s, _)| (t, s)).collect();
+        let records = self.take(&slots)?;
+        let mut rec = records.as_slice();
+        for &(t, s, r) in &dirty {
+            let (this, rest) = rec.split_at(self.parts[t].record());
+            rec = rest;
+            self.write_row(t, r, this);
+            self.dirs[t].set_dirty(s, false);
         }
         self.store.sync()
     }
@@ -770,12 +1071,13 @@ impl CachedTables {
             }
             first += n;
         }
-        let mut rec_buf = vec![0.0f32; rec];
-        let cache = self.rows(t);
-        for (s, r) in self.dirs[t].occupied() {
-            cache.gather(s, &mut rec_buf);
+        // Cached rows: their slot is the current copy.
+        let occupied: Vec<(usize, u64)> = self.dirs[t].occupied().collect();
+        let slots: Vec<(usize, usize)> = occupied.iter().map(|&(s, _)| (t, s)).collect();
+        let records = self.take(&slots)?;
+        for (&(_, r), record) in occupied.iter().zip(records.chunks(rec.max(1))) {
             let r = r as usize;
-            out[r * width..(r + 1) * width].copy_from_slice(&rec_buf[parts.range(p)]);
+            out[r * width..(r + 1) * width].copy_from_slice(&record[parts.range(p)]);
         }
         Ok(out)
     }
@@ -818,17 +1120,16 @@ impl CachedTables {
             }
             self.store.write_rows(t, first, &buf[..n * rec]);
             // Cached copies of these rows take the new values too.
-            let mut rec_buf = vec![0.0f32; rec];
             let cached: Vec<(usize, u64)> = (self.dirs[t].occupied())
                 .filter(|&(_, r)| (first..first + n).contains(&(r as usize)))
                 .collect();
-            let mut v = self.view(t);
-            for (s, r) in cached {
-                v.gather(s, &mut rec_buf);
+            let slots: Vec<(usize, usize)> = cached.iter().map(|&(s, _)| (t, s)).collect();
+            let mut records = self.take(&slots)?;
+            for (&(_, r), record) in cached.iter().zip(records.chunks_mut(rec.max(1))) {
                 let k = r as usize - first;
-                rec_buf[parts.range(p)].copy_from_slice(&part[k * width..(k + 1) * width]);
-                v.scatter(s, &rec_buf);
+                record[parts.range(p)].copy_from_slice(&part[k * width..(k + 1) * width]);
             }
+            self.put(&slots, &records)?;
             first += n;
         }
         Ok(())

@@ -3,7 +3,7 @@
 //! admitted in parallel, and the admission of one table's ids.
 
 use super::directory::Directory;
-use super::{CacheStats, Parts};
+use super::{CacheStats, Move, Parts};
 
 /// How many rows ahead lookups and data moves fetch their memory.
 const AHEAD: usize = 8;
@@ -17,6 +17,9 @@ pub(crate) struct TableView<'a> {
     pub file: &'a mut [u8],
     pub dir: &'a mut Directory,
     pub stats: &'a mut CacheStats,
+    /// The cache rows are elsewhere (a GPU's memory; `weights` and `state` are empty): an
+    /// admission returns its moves instead of making them.
+    pub defer: bool,
 }
 
 /// What admitting one table's ids decided.
@@ -27,16 +30,11 @@ pub(crate) struct TableAdmission {
     pub locked: Vec<usize>,
     /// Rows served by direct reads and their scratch rows.
     pub fallback: Vec<(u64, usize)>,
+    /// The data moves left to the caller (a deferring view), in order.
+    pub moves: Vec<Move>,
 }
 
-/// One table's cache rows, read-only.
-pub(crate) struct RowsRef<'a> {
-    pub parts: Parts,
-    pub weights: &'a [f32],
-    pub state: [&'a [f32]; 2],
-}
-
-impl RowsRef<'_> {
+impl TableView<'_> {
     /// Copies cache row `idx` (weights, then state) into `rec`.
     pub fn gather(&self, idx: usize, rec: &mut [f32]) {
         let p = self.parts;
@@ -45,18 +43,6 @@ impl RowsRef<'_> {
             let n = p.state[i];
             rec[p.range(i + 1)].copy_from_slice(&self.state[i][idx * n..(idx + 1) * n]);
         }
-    }
-}
-
-impl TableView<'_> {
-    /// Copies cache row `idx` (weights, then state) into `rec`.
-    pub fn gather(&self, idx: usize, rec: &mut [f32]) {
-        RowsRef {
-            parts: self.parts,
-            weights: self.weights,
-            state: [self.state[0], self.state[1]],
-        }
-        .gather(idx, rec)
     }
 
     /// Writes `rec` into cache row `idx`.
@@ -170,7 +156,7 @@ impl TableView<'_> {
         // and each new row read in, with the rows a few moves ahead fetched meanwhile (they
         // are scattered over the file and the cache: every access a cache and TLB miss).
         let mut fallback = Vec::new();
-        let mut moves: Vec<(usize, Option<u64>, u64)> = Vec::with_capacity(misses.len());
+        let mut moves: Vec<Move> = Vec::with_capacity(misses.len());
         for &k in &misses {
             let r = rows[k];
             match self.dir.victim(r) {
@@ -193,7 +179,8 @@ impl TableView<'_> {
             }
         }
         let mut rec = vec![0.0f32; self.parts.record()];
-        for (i, &(s, old, r)) in moves.iter().enumerate() {
+        let made = if self.defer { &[][..] } else { &moves[..] };
+        for (i, &(s, old, r)) in made.iter().enumerate() {
             if let Some(&(s, old, r)) = moves.get(i + AHEAD) {
                 self.prefetch_move(s, old, r);
             }
@@ -218,6 +205,7 @@ impl TableView<'_> {
             loc: out,
             locked,
             fallback,
+            moves: if self.defer { moves } else { Vec::new() },
         }
     }
 }

@@ -7,6 +7,7 @@
 
 pub(crate) mod backward;
 pub(crate) mod forward;
+pub(crate) mod records;
 
 use std::sync::Arc;
 
