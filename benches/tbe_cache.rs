@@ -12,6 +12,11 @@
 //! `EMBERS_CACHE_LOAD_FACTOR` the cache (default 0.25), `EMBERS_CACHE_ZIPF` the skew (1.1),
 //! `EMBERS_CACHE_POLICY` the policy (`lru`, the default, or `lfu`), `EMBERS_CACHE_DIR` where the
 //! file goes (default the temp dir).
+//!
+//! `EMBERS_CACHE_BATCHES="W N"` warms up on W batches and times N (default 100 40).
+//! `EMBERS_CACHE_DEVICE=cuda` runs the GPU placements instead (GPU 0): rows in host memory
+//! (the file, through the page cache) behind an HBM cache (FBGEMM's `MANAGED_CACHING`), beside
+//! the same tables all in HBM; each step ends with a device synchronize.
 
 use std::time::Instant;
 
@@ -20,7 +25,7 @@ use embers::embedding::{
     TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput,
 };
 use embers::tensor::rng::seeded;
-use embers::Tensor;
+use embers::{Device, Tensor};
 use rand::Rng as _;
 use rand_distr::{Distribution, Zipf};
 
@@ -77,14 +82,44 @@ fn main() {
         std::env::var("EMBERS_CACHE_POLICY").unwrap_or_else(|_| "lru".into())
     );
 
-    let in_ram = TableBatchedEmbedding::new(cfg.clone()).unwrap();
+    let device = match std::env::var("EMBERS_CACHE_DEVICE").as_deref() {
+        Ok("cuda") => Device::cuda(0).expect("EMBERS_CACHE_DEVICE=cuda needs GPU 0"),
+        _ => Device::Cpu,
+    };
+    let gpu = match device {
+        Device::Cuda(i) => Some(embers::cuda::device(i).unwrap()),
+        Device::Cpu => None,
+    };
+    let sync = || {
+        if let Some(g) = &gpu {
+            g.synchronize().unwrap();
+        }
+    };
+    println!(
+        "placement: {}",
+        match &gpu {
+            Some(g) => format!(
+                "{}: all rows in HBM vs an HBM cache over host rows",
+                g.name()
+            ),
+            None => "host: all rows in RAM vs a DRAM cache over a file".into(),
+        }
+    );
+    let mem = if gpu.is_some() { "in HBM" } else { "in RAM" };
+    let in_ram = TableBatchedEmbedding::new_on(cfg.clone(), device).unwrap();
     let policy = match std::env::var("EMBERS_CACHE_POLICY").as_deref() {
         Ok("lfu") => CachePolicy::Lfu,
         _ => CachePolicy::Lru,
     };
     let cache =
         CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf)).with_policy(policy);
-    let cached = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+    let cached = TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap();
+    // The same cache, each batch's successor prefetched between its lookup and its backward
+    // (FBGEMM's pipeline, one host thread).
+    let prefetch_cache =
+        CacheConfig::new(dir.join("rows-prefetch.bin"), CacheSize::LoadFactor(clf))
+            .with_policy(policy);
+    let prefetching = TableBatchedEmbedding::new_cached_on(cfg, prefetch_cache, device).unwrap();
     let init = EmbeddingInit::Uniform {
         low: -0.01,
         high: 0.01,
@@ -92,8 +127,9 @@ fn main() {
     in_ram.init_weights(init, &mut seeded(1)).unwrap();
     let t0 = Instant::now();
     cached.init_weights(init, &mut seeded(1)).unwrap();
+    prefetching.init_weights(init, &mut seeded(1)).unwrap();
     println!(
-        "DRAM: in RAM {:.0} MiB, cached {:.0} MiB ({:.2} of the file); file written in {:.1} s",
+        "memory: {mem} {:.0} MiB, cached {:.0} MiB ({:.2} of the file); file written in {:.1} s",
         in_ram.allocated_bytes() as f64 / (1 << 20) as f64,
         cached.allocated_bytes() as f64 / (1 << 20) as f64,
         cached.allocated_bytes() as f64 / file_bytes,
@@ -103,8 +139,16 @@ fn main() {
     // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
     let mut rng = seeded(7);
     let zipf = Zipf::new(e as f64, s).unwrap();
-    let warm = 100;
-    let timed = 40;
+    // `EMBERS_CACHE_BATCHES="warm timed"` (default 100 40).
+    let counts: Vec<usize> = std::env::var("EMBERS_CACHE_BATCHES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let (warm, timed) = match counts[..] {
+        [w, n] if n > 0 => (w, n),
+        _ => (100, 40),
+    };
     let batches: Vec<Batch> = (0..warm + timed)
         .map(|_| {
             let ids: Vec<i64> = (0..t * b * l)
@@ -117,29 +161,42 @@ fn main() {
             Batch { ids, offsets }
         })
         .collect();
-    let grad = Tensor::from_vec(vec![0.001f32; b * t * d], &[b, t * d]).unwrap();
+    let grad = (Tensor::from_vec(vec![0.001f32; b * t * d], &[b, t * d]).unwrap())
+        .to_device(device)
+        .unwrap();
     // Milliseconds of prepare (the cache's admission), lookup and fused backward.
-    let step = |tbe: &TableBatchedEmbedding, batch: &Batch| -> [f64; 3] {
-        let t0 = Instant::now();
-        let input = TbeInput::new(&batch.ids[..], &batch.offsets[..]);
-        let prepared = tbe.prepare(input).unwrap();
-        let t1 = Instant::now();
-        let out = tbe.lookup_batch(&prepared).unwrap();
-        std::hint::black_box(&out);
-        let t2 = Instant::now();
-        tbe.backward_batch(&prepared, &grad).unwrap();
-        let t3 = Instant::now();
-        [t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64() * 1e3)
-    };
-    for batch in &batches[..warm] {
+    // With `next`, its rows are prefetched after the lookup is queued (counted in the lookup).
+    let step_with =
+        |tbe: &TableBatchedEmbedding, batch: &Batch, next: Option<&Batch>| -> [f64; 3] {
+            let t0 = Instant::now();
+            let input = TbeInput::new(&batch.ids[..], &batch.offsets[..]);
+            let prepared = tbe.prepare(input).unwrap();
+            let t1 = Instant::now();
+            let out = tbe.lookup_batch(&prepared).unwrap();
+            std::hint::black_box(&out);
+            if let Some(n) = next {
+                tbe.prefetch(TbeInput::new(&n.ids[..], &n.offsets[..]))
+                    .unwrap();
+            }
+            sync();
+            let t2 = Instant::now();
+            tbe.backward_batch(&prepared, &grad).unwrap();
+            sync();
+            let t3 = Instant::now();
+            [t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64() * 1e3)
+        };
+    let step = |tbe: &TableBatchedEmbedding, batch: &Batch| step_with(tbe, batch, None);
+    for (i, batch) in batches[..warm].iter().enumerate() {
         step(&in_ram, batch);
         step(&cached, batch);
+        step_with(&prefetching, batch, batches.get(i + 1));
     }
     cached.reset_cache_stats();
-    let (mut ram_ms, mut cache_ms) = (Vec::new(), Vec::new());
-    for batch in &batches[warm..] {
+    let (mut ram_ms, mut cache_ms, mut prefetch_ms) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, batch) in batches.iter().enumerate().skip(warm) {
         ram_ms.push(step(&in_ram, batch));
         cache_ms.push(step(&cached, batch));
+        prefetch_ms.push(step_with(&prefetching, batch, batches.get(i + 1)));
     }
     let stats = cached.cache_stats().unwrap();
     let sum = |f: fn(&embers::embedding::CacheStats) -> u64| stats.iter().map(f).sum::<u64>();
@@ -152,17 +209,17 @@ fn main() {
     let (read, written) = (sum(|s| s.rows_read), sum(|s| s.rows_written));
     let total = |v: &[[f64; 3]]| median(v.iter().map(|p| p.iter().sum()).collect());
     let part = |v: &[[f64; 3]], i: usize| median(v.iter().map(|p| p[i]).collect());
-    let (ram, cache) = (total(&ram_ms), total(&cache_ms));
+    let (ram, cache, pre) = (total(&ram_ms), total(&cache_ms), total(&prefetch_ms));
     let record = ((d + 1) * 4) as f64;
     println!(
-        "fwd+bwd median: in RAM {ram:.2} ms, cached {cache:.2} ms: cached at {:.2} of in-RAM \
+        "fwd+bwd median: {mem} {ram:.2} ms, cached {cache:.2} ms: cached at {:.2} of {mem} \
          throughput ({:.2} M lookups/s vs {:.2})",
         ram / cache,
         (t * b * l) as f64 / cache / 1e3,
         (t * b * l) as f64 / ram / 1e3,
     );
     println!(
-        "  prepare / lookup / backward medians: in RAM {:.2} / {:.2} / {:.2} ms, cached {:.2} / \
+        "  prepare / lookup / backward medians: {mem} {:.2} / {:.2} / {:.2} ms, cached {:.2} / \
          {:.2} / {:.2} ms",
         part(&ram_ms, 0),
         part(&ram_ms, 1),
@@ -170,6 +227,14 @@ fn main() {
         part(&cache_ms, 0),
         part(&cache_ms, 1),
         part(&cache_ms, 2),
+    );
+    println!(
+        "  prefetching the next batch after each lookup: {pre:.2} ms ({:.2} of {mem}); prepare \
+         / lookup+prefetch / backward medians {:.2} / {:.2} / {:.2} ms",
+        ram / pre,
+        part(&prefetch_ms, 0),
+        part(&prefetch_ms, 1),
+        part(&prefetch_ms, 2),
     );
     println!(
         "per batch: {:.0} ids, {:.0} unique, miss rate {:.4} of unique ids ({:.5} of ids), {:.0} \
@@ -210,6 +275,6 @@ fn main() {
         n as f64 * record / secs / 1e6,
         per_batch / (n as f64 / secs) * 1e3,
     );
-    drop((in_ram, cached));
+    drop((in_ram, cached, prefetching));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -358,11 +358,12 @@ impl Dlrm {
     /// Moves the model to `device`: the tables (with their optimizer state) and the dense
     /// parameters, in place (build the dense optimizer after this). On an error nothing moved.
     pub fn to_device(&mut self, device: Device) -> Result<()> {
+        // The tables may be there already (a cache built on the device) while the dense half
+        // is not: each half moves unless it is there.
         let from = self.device();
-        if device == from {
-            return Ok(());
+        if device != from {
+            self.sparse_arch.to_device(device)?;
         }
-        self.sparse_arch.to_device(device)?;
         if let Err(e) = self.dense.to_device(device) {
             self.sparse_arch.to_device(from)?;
             return Err(e);

@@ -631,33 +631,42 @@ impl CachedTables {
         self.stats[t].rows_written += 1;
     }
 
-    /// Carries out the moves a GPU cache's admission deferred, per table: the dirty victims
-    /// come back from the device and go to the file first, then the new rows go up.
+    /// Carries out the moves a GPU cache's admission deferred: the dirty victims come back
+    /// from the device in one transfer, then each table (in parallel) writes its victims to
+    /// the file and reads its new rows, which go up in one transfer.
     fn apply_moves(&mut self, moves: &[Vec<Move>]) -> Result<()> {
-        let evicted: Vec<(usize, usize, u64)> = (moves.iter().enumerate())
-            .flat_map(|(t, m)| m.iter().filter_map(move |&(s, old, _)| Some((t, s, old?))))
+        let evicted: Vec<(usize, usize)> = (moves.iter().enumerate())
+            .flat_map(|(t, m)| (m.iter()).filter_map(move |&(s, old, _)| old.map(|_| (t, s))))
             .collect();
-        let slots: Vec<(usize, usize)> = evicted.iter().map(|&(t, s, _)| (t, s)).collect();
-        let records = self.take(&slots)?;
-        let mut rec = records.as_slice();
-        for &(t, _, old) in &evicted {
-            let (this, rest) = rec.split_at(self.parts[t].record());
-            self.write_row(t, old, this);
-            rec = rest;
-        }
-        let loaded: Vec<(usize, usize, u64)> = (moves.iter().enumerate())
-            .flat_map(|(t, m)| m.iter().map(move |&(s, _, new)| (t, s, new)))
+        let victims = self.take(&evicted)?;
+        let loaded: Vec<(usize, usize)> = (moves.iter().enumerate())
+            .flat_map(|(t, m)| m.iter().map(move |&(s, _, _)| (t, s)))
             .collect();
-        let len = loaded.iter().map(|&(t, ..)| self.parts[t].record()).sum();
-        let mut records = vec![0.0f32; len];
-        let mut at = 0;
-        for &(t, _, new) in &loaded {
-            let n = self.parts[t].record();
-            self.read_row(t, new, &mut records[at..at + n]);
-            at += n;
+        // Each table's share of the victims' records and of the loaded records.
+        let record: Vec<usize> = self.parts.iter().map(Parts::record).collect();
+        let mut loads = vec![0.0f32; loaded.iter().map(|&(t, _)| record[t]).sum()];
+        let (mut victims_left, mut loads_left) = (&victims[..], &mut loads[..]);
+        let mut shares = Vec::with_capacity(moves.len());
+        for (t, m) in moves.iter().enumerate() {
+            let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
+            let (v, rest) = victims_left.split_at(dirty * record[t]);
+            victims_left = rest;
+            let (l, rest) = std::mem::take(&mut loads_left).split_at_mut(m.len() * record[t]);
+            loads_left = rest;
+            shares.push((m, v, l));
         }
-        let slots: Vec<(usize, usize)> = loaded.iter().map(|&(t, s, _)| (t, s)).collect();
-        self.put(&slots, &records)
+        (self.views().into_par_iter().zip(shares)).for_each(|(mut view, (m, v, l))| {
+            let n = view.parts.record();
+            let mut victims = v.chunks(n.max(1));
+            for (&(_, old, new), rec) in m.iter().zip(l.chunks_mut(n.max(1))) {
+                if let Some(old) = old {
+                    view.write(old, victims.next().expect("one record per dirty victim"));
+                }
+                view.read(new, rec);
+                view.stats.rows_read += 1;
+            }
+        });
+        self.put(&loaded, &loads)
     }
 
     /// Releases the locks of dropped batches.
