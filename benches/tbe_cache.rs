@@ -199,6 +199,7 @@ fn main() {
         prefetch_ms.push(step_with(&prefetching, batch, batches.get(i + 1)));
     }
     let stats = cached.cache_stats().unwrap();
+    let times = cached.cache_times().unwrap();
     let sum = |f: fn(&embers::embedding::CacheStats) -> u64| stats.iter().map(f).sum::<u64>();
     let (ids, uniq, miss, conflicts) = (
         sum(|s| s.requested_ids),
@@ -235,6 +236,16 @@ fn main() {
         part(&prefetch_ms, 0),
         part(&prefetch_ms, 1),
         part(&prefetch_ms, 2),
+    );
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / timed as f64;
+    println!(
+        "  cached admission per batch {:.2} ms: moving rows to and from the file {:.2} ms, \
+         transfers and gather/scatter kernels {:.2} ms, the rest (directory, remap, ids' \
+         upload) {:.2} ms",
+        ms(times.admission),
+        ms(times.file),
+        ms(times.transfer),
+        ms(times.admission - times.file - times.transfer),
     );
     println!(
         "per batch: {:.0} ids, {:.0} unique, miss rate {:.4} of unique ids ({:.5} of ids), {:.0} \

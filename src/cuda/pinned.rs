@@ -207,13 +207,7 @@ impl<T: DeviceElem> Drop for PinnedBuffer<T> {
 
 impl<T: DeviceElem> DeviceBuffer<T> {
     fn check_pinned(&self, op: &'static str, pinned: &PinnedBuffer<T>) -> Result<()> {
-        if !Arc::ptr_eq(self.device(), &pinned.device) {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: Device::Cuda(self.device().ordinal()),
-                rhs: Device::Cuda(pinned.device.ordinal()),
-            });
-        }
+        self.check_prefix(op, pinned, 0)?;
         if pinned.len != self.len() {
             return Err(Error::invalid(
                 op,
@@ -231,47 +225,93 @@ impl<T: DeviceElem> DeviceBuffer<T> {
     /// may go on reading `src`; writing it waits for the copy).
     pub fn copy_from_pinned(&mut self, src: &PinnedBuffer<T>) -> Result<()> {
         self.check_pinned("copy_from_pinned", src)?;
+        self.copy_prefix_from_pinned(src, self.len())
+    }
+
+    /// [`copy_from_pinned`](Self::copy_from_pinned) of the first `len` values only (both
+    /// buffers hold at least `len`).
+    pub(crate) fn copy_prefix_from_pinned(
+        &mut self,
+        src: &PinnedBuffer<T>,
+        len: usize,
+    ) -> Result<()> {
+        self.check_prefix("copy_from_pinned", src, len)?;
+        let bytes = len * std::mem::size_of::<T>();
         let device = self.device().clone();
         match device.driver() {
             Some(d) => {
                 // A copy into `src` queued on another stream comes first.
                 src.order_after_pending(d, device.at())?;
-                // SAFETY: both allocations hold `bytes()` bytes; the event keeps the host from
+                // SAFETY: both allocations hold at least `bytes` bytes (check_prefix); the event keeps the host from
                 // writing or freeing `src` before the copy is done.
                 let e = unsafe {
-                    d.copy_pinned_to_device(device.at(), self.ptr(), src.host_ptr(), self.bytes())?
+                    d.copy_pinned_to_device(device.at(), self.ptr(), src.host_ptr(), bytes)?
                 };
                 src.track(Some(e));
                 Ok(())
             }
             None => {
-                // SAFETY: emulated device memory is host memory of `bytes()` bytes.
-                let host = unsafe { std::slice::from_raw_parts(src.host_ptr(), self.bytes()) };
+                // SAFETY: emulated device memory is host memory of at least `bytes` bytes.
+                let host = unsafe { std::slice::from_raw_parts(src.host_ptr(), bytes) };
                 device.copy_from_host(self.ptr(), host)
             }
         }
+    }
+
+    /// Checks that this buffer and `pinned` share a device and both hold `len` values.
+    fn check_prefix(&self, op: &'static str, pinned: &PinnedBuffer<T>, len: usize) -> Result<()> {
+        if !Arc::ptr_eq(self.device(), &pinned.device) {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: Device::Cuda(self.device().ordinal()),
+                rhs: Device::Cuda(pinned.device.ordinal()),
+            });
+        }
+        if len > pinned.len || len > self.len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{len} values to copy, the pinned buffer holds {}, the device buffer {}",
+                    pinned.len,
+                    self.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Queues a copy of this buffer into `dst` and returns without waiting for it: reading
     /// `dst` ([`PinnedBuffer::as_slice`]) waits.
     pub fn copy_to_pinned(&self, dst: &mut PinnedBuffer<T>) -> Result<()> {
         self.check_pinned("copy_to_pinned", dst)?;
+        self.copy_prefix_to_pinned(dst, self.len())
+    }
+
+    /// [`copy_to_pinned`](Self::copy_to_pinned) of the first `len` values only (both buffers
+    /// hold at least `len`).
+    pub(crate) fn copy_prefix_to_pinned(
+        &self,
+        dst: &mut PinnedBuffer<T>,
+        len: usize,
+    ) -> Result<()> {
+        self.check_prefix("copy_to_pinned", dst, len)?;
+        let bytes = len * std::mem::size_of::<T>();
         let device = self.device().clone();
         match device.driver() {
             Some(d) => {
                 // Earlier copies touching `dst`, on any stream, come first.
                 dst.order_after_pending(d, device.at())?;
-                // SAFETY: both allocations hold `bytes()` bytes; `dst` is borrowed mutably and
+                // SAFETY: both allocations hold at least `bytes` bytes (check_prefix); `dst` is borrowed mutably and
                 // its readers wait for the event.
                 let e = unsafe {
-                    d.copy_device_to_pinned(device.at(), dst.host_ptr(), self.ptr(), self.bytes())?
+                    d.copy_device_to_pinned(device.at(), dst.host_ptr(), self.ptr(), bytes)?
                 };
                 dst.track(Some(e));
                 Ok(())
             }
             None => {
-                // SAFETY: `dst` owns `bytes()` bytes, borrowed mutably.
-                let host = unsafe { std::slice::from_raw_parts_mut(dst.host_ptr(), self.bytes()) };
+                // SAFETY: `dst` owns at least `bytes` bytes, borrowed mutably.
+                let host = unsafe { std::slice::from_raw_parts_mut(dst.host_ptr(), bytes) };
                 device.copy_to_host(host, self.ptr())
             }
         }

@@ -52,6 +52,6 @@ pub use optimizer::{FusedOptimizer, StateShape, WeightDecay};
 pub use storage::{RowBuffer, RowElement};
 pub use tbe::cpu::backward::{BackwardOutput, SparseTableGrad};
 pub use tbe::{
-    planner_cache_stats, CacheConfig, CachePolicy, CacheSize, CacheStats, Placement,
+    planner_cache_stats, CacheConfig, CachePolicy, CacheSize, CacheStats, CacheTimes, Placement,
     TableBatchedEmbedding, TbeBatch, TbeConfig, TbeGradients,
 };

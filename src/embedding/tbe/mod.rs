@@ -22,7 +22,7 @@ use crate::tensor::rng::Rng;
 use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
 use crate::{DType, Device, Error, Result, Tensor};
 pub use cache::trace::planner_cache_stats;
-pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats, Placement};
+pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats, CacheTimes, Placement};
 use cache::{CachedBatch, CachedTables};
 use cpu::backward::{BackwardOutput, SparseTableGrad};
 use cpu::pool::FeatureSlot;

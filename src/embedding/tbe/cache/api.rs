@@ -15,7 +15,7 @@ use std::path::Path;
 use serde_json::json;
 
 use super::store::{copy_with_checksum, io_error};
-use super::CacheStats;
+use super::{CacheStats, CacheTimes};
 use crate::embedding::input::TbeInput;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
 use crate::{Error, Result};
@@ -40,7 +40,17 @@ impl TableBatchedEmbedding {
         }
     }
 
-    /// Zeroes the cache counters (nothing without a cache).
+    /// Where the cache's admissions spent their time since the operator was built or the
+    /// counters reset (`None` unless the tables are cached): in all, moving rows to and from
+    /// the file, and (a GPU cache) copying them to and from the GPU.
+    pub fn cache_times(&self) -> Option<CacheTimes> {
+        match &self.inner.state.read().tables {
+            Tables::Cached(c) => Some(c.times()),
+            _ => None,
+        }
+    }
+
+    /// Zeroes the cache counters and times (nothing without a cache).
     pub fn reset_cache_stats(&self) {
         if let Tables::Cached(c) = &mut self.inner.state.write().tables {
             c.reset_stats();

@@ -38,7 +38,7 @@ use parking_lot::Mutex;
 
 use super::cpu::backward::BackwardOutput;
 use super::cpu::HostTables;
-use super::cuda::records::RecordAt;
+use super::cuda::records::{RecordAt, RecordStaging};
 use super::cuda::{BackwardInput, DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
 use crate::cuda::CudaDevice;
@@ -233,6 +233,21 @@ impl CacheStats {
     }
 }
 
+/// Where a cache's admissions spent their time (wall clock, summed since the operator was
+/// built or [`reset_cache_stats`](crate::embedding::TableBatchedEmbedding::reset_cache_stats)
+/// was called).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CacheTimes {
+    /// Admissions in all (`prepare`, `forward`, `prefetch`), the parts below included.
+    pub admission: std::time::Duration,
+    /// Moving rows between the row file and the cache's staging (a GPU cache; a host cache
+    /// moves rows while admitting, counted in `admission` only).
+    pub file: std::time::Duration,
+    /// Copies between host and GPU and the kernels that gather and scatter cache rows (a GPU
+    /// cache).
+    pub transfer: std::time::Duration,
+}
+
 /// A row served by direct reads: table, row, its scratch row in the cache buffers.
 #[derive(Clone, Copy, Debug)]
 struct Fallback {
@@ -317,6 +332,10 @@ pub(crate) struct CachedTables {
     stats: Vec<CacheStats>,
     /// The locked slots of dropped batches (per batch, per table), not yet unlocked.
     released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
+    /// A GPU cache's pinned staging buffers.
+    staging: RecordStaging,
+    /// Where the admissions' time went.
+    times: CacheTimes,
     /// Admissions made by `prefetch`, oldest first, with the ids and offsets they admitted:
     /// the admission of the same batch takes one instead of admitting it again.
     prefetched: std::collections::VecDeque<(Vec<i64>, Vec<usize>, CachedBatch)>,
@@ -413,6 +432,8 @@ impl CachedTables {
             tick: 0,
             stats,
             released: Arc::new(Mutex::new(Vec::new())),
+            staging: RecordStaging::default(),
+            times: CacheTimes::default(),
             prefetched: Default::default(),
         })
     }
@@ -497,6 +518,12 @@ impl CachedTables {
                 ..CacheStats::default()
             };
         }
+        self.times = CacheTimes::default();
+    }
+
+    /// Where the admissions' time went.
+    pub(crate) fn times(&self) -> CacheTimes {
+        self.times
     }
 
     /// Slots locked by in-flight batches, per table.
@@ -631,21 +658,33 @@ impl CachedTables {
         self.stats[t].rows_written += 1;
     }
 
-    /// Carries out the moves a GPU cache's admission deferred: the dirty victims come back
-    /// from the device in one transfer, then each table (in parallel) writes its victims to
-    /// the file and reads its new rows, which go up in one transfer.
+    /// Carries out the moves a GPU cache's admission deferred: the dirty victims come down
+    /// in one transfer, then each table (in parallel) writes its victims to the file and reads
+    /// its new rows into the staging buffer, which goes up in one transfer.
     fn apply_moves(&mut self, moves: &[Vec<Move>]) -> Result<()> {
         let evicted: Vec<(usize, usize)> = (moves.iter().enumerate())
             .flat_map(|(t, m)| (m.iter()).filter_map(move |&(s, old, _)| old.map(|_| (t, s))))
             .collect();
-        let victims = self.take(&evicted)?;
         let loaded: Vec<(usize, usize)> = (moves.iter().enumerate())
             .flat_map(|(t, m)| m.iter().map(move |&(s, _, _)| (t, s)))
             .collect();
-        // Each table's share of the victims' records and of the loaded records.
+        let starts = self.starts();
+        let (evicted_at, loaded_at) = (
+            self.record_at(&starts, &evicted),
+            self.record_at(&starts, &loaded),
+        );
         let record: Vec<usize> = self.parts.iter().map(Parts::record).collect();
-        let mut loads = vec![0.0f32; loaded.iter().map(|&(t, _)| record[t]).sum()];
-        let (mut victims_left, mut loads_left) = (&victims[..], &mut loads[..]);
+        let load_len = loaded.iter().map(|&(t, _)| record[t]).sum();
+        let mut staging = std::mem::take(&mut self.staging);
+        let CacheRows::Device(d) = &self.rows else {
+            unreachable!("only a GPU cache defers its moves");
+        };
+        let t0 = std::time::Instant::now();
+        let victims = d.take_staged(&evicted_at, &mut staging.at, &mut staging.down)?;
+        let loads = d.stage_up(load_len, &mut staging.up)?;
+        let t1 = std::time::Instant::now();
+        // Each table's share of the victims' records and of the loaded records.
+        let (mut victims_left, mut loads_left) = (victims, &mut loads[..]);
         let mut shares = Vec::with_capacity(moves.len());
         for (t, m) in moves.iter().enumerate() {
             let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
@@ -657,8 +696,8 @@ impl CachedTables {
         }
         (self.views().into_par_iter().zip(shares)).for_each(|(mut view, (m, v, l))| {
             let n = view.parts.record();
-            let mut victims = v.chunks(n.max(1));
-            for (&(_, old, new), rec) in m.iter().zip(l.chunks_mut(n.max(1))) {
+            let mut victims = v.chunks(n);
+            for (&(_, old, new), rec) in m.iter().zip(l.chunks_mut(n)) {
                 if let Some(old) = old {
                     view.write(old, victims.next().expect("one record per dirty victim"));
                 }
@@ -666,7 +705,15 @@ impl CachedTables {
                 view.stats.rows_read += 1;
             }
         });
-        self.put(&loaded, &loads)
+        let t2 = std::time::Instant::now();
+        let CacheRows::Device(d) = &self.rows else {
+            unreachable!("only a GPU cache defers its moves");
+        };
+        let put = d.put_staged(&loaded_at, &mut staging.at, &mut staging.up);
+        self.staging = staging;
+        self.times.transfer += t1 - t0 + t2.elapsed();
+        self.times.file += t2 - t1;
+        put
     }
 
     /// Releases the locks of dropped batches.
@@ -687,6 +734,13 @@ impl CachedTables {
     /// Admits a validated batch: caches (and locks) its rows and gives its ids as cache rows.
     /// Tables are admitted in parallel.
     pub(crate) fn admit(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
+        let start = std::time::Instant::now();
+        let admitted = self.admit_timed(logical, batch);
+        self.times.admission += start.elapsed();
+        admitted
+    }
+
+    fn admit_timed(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
         self.store.check_len()?;
         if let Some(k) = (self.prefetched.iter())
             .position(|(ids, offsets, _)| *offsets == batch.offsets && same_ids(ids, &batch.ids))

@@ -2,9 +2,11 @@
 //! the host in one packed transfer each way (`kernels/tbe_cache.cu`): the data path of a GPU
 //! cache whose rows live in host memory.
 
+use std::sync::Arc;
+
 use super::{DeviceTables, Weights};
 use crate::args;
-use crate::cuda::{DeviceBuffer, LaunchConfig};
+use crate::cuda::{CudaDevice, DeviceBuffer, DeviceElem, LaunchConfig, PinnedBuffer};
 use crate::error::{Error, Result};
 
 crate::kernel_source!(
@@ -29,7 +31,122 @@ impl RecordAt {
     }
 }
 
+/// A pinned host buffer and a device buffer of the same room, grown as needed: values cross
+/// between them in asynchronous copies at the copy engines' speed (pageable copies are staged
+/// by the driver, several times slower).
+pub(crate) struct Staging<T: DeviceElem> {
+    pinned: PinnedBuffer<T>,
+    device: DeviceBuffer<T>,
+}
+
+/// `slot`'s staging, grown (to a power of two) to hold `len` values.
+fn room<'a, T: DeviceElem>(
+    slot: &'a mut Option<Staging<T>>,
+    device: &Arc<CudaDevice>,
+    len: usize,
+) -> Result<&'a mut Staging<T>> {
+    if slot.as_ref().is_none_or(|s| s.device.len() < len) {
+        // The old buffers go first: both may be large.
+        *slot = None;
+        let cap = len.max(1).next_power_of_two();
+        *slot = Some(Staging {
+            pinned: device.pinned(cap)?,
+            device: device.alloc(cap)?,
+        });
+    }
+    Ok(slot.as_mut().expect("made above"))
+}
+
+/// The staging buffers of a GPU cache's record moves: the offsets, records coming down and
+/// records going up.
+#[derive(Default)]
+pub(crate) struct RecordStaging {
+    pub at: Option<Staging<i64>>,
+    pub down: Option<Staging<f32>>,
+    pub up: Option<Staging<f32>>,
+}
+
 impl DeviceTables {
+    /// `at` on the device, through the pinned `staging`.
+    fn stage_at<'s>(
+        &self,
+        at: &[i64],
+        staging: &'s mut Option<Staging<i64>>,
+    ) -> Result<&'s DeviceBuffer<i64>> {
+        let s = room(staging, &self.device, at.len())?;
+        s.pinned.as_mut_slice()?[..at.len()].copy_from_slice(at);
+        s.device.copy_prefix_from_pinned(&s.pinned, at.len())?;
+        Ok(&s.device)
+    }
+
+    /// The records `records`, packed back to back, copied to the pinned half of `down`
+    /// (through `at` for their offsets): the values, once there.
+    pub(crate) fn take_staged<'d>(
+        &self,
+        records: &[RecordAt],
+        at: &mut Option<Staging<i64>>,
+        down: &'d mut Option<Staging<f32>>,
+    ) -> Result<&'d [f32]> {
+        let (offsets, packed) = self.record_offsets(records)?;
+        if packed == 0 {
+            return Ok(&[]);
+        }
+        let d_at = self.stage_at(&offsets, at)?;
+        let s = room(down, &self.device, packed)?;
+        let [w, s0, s1] = self.record_buffers();
+        // Every part lies inside its buffer (record_offsets); the staging holds `packed`.
+        self.device.launch(
+            CACHE.kernel("cache_records_take"),
+            LaunchConfig::warp_per_item(records.len(), WARPS),
+            &args![*w, *s0, *s1, *d_at, records.len() as i64, s.device],
+        )?;
+        s.device.copy_prefix_to_pinned(&mut s.pinned, packed)?;
+        Ok(&s.pinned.as_slice()?[..packed])
+    }
+
+    /// Room for `len` values in the pinned half of `up`, to fill with records before
+    /// [`put_staged`](Self::put_staged).
+    pub(crate) fn stage_up<'u>(
+        &self,
+        len: usize,
+        up: &'u mut Option<Staging<f32>>,
+    ) -> Result<&'u mut [f32]> {
+        let s = room(up, &self.device, len)?;
+        Ok(&mut s.pinned.as_mut_slice()?[..len])
+    }
+
+    /// Writes the records staged in `up` (by [`stage_up`](Self::stage_up), back to back) into
+    /// the rows of `records`.
+    pub(crate) fn put_staged(
+        &self,
+        records: &[RecordAt],
+        at: &mut Option<Staging<i64>>,
+        up: &mut Option<Staging<f32>>,
+    ) -> Result<()> {
+        let (offsets, packed) = self.record_offsets(records)?;
+        if packed == 0 {
+            return Ok(());
+        }
+        let s = match up {
+            Some(s) if s.device.len() >= packed => s,
+            _ => {
+                return Err(Error::invalid(
+                    "cached TBE",
+                    format!("{packed} values to put, fewer staged (internal)"),
+                ))
+            }
+        };
+        s.device.copy_prefix_from_pinned(&s.pinned, packed)?;
+        let d_at = self.stage_at(&offsets, at)?;
+        let [w, s0, s1] = self.record_buffers();
+        // As in take_staged: every part inside its buffer, the staging holds `packed`.
+        self.device.launch(
+            CACHE.kernel("cache_records_put"),
+            LaunchConfig::warp_per_item(records.len(), WARPS),
+            &args![*w, *s0, *s1, *d_at, records.len() as i64, s.device],
+        )
+    }
+
     /// The kernel's `at` array for `records` (packed back to back) and the packed length;
     /// every part checked to lie inside its buffer.
     fn record_offsets(&self, records: &[RecordAt]) -> Result<(Vec<i64>, usize)> {
