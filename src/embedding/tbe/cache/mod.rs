@@ -243,9 +243,62 @@ pub struct CacheTimes {
     /// Moving rows between the row file and the cache's staging (a GPU cache; a host cache
     /// moves rows while admitting, counted in `admission` only).
     pub file: std::time::Duration,
-    /// Copies between host and GPU and the kernels that gather and scatter cache rows (a GPU
-    /// cache).
+    /// Copies between host and GPU (rows, and the batch's ids as cache rows) and the kernels
+    /// that gather and scatter cache rows (a GPU cache).
     pub transfer: std::time::Duration,
+    /// Looking the batch's rows up in the directories and choosing victims (the tables in
+    /// parallel; a host cache's row moves included).
+    pub directory: std::time::Duration,
+}
+
+/// One table's records in the mapped file, read and written from several threads at once, each
+/// record by one thread only.
+struct FileRows {
+    ptr: *mut u8,
+    len: usize,
+    /// Floats per record.
+    record: usize,
+}
+
+// SAFETY: the callers of `read` and `write` keep every record to one thread at a time.
+unsafe impl Sync for FileRows {}
+
+impl FileRows {
+    fn range(&self, row: u64) -> std::ops::Range<usize> {
+        let bytes = self.record * 4;
+        let start = row as usize * bytes;
+        assert!(
+            start + bytes <= self.len,
+            "row {row} is outside the table's records"
+        );
+        start..start + bytes
+    }
+
+    /// Writes `rec` as row `row`'s record.
+    ///
+    /// # Safety
+    /// No other thread reads or writes row `row` meanwhile.
+    unsafe fn write(&self, row: u64, rec: &[f32]) {
+        let range = self.range(row);
+        let src = bytemuck::cast_slice::<f32, u8>(rec);
+        assert_eq!(src.len(), range.len());
+        // SAFETY: the range lies inside the mapping (checked) and only this thread uses it.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(range.start), src.len()) }
+    }
+
+    /// Reads row `row`'s record into `rec`.
+    ///
+    /// # Safety
+    /// No other thread writes row `row` meanwhile.
+    unsafe fn read(&self, row: u64, rec: &mut [f32]) {
+        let range = self.range(row);
+        let dst = bytemuck::cast_slice_mut::<f32, u8>(rec);
+        assert_eq!(dst.len(), range.len());
+        // SAFETY: as in write.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(range.start), dst.as_mut_ptr(), dst.len())
+        }
+    }
 }
 
 /// A row served by direct reads: table, row, its scratch row in the cache buffers.
@@ -694,17 +747,47 @@ impl CachedTables {
             loads_left = rest;
             shares.push((m, v, l));
         }
-        (self.views().into_par_iter().zip(shares)).for_each(|(mut view, (m, v, l))| {
-            let n = view.parts.record();
+        // Every table's moves in chunks, all in parallel: the rows written (the victims,
+        // cached rows, each in one slot) and the rows read (misses, not cached) are distinct
+        // rows, so no two chunks touch the same record.
+        let mut files = Vec::with_capacity(moves.len());
+        for view in self.views() {
+            files.push(FileRows {
+                ptr: view.file.as_mut_ptr(),
+                len: view.file.len(),
+                record: view.parts.record(),
+            });
+        }
+        const CHUNK: usize = 1024;
+        let mut chunks = Vec::new();
+        for (t, (m, mut v, mut l)) in shares.into_iter().enumerate() {
+            let n = record[t];
+            for m in m.chunks(CHUNK) {
+                let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
+                let (vc, rest) = v.split_at(dirty * n);
+                v = rest;
+                let (lc, rest) = std::mem::take(&mut l).split_at_mut(m.len() * n);
+                l = rest;
+                chunks.push((t, m, vc, lc));
+            }
+        }
+        chunks.into_par_iter().for_each(|(t, m, v, l)| {
+            let (file, n) = (&files[t], record[t]);
             let mut victims = v.chunks(n);
             for (&(_, old, new), rec) in m.iter().zip(l.chunks_mut(n)) {
                 if let Some(old) = old {
-                    view.write(old, victims.next().expect("one record per dirty victim"));
+                    let victim = victims.next().expect("one record per dirty victim");
+                    // SAFETY: distinct rows (above); the file outlives the loop.
+                    unsafe { file.write(old, victim) };
                 }
-                view.read(new, rec);
-                view.stats.rows_read += 1;
+                // SAFETY: as above.
+                unsafe { file.read(new, rec) };
             }
         });
+        for (t, m) in moves.iter().enumerate() {
+            self.stats[t].rows_read += m.len() as u64;
+            self.stats[t].rows_written += m.iter().filter(|mv| mv.1.is_some()).count() as u64;
+        }
         let t2 = std::time::Instant::now();
         let CacheRows::Device(d) = &self.rows else {
             unreachable!("only a GPU cache defers its moves");
@@ -767,6 +850,7 @@ impl CachedTables {
                     .collect()
             })
             .collect();
+        let t0 = std::time::Instant::now();
         let admitted: Vec<Option<TableAdmission>> = self
             .views()
             .into_par_iter()
@@ -781,6 +865,7 @@ impl CachedTables {
                 Some(view.admit(&ids, tick))
             })
             .collect();
+        self.times.directory += t0.elapsed();
         let mut remapped = vec![0i64; batch.ids.len()];
         let mut lease = Lease {
             locked: vec![Vec::new(); logical.tables.len()],
@@ -819,9 +904,11 @@ impl CachedTables {
             num_features: batch.num_features,
             kept: batch.kept.clone(),
         };
+        let t0 = std::time::Instant::now();
         let on_device = (self.gpu())
             .map(|d| DeviceBatch::upload(d, &remapped))
             .transpose()?;
+        self.times.transfer += t0.elapsed();
         Ok(CachedBatch {
             remapped,
             on_device,

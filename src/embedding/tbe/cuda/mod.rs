@@ -321,14 +321,18 @@ pub(crate) struct DeviceBatch {
 impl DeviceBatch {
     /// The inputs of `batch` (validated on the host) copied to `device`.
     pub(crate) fn upload(device: &Arc<CudaDevice>, batch: &Batch<'_>) -> Result<Self> {
-        let ids: Vec<i64> = match &batch.ids {
-            Ids::I64(ids) => ids.to_vec(),
-            Ids::I32(ids) => ids.iter().map(|&i| i64::from(i)).collect(),
+        // 64-bit ids go up from where they are (no host copy).
+        let ids = match &batch.ids {
+            Ids::I64(ids) => upload(device, ids)?,
+            Ids::I32(ids) => upload(
+                device,
+                &ids.iter().map(|&i| i64::from(i)).collect::<Vec<_>>(),
+            )?,
         };
         let offsets: Vec<i64> = batch.offsets.iter().map(|&o| o as i64).collect();
         Ok(DeviceBatch {
-            num_ids: ids.len(),
-            ids: upload(device, &ids)?,
+            num_ids: batch.ids.len(),
+            ids,
             offsets: device.htod(&offsets)?,
             weights: (batch.weights.as_deref())
                 .map(|w| upload(device, w))
