@@ -11,7 +11,7 @@
 //! `EMBERS_CACHE_SHAPE="T B D E L"` changes the shape (default `8 2048 64 1000000 20`),
 //! `EMBERS_CACHE_LOAD_FACTOR` the cache (default 0.25), `EMBERS_CACHE_ZIPF` the skew (1.1),
 //! `EMBERS_CACHE_POLICY` the policy (`lru`, the default, or `lfu`), `EMBERS_CACHE_DIR` where the
-//! file goes (default the temp dir).
+//! file goes (default the temp dir; `memory`: the rows in anonymous host memory, no file).
 //!
 //! `EMBERS_CACHE_BATCHES="W N"` warms up on W batches and times N (default 100 40).
 //! `EMBERS_CACHE_DEVICE=cuda` runs the GPU placements instead (GPU 0): rows in host memory
@@ -61,9 +61,12 @@ fn main() {
     };
     let clf = env_f64("EMBERS_CACHE_LOAD_FACTOR", 0.25);
     let s = env_f64("EMBERS_CACHE_ZIPF", 1.1);
+    let in_memory = std::env::var("EMBERS_CACHE_DIR").as_deref() == Ok("memory");
     let dir = std::env::var("EMBERS_CACHE_DIR")
+        .ok()
+        .filter(|_| !in_memory)
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| std::env::temp_dir())
+        .unwrap_or_else(std::env::temp_dir)
         .join(format!("embers-cache-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tables: Vec<TableSpec> = (0..t)
@@ -111,14 +114,22 @@ fn main() {
         Ok("lfu") => CachePolicy::Lfu,
         _ => CachePolicy::Lru,
     };
-    let cache =
-        CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf)).with_policy(policy);
+    let rows_in = |name: &str| match in_memory {
+        true => CacheConfig::in_host_memory(CacheSize::LoadFactor(clf)),
+        false => CacheConfig::new(dir.join(name), CacheSize::LoadFactor(clf)),
+    };
+    println!(
+        "rows: {}",
+        match in_memory {
+            true => "in anonymous host memory".to_string(),
+            false => format!("in files under {}", dir.display()),
+        }
+    );
+    let cache = rows_in("rows.bin").with_policy(policy);
     let cached = TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap();
     // The same cache, each batch's successor prefetched between its lookup and its backward
     // (FBGEMM's pipeline, one host thread).
-    let prefetch_cache =
-        CacheConfig::new(dir.join("rows-prefetch.bin"), CacheSize::LoadFactor(clf))
-            .with_policy(policy);
+    let prefetch_cache = rows_in("rows-prefetch.bin").with_policy(policy);
     let prefetching = TableBatchedEmbedding::new_cached_on(cfg, prefetch_cache, device).unwrap();
     let init = EmbeddingInit::Uniform {
         low: -0.01,
@@ -263,10 +274,16 @@ fn main() {
     );
 
     // The limit misses run into: copying random records out of the mapped file, one thread
-    // (as the cache does), the file in the page cache.
-    let file = std::fs::File::open(dir.join("rows.bin")).unwrap();
-    // SAFETY: the bench's own file, not resized while mapped.
-    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    // (as the cache does), the file in the page cache (or out of as much host memory).
+    drop((in_ram, cached, prefetching));
+    let map: Box<dyn std::ops::Deref<Target = [u8]>> = match in_memory {
+        true => Box::new(vec![1u8; file_bytes as usize]),
+        false => {
+            let file = std::fs::File::open(dir.join("rows.bin")).unwrap();
+            // SAFETY: the bench's own file, not resized while mapped.
+            Box::new(unsafe { memmap2::Mmap::map(&file) }.unwrap())
+        }
+    };
     let n = 2_000_000;
     let rows = (t * e) as u64;
     let offsets: Vec<usize> = (0..n)
@@ -281,12 +298,12 @@ fn main() {
     let secs = start.elapsed().as_secs_f64();
     let per_batch = (read + written) as f64 / timed as f64;
     println!(
-        "limit: random record copies from the mapped file at {:.1} M/s ({:.0} MB/s), one \
+        "limit: random record copies from the rows at {:.1} M/s ({:.0} MB/s), one \
          thread: the batch's {per_batch:.0} reads and write-backs take ≥ {:.2} ms",
         n as f64 / secs / 1e6,
         n as f64 * record / secs / 1e6,
         per_batch / (n as f64 / secs) * 1e3,
     );
-    drop((in_ram, cached, prefetching));
+    drop(map);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -603,7 +603,28 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
 
 #[test]
 fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically() -> Result<()> {
-    let dir = temp_dir("ckpt");
+    checkpoint_round_trip("ckpt", false, Device::Cpu)
+}
+
+#[test]
+fn rows_in_host_memory_train_checkpoint_and_resume_bit_identically() -> Result<()> {
+    checkpoint_round_trip("ckpt-mem", true, Device::Cpu)
+}
+
+#[test]
+fn gpu_rows_in_host_memory_behind_an_hbm_cache_checkpoint_and_resume_bit_identically() -> Result<()>
+{
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    checkpoint_round_trip("gpu-ckpt-mem", true, device)
+}
+
+/// A table four times its cache (in `device`'s memory; rows in a file, or in host memory)
+/// trains, checkpoints and resumes bit-identically to the uncached TBE on `device`, and a bad
+/// checkpoint changes nothing.
+fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Result<()> {
+    let dir = temp_dir(name);
     let optimizer = FusedOptimizer::RowWiseAdagrad {
         lr: 0.05,
         eps: 1e-3,
@@ -617,8 +638,11 @@ fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically()
     // Records are 17 floats: a budget of a quarter of the file.
     let budget = 20_000 * 17 * 4 / 4;
     let make = |name: &str| {
-        let cache = CacheConfig::new(dir.join(name), CacheSize::Bytes(budget));
-        TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+        let cache = match host_memory {
+            true => CacheConfig::in_host_memory(CacheSize::Bytes(budget)),
+            false => CacheConfig::new(dir.join(name), CacheSize::Bytes(budget)),
+        };
+        TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap()
     };
     let steps = batches(&cfg, 12, 64, 10, 1.05, false, 3);
     let reference = TableBatchedEmbedding::new(cfg.clone())?;
@@ -638,6 +662,7 @@ fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically()
         tbe.allocated_bytes()
     );
     assert!(tbe.allocated_bytes() < reference.allocated_bytes() / 3);
+    reference.to_device(device)?;
     train(&reference, &steps[..6], false)?;
     train(&tbe, &steps[..6], true)?;
     tbe.save_cached_checkpoint(dir.join("ckpt"))?;
@@ -651,6 +676,14 @@ fn a_table_four_times_the_cache_trains_checkpoints_and_resumes_bit_identically()
     assert!(state_bits(&resumed)? == at_checkpoint);
     train(&resumed, &steps[6..], false)?;
     assert!(state_bits(&resumed)? == state_bits(&reference)?);
+    if host_memory {
+        // The checkpoint of rows in host memory is an ordinary row file: an operator whose
+        // rows live in a file loads it too.
+        let cache = CacheConfig::new(dir.join("filed.bin"), CacheSize::Bytes(budget));
+        let filed = TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device)?;
+        filed.load_cached_checkpoint(dir.join("ckpt"))?;
+        assert!(state_bits(&filed)? == at_checkpoint);
+    }
     // A corrupt or truncated checkpoint is refused and changes nothing.
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("ckpt/manifest.json")).unwrap())

@@ -279,8 +279,12 @@ struct Args {
     #[arg(long, value_enum, default_value_t = CachePolicyArg::Lru)]
     cache_policy: CachePolicyArg,
     /// With a file placement: the directory of the row files (default `<out>/tables`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cache_host_memory")]
     cache_dir: Option<PathBuf>,
+    /// With a file placement: keep the rows in host memory instead of files (FBGEMM's
+    /// `MANAGED_CACHING` behind a GPU cache: no page-cache write-back of evicted rows).
+    #[arg(long)]
+    cache_host_memory: bool,
     /// With a file placement: bring the next batch's rows into the cache on another thread
     /// while a batch trains (off by default: with every core busy training, as on 2 cores, the
     /// second admission costs more than the overlap hides).
@@ -300,7 +304,12 @@ impl Args {
             CachePolicyArg::Lru => CachePolicy::Lru,
             CachePolicyArg::Lfu => CachePolicy::Lfu,
         };
-        let dir = (self.cache_dir.clone()).unwrap_or_else(|| self.out.join("tables"));
+        // An empty directory: rows in host memory.
+        let dir = match (&self.cache_dir, self.cache_host_memory) {
+            (_, true) => PathBuf::new(),
+            (Some(dir), false) => dir.clone(),
+            (None, false) => self.out.join("tables"),
+        };
         Placement::for_kernel(kernel, Some(self.cache_load_factor), dir, policy)
     }
 }

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use serde_json::json;
 
-use super::store::{copy_with_checksum, io_error};
+use super::store::io_error;
 use super::{CacheStats, CacheTimes};
 use crate::embedding::input::TbeInput;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
@@ -133,7 +133,7 @@ impl TableBatchedEmbedding {
             .map_or(0, |d| d.as_nanos());
         let name = format!("rows-{step}-{nonce:x}.bin");
         let tmp = dir.join(format!(".{name}.tmp"));
-        let checksum = match copy_with_checksum(c.path(), &tmp) {
+        let checksum = match c.store().copy_to(&tmp) {
             Ok(h) => h,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
@@ -238,26 +238,20 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
-        let live = c.path().to_path_buf();
-        let tmp = live.with_extension("restore.tmp");
-        let got = copy_with_checksum(&rows_file, &tmp);
-        let got = match got {
-            Ok(h) if format!("{h:016x}") == checksum => Ok(()),
-            Ok(h) => Err(Error::invalid(
+        // Read (and checked) beside the live rows first; an unaccepted copy goes with `staged`.
+        let staged = c.store().stage(&rows_file)?;
+        let h = staged.checksum();
+        if format!("{h:016x}") != checksum {
+            return Err(Error::invalid(
                 OP,
                 format!(
                     "{}: checksum {h:016x}, the manifest says {checksum} (corrupt)",
                     rows_file.display()
                 ),
-            )),
-            Err(e) => Err(e),
+            ));
         }
-        .and_then(|()| c.check_idle())
-        .and_then(|()| c.store_mut().replace_with(&tmp));
-        if let Err(e) = got {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
+        c.check_idle()?;
+        c.store_mut().commit(staged)?;
         // The old file's rows (dirty ones included) are gone with it: forget them.
         c.invalidate(cfg)?;
         state.step = step;

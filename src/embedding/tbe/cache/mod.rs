@@ -1,8 +1,11 @@
 //! Tables bigger than the memory that computes on them: every row (with its optimizer state)
-//! lives in a backing file ([`store`]), and a set-associative cache in DRAM ([`directory`])
-//! holds the rows in use. The cache's buffers are an ordinary [`HostTables`] whose table `t`
-//! has `slots_t + scratch_t` rows, so forward and the fused backward are the host kernels
-//! themselves, run on a copy of the batch whose ids are cache slots.
+//! lives in a backing file ([`store`]), and a set-associative cache ([`directory`]) holds the
+//! rows in use, in DRAM or in a GPU's memory (FBGEMM's `MANAGED_CACHING`). The cache's buffers
+//! are ordinary tables ([`HostTables`] or [`DeviceTables`]) whose table `t` has
+//! `slots_t + scratch_t` rows, so forward and the fused backward are the host or GPU kernels
+//! themselves, run on a copy of the batch whose ids are cache slots. The directory and the
+//! admission always run on the host; a GPU cache's row moves are deferred to the end of the
+//! admission and cross in one pinned transfer each way (`cuda::records`).
 //!
 //! The life of a batch:
 //! * **admission** (at `prepare`, `forward` or `prefetch`): each table's unique ids are looked
@@ -31,7 +34,7 @@ pub(crate) mod store;
 pub(crate) mod trace;
 mod view;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -99,11 +102,12 @@ pub enum CacheSize {
     Bytes(u64),
 }
 
-/// The DRAM cache of a [`TableBatchedEmbedding`](crate::embedding::TableBatchedEmbedding)
-/// whose rows live in a file.
+/// The cache of a [`TableBatchedEmbedding`](crate::embedding::TableBatchedEmbedding) whose
+/// rows live in a file (or in host memory).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheConfig {
-    /// The backing file (created, or replaced, when the TBE is built).
+    /// The backing file (created, or replaced, when the TBE is built); empty: the rows live in
+    /// anonymous host memory instead ([`in_host_memory`](Self::in_host_memory)).
     pub path: PathBuf,
     /// The cache's size.
     pub size: CacheSize,
@@ -119,6 +123,13 @@ impl CacheConfig {
             size,
             policy: CachePolicy::Lru,
         }
+    }
+
+    /// A cache of `size` over rows kept in anonymous host memory, not a file, LRU: FBGEMM's
+    /// `MANAGED_CACHING` rows for a GPU cache (no page-cache write-back of evicted rows; gone
+    /// with the process — checkpoints still write and read row files).
+    pub fn in_host_memory(size: CacheSize) -> Self {
+        CacheConfig::new(PathBuf::new(), size)
     }
 
     /// The same cache with `policy`.
@@ -139,7 +150,8 @@ pub enum Placement {
     /// (the planner's `fused_uvm_caching`; `fused_uvm` is the smallest cache, one set per
     /// table, so almost every row is read from the file).
     Cached {
-        /// Directory of the row files (created if needed).
+        /// Directory of the row files (created if needed); empty: the rows live in anonymous
+        /// host memory ([`CacheConfig::in_host_memory`]).
         dir: PathBuf,
         /// Each group's cache size.
         size: CacheSize,
@@ -183,6 +195,9 @@ impl Placement {
     pub(crate) fn cache_for(&self, name: &str) -> Result<Option<CacheConfig>> {
         match self {
             Placement::Memory => Ok(None),
+            Placement::Cached { dir, size, policy } if dir.as_os_str().is_empty() => Ok(Some(
+                CacheConfig::in_host_memory(*size).with_policy(*policy),
+            )),
             Placement::Cached { dir, size, policy } => {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| store::io_error(dir, "creating the row files' directory", e))?;
@@ -540,11 +555,6 @@ impl CachedTables {
     /// The replacement policy.
     pub(crate) fn policy(&self) -> CachePolicy {
         self.policy
-    }
-
-    /// The backing file.
-    pub(crate) fn path(&self) -> &Path {
-        self.store.path()
     }
 
     /// Bytes held by the cache buffers (scratch included; in host or GPU memory) and the

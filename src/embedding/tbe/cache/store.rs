@@ -8,6 +8,10 @@
 //! at open and before every batch, so a file truncated under a running operator is an error
 //! naming it. (A truncation racing a batch's copies can still fault: the rule of every mapped
 //! file.)
+//!
+//! Given an empty path, the store is anonymous host memory instead (FBGEMM's rows in host
+//! memory behind a GPU cache): no file, no page-cache write-back, gone with the process;
+//! checkpoints still write and read the same row files.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -29,9 +33,10 @@ pub(crate) struct StoreTable {
     pub record: usize,
 }
 
-/// A file holding the rows and optimizer state of a TBE's tables.
+/// A file (or anonymous host memory) holding the rows and optimizer state of a TBE's tables.
 pub(crate) struct RowStore {
-    file: File,
+    /// `None`: anonymous host memory.
+    file: Option<File>,
     map: Option<MmapMut>,
     path: PathBuf,
     tables: Vec<StoreTable>,
@@ -127,6 +132,9 @@ impl RowStore {
     /// record)`), its blocks allocated.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize)]) -> Result<Self> {
         let (tables, len) = Self::layout(tables)?;
+        if path.as_os_str().is_empty() {
+            return Self::anonymous(tables, len);
+        }
         #[allow(clippy::suspicious_open_options)] // emptied below, once locked
         let file = OpenOptions::new()
             .read(true)
@@ -156,6 +164,29 @@ impl RowStore {
         Ok(store)
     }
 
+    /// An all-zero store in anonymous host memory.
+    fn anonymous(tables: Vec<StoreTable>, len: u64) -> Result<Self> {
+        let path = PathBuf::from("<host memory>");
+        let map = match len {
+            0 => None,
+            _ => Some(Self::anonymous_map(&path, len)?),
+        };
+        Ok(RowStore {
+            file: None,
+            map,
+            path,
+            tables,
+            len,
+        })
+    }
+
+    /// `len` zero bytes of anonymous memory, refused in words when the host lacks them.
+    fn anonymous_map(path: &Path, len: u64) -> Result<MmapMut> {
+        let bytes = usize::try_from(len)
+            .map_err(|_| Error::invalid(OP, format!("{len} bytes do not fit in memory")))?;
+        MmapMut::map_anon(bytes).map_err(|e| io_error(path, &format!("allocating {len} bytes"), e))
+    }
+
     fn mapped(file: File, path: &Path, tables: Vec<StoreTable>, len: u64) -> Result<Self> {
         let map = if len == 0 {
             None
@@ -168,7 +199,7 @@ impl RowStore {
             Some(map)
         };
         Ok(RowStore {
-            file,
+            file: Some(file),
             map,
             path: path.to_path_buf(),
             tables,
@@ -178,8 +209,10 @@ impl RowStore {
 
     /// Refuses a file whose length is not the store's (truncated, or replaced, under it).
     pub(crate) fn check_len(&self) -> Result<()> {
-        let have = self
-            .file
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        let have = file
             .metadata()
             .map_err(|e| io_error(&self.path, "reading the row store's size", e))?
             .len();
@@ -195,11 +228,6 @@ impl RowStore {
             ));
         }
         Ok(())
-    }
-
-    /// The file's path.
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
     }
 
     /// The file's length in bytes.
@@ -250,13 +278,63 @@ impl RowStore {
 
     /// Flushes everything written to the disk (`msync`, then `fsync`).
     pub(crate) fn sync(&self) -> Result<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
         if let Some(map) = &self.map {
             map.flush()
                 .map_err(|e| io_error(&self.path, "writing the row store back", e))?;
         }
-        self.file
-            .sync_all()
+        file.sync_all()
             .map_err(|e| io_error(&self.path, "syncing the row store", e))
+    }
+
+    /// Copies the rows to a new file `dst` (synced) and returns the copy's checksum
+    /// ([`copy_with_checksum`]).
+    pub(crate) fn copy_to(&self, dst: &Path) -> Result<u64> {
+        if self.file.is_some() {
+            return copy_with_checksum(&self.path, dst);
+        }
+        let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
+        let mut output = File::create(dst).map_err(|e| io_error(dst, "creating", e))?;
+        checksum_copy(bytes, &self.path, &mut output, dst)
+    }
+
+    /// Reads a complete store for these tables from `source` (checked for length), ready to
+    /// [`commit`](Self::commit) once its checksum is accepted: a copy of it beside the live
+    /// file (to be renamed over it), or a new anonymous mapping holding it.
+    pub(crate) fn stage(&self, source: &Path) -> Result<Staged> {
+        if self.file.is_some() {
+            let tmp = self.path.with_extension("restore.tmp");
+            let checksum = copy_with_checksum(source, &tmp).inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })?;
+            return Ok(Staged::File(tmp, checksum));
+        }
+        let input = File::open(source).map_err(|e| io_error(source, "opening", e))?;
+        if self.len == 0 {
+            let checksum = checksum_copy(input, source, &mut [][..], &self.path)?;
+            return Ok(Staged::Memory(None, checksum));
+        }
+        let mut map = Self::anonymous_map(&self.path, self.len)?;
+        let checksum = checksum_copy(input, source, &mut map[..], &self.path)?;
+        Ok(Staged::Memory(Some(map), checksum))
+    }
+
+    /// Makes the staged rows the store's (nothing changes on an error).
+    pub(crate) fn commit(&mut self, mut staged: Staged) -> Result<()> {
+        match &mut staged {
+            Staged::Memory(map, _) => {
+                self.map = map.take();
+                Ok(())
+            }
+            Staged::File(tmp, _) => {
+                self.replace_with(tmp)?;
+                // Renamed into place: nothing to remove.
+                *tmp = PathBuf::new();
+                Ok(())
+            }
+        }
     }
 
     /// Replaces the file with `source` (a complete store for these tables, on the same file
@@ -280,14 +358,88 @@ impl RowStore {
     }
 }
 
+/// Rows read for a restore, not yet the store's, with their checksum: a file beside the live
+/// one (removed unless committed), or anonymous memory.
+pub(crate) enum Staged {
+    File(PathBuf, u64),
+    Memory(Option<MmapMut>, u64),
+}
+
+impl Staged {
+    /// The checksum of the rows read.
+    pub(crate) fn checksum(&self) -> u64 {
+        match self {
+            Staged::File(_, h) | Staged::Memory(_, h) => *h,
+        }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        // A committed file was renamed away and its path taken.
+        if let Staged::File(p, _) = self {
+            if !p.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+}
+
+/// Where [`checksum_copy`] writes: a new file, or memory of exactly the input's length.
+trait CopyTarget {
+    /// Writes `bytes` at byte `at` (the bytes so far).
+    fn put(&mut self, bytes: &[u8], at: usize) -> std::io::Result<()>;
+    /// Called once all `len` bytes are written.
+    fn finish(&mut self, len: usize) -> std::io::Result<()>;
+}
+
+impl CopyTarget for File {
+    fn put(&mut self, bytes: &[u8], _at: usize) -> std::io::Result<()> {
+        std::io::Write::write_all(self, bytes)
+    }
+    fn finish(&mut self, _len: usize) -> std::io::Result<()> {
+        self.sync_all()
+    }
+}
+
+impl CopyTarget for [u8] {
+    fn put(&mut self, bytes: &[u8], at: usize) -> std::io::Result<()> {
+        let dst = self.get_mut(at..at + bytes.len()).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "longer than the tables")
+        })?;
+        dst.copy_from_slice(bytes);
+        Ok(())
+    }
+    fn finish(&mut self, len: usize) -> std::io::Result<()> {
+        if len != self.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("{len} bytes, the tables need {}", self.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Copies `src` to a new file `dst` (flushed to disk) and returns the copy's checksum, a
 /// 64-bit FNV-1a over the file's 8-byte words (a final partial word zero-padded).
 pub(crate) fn copy_with_checksum(src: &Path, dst: &Path) -> Result<u64> {
-    use std::io::{Read, Write};
-    let mut input = File::open(src).map_err(|e| io_error(src, "opening to copy", e))?;
+    let input = File::open(src).map_err(|e| io_error(src, "opening to copy", e))?;
     let mut output = File::create(dst).map_err(|e| io_error(dst, "creating", e))?;
+    checksum_copy(input, src, &mut output, dst)
+}
+
+/// Copies everything `input` (called `src` in messages) holds into `output` (called `dst`) and
+/// returns its checksum (as [`copy_with_checksum`]).
+fn checksum_copy(
+    mut input: impl std::io::Read,
+    src: &Path,
+    output: &mut (impl CopyTarget + ?Sized),
+    dst: &Path,
+) -> Result<u64> {
     let mut buf = vec![0u8; 8 << 20];
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut written = 0;
     loop {
         let mut n = 0;
         while n < buf.len() {
@@ -307,15 +459,16 @@ pub(crate) fn copy_with_checksum(src: &Path, dst: &Path) -> Result<u64> {
             hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3);
         }
         output
-            .write_all(&buf[..n])
+            .put(&buf[..n], written)
             .map_err(|e| io_error(dst, "writing a copy", e))?;
+        written += n;
         if n < buf.len() {
             break;
         }
     }
     output
-        .sync_all()
-        .map_err(|e| io_error(dst, "syncing a copy", e))?;
+        .finish(written)
+        .map_err(|e| io_error(dst, "finishing a copy", e))?;
     Ok(hash)
 }
 
