@@ -278,7 +278,8 @@ struct Args {
     /// With a file placement: the cache's replacement policy.
     #[arg(long, value_enum, default_value_t = CachePolicyArg::Lru)]
     cache_policy: CachePolicyArg,
-    /// With a file placement: the directory of the row files (default `<out>/tables`).
+    /// With a file placement: the directory of the row files (default `<out>/tables`; with
+    /// `--device cuda`, host memory unless this is given, as FBGEMM's `MANAGED_CACHING`).
     #[arg(long, conflicts_with = "cache_host_memory")]
     cache_dir: Option<PathBuf>,
     /// With a file placement: keep the rows in host memory instead of files (FBGEMM's
@@ -308,6 +309,7 @@ impl Args {
         let dir = match (&self.cache_dir, self.cache_host_memory) {
             (_, true) => PathBuf::new(),
             (Some(dir), false) => dir.clone(),
+            (None, false) if self.device != embers::Device::Cpu => PathBuf::new(),
             (None, false) => self.out.join("tables"),
         };
         Placement::for_kernel(kernel, Some(self.cache_load_factor), dir, policy)
