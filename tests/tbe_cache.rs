@@ -953,3 +953,44 @@ fn every_entry_point_of_a_cached_tbe_matches_the_uncached_one() -> Result<()> {
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
+
+/// A batch prefetched with per-sample weights and then looked up without them (or the other
+/// way round) is looked up with its own weights, on the host and on a GPU.
+#[test]
+fn a_prefetched_batch_is_looked_up_with_its_own_weights() -> Result<()> {
+    let mut devices = vec![Device::Cpu];
+    devices.extend(cuda_device::device());
+    for device in devices {
+        let dir = temp_dir(&format!("weights-{device:?}"));
+        let cfg = config(
+            FusedOptimizer::Sgd { lr: 0.1 },
+            PoolingMode::Sum,
+            WeightDecay::None,
+        );
+        let step = &batches(&cfg, 1, 8, 4, 1.1, true, 5)[0];
+        let reference = TableBatchedEmbedding::new(cfg.clone())?;
+        let tbe = cached_on(&cfg, &dir, "rows.bin", CacheSize::LoadFactor(0.5), device);
+        for t in [&reference, &tbe] {
+            t.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(2))?;
+        }
+        reference.to_device(device)?;
+        let bare = TbeInput::new(&step.ids[..], &step.offsets[..]);
+        let bits = |t: Tensor| -> Result<Vec<u32>> {
+            Ok(t.to_vec::<f32>()?.iter().map(|x| x.to_bits()).collect())
+        };
+        for (prefetched, looked_up) in [(step.input(), bare), (bare, step.input())] {
+            tbe.prefetch(prefetched)?;
+            assert!(
+                bits(tbe.lookup(looked_up)?)? == bits(reference.lookup(looked_up)?)?,
+                "{device:?}"
+            );
+        }
+        assert_eq!(
+            tbe.cache_stats().unwrap()[0].calls,
+            2,
+            "both prefetches taken"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    Ok(())
+}

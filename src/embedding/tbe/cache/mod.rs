@@ -842,7 +842,12 @@ impl CachedTables {
             let (_, _, mut admitted) = self.prefetched.remove(k).expect("a queued admission");
             admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
             admitted.remapped.kept = batch.kept.clone();
-            if let (Some(d), Some(_)) = (self.gpu(), &batch.weights) {
+            // A GPU copy made with other weights (or with weights, now none) is made again.
+            let had_weights = (admitted.on_device.as_ref()).is_some_and(|b| b.weights.is_some());
+            if let Some(d) = self
+                .gpu()
+                .filter(|_| had_weights || batch.weights.is_some())
+            {
                 admitted.on_device = Some(DeviceBatch::upload(d, &admitted.remapped)?);
             }
             return Ok(admitted);
