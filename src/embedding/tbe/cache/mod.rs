@@ -5,7 +5,7 @@
 //! `slots_t + scratch_t` rows, so forward and the fused backward are the host or GPU kernels
 //! themselves, run on a copy of the batch whose ids are cache slots. The directory and the
 //! admission always run on the host; a GPU cache's row moves are deferred to the end of the
-//! admission and cross in one pinned transfer each way (`cuda::records`).
+//! admission and cross in one pinned transfer each way ([`gpu`], `cuda::records`).
 //!
 //! The life of a batch:
 //! * **admission** (at `prepare`, `forward` or `prefetch`): each table's unique ids are looked
@@ -29,12 +29,13 @@
 //! then means what it says, and no table can evict another's rows.
 
 mod api;
+mod config;
 pub(crate) mod directory;
+mod gpu;
 pub(crate) mod store;
 pub(crate) mod trace;
 mod view;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -42,12 +43,11 @@ use parking_lot::Mutex;
 use super::cpu::backward::BackwardOutput;
 use super::cpu::HostTables;
 use super::cuda::records::{RecordAt, RecordStaging};
-use super::cuda::{BackwardInput, DeviceBatch, DeviceTables};
+use super::cuda::{DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
 use crate::cuda::CudaDevice;
 use crate::embedding::input::{Batch, Ids};
-use crate::embedding::optimizer::{FusedOptimizer, WeightDecay};
-use crate::tensor::RowSparseGrad;
+use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Device, Error, Result, Tensor};
 use directory::{Directory, SLOT_BYTES, WAYS};
 use rayon::prelude::*;
@@ -56,265 +56,7 @@ use view::{TableAdmission, TableView};
 
 const OP: &str = "cached TBE";
 
-/// Which cached row makes room for a new one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum CachePolicy {
-    /// Least recently used (the row whose last batch is oldest).
-    #[default]
-    Lru,
-    /// Least frequently used (fewest accesses since the TBE was built, counted for every row,
-    /// cached or not; ties go to the least recently used).
-    Lfu,
-}
-
-impl CachePolicy {
-    /// `lru` or `lfu` (FBGEMM's `CacheAlgorithm` names in lower case).
-    pub fn name(self) -> &'static str {
-        match self {
-            CachePolicy::Lru => "lru",
-            CachePolicy::Lfu => "lfu",
-        }
-    }
-
-    /// The policy called `name` (`lru` or `lfu`).
-    pub fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "lru" => Ok(CachePolicy::Lru),
-            "lfu" => Ok(CachePolicy::Lfu),
-            _ => Err(Error::invalid(
-                OP,
-                format!("unknown cache policy `{name}` (lru or lfu)"),
-            )),
-        }
-    }
-}
-
-/// How large the DRAM cache is.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum CacheSize {
-    /// A fraction of every table's rows (the planner's `cache_load_factor`), rounded up to
-    /// whole 32-way sets, at least one set per table.
-    LoadFactor(f64),
-    /// A byte budget for cached rows, their optimizer state and the directory (24 bytes a
-    /// slot), shared among the tables in proportion to their sizes (rounded down to whole
-    /// sets, at least one set per table). LFU's access counts (4 bytes per table row) and
-    /// scratch rows for conflict misses come on top.
-    Bytes(u64),
-}
-
-/// The cache of a [`TableBatchedEmbedding`](crate::embedding::TableBatchedEmbedding) whose
-/// rows live in a file (or in host memory).
-#[derive(Clone, Debug, PartialEq)]
-pub struct CacheConfig {
-    /// The backing file (created, or replaced, when the TBE is built); empty: the rows live in
-    /// anonymous host memory instead ([`in_host_memory`](Self::in_host_memory)).
-    pub path: PathBuf,
-    /// The cache's size.
-    pub size: CacheSize,
-    /// The replacement policy.
-    pub policy: CachePolicy,
-}
-
-impl CacheConfig {
-    /// A cache of `size` over the file `path`, LRU.
-    pub fn new(path: impl Into<PathBuf>, size: CacheSize) -> Self {
-        CacheConfig {
-            path: path.into(),
-            size,
-            policy: CachePolicy::Lru,
-        }
-    }
-
-    /// A cache of `size` over rows kept in anonymous host memory, not a file, LRU: FBGEMM's
-    /// `MANAGED_CACHING` rows for a GPU cache (no page-cache write-back of evicted rows; gone
-    /// with the process — checkpoints still write and read row files).
-    pub fn in_host_memory(size: CacheSize) -> Self {
-        CacheConfig::new(PathBuf::new(), size)
-    }
-
-    /// The same cache with `policy`.
-    pub fn with_policy(mut self, policy: CachePolicy) -> Self {
-        self.policy = policy;
-        self
-    }
-}
-
-/// Where the tables of a collection live (the placement the planner's compute kernel asks
-/// for, on a host).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub enum Placement {
-    /// In the memory of the device the model runs on (the planner's `fused`).
-    #[default]
-    Memory,
-    /// In files under `dir` (one per table group), each behind a DRAM cache of `size`
-    /// (the planner's `fused_uvm_caching`; `fused_uvm` is the smallest cache, one set per
-    /// table, so almost every row is read from the file).
-    Cached {
-        /// Directory of the row files (created if needed); empty: the rows live in anonymous
-        /// host memory ([`CacheConfig::in_host_memory`]).
-        dir: PathBuf,
-        /// Each group's cache size.
-        size: CacheSize,
-        /// The replacement policy.
-        policy: CachePolicy,
-    },
-}
-
-impl Placement {
-    /// The placement the planner's kernel `kernel` (`dense`, `fused`, `fused_uvm`,
-    /// `fused_uvm_caching`) asks for, with its `cache_load_factor` (FBGEMM's default 0.2 when
-    /// none), row files under `dir`.
-    pub fn for_kernel(
-        kernel: &str,
-        cache_load_factor: Option<f64>,
-        dir: impl Into<PathBuf>,
-        policy: CachePolicy,
-    ) -> Result<Placement> {
-        let size = match kernel {
-            "dense" | "fused" => return Ok(Placement::Memory),
-            "fused_uvm" => CacheSize::LoadFactor(f64::MIN_POSITIVE),
-            "fused_uvm_caching" => CacheSize::LoadFactor(cache_load_factor.unwrap_or(0.2)),
-            _ => {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "no placement for compute kernel `{kernel}` (dense, fused, fused_uvm, \
-                         fused_uvm_caching)"
-                    ),
-                ))
-            }
-        };
-        Ok(Placement::Cached {
-            dir: dir.into(),
-            size,
-            policy,
-        })
-    }
-
-    /// The cache of the group whose row file is called `name`, if cached.
-    pub(crate) fn cache_for(&self, name: &str) -> Result<Option<CacheConfig>> {
-        match self {
-            Placement::Memory => Ok(None),
-            Placement::Cached { dir, size, policy } if dir.as_os_str().is_empty() => Ok(Some(
-                CacheConfig::in_host_memory(*size).with_policy(*policy),
-            )),
-            Placement::Cached { dir, size, policy } => {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| store::io_error(dir, "creating the row files' directory", e))?;
-                Ok(Some(CacheConfig {
-                    path: dir.join(name),
-                    size: *size,
-                    policy: *policy,
-                }))
-            }
-        }
-    }
-}
-
-/// One table's cache counters, as FBGEMM's cache statistics report them.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CacheStats {
-    /// The table.
-    pub table: String,
-    /// Slots of the cache (sets × 32).
-    pub slots: usize,
-    /// Admissions (batches prepared, looked up or prefetched) that read this table.
-    pub calls: u64,
-    /// Ids looked up, duplicates included.
-    pub requested_ids: u64,
-    /// Distinct ids per admission, summed.
-    pub unique_ids: u64,
-    /// Distinct ids not cached when their admission began, summed.
-    pub unique_misses: u64,
-    /// Misses that found every way of their set locked by in-flight batches and were served
-    /// by direct reads (not cached).
-    pub conflict_misses: u64,
-    /// Cached rows evicted to make room.
-    pub evictions: u64,
-    /// Row records read from the file.
-    pub rows_read: u64,
-    /// Row records written to the file.
-    pub rows_written: u64,
-}
-
-impl CacheStats {
-    /// `unique_misses / unique_ids` (0 before any lookup).
-    pub fn miss_rate(&self) -> f64 {
-        if self.unique_ids == 0 {
-            0.0
-        } else {
-            self.unique_misses as f64 / self.unique_ids as f64
-        }
-    }
-}
-
-/// Where a cache's admissions spent their time (wall clock, summed since the operator was
-/// built or [`reset_cache_stats`](crate::embedding::TableBatchedEmbedding::reset_cache_stats)
-/// was called).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct CacheTimes {
-    /// Admissions in all (`prepare`, `forward`, `prefetch`), the parts below included.
-    pub admission: std::time::Duration,
-    /// Moving rows between the row file and the cache's staging (a GPU cache; a host cache
-    /// moves rows while admitting, counted in `admission` only).
-    pub file: std::time::Duration,
-    /// Copies between host and GPU (rows, and the batch's ids as cache rows) and the kernels
-    /// that gather and scatter cache rows (a GPU cache).
-    pub transfer: std::time::Duration,
-    /// Looking the batch's rows up in the directories and choosing victims (the tables in
-    /// parallel; a host cache's row moves included).
-    pub directory: std::time::Duration,
-}
-
-/// One table's records in the mapped file, read and written from several threads at once, each
-/// record by one thread only.
-struct FileRows {
-    ptr: *mut u8,
-    len: usize,
-    /// Floats per record.
-    record: usize,
-}
-
-// SAFETY: the callers of `read` and `write` keep every record to one thread at a time.
-unsafe impl Sync for FileRows {}
-
-impl FileRows {
-    fn range(&self, row: u64) -> std::ops::Range<usize> {
-        let bytes = self.record * 4;
-        let start = row as usize * bytes;
-        assert!(
-            start + bytes <= self.len,
-            "row {row} is outside the table's records"
-        );
-        start..start + bytes
-    }
-
-    /// Writes `rec` as row `row`'s record.
-    ///
-    /// # Safety
-    /// No other thread reads or writes row `row` meanwhile.
-    unsafe fn write(&self, row: u64, rec: &[f32]) {
-        let range = self.range(row);
-        let src = bytemuck::cast_slice::<f32, u8>(rec);
-        assert_eq!(src.len(), range.len());
-        // SAFETY: the range lies inside the mapping (checked) and only this thread uses it.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(range.start), src.len()) }
-    }
-
-    /// Reads row `row`'s record into `rec`.
-    ///
-    /// # Safety
-    /// No other thread writes row `row` meanwhile.
-    unsafe fn read(&self, row: u64, rec: &mut [f32]) {
-        let range = self.range(row);
-        let dst = bytemuck::cast_slice_mut::<f32, u8>(rec);
-        assert_eq!(dst.len(), range.len());
-        // SAFETY: as in write.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.add(range.start), dst.as_mut_ptr(), dst.len())
-        }
-    }
-}
+pub use config::{CacheConfig, CachePolicy, CacheSize, CacheStats, CacheTimes, Placement};
 
 /// A row served by direct reads: table, row, its scratch row in the cache buffers.
 #[derive(Clone, Copy, Debug)]
@@ -721,94 +463,6 @@ impl CachedTables {
         self.stats[t].rows_written += 1;
     }
 
-    /// Carries out the moves a GPU cache's admission deferred: the dirty victims come down
-    /// in one transfer, then each table (in parallel) writes its victims to the file and reads
-    /// its new rows into the staging buffer, which goes up in one transfer.
-    fn apply_moves(&mut self, moves: &[Vec<Move>]) -> Result<()> {
-        let evicted: Vec<(usize, usize)> = (moves.iter().enumerate())
-            .flat_map(|(t, m)| (m.iter()).filter_map(move |&(s, old, _)| old.map(|_| (t, s))))
-            .collect();
-        let loaded: Vec<(usize, usize)> = (moves.iter().enumerate())
-            .flat_map(|(t, m)| m.iter().map(move |&(s, _, _)| (t, s)))
-            .collect();
-        let starts = self.starts();
-        let (evicted_at, loaded_at) = (
-            self.record_at(&starts, &evicted),
-            self.record_at(&starts, &loaded),
-        );
-        let record: Vec<usize> = self.parts.iter().map(Parts::record).collect();
-        let load_len = loaded.iter().map(|&(t, _)| record[t]).sum();
-        let mut staging = std::mem::take(&mut self.staging);
-        let CacheRows::Device(d) = &self.rows else {
-            unreachable!("only a GPU cache defers its moves");
-        };
-        let t0 = std::time::Instant::now();
-        let victims = d.take_staged(&evicted_at, &mut staging.at, &mut staging.down)?;
-        let loads = d.stage_up(load_len, &mut staging.up)?;
-        let t1 = std::time::Instant::now();
-        // Each table's share of the victims' records and of the loaded records.
-        let (mut victims_left, mut loads_left) = (victims, &mut loads[..]);
-        let mut shares = Vec::with_capacity(moves.len());
-        for (t, m) in moves.iter().enumerate() {
-            let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
-            let (v, rest) = victims_left.split_at(dirty * record[t]);
-            victims_left = rest;
-            let (l, rest) = std::mem::take(&mut loads_left).split_at_mut(m.len() * record[t]);
-            loads_left = rest;
-            shares.push((m, v, l));
-        }
-        // Every table's moves in chunks, all in parallel: the rows written (the victims,
-        // cached rows, each in one slot) and the rows read (misses, not cached) are distinct
-        // rows, so no two chunks touch the same record.
-        let mut files = Vec::with_capacity(moves.len());
-        for view in self.views() {
-            files.push(FileRows {
-                ptr: view.file.as_mut_ptr(),
-                len: view.file.len(),
-                record: view.parts.record(),
-            });
-        }
-        const CHUNK: usize = 1024;
-        let mut chunks = Vec::new();
-        for (t, (m, mut v, mut l)) in shares.into_iter().enumerate() {
-            let n = record[t];
-            for m in m.chunks(CHUNK) {
-                let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
-                let (vc, rest) = v.split_at(dirty * n);
-                v = rest;
-                let (lc, rest) = std::mem::take(&mut l).split_at_mut(m.len() * n);
-                l = rest;
-                chunks.push((t, m, vc, lc));
-            }
-        }
-        chunks.into_par_iter().for_each(|(t, m, v, l)| {
-            let (file, n) = (&files[t], record[t]);
-            let mut victims = v.chunks(n);
-            for (&(_, old, new), rec) in m.iter().zip(l.chunks_mut(n)) {
-                if let Some(old) = old {
-                    let victim = victims.next().expect("one record per dirty victim");
-                    // SAFETY: distinct rows (above); the file outlives the loop.
-                    unsafe { file.write(old, victim) };
-                }
-                // SAFETY: as above.
-                unsafe { file.read(new, rec) };
-            }
-        });
-        for (t, m) in moves.iter().enumerate() {
-            self.stats[t].rows_read += m.len() as u64;
-            self.stats[t].rows_written += m.iter().filter(|mv| mv.1.is_some()).count() as u64;
-        }
-        let t2 = std::time::Instant::now();
-        let CacheRows::Device(d) = &self.rows else {
-            unreachable!("only a GPU cache defers its moves");
-        };
-        let put = d.put_staged(&loaded_at, &mut staging.at, &mut staging.up);
-        self.staging = staging;
-        self.times.transfer += t1 - t0 + t2.elapsed();
-        self.times.file += t2 - t1;
-        put
-    }
-
     /// Releases the locks of dropped batches.
     pub(crate) fn drain_released(&mut self) {
         let released = std::mem::take(&mut *self.released.lock());
@@ -1132,68 +786,6 @@ impl CachedTables {
             }
         }
         Ok(out)
-    }
-
-    /// The fused backward of an admitted batch on a GPU cache (`grad_output` on the GPU):
-    /// the per-sample weights' gradient (the kernel's, in kept positions) and, with
-    /// [`FusedOptimizer::None`], every table's row-sparse gradient in table rows.
-    pub(crate) fn backward_device(
-        &mut self,
-        batch: &CachedBatch,
-        grad_output: &Tensor,
-        optimizer: FusedOptimizer,
-        decay: WeightDecay,
-        step: u64,
-    ) -> Result<(Option<Tensor>, Option<Vec<RowSparseGrad>>)> {
-        let fallback = &batch.lease.fallback;
-        self.store.check_len()?;
-        self.sync_scratch(fallback, true)?;
-        let (CacheRows::Device(tables), Some(on_device)) = (&mut self.rows, &batch.on_device)
-        else {
-            return Err(super::moved_error());
-        };
-        let grads = tables.backward(BackwardInput {
-            batch: on_device,
-            grad_output,
-            optimizer,
-            decay,
-            step,
-            weights_grad: on_device.weights.is_some(),
-        })?;
-        if optimizer != FusedOptimizer::None {
-            self.mark_dirty(batch);
-            self.sync_scratch(fallback, false)?;
-        }
-        let sparse = match grads.sparse {
-            None => None,
-            Some((rows, values)) => {
-                let row_offsets = &self.layout.row_offsets;
-                let mut per_table = Vec::with_capacity(self.cfg.tables.len());
-                for (t, spec) in self.cfg.tables.iter().enumerate() {
-                    let (first, end) = (row_offsets[t] as i64, row_offsets[t + 1] as i64);
-                    let a = rows.partition_point(|&r| r < first);
-                    let b = rows.partition_point(|&r| r < end);
-                    let mut order: Vec<(i64, usize)> = (rows[a..b].iter().enumerate())
-                        .map(|(k, &r)| (self.row_of(t, (r - first) as usize, fallback) as i64, k))
-                        .collect();
-                    order.sort_unstable();
-                    let positions: Vec<i64> = order.iter().map(|&(_, k)| k as i64).collect();
-                    let positions =
-                        Tensor::from_vec(positions, &[order.len()])?.to_device(self.device())?;
-                    let values = (values.narrow(0, a, b - a)?.narrow(1, 0, spec.dim)?)
-                        .contiguous()?
-                        .index_select(&positions)?;
-                    per_table.push(RowSparseGrad {
-                        rows: order.iter().map(|&(r, _)| r).collect(),
-                        values,
-                        // The logical table's rows (the spec here is cache-shaped).
-                        num_rows: self.store.table(t).rows,
-                    });
-                }
-                Some(per_table)
-            }
-        };
-        Ok((grads.weights_grad, sparse))
     }
 
     /// Writes every dirty cached row back to the file and syncs it.
