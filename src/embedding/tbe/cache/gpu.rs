@@ -62,8 +62,8 @@ impl FileRows {
 
 impl CachedTables {
     /// Carries out the moves a GPU cache's admission deferred: the dirty victims come down
-    /// in one transfer, then each table (in parallel) writes its victims to the file and reads
-    /// its new rows into the staging buffer, which goes up in one transfer.
+    /// in one transfer, then the moves (in chunks over every core) write the victims to the
+    /// store and read the new rows into the staging buffer, which goes up in one transfer.
     pub(super) fn apply_moves(&mut self, moves: &[Vec<Move>]) -> Result<()> {
         let evicted: Vec<(usize, usize)> = (moves.iter().enumerate())
             .flat_map(|(t, m)| (m.iter()).filter_map(move |&(s, old, _)| old.map(|_| (t, s))))
@@ -86,17 +86,6 @@ impl CachedTables {
         let victims = d.take_staged(&evicted_at, &mut staging.at, &mut staging.down)?;
         let loads = d.stage_up(load_len, &mut staging.up)?;
         let t1 = std::time::Instant::now();
-        // Each table's share of the victims' records and of the loaded records.
-        let (mut victims_left, mut loads_left) = (victims, &mut loads[..]);
-        let mut shares = Vec::with_capacity(moves.len());
-        for (t, m) in moves.iter().enumerate() {
-            let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
-            let (v, rest) = victims_left.split_at(dirty * record[t]);
-            victims_left = rest;
-            let (l, rest) = std::mem::take(&mut loads_left).split_at_mut(m.len() * record[t]);
-            loads_left = rest;
-            shares.push((m, v, l));
-        }
         // Every table's moves in chunks, all in parallel: the rows written (the victims,
         // cached rows, each in one slot) and the rows read (misses, not cached) are distinct
         // rows, so no two chunks touch the same record.
@@ -108,9 +97,12 @@ impl CachedTables {
                 record: view.parts.record(),
             });
         }
+        // Each chunk's share of the victims' records and of the loaded records (both in move
+        // order, table by table).
         const CHUNK: usize = 1024;
+        let (mut v, mut l) = (victims, &mut loads[..]);
         let mut chunks = Vec::new();
-        for (t, (m, mut v, mut l)) in shares.into_iter().enumerate() {
+        for (t, m) in moves.iter().enumerate() {
             let n = record[t];
             for m in m.chunks(CHUNK) {
                 let dirty = m.iter().filter(|mv| mv.1.is_some()).count();
@@ -188,10 +180,8 @@ impl CachedTables {
                     let (first, end) = (row_offsets[t] as i64, row_offsets[t + 1] as i64);
                     let a = rows.partition_point(|&r| r < first);
                     let b = rows.partition_point(|&r| r < end);
-                    let mut order: Vec<(i64, usize)> = (rows[a..b].iter().enumerate())
-                        .map(|(k, &r)| (self.row_of(t, (r - first) as usize, fallback) as i64, k))
-                        .collect();
-                    order.sort_unstable();
+                    let idx = rows[a..b].iter().map(|&r| (r - first) as usize);
+                    let order = self.by_table_row(t, idx, fallback);
                     let positions: Vec<i64> = order.iter().map(|&(_, k)| k as i64).collect();
                     let positions =
                         Tensor::from_vec(positions, &[order.len()])?.to_device(self.device())?;

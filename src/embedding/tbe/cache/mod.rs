@@ -721,20 +721,31 @@ impl CachedTables {
         }
     }
 
-    /// The table row held by cache row `idx` of table `t` for a batch whose direct reads are
-    /// `fallback`.
-    fn row_of(&self, t: usize, idx: usize, fallback: &[Fallback]) -> u64 {
+    /// Table `t`'s cache rows `idx` as the table rows they hold for a batch whose direct reads
+    /// are `fallback`, each with its position in `idx`, sorted by table row.
+    fn by_table_row(
+        &self,
+        t: usize,
+        idx: impl Iterator<Item = usize>,
+        fallback: &[Fallback],
+    ) -> Vec<(i64, usize)> {
         let slots = self.dirs[t].slots();
-        if idx < slots {
-            self.dirs[t]
-                .row_of(idx)
-                .expect("a locked slot holds its row")
-        } else {
-            (fallback.iter())
-                .find(|f| f.table == t && f.pos == idx)
-                .expect("a scratch row serves a direct read")
-                .row
+        // Scratch row → the row it serves.
+        let mut scratch = vec![0u64; self.scratch[t]];
+        for f in fallback.iter().filter(|f| f.table == t) {
+            scratch[f.pos - slots] = f.row;
         }
+        let mut order: Vec<(i64, usize)> = (idx.enumerate())
+            .map(|(k, i)| {
+                let row = match i < slots {
+                    true => (self.dirs[t].row_of(i)).expect("a locked slot holds its row"),
+                    false => scratch[i - slots],
+                };
+                (row as i64, k)
+            })
+            .collect();
+        order.sort_unstable();
+        order
     }
 
     /// The fused backward of an admitted batch on a host cache; sparse gradients come back
@@ -773,10 +784,7 @@ impl CachedTables {
             read.dedup();
             for (g, &t) in grads.iter_mut().zip(&read) {
                 let dim = g.dim;
-                let mut order: Vec<(i64, usize)> = (g.rows.iter().enumerate())
-                    .map(|(k, &idx)| (self.row_of(t, idx as usize, fallback) as i64, k))
-                    .collect();
-                order.sort_unstable();
+                let order = self.by_table_row(t, g.rows.iter().map(|&i| i as usize), fallback);
                 let mut values = Vec::with_capacity(g.values.len());
                 for &(_, k) in &order {
                     values.extend_from_slice(&g.values[k * dim..(k + 1) * dim]);

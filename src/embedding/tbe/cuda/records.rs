@@ -93,13 +93,7 @@ impl DeviceTables {
         }
         let d_at = self.stage_at(&offsets, at)?;
         let s = room(down, &self.device, packed)?;
-        let [w, s0, s1] = self.record_buffers();
-        // Every part lies inside its buffer (record_offsets); the staging holds `packed`.
-        self.device.launch(
-            CACHE.kernel("cache_records_take"),
-            LaunchConfig::warp_per_item(records.len(), WARPS),
-            &args![*w, *s0, *s1, *d_at, records.len() as i64, s.device],
-        )?;
+        self.launch_records("cache_records_take", d_at, records.len(), &s.device)?;
         s.device.copy_prefix_to_pinned(&mut s.pinned, packed)?;
         Ok(&s.pinned.as_slice()?[..packed])
     }
@@ -138,12 +132,25 @@ impl DeviceTables {
         };
         s.device.copy_prefix_from_pinned(&s.pinned, packed)?;
         let d_at = self.stage_at(&offsets, at)?;
+        self.launch_records("cache_records_put", d_at, records.len(), &s.device)
+    }
+
+    /// Launches `kernel` (`cache_records_take` or `cache_records_put`) on `n` records whose
+    /// offsets (from [`record_offsets`](Self::record_offsets)) are `at`, packed in `packed`,
+    /// which the caller made large enough for them all.
+    fn launch_records(
+        &self,
+        kernel: &'static str,
+        at: &DeviceBuffer<i64>,
+        n: usize,
+        packed: &DeviceBuffer<f32>,
+    ) -> Result<()> {
         let [w, s0, s1] = self.record_buffers();
-        // As in take_staged: every part inside its buffer, the staging holds `packed`.
+        // Every part lies inside its buffer (record_offsets) and `packed` holds them all.
         self.device.launch(
-            CACHE.kernel("cache_records_put"),
-            LaunchConfig::warp_per_item(records.len(), WARPS),
-            &args![*w, *s0, *s1, *d_at, records.len() as i64, s.device],
+            CACHE.kernel(kernel),
+            LaunchConfig::warp_per_item(n, WARPS),
+            &args![*w, *s0, *s1, *at, n as i64, *packed],
         )
     }
 
@@ -203,16 +210,9 @@ impl DeviceTables {
         if packed == 0 {
             return Ok(Vec::new());
         }
-        let dev = &self.device;
-        let d_at = dev.htod(&at)?;
-        let out = dev.alloc::<f32>(packed)?;
-        let [w, s0, s1] = self.record_buffers();
-        // Every part lies inside its buffer (record_offsets) and `out` holds them all.
-        dev.launch(
-            CACHE.kernel("cache_records_take"),
-            LaunchConfig::warp_per_item(records.len(), WARPS),
-            &args![*w, *s0, *s1, d_at, records.len() as i64, out],
-        )?;
+        let d_at = self.device.htod(&at)?;
+        let out = self.device.alloc::<f32>(packed)?;
+        self.launch_records("cache_records_take", &d_at, records.len(), &out)?;
         out.to_host()
     }
 
@@ -232,15 +232,8 @@ impl DeviceTables {
         if len == 0 {
             return Ok(());
         }
-        let dev = &self.device;
-        let d_at = dev.htod(&at)?;
-        let d_packed = dev.htod(packed)?;
-        let [w, s0, s1] = self.record_buffers();
-        // As in take_records: every part inside its buffer, `d_packed` holds them all.
-        dev.launch(
-            CACHE.kernel("cache_records_put"),
-            LaunchConfig::warp_per_item(records.len(), WARPS),
-            &args![*w, *s0, *s1, d_at, records.len() as i64, d_packed],
-        )
+        let d_at = self.device.htod(&at)?;
+        let d_packed = self.device.htod(packed)?;
+        self.launch_records("cache_records_put", &d_at, records.len(), &d_packed)
     }
 }
