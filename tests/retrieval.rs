@@ -242,7 +242,8 @@ fn ivfpq_with_every_list_probed_is_exact_search_over_its_reconstructions() {
     for metric in [Metric::InnerProduct, Metric::L2] {
         let mut index = IvfPqIndex::train(
             IvfPqConfig {
-                iters: 10,
+                coarse_iters: 10,
+                pq_iters: 10,
                 ..IvfPqConfig::new(16, 4, metric)
             },
             &x,
@@ -288,7 +289,8 @@ fn ivfpq_recall_against_exact_search() {
         let truth = exact.search(&queries, 10).unwrap();
         let mut index = IvfPqIndex::train(
             IvfPqConfig {
-                iters: 10,
+                coarse_iters: 10,
+                pq_iters: 10,
                 ..IvfPqConfig::new(64, 8, Metric::L2)
             },
             &x,
@@ -337,7 +339,8 @@ fn ivfpq_add_remove_save_load() {
     let ids: Vec<i64> = (0..n as i64).map(|i| 1000 + i).collect();
     let mut index = IvfPqIndex::train(
         IvfPqConfig {
-            iters: 8,
+            coarse_iters: 8,
+            pq_iters: 8,
             ..IvfPqConfig::new(8, 4, Metric::InnerProduct)
         },
         &x,
@@ -437,7 +440,8 @@ fn bad_inputs_are_named_errors() {
     assert!(err(flat.search(&x[..dim + 1], 1)).contains("dimension"));
     assert!(FlatIndex::new(0, Metric::L2).is_err());
     let config = IvfPqConfig {
-        iters: 3,
+        coarse_iters: 3,
+        pq_iters: 3,
         ..IvfPqConfig::new(4, 2, Metric::L2)
     };
     assert!(IvfPqIndex::train(config, &x[..100 * dim], dim)

@@ -261,7 +261,8 @@ fn training_on_planted_factors_recovers_them() {
     let all_users = kjt("user", (0..users as i64).collect());
     let top = model.retrieve(&all_users, &index, 10).unwrap();
     let config = IvfPqConfig {
-        iters: 10,
+        coarse_iters: 10,
+        pq_iters: 10,
         ..IvfPqConfig::new(16, 4, Metric::InnerProduct)
     };
     let mut ivf = IvfPqIndex::train(config, &item_emb, d).unwrap();

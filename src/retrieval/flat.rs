@@ -66,7 +66,9 @@ pub(crate) fn scan(
 
 /// The nearest row of `base` (squared L2; `norms` its rows' squared norms) to each row of
 /// `data`: `(index, ‖x‖² − (2⟨x,b⟩ − ‖b‖²))` per data row. The k = 1 case of [`scan`] without a
-/// heap: k-means, PQ encoding and list assignment call it for every vector.
+/// heap: k-means, PQ encoding and list assignment call it for every vector. Rows of at most
+/// [`DIRECT_MAX_DIM`] columns (PQ sub-vectors) skip the matmul: their scores are summed in
+/// registers and never stored.
 pub(crate) fn nearest(
     data: &[f32],
     base: &[f32],
@@ -75,6 +77,9 @@ pub(crate) fn nearest(
 ) -> Result<Vec<(usize, f32)>> {
     let n = data.len() / dim;
     let nb = base.len() / dim;
+    if dim <= DIRECT_MAX_DIM {
+        return Ok(nearest_direct(data, base, dim));
+    }
     let mut best = vec![(0usize, f32::NEG_INFINITY); n];
     no_grad(|| -> Result<()> {
         for q0 in (0..n).step_by(QUERY_BLOCK * 4) {
@@ -105,6 +110,223 @@ pub(crate) fn nearest(
         .zip(data.chunks_exact(dim))
         .map(|((i, score), x)| (i, (x.iter().map(|v| v * v).sum::<f32>() - score).max(0.0)))
         .collect())
+}
+
+/// The widest rows [`nearest`] scores directly instead of through a matmul:
+/// PQ sub-vectors, whose few columns make a matmul mostly the writing and rereading of its
+/// products.
+const DIRECT_MAX_DIM: usize = 16;
+
+/// Centroids per register block of the direct kernel (two AVX2 registers; the AVX2 kernel's
+/// row arithmetic shifts by 4 for it).
+const LANES: usize = 16;
+const _: () = assert!(LANES == 16);
+
+/// One direct-kernel call: `data`'s rows against the `nb` rows of `base` stored dimension-major
+/// (`by_dim`, `[dim × nb]`) with their squared norms halved and negated (`neg_half_norms`);
+/// `nb` is a multiple of [`LANES`], the padding rows zero with a norm of −∞, so they never win.
+struct Direct<'a> {
+    data: &'a [f32],
+    by_dim: &'a [f32],
+    neg_half_norms: &'a [f32],
+    nb: usize,
+    dim: usize,
+    out: &'a mut [(usize, f32)],
+}
+
+/// The direct kernel with the dimension fixed at compile time where it is a common PQ width
+/// (`$rows::<0>` takes it at run time).
+macro_rules! by_width {
+    ($rows:ident, $a:expr) => {
+        match $a.dim {
+            1 => $rows::<1>($a),
+            2 => $rows::<2>($a),
+            4 => $rows::<4>($a),
+            8 => $rows::<8>($a),
+            16 => $rows::<16>($a),
+            _ => $rows::<0>($a),
+        }
+    };
+}
+
+#[inline(always)]
+fn direct_portable(a: Direct<'_>) {
+    by_width!(direct_rows, a)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn direct_avx2(a: Direct<'_>) {
+    by_width!(direct_rows_avx2, a)
+}
+
+/// [`direct_rows`] in AVX2 intrinsics, two rows at a time (they share every load of the base
+/// rows): the same fused multiply-adds in the same order, so the same results.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn direct_rows_avx2<const D: usize>(a: Direct<'_>) {
+    use std::arch::x86_64::*;
+    let dim = if D == 0 { a.dim } else { D };
+    let nb = a.nb;
+    assert!(nb % LANES == 0 && a.neg_half_norms.len() == nb && a.by_dim.len() == dim * nb);
+    let pairs = a.data.chunks_exact(2 * dim);
+    let last = pairs.remainder();
+    let mut outs = a.out.chunks_exact_mut(2);
+    for (xs, out) in pairs.zip(&mut outs) {
+        let (x0, x1) = xs.split_at(dim);
+        // SAFETY: AVX2 and FMA were detected before this runs (multiversion!); block b reads
+        // neg_half_norms[16b..16b+16] and by_dim[d·nb + 16b..][..16] for d < dim, inside the
+        // lengths asserted above since 16b + 16 ≤ nb.
+        unsafe {
+            let lo = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut best = [[lo; 2]; 2];
+            let mut at = [[_mm256_setzero_si256(); 2]; 2];
+            for b in 0..nb / LANES {
+                let h = a.neg_half_norms.as_ptr().add(b * LANES);
+                let h = [_mm256_loadu_ps(h), _mm256_loadu_ps(h.add(8))];
+                let mut acc = [h, h];
+                for d in 0..dim {
+                    let col = a.by_dim.as_ptr().add(d * nb + b * LANES);
+                    let c = [_mm256_loadu_ps(col), _mm256_loadu_ps(col.add(8))];
+                    for (acc, x) in acc.iter_mut().zip([x0, x1]) {
+                        let xd = _mm256_set1_ps(*x.get_unchecked(d));
+                        acc[0] = _mm256_fmadd_ps(xd, c[0], acc[0]);
+                        acc[1] = _mm256_fmadd_ps(xd, c[1], acc[1]);
+                    }
+                }
+                let here = _mm256_set1_epi32(b as i32);
+                for r in 0..2 {
+                    for h in 0..2 {
+                        let better = _mm256_cmp_ps::<_CMP_GT_OQ>(acc[r][h], best[r][h]);
+                        best[r][h] = _mm256_blendv_ps(best[r][h], acc[r][h], better);
+                        at[r][h] = _mm256_blendv_epi8(at[r][h], here, _mm256_castps_si256(better));
+                    }
+                }
+            }
+            let iota = [
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+            ];
+            for (r, x) in [x0, x1].into_iter().enumerate() {
+                // The best score over the 16 lanes, then the smallest row among the lanes
+                // holding it (row = block · 16 + lane): ties to the first row.
+                let top = _mm256_max_ps(best[r][0], best[r][1]);
+                let top = _mm256_max_ps(top, _mm256_permute2f128_ps::<1>(top, top));
+                let top = _mm256_max_ps(top, _mm256_shuffle_ps::<0b01_00_11_10>(top, top));
+                let top = _mm256_max_ps(top, _mm256_shuffle_ps::<0b10_11_00_01>(top, top));
+                let none = _mm256_set1_epi32(i32::MAX);
+                let mut rows = none;
+                for h in 0..2 {
+                    let row = _mm256_add_epi32(_mm256_slli_epi32::<4>(at[r][h]), iota[h]);
+                    let holds = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_EQ_OQ>(best[r][h], top));
+                    rows = _mm256_min_epi32(rows, _mm256_blendv_epi8(none, row, holds));
+                }
+                let rows = _mm256_min_epi32(rows, _mm256_permute2x128_si256::<1>(rows, rows));
+                let rows = _mm256_min_epi32(rows, _mm256_shuffle_epi32::<0b01_00_11_10>(rows));
+                let rows = _mm256_min_epi32(rows, _mm256_shuffle_epi32::<0b10_11_00_01>(rows));
+                let row = _mm256_cvtsi256_si32(rows) as usize;
+                let score = _mm256_cvtss_f32(top);
+                let norm: f32 = x.iter().map(|v| v * v).sum();
+                out[r] = (row, (norm - 2.0 * score).max(0.0));
+            }
+        }
+    }
+    if !last.is_empty() {
+        direct_rows::<D>(Direct {
+            data: last,
+            out: outs.into_remainder(),
+            ..a
+        });
+    }
+}
+
+/// The winner of the lanes' bests (ties to the first row) as `(row, squared distance)`.
+#[inline(always)]
+fn reduce_lanes(x: &[f32], best: &[f32; LANES], at: &[u32; LANES]) -> (usize, f32) {
+    let mut win = 0;
+    for i in 1..LANES {
+        if best[i] > best[win] || (best[i] == best[win] && at[i] < at[win]) {
+            win = i;
+        }
+    }
+    let norm: f32 = x.iter().map(|v| v * v).sum();
+    (at[win] as usize, (norm - 2.0 * best[win]).max(0.0))
+}
+
+/// For each row `x`, the base row maximising `⟨x, b⟩ − ‖b‖²/2` (the nearest), 16 base rows at a
+/// time: their scores are fused multiply-adds over the columns, in column order, kept in
+/// registers, and each lane keeps its best and where it was. Ties go to the first row, as in
+/// [`nearest`]'s matmul path. `D` is the dimension, or 0 for `a.dim` at run time.
+#[inline(always)]
+fn direct_rows<const D: usize>(a: Direct<'_>) {
+    let dim = if D == 0 { a.dim } else { D };
+    let nb = a.nb;
+    for (x, out) in a.data.chunks_exact(dim).zip(a.out.iter_mut()) {
+        let mut best = [f32::NEG_INFINITY; LANES];
+        let mut at = [0u32; LANES];
+        for (b, neg_half) in a.neg_half_norms.chunks_exact(LANES).enumerate() {
+            let mut acc: [f32; LANES] = neg_half.try_into().expect("LANES values");
+            for (d, &xd) in x.iter().enumerate().take(dim) {
+                let col: &[f32; LANES] = a.by_dim[d * nb + b * LANES..][..LANES]
+                    .try_into()
+                    .expect("LANES values");
+                for (s, &c) in acc.iter_mut().zip(col) {
+                    *s = xd.mul_add(c, *s);
+                }
+            }
+            let base = (b * LANES) as u32;
+            for (i, ((best, at), &s)) in best.iter_mut().zip(&mut at).zip(&acc).enumerate() {
+                let better = s > *best;
+                *best = if better { s } else { *best };
+                *at = if better { base + i as u32 } else { *at };
+            }
+        }
+        *out = reduce_lanes(x, &best, &at);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+crate::multiversion!(
+    fn direct_block(args: Direct<'_>) => avx2: direct_avx2, portable: direct_portable
+);
+#[cfg(not(target_arch = "x86_64"))]
+fn direct_block(args: Direct<'_>) {
+    direct_portable(args)
+}
+
+/// `base` (rows of `dim`) as the direct kernel reads it: dimension-major, padded to a multiple
+/// of [`LANES`] rows, with its rows' negated half squared norms. Returns `(by_dim, norms, nb)`.
+fn direct_base(base: &[f32], dim: usize) -> (Vec<f32>, Vec<f32>, usize) {
+    let padded = (base.len() / dim).div_ceil(LANES) * LANES;
+    let mut by_dim = vec![0f32; dim * padded];
+    let mut neg_half_norms = vec![f32::NEG_INFINITY; padded];
+    for (i, row) in base.chunks_exact(dim).enumerate() {
+        for (d, &v) in row.iter().enumerate() {
+            by_dim[d * padded + i] = v;
+        }
+        neg_half_norms[i] = -0.5 * row.iter().map(|v| v * v).sum::<f32>();
+    }
+    (by_dim, neg_half_norms, padded)
+}
+
+/// [`nearest`] for rows of at most [`DIRECT_MAX_DIM`] columns.
+fn nearest_direct(data: &[f32], base: &[f32], dim: usize) -> Vec<(usize, f32)> {
+    let (by_dim, neg_half_norms, nb) = direct_base(base, dim);
+    let mut out = vec![(0usize, 0f32); data.len() / dim];
+    const ROWS: usize = 256;
+    out.par_chunks_mut(ROWS)
+        .zip(data.par_chunks(ROWS * dim))
+        .for_each(|(out, data)| {
+            direct_block(Direct {
+                data,
+                by_dim: &by_dim,
+                neg_half_norms: &neg_half_norms,
+                nb,
+                dim,
+                out,
+            })
+        });
+    out
 }
 
 /// Squared norms of the rows of `vectors`.
@@ -366,4 +588,67 @@ pub(crate) fn check_k(what: &'static str, k: usize, stored: usize) -> Result<()>
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The direct kernel at every width up to the limit (the compiled-in widths and the run-time
+    /// one), with base counts that need padding: the AVX2 and portable versions return the same
+    /// rows and distances bit for bit, and each row is an f64 nearest (ties to the first).
+    #[test]
+    fn direct_kernels_agree_with_each_other_and_an_f64_argmin() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for dim in 1..=DIRECT_MAX_DIM {
+            for nb in [1, 5, 16, 37, 256] {
+                let data: Vec<f32> = (0..301 * dim)
+                    .map(|_| rng.random_range(-4..=4) as f32 * 0.5)
+                    .collect();
+                let base: Vec<f32> = (0..nb * dim)
+                    .map(|_| rng.random_range(-4..=4) as f32 * 0.5)
+                    .collect();
+                let (by_dim, neg_half_norms, padded) = direct_base(&base, dim);
+                let run = |kernel: fn(Direct<'_>)| {
+                    let mut out = vec![(usize::MAX, f32::NAN); 301];
+                    kernel(Direct {
+                        data: &data,
+                        by_dim: &by_dim,
+                        neg_half_norms: &neg_half_norms,
+                        nb: padded,
+                        dim,
+                        out: &mut out,
+                    });
+                    out
+                };
+                let portable = run(direct_portable);
+                #[cfg(target_arch = "x86_64")]
+                if crate::simd::has_avx2() {
+                    // `direct_block` picks the AVX2 kernel on this CPU.
+                    let avx2 = run(direct_block);
+                    for (a, p) in avx2.iter().zip(&portable) {
+                        assert_eq!((a.0, a.1.to_bits()), (p.0, p.1.to_bits()), "dim {dim}");
+                    }
+                }
+                assert_eq!(nearest_direct(&data, &base, dim), portable);
+                for (x, &(at, dist)) in data.chunks_exact(dim).zip(&portable) {
+                    let d64: Vec<f64> = base
+                        .chunks_exact(dim)
+                        .map(|b| {
+                            x.iter()
+                                .zip(b)
+                                .map(|(x, b)| (f64::from(*x) - f64::from(*b)).powi(2))
+                                .sum()
+                        })
+                        .collect();
+                    let best = d64.iter().copied().fold(f64::INFINITY, f64::min);
+                    // Half-integer inputs: every product and sum is exact, so the kernel's
+                    // winner is the first exact minimum and its distance is exact.
+                    let first = d64.iter().position(|&d| d == best).unwrap();
+                    assert_eq!((at, f64::from(dist)), (first, best), "dim {dim} nb {nb}");
+                }
+            }
+        }
+    }
 }

@@ -22,20 +22,24 @@ pub struct IvfPqConfig {
     pub m: usize,
     /// Inner product or squared L2.
     pub metric: Metric,
-    /// k-means rounds for the coarse quantizer and each sub-quantizer (FAISS: 25 by default).
-    pub iters: usize,
+    /// k-means rounds of the coarse quantizer (FAISS's `IndexIVF` default: 10).
+    pub coarse_iters: usize,
+    /// k-means rounds of each sub-quantizer (FAISS's `ProductQuantizer` default: 25).
+    pub pq_iters: usize,
     /// Seed of both k-means.
     pub seed: u64,
 }
 
 impl IvfPqConfig {
-    /// `nlist` lists, `m` sub-quantizers, 25 k-means rounds, seed 0.
+    /// `nlist` lists, `m` sub-quantizers, FAISS's k-means rounds (10 coarse, 25 per
+    /// sub-quantizer), seed 0.
     pub fn new(nlist: usize, m: usize, metric: Metric) -> Self {
         IvfPqConfig {
             nlist,
             m,
             metric,
-            iters: 25,
+            coarse_iters: 10,
+            pq_iters: 25,
             seed: 0,
         }
     }
@@ -104,7 +108,7 @@ impl IvfPqIndex {
                 ),
             ));
         }
-        let coarse = kmeans(vectors, dim, config.nlist, config.iters, config.seed)?;
+        let coarse = kmeans(vectors, dim, config.nlist, config.coarse_iters, config.seed)?;
         let coarse_norms = squared_norms(&coarse, dim);
         let mut index = IvfPqIndex {
             config,
@@ -123,7 +127,7 @@ impl IvfPqIndex {
             &residuals,
             dim,
             config.m,
-            config.iters,
+            config.pq_iters,
             config.seed.wrapping_add(1),
         )?;
         index.precomputed = index.precompute();
@@ -362,7 +366,8 @@ impl IvfPqIndex {
         w.set_metadata("dim", self.dim.to_string());
         w.set_metadata("nlist", self.config.nlist.to_string());
         w.set_metadata("m", self.config.m.to_string());
-        w.set_metadata("iters", self.config.iters.to_string());
+        w.set_metadata("coarse_iters", self.config.coarse_iters.to_string());
+        w.set_metadata("pq_iters", self.config.pq_iters.to_string());
         w.set_metadata("seed", self.config.seed.to_string());
         w.add("coarse", &[self.config.nlist, self.dim], &self.coarse)?;
         w.add(
@@ -417,7 +422,8 @@ impl IvfPqIndex {
             nlist,
             m,
             metric,
-            iters: number("iters")?,
+            coarse_iters: number("coarse_iters")?,
+            pq_iters: number("pq_iters")?,
             seed: number("seed")? as u64,
         };
         let coarse: Vec<f32> = r.read("coarse", &[nlist, dim])?;
@@ -463,20 +469,42 @@ impl IvfPqIndex {
     }
 }
 
-/// Scores every entry of `list` as `base + sign · Σ_j table[j][code_j]` into `top`.
+/// Codes summed side by side in [`scan_list`]: independent addition chains, so the table
+/// loads of several codes overlap instead of each code waiting on its own sum.
+const INTERLEAVE: usize = 4;
+
+/// Scores every entry of `list` as `base + sign · Σ_j table[j][code_j]` into `top`. Each sum
+/// runs over `j` in order, [`INTERLEAVE`] codes at a time.
 fn scan_list(list: &InvList, table: &[f32], m: usize, base: f32, sign: f32, top: &mut TopK) {
     let tables: Vec<&[f32; KSUB]> = table
         .chunks_exact(KSUB)
         .map(|t| t.try_into().expect("KSUB entries"))
         .collect();
-    for (code, &id) in list.codes.chunks_exact(m).zip(&list.ids) {
-        let mut sum = 0f32;
-        for (t, &c) in tables.iter().zip(code) {
-            sum += t[c as usize];
-        }
+    let mut offer = |sum: f32, id: i64| {
         let score = base + sign * sum;
         if score >= top.threshold() {
             top.push(score, id);
         }
+    };
+    let groups = list.codes.chunks_exact(m * INTERLEAVE);
+    let rest = groups.remainder();
+    let mut ids = list.ids.chunks_exact(INTERLEAVE);
+    for (codes, ids) in groups.zip(&mut ids) {
+        let mut sums = [0f32; INTERLEAVE];
+        for (j, t) in tables.iter().enumerate() {
+            for (g, sum) in sums.iter_mut().enumerate() {
+                *sum += t[codes[g * m + j] as usize];
+            }
+        }
+        for (&sum, &id) in sums.iter().zip(ids) {
+            offer(sum, id);
+        }
+    }
+    for (code, &id) in rest.chunks_exact(m).zip(ids.remainder()) {
+        let mut sum = 0f32;
+        for (t, &c) in tables.iter().zip(code) {
+            sum += t[c as usize];
+        }
+        offer(sum, id);
     }
 }

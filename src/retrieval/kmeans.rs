@@ -90,38 +90,47 @@ pub fn kmeans(data: &[f32], dim: usize, k: usize, iters: usize, seed: u64) -> Re
     Ok(centroids)
 }
 
+/// Points per k-means++ chunk: each seed's pass keeps one partial sum per chunk, so drawing the
+/// next seed scans the chunk sums and then one chunk instead of every point.
+const SEED_CHUNK: usize = 1024;
+
 /// k-means++ seeding: the first seed uniformly, each next one with probability proportional to
-/// a point's squared distance to its nearest seed so far.
+/// a point's squared distance to its nearest seed so far. The points are copied
+/// dimension-major once, so each seed's pass runs across points ([`seed_pass`]).
 fn plus_plus(data: &[f32], dim: usize, k: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     let n = data.len() / dim;
+    let mut cols = vec![0f32; n * dim];
+    for (i, x) in data.chunks_exact(dim).enumerate() {
+        for (d, &v) in x.iter().enumerate() {
+            cols[d * n + i] = v;
+        }
+    }
     let mut seeds = Vec::with_capacity(k * dim);
     let first = rng.random_range(0..n);
     seeds.extend_from_slice(&data[first * dim..(first + 1) * dim]);
     let mut nearest = vec![f32::INFINITY; n];
+    let mut sums = vec![0f64; n.div_ceil(SEED_CHUNK)];
     for s in 1..=k {
         let seed = &seeds[(s - 1) * dim..s * dim];
         nearest
-            .par_iter_mut()
-            .zip(data.par_chunks_exact(dim))
-            .for_each(|(d, x)| {
-                let dist: f32 = x.iter().zip(seed).map(|(a, b)| (a - b) * (a - b)).sum();
-                *d = d.min(dist);
+            .par_chunks_mut(SEED_CHUNK)
+            .zip(sums.par_iter_mut())
+            .enumerate()
+            .for_each(|(c, (nearest, sum))| {
+                *sum = seed_pass(SeedPass {
+                    cols: &cols,
+                    stride: n,
+                    start: c * SEED_CHUNK,
+                    seed,
+                    nearest,
+                });
             });
         if s == k {
             break;
         }
-        let total: f64 = nearest.iter().map(|&d| f64::from(d)).sum();
+        let total: f64 = sums.iter().sum();
         let next = if total > 0.0 {
-            let mut target = rng.random::<f64>() * total;
-            let mut pick = n - 1;
-            for (i, &d) in nearest.iter().enumerate() {
-                target -= f64::from(d);
-                if target < 0.0 {
-                    pick = i;
-                    break;
-                }
-            }
-            pick
+            draw(&nearest, &sums, rng.random::<f64>() * total)
         } else {
             // Every point coincides with a seed: any point will do.
             rng.random_range(0..n)
@@ -129,4 +138,114 @@ fn plus_plus(data: &[f32], dim: usize, k: usize, rng: &mut ChaCha8Rng) -> Vec<f3
         seeds.extend_from_slice(&data[next * dim..(next + 1) * dim]);
     }
     seeds
+}
+
+/// One chunk of a k-means++ pass: points `start..start + nearest.len()` of `cols`
+/// (dimension-major, `stride` points per dimension) against a new `seed`.
+struct SeedPass<'a> {
+    cols: &'a [f32],
+    stride: usize,
+    start: usize,
+    seed: &'a [f32],
+    nearest: &'a mut [f32],
+}
+
+/// Lowers each point's distance to its nearest seed to its distance to the new seed where that
+/// is nearer; returns the chunk's new total (eight partial sums, so it vectorises).
+#[inline(always)]
+fn seed_chunk(a: SeedPass<'_>) -> f64 {
+    let len = a.nearest.len();
+    let mut dist = [0f32; SEED_CHUNK];
+    let dist = &mut dist[..len];
+    for (d, &s) in a.seed.iter().enumerate() {
+        let col = &a.cols[d * a.stride + a.start..][..len];
+        for (o, &c) in dist.iter_mut().zip(col) {
+            let t = c - s;
+            *o += t * t;
+        }
+    }
+    let mut lanes = [0f32; 8];
+    let (near8, dist8) = (a.nearest.chunks_exact_mut(8), dist.chunks_exact(8));
+    for (near, dist) in near8.zip(dist8) {
+        for ((n, &d), l) in near.iter_mut().zip(dist).zip(lanes.iter_mut()) {
+            *n = if d < *n { d } else { *n };
+            *l += *n;
+        }
+    }
+    let tail = len / 8 * 8;
+    for (n, &d) in a.nearest[tail..].iter_mut().zip(&dist[tail..]) {
+        *n = if d < *n { d } else { *n };
+        lanes[0] += *n;
+    }
+    lanes.iter().map(|&l| f64::from(l)).sum()
+}
+
+crate::multiversion!(
+    fn seed_pass(args: SeedPass<'_>) -> f64 => seed_chunk
+);
+
+/// The point where the running sum of `weights` passes `target`: the chunk first (its partial
+/// sums), then the point inside it; the last point with weight if rounding runs past the end.
+fn draw(weights: &[f32], sums: &[f64], mut target: f64) -> usize {
+    let mut last = weights.iter().rposition(|&w| w > 0.0).unwrap_or(0);
+    for (c, &sum) in sums.iter().enumerate() {
+        if target >= sum {
+            target -= sum;
+            continue;
+        }
+        let chunk = &weights[c * SEED_CHUNK..((c + 1) * SEED_CHUNK).min(weights.len())];
+        for (i, &w) in chunk.iter().enumerate() {
+            target -= f64::from(w);
+            if target < 0.0 {
+                return c * SEED_CHUNK + i;
+            }
+        }
+        // Rounding between the chunk's sum and its points: its last point with weight.
+        if let Some(i) = chunk.iter().rposition(|&w| w > 0.0) {
+            last = c * SEED_CHUNK + i;
+        }
+        break;
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drawing by chunk sums picks the same point as one running sum over every point, across
+    /// chunk edges, zero weights and targets at the very end.
+    #[test]
+    fn draw_by_chunks_equals_a_running_sum() {
+        let n = 3 * SEED_CHUNK + 77;
+        let weights: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 7 == 3 {
+                    0.0
+                } else {
+                    (i % 5) as f32 * 0.25
+                }
+            })
+            .collect();
+        let sums: Vec<f64> = weights
+            .chunks(SEED_CHUNK)
+            .map(|c| c.iter().map(|&w| f64::from(w)).sum())
+            .collect();
+        let total: f64 = sums.iter().sum();
+        let reference = |mut target: f64| {
+            for (i, &w) in weights.iter().enumerate() {
+                target -= f64::from(w);
+                if target < 0.0 {
+                    return i;
+                }
+            }
+            weights.iter().rposition(|&w| w > 0.0).unwrap()
+        };
+        for step in 0..=2000 {
+            let target = total * step as f64 / 2000.0;
+            let got = draw(&weights, &sums, target);
+            assert_eq!(got, reference(target), "target {target}");
+            assert!(weights[got] > 0.0);
+        }
+    }
 }
