@@ -24,7 +24,7 @@ pub use dtype::{DType, FloatElem, NumElem, WithDType};
 pub use layout::Layout;
 pub use ops::loss::Reduction;
 pub use ops::matmul::{is_row_invariant, row_invariant};
-pub use storage::CpuStorage;
+pub use storage::{keep_freed_host_memory, CpuStorage};
 pub use tensor::Tensor;
 
 /// Runs `f` on a thread of rayon's pool (directly when already on one), with this thread's

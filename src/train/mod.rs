@@ -659,7 +659,8 @@ pub struct DlrmTrainer {
 impl DlrmTrainer {
     /// A trainer for `model` whose dense parameters are updated by `optimizer` (built over
     /// `model.dense`'s parameters) and whose logits are `tasks` in order; training metrics
-    /// keep windows of `window` samples.
+    /// keep windows of `window` samples. Tunes the process's `malloc` once (see
+    /// [`keep_freed_host_memory`](crate::tensor::keep_freed_host_memory)).
     pub fn new(
         model: Dlrm,
         optimizer: Box<dyn Optimizer + Send>,
@@ -668,6 +669,7 @@ impl DlrmTrainer {
     ) -> Result<Self> {
         check_tasks(tasks)?;
         let metrics = task_metrics(tasks, window)?;
+        crate::tensor::keep_freed_host_memory();
         Ok(DlrmTrainer {
             config: None,
             model,

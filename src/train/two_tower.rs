@@ -85,7 +85,8 @@ pub struct TwoTowerConfig {
 }
 
 impl TwoTowerConfig {
-    /// Builds the model (initialised from `seed`) and its trainer.
+    /// Builds the model (initialised from `seed`) and its trainer. Tunes the process's
+    /// `malloc` once (see [`keep_freed_host_memory`](crate::tensor::keep_freed_host_memory)).
     pub fn build(&self) -> Result<TwoTowerTrainer> {
         if self.query_features.is_empty() || self.candidate_features.is_empty() {
             return Err(Error::invalid(
@@ -118,6 +119,7 @@ impl TwoTowerConfig {
         model.to_device(self.device)?;
         let optimizer = self.dense_optimizer.build(model.dense_parameters())?;
         let estimator = FrequencyEstimator::new(self.estimator_buckets, self.estimator_alpha)?;
+        crate::tensor::keep_freed_host_memory();
         Ok(TwoTowerTrainer {
             config: self.clone(),
             model,
