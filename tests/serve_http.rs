@@ -975,3 +975,213 @@ fn the_embers_serve_binary_serves_reloads_and_drains() {
     assert!(status.success(), "exit {status}: {rest}");
     assert!(rest.contains("drained"), "{rest}");
 }
+
+/// The retrieval stage: a TwoTower checkpoint and an IVF-PQ index of its candidates served
+/// beside the DLRM. Concurrent clients asking for different `k` each get exactly
+/// `TwoTower::retrieve` on their own query (ids and score bits), whatever batch they shared;
+/// bad requests get named 4xx; `GET` shows the stage; a server without one answers 404.
+#[test]
+fn the_retrieval_stage_answers_what_retrieve_gives() {
+    use embers::embedding::FusedOptimizer;
+    use embers::retrieval::{IvfPqConfig, IvfPqIndex, Metric};
+    use embers::serve::RetrievalConfig;
+    use embers::sparse::KeyedJaggedTensor;
+    use embers::train::{DenseOptimizer, PairBatch, TwoTowerConfig, TwoTowerLoss};
+    use rand::{Rng, SeedableRng};
+
+    let dir = scratch("retrieval");
+    let g = data();
+    let dlrm_path = dir.join("dlrm.safetensors");
+    let mut dlrm = config(&g).build().unwrap();
+    train(&mut dlrm, &g, 1);
+    write_checkpoint(&dlrm, &dlrm_path);
+
+    let (users, items) = (60usize, 400usize);
+    let tt = TwoTowerConfig {
+        query_features: vec![("user".into(), users)],
+        candidate_features: vec![("item".into(), items)],
+        embedding_dim: 8,
+        layers: vec![16, 8],
+        normalize: true,
+        temperature: 0.1,
+        loss: TwoTowerLoss::Softmax {
+            log_q: true,
+            random_negatives: 0,
+        },
+        estimator_buckets: 1024,
+        estimator_alpha: 0.05,
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        dense_optimizer: DenseOptimizer::Adam { lr: 1e-2 },
+        seed: 3,
+        device: embers::Device::Cpu,
+    };
+    let one_hot = |key: &str, ids: &[i64]| KeyedJaggedTensor::one_hot(key, ids).unwrap();
+    let mut trainer = tt.build().unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+    for _ in 0..20 {
+        let u: Vec<i64> = (0..64).map(|_| rng.random_range(0..users as i64)).collect();
+        let i: Vec<i64> = u
+            .iter()
+            .map(|&u| (u * 7 + rng.random_range(0..3)) % items as i64)
+            .collect();
+        let batch = PairBatch {
+            queries: one_hot("user", &u),
+            candidates: one_hot("item", &i),
+            labels: None,
+            candidate_ids: i,
+        };
+        trainer.train_step(&batch).unwrap();
+    }
+    let tt_path = dir.join("two_tower.safetensors");
+    trainer
+        .save_checkpoint(&tt_path, &Default::default())
+        .unwrap();
+    let all: Vec<i64> = (0..items as i64).collect();
+    let emb = trainer
+        .model()
+        .embed_candidates(&one_hot("item", &all))
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let mut index =
+        IvfPqIndex::train(IvfPqConfig::new(8, 4, Metric::InnerProduct), &emb, 8).unwrap();
+    index.add(&all, &emb).unwrap();
+    let index_path = dir.join("items.ivfpq");
+    index.save(&index_path).unwrap();
+    let nprobe = 3;
+    // The reference: each query alone, row-invariant as the server runs it.
+    let reference = |u: i64, k: usize| {
+        embers::tensor::row_invariant(|| {
+            trainer
+                .model()
+                .retrieve(&one_hot("user", &[u]), &index.with_nprobe(nprobe), k)
+                .unwrap()
+        })
+    };
+    let expected: Vec<Vec<(Vec<i64>, Vec<u32>)>> = (0..users as i64)
+        .map(|u| {
+            [1, 5, 17, 40]
+                .iter()
+                .map(|&k| {
+                    let n = reference(u, k);
+                    (
+                        n.ids_of(0).to_vec(),
+                        n.scores_of(0).iter().map(|s| s.to_bits()).collect(),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    let expected = Arc::new(expected);
+
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("recs", &dlrm_path);
+        cfg.retrieval = Some(RetrievalConfig {
+            checkpoint: tt_path.clone(),
+            index: index_path.clone(),
+            nprobe,
+            max_k: 40,
+        });
+        cfg.batcher = BatcherConfig {
+            max_batch_rows: 32,
+            max_delay: Duration::from_millis(5),
+            max_queued_rows: 10_000,
+        };
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let mut clients = Vec::new();
+        for c in 0..40usize {
+            let expected = expected.clone();
+            clients.push(tokio::spawn(async move {
+                let kk = c % 4;
+                let k = [1, 5, 17, 40][kk];
+                let mine: Vec<i64> = (0..1 + c % 5)
+                    .map(|j| ((c * 13 + j * 7) % users) as i64)
+                    .collect();
+                let instances: Vec<Value> = mine.iter().map(|&u| json!({ "user": u })).collect();
+                let body = serde_json::to_vec(&json!({ "instances": instances, "k": k })).unwrap();
+                let (status, _, body) =
+                    send(addr, "POST", "/v1/models/recs:retrieve", None, body).await;
+                assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+                let v: Value = serde_json::from_slice(&body).unwrap();
+                for (q, &u) in mine.iter().enumerate() {
+                    let ids: Vec<i64> = (v["ids"][q].as_array().unwrap().iter())
+                        .map(|x| x.as_i64().unwrap())
+                        .collect();
+                    let scores: Vec<u32> = (v["scores"][q].as_array().unwrap().iter())
+                        .map(|x| (x.as_f64().unwrap() as f32).to_bits())
+                        .collect();
+                    let (want_ids, want_scores) = &expected[u as usize][kk];
+                    assert_eq!(ids.len(), k);
+                    assert_eq!(&ids, want_ids, "user {u} k {k}");
+                    assert_eq!(&scores, want_scores, "user {u} k {k}");
+                }
+            }));
+        }
+        for c in clients {
+            c.await.unwrap();
+        }
+        // Bad requests: named 4xx, and the server keeps answering.
+        for (body, kind) in [
+            (json!({"instances": [{"user": users}], "k": 5}), "invalid"),
+            (json!({"instances": [{"user": -1}]}), "invalid"),
+            (json!({"instances": [{"user": 1}], "k": 41}), "invalid"),
+            (json!({"instances": [{"user": 1}], "k": 0}), "invalid"),
+            (json!({"instances": [{"movie": 1}]}), "unknown_feature"),
+            (json!({"instances": [{"user": "x"}]}), "wrong_type"),
+            (json!({"instances": []}), "invalid"),
+            (json!({"k": 3}), "invalid"),
+        ] {
+            let (status, _, answer) = send(
+                addr,
+                "POST",
+                "/v1/models/recs:retrieve",
+                None,
+                serde_json::to_vec(&body).unwrap(),
+            )
+            .await;
+            let v: Value = serde_json::from_slice(&answer).unwrap();
+            assert_eq!(
+                (status, v["error"]["kind"].as_str()),
+                (400, Some(kind)),
+                "{body}"
+            );
+        }
+        let (status, _, answer) = send(addr, "GET", "/v1/models/recs", None, vec![]).await;
+        assert_eq!(status, 200);
+        let v: Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(v["retrieval"]["candidates"], json!(items));
+        assert_eq!(v["retrieval"]["features"], json!(["user"]));
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+
+        // Without a retrieval stage the route is a 404; a mismatched index refuses to load.
+        let plain = start(ServerConfig::new("recs", &dlrm_path)).await;
+        let body = serde_json::to_vec(&json!({"instances": [{"user": 1}]})).unwrap();
+        let (status, _, _) = send(plain.addr, "POST", "/v1/models/recs:retrieve", None, body).await;
+        assert_eq!(status, 404);
+        plain.stop.send(()).unwrap();
+        plain.done.await.unwrap().unwrap();
+        let small: Vec<f32> = emb.chunks_exact(8).flat_map(|v| v[..4].to_vec()).collect();
+        let mut wrong =
+            IvfPqIndex::train(IvfPqConfig::new(4, 2, Metric::InnerProduct), &small, 4).unwrap();
+        wrong.add(&all, &small).unwrap();
+        let wrong_path = dir.join("wrong.ivfpq");
+        wrong.save(&wrong_path).unwrap();
+        let mut cfg = ServerConfig::new("recs", &dlrm_path);
+        cfg.retrieval = Some(RetrievalConfig {
+            checkpoint: tt_path,
+            index: wrong_path,
+            nprobe: 2,
+            max_k: 10,
+        });
+        let err = Server::start(cfg)
+            .await
+            .err()
+            .expect("a mismatched index is refused");
+        assert!(err.to_string().contains("dimension 4"), "{err}");
+    });
+}

@@ -1,5 +1,5 @@
 //! The TwoTower example as a user runs it, on its synthetic data (planted factors): it trains,
-//! writes its checkpoint, metrics and plot, retrieves better than popularity through exact
+//! writes its checkpoint, index (loaded back as the server's retrieval stage), metrics and plot, retrieves better than popularity through exact
 //! search and close to it through IVF-PQ, and re-ranks with a DLRM; missing MovieLens files
 //! are an error naming where it looked and how to fetch them.
 
@@ -32,8 +32,34 @@ fn synthetic_run_beats_popularity_and_writes_its_outputs() {
         dir.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", text(&out));
-    for f in ["checkpoint.safetensors", "metrics.json", "curves.png"] {
+    for f in [
+        "checkpoint.safetensors",
+        "items.ivfpq",
+        "metrics.json",
+        "curves.png",
+    ] {
         assert!(dir.join(f).is_file(), "{f} missing\n{}", text(&out));
+    }
+    // The checkpoint and the index are what the server's retrieval stage loads.
+    {
+        use embers::serve::{BatchModel, RetrievalRow, RetrievalServable};
+        let stage = RetrievalServable::from_files(
+            dir.join("checkpoint.safetensors"),
+            dir.join("items.ivfpq"),
+            8,
+            100,
+        )
+        .unwrap();
+        let rows = vec![RetrievalRow {
+            ids: vec![vec![0]; stage.keys().len()],
+            k: 10,
+        }];
+        stage.validate(&rows).unwrap();
+        let found = stage.run(rows).unwrap();
+        assert_eq!(found[0].len(), 10);
+        assert!(found[0]
+            .iter()
+            .all(|&(id, _)| id >= 0 && (id as usize) < stage.candidates()));
     }
     let m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("metrics.json")).unwrap()).unwrap();

@@ -7,7 +7,8 @@
 //! IVF-PQ index, and reports Recall@10/50/100 and NDCG@10 over the full item set (each user's
 //! training items excluded), next to a popularity baseline. With `--rerank` a DLRM trained on
 //! the same interactions re-ranks the top 100 (the two-stage pipeline). Writes to `--out`
-//! (default `two-tower-out/`): `checkpoint.safetensors` (atomic, every epoch),
+//! (default `two-tower-out/`): `checkpoint.safetensors` (atomic, every epoch), the catalogue's
+//! IVF-PQ index `items.ivfpq` (the two serve as `embers-serve`'s retrieval stage),
 //! `metrics.json` and `curves.png`. `--help` lists the flags.
 
 mod plot;
@@ -729,6 +730,8 @@ fn run(args: Args) -> Result<()> {
     )?;
     ivf.add(&(0..data.items as i64).collect::<Vec<_>>(), &emb)?;
     let build_s = t.elapsed().as_secs_f64();
+    // What `embers-serve --retrieval-checkpoint … --retrieval-index …` serves.
+    ivf.save(args.out.join("items.ivfpq"))?;
     let approx = quality(
         &split,
         &retrieve(&trainer, &split, &ivf.with_nprobe(args.nprobe), data.items)?,

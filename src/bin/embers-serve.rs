@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, ValueEnum};
 use embers::embedding::WeightType;
-use embers::serve::{BatcherConfig, Server, ServerConfig};
+use embers::serve::{BatcherConfig, RetrievalConfig, Server, ServerConfig};
 
 /// Serve a trained DLRM checkpoint over HTTP with dynamic batching.
 #[derive(Parser, Debug)]
@@ -49,6 +49,19 @@ struct Args {
     /// Compute threads (rayon) for the model (0: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// A TwoTower trainer checkpoint to serve as the retrieval stage
+    /// (`/v1/models/<name>:retrieve`; needs --retrieval-index).
+    #[arg(long, requires = "retrieval_index")]
+    retrieval_checkpoint: Option<PathBuf>,
+    /// The IVF-PQ index of its candidates (`examples/two_tower --index-out`).
+    #[arg(long, requires = "retrieval_checkpoint")]
+    retrieval_index: Option<PathBuf>,
+    /// Index lists probed per retrieval query.
+    #[arg(long, default_value_t = 8)]
+    nprobe: usize,
+    /// The most candidates one retrieval query may ask for.
+    #[arg(long, default_value_t = 1000)]
+    max_k: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -99,6 +112,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         max_body_bytes: args.max_body_bytes,
         max_inflight_requests: args.max_inflight,
+        retrieval: args
+            .retrieval_checkpoint
+            .clone()
+            .zip(args.retrieval_index.clone())
+            .map(|(checkpoint, index)| RetrievalConfig {
+                checkpoint,
+                index,
+                nprobe: args.nprobe,
+                max_k: args.max_k,
+            }),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

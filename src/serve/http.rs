@@ -20,7 +20,10 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::{json, Value};
 
-use super::{BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, ServeError};
+use super::{
+    BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, RetrievalRow,
+    RetrievalServable, ServeError,
+};
 use crate::embedding::WeightType;
 use crate::{Error, Result};
 
@@ -44,6 +47,22 @@ pub struct ServerConfig {
     /// `max_body_bytes` it bounds the memory requests can hold (the batcher's queue bounds
     /// rows only once they are parsed).
     pub max_inflight_requests: usize,
+    /// A TwoTower retriever served beside the DLRM under the same name
+    /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
+    pub retrieval: Option<RetrievalConfig>,
+}
+
+/// The retrieval stage: a TwoTower trainer checkpoint and an IVF-PQ index of its candidates.
+#[derive(Clone, Debug)]
+pub struct RetrievalConfig {
+    /// The TwoTower trainer checkpoint (its query tower embeds the requests).
+    pub checkpoint: PathBuf,
+    /// The IVF-PQ index of the candidate tower's embeddings (`IvfPqIndex::save`).
+    pub index: PathBuf,
+    /// Lists probed per query.
+    pub nprobe: usize,
+    /// The most candidates one query may ask for.
+    pub max_k: usize,
 }
 
 impl ServerConfig {
@@ -57,6 +76,7 @@ impl ServerConfig {
             batcher: BatcherConfig::default(),
             max_body_bytes: 8 << 20,
             max_inflight_requests: 1024,
+            retrieval: None,
         }
     }
 }
@@ -70,6 +90,17 @@ struct Loaded {
     table_rows: Vec<usize>,
     num_dense: usize,
     tasks: Vec<String>,
+    retrieval: Option<LoadedRetrieval>,
+}
+
+/// The loaded retrieval stage of a [`Loaded`] version.
+struct LoadedRetrieval {
+    batcher: DynamicBatcher<RetrievalServable>,
+    keys: Vec<String>,
+    key_index: HashMap<String, usize>,
+    max_k: usize,
+    candidates: usize,
+    nprobe: usize,
 }
 
 /// Server-wide counters.
@@ -102,7 +133,8 @@ struct Shared {
 /// | route | what |
 /// |---|---|
 /// | `POST /v1/models/{name}:predict` | scores rows: JSON (`application/json`) or Arrow IPC (`application/vnd.apache.arrow.stream`) in, the same format out |
-/// | `POST /v1/models/{name}:reload` | loads the checkpoint file again, checks it, swaps it in |
+/// | `POST /v1/models/{name}:retrieve` | with a retrieval stage ([`ServerConfig::retrieval`]): `{"instances": [{"<query feature>": ids, …}], "k": 10}` → `{"ids": [[…]], "scores": [[…]]}`, each instance's `k` nearest candidates (TwoTower query tower → IVF-PQ), best first |
+/// | `POST /v1/models/{name}:reload` | loads the checkpoint file(s) again, checks them, swaps them in |
 /// | `GET /v1/models/{name}` | the model's features, tasks, version and table format |
 /// | `GET /healthz` | 200 while the process runs |
 /// | `GET /readyz` | 200 while a model is loaded and the server is not draining, else 503 |
@@ -241,10 +273,29 @@ impl Server {
             self.shared.config.checkpoint.clone(),
             self.shared.config.quantize,
         );
-        let servable =
-            tokio::task::spawn_blocking(move || DlrmServable::from_checkpoint(&path, quantize))
-                .await
-                .map_err(|e| Error::invalid("checkpoint", format!("loading panicked: {e}")))??;
+        let retrieval = self.shared.config.retrieval.clone();
+        let (servable, retriever) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let servable = DlrmServable::from_checkpoint(&path, quantize)?;
+            let retriever = retrieval
+                .map(|r| RetrievalServable::from_files(&r.checkpoint, &r.index, r.nprobe, r.max_k))
+                .transpose()?;
+            Ok((servable, retriever))
+        })
+        .await
+        .map_err(|e| Error::invalid("checkpoint", format!("loading panicked: {e}")))??;
+        let retrieval = match retriever {
+            Some(r) => Some(LoadedRetrieval {
+                keys: r.keys().to_vec(),
+                key_index: (r.keys().iter().enumerate())
+                    .map(|(i, k)| (k.clone(), i))
+                    .collect(),
+                max_k: r.max_k(),
+                candidates: r.candidates(),
+                nprobe: r.nprobe(),
+                batcher: DynamicBatcher::new(r, self.shared.config.batcher)?,
+            }),
+            None => None,
+        };
         let keys = servable.keys().to_vec();
         let loaded = Loaded {
             key_index: keys
@@ -256,6 +307,7 @@ impl Server {
             num_dense: servable.num_dense(),
             tasks: servable.tasks().to_vec(),
             keys,
+            retrieval,
             version: self.shared.versions.fetch_add(1, Ordering::AcqRel) + 1,
             batcher: DynamicBatcher::new(servable, self.shared.config.batcher)?,
         };
@@ -371,6 +423,17 @@ async fn model_info(State(server): State<Server>, Path(name): Path<String>) -> R
                 "tasks": m.tasks,
                 "weights": weights,
                 "checkpoint": server.shared.config.checkpoint.display().to_string(),
+                "retrieval": m.retrieval.as_ref().map(|r| {
+                    let config = server.shared.config.retrieval.as_ref();
+                    json!({
+                        "features": r.keys,
+                        "candidates": r.candidates,
+                        "nprobe": r.nprobe,
+                        "max_k": r.max_k,
+                        "checkpoint": config.map(|c| c.checkpoint.display().to_string()),
+                        "index": config.map(|c| c.index.display().to_string()),
+                    })
+                }),
             }))
             .into_response()
         }
@@ -390,13 +453,17 @@ async fn model_post(
     let started = Instant::now();
     let (route, result) = match target.rsplit_once(':') {
         Some((name, "predict")) => ("predict", predict(&server, name, &headers, body).await),
+        Some((name, "retrieve")) => ("retrieve", retrieve(&server, name, body).await),
         Some((name, "reload")) => ("reload", reload(&server, name).await),
         _ => (
             "unknown",
             Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                format!("`{target}`: expected `<model>:predict` or `<model>:reload`"),
+                format!(
+                    "`{target}`: expected `<model>:predict`, `<model>:retrieve` or \
+                     `<model>:reload`"
+                ),
             )),
         ),
     };
@@ -407,7 +474,7 @@ async fn model_post(
             (e.into_response(), Some(kind))
         }
     };
-    if route == "predict" {
+    if route == "predict" || route == "retrieve" {
         server
             .shared
             .metrics
@@ -430,21 +497,9 @@ async fn reload(server: &Server, name: &str) -> std::result::Result<Response, Ap
     }
 }
 
-/// The request's body format.
-#[derive(Clone, Copy, PartialEq)]
-enum Format {
-    Json,
-    Arrow,
-}
-
-async fn predict(
-    server: &Server,
-    name: &str,
-    headers: &HeaderMap,
-    body: Body,
-) -> std::result::Result<Response, ApiError> {
-    let model = server.model(name)?;
-    let _permit = server.shared.inflight.try_acquire().map_err(|_| ApiError {
+/// A request's place among those in flight, or 503 when the limit is reached.
+fn admit(server: &Server) -> std::result::Result<tokio::sync::SemaphorePermit<'_>, ApiError> {
+    server.shared.inflight.try_acquire().map_err(|_| ApiError {
         retry_after: Some(server.shared.config.batcher.max_delay),
         ..ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -454,24 +509,15 @@ async fn predict(
                 server.shared.config.max_inflight_requests
             ),
         )
-    })?;
-    let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
-        None => Format::Json,
-        Some(Ok(t)) if t.starts_with("application/json") => Format::Json,
-        // What `curl -d` sends when no type is given: the body is still read as JSON.
-        Some(Ok(t)) if t.starts_with("application/x-www-form-urlencoded") => Format::Json,
-        Some(Ok(t)) if t.starts_with(ARROW_STREAM) => Format::Arrow,
-        Some(t) => {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                format!(
-                    "content-type {:?}: expected application/json or {ARROW_STREAM}",
-                    t.unwrap_or("(not text)")
-                ),
-            ))
-        }
-    };
+    })
+}
+
+/// The request body, at most `max_body_bytes` (413 above it).
+async fn read_body(
+    server: &Server,
+    headers: &HeaderMap,
+    body: Body,
+) -> std::result::Result<axum::body::Bytes, ApiError> {
     let limit = server.shared.config.max_body_bytes;
     let too_large = || {
         ApiError::new(
@@ -494,6 +540,152 @@ async fn predict(
             ApiError::bad("body", format!("the body could not be read: {e}"))
         }
     })?;
+    Ok(bytes)
+}
+
+/// `POST /v1/models/{name}:retrieve`: `{"instances": [{"<query feature>": ids, …}, …],
+/// "k": 10}` → each instance's `k` nearest candidates, best first.
+async fn retrieve(
+    server: &Server,
+    name: &str,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let model = server.model(name)?;
+    let stage = model.retrieval.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("model `{name}` has no retrieval stage (start the server with one)"),
+        )
+    })?;
+    let _permit = admit(server)?;
+    let bytes = read_body(server, &HeaderMap::new(), body).await?;
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
+    let k = match value.get("k") {
+        None => 10.min(stage.max_k),
+        Some(v) => v
+            .as_u64()
+            .filter(|&k| k >= 1 && k as usize <= stage.max_k)
+            .ok_or_else(|| {
+                ApiError::bad(
+                    "invalid",
+                    format!("`k` = {v}: expected an integer in 1..={}", stage.max_k),
+                )
+            })? as usize,
+    };
+    let instances = instances(&value)?;
+    let mut rows = Vec::with_capacity(instances.len());
+    for (i, instance) in instances.iter().enumerate() {
+        let object = instance
+            .as_object()
+            .ok_or_else(|| ApiError::bad("invalid", format!("instances[{i}] is not an object")))?;
+        let mut row = RetrievalRow {
+            ids: vec![Vec::new(); stage.keys.len()],
+            k,
+        };
+        for (key, value) in object {
+            let f = *stage.key_index.get(key).ok_or_else(|| {
+                ApiError::bad(
+                    "unknown_feature",
+                    format!(
+                        "instances[{i}]: unknown feature `{key}` (the query tower takes {:?})",
+                        stage.keys
+                    ),
+                )
+            })?;
+            row.ids[f] = ids_of(value, &format!("instances[{i}].{key}"))?;
+        }
+        rows.push(row);
+    }
+    if rows.is_empty() {
+        return Err(ApiError::bad("invalid", "no instances"));
+    }
+    let n = rows.len();
+    let found = stage.batcher.submit(rows).await?;
+    server
+        .shared
+        .metrics
+        .rows
+        .fetch_add(n as u64, Ordering::Relaxed);
+    let ids: Vec<Vec<i64>> = found
+        .iter()
+        .map(|r| r.iter().map(|p| p.0).collect())
+        .collect();
+    let scores: Vec<Vec<f32>> = found
+        .iter()
+        .map(|r| r.iter().map(|p| p.1).collect())
+        .collect();
+    Ok(axum::Json(json!({
+        "model": name,
+        "version": model.version,
+        "k": k,
+        "ids": ids,
+        "scores": scores,
+    }))
+    .into_response())
+}
+
+/// The `instances` list of a JSON request.
+fn instances(value: &Value) -> std::result::Result<&Vec<Value>, ApiError> {
+    value
+        .get("instances")
+        .ok_or_else(|| ApiError::bad("invalid", "missing `instances` (a list of objects)"))?
+        .as_array()
+        .ok_or_else(|| ApiError::bad("invalid", "`instances` must be a list of objects"))
+}
+
+/// A feature's ids in JSON: a list of integers, or one integer.
+fn ids_of(value: &Value, at: &str) -> std::result::Result<Vec<i64>, ApiError> {
+    let id = |v: &Value, where_: String| {
+        v.as_i64().ok_or_else(|| {
+            ApiError::bad(
+                "wrong_type",
+                format!("{where_}: expected an integer id, got {v}"),
+            )
+        })
+    };
+    match value {
+        Value::Array(list) => (list.iter().enumerate())
+            .map(|(j, v)| id(v, format!("{at}[{j}]")))
+            .collect(),
+        v => Ok(vec![id(v, at.to_string())?]),
+    }
+}
+
+/// The request's body format.
+#[derive(Clone, Copy, PartialEq)]
+enum Format {
+    Json,
+    Arrow,
+}
+
+async fn predict(
+    server: &Server,
+    name: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> std::result::Result<Response, ApiError> {
+    let model = server.model(name)?;
+    let _permit = admit(server)?;
+    let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
+        None => Format::Json,
+        Some(Ok(t)) if t.starts_with("application/json") => Format::Json,
+        // What `curl -d` sends when no type is given: the body is still read as JSON.
+        Some(Ok(t)) if t.starts_with("application/x-www-form-urlencoded") => Format::Json,
+        Some(Ok(t)) if t.starts_with(ARROW_STREAM) => Format::Arrow,
+        Some(t) => {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!(
+                    "content-type {:?}: expected application/json or {ARROW_STREAM}",
+                    t.unwrap_or("(not text)")
+                ),
+            ))
+        }
+    };
+    let bytes = read_body(server, headers, body).await?;
     let rows = match format {
         Format::Json => rows_from_json(&model, &bytes)?,
         Format::Arrow => {
@@ -565,11 +757,7 @@ async fn predict(
 fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
-    let instances = value
-        .get("instances")
-        .ok_or_else(|| ApiError::bad("invalid", "missing `instances` (a list of objects)"))?
-        .as_array()
-        .ok_or_else(|| ApiError::bad("invalid", "`instances` must be a list of objects"))?;
+    let instances = instances(&value)?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
         let at = |field: &str| format!("instances[{i}].{field}");
@@ -611,20 +799,7 @@ fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmR
                     ));
                 }
             } else if let Some(&f) = model.key_index.get(key) {
-                let id = |v: &Value, where_: String| {
-                    v.as_i64().ok_or_else(|| {
-                        ApiError::bad(
-                            "wrong_type",
-                            format!("{where_}: expected an integer id, got {v}"),
-                        )
-                    })
-                };
-                row.ids[f] = match value {
-                    Value::Array(list) => (list.iter().enumerate())
-                        .map(|(j, v)| id(v, format!("{}[{j}]", at(key))))
-                        .collect::<std::result::Result<_, _>>()?,
-                    v => vec![id(v, at(key))?],
-                };
+                row.ids[f] = ids_of(value, &at(key))?;
             } else {
                 return Err(ApiError::bad(
                     "unknown_feature",

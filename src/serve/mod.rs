@@ -5,16 +5,20 @@
 //! refused at once with a retry hint (back-pressure instead of unbounded memory), and a request
 //! whose rows are invalid fails alone, before it can join a batch shared with others.
 //! [`Server`] (feature `server`, on by default) puts a trained DLRM behind HTTP with hot
-//! reload, health and Prometheus metrics; the `embers-serve` binary runs it.
+//! reload, health and Prometheus metrics, and optionally a TwoTower retriever with its IVF-PQ
+//! index beside it ([`RetrievalServable`]: the two stages of a recommender in one server); the
+//! `embers-serve` binary runs it.
 
 mod batcher;
 mod dlrm;
 mod histogram;
 #[cfg(feature = "server")]
 mod http;
+mod retrieval;
 
 pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError};
 pub use dlrm::{DlrmRow, DlrmServable};
 pub use histogram::Histogram;
 #[cfg(feature = "server")]
-pub use http::{Server, ServerConfig, ARROW_STREAM};
+pub use http::{RetrievalConfig, Server, ServerConfig, ARROW_STREAM};
+pub use retrieval::{RetrievalRow, RetrievalServable};
