@@ -9,8 +9,8 @@ use rayon::prelude::*;
 use super::cuda::{DeviceBase, GpuBlocks, MAX_CHUNK};
 use super::select::TopK;
 use super::{check_new_ids, check_vectors, Metric, Neighbors};
-use crate::tensor::no_grad;
-use crate::{Device, Error, Result, Tensor};
+use crate::tensor::backend::cpu::linear_into;
+use crate::{Device, Error, Result};
 
 /// Queries per product block.
 const QUERY_BLOCK: usize = 256;
@@ -33,34 +33,33 @@ pub(crate) fn scan(
     let nq = queries.len() / dim;
     let nb = base.len() / dim;
     let mut tops: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
-    no_grad(|| -> Result<()> {
-        for q0 in (0..nq).step_by(QUERY_BLOCK) {
-            let qn = QUERY_BLOCK.min(nq - q0);
-            let q = Tensor::from_slice(&queries[q0 * dim..(q0 + qn) * dim], &[qn, dim])?;
-            for b0 in (0..nb).step_by(BASE_BLOCK) {
-                let bn = BASE_BLOCK.min(nb - b0);
-                let b = Tensor::from_slice(&base[b0 * dim..(b0 + bn) * dim], &[bn, dim])?;
-                // [qn, bn] = q · bᵀ
-                let products = q.linear(&b, None)?.to_vec::<f32>()?;
-                tops[q0..q0 + qn]
-                    .par_iter_mut()
-                    .zip(products.par_chunks(bn))
-                    .for_each(|(top, row)| {
-                        for (j, &p) in row.iter().enumerate() {
-                            let score = match (metric, norms) {
-                                (Metric::L2, Some(n)) => 2.0 * p - n[b0 + j],
-                                _ => p,
-                            };
-                            if score >= top.threshold() {
-                                let id = ids.map_or((b0 + j) as i64, |ids| ids[b0 + j]);
-                                top.push(score, id);
-                            }
+    // One products buffer for every block (fresh multi-megabyte buffers page-fault each time).
+    let mut buffer = vec![0f32; QUERY_BLOCK.min(nq) * BASE_BLOCK.min(nb)];
+    for q0 in (0..nq).step_by(QUERY_BLOCK) {
+        let qn = QUERY_BLOCK.min(nq - q0);
+        let q = &queries[q0 * dim..(q0 + qn) * dim];
+        for b0 in (0..nb).step_by(BASE_BLOCK) {
+            let bn = BASE_BLOCK.min(nb - b0);
+            // [qn, bn] = q · bᵀ
+            let products = &mut buffer[..qn * bn];
+            linear_into(q, &base[b0 * dim..(b0 + bn) * dim], qn, bn, dim, products);
+            tops[q0..q0 + qn]
+                .par_iter_mut()
+                .zip(products.par_chunks(bn))
+                .for_each(|(top, row)| {
+                    for (j, &p) in row.iter().enumerate() {
+                        let score = match (metric, norms) {
+                            (Metric::L2, Some(n)) => 2.0 * p - n[b0 + j],
+                            _ => p,
+                        };
+                        if score >= top.threshold() {
+                            let id = ids.map_or((b0 + j) as i64, |ids| ids[b0 + j]);
+                            top.push(score, id);
                         }
-                    });
-            }
+                    }
+                });
         }
-        Ok(())
-    })?;
+    }
     Ok(tops)
 }
 
@@ -81,30 +80,29 @@ pub(crate) fn nearest(
         return Ok(nearest_direct(data, base, dim));
     }
     let mut best = vec![(0usize, f32::NEG_INFINITY); n];
-    no_grad(|| -> Result<()> {
-        for q0 in (0..n).step_by(QUERY_BLOCK * 4) {
-            let qn = (QUERY_BLOCK * 4).min(n - q0);
-            let q = Tensor::from_slice(&data[q0 * dim..(q0 + qn) * dim], &[qn, dim])?;
-            for b0 in (0..nb).step_by(BASE_BLOCK) {
-                let bn = BASE_BLOCK.min(nb - b0);
-                let b = Tensor::from_slice(&base[b0 * dim..(b0 + bn) * dim], &[bn, dim])?;
-                let products = q.linear(&b, None)?.to_vec::<f32>()?;
-                let norms = &norms[b0..b0 + bn];
-                best[q0..q0 + qn]
-                    .par_iter_mut()
-                    .zip(products.par_chunks(bn))
-                    .for_each(|(best, row)| {
-                        for (j, (&p, &nb)) in row.iter().zip(norms).enumerate() {
-                            let score = 2.0 * p - nb;
-                            if score > best.1 {
-                                *best = (b0 + j, score);
-                            }
+    let block = QUERY_BLOCK * 4;
+    let mut buffer = vec![0f32; block.min(n) * BASE_BLOCK.min(nb)];
+    for q0 in (0..n).step_by(block) {
+        let qn = block.min(n - q0);
+        let q = &data[q0 * dim..(q0 + qn) * dim];
+        for b0 in (0..nb).step_by(BASE_BLOCK) {
+            let bn = BASE_BLOCK.min(nb - b0);
+            let products = &mut buffer[..qn * bn];
+            linear_into(q, &base[b0 * dim..(b0 + bn) * dim], qn, bn, dim, products);
+            let norms = &norms[b0..b0 + bn];
+            best[q0..q0 + qn]
+                .par_iter_mut()
+                .zip(products.par_chunks(bn))
+                .for_each(|(best, row)| {
+                    for (j, (&p, &nb)) in row.iter().zip(norms).enumerate() {
+                        let score = 2.0 * p - nb;
+                        if score > best.1 {
+                            *best = (b0 + j, score);
                         }
-                    });
-            }
+                    }
+                });
         }
-        Ok(())
-    })?;
+    }
     Ok(best
         .into_iter()
         .zip(data.chunks_exact(dim))

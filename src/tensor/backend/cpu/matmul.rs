@@ -184,3 +184,29 @@ impl MatmulOps for Cpu {
         out.cast_values(storage)
     }
 }
+
+/// `out [m × n] = x [m × k] · w [n × k]ᵀ` for contiguous f32 host slices, into the caller's
+/// buffer: what `Tensor::linear` computes without its tensors, copies or fresh output (the
+/// retrieval scans call it once per block of queries and stored vectors). Row-invariant when
+/// [`is_row_invariant`](crate::tensor::is_row_invariant) is on for this thread, as `linear` is.
+pub(crate) fn linear_into(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, out: &mut [f32]) {
+    assert!(x.len() == m * k && w.len() == n * k && out.len() == m * n);
+    if crate::tensor::is_row_invariant() {
+        out.copy_from_slice(&super::rowwise::linear(x, w, None, m, k, n));
+        return;
+    }
+    let lhs = MatRef {
+        data: x,
+        offset: 0,
+        row_stride: k,
+        col_stride: 1,
+    };
+    // Wᵀ as a strided view: element (i, o) of Wᵀ is W[o, i].
+    let rhs = MatRef {
+        data: w,
+        offset: 0,
+        row_stride: 1,
+        col_stride: k,
+    };
+    gemm_into(m, n, k, out, lhs, rhs, false, true);
+}

@@ -5,5 +5,6 @@ mod copy;
 mod elementwise;
 mod index;
 mod matmul;
+pub(crate) use matmul::linear_into;
 mod reduce;
 mod rowwise;
