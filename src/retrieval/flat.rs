@@ -120,11 +120,13 @@ const DIRECT_MAX_DIM: usize = 16;
 const LANES: usize = 16;
 const _: () = assert!(LANES == 16);
 
-/// One direct-kernel call: `data`'s rows against the `nb` rows of `base` stored dimension-major
-/// (`by_dim`, `[dim × nb]`) with their squared norms halved and negated (`neg_half_norms`);
-/// `nb` is a multiple of [`LANES`], the padding rows zero with a norm of −∞, so they never win.
+/// One direct-kernel call: `out.len()` rows of `dim` values, row `r` at `data[r · stride..]`,
+/// against the `nb` rows of `base` stored dimension-major (`by_dim`, `[dim × nb]`) with their
+/// squared norms halved and negated (`neg_half_norms`); `nb` is a multiple of [`LANES`], the
+/// padding rows zero with a norm of −∞, so they never win.
 struct Direct<'a> {
     data: &'a [f32],
+    stride: usize,
     by_dim: &'a [f32],
     neg_half_norms: &'a [f32],
     nb: usize,
@@ -167,11 +169,20 @@ fn direct_rows_avx2<const D: usize>(a: Direct<'_>) {
     let dim = if D == 0 { a.dim } else { D };
     let nb = a.nb;
     assert!(nb % LANES == 0 && a.neg_half_norms.len() == nb && a.by_dim.len() == dim * nb);
-    let pairs = a.data.chunks_exact(2 * dim);
-    let last = pairs.remainder();
-    let mut outs = a.out.chunks_exact_mut(2);
-    for (xs, out) in pairs.zip(&mut outs) {
-        let (x0, x1) = xs.split_at(dim);
+    let Direct {
+        data,
+        stride,
+        by_dim,
+        neg_half_norms,
+        out: outs,
+        ..
+    } = a;
+    let rows = outs.len();
+    for (p, out) in outs.chunks_exact_mut(2).enumerate() {
+        let (x0, x1) = (
+            &data[2 * p * stride..][..dim],
+            &data[(2 * p + 1) * stride..][..dim],
+        );
         // SAFETY: AVX2 and FMA were detected before this runs (multiversion!); block b reads
         // neg_half_norms[16b..16b+16] and by_dim[d·nb + 16b..][..16] for d < dim, inside the
         // lengths asserted above since 16b + 16 ≤ nb.
@@ -180,11 +191,11 @@ fn direct_rows_avx2<const D: usize>(a: Direct<'_>) {
             let mut best = [[lo; 2]; 2];
             let mut at = [[_mm256_setzero_si256(); 2]; 2];
             for b in 0..nb / LANES {
-                let h = a.neg_half_norms.as_ptr().add(b * LANES);
+                let h = neg_half_norms.as_ptr().add(b * LANES);
                 let h = [_mm256_loadu_ps(h), _mm256_loadu_ps(h.add(8))];
                 let mut acc = [h, h];
                 for d in 0..dim {
-                    let col = a.by_dim.as_ptr().add(d * nb + b * LANES);
+                    let col = by_dim.as_ptr().add(d * nb + b * LANES);
                     let c = [_mm256_loadu_ps(col), _mm256_loadu_ps(col.add(8))];
                     for (acc, x) in acc.iter_mut().zip([x0, x1]) {
                         let xd = _mm256_set1_ps(*x.get_unchecked(d));
@@ -229,11 +240,15 @@ fn direct_rows_avx2<const D: usize>(a: Direct<'_>) {
             }
         }
     }
-    if !last.is_empty() {
+    if rows % 2 == 1 {
         direct_rows::<D>(Direct {
-            data: last,
-            out: outs.into_remainder(),
-            ..a
+            data: &data[(rows - 1) * stride..],
+            stride,
+            by_dim,
+            neg_half_norms,
+            nb,
+            dim,
+            out: &mut outs[rows - 1..],
         });
     }
 }
@@ -259,7 +274,8 @@ fn reduce_lanes(x: &[f32], best: &[f32; LANES], at: &[u32; LANES]) -> (usize, f3
 fn direct_rows<const D: usize>(a: Direct<'_>) {
     let dim = if D == 0 { a.dim } else { D };
     let nb = a.nb;
-    for (x, out) in a.data.chunks_exact(dim).zip(a.out.iter_mut()) {
+    for (r, out) in a.out.iter_mut().enumerate() {
+        let x = &a.data[r * a.stride..][..dim];
         let mut best = [f32::NEG_INFINITY; LANES];
         let mut at = [0u32; LANES];
         for (b, neg_half) in a.neg_half_norms.chunks_exact(LANES).enumerate() {
@@ -292,38 +308,59 @@ fn direct_block(args: Direct<'_>) {
     direct_portable(args)
 }
 
-/// `base` (rows of `dim`) as the direct kernel reads it: dimension-major, padded to a multiple
-/// of [`LANES`] rows, with its rows' negated half squared norms. Returns `(by_dim, norms, nb)`.
-fn direct_base(base: &[f32], dim: usize) -> (Vec<f32>, Vec<f32>, usize) {
-    let padded = (base.len() / dim).div_ceil(LANES) * LANES;
-    let mut by_dim = vec![0f32; dim * padded];
-    let mut neg_half_norms = vec![f32::NEG_INFINITY; padded];
-    for (i, row) in base.chunks_exact(dim).enumerate() {
-        for (d, &v) in row.iter().enumerate() {
-            by_dim[d * padded + i] = v;
+/// A base (rows of at most [`DIRECT_MAX_DIM`] columns) as the direct kernel reads it:
+/// dimension-major, padded to a multiple of [`LANES`] rows, with its rows' negated half squared
+/// norms. PQ encoding keeps one per sub-quantizer.
+pub(crate) struct DirectBase {
+    by_dim: Vec<f32>,
+    neg_half_norms: Vec<f32>,
+    nb: usize,
+    dim: usize,
+}
+
+impl DirectBase {
+    /// `base`'s rows of `dim` values.
+    pub(crate) fn new(base: &[f32], dim: usize) -> Self {
+        let nb = (base.len() / dim).div_ceil(LANES) * LANES;
+        let mut by_dim = vec![0f32; dim * nb];
+        let mut neg_half_norms = vec![f32::NEG_INFINITY; nb];
+        for (i, row) in base.chunks_exact(dim).enumerate() {
+            for (d, &v) in row.iter().enumerate() {
+                by_dim[d * nb + i] = v;
+            }
+            neg_half_norms[i] = -0.5 * row.iter().map(|v| v * v).sum::<f32>();
         }
-        neg_half_norms[i] = -0.5 * row.iter().map(|v| v * v).sum::<f32>();
+        DirectBase {
+            by_dim,
+            neg_half_norms,
+            nb,
+            dim,
+        }
     }
-    (by_dim, neg_half_norms, padded)
+
+    /// The nearest base row of each of `out.len()` rows, row `r` being
+    /// `data[r · stride..][..dim]`, as `(index, squared distance)` (on this thread).
+    pub(crate) fn nearest_rows(&self, data: &[f32], stride: usize, out: &mut [(usize, f32)]) {
+        direct_block(Direct {
+            data,
+            stride,
+            by_dim: &self.by_dim,
+            neg_half_norms: &self.neg_half_norms,
+            nb: self.nb,
+            dim: self.dim,
+            out,
+        })
+    }
 }
 
 /// [`nearest`] for rows of at most [`DIRECT_MAX_DIM`] columns.
 fn nearest_direct(data: &[f32], base: &[f32], dim: usize) -> Vec<(usize, f32)> {
-    let (by_dim, neg_half_norms, nb) = direct_base(base, dim);
+    let base = DirectBase::new(base, dim);
     let mut out = vec![(0usize, 0f32); data.len() / dim];
     const ROWS: usize = 256;
     out.par_chunks_mut(ROWS)
         .zip(data.par_chunks(ROWS * dim))
-        .for_each(|(out, data)| {
-            direct_block(Direct {
-                data,
-                by_dim: &by_dim,
-                neg_half_norms: &neg_half_norms,
-                nb,
-                dim,
-                out,
-            })
-        });
+        .for_each(|(out, data)| base.nearest_rows(data, dim, out));
     out
 }
 
@@ -607,14 +644,15 @@ mod tests {
                 let base: Vec<f32> = (0..nb * dim)
                     .map(|_| rng.random_range(-4..=4) as f32 * 0.5)
                     .collect();
-                let (by_dim, neg_half_norms, padded) = direct_base(&base, dim);
+                let direct = DirectBase::new(&base, dim);
                 let run = |kernel: fn(Direct<'_>)| {
                     let mut out = vec![(usize::MAX, f32::NAN); 301];
                     kernel(Direct {
                         data: &data,
-                        by_dim: &by_dim,
-                        neg_half_norms: &neg_half_norms,
-                        nb: padded,
+                        stride: dim,
+                        by_dim: &direct.by_dim,
+                        neg_half_norms: &direct.neg_half_norms,
+                        nb: direct.nb,
                         dim,
                         out: &mut out,
                     });
@@ -630,6 +668,14 @@ mod tests {
                     }
                 }
                 assert_eq!(nearest_direct(&data, &base, dim), portable);
+                // Rows read with a stride (inside wider rows, as PQ encoding reads them).
+                let wide: Vec<f32> = data
+                    .chunks_exact(dim)
+                    .flat_map(|x| [&[9.0][..], x, &[7.0, 7.0][..]].concat())
+                    .collect();
+                let mut strided = vec![(usize::MAX, f32::NAN); 301];
+                direct.nearest_rows(&wide[1..], dim + 3, &mut strided);
+                assert_eq!(strided, portable);
                 for (x, &(at, dist)) in data.chunks_exact(dim).zip(&portable) {
                     let d64: Vec<f64> = base
                         .chunks_exact(dim)

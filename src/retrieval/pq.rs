@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::flat::{nearest, squared_norms};
+use super::flat::DirectBase;
 use super::{check_vectors, kmeans, Metric};
 use crate::{Error, Result};
 
@@ -120,19 +120,26 @@ impl ProductQuantizer {
     /// sub-centroid of that sub-vector.
     pub fn encode(&self, vectors: &[f32]) -> Result<Vec<u8>> {
         let n = check_vectors("ProductQuantizer::encode", vectors, self.dim)?;
-        let dsub = self.dsub();
-        let mut codes = vec![0u8; n * self.m];
-        for j in 0..self.m {
-            let sub = sub_vectors(vectors, self.dim, j * dsub, dsub);
-            let centroids = self.sub_centroids(j);
-            let norms = squared_norms(centroids, dsub);
-            for (i, (c, _)) in nearest(&sub, centroids, dsub, &norms)?
-                .into_iter()
-                .enumerate()
-            {
-                codes[i * self.m + j] = c as u8;
-            }
-        }
+        let (dim, dsub, m) = (self.dim, self.dsub(), self.m);
+        let bases: Vec<DirectBase> = (0..m)
+            .map(|j| DirectBase::new(self.sub_centroids(j), dsub))
+            .collect();
+        let mut codes = vec![0u8; n * m];
+        // Chunks of rows, every sub-quantizer on each while its rows are in cache; each
+        // sub-vector is read in place (stride `dim`), not copied out.
+        const ROWS: usize = 256;
+        codes
+            .par_chunks_mut(ROWS * m)
+            .zip(vectors.par_chunks(ROWS * dim))
+            .for_each(|(codes, rows)| {
+                let mut near = vec![(0usize, 0f32); rows.len() / dim];
+                for (j, base) in bases.iter().enumerate() {
+                    base.nearest_rows(&rows[j * dsub..], dim, &mut near);
+                    for (code, &(c, _)) in codes.chunks_exact_mut(m).zip(&near) {
+                        code[j] = c as u8;
+                    }
+                }
+            });
         Ok(codes)
     }
 
