@@ -12,7 +12,11 @@
 //! 3. open loop: 1-row requests at fixed rates (`EMBERS_SERVE_QPS`, comma-separated requests/s;
 //!    by default 50% and 90% of the closed loop's maximum), latency measured from each
 //!    request's scheduled time (no coordinated omission);
-//! 4. the closed loop again with batching off (`max_batch_rows` 1): what batching buys.
+//! 4. the closed loop again with batching off (`max_batch_rows` 1): what batching buys;
+//! 5. the retrieval stage (`:retrieve`): a TwoTower at the TwoTower example's MovieLens-100K
+//!    shape (943 users, 1682 items, 64-dim tables, MLP 128 → 64, untrained: same cost) with an
+//!    IVF-PQ index of its items (nlist 16, m 16, nprobe 4), k = 100: the stage alone per batch,
+//!    one query at a time, and 16 clients in a closed loop.
 //!
 //! `EMBERS_SERVE_SECS` (default 4) is each phase's length; `EMBERS_SERVE_DELAY_US` (default
 //! 0: each batch is what queued while the last one ran) the batcher's `max_delay`. Client and server share the
@@ -49,6 +53,11 @@ async fn connect(addr: SocketAddr) -> Conn {
 
 /// Sends one predict request; its status (anything but 200 or 503 panics).
 async fn request(conn: &mut Conn, body: &Bytes) -> u16 {
+    post(conn, "/v1/models/dlrm:predict", body).await
+}
+
+/// Sends one request to `path`; its status (anything but 200 or 503 panics).
+async fn post(conn: &mut Conn, path: &str, body: &Bytes) -> u16 {
     conn.ready().await.expect("connection ready");
     // Arrow IPC streams start with the continuation marker 0xFFFFFFFF; JSON with `{`.
     let content_type = if body.first() == Some(&0xff) {
@@ -56,7 +65,7 @@ async fn request(conn: &mut Conn, body: &Bytes) -> u16 {
     } else {
         "application/json"
     };
-    let req = hyper::Request::post("/v1/models/dlrm:predict")
+    let req = hyper::Request::post(path)
         .header("host", "127.0.0.1")
         .header("content-type", content_type)
         .body(Full::new(body.clone()))
@@ -456,5 +465,163 @@ fn main() {
     });
     stop.send(()).expect("stop");
     server_rt.block_on(done).expect("join").expect("serve");
+    retrieval_phase(&dir, &checkpoint, &server_rt, &client_rt, secs);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Phase 5: the retrieval stage beside the DLRM (see the file's doc).
+fn retrieval_phase(
+    dir: &std::path::Path,
+    dlrm: &std::path::Path,
+    server_rt: &tokio::runtime::Runtime,
+    client_rt: &tokio::runtime::Runtime,
+    secs: f64,
+) {
+    use embers::retrieval::{IvfPqConfig, IvfPqIndex, Metric};
+    use embers::serve::{BatchModel, RetrievalConfig, RetrievalRow, RetrievalServable};
+    use embers::sparse::KeyedJaggedTensor;
+    use embers::train::{TwoTowerConfig, TwoTowerLoss};
+    let (users, items, k, nprobe) = (943usize, 1682usize, 100usize, 4usize);
+    let config = TwoTowerConfig {
+        query_features: vec![("user".into(), users)],
+        candidate_features: vec![("item".into(), items)],
+        embedding_dim: 64,
+        layers: vec![128, 64],
+        normalize: true,
+        temperature: 0.05,
+        loss: TwoTowerLoss::Softmax {
+            log_q: true,
+            random_negatives: 0,
+        },
+        estimator_buckets: 4096,
+        estimator_alpha: 0.05,
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        dense_optimizer: DenseOptimizer::Adam { lr: 1e-3 },
+        seed: 0,
+        device: embers::Device::Cpu,
+    };
+    let trainer = config.build().expect("two tower");
+    let tt = dir.join("two_tower.safetensors");
+    trainer
+        .save_checkpoint(&tt, &Default::default())
+        .expect("checkpoint");
+    let all: Vec<i64> = (0..items as i64).collect();
+    let emb = trainer
+        .model()
+        .embed_catalogue(&KeyedJaggedTensor::one_hot("item", &all).expect("kjt"))
+        .expect("catalogue");
+    let mut index =
+        IvfPqIndex::train(IvfPqConfig::new(16, 16, Metric::InnerProduct), &emb, 64).expect("index");
+    index.add(&all, &emb).expect("add");
+    let index_path = dir.join("items.ivfpq");
+    index.save(&index_path).expect("save");
+    let stage = RetrievalServable::from_files(&tt, &index_path, nprobe, 1000).expect("stage");
+    let queries: Vec<RetrievalRow> = (0..256)
+        .map(|u| RetrievalRow {
+            ids: vec![vec![(u * 37 % users) as i64]],
+            k,
+        })
+        .collect();
+    let mut line = format!("retrieval stage alone (k {k}, nprobe {nprobe}), per batch:");
+    for n in [1, 16, 64, 256] {
+        let reps = 2000 / n;
+        let t = Instant::now();
+        for _ in 0..reps {
+            stage.run(queries[..n].to_vec()).expect("run");
+        }
+        let each = t.elapsed().as_secs_f64() / reps as f64;
+        line += &format!(
+            "  {n} queries {:.0} us ({:.0} queries/s)",
+            each * 1e6,
+            n as f64 / each
+        );
+    }
+    println!("{line}");
+    let mut server = ServerConfig::new("dlrm", dlrm);
+    server.retrieval = Some(RetrievalConfig {
+        checkpoint: tt,
+        index: index_path,
+        nprobe,
+        max_k: 1000,
+    });
+    server.batcher = BatcherConfig {
+        max_batch_rows: 256,
+        max_delay: Duration::ZERO,
+        max_queued_rows: 1 << 16,
+    };
+    let (addr, stop, done) = server_rt.block_on(async {
+        let server = Server::start(server).await.expect("server");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            server
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        (addr, stop, done)
+    });
+    let bodies: Arc<Vec<Bytes>> = Arc::new(
+        (0..users)
+            .map(|u| {
+                Bytes::from(
+                    serde_json::to_vec(&json!({"instances": [{"user": u}], "k": k})).expect("json"),
+                )
+            })
+            .collect(),
+    );
+    client_rt.block_on(async {
+        let path = "/v1/models/dlrm:retrieve";
+        let mut conn = connect(addr).await;
+        let mut idle = Vec::new();
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        for i in 0..20_000 {
+            if Instant::now() >= end {
+                break;
+            }
+            let t = Instant::now();
+            assert_eq!(post(&mut conn, path, &bodies[i % bodies.len()]).await, 200);
+            idle.push(t.elapsed());
+        }
+        println!(
+            "retrieve, 1-query requests one at a time: {}",
+            summary(&mut idle)
+        );
+        let start = Instant::now();
+        let end = start + Duration::from_secs_f64(secs);
+        let mut tasks = Vec::new();
+        for c in 0..16 {
+            let bodies = bodies.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut conn = connect(addr).await;
+                let mut latencies = Vec::new();
+                let mut i = c;
+                while Instant::now() < end && latencies.len() < MAX_REQUESTS / 16 {
+                    let t = Instant::now();
+                    assert_eq!(post(&mut conn, path, &bodies[i % bodies.len()]).await, 200);
+                    latencies.push(t.elapsed());
+                    i += 16;
+                }
+                latencies
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.expect("client"));
+        }
+        let rate = all.len() as f64 / start.elapsed().as_secs_f64();
+        println!(
+            "retrieve, closed loop, 16 clients x 1-query requests: {rate:.0} queries/s  {}",
+            summary(&mut all)
+        );
+    });
+    stop.send(()).expect("stop");
+    server_rt.block_on(done).expect("join").expect("serve");
 }
