@@ -242,7 +242,8 @@ pub fn in_batch_softmax(
 /// as its positive and all the others as negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j + M_ij`
 /// with `log_q` (`[n]`, optional) the log of each candidate's expected count in the sample and
 /// `mask` (`[B, n]`, optional, additive: a large negative value removes an accidental hit);
-/// both may be on any device. Loss: cross-entropy of the diagonal, mean over rows.
+/// both may be on any device and are constants (no gradient flows to them). Loss:
+/// cross-entropy of the diagonal, mean over rows.
 pub fn sampled_softmax(
     q: &Tensor,
     c: &Tensor,
@@ -261,8 +262,12 @@ pub fn sampled_softmax(
         });
     }
     let (b, n) = (q.shape()[0], c.shape()[0]);
-    let mut logits = q.matmul(&c.t()?)?.div_scalar(temperature)?;
+    // The temperature scales the [B, D] queries rather than the [B, n] logits (fewer elements).
+    let mut logits = q.mul_scalar(1.0 / temperature)?.matmul(&c.t()?)?;
     let device = logits.device();
+    // log-Q and the mask are constants: folded into one bias first, so the logits (and their
+    // backward) see one addition.
+    let mut bias: Option<Tensor> = None;
     if let Some(lq) = log_q {
         if lq.shape() != [n] {
             return Err(Error::ShapeMismatch {
@@ -274,7 +279,7 @@ pub fn sampled_softmax(
         }
         // On the logits' device (the estimator's tensors are made on the CPU).
         let lq = lq.to_dtype(logits.dtype())?.to_device(device)?;
-        logits = logits.sub(&lq.reshape(&[1, n])?)?;
+        bias = Some(lq.reshape(&[1, n])?.neg()?);
     }
     if let Some(m) = mask {
         if m.shape() != [b, n] {
@@ -285,7 +290,14 @@ pub fn sampled_softmax(
                 detail: "one mask value per query and candidate".into(),
             });
         }
-        logits = logits.add(&m.to_dtype(logits.dtype())?.to_device(device)?)?;
+        let m = m.to_dtype(logits.dtype())?.to_device(device)?;
+        bias = Some(match bias {
+            Some(lq) => m.add(&lq)?,
+            None => m,
+        });
+    }
+    if let Some(bias) = bias {
+        logits = logits.add(&bias.detach())?;
     }
     let target = Tensor::arange(0, b as i64, DType::I64).to_device(device)?;
     logits.cross_entropy(&target, Reduction::Mean)

@@ -36,9 +36,17 @@ impl BackwardOp for BinaryBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let (a, b) = (&self.a, &self.b);
+        // Only the gradients an input needs are computed (a subtraction from a constant does
+        // not negate a whole gradient for nothing).
         let (ga, gb) = match self.kind {
-            BinaryOp::Add => (Some(g.clone()), Some(g.clone())),
-            BinaryOp::Sub => (Some(g.clone()), Some(g.neg()?)),
+            BinaryOp::Add => (
+                self.a_needs.then(|| g.clone()),
+                self.b_needs.then(|| g.clone()),
+            ),
+            BinaryOp::Sub => (
+                self.a_needs.then(|| g.clone()),
+                self.b_needs.then(|| g.neg()).transpose()?,
+            ),
             BinaryOp::Mul => (
                 self.a_needs.then(|| g.mul(b)).transpose()?,
                 self.b_needs.then(|| g.mul(a)).transpose()?,
@@ -58,8 +66,12 @@ impl BackwardOp for BinaryBackward {
                 };
                 let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
                 (
-                    Some(Tensor::where_cond(&pick_a, g, &zero)?),
-                    Some(Tensor::where_cond(&pick_a, &zero, g)?),
+                    (self.a_needs)
+                        .then(|| Tensor::where_cond(&pick_a, g, &zero))
+                        .transpose()?,
+                    (self.b_needs)
+                        .then(|| Tensor::where_cond(&pick_a, &zero, g))
+                        .transpose()?,
                 )
             }
         };
