@@ -248,6 +248,26 @@ async fn open_loop(
     (all, refused)
 }
 
+/// `label` followed by what `run(n)` costs for batches of 1, 16, 64 and 256 `unit`s (2000
+/// units per size).
+fn per_batch(label: &str, unit: &str, mut run: impl FnMut(usize)) -> String {
+    let mut line = label.to_string();
+    for n in [1, 16, 64, 256] {
+        let reps = 2000 / n;
+        let t = Instant::now();
+        for _ in 0..reps {
+            run(n);
+        }
+        let each = t.elapsed().as_secs_f64() / reps as f64;
+        line += &format!(
+            "  {n} {unit} {:.0} us ({:.0} {unit}/s)",
+            each * 1e6,
+            n as f64 / each
+        );
+    }
+    line
+}
+
 fn main() {
     let secs: f64 = std::env::var("EMBERS_SERVE_SECS")
         .ok()
@@ -379,20 +399,9 @@ fn main() {
                 }
             })
             .collect();
-        let mut line = String::from("the model alone, per batch:");
-        for n in [1, 16, 64, 256] {
-            let reps = 2000 / n;
-            let t = Instant::now();
-            for _ in 0..reps {
-                servable.run(rows[..n].to_vec()).expect("run");
-            }
-            let each = t.elapsed().as_secs_f64() / reps as f64;
-            line += &format!(
-                "  {n} rows {:.0} us ({:.0} rows/s)",
-                each * 1e6,
-                n as f64 / each
-            );
-        }
+        let line = per_batch("the model alone, per batch:", "rows", |n| {
+            servable.run(rows[..n].to_vec()).expect("run");
+        });
         println!("{line}");
     }
     let one = Arc::new(bodies(&g, 1, 4096));
@@ -525,20 +534,13 @@ fn retrieval_phase(
             k,
         })
         .collect();
-    let mut line = format!("retrieval stage alone (k {k}, nprobe {nprobe}), per batch:");
-    for n in [1, 16, 64, 256] {
-        let reps = 2000 / n;
-        let t = Instant::now();
-        for _ in 0..reps {
+    let line = per_batch(
+        &format!("retrieval stage alone (k {k}, nprobe {nprobe}), per batch:"),
+        "queries",
+        |n| {
             stage.run(queries[..n].to_vec()).expect("run");
-        }
-        let each = t.elapsed().as_secs_f64() / reps as f64;
-        line += &format!(
-            "  {n} queries {:.0} us ({:.0} queries/s)",
-            each * 1e6,
-            n as f64 / each
-        );
-    }
+        },
+    );
     println!("{line}");
     let mut server = ServerConfig::new("dlrm", dlrm);
     server.retrieval = Some(RetrievalConfig {

@@ -132,21 +132,7 @@ impl BatchModel for DlrmServable {
             if let Some(j) = row.dense.iter().position(|x| !x.is_finite()) {
                 return Err(format!("row {i}: dense value {j} is {}", row.dense[j]));
             }
-            if row.ids.len() != self.keys.len() {
-                return Err(format!(
-                    "row {i}: ids for {} features, the model has {} ({:?})",
-                    row.ids.len(),
-                    self.keys.len(),
-                    self.keys
-                ));
-            }
-            for ((ids, key), &n) in row.ids.iter().zip(&self.keys).zip(&self.rows) {
-                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= n) {
-                    return Err(format!(
-                        "row {i}: feature `{key}` id {id} is outside 0..{n}"
-                    ));
-                }
-            }
+            super::check_ids(i, &row.ids, &self.keys, &self.rows, "the model")?;
         }
         Ok(())
     }

@@ -22,3 +22,30 @@ pub use histogram::Histogram;
 #[cfg(feature = "server")]
 pub use http::{RetrievalConfig, Server, ServerConfig, ARROW_STREAM};
 pub use retrieval::{RetrievalRow, RetrievalServable};
+
+/// Checks row `row`'s ids against the served features: one id list per key (`keys`; `what`
+/// names the model, e.g. "the model"), each id inside its table (`rows`). The message names the
+/// row, the feature and the id, for [`BatchModel::validate`].
+fn check_ids(
+    row: usize,
+    ids: &[Vec<i64>],
+    keys: &[String],
+    rows: &[usize],
+    what: &str,
+) -> Result<(), String> {
+    if ids.len() != keys.len() {
+        return Err(format!(
+            "row {row}: ids for {} features, {what} has {} ({keys:?})",
+            ids.len(),
+            keys.len(),
+        ));
+    }
+    for ((ids, key), &n) in ids.iter().zip(keys).zip(rows) {
+        if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= n) {
+            return Err(format!(
+                "row {row}: feature `{key}` id {id} is outside 0..{n}"
+            ));
+        }
+    }
+    Ok(())
+}

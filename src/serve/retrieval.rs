@@ -118,21 +118,7 @@ impl BatchModel for RetrievalServable {
                     row.k, self.max_k
                 ));
             }
-            if row.ids.len() != self.keys.len() {
-                return Err(format!(
-                    "row {i}: ids for {} features, the query tower has {} ({:?})",
-                    row.ids.len(),
-                    self.keys.len(),
-                    self.keys
-                ));
-            }
-            for ((ids, key), &n) in row.ids.iter().zip(&self.keys).zip(&self.rows) {
-                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= n) {
-                    return Err(format!(
-                        "row {i}: feature `{key}` id {id} is outside 0..{n}"
-                    ));
-                }
-            }
+            super::check_ids(i, &row.ids, &self.keys, &self.rows, "the query tower")?;
         }
         Ok(())
     }
