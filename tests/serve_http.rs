@@ -1150,6 +1150,16 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
                 "{body}"
             );
         }
+        // Over the body limit (8 MiB by default): 413, as for predict.
+        let (status, _, _) = send(
+            addr,
+            "POST",
+            "/v1/models/recs:retrieve",
+            None,
+            vec![b' '; 9 << 20],
+        )
+        .await;
+        assert_eq!(status, 413);
         let (status, _, answer) = send(addr, "GET", "/v1/models/recs", None, vec![]).await;
         assert_eq!(status, 200);
         let v: Value = serde_json::from_slice(&answer).unwrap();

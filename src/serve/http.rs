@@ -453,7 +453,7 @@ async fn model_post(
     let started = Instant::now();
     let (route, result) = match target.rsplit_once(':') {
         Some((name, "predict")) => ("predict", predict(&server, name, &headers, body).await),
-        Some((name, "retrieve")) => ("retrieve", retrieve(&server, name, body).await),
+        Some((name, "retrieve")) => ("retrieve", retrieve(&server, name, &headers, body).await),
         Some((name, "reload")) => ("reload", reload(&server, name).await),
         _ => (
             "unknown",
@@ -548,6 +548,7 @@ async fn read_body(
 async fn retrieve(
     server: &Server,
     name: &str,
+    headers: &HeaderMap,
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
     let model = server.model(name)?;
@@ -559,7 +560,7 @@ async fn retrieve(
         )
     })?;
     let _permit = admit(server)?;
-    let bytes = read_body(server, &HeaderMap::new(), body).await?;
+    let bytes = read_body(server, headers, body).await?;
     let value: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
     let k = match value.get("k") {
