@@ -21,7 +21,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use super::{
-    BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, RetrievalRow,
+    BatchModel, BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, RetrievalRow,
     RetrievalServable, ServeError,
 };
 use crate::embedding::WeightType;
@@ -543,6 +543,25 @@ async fn read_body(
     Ok(bytes)
 }
 
+/// A request's rows through `batcher` (none is a 400), counted in the rows metric.
+async fn run_rows<M: BatchModel>(
+    server: &Server,
+    batcher: &DynamicBatcher<M>,
+    rows: Vec<M::Row>,
+) -> std::result::Result<Vec<M::Output>, ApiError> {
+    if rows.is_empty() {
+        return Err(ApiError::bad("invalid", "no instances"));
+    }
+    let n = rows.len();
+    let outputs = batcher.submit(rows).await?;
+    server
+        .shared
+        .metrics
+        .rows
+        .fetch_add(n as u64, Ordering::Relaxed);
+    Ok(outputs)
+}
+
 /// `POST /v1/models/{name}:retrieve`: `{"instances": [{"<query feature>": ids, …}, …],
 /// "k": 10}` → each instance's `k` nearest candidates, best first.
 async fn retrieve(
@@ -599,16 +618,7 @@ async fn retrieve(
         }
         rows.push(row);
     }
-    if rows.is_empty() {
-        return Err(ApiError::bad("invalid", "no instances"));
-    }
-    let n = rows.len();
-    let found = stage.batcher.submit(rows).await?;
-    server
-        .shared
-        .metrics
-        .rows
-        .fetch_add(n as u64, Ordering::Relaxed);
+    let found = run_rows(server, &stage.batcher, rows).await?;
     let ids: Vec<Vec<i64>> = found
         .iter()
         .map(|r| r.iter().map(|p| p.0).collect())
@@ -703,16 +713,7 @@ async fn predict(
             })?
         }
     };
-    if rows.is_empty() {
-        return Err(ApiError::bad("invalid", "no instances"));
-    }
-    let n = rows.len();
-    let outputs = model.batcher.submit(rows).await?;
-    server
-        .shared
-        .metrics
-        .rows
-        .fetch_add(n as u64, Ordering::Relaxed);
+    let outputs = run_rows(server, &model.batcher, rows).await?;
     let tasks = &model.tasks;
     let column = |t: usize| outputs.iter().map(|o| o[t]).collect::<Vec<f32>>();
     Ok(match format {
