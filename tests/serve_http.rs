@@ -1085,6 +1085,7 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
             nprobe,
             max_k: 40,
         });
+        cfg.max_body_bytes = 64 << 10;
         cfg.batcher = BatcherConfig {
             max_batch_rows: 32,
             max_delay: Duration::from_millis(5),
@@ -1150,13 +1151,14 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
                 "{body}"
             );
         }
-        // Over the body limit (8 MiB by default): 413, as for predict.
+        // Over the body limit (64 KiB here; small enough that the client has written it all
+        // before the server answers): 413, as for predict.
         let (status, _, _) = send(
             addr,
             "POST",
             "/v1/models/recs:retrieve",
             None,
-            vec![b' '; 9 << 20],
+            vec![b' '; 70 << 10],
         )
         .await;
         assert_eq!(status, 413);
