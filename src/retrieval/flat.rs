@@ -17,6 +17,31 @@ const QUERY_BLOCK: usize = 256;
 /// Base vectors per product block.
 const BASE_BLOCK: usize = 4096;
 
+/// `queries · baseᵀ` (rows of `dim`) in blocks of `block` queries by [`BASE_BLOCK`] base rows,
+/// each product block (`[qn × bn]`, row-major) handed to `f(q0, b0, bn, products)`: one
+/// products buffer serves every block (fresh multi-megabyte buffers page-fault each time).
+fn product_blocks(
+    queries: &[f32],
+    base: &[f32],
+    dim: usize,
+    block: usize,
+    mut f: impl FnMut(usize, usize, usize, &[f32]),
+) {
+    let nq = queries.len() / dim;
+    let nb = base.len() / dim;
+    let mut buffer = vec![0f32; block.min(nq) * BASE_BLOCK.min(nb)];
+    for q0 in (0..nq).step_by(block) {
+        let qn = block.min(nq - q0);
+        let q = &queries[q0 * dim..(q0 + qn) * dim];
+        for b0 in (0..nb).step_by(BASE_BLOCK) {
+            let bn = BASE_BLOCK.min(nb - b0);
+            let products = &mut buffer[..qn * bn];
+            linear_into(q, &base[b0 * dim..(b0 + bn) * dim], qn, bn, dim, products);
+            f(q0, b0, bn, products);
+        }
+    }
+}
+
 /// The `k` best of `base` (rows of `dim`) for every query, as per-query [`TopK`]s of scores to
 /// maximise: the inner product, or for L2 `2⟨q,b⟩ − ‖b‖²` (the distance is `‖q‖²` minus it).
 /// `norms` are the base rows' squared norms (L2 only); `ids` name the rows (their index when
@@ -29,38 +54,27 @@ pub(crate) fn scan(
     ids: Option<&[i64]>,
     metric: Metric,
     k: usize,
-) -> Result<Vec<TopK>> {
+) -> Vec<TopK> {
     let nq = queries.len() / dim;
-    let nb = base.len() / dim;
     let mut tops: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
-    // One products buffer for every block (fresh multi-megabyte buffers page-fault each time).
-    let mut buffer = vec![0f32; QUERY_BLOCK.min(nq) * BASE_BLOCK.min(nb)];
-    for q0 in (0..nq).step_by(QUERY_BLOCK) {
-        let qn = QUERY_BLOCK.min(nq - q0);
-        let q = &queries[q0 * dim..(q0 + qn) * dim];
-        for b0 in (0..nb).step_by(BASE_BLOCK) {
-            let bn = BASE_BLOCK.min(nb - b0);
-            // [qn, bn] = q · bᵀ
-            let products = &mut buffer[..qn * bn];
-            linear_into(q, &base[b0 * dim..(b0 + bn) * dim], qn, bn, dim, products);
-            tops[q0..q0 + qn]
-                .par_iter_mut()
-                .zip(products.par_chunks(bn))
-                .for_each(|(top, row)| {
-                    for (j, &p) in row.iter().enumerate() {
-                        let score = match (metric, norms) {
-                            (Metric::L2, Some(n)) => 2.0 * p - n[b0 + j],
-                            _ => p,
-                        };
-                        if score >= top.threshold() {
-                            let id = ids.map_or((b0 + j) as i64, |ids| ids[b0 + j]);
-                            top.push(score, id);
-                        }
+    product_blocks(queries, base, dim, QUERY_BLOCK, |q0, b0, bn, products| {
+        tops[q0..q0 + products.len() / bn]
+            .par_iter_mut()
+            .zip(products.par_chunks(bn))
+            .for_each(|(top, row)| {
+                for (j, &p) in row.iter().enumerate() {
+                    let score = match (metric, norms) {
+                        (Metric::L2, Some(n)) => 2.0 * p - n[b0 + j],
+                        _ => p,
+                    };
+                    if score >= top.threshold() {
+                        let id = ids.map_or((b0 + j) as i64, |ids| ids[b0 + j]);
+                        top.push(score, id);
                     }
-                });
-        }
-    }
-    Ok(tops)
+                }
+            });
+    });
+    tops
 }
 
 /// The nearest row of `base` (squared L2; `norms` its rows' squared norms) to each row of
@@ -68,46 +82,29 @@ pub(crate) fn scan(
 /// heap: k-means, PQ encoding and list assignment call it for every vector. Rows of at most
 /// [`DIRECT_MAX_DIM`] columns (PQ sub-vectors) skip the matmul: their scores are summed in
 /// registers and never stored.
-pub(crate) fn nearest(
-    data: &[f32],
-    base: &[f32],
-    dim: usize,
-    norms: &[f32],
-) -> Result<Vec<(usize, f32)>> {
-    let n = data.len() / dim;
-    let nb = base.len() / dim;
+pub(crate) fn nearest(data: &[f32], base: &[f32], dim: usize, norms: &[f32]) -> Vec<(usize, f32)> {
     if dim <= DIRECT_MAX_DIM {
-        return Ok(nearest_direct(data, base, dim));
+        return nearest_direct(data, base, dim);
     }
-    let mut best = vec![(0usize, f32::NEG_INFINITY); n];
-    let block = QUERY_BLOCK * 4;
-    let mut buffer = vec![0f32; block.min(n) * BASE_BLOCK.min(nb)];
-    for q0 in (0..n).step_by(block) {
-        let qn = block.min(n - q0);
-        let q = &data[q0 * dim..(q0 + qn) * dim];
-        for b0 in (0..nb).step_by(BASE_BLOCK) {
-            let bn = BASE_BLOCK.min(nb - b0);
-            let products = &mut buffer[..qn * bn];
-            linear_into(q, &base[b0 * dim..(b0 + bn) * dim], qn, bn, dim, products);
-            let norms = &norms[b0..b0 + bn];
-            best[q0..q0 + qn]
-                .par_iter_mut()
-                .zip(products.par_chunks(bn))
-                .for_each(|(best, row)| {
-                    for (j, (&p, &nb)) in row.iter().zip(norms).enumerate() {
-                        let score = 2.0 * p - nb;
-                        if score > best.1 {
-                            *best = (b0 + j, score);
-                        }
+    let mut best = vec![(0usize, f32::NEG_INFINITY); data.len() / dim];
+    product_blocks(data, base, dim, QUERY_BLOCK * 4, |q0, b0, bn, products| {
+        let norms = &norms[b0..b0 + bn];
+        best[q0..q0 + products.len() / bn]
+            .par_iter_mut()
+            .zip(products.par_chunks(bn))
+            .for_each(|(best, row)| {
+                for (j, (&p, &nb)) in row.iter().zip(norms).enumerate() {
+                    let score = 2.0 * p - nb;
+                    if score > best.1 {
+                        *best = (b0 + j, score);
                     }
-                });
-        }
-    }
-    Ok(best
-        .into_iter()
+                }
+            });
+    });
+    best.into_iter()
         .zip(data.chunks_exact(dim))
         .map(|((i, score), x)| (i, (x.iter().map(|v| v * v).sum::<f32>() - score).max(0.0)))
-        .collect())
+        .collect()
 }
 
 /// The widest rows [`nearest`] scores directly instead of through a matmul:
@@ -308,9 +305,22 @@ fn direct_block(args: Direct<'_>) {
     direct_portable(args)
 }
 
+/// `rows` (of `dim` values) dimension-major: value `d` of row `i` at `d · padded + i`, with
+/// `padded ≥` the row count (the padding zero).
+pub(crate) fn dimension_major(rows: &[f32], dim: usize, padded: usize) -> Vec<f32> {
+    let mut out = vec![0f32; dim * padded];
+    for (i, row) in rows.chunks_exact(dim).enumerate() {
+        for (d, &v) in row.iter().enumerate() {
+            out[d * padded + i] = v;
+        }
+    }
+    out
+}
+
 /// A base (rows of at most [`DIRECT_MAX_DIM`] columns) as the direct kernel reads it:
 /// dimension-major, padded to a multiple of [`LANES`] rows, with its rows' negated half squared
-/// norms. PQ encoding keeps one per sub-quantizer.
+/// norms. A product quantizer keeps one per sub-quantizer.
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct DirectBase {
     by_dim: Vec<f32>,
     neg_half_norms: Vec<f32>,
@@ -322,13 +332,10 @@ impl DirectBase {
     /// `base`'s rows of `dim` values.
     pub(crate) fn new(base: &[f32], dim: usize) -> Self {
         let nb = (base.len() / dim).div_ceil(LANES) * LANES;
-        let mut by_dim = vec![0f32; dim * nb];
+        let by_dim = dimension_major(base, dim, nb);
         let mut neg_half_norms = vec![f32::NEG_INFINITY; nb];
-        for (i, row) in base.chunks_exact(dim).enumerate() {
-            for (d, &v) in row.iter().enumerate() {
-                by_dim[d * nb + i] = v;
-            }
-            neg_half_norms[i] = -0.5 * row.iter().map(|v| v * v).sum::<f32>();
+        for (h, row) in neg_half_norms.iter_mut().zip(base.chunks_exact(dim)) {
+            *h = -0.5 * row.iter().map(|v| v * v).sum::<f32>();
         }
         DirectBase {
             by_dim,
@@ -336,6 +343,11 @@ impl DirectBase {
             nb,
             dim,
         }
+    }
+
+    /// Value `d` of every base row (padding included): `nb` values.
+    pub(crate) fn column(&self, d: usize) -> &[f32] {
+        &self.by_dim[d * self.nb..(d + 1) * self.nb]
     }
 
     /// The nearest base row of each of `out.len()` rows, row `r` being
@@ -600,7 +612,7 @@ impl FlatIndex {
             Some(&self.ids),
             self.metric,
             k,
-        )?;
+        );
         Ok(to_neighbors(
             tops.into_iter().map(TopK::into_sorted),
             queries,

@@ -121,7 +121,7 @@ impl IvfPqIndex {
             list_of: HashMap::new(),
             precomputed: None,
         };
-        let lists = index.assign(vectors)?;
+        let lists = index.assign(vectors);
         let residuals = index.residuals(vectors, &lists);
         index.pq = ProductQuantizer::train(
             &residuals,
@@ -191,10 +191,10 @@ impl IvfPqIndex {
     }
 
     /// The nearest coarse centroid of each vector (by the index's metric).
-    fn assign(&self, vectors: &[f32]) -> Result<Vec<usize>> {
+    fn assign(&self, vectors: &[f32]) -> Vec<usize> {
         if self.config.metric == Metric::L2 {
-            let near = nearest(vectors, &self.coarse, self.dim, &self.coarse_norms)?;
-            return Ok(near.into_iter().map(|(c, _)| c).collect());
+            let near = nearest(vectors, &self.coarse, self.dim, &self.coarse_norms);
+            return near.into_iter().map(|(c, _)| c).collect();
         }
         let tops = scan(
             vectors,
@@ -204,11 +204,10 @@ impl IvfPqIndex {
             None,
             self.config.metric,
             1,
-        )?;
-        Ok(tops
-            .into_iter()
+        );
+        tops.into_iter()
             .map(|t| t.into_sorted()[0].1 as usize)
-            .collect())
+            .collect()
     }
 
     fn residuals(&self, vectors: &[f32], lists: &[usize]) -> Vec<f32> {
@@ -228,7 +227,7 @@ impl IvfPqIndex {
         check_new_ids("IvfPqIndex::add", ids, n, |id| {
             self.list_of.contains_key(&id)
         })?;
-        let lists = self.assign(vectors)?;
+        let lists = self.assign(vectors);
         let codes = self.pq.encode(&self.residuals(vectors, &lists))?;
         let m = self.config.m;
         for (i, (&id, &l)) in ids.iter().zip(&lists).enumerate() {
@@ -288,7 +287,7 @@ impl IvfPqIndex {
         }
         let metric = self.config.metric;
         let norms = (metric == Metric::L2).then_some(&self.coarse_norms[..]);
-        let probes = scan(queries, &self.coarse, self.dim, norms, None, metric, nprobe)?;
+        let probes = scan(queries, &self.coarse, self.dim, norms, None, metric, nprobe);
         let dim = self.dim;
         let results: Vec<Vec<(f32, i64)>> = probes
             .into_par_iter()

@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::check_vectors;
-use super::flat::{nearest, squared_norms};
+use super::flat::{dimension_major, nearest, squared_norms};
 use crate::{Error, Result};
 
 /// Training points per centroid at most (FAISS's `max_points_per_centroid`): larger sets are
@@ -45,7 +45,7 @@ pub fn kmeans(data: &[f32], dim: usize, k: usize, iters: usize, seed: u64) -> Re
         let norms = squared_norms(&centroids, dim);
         for (a, (c, _)) in assign
             .iter_mut()
-            .zip(nearest(&sample, &centroids, dim, &norms)?)
+            .zip(nearest(&sample, &centroids, dim, &norms))
         {
             *a = c;
         }
@@ -99,12 +99,7 @@ const SEED_CHUNK: usize = 1024;
 /// dimension-major once, so each seed's pass runs across points ([`seed_pass`]).
 fn plus_plus(data: &[f32], dim: usize, k: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     let n = data.len() / dim;
-    let mut cols = vec![0f32; n * dim];
-    for (i, x) in data.chunks_exact(dim).enumerate() {
-        for (d, &v) in x.iter().enumerate() {
-            cols[d * n + i] = v;
-        }
-    }
+    let cols = dimension_major(data, dim, n);
     let mut seeds = Vec::with_capacity(k * dim);
     let first = rng.random_range(0..n);
     seeds.extend_from_slice(&data[first * dim..(first + 1) * dim]);

@@ -17,9 +17,9 @@ pub struct ProductQuantizer {
     m: usize,
     /// `[m × 256 × dsub]`.
     centroids: Vec<f32>,
-    /// The same, dimension-major per sub-quantizer: `[m × dsub × 256]` (tables vectorise
-    /// across the 256 centroids).
-    by_dim: Vec<f32>,
+    /// Each sub-quantizer's centroids dimension-major, as encoding's direct kernel reads them
+    /// and as the distance tables run (across the 256 centroids).
+    bases: Vec<DirectBase>,
 }
 
 impl ProductQuantizer {
@@ -59,19 +59,15 @@ impl ProductQuantizer {
 
     fn new(dim: usize, m: usize, centroids: Vec<f32>) -> Self {
         let dsub = dim / m;
-        let mut by_dim = vec![0f32; centroids.len()];
-        for j in 0..m {
-            for c in 0..KSUB {
-                for d in 0..dsub {
-                    by_dim[(j * dsub + d) * KSUB + c] = centroids[(j * KSUB + c) * dsub + d];
-                }
-            }
-        }
+        let bases = centroids
+            .chunks_exact(KSUB * dsub)
+            .map(|sub| DirectBase::new(sub, dsub))
+            .collect();
         ProductQuantizer {
             dim,
             m,
             centroids,
-            by_dim,
+            bases,
         }
     }
 
@@ -121,9 +117,6 @@ impl ProductQuantizer {
     pub fn encode(&self, vectors: &[f32]) -> Result<Vec<u8>> {
         let n = check_vectors("ProductQuantizer::encode", vectors, self.dim)?;
         let (dim, dsub, m) = (self.dim, self.dsub(), self.m);
-        let bases: Vec<DirectBase> = (0..m)
-            .map(|j| DirectBase::new(self.sub_centroids(j), dsub))
-            .collect();
         let mut codes = vec![0u8; n * m];
         // Chunks of rows, every sub-quantizer on each while its rows are in cache; each
         // sub-vector is read in place (stride `dim`), not copied out.
@@ -133,7 +126,7 @@ impl ProductQuantizer {
             .zip(vectors.par_chunks(ROWS * dim))
             .for_each(|(codes, rows)| {
                 let mut near = vec![(0usize, 0f32); rows.len() / dim];
-                for (j, base) in bases.iter().enumerate() {
+                for (j, base) in self.bases.iter().enumerate() {
                     base.nearest_rows(&rows[j * dsub..], dim, &mut near);
                     for (code, &(c, _)) in codes.chunks_exact_mut(m).zip(&near) {
                         code[j] = c as u8;
@@ -167,7 +160,8 @@ impl ProductQuantizer {
         for (j, out) in table.chunks_exact_mut(KSUB).enumerate() {
             let q = &query[j * dsub..(j + 1) * dsub];
             for (d, &qd) in q.iter().enumerate() {
-                let col = &self.by_dim[(j * dsub + d) * KSUB..(j * dsub + d + 1) * KSUB];
+                // 256 centroids are a whole number of the kernel's blocks: no padding.
+                let col = self.bases[j].column(d);
                 match metric {
                     Metric::InnerProduct => {
                         for (o, &c) in out.iter_mut().zip(col) {
