@@ -580,8 +580,7 @@ async fn retrieve(
     })?;
     let _permit = admit(server)?;
     let bytes = read_body(server, headers, body).await?;
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
+    let value = parse_json(&bytes)?;
     let k = match value.get("k") {
         None => 10.min(stage.max_k),
         Some(v) => v
@@ -597,9 +596,7 @@ async fn retrieve(
     let instances = instances(&value)?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
-        let object = instance
-            .as_object()
-            .ok_or_else(|| ApiError::bad("invalid", format!("instances[{i}] is not an object")))?;
+        let object = object_at(i, instance)?;
         let mut row = RetrievalRow {
             ids: vec![Vec::new(); stage.keys.len()],
             k,
@@ -635,6 +632,22 @@ async fn retrieve(
         "scores": scores,
     }))
     .into_response())
+}
+
+/// A JSON request body (400 `malformed_json` if it is not JSON).
+fn parse_json(bytes: &[u8]) -> std::result::Result<Value, ApiError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))
+}
+
+/// `instances[i]` as an object (400 `invalid` otherwise).
+fn object_at(
+    i: usize,
+    instance: &Value,
+) -> std::result::Result<&serde_json::Map<String, Value>, ApiError> {
+    instance
+        .as_object()
+        .ok_or_else(|| ApiError::bad("invalid", format!("instances[{i}] is not an object")))
 }
 
 /// The `instances` list of a JSON request.
@@ -757,15 +770,12 @@ async fn predict(
 
 /// `{"instances": [...]}` → rows (see [`Server`]).
 fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
-    let value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))?;
+    let value = parse_json(bytes)?;
     let instances = instances(&value)?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
         let at = |field: &str| format!("instances[{i}].{field}");
-        let object = instance
-            .as_object()
-            .ok_or_else(|| ApiError::bad("invalid", format!("instances[{i}] is not an object")))?;
+        let object = object_at(i, instance)?;
         let mut row = DlrmRow {
             dense: Vec::new(),
             ids: vec![Vec::new(); model.keys.len()],
