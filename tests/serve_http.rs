@@ -1185,7 +1185,7 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         wrong.save(&wrong_path).unwrap();
         let mut cfg = ServerConfig::new("recs", &dlrm_path);
         cfg.retrieval = Some(RetrievalConfig {
-            checkpoint: tt_path,
+            checkpoint: tt_path.clone(),
             index: wrong_path,
             nprobe: 2,
             max_k: 10,
@@ -1195,5 +1195,23 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
             .err()
             .expect("a mismatched index is refused");
         assert!(err.to_string().contains("dimension 4"), "{err}");
+
+        // Probe counts outside the index's lists, no candidates wanted, an index emptied of its
+        // vectors: each refused at load, named.
+        use embers::serve::RetrievalServable;
+        let load_err = |index: &std::path::Path, nprobe: usize, max_k: usize| {
+            RetrievalServable::from_files(&tt_path, index, nprobe, max_k)
+                .err()
+                .expect("refused")
+                .to_string()
+        };
+        assert!(load_err(&index_path, 0, 10).contains("nprobe 0"));
+        assert!(load_err(&index_path, 9, 10).contains("nprobe 9 (1..=8)"));
+        assert!(load_err(&index_path, 3, 0).contains("max_k 0"));
+        let mut empty = IvfPqIndex::load(&index_path).unwrap();
+        assert_eq!(empty.remove(&all), items);
+        let empty_path = dir.join("empty.ivfpq");
+        empty.save(&empty_path).unwrap();
+        assert!(load_err(&empty_path, 3, 10).contains("holds no vector"));
     });
 }

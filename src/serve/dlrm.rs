@@ -143,15 +143,7 @@ impl BatchModel for DlrmServable {
         for row in &rows {
             dense.extend_from_slice(&row.dense);
         }
-        // Key-major, as a KJT: every row's ids of feature 0, then of feature 1, ….
-        let mut ids = Vec::new();
-        let mut lengths = Vec::with_capacity(b * self.keys.len());
-        for f in 0..self.keys.len() {
-            for row in &rows {
-                ids.extend_from_slice(&row.ids[f]);
-                lengths.push(row.ids[f].len() as i32);
-            }
-        }
+        let (ids, lengths) = super::key_major(&rows, self.keys.len(), |r| &r.ids);
         let labels = vec![0.0; b * self.tasks];
         let batch = Batch::from_parts(
             dense,

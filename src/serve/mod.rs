@@ -49,3 +49,22 @@ fn check_ids(
     }
     Ok(())
 }
+
+/// Rows' sparse ids key-major, as a KJT lays them out: every row's ids of feature 0, then of
+/// feature 1, …; returns the ids and one length per (feature, row). `ids(row)` gives a row's id
+/// lists, one per feature (`features` of them, already checked by [`check_ids`]).
+fn key_major<R>(
+    rows: &[R],
+    features: usize,
+    ids: impl Fn(&R) -> &[Vec<i64>],
+) -> (Vec<i64>, Vec<i32>) {
+    let mut values = Vec::new();
+    let mut lengths = Vec::with_capacity(rows.len() * features);
+    for f in 0..features {
+        for row in rows {
+            values.extend_from_slice(&ids(row)[f]);
+            lengths.push(ids(row)[f].len() as i32);
+        }
+    }
+    (values, lengths)
+}

@@ -125,15 +125,7 @@ impl BatchModel for RetrievalServable {
 
     fn run(&self, rows: Vec<RetrievalRow>) -> Result<Vec<Vec<(i64, f32)>>> {
         let b = rows.len();
-        // Key-major, as a KJT: every row's ids of feature 0, then of feature 1, ….
-        let mut values = Vec::new();
-        let mut lengths = Vec::with_capacity(b * self.keys.len());
-        for f in 0..self.keys.len() {
-            for row in &rows {
-                values.extend_from_slice(&row.ids[f]);
-                lengths.push(row.ids[f].len() as i32);
-            }
-        }
+        let (values, lengths) = super::key_major(&rows, self.keys.len(), |r| &r.ids);
         let (nv, nl) = (values.len(), lengths.len());
         let queries = KeyedJaggedTensor::from_lengths(
             self.keys.clone(),
