@@ -51,10 +51,10 @@ async fn connect(addr: SocketAddr) -> Conn {
     sender
 }
 
-/// Sends one predict request; its status (anything but 200 or 503 panics).
-async fn request(conn: &mut Conn, body: &Bytes) -> u16 {
-    post(conn, "/v1/models/dlrm:predict", body).await
-}
+/// The DLRM's route.
+const PREDICT: &str = "/v1/models/dlrm:predict";
+/// The retrieval stage's route (phase 5).
+const RETRIEVE: &str = "/v1/models/dlrm:retrieve";
 
 /// Sends one request to `path`; its status (anything but 200 or 503 panics).
 async fn post(conn: &mut Conn, path: &str, body: &Bytes) -> u16 {
@@ -175,9 +175,10 @@ fn arrow_bodies(g: &SyntheticCriteo, rows: usize, count: usize) -> Vec<Bytes> {
         .collect()
 }
 
-/// `clients` clients in a closed loop for `secs`: (requests/s, latencies).
+/// `clients` clients posting to `path` in a closed loop for `secs`: (requests/s, latencies).
 async fn closed_loop(
     addr: SocketAddr,
+    path: &'static str,
     bodies: Arc<Vec<Bytes>>,
     clients: usize,
     secs: f64,
@@ -193,7 +194,7 @@ async fn closed_loop(
             let mut i = c;
             while Instant::now() < end && latencies.len() < MAX_REQUESTS / clients {
                 let t = Instant::now();
-                let status = request(&mut conn, &bodies[i % bodies.len()]).await;
+                let status = post(&mut conn, path, &bodies[i % bodies.len()]).await;
                 assert_eq!(status, 200, "a closed loop never overloads the queue");
                 latencies.push(t.elapsed());
                 i += clients;
@@ -232,7 +233,7 @@ async fn open_loop(
         let (give, take, bodies) = (give.clone(), take.clone(), bodies.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = take.lock().await.recv().await.expect("pool");
-            let status = request(&mut conn, &bodies[i % bodies.len()]).await;
+            let status = post(&mut conn, PREDICT, &bodies[i % bodies.len()]).await;
             let latency = due.elapsed();
             give.send(conn).expect("pool");
             (status, latency)
@@ -246,6 +247,49 @@ async fn open_loop(
         }
     }
     (all, refused)
+}
+
+/// One client posting `bodies` to `path` one at a time for `secs` (at most 20,000): latencies.
+async fn one_at_a_time(addr: SocketAddr, path: &str, bodies: &[Bytes], secs: f64) -> Vec<Duration> {
+    let mut conn = connect(addr).await;
+    let mut latencies = Vec::new();
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    for i in 0..20_000 {
+        if Instant::now() >= end {
+            break;
+        }
+        let t = Instant::now();
+        assert_eq!(post(&mut conn, path, &bodies[i % bodies.len()]).await, 200);
+        latencies.push(t.elapsed());
+    }
+    latencies
+}
+
+/// A running server: its address, the sender that stops it, and its task.
+type Running = (
+    SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+);
+
+/// Starts a server for `config` on `rt`, on a free port of 127.0.0.1.
+fn start(rt: &tokio::runtime::Runtime, config: ServerConfig) -> Running {
+    rt.block_on(async {
+        let server = Server::start(config).await.expect("server");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            server
+                .serve(listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        (addr, stop, done)
+    })
 }
 
 /// `label` followed by what `run(n)` costs for batches of 1, 16, 64 and 256 `unit`s (2000
@@ -352,22 +396,7 @@ fn main() {
             max_delay: Duration::from_micros(delay_us),
             max_queued_rows: 1 << 16,
         };
-        server_rt.block_on(async {
-            let server = Server::start(config).await.expect("server");
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            let addr = listener.local_addr().expect("addr");
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let s = server.clone();
-            let done = tokio::spawn(async move {
-                s.serve(listener, async {
-                    let _ = stopped.await;
-                })
-                .await
-            });
-            (addr, stop, done)
-        })
+        start(&server_rt, config)
     };
     println!(
         "embers-serve load: {} tables, {} dense, tables {:?}, max_delay {delay_us} us, {} cores, {secs} s per phase, checkpoint {}",
@@ -410,22 +439,12 @@ fn main() {
     let (addr, stop, done) = start_server(256);
     let max_rate = client_rt.block_on(async {
         // Warm-up.
-        closed_loop(addr, one.clone(), 8, secs.min(1.0)).await;
-        let mut conn = connect(addr).await;
-        let mut idle = Vec::new();
-        let end = Instant::now() + Duration::from_secs_f64(secs);
-        for i in 0.. {
-            if Instant::now() >= end || i >= 20_000 {
-                break;
-            }
-            let t = Instant::now();
-            assert_eq!(request(&mut conn, &one[i % one.len()]).await, 200);
-            idle.push(t.elapsed());
-        }
+        closed_loop(addr, PREDICT, one.clone(), 8, secs.min(1.0)).await;
+        let mut idle = one_at_a_time(addr, PREDICT, &one, secs).await;
         println!("idle, 1-row requests one at a time: {}", summary(&mut idle));
         let mut max_rate = 0.0;
         for clients in [16, 64] {
-            let (rate, mut lat) = closed_loop(addr, one.clone(), clients, secs).await;
+            let (rate, mut lat) = closed_loop(addr, PREDICT, one.clone(), clients, secs).await;
             println!(
                 "closed loop, {clients} clients x 1-row requests: {rate:.0} rows/s  {}",
                 summary(&mut lat)
@@ -433,7 +452,7 @@ fn main() {
             max_rate = f64::max(max_rate, rate);
         }
         for (format, bodies) in [("JSON", many.clone()), ("Arrow", many_arrow.clone())] {
-            let (rate, mut lat) = closed_loop(addr, bodies, 16, secs).await;
+            let (rate, mut lat) = closed_loop(addr, PREDICT, bodies, 16, secs).await;
             println!(
                 "closed loop, 16 clients x 32-row {format} requests: {:.0} rows/s  {}",
                 rate * 32.0,
@@ -464,7 +483,7 @@ fn main() {
     server_rt.block_on(done).expect("join").expect("serve");
     let (addr, stop, done) = start_server(1);
     client_rt.block_on(async {
-        let (rate, mut lat) = closed_loop(addr, one.clone(), 64, secs).await;
+        let (rate, mut lat) = closed_loop(addr, PREDICT, one.clone(), 64, secs).await;
         println!(
             "batching off (max_batch_rows 1), 64 clients x 1-row requests: {rate:.0} rows/s  {}  \
              (batching buys {:.1}x)",
@@ -554,22 +573,7 @@ fn retrieval_phase(
         max_delay: Duration::ZERO,
         max_queued_rows: 1 << 16,
     };
-    let (addr, stop, done) = server_rt.block_on(async {
-        let server = Server::start(server).await.expect("server");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let done = tokio::spawn(async move {
-            server
-                .serve(listener, async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
-        (addr, stop, done)
-    });
+    let (addr, stop, done) = start(server_rt, server);
     let bodies: Arc<Vec<Bytes>> = Arc::new(
         (0..users)
             .map(|u| {
@@ -580,45 +584,12 @@ fn retrieval_phase(
             .collect(),
     );
     client_rt.block_on(async {
-        let path = "/v1/models/dlrm:retrieve";
-        let mut conn = connect(addr).await;
-        let mut idle = Vec::new();
-        let end = Instant::now() + Duration::from_secs_f64(secs);
-        for i in 0..20_000 {
-            if Instant::now() >= end {
-                break;
-            }
-            let t = Instant::now();
-            assert_eq!(post(&mut conn, path, &bodies[i % bodies.len()]).await, 200);
-            idle.push(t.elapsed());
-        }
+        let mut idle = one_at_a_time(addr, RETRIEVE, &bodies, secs).await;
         println!(
             "retrieve, 1-query requests one at a time: {}",
             summary(&mut idle)
         );
-        let start = Instant::now();
-        let end = start + Duration::from_secs_f64(secs);
-        let mut tasks = Vec::new();
-        for c in 0..16 {
-            let bodies = bodies.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut conn = connect(addr).await;
-                let mut latencies = Vec::new();
-                let mut i = c;
-                while Instant::now() < end && latencies.len() < MAX_REQUESTS / 16 {
-                    let t = Instant::now();
-                    assert_eq!(post(&mut conn, path, &bodies[i % bodies.len()]).await, 200);
-                    latencies.push(t.elapsed());
-                    i += 16;
-                }
-                latencies
-            }));
-        }
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await.expect("client"));
-        }
-        let rate = all.len() as f64 / start.elapsed().as_secs_f64();
+        let (rate, mut all) = closed_loop(addr, RETRIEVE, bodies.clone(), 16, secs).await;
         println!(
             "retrieve, closed loop, 16 clients x 1-query requests: {rate:.0} queries/s  {}",
             summary(&mut all)
