@@ -97,3 +97,21 @@ fn missing_movielens_files_are_a_named_error() {
         "{err}"
     );
 }
+
+#[test]
+fn more_hard_negatives_than_negatives_is_a_named_error() {
+    let out = run(&[
+        "--data",
+        "synthetic",
+        "--rerank",
+        "--rerank-hard-negatives",
+        "5",
+        "--no-progress",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--rerank-hard-negatives 5: at most 4"),
+        "{err}"
+    );
+}

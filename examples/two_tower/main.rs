@@ -473,14 +473,14 @@ fn popularity(split: &Split, items: usize) -> HashMap<usize, Vec<usize>> {
 
 /// The retriever's score of a (user, item) pair, ⟨query, candidate⟩: the re-ranker's one dense
 /// feature, so it starts from what retrieval knows and learns what to add.
-struct Scores {
+struct Scores<'a> {
     users: Vec<f32>,
-    items: Vec<f32>,
+    items: &'a [f32],
     dim: usize,
 }
 
-impl Scores {
-    fn new(trainer: &TwoTowerTrainer, users: usize, catalogue: &[f32]) -> Result<Self> {
+impl<'a> Scores<'a> {
+    fn new(trainer: &TwoTowerTrainer, users: usize, catalogue: &'a [f32]) -> Result<Self> {
         let ids: Vec<i64> = (0..users as i64).collect();
         let q = trainer
             .model()
@@ -489,7 +489,7 @@ impl Scores {
         Ok(Scores {
             dim: q.len() / users,
             users: q,
-            items: catalogue.to_vec(),
+            items: catalogue,
         })
     }
 
@@ -506,7 +506,7 @@ impl Scores {
 fn dlrm_batch(
     pairs: &[(usize, usize, f32)],
     genres: &[Vec<i64>],
-    scores: &Scores,
+    scores: &Scores<'_>,
 ) -> Result<Batch> {
     let b = pairs.len();
     let users: Vec<i64> = pairs.iter().map(|p| p.0 as i64).collect();
@@ -542,7 +542,7 @@ fn rerank(
     data: &Data,
     split: &Split,
     retrieved: &HashMap<usize, Vec<usize>>,
-    scores: &Scores,
+    scores: &Scores<'_>,
 ) -> Result<(HashMap<usize, Vec<usize>>, f64)> {
     let config = DlrmConfig {
         num_dense: 1,
