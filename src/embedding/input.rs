@@ -234,23 +234,25 @@ pub(crate) fn validate<'a>(
         ));
     }
     let batch_size = (n_off - 1) / num_features;
-    let mut offsets = Vec::with_capacity(n_off);
-    for i in 0..n_off {
-        let o = input.offsets.get(i);
-        let prev = offsets.last().copied().unwrap_or(0) as i64;
-        if o < 0 || (i > 0 && o < prev) {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "offsets must be non-negative and non-decreasing: offsets[{i}] = {o} after \
-                     {prev} (feature {}, bag {})",
-                    i.saturating_sub(1) / batch_size.max(1),
-                    i.saturating_sub(1) % batch_size.max(1)
-                ),
-            ));
-        }
-        offsets.push(o as usize);
-    }
+    let offsets = match input.offsets {
+        IndexSlice::I32(s) => monotone_offsets(s),
+        IndexSlice::I64(s) => monotone_offsets(s),
+    };
+    let offsets = offsets.map_err(|i| {
+        let (o, prev) = (
+            input.offsets.get(i),
+            if i > 0 { input.offsets.get(i - 1) } else { 0 },
+        );
+        Error::invalid(
+            op,
+            format!(
+                "offsets must be non-negative and non-decreasing: offsets[{i}] = {o} after \
+                 {prev} (feature {}, bag {})",
+                i.saturating_sub(1) / batch_size.max(1),
+                i.saturating_sub(1) % batch_size.max(1)
+            ),
+        )
+    })?;
     let n_ids = input.indices.len();
     if offsets[0] != 0 || offsets[n_off - 1] != n_ids {
         return Err(Error::invalid(
@@ -274,8 +276,25 @@ pub(crate) fn validate<'a>(
             ));
         }
     }
+    // The fast pass: one branch-free scan per feature over its (contiguous) ids, features in
+    // parallel when the batch is large. Only features with an id out of range are walked again
+    // bag by bag, to name the first one or collect the positions to skip.
+    let feature_ids = |f: usize| offsets[f * batch_size]..offsets[(f + 1) * batch_size];
+    let feature_bad = |f: usize| match input.indices {
+        IndexSlice::I32(s) => any_out_of_range(&s[feature_ids(f)], features[f].rows),
+        IndexSlice::I64(s) => any_out_of_range(&s[feature_ids(f)], features[f].rows),
+    };
+    let bad_features: Vec<bool> = if n_ids >= PARALLEL_VALIDATION_IDS {
+        use rayon::prelude::*;
+        (0..num_features).into_par_iter().map(feature_bad).collect()
+    } else {
+        (0..num_features).map(feature_bad).collect()
+    };
     let mut bad: Vec<usize> = Vec::new();
     for (f, feat) in features.iter().enumerate() {
+        if !bad_features[f] {
+            continue;
+        }
         for b in 0..batch_size {
             let bag = f * batch_size + b;
             for p in offsets[bag]..offsets[bag + 1] {
@@ -353,6 +372,37 @@ pub(crate) fn validate<'a>(
     })
 }
 
+/// Batches of at least this many ids check their features in parallel (below it, the rayon
+/// round trip costs more than the scan).
+const PARALLEL_VALIDATION_IDS: usize = 1 << 15;
+
+/// The offsets as `usize`, or the position of the first one that is negative or below its
+/// predecessor.
+fn monotone_offsets<I: Copy + Into<i64>>(s: &[I]) -> std::result::Result<Vec<usize>, usize> {
+    let mut prev = 0i64;
+    let mut out = Vec::with_capacity(s.len());
+    for (i, &o) in s.iter().enumerate() {
+        let o: i64 = o.into();
+        if o < prev {
+            return Err(i);
+        }
+        prev = o;
+        out.push(o as usize);
+    }
+    Ok(out)
+}
+
+/// Whether any id lies outside `0..rows` (a negative id widens to a huge `u64`). Branch-free
+/// inside blocks of 1024 ids, so the compiler vectorises it.
+fn any_out_of_range<I: Copy + Into<i64>>(ids: &[I], rows: usize) -> bool {
+    let rows = rows as u64;
+    ids.chunks(1024).any(|block| {
+        block
+            .iter()
+            .fold(false, |bad, &id| bad | (id.into() as u64 >= rows))
+    })
+}
+
 /// Calls `f` with a [`TbeInput`] borrowed from tensors (i32/i64 indices and offsets, f32
 /// weights).
 pub(crate) fn with_tensor_input<R>(
@@ -409,4 +459,177 @@ pub(crate) fn with_tensor_input<R>(
         offsets: as_slice(&offs),
         per_sample_weights: weights.as_deref(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch of `features` features × `batch` bags of random lengths 0..8 over tables of
+    /// `rows[f]` rows, every id in range; returns (ids, offsets).
+    fn random_batch(rows: &[usize], batch: usize, seed: u64) -> (Vec<i64>, Vec<i64>) {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let (mut ids, mut offsets) = (Vec::new(), vec![0i64]);
+        for &r in rows {
+            for _ in 0..batch {
+                for _ in 0..next() % 8 {
+                    ids.push((next() % r as u64) as i64);
+                }
+                offsets.push(ids.len() as i64);
+            }
+        }
+        (ids, offsets)
+    }
+
+    fn bounds<'a>(rows: &[usize], names: &'a [String]) -> Vec<FeatureBounds<'a>> {
+        rows.iter()
+            .zip(names)
+            .map(|(&rows, name)| FeatureBounds {
+                rows,
+                feature: name,
+                table: name,
+            })
+            .collect()
+    }
+
+    /// The positions a naive walk finds out of range, in order.
+    fn naive_bad(ids: &[i64], offsets: &[i64], rows: &[usize], batch: usize) -> Vec<usize> {
+        let mut bad = Vec::new();
+        for (f, &r) in rows.iter().enumerate() {
+            let (s, e) = (
+                offsets[f * batch] as usize,
+                offsets[(f + 1) * batch] as usize,
+            );
+            bad.extend((s..e).filter(|&p| ids[p] < 0 || ids[p] as u64 >= r as u64));
+        }
+        bad
+    }
+
+    /// Small batches (serial scan) and large ones (features in parallel), i64 and i32 ids,
+    /// with bad ids planted anywhere (negative, equal to the row count, huge): the error
+    /// names the first bad id in feature order, and skipping drops exactly the bad ones.
+    #[test]
+    fn validation_finds_every_bad_id_small_and_large_batches() {
+        let rows = [5usize, 1000, 1 << 20, 7];
+        let names: Vec<String> = (0..rows.len()).map(|f| format!("f{f}")).collect();
+        let features = bounds(&rows, &names);
+        for (batch, seed) in [(3usize, 1u64), (40, 2), (4096, 3), (6000, 4)] {
+            let (clean, offsets) = random_batch(&rows, batch, seed);
+            let large = clean.len() >= PARALLEL_VALIDATION_IDS;
+            assert_eq!(large, batch >= 4096, "batch {batch}: {} ids", clean.len());
+            let counter = SkipCounter::default();
+            let ok = validate(
+                "test",
+                TbeInput::new(&clean[..], &offsets[..]),
+                &features,
+                BoundsCheckMode::Error,
+                &counter,
+            )
+            .unwrap();
+            assert!(matches!(ok.ids, Ids::I64(Cow::Borrowed(_))) && ok.kept.is_none());
+            for (k, bad_value) in [-1i64, 5, 1000, 1 << 20, 7, i64::MAX, i64::MIN]
+                .into_iter()
+                .enumerate()
+            {
+                let mut ids = clean.clone();
+                // Plant the bad value in a feature whose table it overflows, plus a second
+                // one later, and compare against the naive walk.
+                let f = match bad_value {
+                    5 => 0,
+                    1000 => 1,
+                    0x10_0000 => 2,
+                    7 => 3,
+                    _ => k % rows.len(),
+                };
+                let (s, e) = (
+                    offsets[f * batch] as usize,
+                    offsets[(f + 1) * batch] as usize,
+                );
+                if s == e {
+                    continue;
+                }
+                let p = s + (seed as usize * 31 + k * 17) % (e - s);
+                ids[p] = bad_value;
+                let last = ids.len() - 1;
+                if p != last {
+                    ids[last] = -5;
+                }
+                let expected = naive_bad(&ids, &offsets, &rows, batch);
+                assert_eq!(expected[0], p);
+                let err = validate(
+                    "test",
+                    TbeInput::new(&ids[..], &offsets[..]),
+                    &features,
+                    BoundsCheckMode::Error,
+                    &counter,
+                )
+                .unwrap_err()
+                .to_string();
+                assert!(
+                    err.contains(&format!("feature `f{f}`"))
+                        && err.contains(&format!("id {bad_value} at position {p}")),
+                    "batch {batch}: {err}"
+                );
+                // The same through i32 ids where the value fits (every other id does).
+                if i32::try_from(bad_value).is_ok() {
+                    let ids32: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+                    let offs32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+                    let err32 = validate(
+                        "test",
+                        TbeInput::new(&ids32[..], &offs32[..]),
+                        &features,
+                        BoundsCheckMode::Error,
+                        &counter,
+                    )
+                    .unwrap_err()
+                    .to_string();
+                    assert!(err32.contains(&format!("at position {p}")), "{err32}");
+                }
+                let skipped = validate(
+                    "test",
+                    TbeInput::new(&ids[..], &offsets[..]),
+                    &features,
+                    BoundsCheckMode::WarnAndSkip,
+                    &counter,
+                )
+                .unwrap();
+                let (kept, n) = skipped.kept.clone().unwrap();
+                assert_eq!(n, ids.len());
+                let kept_expected: Vec<usize> =
+                    (0..ids.len()).filter(|p| !expected.contains(p)).collect();
+                assert_eq!(kept, kept_expected, "batch {batch} value {bad_value}");
+            }
+        }
+    }
+
+    #[test]
+    fn validation_names_the_first_bad_offset() {
+        let rows = [10usize, 10];
+        let names: Vec<String> = vec!["a".into(), "b".into()];
+        let features = bounds(&rows, &names);
+        let counter = SkipCounter::default();
+        let ids = [1i64, 2, 3, 4];
+        for (offsets, needle) in [
+            ([-1i64, 1, 2, 3, 4], "offsets[0] = -1 after 0"),
+            ([0, 3, 2, 3, 4], "offsets[2] = 2 after 3 (feature 0, bag 1)"),
+            ([0, 1, 2, 4, 3], "offsets[4] = 3 after 4 (feature 1, bag 1)"),
+        ] {
+            let err = validate(
+                "test",
+                TbeInput::new(&ids[..], &offsets[..]),
+                &features,
+                BoundsCheckMode::Error,
+                &counter,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+    }
 }

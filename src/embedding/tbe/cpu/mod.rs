@@ -12,7 +12,7 @@ use crate::embedding::storage::RowBuffer;
 use crate::error::Result;
 use crate::Tensor;
 use backward::{fused_backward, BackwardOutput, BackwardStep, TableUpdate};
-use pool::{pooled_forward, sequence_forward, F32Rows, PoolFeature};
+use pool::{pooled_forward, sequence_forward, with_f32_rows, PoolFeature};
 
 /// FP32 tables and optimizer state in host memory (huge-page friendly buffers).
 pub(crate) struct HostTables {
@@ -82,11 +82,8 @@ impl HostTables {
     ) {
         let visit = |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
             let t = cfg.feature_table_map[f];
-            let rows = F32Rows {
-                rows: &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]],
-                dim: cfg.tables[t].dim,
-            };
-            k(&rows)
+            let rows = &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]];
+            with_f32_rows(rows, cfg.tables[t].dim, k)
         };
         let stride = layout.out_stride;
         if cfg.pooling == PoolingMode::None {

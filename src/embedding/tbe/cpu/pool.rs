@@ -21,9 +21,28 @@ use crate::embedding::quantize::row_scale_bias;
 /// buffers and get dropped.
 const PREFETCH_DISTANCE: usize = 4;
 
-/// The same for the column-block kernel of FP32 rows, which spends less time per row and
-/// wants more rows in flight: 8 and 16 measured best (4: 4% slower) on the bench machine.
-const BLOCK_PREFETCH_DISTANCE: usize = 8;
+/// Cache lines the column-block kernel of FP32 rows keeps in flight: it prefetches rows
+/// `BLOCK_PREFETCH_LINES / lines per row` ids ahead (at least 4, at most 32). Measured on the
+/// 2-core bench machine (T=32 B=512 E=1e5 L=20, Zipf and uniform ids, 5-7 alternating runs,
+/// medians): at D=16 32 rows ahead beat 16 and 8 (Zipf 1.42 / 1.59 / 2.16 ms); at D=64 16
+/// beat 8 (3.32 / 3.72 ms) and 32 was no better; at D=128 8 beat 16 (8.2 / 8.4-9.1 ms), also
+/// at E=1e7; at D=256 4 and 8 were even. A fixed row count, as before (8), kept too few short
+/// rows in flight.
+const BLOCK_PREFETCH_LINES: usize = 64;
+
+/// How many ids ahead the column-block kernel prefetches rows of `row_bytes` bytes.
+#[inline(always)]
+const fn block_prefetch_distance(row_bytes: usize) -> usize {
+    let lines = row_bytes.div_ceil(64);
+    let d = BLOCK_PREFETCH_LINES / if lines == 0 { 1 } else { lines };
+    if d < 4 {
+        4
+    } else if d > 32 {
+        32
+    } else {
+        d
+    }
+}
 
 /// Columns pooled at a time by the column-block kernel: 64 f32 stay in registers (8 AVX2
 /// registers) while every row of the bag is added, instead of a load and store of the output
@@ -59,7 +78,7 @@ pub(crate) fn prefetch_lines<const L2: bool>(start: *const u8, len: usize) {
 }
 
 /// One table's rows as the kernels see them.
-pub(crate) trait TableRows: Sync {
+pub(crate) trait TableRows: Copy + Sync {
     /// Starts fetching row `id` into the cache.
     fn prefetch(&self, id: usize);
     /// `out += w · row(id)` (dequantised in f32).
@@ -67,6 +86,16 @@ pub(crate) trait TableRows: Sync {
     /// Whether [`accumulate_cols`](Self::accumulate_cols) reads columns directly (plain f32
     /// rows), so that bags pool by column blocks.
     const COLUMN_BLOCKS: bool = false;
+    /// Columns per row where the rows pool by column blocks (a constant to the compiler for
+    /// [`Width`] rows); `None` otherwise.
+    fn width(&self) -> Option<usize> {
+        None
+    }
+    /// How many ids ahead the column-block kernel prefetches (only called when
+    /// `COLUMN_BLOCKS`).
+    fn block_prefetch_distance(&self) -> usize {
+        unreachable!("only rows with COLUMN_BLOCKS pool by column blocks")
+    }
     /// Starts fetching row `id` into L2 (the column-block kernel's prefetch).
     fn prefetch_l2(&self, id: usize) {
         self.prefetch(id)
@@ -89,25 +118,92 @@ pub(crate) trait TableRows: Sync {
     }
 }
 
-impl F32Rows<'_> {
+/// A row width: known only at run time ([`AnyWidth`]) or to the compiler ([`Width`]).
+pub(crate) trait RowWidth: Copy + Sync {
+    /// Columns per row.
+    fn get(self) -> usize;
+}
+
+/// A row width known at run time.
+#[derive(Clone, Copy)]
+pub(crate) struct AnyWidth(pub usize);
+
+impl RowWidth for AnyWidth {
+    #[inline(always)]
+    fn get(self) -> usize {
+        self.0
+    }
+}
+
+/// A row width known to the compiler: the row address is a shift, the prefetch of a row a
+/// fixed run of instructions and the column blocks of a bag a fixed sequence, so a row that
+/// is already cached (most of them on Zipf ids) costs fewer instructions.
+#[derive(Clone, Copy)]
+pub(crate) struct Width<const D: usize>;
+
+impl<const D: usize> RowWidth for Width<D> {
+    #[inline(always)]
+    fn get(self) -> usize {
+        D
+    }
+}
+
+/// FP32 rows of a training table, `dim` columns each.
+#[derive(Clone, Copy)]
+pub(crate) struct F32Rows<'a, W: RowWidth = AnyWidth> {
+    pub rows: &'a [f32],
+    pub dim: W,
+}
+
+/// Calls `k` with `rows` as [`F32Rows`] of a width known to the compiler where `dim` is one
+/// models use most (16, 32, 64, 128, 256), else of a run-time width.
+pub(crate) fn with_f32_rows<R>(
+    rows: &[f32],
+    dim: usize,
+    k: impl FnOnce(&dyn PoolFeature) -> R,
+) -> R {
+    match dim {
+        16 => k(&F32Rows {
+            rows,
+            dim: Width::<16>,
+        }),
+        32 => k(&F32Rows {
+            rows,
+            dim: Width::<32>,
+        }),
+        64 => k(&F32Rows {
+            rows,
+            dim: Width::<64>,
+        }),
+        128 => k(&F32Rows {
+            rows,
+            dim: Width::<128>,
+        }),
+        256 => k(&F32Rows {
+            rows,
+            dim: Width::<256>,
+        }),
+        _ => k(&F32Rows {
+            rows,
+            dim: AnyWidth(dim),
+        }),
+    }
+}
+
+impl<W: RowWidth> F32Rows<'_, W> {
     /// Prefetches row `id` (into L2 with `L2`). The row's address by wrapping arithmetic,
     /// without the slice's bounds checks: a prefetch never faults (and `id` was validated at
     /// the boundary). Dropping the checks made the forward ~10% faster on Zipf ids, where most
     /// rows are already cached and instructions per row decide.
     #[inline(always)]
     fn prefetch_row<const L2: bool>(&self, id: usize) {
-        let row = self.rows.as_ptr().wrapping_add(id.wrapping_mul(self.dim));
-        prefetch_lines::<L2>(row as *const u8, self.dim * 4);
+        let dim = self.dim.get();
+        let row = self.rows.as_ptr().wrapping_add(id.wrapping_mul(dim));
+        prefetch_lines::<L2>(row as *const u8, dim * 4);
     }
 }
 
-/// FP32 rows of a training table.
-pub(crate) struct F32Rows<'a> {
-    pub rows: &'a [f32],
-    pub dim: usize,
-}
-
-impl TableRows for F32Rows<'_> {
+impl<W: RowWidth> TableRows for F32Rows<'_, W> {
     #[inline(always)]
     fn prefetch(&self, id: usize) {
         self.prefetch_row::<false>(id);
@@ -115,7 +211,8 @@ impl TableRows for F32Rows<'_> {
 
     #[inline(always)]
     fn accumulate(&self, id: usize, w: f32, out: &mut [f32]) {
-        let row = &self.rows[id * self.dim..(id + 1) * self.dim];
+        let dim = self.dim.get();
+        let row = &self.rows[id * dim..(id + 1) * dim];
         for (o, &x) in out.iter_mut().zip(row) {
             *o += w * x;
         }
@@ -124,13 +221,23 @@ impl TableRows for F32Rows<'_> {
     const COLUMN_BLOCKS: bool = true;
 
     #[inline(always)]
+    fn width(&self) -> Option<usize> {
+        Some(self.dim.get())
+    }
+
+    #[inline(always)]
+    fn block_prefetch_distance(&self) -> usize {
+        block_prefetch_distance(self.dim.get() * 4)
+    }
+
+    #[inline(always)]
     fn prefetch_l2(&self, id: usize) {
         self.prefetch_row::<true>(id);
     }
 
     #[inline(always)]
     fn accumulate_cols(&self, id: usize, w: f32, c0: usize, acc: &mut [f32]) {
-        let start = id * self.dim + c0;
+        let start = id * self.dim.get() + c0;
         let cols = &self.rows[start..start + acc.len()];
         for (a, &x) in acc.iter_mut().zip(cols) {
             *a += w * x;
@@ -138,16 +245,16 @@ impl TableRows for F32Rows<'_> {
     }
 
     #[inline(always)]
-    fn accumulate_block<const W: usize, const WEIGHTED: bool>(
+    fn accumulate_block<const B: usize, const WEIGHTED: bool>(
         &self,
         id: usize,
         w: f32,
         c0: usize,
-        acc: &mut [f32; W],
+        acc: &mut [f32; B],
     ) {
-        let start = id * self.dim + c0;
-        let cols: &[f32; W] = (self.rows[start..start + W]).try_into().expect("W columns");
-        for j in 0..W {
+        let start = id * self.dim.get() + c0;
+        let cols: &[f32; B] = (self.rows[start..start + B]).try_into().expect("B columns");
+        for j in 0..B {
             acc[j] += if WEIGHTED { w * cols[j] } else { cols[j] };
         }
     }
@@ -156,7 +263,7 @@ impl TableRows for F32Rows<'_> {
 /// One bag's columns `c0..c0 + W` (positions `positions` of `ids`): the sum of its rows,
 /// weighted by `weights[p]` with `WEIGHTED`. The accumulator is a local array of a size known
 /// to the compiler and never sliced, so it lives in registers. The bag's first block (`c0 ==
-/// 0`) prefetches rows `BLOCK_PREFETCH_DISTANCE` ids ahead into L2; later blocks find the
+/// 0`) prefetches rows [`block_prefetch_distance`] ids ahead into L2; later blocks find the
 /// bag's rows in L1.
 #[inline(always)]
 fn pool_block<I: IndexValue, R: TableRows, const W: usize, const WEIGHTED: bool>(
@@ -167,10 +274,14 @@ fn pool_block<I: IndexValue, R: TableRows, const W: usize, const WEIGHTED: bool>
     end: usize,
     c0: usize,
 ) -> [f32; W] {
+    // A copy in registers: the prefetches would otherwise make the compiler reload the
+    // rows' address and length from memory for every row.
+    let rows = *rows;
     let mut acc = [0.0f32; W];
+    let ahead = rows.block_prefetch_distance();
     for p in positions {
-        if c0 == 0 && p + BLOCK_PREFETCH_DISTANCE < end {
-            rows.prefetch_l2(ids[p + BLOCK_PREFETCH_DISTANCE].to_usize());
+        if c0 == 0 && p + ahead < end {
+            rows.prefetch_l2(ids[p + ahead].to_usize());
         }
         let w = if WEIGHTED { weights[p] } else { 1.0 };
         rows.accumulate_block::<W, WEIGHTED>(ids[p].to_usize(), w, c0, &mut acc);
@@ -192,7 +303,10 @@ fn pool_bag_blocks<I: IndexValue, R: TableRows, const WEIGHTED: bool>(
     o: &mut [f32],
     scale: f32,
 ) {
-    let dim = o.len();
+    // The rows' width, not `o.len()` (the same number): for `Width` rows the compiler knows it
+    // and lays the column blocks out at compile time.
+    let dim = rows.width().unwrap_or(o.len());
+    let o = &mut o[..dim];
     let mut c0 = 0;
     macro_rules! blocks {
         ($w:expr) => {
@@ -219,9 +333,10 @@ fn pool_bag_blocks<I: IndexValue, R: TableRows, const WEIGHTED: bool>(
     if c0 < dim {
         let width = dim - c0;
         let mut acc = [0.0f32; 8];
+        let ahead = rows.block_prefetch_distance();
         for p in positions {
-            if c0 == 0 && p + BLOCK_PREFETCH_DISTANCE < end {
-                rows.prefetch_l2(ids[p + BLOCK_PREFETCH_DISTANCE].to_usize());
+            if c0 == 0 && p + ahead < end {
+                rows.prefetch_l2(ids[p + ahead].to_usize());
             }
             let w = if WEIGHTED { weights[p] } else { 1.0 };
             rows.accumulate_cols(ids[p].to_usize(), w, c0, &mut acc[..width]);
@@ -247,6 +362,7 @@ pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
 }
 
 /// Rows of one quantised inference table, decoded by `K`.
+#[derive(Clone, Copy)]
 pub(crate) struct QuantRows<'a, K> {
     pub bytes: &'a [u8],
     pub row_bytes: usize,
