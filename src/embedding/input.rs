@@ -487,6 +487,25 @@ mod tests {
         (ids, offsets)
     }
 
+    /// Validates `ids` / `offsets` against `features` in `mode`.
+    fn check<'a, I: ?Sized>(
+        ids: &'a I,
+        offsets: &'a I,
+        features: &[FeatureBounds<'_>],
+        mode: BoundsCheckMode,
+    ) -> Result<Batch<'a>>
+    where
+        &'a I: Into<IndexSlice<'a>>,
+    {
+        validate(
+            "test",
+            TbeInput::new(ids, offsets),
+            features,
+            mode,
+            &SkipCounter::default(),
+        )
+    }
+
     fn bounds<'a>(rows: &[usize], names: &'a [String]) -> Vec<FeatureBounds<'a>> {
         rows.iter()
             .zip(names)
@@ -523,15 +542,7 @@ mod tests {
             let (clean, offsets) = random_batch(&rows, batch, seed);
             let large = clean.len() >= PARALLEL_VALIDATION_IDS;
             assert_eq!(large, batch >= 4096, "batch {batch}: {} ids", clean.len());
-            let counter = SkipCounter::default();
-            let ok = validate(
-                "test",
-                TbeInput::new(&clean[..], &offsets[..]),
-                &features,
-                BoundsCheckMode::Error,
-                &counter,
-            )
-            .unwrap();
+            let ok = check(&clean[..], &offsets[..], &features, BoundsCheckMode::Error).unwrap();
             assert!(matches!(ok.ids, Ids::I64(Cow::Borrowed(_))) && ok.kept.is_none());
             for (k, bad_value) in [-1i64, 5, 1000, 1 << 20, 7, i64::MAX, i64::MIN]
                 .into_iter()
@@ -562,15 +573,9 @@ mod tests {
                 }
                 let expected = naive_bad(&ids, &offsets, &rows, batch);
                 assert_eq!(expected[0], p);
-                let err = validate(
-                    "test",
-                    TbeInput::new(&ids[..], &offsets[..]),
-                    &features,
-                    BoundsCheckMode::Error,
-                    &counter,
-                )
-                .unwrap_err()
-                .to_string();
+                let err = check(&ids[..], &offsets[..], &features, BoundsCheckMode::Error)
+                    .unwrap_err()
+                    .to_string();
                 assert!(
                     err.contains(&format!("feature `f{f}`"))
                         && err.contains(&format!("id {bad_value} at position {p}")),
@@ -580,23 +585,16 @@ mod tests {
                 if i32::try_from(bad_value).is_ok() {
                     let ids32: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
                     let offs32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
-                    let err32 = validate(
-                        "test",
-                        TbeInput::new(&ids32[..], &offs32[..]),
-                        &features,
-                        BoundsCheckMode::Error,
-                        &counter,
-                    )
-                    .unwrap_err()
-                    .to_string();
+                    let err32 = check(&ids32[..], &offs32[..], &features, BoundsCheckMode::Error)
+                        .unwrap_err()
+                        .to_string();
                     assert!(err32.contains(&format!("at position {p}")), "{err32}");
                 }
-                let skipped = validate(
-                    "test",
-                    TbeInput::new(&ids[..], &offsets[..]),
+                let skipped = check(
+                    &ids[..],
+                    &offsets[..],
                     &features,
                     BoundsCheckMode::WarnAndSkip,
-                    &counter,
                 )
                 .unwrap();
                 let (kept, n) = skipped.kept.clone().unwrap();
@@ -613,22 +611,15 @@ mod tests {
         let rows = [10usize, 10];
         let names: Vec<String> = vec!["a".into(), "b".into()];
         let features = bounds(&rows, &names);
-        let counter = SkipCounter::default();
         let ids = [1i64, 2, 3, 4];
         for (offsets, needle) in [
             ([-1i64, 1, 2, 3, 4], "offsets[0] = -1 after 0"),
             ([0, 3, 2, 3, 4], "offsets[2] = 2 after 3 (feature 0, bag 1)"),
             ([0, 1, 2, 4, 3], "offsets[4] = 3 after 4 (feature 1, bag 1)"),
         ] {
-            let err = validate(
-                "test",
-                TbeInput::new(&ids[..], &offsets[..]),
-                &features,
-                BoundsCheckMode::Error,
-                &counter,
-            )
-            .unwrap_err()
-            .to_string();
+            let err = check(&ids[..], &offsets[..], &features, BoundsCheckMode::Error)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(needle), "{err}");
         }
     }
