@@ -299,7 +299,7 @@ pub(crate) fn validate<'a>(
             let bag = f * batch_size + b;
             for p in offsets[bag]..offsets[bag + 1] {
                 let id = input.indices.get(p);
-                if id < 0 || id as u64 >= feat.rows as u64 {
+                if out_of_range(id, feat.rows) {
                     if mode == BoundsCheckMode::Error {
                         return Err(Error::invalid(
                             op,
@@ -392,14 +392,19 @@ fn monotone_offsets<I: Copy + Into<i64>>(s: &[I]) -> std::result::Result<Vec<usi
     Ok(out)
 }
 
-/// Whether any id lies outside `0..rows` (a negative id widens to a huge `u64`). Branch-free
-/// inside blocks of 1024 ids, so the compiler vectorises it.
+/// Whether `id` lies outside `0..rows` (a negative id widens to a huge `u64`).
+#[inline(always)]
+fn out_of_range(id: i64, rows: usize) -> bool {
+    id as u64 >= rows as u64
+}
+
+/// Whether any id lies outside `0..rows`. Branch-free inside blocks of 1024 ids, so the
+/// compiler vectorises it.
 fn any_out_of_range<I: Copy + Into<i64>>(ids: &[I], rows: usize) -> bool {
-    let rows = rows as u64;
     ids.chunks(1024).any(|block| {
         block
             .iter()
-            .fold(false, |bad, &id| bad | (id.into() as u64 >= rows))
+            .fold(false, |bad, &id| bad | out_of_range(id.into(), rows))
     })
 }
 
@@ -468,18 +473,13 @@ mod tests {
     /// A batch of `features` features × `batch` bags of random lengths 0..8 over tables of
     /// `rows[f]` rows, every id in range; returns (ids, offsets).
     fn random_batch(rows: &[usize], batch: usize, seed: u64) -> (Vec<i64>, Vec<i64>) {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        use rand::Rng as _;
+        let mut rng = crate::tensor::rng::seeded(seed);
         let (mut ids, mut offsets) = (Vec::new(), vec![0i64]);
         for &r in rows {
             for _ in 0..batch {
-                for _ in 0..next() % 8 {
-                    ids.push((next() % r as u64) as i64);
+                for _ in 0..rng.random_range(0..8) {
+                    ids.push(rng.random_range(0..r as i64));
                 }
                 offsets.push(ids.len() as i64);
             }

@@ -86,14 +86,9 @@ pub(crate) trait TableRows: Copy + Sync {
     /// Whether [`accumulate_cols`](Self::accumulate_cols) reads columns directly (plain f32
     /// rows), so that bags pool by column blocks.
     const COLUMN_BLOCKS: bool = false;
-    /// Columns per row where the rows pool by column blocks (a constant to the compiler for
-    /// [`Width`] rows); `None` otherwise.
-    fn width(&self) -> Option<usize> {
-        None
-    }
-    /// How many ids ahead the column-block kernel prefetches (only called when
-    /// `COLUMN_BLOCKS`).
-    fn block_prefetch_distance(&self) -> usize {
+    /// Columns per row (a constant to the compiler for [`Width`] rows); only called when
+    /// `COLUMN_BLOCKS`.
+    fn width(&self) -> usize {
         unreachable!("only rows with COLUMN_BLOCKS pool by column blocks")
     }
     /// Starts fetching row `id` into L2 (the column-block kernel's prefetch).
@@ -221,13 +216,8 @@ impl<W: RowWidth> TableRows for F32Rows<'_, W> {
     const COLUMN_BLOCKS: bool = true;
 
     #[inline(always)]
-    fn width(&self) -> Option<usize> {
-        Some(self.dim.get())
-    }
-
-    #[inline(always)]
-    fn block_prefetch_distance(&self) -> usize {
-        block_prefetch_distance(self.dim.get() * 4)
+    fn width(&self) -> usize {
+        self.dim.get()
     }
 
     #[inline(always)]
@@ -278,7 +268,7 @@ fn pool_block<I: IndexValue, R: TableRows, const W: usize, const WEIGHTED: bool>
     // rows' address and length from memory for every row.
     let rows = *rows;
     let mut acc = [0.0f32; W];
-    let ahead = rows.block_prefetch_distance();
+    let ahead = block_prefetch_distance(rows.width() * 4);
     for p in positions {
         if c0 == 0 && p + ahead < end {
             rows.prefetch_l2(ids[p + ahead].to_usize());
@@ -305,7 +295,7 @@ fn pool_bag_blocks<I: IndexValue, R: TableRows, const WEIGHTED: bool>(
 ) {
     // The rows' width, not `o.len()` (the same number): for `Width` rows the compiler knows it
     // and lays the column blocks out at compile time.
-    let dim = rows.width().unwrap_or(o.len());
+    let dim = rows.width();
     let o = &mut o[..dim];
     let mut c0 = 0;
     macro_rules! blocks {
@@ -333,7 +323,7 @@ fn pool_bag_blocks<I: IndexValue, R: TableRows, const WEIGHTED: bool>(
     if c0 < dim {
         let width = dim - c0;
         let mut acc = [0.0f32; 8];
-        let ahead = rows.block_prefetch_distance();
+        let ahead = block_prefetch_distance(rows.width() * 4);
         for p in positions {
             if c0 == 0 && p + ahead < end {
                 rows.prefetch_l2(ids[p + ahead].to_usize());
