@@ -10,10 +10,11 @@
 //! `EMBERS_TBE_FORWARD_ONLY=1` measures the FP32 forward only (for shapes whose training state
 //! or quantized copies would not fit beside the tables, e.g. E=1e7).
 //!
-//! The memory limit it reports is this machine's sequential read bandwidth (all threads, huge
-//! pages, a buffer far larger than the caches): no gather of whole rows can read DRAM faster
-//! than streaming it. Each figure is given as a fraction of it (rows read; the fused backward
-//! also writes every row it reads).
+//! The limit it reports each figure against is the gather roofline of the figure's own id trace
+//! and row width (`gather_roofline`): the time all threads need just to read those rows, laid out
+//! as the tables are, with rows kept in flight by software prefetch on huge pages and nothing
+//! done with them but adding their words. A kernel's time over it is the fraction of the memory
+//! system it uses. The sequential read bandwidth is printed beside it for scale.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -118,67 +119,107 @@ fn report(name: &str, shape: Shape, t: Duration, bytes_per_param: f64) {
     );
 }
 
-/// The gather roofline of this machine: the fastest rate found at which all threads read
-/// random whole rows of the bench's size from a table set as large as the bench's (huge
-/// pages), summing them. Each thread keeps several rows in flight with software prefetch
-/// (distances 0, 4, 8, 16 and 32 rows, into L1 or L2 only, tried; the best kept) and adds rows
-/// in register-sized column blocks, so nothing but the memory system limits it. Returns
-/// (GB/s, best distance, whether the best prefetched into L2 only).
-fn gather_bandwidth(shape: Shape) -> (f64, usize, bool) {
+/// The gather roofline of one id trace: the shortest time found in which all threads read
+/// every row the trace names (rows of `row_bytes`, laid out as the TBE lays them out: T tables
+/// of E rows, one after another, on huge pages) and do nothing with them but add their words
+/// into registers. Threads take shares of 2048 consecutive lookups and keep rows in flight
+/// with software prefetch; distances of 0–64 rows, into L1 or into L2 only, are tried and the
+/// fastest kept (median of 10 passes each). No pooling kernel that reads these rows can finish
+/// sooner: its time over this one is the fraction of the memory system it uses. For Zipf ids
+/// the roofline includes the cache hits the trace's repeats earn, exactly as the kernel does.
+#[derive(Clone, Copy)]
+struct Roofline {
+    time: Duration,
+    row_bytes: usize,
+    distance: usize,
+    l2: bool,
+}
+
+fn gather_roofline(shape: Shape, row_bytes: usize, ids: &[i64]) -> Roofline {
     use rayon::prelude::*;
-    let mut table = embers::embedding::RowBuffer::<f32>::zeros(shape.t * shape.e * shape.d)
+    let words = row_bytes.div_ceil(4);
+    let mut table = embers::embedding::RowBuffer::<f32>::zeros(shape.t * shape.e * words)
         .expect("allocate gather table");
     for (i, x) in table.iter_mut().enumerate() {
         *x = (i % 7) as f32;
     }
     let table = &table[..];
-    let rows = table.len() / shape.d;
-    let (ids, _) = make_ids(
-        Shape {
-            t: 1,
-            b: shape.t * shape.b,
-            ..shape
-        },
-        false,
-        99,
-    );
-    let ids: Vec<usize> = ids.iter().map(|&i| (i as usize * 7919) % rows).collect();
-    let d = shape.d;
-    let threads = rayon::current_num_threads().max(1);
-    let per_thread = ids.len().div_ceil(threads);
-    let run = |dist: usize, l2: bool| {
-        ids.par_chunks(per_thread)
-            .map(|chunk| {
-                let mut acc = [0.0f32; 64];
-                for (k, &id) in chunk.iter().enumerate() {
-                    if dist > 0 {
-                        if let Some(&next) = chunk.get(k + dist) {
-                            prefetch_row(&table[next * d..(next + 1) * d], l2);
-                        }
-                    }
-                    for block in table[id * d..(id + 1) * d].chunks(64) {
-                        for (a, x) in acc.iter_mut().zip(block) {
-                            *a += x;
-                        }
-                    }
-                }
-                acc.iter().sum::<f32>()
-            })
-            .sum::<f32>()
+    let per_table = shape.b * shape.l;
+    let starts: Vec<usize> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &id)| ((k / per_table) * shape.e + id as usize) * words)
+        .collect();
+    // Shares of 2048 rows, so work stealing keeps every thread busy to the end of a pass (a
+    // VM's thread can stall for a while; half the trace per thread would wait on it).
+    let pass = |distance: usize, l2: bool| {
+        starts
+            .par_chunks(2048)
+            .map(|chunk| gather_sum(table, chunk, words, distance, l2))
+            .reduce(|| 0, u32::wrapping_add)
     };
-    let mut best = (0.0, 0, false);
+    let mut best: Option<Roofline> = None;
     for l2 in [false, true] {
-        for dist in [0, 4, 8, 16, 32] {
-            let t = median_time(10, || {
-                black_box(run(dist, l2));
+        for distance in [0, 2, 4, 8, 16, 32, 64] {
+            let time = median_time(10, || {
+                black_box(pass(distance, l2));
             });
-            let rate = (ids.len() * d * 4) as f64 / t.as_secs_f64() / 1e9;
-            if rate > best.0 {
-                best = (rate, dist, l2);
+            if best.as_ref().is_none_or(|b| time < b.time) {
+                best = Some(Roofline {
+                    time,
+                    row_bytes,
+                    distance,
+                    l2,
+                });
             }
         }
     }
-    best
+    best.expect("at least one variant ran")
+}
+
+/// Sums the rows starting at `starts` (each `words` long) with `distance` rows prefetched ahead;
+/// compiled for AVX2 where the CPU has it, so the adds are never the limit.
+fn gather_sum(table: &[f32], starts: &[usize], words: usize, distance: usize, l2: bool) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(t: &[f32], s: &[usize], w: usize, d: usize, l2: bool) -> u32 {
+            gather_sum_body(t, s, w, d, l2)
+        }
+        // SAFETY: the CPU has AVX2 (checked above); the body is safe code.
+        return unsafe { avx2(table, starts, words, distance, l2) };
+    }
+    gather_sum_body(table, starts, words, distance, l2)
+}
+
+#[inline(always)]
+fn gather_sum_body(
+    table: &[f32],
+    starts: &[usize],
+    words: usize,
+    distance: usize,
+    l2: bool,
+) -> u32 {
+    // Integer adds of the words' bits: one cycle each and independent across the 64 lanes, so
+    // neither their latency nor a row's last partial block (quantized rows) can be the limit.
+    let mut acc = [0u32; 64];
+    for (k, &start) in starts.iter().enumerate() {
+        if distance > 0 {
+            if let Some(&next) = starts.get(k + distance) {
+                prefetch_row(&table[next..next + words], l2);
+            }
+        }
+        let mut blocks = table[start..start + words].chunks_exact(64);
+        for block in &mut blocks {
+            for (a, x) in acc.iter_mut().zip(block) {
+                *a = a.wrapping_add(x.to_bits());
+            }
+        }
+        for (a, x) in acc.iter_mut().zip(blocks.remainder()) {
+            *a = a.wrapping_add(x.to_bits());
+        }
+    }
+    acc.iter().fold(0, |s, &a| s.wrapping_add(a))
 }
 
 /// This machine's sequential read bandwidth in GB/s: all threads sum contiguous slices of a
@@ -216,6 +257,7 @@ fn read_bandwidth(bytes: usize) -> f64 {
 }
 
 /// Starts fetching every cache line of `row`, into L1 or (`l2`) into L2 only.
+#[inline(always)]
 fn prefetch_row(row: &[f32], l2: bool) {
     #[cfg(target_arch = "x86_64")]
     for line in row.chunks(16) {
@@ -297,13 +339,18 @@ fn main() {
         ("uniform", make_ids(shape, false, 0)),
         ("zipf1.15", make_ids(shape, true, 0)),
     ];
-    // Measured first and freed, so its buffer does not add to the peak RSS of the TBE runs.
-    let gather = gather_bandwidth(shape);
+    // Measured first and freed, so their buffers do not add to the peak RSS of the TBE runs.
+    let fp32_roofs: Vec<Roofline> = inputs
+        .iter()
+        .map(|(_, (ids, _))| gather_roofline(shape, 4 * shape.d, ids))
+        .collect();
+    let mut roofs: Vec<(String, Roofline)> = Vec::new();
     // A buffer 8× a large L3 at least, at most the table set (or 4 GiB).
     let table_set = shape.t * shape.e * shape.d * 4;
     let stream = read_bandwidth(table_set.clamp(256 << 20, 4 << 30));
     let rss_before = current_rss_mib();
-    let mut summary: Vec<(String, Duration, f64)> = Vec::new();
+    // (line, median time, bytes per parameter, the roofline time of the rows it reads)
+    let mut summary: Vec<(String, Duration, f64, Option<Duration>)> = Vec::new();
 
     // ----- training: FP32 forward, forward + backward with fused row-wise Adagrad ----------
     // Memory overhead measured, not computed: the RSS the process grew by while the tables
@@ -316,7 +363,9 @@ fn main() {
     let overhead = rss_empty
         .zip(rss_built)
         .map(|(a, b)| (b - a) / tbe_mib - 1.0);
-    for (dist, (ids, offsets)) in &inputs {
+    for ((dist, (ids, offsets)), roof) in inputs.iter().zip(&fp32_roofs) {
+        roofs.push((format!("fp32 rows, {dist} ids"), *roof));
+        let roof = Some(roof.time);
         let input = TbeInput::new(&ids[..], &offsets[..]);
         if !quick {
             let mut g = criterion.benchmark_group(format!("tbe_fp32_{dist}"));
@@ -329,12 +378,17 @@ fn main() {
         let t = median_time(20, || {
             black_box(tbe.lookup(input).unwrap());
         });
-        summary.push((format!("embers fp32 fwd {dist}"), t, 4.0));
+        summary.push((format!("embers fp32 fwd {dist}"), t, 4.0, roof));
         // The same into a reused buffer (what a serving loop does; the line above allocates
         // its output every call, as nn.EmbeddingBag and FBGEMM do).
         let mut reused = vec![0.0f32; shape.b * shape.t * shape.d];
         let t = median_time(20, || tbe.forward_into(input, &mut reused).unwrap());
-        summary.push((format!("embers fp32 fwd into reused buffer {dist}"), t, 4.0));
+        summary.push((
+            format!("embers fp32 fwd into reused buffer {dist}"),
+            t,
+            4.0,
+            roof,
+        ));
         if forward_only {
             continue;
         }
@@ -356,13 +410,18 @@ fn main() {
             g.finish();
         }
         let t = median_time(10, fwd_bwd);
-        summary.push((format!("embers fp32 fwd+bwd(rwAdagrad) {dist}"), t, 4.0));
+        summary.push((
+            format!("embers fp32 fwd+bwd(rwAdagrad) {dist}"),
+            t,
+            4.0,
+            roof,
+        ));
         // Breakdown: the fused backward alone, on raw slices.
         let grad = vec![1.0f32; shape.b * shape.t * shape.d];
         let t = median_time(10, || {
             black_box(tbe.backward_fused(input, &grad).unwrap());
         });
-        summary.push((format!("  (of which fused bwd alone) {dist}"), t, 4.0));
+        summary.push((format!("  (of which fused bwd alone) {dist}"), t, 4.0, roof));
     }
     let rss_with_tbe = current_rss_mib();
     let huge_with_tbe = anon_huge_pages_mib();
@@ -387,6 +446,16 @@ fn main() {
         let tables: Vec<TableSpec> = (0..shape.t)
             .map(|t| TableSpec::new(format!("t{t}"), shape.e, shape.d))
             .collect();
+        // The roofline of rows of this type's width (FP32's was measured above), measured before
+        // the tables exist so its buffer does not count in their memory overhead.
+        let type_roofs: Vec<Roofline> = if ty == WeightType::Fp32 {
+            fp32_roofs.clone()
+        } else {
+            inputs
+                .iter()
+                .map(|(_, (ids, _))| gather_roofline(shape, ty.row_bytes(shape.d), ids))
+                .collect()
+        };
         let rss_empty = current_rss_mib();
         let mut q = QuantizedTableBatchedEmbedding::new(
             tables,
@@ -403,7 +472,11 @@ fn main() {
             inference_overhead.push((ty, (b - a) / stored_mib - 1.0));
         }
         let name = ty.fbgemm_name().to_ascii_lowercase();
-        for (dist, (ids, offsets)) in &inputs {
+        for ((dist, (ids, offsets)), roof) in inputs.iter().zip(type_roofs) {
+            if ty != WeightType::Fp32 {
+                roofs.push((format!("{name} rows, {dist} ids"), roof));
+            }
+            let roof = Some(roof.time);
             let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
             let off32: Vec<i32> = offsets.iter().map(|&i| i as i32).collect();
             let input = TbeInput::new(&ids32[..], &off32[..]);
@@ -421,45 +494,54 @@ fn main() {
             let t = median_time(20, || {
                 black_box(q.forward(input).unwrap());
             });
-            summary.push((format!("embers {name} inference fwd {dist}"), t, bpp));
+            summary.push((format!("embers {name} inference fwd {dist}"), t, bpp, roof));
             let t = median_time(20, || q.forward_into(input, &mut out).unwrap());
             summary.push((
                 format!("embers {name} inference fwd into reused buffer {dist}"),
                 t,
                 bpp,
+                roof,
             ));
         }
     }
 
     println!("\n== summary (median; GB/s counts rows read + output written, like tbe.py)");
-    for (name, t, bpp) in &summary {
+    for (name, t, bpp, _) in &summary {
         report(name, shape, *t, *bpp);
     }
-    let (gathered, best_distance, l2) = gather;
-    let limit = stream.max(gathered);
     println!(
-        "memory limit: sequential read {stream:.2} GB/s (all threads, huge pages, {} MiB); a \
-         plain gather of random {} B rows (prefetch {best_distance} rows ahead into {}) reaches \
-         {gathered:.2} GB/s of rows",
-        table_set.clamp(256 << 20, 4 << 30) >> 20,
-        shape.d * 4,
-        if l2 { "L2" } else { "L1" }
+        "memory limit: sequential read {stream:.2} GB/s (all threads, huge pages, {} MiB)",
+        table_set.clamp(256 << 20, 4 << 30) >> 20
     );
-    // Every line as a fraction of the limit, counting the row bytes it must move: rows read
-    // (at their stored width), and for the fused backward rows read and written back.
-    println!("fraction of the memory limit ({limit:.2} GB/s), row bytes moved:");
-    for (name, t, bpp) in &summary {
-        let passes = if name.contains("bwd") { 2.0 } else { 1.0 };
+    for (what, roof) in &roofs {
+        let rows = shape.lookups() as f64 * roof.row_bytes as f64;
+        println!(
+            "gather roofline, {what}: {:.2} ms = {:.2} GB/s of {} B rows (prefetch {} rows \
+             ahead into {})",
+            roof.time.as_secs_f64() * 1e3,
+            rows / roof.time.as_secs_f64() / 1e9,
+            roof.row_bytes,
+            roof.distance,
+            if roof.l2 { "L2" } else { "L1" }
+        );
+    }
+    // Every line as a fraction of the roofline of the rows it reads: the time to gather them
+    // over the time it took. The fused backward reads each row and writes it back (3 row passes
+    // with its forward, 2 alone); a pass that writes is counted at the gather's read rate, so
+    // those fractions are upper bounds.
+    println!("fraction of the gather roofline (its time over the line's, row passes counted):");
+    for (name, t, _, roof) in &summary {
+        let Some(roof) = roof else { continue };
         let passes = if name.contains("fwd+bwd") {
             3.0
+        } else if name.contains("bwd") {
+            2.0
         } else {
-            passes
+            1.0
         };
-        let row_bytes = shape.lookups() as f64 * shape.d as f64 * bpp * passes;
-        let rate = row_bytes / t.as_secs_f64() / 1e9;
         println!(
-            "  {name:44} rows at {rate:6.2} GB/s = {:3.0}% of the limit",
-            100.0 * rate / limit
+            "  {name:44} {:3.0}% of the roofline",
+            100.0 * passes * roof.as_secs_f64() / t.as_secs_f64()
         );
     }
     if let Some(o) = overhead {

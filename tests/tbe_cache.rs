@@ -4,10 +4,14 @@
 //! locked by in-flight batches are never evicted and overflow is served by direct reads; the
 //! stale-copy race of a prefetch pipeline is handled; checkpoints survive kill -9.
 
+#[path = "support/cache_trace.rs"]
+mod cache_trace;
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
 #[path = "support/kill.rs"]
 mod kill;
+
+use cache_trace::{batches, temp_dir, Simulated, Step};
 
 use std::path::{Path, PathBuf};
 
@@ -17,106 +21,6 @@ use embers::embedding::{
 };
 use embers::tensor::rng::seeded;
 use embers::{Device, Result, Tensor};
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("embers-cache-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A small deterministic generator (SplitMix64).
-struct Gen(u64);
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// Ids drawn from Zipf(`s`) over `rows` rows (s = 0: uniform), through a scrambled rank so the
-/// hot rows are spread over the table.
-struct Zipf {
-    cdf: Vec<f64>,
-    rows: usize,
-}
-impl Zipf {
-    fn new(rows: usize, s: f64) -> Self {
-        let mut cdf = Vec::with_capacity(rows);
-        let mut acc = 0.0;
-        for k in 1..=rows {
-            acc += 1.0 / (k as f64).powf(s);
-            cdf.push(acc);
-        }
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf, rows }
-    }
-    fn draw(&self, g: &mut Gen) -> i64 {
-        let u = g.unit();
-        let rank = self.cdf.partition_point(|&c| c < u).min(self.rows - 1);
-        ((rank as u64 * 2_654_435_761) % self.rows as u64) as i64
-    }
-}
-
-/// One batch in FBGEMM's layout.
-#[derive(Clone)]
-struct Step {
-    ids: Vec<i64>,
-    offsets: Vec<i64>,
-    weights: Option<Vec<f32>>,
-}
-
-impl Step {
-    fn input(&self) -> TbeInput<'_> {
-        let input = TbeInput::new(&self.ids[..], &self.offsets[..]);
-        match &self.weights {
-            Some(w) => input.with_weights(w),
-            None => input,
-        }
-    }
-}
-
-/// `n` batches of `b` bags per feature of up to `max_len` ids, per feature from Zipf(`s`).
-fn batches(
-    cfg: &TbeConfig,
-    n: usize,
-    b: usize,
-    max_len: u64,
-    s: f64,
-    weighted: bool,
-    seed: u64,
-) -> Vec<Step> {
-    let mut g = Gen(seed);
-    let zipfs: Vec<Zipf> = (cfg.tables.iter()).map(|t| Zipf::new(t.rows, s)).collect();
-    (0..n)
-        .map(|_| {
-            let mut ids = Vec::new();
-            let mut offsets = vec![0i64];
-            for &t in &cfg.feature_table_map {
-                for _ in 0..b {
-                    for _ in 0..g.next() % (max_len + 1) {
-                        ids.push(zipfs[t].draw(&mut g));
-                    }
-                    offsets.push(ids.len() as i64);
-                }
-            }
-            let weights =
-                weighted.then(|| ids.iter().map(|_| (g.unit() * 2.0 - 0.5) as f32).collect());
-            Step {
-                ids,
-                offsets,
-                weights,
-            }
-        })
-        .collect()
-}
 
 fn optimizers() -> Vec<FusedOptimizer> {
     let (lr, eps, beta1, beta2) = (0.05, 1e-3, 0.9, 0.99);
@@ -285,82 +189,6 @@ fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str) -> Resul
     }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
-}
-
-/// The set of `row` among `sets`: MurmurHash3's fmix64 (written again here, independently of
-/// the library).
-fn set_of(row: u64, sets: u64) -> u64 {
-    let mut h = row;
-    for (shift, mul) in [(33, 0xff51_afd7_ed55_8ccdu64), (33, 0xc4ce_b9fe_1a85_ec53)] {
-        h ^= h >> shift;
-        h = h.wrapping_mul(mul);
-    }
-    (h ^ (h >> 33)) % sets
-}
-
-/// A plain simulation of one table's 32-way cache, one batch at a time (no batch outlives its
-/// step): counts unique misses, conflict misses and evictions.
-struct Simulated {
-    sets: Vec<Vec<Option<(u64, u64)>>>, // per set, per way: (row, last use)
-    counts: std::collections::HashMap<u64, u64>,
-    lfu: bool,
-    misses: u64,
-    conflicts: u64,
-    evictions: u64,
-}
-
-impl Simulated {
-    fn new(slots: usize, lfu: bool) -> Self {
-        Simulated {
-            sets: vec![vec![None; 32]; slots / 32],
-            counts: Default::default(),
-            lfu,
-            misses: 0,
-            conflicts: 0,
-            evictions: 0,
-        }
-    }
-
-    fn batch(&mut self, tick: u64, ids: &[i64]) {
-        let mut rows: Vec<u64> = ids.iter().map(|&r| r as u64).collect();
-        rows.sort();
-        rows.dedup();
-        let n = self.sets.len() as u64;
-        let mut missing = Vec::new();
-        for &r in &rows {
-            *self.counts.entry(r).or_default() += 1;
-            let set = &mut self.sets[set_of(r, n) as usize];
-            match set.iter_mut().flatten().find(|(row, _)| *row == r) {
-                Some(entry) => entry.1 = tick,
-                None => missing.push(r),
-            }
-        }
-        self.misses += missing.len() as u64;
-        for r in missing {
-            let set = &mut self.sets[set_of(r, n) as usize];
-            let way = match set.iter().position(Option::is_none) {
-                Some(w) => Some(w),
-                None => {
-                    // Rows of this batch (used at `tick`) cannot go.
-                    let candidates = (0..32).filter(|&w| set[w].unwrap().1 != tick);
-                    let counts = &self.counts;
-                    let lfu = self.lfu;
-                    let victim = candidates.min_by_key(|&w| {
-                        let (row, used) = set[w].unwrap();
-                        (if lfu { counts[&row] } else { 0 }, used, w)
-                    });
-                    if victim.is_some() {
-                        self.evictions += 1;
-                    }
-                    victim
-                }
-            };
-            match way {
-                Some(w) => set[w] = Some((r, tick)),
-                None => self.conflicts += 1,
-            }
-        }
-    }
 }
 
 #[test]

@@ -4,6 +4,10 @@
 //! are dequantised and accumulated in f32 — on the CPU (the pooling kernels of `tbe/cpu`), or
 //! on a CUDA device after [`to_device`](QuantizedTableBatchedEmbedding::to_device) (the
 //! kernels of `tbe/cuda`, the host bytes kept as the tables' record).
+//!
+//! Tables bigger than memory: [`new_cached`](QuantizedTableBatchedEmbedding::new_cached) keeps
+//! the stored rows in a row file behind a DRAM cache of the same byte form (the training
+//! cache's directories, sizes, policies and counters; read-only, so evictions write nothing).
 
 use half::{bf16, f16};
 
@@ -11,6 +15,8 @@ use super::config::{BoundsCheckMode, PoolingMode, TableSpec, WeightType};
 use super::input::{validate, Batch, FeatureBounds, SkipCounter, TbeInput};
 use super::quantize::{dequantize_row, quantize_row};
 use super::storage::RowBuffer;
+use super::tbe::cache::bytes::ByteCache;
+use super::tbe::cache::{CacheConfig, CacheStats};
 use super::tbe::cpu::pool::{pooled_forward, sequence_forward, with_quant_rows, FeatureSlot};
 use super::tbe::cuda::{DeviceBatch, DeviceTables, FeatureLayout};
 use super::tbe::{next_operator_id, TableBatchedEmbedding, TbeBatch};
@@ -43,7 +49,7 @@ pub struct QuantizedTableBatchedEmbedding {
     output_dtype: OutputDType,
     bounds_check: BoundsCheckMode,
     byte_offsets: Vec<usize>,
-    data: RowBuffer<u8>,
+    rows: Rows,
     slots: Vec<FeatureSlot>,
     out_stride: usize,
     skips: SkipCounter,
@@ -51,6 +57,14 @@ pub struct QuantizedTableBatchedEmbedding {
     on_device: Option<DeviceTables>,
     /// This operator's number (prepared batches carry it).
     id: usize,
+}
+
+/// Where an inference TBE's stored rows live.
+enum Rows {
+    /// One host buffer, tables at [`TABLE_ALIGNMENT`] boundaries (`byte_offsets`).
+    Resident(RowBuffer<u8>),
+    /// A row file behind a DRAM cache.
+    Cached(Box<ByteCache>),
 }
 
 impl std::fmt::Debug for QuantizedTableBatchedEmbedding {
@@ -70,6 +84,39 @@ impl QuantizedTableBatchedEmbedding {
         weight_types: Vec<WeightType>,
         feature_table_map: Vec<usize>,
         pooling: PoolingMode,
+    ) -> Result<Self> {
+        Self::build(tables, weight_types, feature_table_map, pooling, None)
+    }
+
+    /// An operator whose all-zero stored rows live in the row file `cache.path` (created or
+    /// replaced; anonymous host memory when the path is empty) behind a DRAM cache of
+    /// `cache.size` with `cache.policy`: tables far bigger than memory, the hot rows served
+    /// from DRAM. Fill it in chunks with [`quantize_rows_from`](Self::quantize_rows_from) or
+    /// [`set_rows_bytes`](Self::set_rows_bytes); lookups give exactly what the same rows in
+    /// memory give, and [`cache_stats`](Self::cache_stats) counts hits and misses. Lookups
+    /// run on the host ([`to_device`](Self::to_device) is refused).
+    pub fn new_cached(
+        tables: Vec<TableSpec>,
+        weight_types: Vec<WeightType>,
+        feature_table_map: Vec<usize>,
+        pooling: PoolingMode,
+        cache: &CacheConfig,
+    ) -> Result<Self> {
+        Self::build(
+            tables,
+            weight_types,
+            feature_table_map,
+            pooling,
+            Some(cache),
+        )
+    }
+
+    fn build(
+        tables: Vec<TableSpec>,
+        weight_types: Vec<WeightType>,
+        feature_table_map: Vec<usize>,
+        pooling: PoolingMode,
+        cache: Option<&CacheConfig>,
     ) -> Result<Self> {
         if tables.is_empty() || tables.len() != weight_types.len() {
             return Err(Error::invalid(
@@ -133,6 +180,16 @@ impl QuantizedTableBatchedEmbedding {
         } else {
             col
         };
+        let rows = match cache {
+            None => Rows::Resident(RowBuffer::zeros(end)?),
+            Some(cache) => {
+                let shapes: Vec<(usize, usize)> = (tables.iter().zip(&weight_types))
+                    .map(|(s, ty)| (s.rows, ty.row_bytes(s.dim)))
+                    .collect();
+                let names: Vec<String> = tables.iter().map(|s| s.name.clone()).collect();
+                Rows::Cached(Box::new(ByteCache::create(cache, &shapes, &names)?))
+            }
+        };
         Ok(QuantizedTableBatchedEmbedding {
             feature_names: (0..feature_table_map.len())
                 .map(|f| format!("f{f}"))
@@ -143,7 +200,7 @@ impl QuantizedTableBatchedEmbedding {
             pooling,
             output_dtype: OutputDType::F32,
             bounds_check: BoundsCheckMode::Error,
-            data: RowBuffer::zeros(end)?,
+            rows,
             byte_offsets,
             slots,
             out_stride,
@@ -226,9 +283,37 @@ impl QuantizedTableBatchedEmbedding {
         &self.byte_offsets[..self.tables.len()]
     }
 
-    /// Bytes of the whole row buffer as allocated.
+    /// Bytes of the whole row buffer as allocated (of a cached operator: its cache rows and
+    /// directories; the row file is not memory).
     pub fn allocated_bytes(&self) -> usize {
-        self.data.allocated_bytes()
+        match &self.rows {
+            Rows::Resident(data) => data.allocated_bytes(),
+            Rows::Cached(cache) => cache.allocated_bytes(),
+        }
+    }
+
+    /// A cached operator's counters per table (FBGEMM's cache statistics); `None` when the
+    /// rows are in memory.
+    pub fn cache_stats(&self) -> Option<Vec<CacheStats>> {
+        match &self.rows {
+            Rows::Resident(_) => None,
+            Rows::Cached(cache) => Some(cache.stats()),
+        }
+    }
+
+    /// Zeroes a cached operator's counters (nothing otherwise).
+    pub fn reset_cache_stats(&self) {
+        if let Rows::Cached(cache) = &self.rows {
+            cache.reset_stats();
+        }
+    }
+
+    /// Flushes a cached operator's row file to the disk (nothing when the rows are in memory).
+    pub fn sync_rows(&self) -> Result<()> {
+        match &self.rows {
+            Rows::Resident(_) => Ok(()),
+            Rows::Cached(cache) => cache.sync(),
+        }
     }
 
     /// Ids skipped so far by [`BoundsCheckMode::WarnAndSkip`].
@@ -261,11 +346,22 @@ impl QuantizedTableBatchedEmbedding {
     /// tables' record, for [`table_bytes`](Self::table_bytes) and checkpoints). Outputs are
     /// then tensors on that device.
     pub fn to_device(&mut self, device: Device) -> Result<()> {
+        if matches!(self.rows, Rows::Cached(_)) && device != Device::Cpu {
+            return Err(Self::cached_on_host());
+        }
         self.on_device = match device {
             Device::Cpu => None,
             Device::Cuda(_) => Some(self.device_tables(crate::cuda::open(device)?)?),
         };
         Ok(())
+    }
+
+    fn cached_on_host() -> Error {
+        Error::invalid(
+            OP,
+            "the rows live in a row file behind a DRAM cache: lookups run on the host (build \
+             the operator with `new` to run it on a GPU)",
+        )
     }
 
     /// A device copy of the rows with the per-feature layout the kernels read.
@@ -288,7 +384,10 @@ impl QuantizedTableBatchedEmbedding {
             pooling: self.pooling,
         };
         let types: Vec<WeightType> = ftm.iter().map(|&t| self.weight_types[t]).collect();
-        DeviceTables::quantized(device, layout, &self.data, &types)
+        let Rows::Resident(data) = &self.rows else {
+            return Err(Self::cached_on_host());
+        };
+        DeviceTables::quantized(device, layout, data, &types)
     }
 
     /// After the host bytes changed: a fresh device copy, if lookups run on a device.
@@ -299,9 +398,14 @@ impl QuantizedTableBatchedEmbedding {
         Ok(())
     }
 
-    /// Table `t`'s stored rows, back to back (`rows × row_bytes`).
+    /// Table `t`'s stored rows, back to back (`rows × row_bytes`; of a cached operator, its
+    /// row file's mapping).
     pub fn table_bytes(&self, t: usize) -> Result<&[u8]> {
-        Ok(&self.data[self.table_range(t)?])
+        let range = self.table_range(t)?;
+        Ok(match &self.rows {
+            Rows::Resident(data) => &data[range],
+            Rows::Cached(cache) => cache.table_bytes(t),
+        })
     }
 
     /// Overwrites table `t`'s stored rows with raw bytes in its row layout.
@@ -318,14 +422,44 @@ impl QuantizedTableBatchedEmbedding {
                 ),
             ));
         }
-        self.data[range].copy_from_slice(bytes);
+        self.set_rows_bytes(t, 0, bytes)
+    }
+
+    /// Overwrites rows `first..` of table `t` with raw bytes in its row layout (a whole number
+    /// of rows): tables bigger than memory are filled a chunk at a time.
+    pub fn set_rows_bytes(&mut self, t: usize, first: usize, bytes: &[u8]) -> Result<()> {
+        let range = self.table_range(t)?;
+        let (spec, rb) = (
+            &self.tables[t],
+            self.weight_types[t].row_bytes(self.tables[t].dim),
+        );
+        let n = bytes.len() / rb;
+        if bytes.len() % rb != 0 || first.checked_add(n).is_none_or(|end| end > spec.rows) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "table {t} `{}` has {} rows of {rb} bytes; {} bytes from row {first} do not \
+                     fit it in whole rows",
+                    spec.name,
+                    spec.rows,
+                    bytes.len()
+                ),
+            ));
+        }
+        match &mut self.rows {
+            Rows::Resident(data) => {
+                let at = range.start + first * rb;
+                data[at..at + bytes.len()].copy_from_slice(bytes);
+            }
+            Rows::Cached(cache) => cache.write_rows(t, first, bytes)?,
+        }
         self.refresh_device()
     }
 
     /// Quantises FP32 rows (`[rows, dim]` row-major) into table `t`.
     pub fn quantize_table_from(&mut self, t: usize, values: &[f32]) -> Result<()> {
-        let range = self.table_range(t)?;
-        let (spec, ty) = (&self.tables[t], self.weight_types[t]);
+        self.table_range(t)?;
+        let spec = &self.tables[t];
         if values.len() != spec.rows * spec.dim {
             return Err(Error::invalid(
                 OP,
@@ -338,14 +472,34 @@ impl QuantizedTableBatchedEmbedding {
                 ),
             ));
         }
+        self.quantize_rows_from(t, 0, values)
+    }
+
+    /// Quantises FP32 rows (`[n, dim]` row-major) into rows `first..first + n` of table `t`:
+    /// tables bigger than memory are filled a chunk at a time.
+    pub fn quantize_rows_from(&mut self, t: usize, first: usize, values: &[f32]) -> Result<()> {
+        self.table_range(t)?;
+        let (spec, ty) = (&self.tables[t], self.weight_types[t]);
+        if values.len() % spec.dim != 0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "table {t} `{}` has dim {}: {} values are not whole rows",
+                    spec.name,
+                    spec.dim,
+                    values.len()
+                ),
+            ));
+        }
         let row_bytes = ty.row_bytes(spec.dim);
+        let mut bytes = vec![0u8; values.len() / spec.dim * row_bytes];
         for (src, dst) in values
             .chunks_exact(spec.dim)
-            .zip(self.data[range].chunks_exact_mut(row_bytes))
+            .zip(bytes.chunks_exact_mut(row_bytes))
         {
             quantize_row(ty, src, dst)?;
         }
-        self.refresh_device()
+        self.set_rows_bytes(t, first, &bytes)
     }
 
     /// Table `t` dequantised to FP32, `[rows, dim]` row-major.
@@ -405,7 +559,7 @@ impl QuantizedTableBatchedEmbedding {
         let out = match (&self.on_device, &batch.on_device) {
             (Some(d), Some(on_device)) => d.forward(on_device)?,
             (None, None) => {
-                let (out, shape) = self.forward_f32(&batch.batch);
+                let (out, shape) = self.forward_f32(&batch.batch)?;
                 return match self.output_dtype {
                     OutputDType::F32 => Tensor::from_vec(out, &shape),
                     OutputDType::F16 => Tensor::from_vec(
@@ -448,23 +602,42 @@ impl QuantizedTableBatchedEmbedding {
                 let values = d.forward(&DeviceBatch::upload(d.device(), &batch)?)?;
                 out.copy_from_slice(&values.to_vec::<f32>()?);
             }
-            None => self.pool_into(&batch, out),
+            None => self.pool_into(&batch, out)?,
         }
         Ok(())
     }
 
-    fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) {
+    /// The host lookup into `out`: on the resident rows, or on the cache rows with the batch
+    /// admitted (a cached operator's only fallible step).
+    fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) -> Result<()> {
+        match &self.rows {
+            Rows::Resident(data) => {
+                let rows_of = |t: usize| {
+                    let rb = self.weight_types[t].row_bytes(self.tables[t].dim);
+                    &data[self.byte_offsets[t]..self.byte_offsets[t] + self.tables[t].rows * rb]
+                };
+                self.pool_rows(batch, &rows_of, out);
+                Ok(())
+            }
+            Rows::Cached(cache) => {
+                cache.with_admitted(batch, &self.feature_table_map, |remapped, rows_of| {
+                    self.pool_rows(remapped, rows_of, out)
+                })
+            }
+        }
+    }
+
+    /// The host kernels over `batch`, table `t`'s rows being `rows_of(t)`.
+    fn pool_rows<'r>(
+        &self,
+        batch: &Batch<'_>,
+        rows_of: &'r (dyn Fn(usize) -> &'r [u8] + Sync),
+        out: &mut [f32],
+    ) {
         let visit = |f: usize, k: &mut dyn FnMut(&dyn super::tbe::cpu::pool::PoolFeature)| {
             let t = self.feature_table_map[f];
-            let range = self.byte_offsets[t]
-                ..self.byte_offsets[t]
-                    + self.tables[t].rows * self.weight_types[t].row_bytes(self.tables[t].dim);
-            with_quant_rows(
-                self.weight_types[t],
-                &self.data[range],
-                self.weight_types[t].row_bytes(self.tables[t].dim),
-                k,
-            )
+            let ty = self.weight_types[t];
+            with_quant_rows(ty, rows_of(t), ty.row_bytes(self.tables[t].dim), k)
         };
         if self.pooling == PoolingMode::None {
             sequence_forward(batch, self.out_stride, out, &visit);
@@ -480,10 +653,10 @@ impl QuantizedTableBatchedEmbedding {
         }
     }
 
-    fn forward_f32(&self, batch: &Batch<'_>) -> (Vec<f32>, Vec<usize>) {
+    fn forward_f32(&self, batch: &Batch<'_>) -> Result<(Vec<f32>, Vec<usize>)> {
         let rows = batch.output_rows(self.pooling);
         let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * self.out_stride);
-        self.pool_into(batch, &mut out);
-        (out, vec![rows, self.out_stride])
+        self.pool_into(batch, &mut out)?;
+        Ok((out, vec![rows, self.out_stride]))
     }
 }

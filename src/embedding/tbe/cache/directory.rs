@@ -3,8 +3,24 @@
 //! per-row access counts for LFU). FBGEMM's layout: 32-way sets, a row's set chosen by the
 //! MurmurHash3 64-bit finaliser of its id modulo the number of sets.
 
-use super::CachePolicy;
+use super::{CachePolicy, CacheStats, Move};
 use crate::{Error, Result};
+
+/// How many rows ahead lookups and data moves fetch their memory.
+pub(crate) const AHEAD: usize = 8;
+
+/// What admitting one table's ids decided.
+pub(crate) struct TableAdmission {
+    /// The cache row of each id, in the order given.
+    pub loc: Vec<i64>,
+    /// Slots locked for the batch.
+    pub locked: Vec<usize>,
+    /// Rows served by direct reads and their scratch rows.
+    pub fallback: Vec<(u64, usize)>,
+    /// The data moves the caller makes, in order: each slot's dirty row written back (if any),
+    /// then its new row read in.
+    pub moves: Vec<Move>,
+}
 
 /// Ways per set (FBGEMM's `kWarpSize` associativity).
 pub(crate) const WAYS: usize = 32;
@@ -160,6 +176,107 @@ impl Directory {
         (self.tags.iter().enumerate())
             .filter(|(_, &r)| r != EMPTY)
             .map(|(s, &r)| (s, r))
+    }
+
+    /// Admits the ids `ids` (rows of the table, in batch order) at `tick`, deciding only (the
+    /// caller moves the data): each distinct row is looked up; hits are locked first, so that
+    /// no miss of the batch can evict them; then each miss (in row order) takes its set's
+    /// victim, installed and locked at once, or is served by a scratch row (numbered from
+    /// [`slots`](Self::slots)) when every way is locked. `stats` counts the admission.
+    pub(crate) fn admit(
+        &mut self,
+        ids: &[u64],
+        tick: u64,
+        stats: &mut CacheStats,
+    ) -> TableAdmission {
+        let n = ids.len();
+        // Sort (row, position) pairs, packed into one u64 when they fit.
+        let narrow = n < (1 << 24) && ids.iter().all(|&r| r < (1 << 40));
+        let pairs: Vec<(u64, usize)> = if narrow {
+            let mut keys: Vec<u64> = (ids.iter().enumerate())
+                .map(|(k, &r)| (r << 24) | k as u64)
+                .collect();
+            keys.sort_unstable();
+            keys.iter()
+                .map(|&x| (x >> 24, (x & 0xff_ffff) as usize))
+                .collect()
+        } else {
+            let mut pairs: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
+            pairs.sort_unstable();
+            pairs
+        };
+        // Distinct rows and where each one's run of pairs starts.
+        let mut rows = Vec::new();
+        let mut starts = Vec::new();
+        for (i, &(r, _)) in pairs.iter().enumerate() {
+            if rows.last() != Some(&r) {
+                rows.push(r);
+                starts.push(i);
+            }
+        }
+        starts.push(pairs.len());
+        let slots = self.slots();
+        let mut loc = vec![0usize; rows.len()];
+        let mut locked = Vec::new();
+        let mut misses = Vec::new();
+        // Sets are far apart in the directory: fetch a few rows ahead.
+        for &r in rows.iter().take(AHEAD) {
+            self.prefetch(r);
+        }
+        for (k, &r) in rows.iter().enumerate() {
+            if let Some(&next) = rows.get(k + AHEAD) {
+                self.prefetch(next);
+            }
+            self.count(r);
+            match self.find(r) {
+                Some(s) => {
+                    self.touch_and_lock(s, tick);
+                    locked.push(s);
+                    loc[k] = s;
+                }
+                None => misses.push(k),
+            }
+        }
+        let mut fallback = Vec::new();
+        let mut moves: Vec<Move> = Vec::with_capacity(misses.len());
+        for &k in &misses {
+            let r = rows[k];
+            match self.victim(r) {
+                Some(s) => {
+                    let old = self.row_of(s);
+                    if old.is_some() {
+                        stats.evictions += 1;
+                    }
+                    let dirty = old.filter(|_| self.is_dirty(s));
+                    moves.push((s, dirty, r));
+                    self.install(s, r);
+                    self.touch_and_lock(s, tick);
+                    locked.push(s);
+                    loc[k] = s;
+                }
+                None => {
+                    loc[k] = slots + fallback.len();
+                    fallback.push((r, loc[k]));
+                }
+            }
+        }
+        stats.calls += 1;
+        stats.requested_ids += n as u64;
+        stats.unique_ids += rows.len() as u64;
+        stats.unique_misses += misses.len() as u64;
+        stats.conflict_misses += fallback.len() as u64;
+        let mut out = vec![0i64; n];
+        for (k, w) in starts.windows(2).enumerate() {
+            for &(_, pos) in &pairs[w[0]..w[1]] {
+                out[pos] = loc[k] as i64;
+            }
+        }
+        TableAdmission {
+            loc: out,
+            locked,
+            fallback,
+            moves,
+        }
     }
 
     /// Slots in use by in-flight batches.

@@ -29,6 +29,7 @@
 //! then means what it says, and no table can evict another's rows.
 
 mod api;
+pub(crate) mod bytes;
 mod config;
 pub(crate) mod directory;
 mod gpu;
@@ -49,10 +50,11 @@ use crate::cuda::CudaDevice;
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Device, Error, Result, Tensor};
+use directory::TableAdmission;
 use directory::{Directory, SLOT_BYTES, WAYS};
 use rayon::prelude::*;
 use store::RowStore;
-use view::{TableAdmission, TableView};
+use view::TableView;
 
 const OP: &str = "cached TBE";
 
@@ -154,8 +156,8 @@ pub(crate) struct CachedTables {
 /// Prefetched admissions kept at most (a pipeline one batch deep needs one).
 const MAX_PREFETCHED: usize = 2;
 
-/// Sets per table for `size` (records of `record` floats).
-fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
+/// Sets per table for `size`, tables given as `(rows, bytes per cached row)`.
+pub(crate) fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
     let full = |rows: usize| rows.div_ceil(WAYS).max(1);
     match size {
         CacheSize::LoadFactor(f) if f.is_finite() && f > 0.0 => Ok(tables
@@ -171,7 +173,7 @@ fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
         )),
         CacheSize::Bytes(b) => {
             // A slot costs its record and its directory entry.
-            let slot = |record: usize| (record * 4 + SLOT_BYTES) as f64;
+            let slot = |record_bytes: usize| (record_bytes + SLOT_BYTES) as f64;
             let total: f64 = (tables.iter())
                 .map(|&(rows, record)| rows as f64 * slot(record))
                 .sum();
@@ -214,7 +216,7 @@ impl CachedTables {
             })
             .collect();
         let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))
-            .map(|(s, p)| (s.rows, p.record()))
+            .map(|(s, p)| (s.rows, p.record() * 4))
             .collect();
         let sets = sets_for(cache.size, &tables)?;
         let store = RowStore::create(&cache.path, &tables)?;
@@ -353,7 +355,7 @@ impl CachedTables {
         let file_lens: Vec<usize> = (0..n)
             .map(|t| {
                 let s = self.store.table(t);
-                s.rows * s.record * 4
+                s.rows * s.record_bytes
             })
             .collect();
         let (mut w, mut a, mut b): (&mut [f32], &mut [f32], &mut [f32]) = match &mut self.rows {

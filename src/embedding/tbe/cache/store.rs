@@ -1,6 +1,7 @@
-//! The backing file of a DRAM-cached TBE: every row of every table with its optimizer state,
-//! one fixed-size record per row (`dim` weights, then each state buffer's per-row part), tables
-//! one after another, little-endian f32.
+//! The backing file of a DRAM-cached TBE: one fixed-size record per row, tables one after
+//! another. A training TBE's record is the row with its optimizer state (`dim` weights, then
+//! each state buffer's per-row part, little-endian f32); an inference TBE's is the row's stored
+//! bytes (FP16, INT8 with its scale and bias, ...).
 //!
 //! The file is mapped (random access advised: no read-ahead) and records are copied in and out
 //! of the mapping. Its blocks are allocated when it is created (`posix_fallocate`), so a full
@@ -29,8 +30,8 @@ pub(crate) struct StoreTable {
     pub offset: u64,
     /// Rows.
     pub rows: usize,
-    /// Floats per record.
-    pub record: usize,
+    /// Bytes per record.
+    pub record_bytes: usize,
 }
 
 /// A file (or anonymous host memory) holding the rows and optimizer state of a TBE's tables.
@@ -110,25 +111,25 @@ fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
 }
 
 impl RowStore {
-    /// The layout of tables of `(rows, floats per record)`, and the file length it needs.
+    /// The layout of tables of `(rows, bytes per record)`, and the file length it needs.
     pub(crate) fn layout(tables: &[(usize, usize)]) -> Result<(Vec<StoreTable>, u64)> {
         let mut offset = 0u64;
         let mut out = Vec::with_capacity(tables.len());
-        for &(rows, record) in tables {
+        for &(rows, record_bytes) in tables {
             out.push(StoreTable {
                 offset,
                 rows,
-                record,
+                record_bytes,
             });
             offset = (rows as u64)
-                .checked_mul(record as u64 * 4)
+                .checked_mul(record_bytes as u64)
                 .and_then(|b| b.checked_add(offset))
                 .ok_or_else(|| Error::invalid(OP, "the tables' size overflows 64 bits"))?;
         }
         Ok((out, offset))
     }
 
-    /// Creates (or replaces) `path` as an all-zero store for `tables` (`(rows, floats per
+    /// Creates (or replaces) `path` as an all-zero store for `tables` (`(rows, bytes per
     /// record)`), its blocks allocated.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize)]) -> Result<Self> {
         let (tables, len) = Self::layout(tables)?;
@@ -240,13 +241,13 @@ impl RowStore {
         &self.tables[t]
     }
 
-    /// The byte range of `n` floats of records from row `first` of table `t`.
+    /// The range of `n` bytes of records from row `first` of table `t`.
     fn range(&self, t: usize, first: usize, n: usize) -> std::ops::Range<usize> {
         let s = &self.tables[t];
-        let start = (s.offset + first as u64 * s.record as u64 * 4) as usize;
-        let end = start + n * 4;
+        let start = (s.offset + first as u64 * s.record_bytes as u64) as usize;
+        let end = start + n;
         assert!(
-            end as u64 <= s.offset + s.rows as u64 * s.record as u64 * 4,
+            end as u64 <= s.offset + s.rows as u64 * s.record_bytes as u64,
             "records past the end of table {t} (internal)"
         );
         start..end
@@ -254,17 +255,35 @@ impl RowStore {
 
     /// Reads the records of rows `first..` of table `t` into `buf` (a whole number of records).
     pub(crate) fn read_rows(&self, t: usize, first: usize, buf: &mut [f32]) {
-        if let Some(map) = &self.map {
-            let bytes = &map[self.range(t, first, buf.len())];
-            bytemuck::cast_slice_mut::<f32, u8>(buf).copy_from_slice(bytes);
-        }
+        self.read_bytes(t, first, bytemuck::cast_slice_mut(buf));
     }
 
     /// Writes the records of rows `first..` of table `t` from `buf`.
     pub(crate) fn write_rows(&mut self, t: usize, first: usize, buf: &[f32]) {
+        self.write_bytes(t, first, bytemuck::cast_slice(buf));
+    }
+
+    /// Reads the records of rows `first..` of table `t` into `buf`, as bytes.
+    pub(crate) fn read_bytes(&self, t: usize, first: usize, buf: &mut [u8]) {
+        if let Some(map) = &self.map {
+            buf.copy_from_slice(&map[self.range(t, first, buf.len())]);
+        }
+    }
+
+    /// Writes the records of rows `first..` of table `t` from `buf`, as bytes.
+    pub(crate) fn write_bytes(&mut self, t: usize, first: usize, buf: &[u8]) {
         let range = self.range(t, first, buf.len());
         if let Some(map) = &mut self.map {
-            map[range].copy_from_slice(bytemuck::cast_slice(buf));
+            map[range].copy_from_slice(buf);
+        }
+    }
+
+    /// Table `t`'s records, back to back.
+    pub(crate) fn table_bytes(&self, t: usize) -> &[u8] {
+        let s = &self.tables[t];
+        match &self.map {
+            Some(m) => &m[self.range(t, 0, s.rows * s.record_bytes)],
+            None => &[],
         }
     }
 
@@ -497,7 +516,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("embers-store-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("rows.bin");
-        let mut store = RowStore::create(&path, &[(10, 4), (5, 3)]).unwrap();
+        let mut store = RowStore::create(&path, &[(10, 16), (5, 12)]).unwrap();
         assert_eq!(store.len(), (10 * 4 + 5 * 3) * 4);
         store.write_rows(1, 2, &[1.0, 2.0, 3.0]);
         let mut back = [0.0f32; 3];
@@ -518,7 +537,7 @@ mod tests {
             "{err}"
         );
         drop(store);
-        let err = RowStore::open(&path, &[(10, 4), (5, 3)])
+        let err = RowStore::open(&path, &[(10, 16), (5, 12)])
             .err()
             .unwrap()
             .to_string();

@@ -1,0 +1,277 @@
+//! The byte-form cache of an inference TBE: every table's stored rows (FP32 down to INT2, in
+//! their quantized bytes) live in a row file ([`RowStore`]), and a DRAM cache of the same form
+//! holds the rows in use — FBGEMM's inference cache, on a host, over a file.
+//!
+//! Same directories, sizes, policies and counters as the training cache, but read-only: rows
+//! change only through the operator's setters, which write the file and refresh any cached copy,
+//! so no cached row is ever dirty and an eviction is a directory change only. A lookup admits
+//! its rows (hits locked first, then each miss read into its set's victim; a miss whose set is
+//! wholly locked by the same lookup — a conflict miss — read into a scratch row after the
+//! slots), runs the host quantized kernels on the cache rows with the batch's ids remapped to
+//! them, and unlocks. Lookups take the cache's lock for their whole length, so concurrent
+//! lookups of one operator run one after another.
+
+use parking_lot::Mutex;
+use rayon::prelude::*;
+
+use super::directory::{Directory, AHEAD};
+use super::store::RowStore;
+use super::{sets_for, CacheConfig, CacheStats, OP};
+use crate::embedding::input::{Batch, Ids};
+use crate::embedding::storage::RowBuffer;
+use crate::embedding::tbe::cpu::pool::prefetch_lines;
+use crate::{Error, Result};
+
+/// Tables of quantized rows in a file, cached in DRAM.
+pub(crate) struct ByteCache {
+    store: RowStore,
+    /// Bytes per row, per table.
+    row_bytes: Vec<usize>,
+    state: Mutex<CacheState>,
+}
+
+/// What a lookup changes: directories, counters and cache rows.
+struct CacheState {
+    dirs: Vec<Directory>,
+    stats: Vec<CacheStats>,
+    /// Scratch rows per table (after its slots).
+    scratch: Vec<usize>,
+    /// Every table's cache rows (slots, then scratch rows), table `t` from `starts[t]`.
+    rows: RowBuffer<u8>,
+    starts: Vec<usize>,
+    tick: u64,
+}
+
+/// Byte offsets of each table's cache rows (`slots + scratch` rows of `row_bytes`), and the end.
+fn starts_for(dirs: &[Directory], scratch: &[usize], row_bytes: &[usize]) -> Result<Vec<usize>> {
+    let mut starts = Vec::with_capacity(dirs.len() + 1);
+    let mut at = 0usize;
+    for ((d, &s), &rb) in dirs.iter().zip(scratch).zip(row_bytes) {
+        starts.push(at);
+        at = (d.slots() + s)
+            .checked_mul(rb)
+            .and_then(|n| n.checked_add(at))
+            .ok_or_else(|| Error::invalid(OP, "the cache's size overflows"))?;
+    }
+    starts.push(at);
+    Ok(starts)
+}
+
+impl ByteCache {
+    /// A cache of `cache.size` over a new all-zero row file at `cache.path` (anonymous host
+    /// memory when empty) for tables of `(rows, bytes per row)` called `names`.
+    pub(crate) fn create(
+        cache: &CacheConfig,
+        tables: &[(usize, usize)],
+        names: &[String],
+    ) -> Result<Self> {
+        let sets = sets_for(cache.size, tables)?;
+        let store = RowStore::create(&cache.path, tables)?;
+        let dirs: Vec<Directory> = (sets.iter().zip(tables))
+            .map(|(&n, &(rows, _))| Directory::new(n, rows, cache.policy))
+            .collect::<Result<_>>()?;
+        let stats = (names.iter().zip(&dirs))
+            .map(|(name, d)| CacheStats {
+                table: name.clone(),
+                slots: d.slots(),
+                ..CacheStats::default()
+            })
+            .collect();
+        let row_bytes: Vec<usize> = tables.iter().map(|&(_, b)| b).collect();
+        let scratch = vec![0; tables.len()];
+        let starts = starts_for(&dirs, &scratch, &row_bytes)?;
+        let rows = RowBuffer::zeros(starts[tables.len()])?;
+        Ok(ByteCache {
+            store,
+            row_bytes,
+            state: Mutex::new(CacheState {
+                dirs,
+                stats,
+                scratch,
+                rows,
+                starts,
+                tick: 0,
+            }),
+        })
+    }
+
+    /// Table `t`'s rows as the file holds them (always current: cached rows are never dirty).
+    pub(crate) fn table_bytes(&self, t: usize) -> &[u8] {
+        self.store.table_bytes(t)
+    }
+
+    /// Writes rows `first..` of table `t` (whole rows of its stored bytes) to the file, and
+    /// the cached copies of those rows, if any.
+    pub(crate) fn write_rows(&mut self, t: usize, first: usize, bytes: &[u8]) -> Result<()> {
+        self.store.check_len()?;
+        let rb = self.row_bytes[t];
+        self.store.write_bytes(t, first, bytes);
+        let n = (bytes.len() / rb) as u64;
+        let st = self.state.get_mut();
+        let start = st.starts[t];
+        let rows = first as u64..first as u64 + n;
+        let cached: Vec<(usize, u64)> = (st.dirs[t].occupied())
+            .filter(|(_, r)| rows.contains(r))
+            .collect();
+        for (slot, row) in cached {
+            let at = start + slot * rb;
+            let from = (row - first as u64) as usize * rb;
+            st.rows[at..at + rb].copy_from_slice(&bytes[from..from + rb]);
+        }
+        Ok(())
+    }
+
+    /// Flushes the file to the disk.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.store.sync()
+    }
+
+    /// The counters of every table.
+    pub(crate) fn stats(&self) -> Vec<CacheStats> {
+        self.state.lock().stats.clone()
+    }
+
+    /// Zeroes the counters.
+    pub(crate) fn reset_stats(&self) {
+        for s in &mut self.state.lock().stats {
+            *s = CacheStats {
+                table: std::mem::take(&mut s.table),
+                slots: s.slots,
+                ..CacheStats::default()
+            };
+        }
+    }
+
+    /// Bytes of the cache rows (scratch included) and the directories.
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        let st = self.state.lock();
+        st.rows.allocated_bytes() + st.dirs.iter().map(Directory::bytes).sum::<usize>()
+    }
+
+    /// Runs `lookup` on the cache with `batch` (validated against the logical tables) admitted:
+    /// `lookup` gets the batch with its ids remapped to cache rows and each table's cache rows
+    /// (`table_rows(t)`: slots then scratch rows, in the stored form). The batch's slots are
+    /// unlocked when it returns.
+    pub(crate) fn with_admitted<R>(
+        &self,
+        batch: &Batch<'_>,
+        feature_table_map: &[usize],
+        lookup: impl for<'r> FnOnce(&Batch<'_>, &'r (dyn Fn(usize) -> &'r [u8] + Sync)) -> R,
+    ) -> Result<R> {
+        self.store.check_len()?;
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        st.tick += 1;
+        let tick = st.tick;
+        let b = batch.batch_size;
+        let tables = self.row_bytes.len();
+        // Each table's id positions: the bags of the features reading it.
+        let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..tables)
+            .map(|t| {
+                (feature_table_map.iter().enumerate())
+                    .filter(|(_, &ft)| ft == t)
+                    .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
+                    .collect()
+            })
+            .collect();
+        let ids_of = |t: usize| -> Vec<u64> {
+            (ranges[t].iter().cloned().flatten())
+                .map(|p| batch.ids.get(p) as u64)
+                .collect()
+        };
+        // Decide every table's slots (in parallel), then give room to the conflict misses.
+        let admitted: Vec<_> = (st.dirs.par_iter_mut().zip(&mut st.stats).enumerate())
+            .map(|(t, (dir, stats))| {
+                (!ranges[t].is_empty()).then(|| dir.admit(&ids_of(t), tick, stats))
+            })
+            .collect();
+        let need: Vec<usize> = (admitted.iter())
+            .map(|a| a.as_ref().map_or(0, |a| a.fallback.len()))
+            .collect();
+        if need.iter().zip(&st.scratch).any(|(n, s)| n > s) {
+            if let Err(e) = st.grow_scratch(&need, &self.row_bytes) {
+                for (dir, a) in st.dirs.iter_mut().zip(&admitted) {
+                    for &s in a.iter().flat_map(|a| &a.locked) {
+                        dir.unlock(s);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        // Read every new row into its slot or scratch row, tables in parallel.
+        let mut rest: &mut [u8] = &mut st.rows;
+        let mut table_rows = Vec::with_capacity(tables);
+        for t in 0..tables {
+            let (head, tail) =
+                std::mem::take(&mut rest).split_at_mut(st.starts[t + 1] - st.starts[t]);
+            table_rows.push(head);
+            rest = tail;
+        }
+        let store = &self.store;
+        let row_bytes = &self.row_bytes;
+        (table_rows
+            .into_par_iter()
+            .zip(&admitted)
+            .zip(&mut st.stats)
+            .enumerate())
+        .for_each(|(t, ((rows, a), stats))| {
+            let Some(a) = a else { return };
+            let rb = row_bytes[t];
+            let file = store.table_bytes(t);
+            let reads: Vec<(u64, usize)> = (a.moves.iter())
+                .map(|&(slot, _, row)| (row, slot))
+                .chain(a.fallback.iter().copied())
+                .collect();
+            for (i, &(row, at)) in reads.iter().enumerate() {
+                if let Some(&(next, _)) = reads.get(i + AHEAD) {
+                    prefetch_lines::<false>(file[next as usize * rb..].as_ptr(), rb);
+                }
+                let from = row as usize * rb;
+                rows[at * rb..(at + 1) * rb].copy_from_slice(&file[from..from + rb]);
+            }
+            stats.rows_read += reads.len() as u64;
+        });
+        let mut remapped = vec![0i64; batch.ids.len()];
+        for (t, a) in admitted.iter().enumerate() {
+            let Some(a) = a else { continue };
+            let mut loc = a.loc.iter();
+            for p in ranges[t].iter().cloned().flatten() {
+                remapped[p] = *loc.next().expect("one cache row per id");
+            }
+        }
+        let remapped = Batch {
+            ids: Ids::I64(remapped.into()),
+            offsets: batch.offsets.clone(),
+            weights: batch.weights.clone(),
+            batch_size: batch.batch_size,
+            num_features: batch.num_features,
+            kept: batch.kept.clone(),
+        };
+        let (rows, starts) = (&st.rows, &st.starts);
+        let out = lookup(&remapped, &|t| &rows[starts[t]..starts[t + 1]]);
+        for (dir, a) in st.dirs.iter_mut().zip(&admitted) {
+            for &s in a.iter().flat_map(|a| &a.locked) {
+                dir.unlock(s);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl CacheState {
+    /// Gives each table `t` room for `need[t]` scratch rows at least (keeping every cached row).
+    fn grow_scratch(&mut self, need: &[usize], row_bytes: &[usize]) -> Result<()> {
+        let scratch: Vec<usize> = (self.scratch.iter().zip(need))
+            .map(|(&s, &n)| if n > s { n.max(s * 2) } else { s })
+            .collect();
+        let starts = starts_for(&self.dirs, &scratch, row_bytes)?;
+        let mut rows = RowBuffer::zeros(starts[self.dirs.len()])?;
+        for (t, d) in self.dirs.iter().enumerate() {
+            let len = d.slots() * row_bytes[t];
+            rows[starts[t]..starts[t] + len]
+                .copy_from_slice(&self.rows[self.starts[t]..self.starts[t] + len]);
+        }
+        (self.scratch, self.rows, self.starts) = (scratch, rows, starts);
+        Ok(())
+    }
+}

@@ -1,0 +1,320 @@
+//! Inference tables in a row file behind a DRAM cache of the same byte form
+//! (`QuantizedTableBatchedEmbedding::new_cached`): lookups equal, bit for bit, those of the
+//! same rows in memory for every weight type, pooling, cache size and policy (conflict misses
+//! included); hit and miss counts equal an independent simulation of the policy; rows written
+//! while cached are seen at once; a truncated row file and misuse are named errors.
+
+#[path = "support/cache_trace.rs"]
+mod cache_trace;
+
+use cache_trace::{batches, temp_dir, Simulated, Step};
+use embers::embedding::{
+    CacheConfig, CachePolicy, CacheSize, FusedOptimizer, PoolingMode,
+    QuantizedTableBatchedEmbedding, TableSpec, TbeConfig, WeightType,
+};
+use embers::tensor::rng::seeded;
+use embers::{Device, Result};
+use rand::Rng as _;
+
+const TYPES: [WeightType; 8] = [
+    WeightType::Fp32,
+    WeightType::Fp16,
+    WeightType::Bf16,
+    WeightType::Fp8,
+    WeightType::Fp8E4m3fn,
+    WeightType::Int8,
+    WeightType::Int4,
+    WeightType::Int2,
+];
+
+/// Three tables (one read by two features) of mixed types, in memory and behind a cache.
+struct Pair {
+    tables: Vec<TableSpec>,
+    map: Vec<usize>,
+    memory: QuantizedTableBatchedEmbedding,
+    cached: QuantizedTableBatchedEmbedding,
+}
+
+fn pair(
+    types: [WeightType; 3],
+    dims: [usize; 3],
+    pooling: PoolingMode,
+    cache: &CacheConfig,
+) -> Result<Pair> {
+    let tables = vec![
+        TableSpec::new("a", 700, dims[0]),
+        TableSpec::new("b", 300, dims[1]),
+        TableSpec::new("c", 90, dims[2]),
+    ];
+    let map = vec![0, 1, 0, 2];
+    let mut memory =
+        QuantizedTableBatchedEmbedding::new(tables.clone(), types.to_vec(), map.clone(), pooling)?;
+    let mut cached = QuantizedTableBatchedEmbedding::new_cached(
+        tables.clone(),
+        types.to_vec(),
+        map.clone(),
+        pooling,
+        cache,
+    )?;
+    let mut rng = seeded(7);
+    for (t, spec) in tables.iter().enumerate() {
+        let values: Vec<f32> = (0..spec.rows * spec.dim)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        memory.quantize_table_from(t, &values)?;
+        // The cached operator is filled in chunks of 64 rows, as a table bigger than memory is.
+        for (k, chunk) in values.chunks(64 * spec.dim).enumerate() {
+            cached.quantize_rows_from(t, k * 64, chunk)?;
+        }
+        assert_eq!(memory.table_bytes(t)?, cached.table_bytes(t)?);
+    }
+    Ok(Pair {
+        tables,
+        map,
+        memory,
+        cached,
+    })
+}
+
+/// Batches over `pair`'s features (a training config is only the trace generator's shape).
+fn trace(pair: &Pair, n: usize, s: f64, weighted: bool, seed: u64) -> Vec<Step> {
+    let cfg = TbeConfig::new(
+        pair.tables.clone(),
+        pair.map.clone(),
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    batches(&cfg, n, 24, 30, s, weighted, seed)
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn cached_lookups_equal_lookups_in_memory_for_every_type_pooling_size_and_policy() -> Result<()> {
+    let dir = temp_dir("quantized");
+    let sizes = [
+        CacheSize::LoadFactor(1e-9), // one set per table: conflict misses in most batches
+        CacheSize::LoadFactor(0.1),
+        CacheSize::LoadFactor(0.5),
+        CacheSize::LoadFactor(1.0),
+        CacheSize::Bytes(40_000),
+    ];
+    let mut conflicts = 0;
+    let mut hits = 0;
+    for (i, ty) in TYPES.iter().enumerate() {
+        let types = [*ty, TYPES[(i + 3) % 8], TYPES[(i + 5) % 8]];
+        for (j, pooling) in [PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None]
+            .into_iter()
+            .enumerate()
+        {
+            let dims = if pooling == PoolingMode::None {
+                [8, 8, 8]
+            } else {
+                [8, 5, 16]
+            };
+            let size = sizes[(i + j) % sizes.len()];
+            let policy = [CachePolicy::Lru, CachePolicy::Lfu][(i + j) % 2];
+            let cache =
+                CacheConfig::new(dir.join(format!("rows-{i}-{j}.bin")), size).with_policy(policy);
+            let p = pair(types, dims, pooling, &cache)?;
+            let what = format!("{types:?} {pooling:?} {size:?} {policy:?}");
+            // Zipf or uniform ids, alternating with the case; weighted bags with SUM.
+            let s = [1.1, 0.0][(i + j) % 2];
+            for (k, step) in trace(&p, 6, s, j == 0, i as u64).iter().enumerate() {
+                let a = p.memory.forward(step.input())?.to_vec::<f32>()?;
+                let b = p.cached.forward(step.input())?.to_vec::<f32>()?;
+                assert_eq!(bits(&a), bits(&b), "{what}, batch {k}");
+                if pooling != PoolingMode::None {
+                    let mut into = vec![f32::NAN; a.len()];
+                    p.cached.forward_into(step.input(), &mut into)?;
+                    assert_eq!(bits(&a), bits(&into), "{what}, batch {k}, forward_into");
+                }
+            }
+            let stats = p.cached.cache_stats().expect("a cached operator");
+            assert!(p.memory.cache_stats().is_none());
+            for st in &stats {
+                assert_eq!(
+                    st.rows_written, 0,
+                    "{what}: a read-only cache writes nothing"
+                );
+                assert_eq!(
+                    st.rows_read, st.unique_misses,
+                    "{what}: every miss is read once"
+                );
+                conflicts += st.conflict_misses;
+                hits += st.unique_ids - st.unique_misses;
+            }
+        }
+    }
+    // The sizes above must have exercised both sides of the cache.
+    assert!(conflicts > 0, "no conflict miss was served by direct reads");
+    assert!(hits > 0, "no lookup hit the cache");
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn hit_and_miss_counts_match_a_plain_simulation_on_zipf_and_uniform_ids() -> Result<()> {
+    let dir = temp_dir("quantized-counts");
+    for (s, policy) in [
+        (1.1, CachePolicy::Lru),
+        (0.0, CachePolicy::Lru),
+        (1.1, CachePolicy::Lfu),
+        (0.0, CachePolicy::Lfu),
+    ] {
+        let cache =
+            CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(0.1)).with_policy(policy);
+        let types = [WeightType::Int4, WeightType::Fp16, WeightType::Int8];
+        let p = pair(types, [8, 8, 8], PoolingMode::Sum, &cache)?;
+        let steps = trace(&p, 30, s, false, 5);
+        let stats = p.cached.cache_stats().unwrap();
+        let mut sims: Vec<Simulated> = (stats.iter())
+            .map(|st| Simulated::new(st.slots, policy == CachePolicy::Lfu))
+            .collect();
+        let b = 24;
+        for (i, step) in steps.iter().enumerate() {
+            p.cached.forward(step.input())?;
+            for (t, sim) in sims.iter_mut().enumerate() {
+                let ids: Vec<i64> = (p.map.iter().enumerate())
+                    .filter(|(_, &ft)| ft == t)
+                    .flat_map(|(f, _)| {
+                        let (a, z) = (step.offsets[f * b], step.offsets[(f + 1) * b]);
+                        step.ids[a as usize..z as usize].to_vec()
+                    })
+                    .collect();
+                sim.batch(i as u64 + 1, &ids);
+            }
+        }
+        let stats = p.cached.cache_stats().unwrap();
+        for (st, sim) in stats.iter().zip(&sims) {
+            let what = format!("zipf {s}, {policy:?}, table {}", st.table);
+            assert_eq!(st.unique_misses, sim.misses, "{what}");
+            assert_eq!(st.conflict_misses, sim.conflicts, "{what}");
+            assert_eq!(st.evictions, sim.evictions, "{what}");
+            assert_eq!(st.calls, steps.len() as u64, "{what}");
+            assert!(
+                st.unique_misses > 0 && st.unique_misses < st.unique_ids,
+                "{what}"
+            );
+        }
+        p.cached.reset_cache_stats();
+        let zeroed = p.cached.cache_stats().unwrap();
+        assert!(zeroed.iter().all(|st| st.calls == 0 && st.slots > 0));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn rows_written_while_cached_are_seen_at_once() -> Result<()> {
+    let dir = temp_dir("quantized-writes");
+    let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(0.5));
+    let types = [WeightType::Int8, WeightType::Fp16, WeightType::Fp32];
+    let mut p = pair(types, [8, 8, 8], PoolingMode::Sum, &cache)?;
+    let steps = trace(&p, 4, 1.1, false, 3);
+    for step in &steps {
+        p.cached.forward(step.input())?;
+    }
+    // Overwrite part of table 0 (rows 100..228, most of them cached by now) in both operators.
+    let mut rng = seeded(9);
+    let values: Vec<f32> = (0..128 * 8)
+        .map(|_| rng.random_range(-3.0f32..3.0))
+        .collect();
+    p.memory.quantize_rows_from(0, 100, &values)?;
+    p.cached.quantize_rows_from(0, 100, &values)?;
+    assert_eq!(p.memory.table_bytes(0)?, p.cached.table_bytes(0)?);
+    for step in &steps {
+        let a = p.memory.forward(step.input())?.to_vec::<f32>()?;
+        let b = p.cached.forward(step.input())?.to_vec::<f32>()?;
+        assert_eq!(bits(&a), bits(&b));
+    }
+    let whole = p.memory.table_bytes(2)?.to_vec();
+    p.cached.set_table_bytes(2, &whole)?;
+    p.cached.sync_rows()?;
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn a_cached_operator_names_bad_files_writes_and_devices() -> Result<()> {
+    let dir = temp_dir("quantized-errors");
+    let path = dir.join("rows.bin");
+    let cache = CacheConfig::new(&path, CacheSize::LoadFactor(0.2));
+    let types = [WeightType::Int4, WeightType::Int8, WeightType::Fp16];
+    let mut p = pair(types, [8, 8, 8], PoolingMode::Sum, &cache)?;
+    let step = &trace(&p, 1, 1.1, false, 1)[0];
+    let before = p.cached.forward(step.input())?.to_vec::<f32>()?;
+
+    // A second operator on the same row file is refused (it would zero the first one's rows).
+    let err = QuantizedTableBatchedEmbedding::new_cached(
+        p.tables.clone(),
+        types.to_vec(),
+        p.map.clone(),
+        PoolingMode::Sum,
+        &cache,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("already uses this row file"), "{err}");
+
+    // Truncated under the running operator: the next lookup names the file; restored, it runs.
+    let len = std::fs::metadata(&path).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(len / 2).unwrap();
+    let err = p.cached.forward(step.input()).unwrap_err().to_string();
+    assert!(
+        err.contains("rows.bin") && err.contains("truncated"),
+        "{err}"
+    );
+    file.set_len(len).unwrap();
+    let whole: Vec<Vec<u8>> = (0..3)
+        .map(|t| p.memory.table_bytes(t).map(<[u8]>::to_vec))
+        .collect::<Result<_>>()?;
+    for (t, bytes) in whole.iter().enumerate() {
+        p.cached.set_table_bytes(t, bytes)?;
+    }
+    assert_eq!(
+        bits(&before),
+        bits(&p.cached.forward(step.input())?.to_vec::<f32>()?)
+    );
+
+    // Rows that do not fit the table, or are not whole rows.
+    let row = WeightType::Int4.row_bytes(8);
+    let err = p
+        .cached
+        .set_rows_bytes(0, 699, &vec![0u8; 2 * row])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("700 rows") && err.contains("row 699"), "{err}");
+    let err = p
+        .cached
+        .set_rows_bytes(0, 0, &vec![0u8; row + 1])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("whole rows"), "{err}");
+    let err = p
+        .cached
+        .quantize_rows_from(1, 0, &[0.5; 7])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not whole rows"), "{err}");
+
+    // Out-of-range ids are named before anything is admitted.
+    let bad = Step {
+        ids: vec![0, 700],
+        offsets: (0..=4 * 24).map(|i| i.min(2)).collect(),
+        weights: None,
+    };
+    let err = p.cached.forward(bad.input()).unwrap_err().to_string();
+    assert!(err.contains("700"), "{err}");
+
+    // Lookups of a cached operator run on the host.
+    let err = p.cached.to_device(Device::Cuda(0)).unwrap_err().to_string();
+    assert!(err.contains("row file") && err.contains("host"), "{err}");
+    assert_eq!(p.cached.device(), Device::Cpu);
+    drop(p);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
