@@ -676,7 +676,12 @@ pub(crate) fn with_quant_rows(
         };
     }
     match ty {
-        WeightType::Fp32 => call!(DecodeF32),
+        // FP32 rows that lie on f32 boundaries (always, in a resident buffer) are the training
+        // tables' rows: their column-block kernel, not a decode row at a time (twice as fast).
+        WeightType::Fp32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+            Ok(rows) => with_f32_rows(rows, row_bytes / 4, |feature| f(feature)),
+            Err(_) => call!(DecodeF32),
+        },
         WeightType::Fp16 => call!(DecodeF16),
         WeightType::Bf16 => call!(DecodeBf16),
         WeightType::Fp8 => call!(DecodeHfp8),
