@@ -22,7 +22,9 @@ use embers::embedding::{
 };
 use embers::tensor::rng::seeded;
 use rand::Rng as _;
-use rand_distr::{Distribution, Zipf};
+
+#[path = "support/zipf_trace.rs"]
+mod zipf_trace;
 
 fn env_f64(name: &str, default: f64) -> f64 {
     std::env::var(name)
@@ -82,21 +84,7 @@ fn main() {
         dir.display()
     );
 
-    // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
-    let mut rng = seeded(7);
-    let zipf = Zipf::new(e as f64, s).unwrap();
-    let batches: Vec<(Vec<i64>, Vec<i64>)> = (0..warm + timed)
-        .map(|_| {
-            let ids: Vec<i64> = (0..t * b * l)
-                .map(|_| {
-                    let rank = zipf.sample(&mut rng) as u64 - 1;
-                    (rank.wrapping_mul(2_654_435_761) % e as u64) as i64
-                })
-                .collect();
-            let offsets = (0..=t * b).map(|i| (i * l) as i64).collect();
-            (ids, offsets)
-        })
-        .collect();
+    let batches = zipf_trace::zipf_batches(warm + timed, [t, b, l], e, s, 7);
 
     for ty in types {
         let tables: Vec<TableSpec> = (0..t)

@@ -27,7 +27,9 @@ use embers::embedding::{
 use embers::tensor::rng::seeded;
 use embers::{Device, Tensor};
 use rand::Rng as _;
-use rand_distr::{Distribution, Zipf};
+
+#[path = "support/zipf_trace.rs"]
+mod zipf_trace;
 
 fn env_f64(name: &str, default: f64) -> f64 {
     std::env::var(name)
@@ -147,9 +149,8 @@ fn main() {
         t0.elapsed().as_secs_f64()
     );
 
-    // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
-    let mut rng = seeded(7);
-    let zipf = Zipf::new(e as f64, s).unwrap();
+    // The limit measurement's random offsets.
+    let mut rng = seeded(8);
     // `EMBERS_CACHE_BATCHES="warm timed"` (default 100 40).
     let counts: Vec<usize> = std::env::var("EMBERS_CACHE_BATCHES")
         .unwrap_or_default()
@@ -160,17 +161,10 @@ fn main() {
         [w, n] if n > 0 => (w, n),
         _ => (100, 40),
     };
-    let batches: Vec<Batch> = (0..warm + timed)
-        .map(|_| {
-            let ids: Vec<i64> = (0..t * b * l)
-                .map(|_| {
-                    let rank = zipf.sample(&mut rng) as u64 - 1;
-                    (rank.wrapping_mul(2_654_435_761) % e as u64) as i64
-                })
-                .collect();
-            let offsets = (0..=t * b).map(|i| (i * l) as i64).collect();
-            Batch { ids, offsets }
-        })
+    // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
+    let batches: Vec<Batch> = zipf_trace::zipf_batches(warm + timed, [t, b, l], e, s, 7)
+        .into_iter()
+        .map(|(ids, offsets)| Batch { ids, offsets })
         .collect();
     let grad = (Tensor::from_vec(vec![0.001f32; b * t * d], &[b, t * d]).unwrap())
         .to_device(device)

@@ -7,7 +7,7 @@
 #[path = "support/cache_trace.rs"]
 mod cache_trace;
 
-use cache_trace::{batches, temp_dir, Simulated, Step};
+use cache_trace::{assert_counts_match, batches, simulate_step, simulations, temp_dir, Step};
 use embers::embedding::{
     CacheConfig, CachePolicy, CacheSize, FusedOptimizer, PoolingMode,
     QuantizedTableBatchedEmbedding, TableSpec, TbeConfig, WeightType,
@@ -16,16 +16,8 @@ use embers::tensor::rng::seeded;
 use embers::{Device, Result};
 use rand::Rng as _;
 
-const TYPES: [WeightType; 8] = [
-    WeightType::Fp32,
-    WeightType::Fp16,
-    WeightType::Bf16,
-    WeightType::Fp8,
-    WeightType::Fp8E4m3fn,
-    WeightType::Int8,
-    WeightType::Int4,
-    WeightType::Int2,
-];
+/// Bags per feature in every batch.
+const BAGS: usize = 24;
 
 /// Three tables (one read by two features) of mixed types, in memory and behind a cache.
 struct Pair {
@@ -84,7 +76,7 @@ fn trace(pair: &Pair, n: usize, s: f64, weighted: bool, seed: u64) -> Vec<Step> 
         PoolingMode::Sum,
         FusedOptimizer::Sgd { lr: 0.1 },
     );
-    batches(&cfg, n, 24, 30, s, weighted, seed)
+    batches(&cfg, n, BAGS, 30, s, weighted, seed)
 }
 
 fn bits(values: &[f32]) -> Vec<u32> {
@@ -103,8 +95,12 @@ fn cached_lookups_equal_lookups_in_memory_for_every_type_pooling_size_and_policy
     ];
     let mut conflicts = 0;
     let mut hits = 0;
-    for (i, ty) in TYPES.iter().enumerate() {
-        let types = [*ty, TYPES[(i + 3) % 8], TYPES[(i + 5) % 8]];
+    for (i, ty) in WeightType::ALL.iter().enumerate() {
+        let types = [
+            *ty,
+            WeightType::ALL[(i + 3) % 8],
+            WeightType::ALL[(i + 5) % 8],
+        ];
         for (j, pooling) in [PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None]
             .into_iter()
             .enumerate()
@@ -169,36 +165,13 @@ fn hit_and_miss_counts_match_a_plain_simulation_on_zipf_and_uniform_ids() -> Res
         let types = [WeightType::Int4, WeightType::Fp16, WeightType::Int8];
         let p = pair(types, [8, 8, 8], PoolingMode::Sum, &cache)?;
         let steps = trace(&p, 30, s, false, 5);
-        let stats = p.cached.cache_stats().unwrap();
-        let mut sims: Vec<Simulated> = (stats.iter())
-            .map(|st| Simulated::new(st.slots, policy == CachePolicy::Lfu))
-            .collect();
-        let b = 24;
+        let mut sims = simulations(&p.cached.cache_stats().unwrap(), policy == CachePolicy::Lfu);
         for (i, step) in steps.iter().enumerate() {
             p.cached.forward(step.input())?;
-            for (t, sim) in sims.iter_mut().enumerate() {
-                let ids: Vec<i64> = (p.map.iter().enumerate())
-                    .filter(|(_, &ft)| ft == t)
-                    .flat_map(|(f, _)| {
-                        let (a, z) = (step.offsets[f * b], step.offsets[(f + 1) * b]);
-                        step.ids[a as usize..z as usize].to_vec()
-                    })
-                    .collect();
-                sim.batch(i as u64 + 1, &ids);
-            }
+            simulate_step(&mut sims, step, &p.map, BAGS, i);
         }
         let stats = p.cached.cache_stats().unwrap();
-        for (st, sim) in stats.iter().zip(&sims) {
-            let what = format!("zipf {s}, {policy:?}, table {}", st.table);
-            assert_eq!(st.unique_misses, sim.misses, "{what}");
-            assert_eq!(st.conflict_misses, sim.conflicts, "{what}");
-            assert_eq!(st.evictions, sim.evictions, "{what}");
-            assert_eq!(st.calls, steps.len() as u64, "{what}");
-            assert!(
-                st.unique_misses > 0 && st.unique_misses < st.unique_ids,
-                "{what}"
-            );
-        }
+        assert_counts_match(&stats, &sims, steps.len(), &format!("zipf {s}, {policy:?}"));
         p.cached.reset_cache_stats();
         let zeroed = p.cached.cache_stats().unwrap();
         assert!(zeroed.iter().all(|st| st.calls == 0 && st.slots > 0));
@@ -304,7 +277,7 @@ fn a_cached_operator_names_bad_files_writes_and_devices() -> Result<()> {
     // Out-of-range ids are named before anything is admitted.
     let bad = Step {
         ids: vec![0, 700],
-        offsets: (0..=4 * 24).map(|i| i.min(2)).collect(),
+        offsets: (0..=4 * BAGS as i64).map(|i| i.min(2)).collect(),
         weights: None,
     };
     let err = p.cached.forward(bad.input()).unwrap_err().to_string();

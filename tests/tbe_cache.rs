@@ -11,7 +11,7 @@ mod cuda_device;
 #[path = "support/kill.rs"]
 mod kill;
 
-use cache_trace::{batches, temp_dir, Simulated, Step};
+use cache_trace::{assert_counts_match, batches, simulate_step, simulations, temp_dir, Step};
 
 use std::path::{Path, PathBuf};
 
@@ -211,37 +211,13 @@ fn hit_and_miss_counts_match_a_plain_simulation_on_zipf_and_uniform_ids() -> Res
         let cache =
             CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(0.08)).with_policy(policy);
         let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache)?;
-        let stats = tbe.cache_stats().unwrap();
-        let mut sims: Vec<Simulated> = (stats.iter())
-            .map(|st| Simulated::new(st.slots, policy == CachePolicy::Lfu))
-            .collect();
-        let b = 32;
+        let mut sims = simulations(&tbe.cache_stats().unwrap(), policy == CachePolicy::Lfu);
         for (i, step) in steps.iter().enumerate() {
-            let batch = tbe.prepare(step.input())?;
-            drop(batch);
-            for (t, sim) in sims.iter_mut().enumerate() {
-                let ids: Vec<i64> = (cfg.feature_table_map.iter().enumerate())
-                    .filter(|(_, &ft)| ft == t)
-                    .flat_map(|(f, _)| {
-                        let (a, z) = (step.offsets[f * b], step.offsets[(f + 1) * b]);
-                        step.ids[a as usize..z as usize].to_vec()
-                    })
-                    .collect();
-                sim.batch(i as u64 + 1, &ids);
-            }
+            drop(tbe.prepare(step.input())?);
+            simulate_step(&mut sims, step, &cfg.feature_table_map, 32, i);
         }
         let stats = tbe.cache_stats().unwrap();
-        for (st, sim) in stats.iter().zip(&sims) {
-            let what = format!("zipf {s}, {policy:?}, table {}", st.table);
-            assert_eq!(st.unique_misses, sim.misses, "{what}");
-            assert_eq!(st.conflict_misses, sim.conflicts, "{what}");
-            assert_eq!(st.evictions, sim.evictions, "{what}");
-            assert_eq!(st.calls, steps.len() as u64, "{what}");
-            assert!(
-                st.unique_misses > 0 && st.unique_misses < st.unique_ids,
-                "{what}"
-            );
-        }
+        assert_counts_match(&stats, &sims, steps.len(), &format!("zipf {s}, {policy:?}"));
         if s > 0.0 && policy == CachePolicy::Lru {
             // A skewed trace is what a cache is for: most distinct ids hit.
             assert!(stats[0].miss_rate() < 0.6, "{stats:?}");

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use embers::embedding::{TbeConfig, TbeInput};
+use embers::embedding::{CacheStats, TbeConfig, TbeInput};
 
 pub fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("embers-cache-{name}-{}", std::process::id()));
@@ -181,5 +181,44 @@ impl Simulated {
                 None => self.conflicts += 1,
             }
         }
+    }
+}
+
+/// One simulated cache per table (`stats` gives each table's slots), LRU or LFU.
+pub fn simulations(stats: &[CacheStats], lfu: bool) -> Vec<Simulated> {
+    stats
+        .iter()
+        .map(|st| Simulated::new(st.slots, lfu))
+        .collect()
+}
+
+/// Feeds `step` (batch number `i`, 0-based; `b` bags per feature) to each table's simulation:
+/// the ids of the features `map` sends to that table, in batch order.
+pub fn simulate_step(sims: &mut [Simulated], step: &Step, map: &[usize], b: usize, i: usize) {
+    for (t, sim) in sims.iter_mut().enumerate() {
+        let ids: Vec<i64> = (map.iter().enumerate())
+            .filter(|(_, &ft)| ft == t)
+            .flat_map(|(f, _)| {
+                let (a, z) = (step.offsets[f * b], step.offsets[(f + 1) * b]);
+                step.ids[a as usize..z as usize].to_vec()
+            })
+            .collect();
+        sim.batch(i as u64 + 1, &ids);
+    }
+}
+
+/// Asserts that each table's counters equal its simulation's after `calls` admissions, and
+/// that the trace both hit and missed.
+pub fn assert_counts_match(stats: &[CacheStats], sims: &[Simulated], calls: usize, what: &str) {
+    for (st, sim) in stats.iter().zip(sims) {
+        let what = format!("{what}, table {}", st.table);
+        assert_eq!(st.unique_misses, sim.misses, "{what}");
+        assert_eq!(st.conflict_misses, sim.conflicts, "{what}");
+        assert_eq!(st.evictions, sim.evictions, "{what}");
+        assert_eq!(st.calls, calls as u64, "{what}");
+        assert!(
+            st.unique_misses > 0 && st.unique_misses < st.unique_ids,
+            "{what}"
+        );
     }
 }

@@ -1,0 +1,30 @@
+//! Batches of Zipf ids shared by the cache benches (`tbe_cache`, `quantized_cache`).
+
+use embers::tensor::rng::seeded;
+use rand_distr::{Distribution, Zipf};
+
+/// `n` batches of `t` features × `b` bags × `l` ids in FBGEMM's layout (ids, offsets), each id
+/// drawn from Zipf(`s`) over `e` rows, its rank scattered over the table by a multiplicative
+/// hash so that hot rows are not neighbours; seeded.
+pub fn zipf_batches(
+    n: usize,
+    [t, b, l]: [usize; 3],
+    e: usize,
+    s: f64,
+    seed: u64,
+) -> Vec<(Vec<i64>, Vec<i64>)> {
+    let mut rng = seeded(seed);
+    let zipf = Zipf::new(e as f64, s).unwrap();
+    (0..n)
+        .map(|_| {
+            let ids: Vec<i64> = (0..t * b * l)
+                .map(|_| {
+                    let rank = zipf.sample(&mut rng) as u64 - 1;
+                    (rank.wrapping_mul(2_654_435_761) % e as u64) as i64
+                })
+                .collect();
+            let offsets = (0..=t * b).map(|i| (i * l) as i64).collect();
+            (ids, offsets)
+        })
+        .collect()
+}
