@@ -23,15 +23,10 @@ use embers::embedding::{
 use embers::tensor::rng::seeded;
 use rand::Rng as _;
 
-#[path = "support/zipf_trace.rs"]
-mod zipf_trace;
+#[path = "support/cache_bench.rs"]
+mod cache_bench;
 
-fn env_f64(name: &str, default: f64) -> f64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use cache_bench::{env_f64, median};
 
 fn env_usizes(name: &str) -> Vec<usize> {
     std::env::var(name)
@@ -39,11 +34,6 @@ fn env_usizes(name: &str) -> Vec<usize> {
         .split_whitespace()
         .filter_map(|a| a.parse().ok())
         .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 fn main() {
@@ -84,7 +74,7 @@ fn main() {
         dir.display()
     );
 
-    let batches = zipf_trace::zipf_batches(warm + timed, [t, b, l], e, s, 7);
+    let batches = cache_bench::zipf_batches(warm + timed, [t, b, l], e, s, 7);
 
     for ty in types {
         let tables: Vec<TableSpec> = (0..t)

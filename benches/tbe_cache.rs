@@ -28,20 +28,10 @@ use embers::tensor::rng::seeded;
 use embers::{Device, Tensor};
 use rand::Rng as _;
 
-#[path = "support/zipf_trace.rs"]
-mod zipf_trace;
+#[path = "support/cache_bench.rs"]
+mod cache_bench;
 
-fn env_f64(name: &str, default: f64) -> f64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use cache_bench::{env_f64, median};
 
 struct Batch {
     ids: Vec<i64>,
@@ -162,7 +152,7 @@ fn main() {
         _ => (100, 40),
     };
     // Ids: Zipf over ranks, scattered over the table by a multiplicative hash.
-    let batches: Vec<Batch> = zipf_trace::zipf_batches(warm + timed, [t, b, l], e, s, 7)
+    let batches: Vec<Batch> = cache_bench::zipf_batches(warm + timed, [t, b, l], e, s, 7)
         .into_iter()
         .map(|(ids, offsets)| Batch { ids, offsets })
         .collect();

@@ -612,10 +612,8 @@ impl QuantizedTableBatchedEmbedding {
     fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) -> Result<()> {
         match &self.rows {
             Rows::Resident(data) => {
-                let rows_of = |t: usize| {
-                    let rb = self.weight_types[t].row_bytes(self.tables[t].dim);
-                    &data[self.byte_offsets[t]..self.byte_offsets[t] + self.tables[t].rows * rb]
-                };
+                let rows_of =
+                    |t: usize| &data[self.table_range(t).expect("a table of the operator")];
                 self.pool_rows(batch, &rows_of, out);
                 Ok(())
             }

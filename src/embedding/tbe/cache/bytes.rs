@@ -18,9 +18,9 @@
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
-use super::directory::{Directory, AHEAD};
+use super::directory::{Directory, TableAdmission, AHEAD};
 use super::store::RowStore;
-use super::{sets_for, CacheConfig, CacheStats, OP};
+use super::{sets_for, CacheConfig, CacheStats, TablePositions, OP};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::storage::RowBuffer;
 use crate::embedding::tbe::cpu::pool::prefetch_lines;
@@ -82,11 +82,7 @@ impl ByteCache {
             .map(|(&n, &(rows, _))| Directory::new(n, rows, cache.policy))
             .collect::<Result<_>>()?;
         let stats = (names.iter().zip(&dirs))
-            .map(|(name, d)| CacheStats {
-                table: name.clone(),
-                slots: d.slots(),
-                ..CacheStats::default()
-            })
+            .map(|(name, d)| CacheStats::empty(name.clone(), d.slots()))
             .collect();
         let row_bytes: Vec<usize> = tables.iter().map(|&(_, b)| b).collect();
         let scratch = vec![0; tables.len()];
@@ -145,11 +141,7 @@ impl ByteCache {
     /// Zeroes the counters.
     pub(crate) fn reset_stats(&self) {
         for s in &mut self.state.lock().stats {
-            *s = CacheStats {
-                table: std::mem::take(&mut s.table),
-                slots: s.slots,
-                ..CacheStats::default()
-            };
+            s.reset();
         }
     }
 
@@ -174,26 +166,14 @@ impl ByteCache {
         let st = &mut *guard;
         st.tick += 1;
         let tick = st.tick;
-        let b = batch.batch_size;
         let tables = self.row_bytes.len();
-        // Each table's id positions: the bags of the features reading it.
-        let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..tables)
-            .map(|t| {
-                (feature_table_map.iter().enumerate())
-                    .filter(|(_, &ft)| ft == t)
-                    .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
-                    .collect()
-            })
-            .collect();
-        let ids_of = |t: usize| -> Vec<u64> {
-            (ranges[t].iter().cloned().flatten())
-                .map(|p| batch.ids.get(p) as u64)
-                .collect()
-        };
+        let ranges = TablePositions::new(feature_table_map, tables, batch);
         // Decide every table's slots (in parallel), then give room to the conflict misses.
         let admitted: Vec<_> = (st.dirs.par_iter_mut().zip(&mut st.stats).enumerate())
             .map(|(t, (dir, stats))| {
-                (!ranges[t].is_empty()).then(|| dir.admit(&ids_of(t), tick, stats))
+                ranges
+                    .read(t)
+                    .then(|| dir.admit(&ranges.ids(t, batch), tick, stats))
             })
             .collect();
         let need: Vec<usize> = (admitted.iter())
@@ -201,11 +181,7 @@ impl ByteCache {
             .collect();
         if need.iter().zip(&st.scratch).any(|(n, s)| n > s) {
             if let Err(e) = st.grow_scratch(&need, &self.row_bytes) {
-                for (dir, a) in st.dirs.iter_mut().zip(&admitted) {
-                    for &s in a.iter().flat_map(|a| &a.locked) {
-                        dir.unlock(s);
-                    }
-                }
+                st.unlock(&admitted);
                 return Err(e);
             }
         }
@@ -250,10 +226,8 @@ impl ByteCache {
         });
         let mut remapped = vec![0i64; batch.ids.len()];
         for (t, a) in admitted.iter().enumerate() {
-            let Some(a) = a else { continue };
-            let mut loc = a.loc.iter();
-            for p in ranges[t].iter().cloned().flatten() {
-                remapped[p] = *loc.next().expect("one cache row per id");
+            if let Some(a) = a {
+                ranges.place(t, &a.loc, &mut remapped);
             }
         }
         let remapped = Batch {
@@ -266,16 +240,21 @@ impl ByteCache {
         };
         let (rows, starts) = (&st.rows, &st.starts);
         let out = lookup(&remapped, &|t| &rows[starts[t]..starts[t + 1]]);
-        for (dir, a) in st.dirs.iter_mut().zip(&admitted) {
-            for &s in a.iter().flat_map(|a| &a.locked) {
-                dir.unlock(s);
-            }
-        }
+        st.unlock(&admitted);
         Ok(out)
     }
 }
 
 impl CacheState {
+    /// Releases the slots an admission locked.
+    fn unlock(&mut self, admitted: &[Option<TableAdmission>]) {
+        for (dir, a) in self.dirs.iter_mut().zip(admitted) {
+            for &s in a.iter().flat_map(|a| &a.locked) {
+                dir.unlock(s);
+            }
+        }
+    }
+
     /// Gives each table `t` room for `need[t]` scratch rows at least (keeping every cached row).
     fn grow_scratch(&mut self, need: &[usize], row_bytes: &[usize]) -> Result<()> {
         let scratch: Vec<usize> = (self.scratch.iter().zip(need))

@@ -188,6 +188,20 @@ pub struct CacheStats {
 }
 
 impl CacheStats {
+    /// Zero counters for table `table`'s cache of `slots` slots.
+    pub(crate) fn empty(table: String, slots: usize) -> Self {
+        CacheStats {
+            table,
+            slots,
+            ..CacheStats::default()
+        }
+    }
+
+    /// The counters zeroed (the table and its slots kept).
+    pub(crate) fn reset(&mut self) {
+        *self = CacheStats::empty(std::mem::take(&mut self.table), self.slots);
+    }
+
     /// `unique_misses / unique_ids` (0 before any lookup).
     pub fn miss_rate(&self) -> f64 {
         if self.unique_ids == 0 {

@@ -107,6 +107,49 @@ pub(crate) enum CacheRows {
     Device(DeviceTables),
 }
 
+/// A batch's id positions by table: for each table, the bags of the features reading it.
+pub(crate) struct TablePositions(Vec<Vec<std::ops::Range<usize>>>);
+
+impl TablePositions {
+    /// The positions in `batch` of each of `tables` tables' ids.
+    pub(crate) fn new(feature_table_map: &[usize], tables: usize, batch: &Batch<'_>) -> Self {
+        let b = batch.batch_size;
+        TablePositions(
+            (0..tables)
+                .map(|t| {
+                    (feature_table_map.iter().enumerate())
+                        .filter(|(_, &ft)| ft == t)
+                        .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether any feature reads table `t`.
+    pub(crate) fn read(&self, t: usize) -> bool {
+        !self.0[t].is_empty()
+    }
+
+    fn positions(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
+        self.0[t].iter().cloned().flatten()
+    }
+
+    /// Table `t`'s ids, in batch order.
+    pub(crate) fn ids(&self, t: usize, batch: &Batch<'_>) -> Vec<u64> {
+        self.positions(t).map(|p| batch.ids.get(p) as u64).collect()
+    }
+
+    /// Writes table `t`'s cache rows (`loc`, in the order of [`ids`](Self::ids)) into the
+    /// remapped ids at their positions.
+    pub(crate) fn place(&self, t: usize, loc: &[i64], remapped: &mut [i64]) {
+        let mut loc = loc.iter();
+        for p in self.positions(t) {
+            remapped[p] = *loc.next().expect("one cache row per id");
+        }
+    }
+}
+
 /// A moved row: its slot, the dirty row it evicts (written back first), the row read in.
 pub(crate) type Move = (usize, Option<u64>, u64);
 
@@ -224,11 +267,7 @@ impl CachedTables {
             .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
             .collect::<Result<_>>()?;
         let stats = (config.tables.iter().zip(&dirs))
-            .map(|(s, d)| CacheStats {
-                table: s.name.clone(),
-                slots: d.slots(),
-                ..CacheStats::default()
-            })
+            .map(|(s, d)| CacheStats::empty(s.name.clone(), d.slots()))
             .collect();
         let scratch = vec![0; config.tables.len()];
         let (cfg, layout, rows) = Self::buffers(config, &dirs, &scratch, device.as_ref())?;
@@ -319,11 +358,7 @@ impl CachedTables {
     /// Zeroes the counters.
     pub(crate) fn reset_stats(&mut self) {
         for s in &mut self.stats {
-            *s = CacheStats {
-                table: std::mem::take(&mut s.table),
-                slots: s.slots,
-                ..CacheStats::default()
-            };
+            s.reset();
         }
         self.times = CacheTimes::default();
     }
@@ -511,29 +546,16 @@ impl CachedTables {
         self.drain_released();
         self.tick += 1;
         let tick = self.tick;
-        let b = batch.batch_size;
-        // Each table's id positions: the bags of the features reading it.
-        let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..logical.tables.len())
-            .map(|t| {
-                (logical.feature_table_map.iter().enumerate())
-                    .filter(|(_, &ft)| ft == t)
-                    .map(|(f, _)| batch.offsets[f * b]..batch.offsets[(f + 1) * b])
-                    .collect()
-            })
-            .collect();
+        let ranges = TablePositions::new(&logical.feature_table_map, logical.tables.len(), batch);
         let t0 = std::time::Instant::now();
         let admitted: Vec<Option<TableAdmission>> = self
             .views()
             .into_par_iter()
-            .zip(&ranges)
-            .map(|(mut view, ranges)| {
-                if ranges.is_empty() {
-                    return None;
-                }
-                let ids: Vec<u64> = (ranges.iter().cloned().flatten())
-                    .map(|p| batch.ids.get(p) as u64)
-                    .collect();
-                Some(view.admit(&ids, tick))
+            .enumerate()
+            .map(|(t, mut view)| {
+                ranges
+                    .read(t)
+                    .then(|| view.admit(&ranges.ids(t, batch), tick))
             })
             .collect();
         self.times.directory += t0.elapsed();
@@ -543,15 +565,12 @@ impl CachedTables {
             fallback: Vec::new(),
             released: self.released.clone(),
         };
-        let mut fallbacks = vec![0; ranges.len()];
-        let mut moves = vec![Vec::new(); ranges.len()];
+        let mut fallbacks = vec![0; logical.tables.len()];
+        let mut moves = vec![Vec::new(); logical.tables.len()];
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
             moves[t] = a.moves;
-            let mut loc = a.loc.iter();
-            for p in ranges[t].iter().cloned().flatten() {
-                remapped[p] = *loc.next().expect("one cache row per id");
-            }
+            ranges.place(t, &a.loc, &mut remapped);
             lease.locked[t] = a.locked;
             fallbacks[t] = a.fallback.len();
             lease

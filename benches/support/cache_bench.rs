@@ -1,4 +1,5 @@
-//! Batches of Zipf ids shared by the cache benches (`tbe_cache`, `quantized_cache`).
+//! What the cache benches (`tbe_cache`, `quantized_cache`) share: their Zipf id batches, a
+//! numeric setting from the environment, a median.
 
 use embers::tensor::rng::seeded;
 use rand_distr::{Distribution, Zipf};
@@ -27,4 +28,18 @@ pub fn zipf_batches(
             (ids, offsets)
         })
         .collect()
+}
+
+/// The number in environment variable `name`, else `default`.
+pub fn env_f64(name: &str, default: f64) -> f64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The median of `v`.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
 }
