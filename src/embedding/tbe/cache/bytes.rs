@@ -19,19 +19,12 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::directory::{Directory, TableAdmission, AHEAD};
-use super::store::RowStore;
+use super::store::{DiskProbe, RowStore, PROBE};
 use super::{sets_for, CacheConfig, CacheStats, TablePositions, OP};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::storage::RowBuffer;
 use crate::embedding::tbe::cpu::pool::prefetch_lines;
 use crate::{Error, Result};
-
-/// Rows copied before deciding whether the file is being read from the disk.
-const PROBE: usize = 32;
-
-/// A row copy slower than this on average came from the disk (a copy out of the page cache takes
-/// well under a microsecond; a page fault to a disk, tens of microseconds or more).
-const SLOW_READ: std::time::Duration = std::time::Duration::from_micros(2);
 
 /// Tables of quantized rows in a file, cached in DRAM.
 pub(crate) struct ByteCache {
@@ -209,9 +202,9 @@ impl ByteCache {
                 .map(|&(slot, _, row)| (row, slot))
                 .chain(a.fallback.iter().copied())
                 .collect();
-            let start = std::time::Instant::now();
+            let probe = DiskProbe::start();
             for (i, &(row, at)) in reads.iter().enumerate() {
-                if i == PROBE && start.elapsed() > PROBE as u32 * SLOW_READ {
+                if probe.slow_at(i) {
                     // Page faults to the disk: ask for every other page now, so the reads
                     // wait on the disk together rather than one after another.
                     store.will_need(t, reads[PROBE..].iter().map(|&(row, _)| row));

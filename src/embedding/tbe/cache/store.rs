@@ -23,6 +23,47 @@ use crate::{Error, Result};
 
 const OP: &str = "TBE row store";
 
+/// Record copies an admission makes before judging whether the file is read from the disk.
+pub(crate) const PROBE: usize = 32;
+
+/// A record copy slower than this on average came from the disk (a copy out of the page cache
+/// takes well under a microsecond; a page fault to a disk, tens of microseconds or more).
+const SLOW_COPY: std::time::Duration = std::time::Duration::from_micros(2);
+
+/// Times an admission's first [`PROBE`] record copies. Hints for every other page are worth
+/// giving only when those copies came from the disk: with the file in the page cache the hints
+/// (a system call per record) would cost more than the copies.
+pub(crate) struct DiskProbe(std::time::Instant);
+
+impl DiskProbe {
+    /// Starts timing, before the first copy.
+    pub(crate) fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// Whether copy `i` is the first after the probe and the probe's copies came slowly.
+    pub(crate) fn slow_at(&self, i: usize) -> bool {
+        i == PROBE && self.0.elapsed() > PROBE as u32 * SLOW_COPY
+    }
+}
+
+/// Asks the kernel to start reading the pages that hold `bytes`, part of a mapped file
+/// (`madvise(WILLNEED)`, which returns at once): the misses of a batch then reach the disk
+/// together rather than one page fault at a time. Only a hint; errors are ignored.
+pub(crate) fn will_need(bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    // SAFETY: sysconf reads a constant of the system.
+    let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
+    let first = bytes.as_ptr() as usize & !(page - 1);
+    let len = bytes.as_ptr() as usize + bytes.len() - first;
+    // SAFETY: `madvise(WILLNEED)` reads nothing and writes nothing the program can observe; the
+    // range runs from the page holding the first byte (a mapping starts on a page boundary, so
+    // that page is in the same mapping) to the last byte of `bytes`.
+    unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_WILLNEED) };
+}
+
 /// The record layout of one table in the file.
 #[derive(Clone, Debug)]
 pub(crate) struct StoreTable {
@@ -286,7 +327,7 @@ impl RowStore {
         let s = &self.tables[t];
         for row in rows {
             let at = s.offset as usize + row as usize * s.record_bytes;
-            let _ = map.advise_range(Advice::WillNeed, at, s.record_bytes);
+            will_need(&map[at..at + s.record_bytes]);
         }
     }
 

@@ -3,6 +3,7 @@
 //! admitted in parallel, and the admission of one table's ids.
 
 use super::directory::{Directory, TableAdmission, AHEAD};
+use super::store::{will_need, DiskProbe, PROBE};
 use super::{CacheStats, Parts};
 
 /// One table's cache rows (slots, then scratch rows), file records, directory and counters.
@@ -87,8 +88,9 @@ impl TableView<'_> {
     /// Admits the ids `ids` (rows of this table, in batch order) at `tick`
     /// ([`Directory::admit`]), then makes its moves — each eviction written back if dirty, each
     /// new row read in — with the rows a few moves ahead fetched meanwhile (they are scattered
-    /// over the file and the cache: every access a cache and TLB miss). A deferring view
-    /// returns its moves instead.
+    /// over the file and the cache: every access a cache and TLB miss). When the first moves
+    /// come slowly (the file is not in the page cache), the kernel is asked for every other
+    /// move's pages at once ([`DiskProbe`]). A deferring view returns its moves instead.
     pub fn admit(&mut self, ids: &[u64], tick: u64) -> TableAdmission {
         let mut admission = self.dir.admit(ids, tick, self.stats);
         if self.defer {
@@ -96,7 +98,17 @@ impl TableView<'_> {
         }
         let moves = std::mem::take(&mut admission.moves);
         let mut rec = vec![0.0f32; self.parts.record()];
+        let probe = DiskProbe::start();
         for (i, &(s, old, r)) in moves.iter().enumerate() {
+            if probe.slow_at(i) {
+                // Page faults to the disk: ask for the pages of every other move's records
+                // (the write-backs' too: writing a record reads its page first).
+                for &(_, old, r) in &moves[PROBE..] {
+                    for row in old.into_iter().chain([r]) {
+                        will_need(&self.file[self.file_range(row)]);
+                    }
+                }
+            }
             if let Some(&(s, old, r)) = moves.get(i + AHEAD) {
                 self.prefetch_move(s, old, r);
             }

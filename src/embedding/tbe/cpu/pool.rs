@@ -21,16 +21,19 @@ use crate::embedding::quantize::row_scale_bias;
 /// buffers and get dropped.
 const PREFETCH_DISTANCE: usize = 4;
 
-/// Cache lines the column-block kernel of FP32 rows keeps in flight: it prefetches rows
-/// `BLOCK_PREFETCH_LINES / lines per row` ids ahead (at least 4, at most 32). Measured on the
-/// 2-core bench machine (T=32 B=512 E=1e5 L=20, Zipf and uniform ids, 5-7 alternating runs,
-/// medians): at D=16 32 rows ahead beat 16 and 8 (Zipf 1.42 / 1.59 / 2.16 ms); at D=64 16
-/// beat 8 (3.32 / 3.72 ms) and 32 was no better; at D=128 8 beat 16 (8.2 / 8.4-9.1 ms), also
-/// at E=1e7; at D=256 4 and 8 were even. A fixed row count, as before (8), kept too few short
-/// rows in flight.
+/// Cache lines the column-block kernel of FP32 rows keeps in flight: each pass over a bag's
+/// rows (one column block) prefetches that block of the row `BLOCK_PREFETCH_LINES / lines per
+/// block` ids ahead (at least 4, at most 32). Measured on the 2-core bench machine (T=32 B=512
+/// E=1e5 L=20, Zipf and uniform ids, 5-7 alternating runs, medians): at D=16 32 rows ahead
+/// beat 16 and 8 (Zipf 1.42 / 1.59 / 2.16 ms); at D=64 16 beat 8 (3.32 / 3.72 ms) and 32 was
+/// no better. Rows wider than a block were first prefetched whole by the first pass only, and
+/// the later passes (which read the bag's rows from the cache) left the memory idle: at D=256
+/// (four passes) prefetching each pass's own block 16 rows ahead took the forward from 28.9 to
+/// 26.1 ms on uniform ids and from 16.4 to 12.8 ms on Zipf ids (six alternating runs,
+/// medians); 32 rows ahead was no better, and D=128 was unchanged (13.9 / 7.7 ms).
 const BLOCK_PREFETCH_LINES: usize = 64;
 
-/// How many ids ahead the column-block kernel prefetches rows of `row_bytes` bytes.
+/// How many ids ahead the column-block kernel prefetches blocks of `row_bytes` bytes.
 #[inline(always)]
 const fn block_prefetch_distance(row_bytes: usize) -> usize {
     let lines = row_bytes.div_ceil(64);
@@ -91,9 +94,10 @@ pub(crate) trait TableRows: Copy + Sync {
     fn width(&self) -> usize {
         unreachable!("only rows with COLUMN_BLOCKS pool by column blocks")
     }
-    /// Starts fetching row `id` into L2 (the column-block kernel's prefetch).
-    fn prefetch_l2(&self, id: usize) {
-        self.prefetch(id)
+    /// Starts fetching columns `c0..c0 + width` of row `id` into L2 (the column-block
+    /// kernel's prefetch of one block); only called when `COLUMN_BLOCKS`.
+    fn prefetch_cols_l2(&self, _id: usize, _c0: usize, _width: usize) {
+        unreachable!("only rows with COLUMN_BLOCKS pool by column blocks")
     }
     /// `acc += w · row(id)[c0..c0 + acc.len()]`; only called when `COLUMN_BLOCKS`.
     fn accumulate_cols(&self, _id: usize, _w: f32, _c0: usize, _acc: &mut [f32]) {
@@ -221,8 +225,14 @@ impl<W: RowWidth> TableRows for F32Rows<'_, W> {
     }
 
     #[inline(always)]
-    fn prefetch_l2(&self, id: usize) {
-        self.prefetch_row::<true>(id);
+    fn prefetch_cols_l2(&self, id: usize, c0: usize, width: usize) {
+        // Unchecked address, as for a whole row: a prefetch never faults.
+        let first = self
+            .rows
+            .as_ptr()
+            .wrapping_add(id.wrapping_mul(self.dim.get()) + c0) as usize;
+        let line = first & !63;
+        prefetch_lines::<true>(line as *const u8, first + width * 4 - line);
     }
 
     #[inline(always)]
@@ -252,9 +262,9 @@ impl<W: RowWidth> TableRows for F32Rows<'_, W> {
 
 /// One bag's columns `c0..c0 + W` (positions `positions` of `ids`): the sum of its rows,
 /// weighted by `weights[p]` with `WEIGHTED`. The accumulator is a local array of a size known
-/// to the compiler and never sliced, so it lives in registers. The bag's first block (`c0 ==
-/// 0`) prefetches rows [`block_prefetch_distance`] ids ahead into L2; later blocks find the
-/// bag's rows in L1.
+/// to the compiler and never sliced, so it lives in registers. Each block prefetches its own
+/// columns of the row [`block_prefetch_distance`] ids ahead into L2 (across the bag's end:
+/// the next bag's rows arrive while this bag's later blocks are pooled).
 #[inline(always)]
 fn pool_block<I: IndexValue, R: TableRows, const W: usize, const WEIGHTED: bool>(
     rows: &R,
@@ -268,10 +278,10 @@ fn pool_block<I: IndexValue, R: TableRows, const W: usize, const WEIGHTED: bool>
     // rows' address and length from memory for every row.
     let rows = *rows;
     let mut acc = [0.0f32; W];
-    let ahead = block_prefetch_distance(rows.width() * 4);
+    let ahead = block_prefetch_distance(W * 4);
     for p in positions {
-        if c0 == 0 && p + ahead < end {
-            rows.prefetch_l2(ids[p + ahead].to_usize());
+        if p + ahead < end {
+            rows.prefetch_cols_l2(ids[p + ahead].to_usize(), c0, W);
         }
         let w = if WEIGHTED { weights[p] } else { 1.0 };
         rows.accumulate_block::<W, WEIGHTED>(ids[p].to_usize(), w, c0, &mut acc);
@@ -323,10 +333,10 @@ fn pool_bag_blocks<I: IndexValue, R: TableRows, const WEIGHTED: bool>(
     if c0 < dim {
         let width = dim - c0;
         let mut acc = [0.0f32; 8];
-        let ahead = block_prefetch_distance(rows.width() * 4);
+        let ahead = block_prefetch_distance(width * 4);
         for p in positions {
-            if c0 == 0 && p + ahead < end {
-                rows.prefetch_l2(ids[p + ahead].to_usize());
+            if p + ahead < end {
+                rows.prefetch_cols_l2(ids[p + ahead].to_usize(), c0, width);
             }
             let w = if WEIGHTED { weights[p] } else { 1.0 };
             rows.accumulate_cols(ids[p].to_usize(), w, c0, &mut acc[..width]);
