@@ -7,6 +7,7 @@
 pub(crate) mod cache;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub(crate) mod sort;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -218,11 +218,10 @@ impl ByteCache {
             stats.rows_read += reads.len() as u64;
         });
         let mut remapped = vec![0i64; batch.ids.len()];
-        for (t, a) in admitted.iter().enumerate() {
-            if let Some(a) = a {
-                ranges.place(t, &a.loc, &mut remapped);
-            }
-        }
+        let locs: Vec<Option<&[i64]>> = (admitted.iter())
+            .map(|a| a.as_ref().map(|a| &a.loc[..]))
+            .collect();
+        ranges.place(&locs, &mut remapped);
         let remapped = Batch {
             ids: Ids::I64(remapped.into()),
             offsets: batch.offsets.clone(),

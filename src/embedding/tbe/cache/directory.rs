@@ -5,6 +5,7 @@
 
 use super::{CachePolicy, CacheStats, Move};
 use crate::{Error, Result};
+use strength_reduce::StrengthReducedU64;
 
 /// How many rows ahead lookups and data moves fetch their memory.
 pub(crate) const AHEAD: usize = 8;
@@ -30,16 +31,14 @@ const EMPTY: u64 = u64::MAX;
 /// Bytes of bookkeeping per slot (its tag and state).
 pub(crate) const SLOT_BYTES: usize = 8 + std::mem::size_of::<Meta>();
 
-/// The set of `row` in a cache of `sets` sets (MurmurHash3's 64-bit finaliser, as FBGEMM's
-/// `cache_slot`).
-pub(crate) fn set_of(row: u64, sets: usize) -> usize {
+/// MurmurHash3's 64-bit finaliser.
+fn fmix64(row: u64) -> u64 {
     let mut h = row;
     h ^= h >> 33;
     h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
     h ^= h >> 33;
     h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    h ^= h >> 33;
-    (h % sets as u64) as usize
+    h ^ (h >> 33)
 }
 
 /// What the directory keeps of one slot.
@@ -56,6 +55,8 @@ struct Meta {
 /// The directory of one table's cache.
 pub(crate) struct Directory {
     pub sets: usize,
+    /// `sets` as a divisor by multiplication (a lookup's division took as long as its hash).
+    divisor: StrengthReducedU64,
     /// Row held by each slot (`EMPTY` when none); slot = set × WAYS + way.
     tags: Vec<u64>,
     /// Each slot's state, together so that a hit touches one cache line.
@@ -82,6 +83,7 @@ impl Directory {
         }
         Ok(Directory {
             sets,
+            divisor: StrengthReducedU64::new(sets as u64),
             tags: vec![EMPTY; slots],
             meta: vec![Meta::default(); slots],
             counts,
@@ -99,17 +101,41 @@ impl Directory {
         self.tags.len() * SLOT_BYTES + self.counts.len() * 4
     }
 
+    /// The first slot of `row`'s set: MurmurHash3's 64-bit finaliser of the row modulo the
+    /// number of sets, as FBGEMM's `cache_slot`.
+    fn first_way(&self, row: u64) -> usize {
+        (fmix64(row) % self.divisor) as usize * WAYS
+    }
+
     /// The slot holding `row`, if any.
     pub(crate) fn find(&self, row: u64) -> Option<usize> {
-        let base = set_of(row, self.sets) * WAYS;
+        let base = self.first_way(row);
         (base..base + WAYS).find(|&s| self.tags[s] == row)
     }
 
     /// Asks the CPU to fetch the tags of `row`'s set ahead of a lookup.
     pub(crate) fn prefetch(&self, row: u64) {
-        let base = set_of(row, self.sets) * WAYS;
+        let base = self.first_way(row);
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
         prefetch(self.tags[base..].as_ptr() as *const u8, WAYS * 8);
+    }
+
+    /// Asks the CPU to fetch `row`'s access count (LFU).
+    fn prefetch_count(&self, row: u64) {
+        if let Some(c) = self.counts.get(row as usize) {
+            let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
+            prefetch(c as *const u32 as *const u8, 1);
+        }
+    }
+
+    /// Asks the CPU to fetch what choosing a victim for `row` reads: its set's tags and state.
+    fn prefetch_victim(&self, row: u64) {
+        self.prefetch(row);
+        self.prefetch_count(row);
+        let base = self.first_way(row);
+        let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
+        let meta = std::mem::size_of::<Meta>();
+        prefetch(self.meta[base..].as_ptr() as *const u8, WAYS * meta);
     }
 
     /// The row in `slot`, if any.
@@ -142,7 +168,7 @@ impl Directory {
     /// policy likes least (LRU: oldest use; LFU: fewest accesses, then oldest use; ties to
     /// the lowest way). `None` when every way is locked (a conflict miss).
     pub(crate) fn victim(&self, row: u64) -> Option<usize> {
-        let base = set_of(row, self.sets) * WAYS;
+        let base = self.first_way(row);
         let ways = base..base + WAYS;
         if let Some(s) = ways.clone().find(|&s| self.tags[s] == EMPTY) {
             return Some(s);
@@ -179,8 +205,11 @@ impl Directory {
     }
 
     /// Admits the ids `ids` (rows of the table, in batch order) at `tick`, deciding only (the
-    /// caller moves the data): each distinct row is looked up; hits are locked first, so that
-    /// no miss of the batch can evict them; then each miss (in row order) takes its set's
+    /// caller moves the data), with no sort of the whole batch: the directory itself finds the
+    /// batch's distinct rows. A first pass looks every id up in batch order; a second locks
+    /// each hit's slot at its row's first occurrence (its stamp not yet `tick`: an
+    /// admission's ticks are its own), so that no miss of the batch can evict a row the batch
+    /// uses. Then each distinct missed row (in row order: the file's order) takes its set's
     /// victim, installed and locked at once, or is served by a scratch row (numbered from
     /// [`slots`](Self::slots)) when every way is locked. `stats` counts the admission.
     pub(crate) fn admit(
@@ -190,58 +219,73 @@ impl Directory {
         stats: &mut CacheStats,
     ) -> TableAdmission {
         let n = ids.len();
-        // Sort (row, position) pairs, packed into one u64 when they fit.
-        let narrow = n < (1 << 24) && ids.iter().all(|&r| r < (1 << 40));
-        let pairs: Vec<(u64, usize)> = if narrow {
-            let mut keys: Vec<u64> = (ids.iter().enumerate())
-                .map(|(k, &r)| (r << 24) | k as u64)
-                .collect();
-            keys.sort_unstable();
+        let slots = self.slots();
+        let mut loc = vec![0i64; n];
+        let mut locked = Vec::new();
+        let mut missed = Vec::new();
+        // Sets are far apart in the directory: fetch a few ids ahead.
+        for &r in ids.iter().take(AHEAD) {
+            self.prefetch(r);
+        }
+        for (p, &r) in ids.iter().enumerate() {
+            if let Some(&next) = ids.get(p + AHEAD) {
+                self.prefetch(next);
+            }
+            loc[p] = self.find(r).map_or(-1, |s| s as i64);
+        }
+        // A hit's slot is known once its set's tags have arrived: its state is fetched in a
+        // second pass, a few ids ahead.
+        let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
+        for p in 0..n {
+            if let Some(&next) = loc.get(p + AHEAD) {
+                if next >= 0 {
+                    prefetch(&self.meta[next as usize] as *const Meta as *const u8, 1);
+                    self.prefetch_count(ids[p + AHEAD]);
+                }
+            }
+            let Ok(s) = usize::try_from(loc[p]) else {
+                missed.push(p);
+                continue;
+            };
+            if self.meta[s].stamp != tick {
+                self.count(ids[p]);
+                self.touch_and_lock(s, tick);
+                locked.push(s);
+            }
+        }
+        let hits = locked.len();
+        // The missed ids in row order (positions rising within a row): each distinct miss
+        // chooses its victim in row order, as FBGEMM's sorted unique ids do.
+        let missed: Vec<(u64, usize)> = if n < (1 << 24)
+            && missed.iter().all(|&p| ids[p] < (1 << 40))
+        {
+            let mut keys: Vec<u64> = missed.iter().map(|&p| (ids[p] << 24) | p as u64).collect();
+            crate::embedding::tbe::sort::sort_keys_by_row(&mut keys, 24);
             keys.iter()
-                .map(|&x| (x >> 24, (x & 0xff_ffff) as usize))
+                .map(|&k| (k >> 24, (k & 0xff_ffff) as usize))
                 .collect()
         } else {
-            let mut pairs: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
+            let mut pairs: Vec<(u64, usize)> = missed.iter().map(|&p| (ids[p], p)).collect();
             pairs.sort_unstable();
             pairs
         };
-        // Distinct rows and where each one's run of pairs starts.
-        let mut rows = Vec::new();
-        let mut starts = Vec::new();
-        for (i, &(r, _)) in pairs.iter().enumerate() {
-            if rows.last() != Some(&r) {
-                rows.push(r);
-                starts.push(i);
+        let mut fallback: Vec<(u64, usize)> = Vec::new();
+        let mut moves: Vec<Move> = Vec::new();
+        for &(r, _) in missed.iter().take(AHEAD) {
+            self.prefetch_victim(r);
+        }
+        let mut last: Option<(u64, usize)> = None;
+        for (i, &(r, p)) in missed.iter().enumerate() {
+            if let Some(&(next, _)) = missed.get(i + AHEAD) {
+                self.prefetch_victim(next);
             }
-        }
-        starts.push(pairs.len());
-        let slots = self.slots();
-        let mut loc = vec![0usize; rows.len()];
-        let mut locked = Vec::new();
-        let mut misses = Vec::new();
-        // Sets are far apart in the directory: fetch a few rows ahead.
-        for &r in rows.iter().take(AHEAD) {
-            self.prefetch(r);
-        }
-        for (k, &r) in rows.iter().enumerate() {
-            if let Some(&next) = rows.get(k + AHEAD) {
-                self.prefetch(next);
+            // A later occurrence of the row just admitted.
+            if let Some((_, s)) = last.filter(|&(row, _)| row == r) {
+                loc[p] = s as i64;
+                continue;
             }
             self.count(r);
-            match self.find(r) {
-                Some(s) => {
-                    self.touch_and_lock(s, tick);
-                    locked.push(s);
-                    loc[k] = s;
-                }
-                None => misses.push(k),
-            }
-        }
-        let mut fallback = Vec::new();
-        let mut moves: Vec<Move> = Vec::with_capacity(misses.len());
-        for &k in &misses {
-            let r = rows[k];
-            match self.victim(r) {
+            let s = match self.victim(r) {
                 Some(s) => {
                     let old = self.row_of(s);
                     if old.is_some() {
@@ -252,27 +296,24 @@ impl Directory {
                     self.install(s, r);
                     self.touch_and_lock(s, tick);
                     locked.push(s);
-                    loc[k] = s;
+                    s
                 }
                 None => {
-                    loc[k] = slots + fallback.len();
-                    fallback.push((r, loc[k]));
+                    let s = slots + fallback.len();
+                    fallback.push((r, s));
+                    s
                 }
-            }
+            };
+            last = Some((r, s));
+            loc[p] = s as i64;
         }
         stats.calls += 1;
         stats.requested_ids += n as u64;
-        stats.unique_ids += rows.len() as u64;
-        stats.unique_misses += misses.len() as u64;
+        stats.unique_ids += (locked.len() + fallback.len()) as u64;
+        stats.unique_misses += (locked.len() - hits + fallback.len()) as u64;
         stats.conflict_misses += fallback.len() as u64;
-        let mut out = vec![0i64; n];
-        for (k, w) in starts.windows(2).enumerate() {
-            for &(_, pos) in &pairs[w[0]..w[1]] {
-                out[pos] = loc[k] as i64;
-            }
-        }
         TableAdmission {
-            loc: out,
+            loc,
             locked,
             fallback,
             moves,
@@ -293,6 +334,10 @@ mod tests {
     fn set_hashing_matches_an_independent_murmur_finaliser() {
         // Values from a separate (Python) implementation of MurmurHash3's fmix64, whose
         // fmix64(1) = 0xb456bcfc34c2cb2c.
+        let set_of = |row: u64, sets: usize| {
+            let d = Directory::new(sets, 1, CachePolicy::Lru).unwrap();
+            d.first_way(row) / WAYS
+        };
         assert_eq!(set_of(1, 1000), 604);
         assert_eq!(set_of(12345, 97), 3);
         assert_eq!(set_of((1 << 40) + 7, 4096), 2622);
@@ -311,5 +356,62 @@ mod tests {
         let s = d.find(5).unwrap();
         d.unlock(s);
         assert_eq!(d.victim(99), Some(s));
+    }
+
+    #[test]
+    fn an_admission_gives_each_distinct_row_one_locked_slot_or_one_scratch_row() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        // Two sets for 500 rows: later batches find full sets, and some sets all locked.
+        let mut d = Directory::new(2, 500, CachePolicy::Lfu).unwrap();
+        let mut stats = CacheStats::empty(String::new(), 0);
+        for tick in 1..=6 {
+            let ids: Vec<u64> = (0..300).map(|_| rng.random_range(0..500u64)).collect();
+            let cached_before: std::collections::HashSet<u64> =
+                d.occupied().map(|(_, r)| r).collect();
+            let before = stats.clone();
+            let locks: Vec<u32> = d.meta.iter().map(|m| m.locks).collect();
+            let a = d.admit(&ids, tick, &mut stats);
+            let mut slot_of = std::collections::HashMap::new();
+            for (&r, &l) in ids.iter().zip(&a.loc) {
+                assert_eq!(
+                    *slot_of.entry(r).or_insert(l),
+                    l,
+                    "row {r} got two cache rows"
+                );
+                let l = l as usize;
+                if l < d.slots() {
+                    assert_eq!(d.row_of(l), Some(r));
+                    assert_eq!(d.meta[l].locks, locks[l] + 1, "slot {l} locked once");
+                } else {
+                    assert!(a.fallback.contains(&(r, l)));
+                }
+            }
+            let distinct = slot_of.len() as u64;
+            assert_eq!(a.locked.len() + a.fallback.len(), slot_of.len());
+            assert_eq!(stats.unique_ids - before.unique_ids, distinct);
+            let misses = slot_of
+                .keys()
+                .filter(|r| !cached_before.contains(r))
+                .count();
+            assert_eq!(
+                (stats.unique_misses - before.unique_misses) as usize,
+                misses
+            );
+            assert_eq!(a.moves.len() + a.fallback.len(), misses);
+            assert!(
+                a.moves.windows(2).all(|m| m[0].2 < m[1].2),
+                "moves in row order"
+            );
+            if tick % 2 == 0 {
+                for &s in &a.locked {
+                    d.unlock(s);
+                }
+            }
+        }
+        assert!(
+            stats.conflict_misses > 0,
+            "the test reaches all-locked sets"
+        );
     }
 }

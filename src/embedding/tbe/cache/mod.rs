@@ -140,13 +140,32 @@ impl TablePositions {
         self.positions(t).map(|p| batch.ids.get(p) as u64).collect()
     }
 
-    /// Writes table `t`'s cache rows (`loc`, in the order of [`ids`](Self::ids)) into the
-    /// remapped ids at their positions.
-    pub(crate) fn place(&self, t: usize, loc: &[i64], remapped: &mut [i64]) {
-        let mut loc = loc.iter();
-        for p in self.positions(t) {
-            remapped[p] = *loc.next().expect("one cache row per id");
+    /// Writes each table's cache rows (`locs[t]`, in the order of [`ids`](Self::ids); `None`
+    /// for a table no feature reads) into the remapped ids at their positions, the tables in
+    /// parallel (each feature's ids are one span of the batch, so the tables' spans are
+    /// disjoint).
+    pub(crate) fn place(&self, locs: &[Option<&[i64]>], remapped: &mut [i64]) {
+        let mut spans: Vec<(usize, usize, usize)> = (self.0.iter().enumerate())
+            .flat_map(|(t, rs)| rs.iter().map(move |r| (r.start, r.end, t)))
+            .collect();
+        spans.sort_unstable();
+        let mut chunks: Vec<Vec<&mut [i64]>> = self.0.iter().map(|_| Vec::new()).collect();
+        let (mut rest, mut at) = (remapped, 0);
+        for (start, end, t) in spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+            let (chunk, tail) = tail.split_at_mut(end - start);
+            chunks[t].push(chunk);
+            (rest, at) = (tail, end);
         }
+        chunks.into_par_iter().zip(locs).for_each(|(chunks, loc)| {
+            let Some(mut loc) = *loc else { return };
+            for chunk in chunks {
+                let (head, tail) = loc.split_at(chunk.len());
+                chunk.copy_from_slice(head);
+                loc = tail;
+            }
+            assert!(loc.is_empty(), "one cache row per id");
+        });
     }
 }
 
@@ -567,10 +586,13 @@ impl CachedTables {
         };
         let mut fallbacks = vec![0; logical.tables.len()];
         let mut moves = vec![Vec::new(); logical.tables.len()];
+        let locs: Vec<Option<&[i64]>> = (admitted.iter())
+            .map(|a| a.as_ref().map(|a| &a.loc[..]))
+            .collect();
+        ranges.place(&locs, &mut remapped);
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
             moves[t] = a.moves;
-            ranges.place(t, &a.loc, &mut remapped);
             lease.locked[t] = a.locked;
             fallbacks[t] = a.fallback.len();
             lease

@@ -263,7 +263,7 @@ fn backward_table_body(args: TableBackward<'_>) -> TableResult {
         }
     }
     let order: Vec<(usize, usize)> = if wide_keys.is_empty() {
-        keys.sort_unstable();
+        crate::embedding::tbe::sort::sort_keys_by_row(&mut keys, 32);
         keys.iter()
             .map(|&k| ((k >> 32) as usize, (k & 0xffff_ffff) as usize))
             .collect()
