@@ -218,10 +218,7 @@ impl ByteCache {
             stats.rows_read += reads.len() as u64;
         });
         let mut remapped = vec![0i64; batch.ids.len()];
-        let locs: Vec<Option<&[i64]>> = (admitted.iter())
-            .map(|a| a.as_ref().map(|a| &a.loc[..]))
-            .collect();
-        ranges.place(&locs, &mut remapped);
+        ranges.place(&admitted, &mut remapped);
         let remapped = Batch {
             ids: Ids::I64(remapped.into()),
             offsets: batch.offsets.clone(),

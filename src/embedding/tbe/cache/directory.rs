@@ -115,7 +115,11 @@ impl Directory {
 
     /// Asks the CPU to fetch the tags of `row`'s set ahead of a lookup.
     pub(crate) fn prefetch(&self, row: u64) {
-        let base = self.first_way(row);
+        self.prefetch_tags(self.first_way(row));
+    }
+
+    /// Asks the CPU to fetch the tags of the set starting at slot `base`.
+    fn prefetch_tags(&self, base: usize) {
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
         prefetch(self.tags[base..].as_ptr() as *const u8, WAYS * 8);
     }
@@ -130,9 +134,9 @@ impl Directory {
 
     /// Asks the CPU to fetch what choosing a victim for `row` reads: its set's tags and state.
     fn prefetch_victim(&self, row: u64) {
-        self.prefetch(row);
-        self.prefetch_count(row);
         let base = self.first_way(row);
+        self.prefetch_tags(base);
+        self.prefetch_count(row);
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
         let meta = std::mem::size_of::<Meta>();
         prefetch(self.meta[base..].as_ptr() as *const u8, WAYS * meta);

@@ -140,11 +140,11 @@ impl TablePositions {
         self.positions(t).map(|p| batch.ids.get(p) as u64).collect()
     }
 
-    /// Writes each table's cache rows (`locs[t]`, in the order of [`ids`](Self::ids); `None`
-    /// for a table no feature reads) into the remapped ids at their positions, the tables in
-    /// parallel (each feature's ids are one span of the batch, so the tables' spans are
-    /// disjoint).
-    pub(crate) fn place(&self, locs: &[Option<&[i64]>], remapped: &mut [i64]) {
+    /// Writes each table's cache rows (`admitted[t]`'s `loc`, in the order of
+    /// [`ids`](Self::ids); `None` for a table no feature reads) into the remapped ids at their
+    /// positions, the tables in parallel (each feature's ids are one span of the batch, so the
+    /// tables' spans are disjoint).
+    pub(crate) fn place(&self, admitted: &[Option<TableAdmission>], remapped: &mut [i64]) {
         let mut spans: Vec<(usize, usize, usize)> = (self.0.iter().enumerate())
             .flat_map(|(t, rs)| rs.iter().map(move |r| (r.start, r.end, t)))
             .collect();
@@ -157,15 +157,20 @@ impl TablePositions {
             chunks[t].push(chunk);
             (rest, at) = (tail, end);
         }
-        chunks.into_par_iter().zip(locs).for_each(|(chunks, loc)| {
-            let Some(mut loc) = *loc else { return };
-            for chunk in chunks {
-                let (head, tail) = loc.split_at(chunk.len());
-                chunk.copy_from_slice(head);
-                loc = tail;
-            }
-            assert!(loc.is_empty(), "one cache row per id");
-        });
+        chunks
+            .into_par_iter()
+            .zip(admitted)
+            .for_each(|(chunks, a)| {
+                let Some(mut loc) = a.as_ref().map(|a| &a.loc[..]) else {
+                    return;
+                };
+                for chunk in chunks {
+                    let (head, tail) = loc.split_at(chunk.len());
+                    chunk.copy_from_slice(head);
+                    loc = tail;
+                }
+                assert!(loc.is_empty(), "one cache row per id");
+            });
     }
 }
 
@@ -586,10 +591,7 @@ impl CachedTables {
         };
         let mut fallbacks = vec![0; logical.tables.len()];
         let mut moves = vec![Vec::new(); logical.tables.len()];
-        let locs: Vec<Option<&[i64]>> = (admitted.iter())
-            .map(|a| a.as_ref().map(|a| &a.loc[..]))
-            .collect();
-        ranges.place(&locs, &mut remapped);
+        ranges.place(&admitted, &mut remapped);
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
             moves[t] = a.moves;
