@@ -17,7 +17,9 @@ use super::quantize::{dequantize_row, quantize_row};
 use super::storage::RowBuffer;
 use super::tbe::cache::bytes::ByteCache;
 use super::tbe::cache::{CacheConfig, CacheStats};
-use super::tbe::cpu::pool::{pooled_forward, sequence_forward, with_quant_rows, FeatureSlot};
+use super::tbe::cpu::pool::{
+    forward_new, pooled_forward, sequence_forward, with_quant_rows, FeatureSlot, PoolFeature,
+};
 use super::tbe::cuda::{DeviceBatch, DeviceTables, FeatureLayout};
 use super::tbe::{next_operator_id, TableBatchedEmbedding, TbeBatch};
 use crate::{DType, Device, Error, Result, Tensor};
@@ -607,54 +609,59 @@ impl QuantizedTableBatchedEmbedding {
         Ok(())
     }
 
-    /// The host lookup into `out`: on the resident rows, or on the cache rows with the batch
-    /// admitted (a cached operator's only fallible step).
+    /// The host lookup into `out`.
     fn pool_into(&self, batch: &Batch<'_>, out: &mut [f32]) -> Result<()> {
+        self.with_host_rows(batch, |b, rows_of| {
+            let visit = self.visit(rows_of);
+            if self.pooling == PoolingMode::None {
+                sequence_forward(b, self.out_stride, out, &visit);
+            } else {
+                pooled_forward(b, &self.slots, self.pooling, out, self.out_stride, &visit);
+            }
+        })
+    }
+
+    /// `lookup(batch, rows_of)` over the host rows: the resident rows, or the cache rows with
+    /// the batch admitted (a cached operator's only fallible step) and its ids remapped to them.
+    fn with_host_rows<R>(
+        &self,
+        batch: &Batch<'_>,
+        lookup: impl for<'r> FnOnce(&Batch<'_>, &'r (dyn Fn(usize) -> &'r [u8] + Sync)) -> R,
+    ) -> Result<R> {
         match &self.rows {
             Rows::Resident(data) => {
                 let rows_of =
                     |t: usize| &data[self.table_range(t).expect("a table of the operator")];
-                self.pool_rows(batch, &rows_of, out);
-                Ok(())
+                Ok(lookup(batch, &rows_of))
             }
-            Rows::Cached(cache) => {
-                cache.with_admitted(batch, &self.feature_table_map, |remapped, rows_of| {
-                    self.pool_rows(remapped, rows_of, out)
-                })
-            }
+            Rows::Cached(cache) => cache.with_admitted(batch, &self.feature_table_map, lookup),
         }
     }
 
-    /// The host kernels over `batch`, table `t`'s rows being `rows_of(t)`.
-    fn pool_rows<'r>(
-        &self,
-        batch: &Batch<'_>,
+    /// Hands the kernels feature `f`'s table, table `t`'s rows being `rows_of(t)`.
+    fn visit<'s, 'r>(
+        &'s self,
         rows_of: &'r (dyn Fn(usize) -> &'r [u8] + Sync),
-        out: &mut [f32],
-    ) {
-        let visit = |f: usize, k: &mut dyn FnMut(&dyn super::tbe::cpu::pool::PoolFeature)| {
+    ) -> impl Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync + use<'s, 'r> {
+        move |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
             let t = self.feature_table_map[f];
             let ty = self.weight_types[t];
             with_quant_rows(ty, rows_of(t), ty.row_bytes(self.tables[t].dim), k)
-        };
-        if self.pooling == PoolingMode::None {
-            sequence_forward(batch, self.out_stride, out, &visit);
-        } else {
-            pooled_forward(
-                batch,
-                &self.slots,
-                self.pooling,
-                out,
-                self.out_stride,
-                &visit,
-            );
         }
     }
 
     fn forward_f32(&self, batch: &Batch<'_>) -> Result<(Vec<f32>, Vec<usize>)> {
         let rows = batch.output_rows(self.pooling);
-        let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * self.out_stride);
-        self.pool_into(batch, &mut out)?;
+        // A new buffer the kernels write once, never zero-filled first.
+        let out = self.with_host_rows(batch, |b, rows_of| {
+            forward_new(
+                b,
+                &self.slots,
+                self.pooling,
+                self.out_stride,
+                &self.visit(rows_of),
+            )
+        })?;
         Ok((out, vec![rows, self.out_stride]))
     }
 }

@@ -12,7 +12,7 @@ use crate::embedding::storage::RowBuffer;
 use crate::error::Result;
 use crate::Tensor;
 use backward::{fused_backward, BackwardOutput, BackwardStep, TableUpdate};
-use pool::{pooled_forward, sequence_forward, with_f32_rows, PoolFeature};
+use pool::{forward_new, pooled_forward, sequence_forward, with_f32_rows, PoolFeature};
 
 /// FP32 tables and optimizer state in host memory (huge-page friendly buffers).
 pub(crate) struct HostTables {
@@ -64,10 +64,15 @@ impl HostTables {
     ) -> Result<Tensor> {
         let stride = layout.out_stride;
         let rows = batch.output_rows(cfg.pooling);
-        // Untouched zero pages on huge pages: the kernel's first writes fault in 2 MiB at a
-        // time, not 4 KiB (measured: ~1 ms of an 8 MiB output's 13 ms forward otherwise).
-        let mut out = crate::sparse::ops::zeroed_buffer::<f32>(rows * stride);
-        self.forward_into(cfg, layout, batch, &mut out);
+        // A new buffer the kernels write once (huge pages where large: its first writes fault
+        // in 2 MiB at a time, not 4 KiB), never zero-filled first.
+        let out = forward_new(
+            batch,
+            &layout.slots,
+            cfg.pooling,
+            stride,
+            &self.visit(cfg, layout),
+        );
         Tensor::from_vec(out, &[rows, stride])
     }
 
@@ -80,16 +85,25 @@ impl HostTables {
         batch: &Batch<'_>,
         out: &mut [f32],
     ) {
-        let visit = |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
-            let t = cfg.feature_table_map[f];
-            let rows = &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]];
-            with_f32_rows(rows, cfg.tables[t].dim, k)
-        };
+        let visit = self.visit(cfg, layout);
         let stride = layout.out_stride;
         if cfg.pooling == PoolingMode::None {
             sequence_forward(batch, stride, out, &visit);
         } else {
             pooled_forward(batch, &layout.slots, cfg.pooling, out, stride, &visit);
+        }
+    }
+
+    /// Hands the kernels feature `f`'s table.
+    fn visit<'s>(
+        &'s self,
+        cfg: &'s TbeConfig,
+        layout: &'s TbeLayout,
+    ) -> impl Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync + 's {
+        move |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
+            let t = cfg.feature_table_map[f];
+            let rows = &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]];
+            with_f32_rows(rows, cfg.tables[t].dim, k)
         }
     }
 
