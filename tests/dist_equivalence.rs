@@ -19,6 +19,14 @@ fn check_cases(cases: Vec<dist_scenarios::Case>) {
     for case in cases {
         let world = case.world;
         let reports = run_local(&case, 5);
+        // The plan's cached kernels put some rank's shards behind a cache, and only they.
+        let cached: u64 = (reports.iter().flatten()).map(|r| r.cached_ids).sum();
+        if reports.iter().all(|r| r.is_ok()) && case.kernels.is_empty() != (cached == 0) {
+            failures.push(format!(
+                "{}: {cached} ids looked up through caches, with kernels {:?}",
+                case.name, case.kernels
+            ));
+        }
         for (rank, r) in reports.into_iter().enumerate() {
             match r {
                 Ok(report) => {

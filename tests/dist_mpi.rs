@@ -6,7 +6,8 @@
 //!   (with the closed-form byte checks);
 //! * TorchRec's `KJTAllToAll` docstring example;
 //! * the training pipeline (pipelined == sequential, uneven data) and the DLRM example on 2
-//!   processes (`--plan auto`, resumed bit-identically, and on 1 process);
+//!   processes (`--plan auto`, resumed bit-identically, and on 1 process; a plan with
+//!   `fused_uvm_caching` tables, bit-identical to the same plan all `fused`);
 //! * faults: a rank killed mid-step, a rank that stalls, a rank that skips a batch, a rank with
 //!   another plan, a plan for another world size — every rank ends, with the named error,
 //!   within the deadline + 2 s.
@@ -410,5 +411,127 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
         "{log}"
     );
     assert!(log.contains("trained 10 steps on 1 ranks"), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A plan whose kernels put tables behind caches (`fused_uvm_caching`, the planner's choice
+/// under a kernel constraint) trains the DLRM example on 2 processes to the same tables,
+/// optimizer state and dense half, bit for bit, as the same plan with every table `fused`;
+/// the cached shards' rows live in files under `--cache-dir`, one per rank.
+#[test]
+fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
+    if worker().is_err() {
+        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
+        println!("SKIP: the `mpi` feature is off");
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let example = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
+    if !example.exists() {
+        assert!(
+            std::env::var("EMBERS_REQUIRE_MPI").is_err(),
+            "{} was not built (cargo test builds the examples)",
+            example.display()
+        );
+        println!("SKIP: {} was not built", example.display());
+        return;
+    }
+    let example = example.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("embers-mpi-cached-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    // The example's planner input, with every other table constrained to a cached kernel
+    // (a GPU topology: TorchRec's planner offers no UVM kernels for CPU ranks).
+    let out = Command::new(example)
+        .args([
+            "--write-planner-config",
+            &path("config.json"),
+            "--ranks",
+            "2",
+        ])
+        .args(["--out", &path("config")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    config["topology"]["compute_device"] = "cuda".into();
+    for (i, table) in (config["tables"].as_array_mut().unwrap().iter_mut()).enumerate() {
+        let kernel = if i % 2 == 0 {
+            "fused_uvm_caching"
+        } else {
+            "fused"
+        };
+        table["constraints"] = serde_json::json!({
+            "compute_kernels": [kernel],
+            "sharding_types": ["table_wise", "row_wise"],
+            "cache_load_factor": 0.1,
+        });
+    }
+    let problem = embers_planner::Config::from_json(&config.to_string())
+        .and_then(|c| c.resolve())
+        .unwrap();
+    let mut plan =
+        embers_planner::plan_problem(&problem, embers_planner::CostModel::Torchrec).unwrap();
+    let kernels = |p: &embers_planner::Plan| -> Vec<&'static str> {
+        p.tables.iter().map(|t| t.compute_kernel.as_str()).collect()
+    };
+    assert!(
+        kernels(&plan).contains(&"fused_uvm_caching"),
+        "{:?}",
+        kernels(&plan)
+    );
+    std::fs::write(dir.join("cached.json"), plan.to_json()).unwrap();
+    for t in &mut plan.tables {
+        t.compute_kernel = embers_planner::types::ComputeKernel::Fused;
+    }
+    std::fs::write(dir.join("fused.json"), plan.to_json()).unwrap();
+    for name in ["fused", "cached"] {
+        let args = [
+            "--plan",
+            &path(&format!("{name}.json")),
+            "--steps",
+            "40",
+            "--synthetic-train",
+            "40000",
+            "--synthetic-eval",
+            "2000",
+            "--validation-examples",
+            "2000",
+            "--batch-size",
+            "256",
+            "--no-progress",
+            "--out",
+            &path(name),
+            "--cache-dir",
+            &path(&format!("{name}-rows")),
+        ];
+        let (out, _) = launch(2, example, &args).expect("mpiexec runs");
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        assert!(log.contains("trained 40 steps on 2 ranks"), "{log}");
+        if name == "cached" {
+            assert!(log.contains("fused_uvm_caching"), "{log}");
+        }
+    }
+    for rank in 0..2 {
+        let file = dir.join(format!("cached-rows/ebc-rank{rank}-group0.rows"));
+        assert!(file.exists(), "{} missing", file.display());
+    }
+    assert!(
+        !dir.join("fused-rows").exists(),
+        "a fused plan wrote row files"
+    );
+    for (sub, prefix) in [("checkpoint", "rank"), ("checkpoint/tables", "rank-")] {
+        let (x, y) = (dir.join("fused").join(sub), dir.join("cached").join(sub));
+        let (x, y) = (tensors_of(&x, prefix), tensors_of(&y, prefix));
+        assert!(!x.is_empty(), "no tensors in fused/{sub}");
+        assert!(
+            x == y,
+            "{sub}/{prefix}*: the cached and the fused plan trained differently"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -449,6 +449,22 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
         !out.status.success() && log.contains("--early-stop-patience is not supported with --plan"),
         "{log}"
     );
+    // With a plan, its kernels place the tables: a --placement beside it is refused.
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--plan",
+        "auto",
+        "--placement",
+        "fused-uvm-caching",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("the plan's compute kernels place the tables"),
+        "{log}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -107,9 +107,10 @@ mod with_mpi {
 
     use embers::checkpoint::{CheckpointReader, CheckpointWriter};
     use embers::distributed::{
-        all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig,
+        all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig, ShardCaches,
         ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
     };
+    use embers::embedding::WeightDecay;
     use embers::metrics::RecMetrics;
     use embers::models::DlrmDense;
     use embers::nn::Module;
@@ -277,10 +278,15 @@ mod with_mpi {
             std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
         }
         let plan = plan_of(args, config, &comm)?;
-        let sharded = ShardedEmbeddingBagCollection::new(
+        // Tables the plan gives a cached kernel keep their rows in --cache-dir (each rank its
+        // own files) behind caches of the plan's size.
+        let (dir, policy) = args.cache_files();
+        let sharded = ShardedEmbeddingBagCollection::with_caches(
             config.table_configs(),
             &plan,
             config.sparse_optimizer,
+            WeightDecay::None,
+            &ShardCaches { dir, policy },
             comm,
             config.seed,
         )?;
@@ -517,11 +523,12 @@ mod with_mpi {
         }
     }
 
-    /// How many tables each sharding type got.
+    /// How many tables each sharding type and kernel got.
     fn plan_summary(plan: &ShardingPlan) -> String {
         let mut count: BTreeMap<String, usize> = BTreeMap::new();
         for t in &plan.tables {
-            *count.entry(format!("{:?}", t.sharding_type)).or_default() += 1;
+            let key = format!("{:?} {}", t.sharding_type, t.compute_kernel);
+            *count.entry(key).or_default() += 1;
         }
         (count.iter())
             .map(|(k, n)| format!("{n} {k}"))

@@ -301,18 +301,24 @@ impl Args {
             PlacementArg::FusedUvm => "fused_uvm",
             PlacementArg::FusedUvmCaching => "fused_uvm_caching",
         };
+        let (dir, policy) = self.cache_files();
+        Placement::for_kernel(kernel, Some(self.cache_load_factor), dir, policy)
+    }
+
+    /// Where cached tables keep their rows (an empty directory: host memory) and the caches'
+    /// policy.
+    fn cache_files(&self) -> (PathBuf, CachePolicy) {
         let policy = match self.cache_policy {
             CachePolicyArg::Lru => CachePolicy::Lru,
             CachePolicyArg::Lfu => CachePolicy::Lfu,
         };
-        // An empty directory: rows in host memory.
         let dir = match (&self.cache_dir, self.cache_host_memory) {
             (_, true) => PathBuf::new(),
             (Some(dir), false) => dir.clone(),
             (None, false) if self.device != embers::Device::Cpu => PathBuf::new(),
             (None, false) => self.out.join("tables"),
         };
-        Placement::for_kernel(kernel, Some(self.cache_load_factor), dir, policy)
+        (dir, policy)
     }
 }
 
@@ -919,7 +925,15 @@ fn run(args: Args) -> Result<()> {
         if args.placement != PlacementArg::Fused {
             return Err(Error::invalid(
                 "dlrm",
-                "--placement other than fused is not supported with --plan yet",
+                "with --plan the plan's compute kernels place the tables (its fused_uvm and \
+                 fused_uvm_caching tables behind caches over rows in --cache-dir); --placement \
+                 is for runs without --plan",
+            ));
+        }
+        if args.cache_prefetch {
+            return Err(Error::invalid(
+                "dlrm",
+                "--cache-prefetch is not supported with --plan yet",
             ));
         }
         return dist::run(&args, &data, &config);

@@ -29,7 +29,7 @@ use super::checkpoint::LoadReport;
 use super::comm::Comm;
 use super::embedding_bag::starts;
 use super::input_dist::Gathered;
-use super::plan::ShardingPlan;
+use super::plan::{ShardCaches, ShardingPlan};
 use super::routing::{Route, Slot};
 use super::shards::{sharded_access, Build, LocalInput, ShardValues, Shards, TableInfo};
 use crate::embedding::{
@@ -230,6 +230,8 @@ impl ShardedEmbeddingCollection {
             optimizer,
             weight_decay: WeightDecay::None,
             plan,
+            // A plan's cached kernels keep the rows in host memory.
+            caches: &ShardCaches::default(),
             comm,
             seed,
         })?;

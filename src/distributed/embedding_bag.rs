@@ -28,12 +28,12 @@ use super::checkpoint::LoadReport;
 use super::codec::{Codec, QCommsConfig};
 use super::comm::Comm;
 use super::input_dist::Gathered;
-use super::plan::ShardingPlan;
+use super::plan::{ShardCaches, ShardingPlan};
 use super::routing::{width, Slot};
 use super::shards::{sharded_access, Build, LocalInput, ShardValues, Shards, TableInfo};
 use crate::embedding::{
-    check_bag_configs, EmbeddingBagConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding,
-    TbeBatch, TbeInput, WeightDecay,
+    check_bag_configs, CacheStats, EmbeddingBagConfig, FusedOptimizer, PoolingMode,
+    TableBatchedEmbedding, TbeBatch, TbeInput, WeightDecay,
 };
 use crate::error::{Error, Result};
 use crate::sparse::{KeyedJaggedTensor, KeyedTensor};
@@ -106,12 +106,38 @@ impl ShardedEmbeddingBagCollection {
         Self::with_options(configs, plan, optimizer, WeightDecay::None, comm, seed)
     }
 
+    /// The cache counters of this rank's shards that the plan's cached kernels put behind a
+    /// cache (one entry per local table, named `<table>#<i>`; empty without cached kernels).
+    pub fn cache_stats(&self) -> Vec<CacheStats> {
+        (self.inner.shards.remote.iter())
+            .filter_map(|l| l.tbe.cache_stats())
+            .flatten()
+            .collect()
+    }
+
     /// [`new`](Self::new) with weight decay.
     pub fn with_options(
         configs: Vec<EmbeddingBagConfig>,
         plan: &ShardingPlan,
         optimizer: FusedOptimizer,
         weight_decay: WeightDecay,
+        comm: Comm,
+        seed: u64,
+    ) -> Result<Self> {
+        let caches = ShardCaches::default();
+        Self::with_caches(configs, plan, optimizer, weight_decay, &caches, comm, seed)
+    }
+
+    /// [`with_options`](Self::with_options) with the rows of tables the plan gives a cached
+    /// kernel (`fused_uvm`, `fused_uvm_caching`) kept where `caches` says (by default in host
+    /// memory): each rank's shards of those tables train through a DRAM cache of the plan's
+    /// size, bit for bit as in memory.
+    pub fn with_caches(
+        configs: Vec<EmbeddingBagConfig>,
+        plan: &ShardingPlan,
+        optimizer: FusedOptimizer,
+        weight_decay: WeightDecay,
+        caches: &ShardCaches,
         comm: Comm,
         seed: u64,
     ) -> Result<Self> {
@@ -141,6 +167,7 @@ impl ShardedEmbeddingBagCollection {
             optimizer,
             weight_decay,
             plan,
+            caches,
             comm,
             seed,
         })?;
@@ -229,17 +256,8 @@ impl ShardedEmbeddingBagCollection {
         };
         let mut out = vec![0.0f32; stride * routing.width];
         // Remote lookups and the output distribution.
-        let remote_batch = match (shards.remote.first(), &gathered) {
-            (Some(remote), Some(g)) => {
-                let offsets = g.offsets();
-                let mut input = TbeInput::new(&g.values[..], &offsets[..]);
-                if let Some(w) = &g.weights {
-                    input = input.with_weights(w);
-                }
-                let batch = remote.tbe.prepare(input)?;
-                let looked = remote.tbe.lookup_batch(&batch)?.to_vec::<f32>()?;
-                Some((batch, looked))
-            }
+        let remote_batch = match &gathered {
+            Some(g) if !shards.remote.is_empty() => Some(self.remote_lookups(g)?),
             _ => None,
         };
         if gathered.is_some() {
@@ -282,7 +300,7 @@ impl ShardedEmbeddingBagCollection {
                 ShardedBackward {
                     sharded: self.clone(),
                     strides,
-                    remote: remote_batch.map(|(b, _)| b),
+                    remote: remote_batch.map_or_else(Vec::new, |(b, _)| b),
                     replicated: replicated_batch,
                     scales,
                     codec: qcomms.backward,
@@ -292,6 +310,71 @@ impl ShardedEmbeddingBagCollection {
             values
         };
         KeyedTensor::new(shards.keys.clone(), inner.output_dims.clone(), values)
+    }
+
+    /// This rank's remote lookups of the gathered global batch: one prepared batch per remote
+    /// TBE (the plan's kernels may put its shards in several: in memory, behind caches) and
+    /// the pooled rows of every slot, `[Σ B, slot widths]` in slot order.
+    fn remote_lookups(&self, g: &Gathered) -> Result<(Vec<TbeBatch>, Vec<f32>)> {
+        let shards = &self.inner.shards;
+        let slots = &shards.routing.slots[shards.comm.rank()];
+        let offsets = g.offsets();
+        let total = g.batch();
+        fn lookup(
+            tbe: &TableBatchedEmbedding,
+            ids: &[i64],
+            offsets: &[i64],
+            weights: Option<&[f32]>,
+        ) -> Result<(TbeBatch, Vec<f32>)> {
+            let mut input = TbeInput::new(ids, offsets);
+            if let Some(w) = weights {
+                input = input.with_weights(w);
+            }
+            let batch = tbe.prepare(input)?;
+            let looked = tbe.lookup_batch(&batch)?.to_vec::<f32>()?;
+            Ok((batch, looked))
+        }
+        if let [remote] = &shards.remote[..] {
+            // One TBE holds every slot, in slot order: the gathered batch as it is.
+            let (batch, looked) = lookup(&remote.tbe, &g.values, &offsets, g.weights.as_deref())?;
+            return Ok((vec![batch], looked));
+        }
+        let all = width(slots);
+        let starts = slot_columns(slots);
+        let mut looked = vec![0.0f32; total * all];
+        let mut batches = Vec::with_capacity(shards.remote.len());
+        for remote in &shards.remote {
+            // The group's slots' bags (each slot's `total` bags are consecutive).
+            let mut ids = Vec::new();
+            let mut group_offsets = vec![0i64];
+            let mut weights = g.weights.as_ref().map(|_| Vec::new());
+            for &i in &remote.members {
+                let (s, e) = (
+                    offsets[i * total] as usize,
+                    offsets[(i + 1) * total] as usize,
+                );
+                ids.extend_from_slice(&g.values[s..e]);
+                if let (Some(w), Some(all_w)) = (&mut weights, &g.weights) {
+                    w.extend_from_slice(&all_w[s..e]);
+                }
+                let base = *group_offsets.last().expect("starts at 0") - s as i64;
+                let bags = &offsets[i * total + 1..=(i + 1) * total];
+                group_offsets.extend(bags.iter().map(|&o| o + base));
+            }
+            let (batch, out) = lookup(&remote.tbe, &ids, &group_offsets, weights.as_deref())?;
+            let group_width = remote.tbe.output_dim();
+            let mut col = 0;
+            for &i in &remote.members {
+                let cols = slots[i].cols;
+                for b in 0..total {
+                    looked[b * all + starts[i]..][..cols]
+                        .copy_from_slice(&out[b * group_width + col..][..cols]);
+                }
+                col += cols;
+            }
+            batches.push(batch);
+        }
+        Ok((batches, looked))
     }
 
     /// The output distribution: this rank's remote lookup `looked` (`[Σ B, slot widths]`) to
@@ -560,7 +643,8 @@ fn mean_scales(
 struct ShardedBackward {
     sharded: ShardedEmbeddingBagCollection,
     strides: Vec<usize>,
-    remote: Option<TbeBatch>,
+    /// One batch per remote TBE (none when this rank looked nothing up).
+    remote: Vec<TbeBatch>,
     replicated: Option<TbeBatch>,
     scales: Scales,
     codec: Codec,
@@ -590,10 +674,14 @@ impl BackwardOp for ShardedBackward {
         apply_scales(&mut grad, shards.routing.width, &self.scales);
         if shards.routing.has_slots() {
             let g = sharded.gather_gradients(&self.codec, &grad, &self.strides)?;
-            if let (Some(remote), Some(batch)) = (shards.remote.first(), &self.remote) {
+            if !self.remote.is_empty() {
                 let total: usize = self.strides.iter().sum();
-                let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
-                remote.tbe.backward_batch(batch, &g)?;
+                let slots = &shards.routing.slots[rank];
+                for (remote, batch) in shards.remote.iter().zip(&self.remote) {
+                    let g = group_columns(&g, slots, total, &remote.members);
+                    let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
+                    remote.tbe.backward_batch(batch, &g)?;
+                }
             }
         }
         if let (Some(rep), Some(batch)) = (shards.replicated.first(), &self.replicated) {
@@ -611,4 +699,32 @@ impl BackwardOp for ShardedBackward {
         }
         Ok(Vec::new())
     }
+}
+
+/// The first column of each slot in a rank's remote lookup (`[Σ B, slot widths]`).
+fn slot_columns(slots: &[Slot]) -> Vec<usize> {
+    let mut at = 0;
+    (slots.iter())
+        .map(|s| {
+            at += s.cols;
+            at - s.cols
+        })
+        .collect()
+}
+
+/// The columns of slots `members` (in that order) of `g` (`[total, slot widths]`): the
+/// gradient of one remote TBE's lookup.
+fn group_columns(g: &[f32], slots: &[Slot], total: usize, members: &[usize]) -> Vec<f32> {
+    let all = width(slots);
+    if members.len() == slots.len() && members.iter().enumerate().all(|(k, &i)| k == i) {
+        return g.to_vec();
+    }
+    let starts = slot_columns(slots);
+    let mut out = Vec::with_capacity(total * members.iter().map(|&i| slots[i].cols).sum::<usize>());
+    for b in 0..total {
+        for &i in members {
+            out.extend_from_slice(&g[b * all + starts[i]..][..slots[i].cols]);
+        }
+    }
+    out
 }

@@ -41,7 +41,10 @@ pub use embedding_bag::{DistributedInput, ShardedEmbeddingBagCollection};
 pub use input_dist::kjt_all_to_all;
 pub use metrics::global_metrics;
 pub use pipeline::{PipelineBatch, PipelineReport, TrainPipeline};
-pub use plan::{Placement, Shard, ShardingPlan, ShardingType, TableShape, TableSharding};
+pub use plan::{
+    ComputeKernel, Placement, Shard, ShardCaches, ShardingPlan, ShardingType, TableShape,
+    TableSharding,
+};
 pub use shards::{init_table, ShardValues, ShardableTable};
 
 use crate::error::Result;

@@ -2,9 +2,11 @@
 //! JSON or written by hand ([`ShardingPlan::construct`], TorchRec's
 //! `construct_module_sharding_plan`), and checked against the tables before anything runs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-pub use embers_planner::types::ShardingType;
+pub use embers_planner::types::{ComputeKernel, ShardingType};
+
+use crate::embedding::CachePolicy;
 
 use crate::error::{Error, Result};
 
@@ -26,19 +28,40 @@ pub struct Shard {
 }
 
 /// How one table is sharded.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TableSharding {
     /// Table name.
     pub name: String,
     /// Sharding type.
     pub sharding_type: ShardingType,
+    /// The compute kernel, which says where each rank keeps its shards of the table: in
+    /// memory (`dense` for data-parallel replicas, `fused`), or behind a cache over rows in
+    /// files or host memory (`fused_uvm`: the smallest cache; `fused_uvm_caching`: a cache of
+    /// `cache_load_factor` × the shard's rows; see [`ShardCaches`]).
+    pub compute_kernel: ComputeKernel,
+    /// The cached fraction of a `fused_uvm_caching` table's rows (`None`: FBGEMM's 0.2).
+    pub cache_load_factor: Option<f64>,
     /// The shards, in the plan's order.
     pub shards: Vec<Shard>,
 }
 
+/// Where a rank keeps the rows of the tables its plan gives a cached kernel (`fused_uvm`,
+/// `fused_uvm_caching`): in files under `dir`, one per group of the rank's shards (named by
+/// collection, rank and group, so ranks may share the directory), or in anonymous host memory
+/// when `dir` is empty (the default; FBGEMM's `MANAGED_CACHING` rows). Each file sits behind
+/// a DRAM cache of the plan's size with `policy`. Training is the same, bit for bit, wherever
+/// the rows live.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShardCaches {
+    /// The row files' directory (created if needed); empty: host memory.
+    pub dir: PathBuf,
+    /// The caches' replacement policy.
+    pub policy: CachePolicy,
+}
+
 /// Where every table of a collection lives across `world_size` ranks, `local_world_size` per
 /// host (ranks `h·L .. h·L+L-1` are host `h`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ShardingPlan {
     /// Ranks in the job.
     pub world_size: usize,
@@ -115,7 +138,9 @@ fn row_blocks(rows: usize, n: usize) -> Vec<(usize, usize)> {
 
 impl ShardingPlan {
     /// A plan written by hand: one [`Placement`] per table (every table of `tables` needs
-    /// one). The result is [`check`](Self::check)ed.
+    /// one), kept in memory (kernel `dense` for data-parallel tables, `fused` for the others,
+    /// as TorchRec's `construct_module_sharding_plan`; [`with_kernel`](Self::with_kernel)
+    /// changes it). The result is [`check`](Self::check)ed.
     pub fn construct(
         tables: &[TableShape],
         placements: &[(&str, Placement)],
@@ -195,6 +220,12 @@ impl ShardingPlan {
             out.push(TableSharding {
                 name: table.name.clone(),
                 sharding_type,
+                compute_kernel: if sharding_type == ShardingType::DataParallel {
+                    ComputeKernel::Dense
+                } else {
+                    ComputeKernel::Fused
+                },
+                cache_load_factor: None,
                 shards,
             });
         }
@@ -242,6 +273,8 @@ impl ShardingPlan {
                 Ok(TableSharding {
                     name: t.name.clone(),
                     sharding_type: t.sharding_type,
+                    compute_kernel: t.compute_kernel,
+                    cache_load_factor: t.cache_load_factor,
                     shards,
                 })
             })
@@ -269,6 +302,23 @@ impl ShardingPlan {
         })?;
         ShardingPlan::from_json(&json)
             .map_err(|e| Error::invalid(OP, format!("{}: {e}", path.display())))
+    }
+
+    /// The same plan with table `name` on compute kernel `kernel` (and, for
+    /// `fused_uvm_caching`, `cache_load_factor`), e.g. a hand-written plan whose large tables
+    /// live in files behind a cache. Errors: no such table.
+    pub fn with_kernel(
+        mut self,
+        name: &str,
+        kernel: ComputeKernel,
+        cache_load_factor: Option<f64>,
+    ) -> Result<ShardingPlan> {
+        let t = (self.tables.iter_mut())
+            .find(|t| t.name == name)
+            .ok_or_else(|| Error::invalid(OP, format!("the plan has no table `{name}`")))?;
+        t.compute_kernel = kernel;
+        t.cache_load_factor = cache_load_factor;
+        Ok(self)
     }
 
     /// The sharding of table `name`.
@@ -331,6 +381,32 @@ impl ShardingPlan {
                     "shard {i} is on rank {}, but the world has {} ranks",
                     s.rank, self.world_size
                 ));
+            }
+        }
+        let kernel = t.compute_kernel;
+        match (t.sharding_type, kernel) {
+            (_, ComputeKernel::Quant) => {
+                return fail(
+                    "kernel `quant` is for inference; a sharded training collection runs \
+                     dense, fused, fused_uvm or fused_uvm_caching"
+                        .into(),
+                )
+            }
+            (ShardingType::DataParallel, ComputeKernel::Dense | ComputeKernel::Fused) => {}
+            (ShardingType::DataParallel, _) => {
+                return fail(format!(
+                    "data-parallel replicas live in memory (dense or fused), not `{}`",
+                    kernel.as_str()
+                ))
+            }
+            (_, ComputeKernel::Dense) => {
+                return fail("kernel `dense` is for data-parallel tables".into())
+            }
+            _ => {}
+        }
+        if let Some(f) = t.cache_load_factor {
+            if !(f > 0.0 && f <= 1.0) {
+                return fail(format!("cache load factor {f} is not in (0, 1]"));
             }
         }
         let full = |s: &Shard| {
@@ -422,7 +498,13 @@ impl ShardingPlan {
     pub fn digest(&self, extra: &str) -> u64 {
         let mut text = format!("{} {} {extra}", self.world_size, self.local_world_size);
         for t in &self.tables {
-            text.push_str(&format!("|{} {}", t.name, t.sharding_type));
+            text.push_str(&format!(
+                "|{} {} {} {:?}",
+                t.name,
+                t.sharding_type,
+                t.compute_kernel.as_str(),
+                t.cache_load_factor.map(f64::to_bits)
+            ));
             for s in &t.shards {
                 text.push_str(&format!(
                     " {}:{}+{}:{}+{}",
@@ -543,5 +625,108 @@ mod tests {
         sharding.check(&shapes).unwrap();
         assert_eq!(sharding, ShardingPlan::from_planner(&plan).unwrap());
         assert!(ShardingPlan::from_json("{\"tables\": 3}").is_err());
+    }
+
+    #[test]
+    fn the_planners_kernels_reach_the_plan_and_bad_ones_are_refused() {
+        let config = r#"
+            batch_size = 512
+            [topology]
+            world_size = 2
+            local_world_size = 2
+            compute_device = "cuda"
+            [[tables]]
+            name = "a"
+            rows = 1000
+            dim = 64
+            [tables.constraints]
+            sharding_types = ["table_wise"]
+            compute_kernels = ["fused_uvm_caching"]
+            cache_load_factor = 0.3
+            [[tables]]
+            name = "b"
+            rows = 100
+            dim = 16
+            [tables.constraints]
+            sharding_types = ["row_wise"]
+            compute_kernels = ["fused_uvm"]
+        "#;
+        let problem = embers_planner::Config::from_toml(config)
+            .and_then(|c| c.resolve())
+            .unwrap();
+        let plan =
+            embers_planner::plan_problem(&problem, embers_planner::CostModel::default()).unwrap();
+        let sharding = ShardingPlan::from_json(&plan.to_json()).unwrap();
+        let a = sharding.table("a").unwrap();
+        assert_eq!(a.compute_kernel, ComputeKernel::FusedUvmCaching);
+        assert_eq!(a.cache_load_factor, Some(0.3));
+        assert_eq!(
+            sharding.table("b").unwrap().compute_kernel,
+            ComputeKernel::FusedUvm
+        );
+        let planned = [
+            TableShape::new("a", 1000, 64),
+            TableShape::new("b", 100, 16),
+        ];
+        sharding.check(&planned).unwrap();
+
+        // Hand-written plans: dense replicas, fused shards, then any kernel by name.
+        let plan = ShardingPlan::construct(
+            &shapes(),
+            &[
+                ("t0", Placement::DataParallel),
+                ("t1", Placement::TableWise { rank: 1 }),
+            ],
+            2,
+            2,
+        )
+        .unwrap();
+        assert_eq!(plan.tables[0].compute_kernel, ComputeKernel::Dense);
+        assert_eq!(plan.tables[1].compute_kernel, ComputeKernel::Fused);
+        let cached = (plan.clone())
+            .with_kernel("t1", ComputeKernel::FusedUvmCaching, Some(0.5))
+            .unwrap();
+        cached.check(&shapes()).unwrap();
+        assert_ne!(
+            cached.digest(""),
+            plan.digest(""),
+            "ranks must agree on kernels"
+        );
+        let e = plan.clone().with_kernel("t9", ComputeKernel::Fused, None);
+        assert!(e.unwrap_err().to_string().contains("no table `t9`"));
+        for (table, kernel, load, words) in [
+            ("t1", ComputeKernel::Quant, None, "`quant` is for inference"),
+            (
+                "t0",
+                ComputeKernel::FusedUvmCaching,
+                None,
+                "data-parallel replicas live in memory",
+            ),
+            (
+                "t1",
+                ComputeKernel::Dense,
+                None,
+                "`dense` is for data-parallel tables",
+            ),
+            (
+                "t1",
+                ComputeKernel::FusedUvmCaching,
+                Some(0.0),
+                "cache load factor 0 is not in",
+            ),
+            (
+                "t1",
+                ComputeKernel::FusedUvmCaching,
+                Some(f64::NAN),
+                "is not in (0, 1]",
+            ),
+        ] {
+            let bad = plan.clone().with_kernel(table, kernel, load).unwrap();
+            let e = bad.check(&shapes()).unwrap_err().to_string();
+            assert!(
+                e.contains(words) && e.contains(&format!("`{table}`")),
+                "{e}"
+            );
+        }
     }
 }

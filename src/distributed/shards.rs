@@ -14,11 +14,11 @@ use rand::SeedableRng;
 use super::checkpoint::{self, Held, LoadReport, Rect};
 use super::comm::Comm;
 use super::input_dist::{all_to_all_bags, Bags, Gathered, HostKjt};
-use super::plan::{fnv1a, ShardingPlan, TableShape};
+use super::plan::{fnv1a, ComputeKernel, ShardCaches, ShardingPlan, TableShape};
 use super::routing::{Route, Routing, Slot};
 use crate::embedding::{
     fill_init, BoundsCheckMode, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit, FusedOptimizer,
-    PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig, WeightDecay,
+    Placement, PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig, WeightDecay,
 };
 use crate::error::{Error, Result};
 use crate::sparse::KeyedJaggedTensor;
@@ -220,6 +220,8 @@ pub(crate) struct Build<'a> {
     pub optimizer: FusedOptimizer,
     pub weight_decay: WeightDecay,
     pub plan: &'a ShardingPlan,
+    /// Where the shards of tables with a cached kernel keep their rows.
+    pub caches: &'a ShardCaches,
     pub comm: Comm,
     pub seed: u64,
 }
@@ -334,7 +336,14 @@ impl Shards {
             None
         };
         let keys: Vec<String> = b.features.concat();
-        let tbe = |tables: &[LocalTable], names: Vec<String>, ftm: Vec<usize>| {
+        let short = if op.contains("Bag") { "ebc" } else { "ec" };
+        let mut files = 0;
+        // A TBE of `tables` (features `names` reading tables `ftm`), its rows where `kernel`
+        // keeps them.
+        let mut tbe = |tables: &[LocalTable],
+                       names: Vec<String>,
+                       ftm: Vec<usize>,
+                       kernel: (ComputeKernel, Option<f64>)| {
             let specs = (tables.iter().enumerate())
                 .map(|(i, t)| {
                     TableSpec::new(format!("{}#{i}", names_of(&b.tables, t)), t.rows, t.cols)
@@ -344,12 +353,38 @@ impl Shards {
             cfg.feature_names = Some(names);
             cfg.weight_decay = b.weight_decay;
             cfg.bounds_check = BoundsCheckMode::Error;
-            TableBatchedEmbedding::new(cfg)
+            let placement =
+                Placement::for_kernel(kernel.0.as_str(), kernel.1, &b.caches.dir, b.caches.policy)?;
+            let name = format!("{short}-rank{rank}-group{files}.rows");
+            match placement.cache_for(&name)? {
+                None => TableBatchedEmbedding::new(cfg),
+                Some(cache) => {
+                    files += 1;
+                    TableBatchedEmbedding::new_cached(cfg, cache)
+                }
+            }
+        };
+        // The kernel a slot's shard runs: its table's, but an empty row block stays in memory.
+        let kernel_of = |s: &Slot| {
+            let t = plan
+                .table(&b.tables[s.table].name)
+                .expect("a checked plan places every table");
+            if s.rows == 0 {
+                (ComputeKernel::Fused, None)
+            } else {
+                (t.compute_kernel, t.cache_load_factor)
+            }
         };
         // Remote TBEs: one table per distinct (table, shard, columns) of this rank's slots.
         let slots = &routing.slots[rank];
         let mut remote = Vec::new();
-        for members in groups_by((0..slots.len()).collect(), |i| slots[i].cols, b.by_width) {
+        // Grouped by width (unpooled) and by where the kernel keeps the rows.
+        let group_key = |i: usize| {
+            let (kernel, load) = kernel_of(&slots[i]);
+            let width = if b.by_width { slots[i].cols } else { 0 };
+            (width, kernel.as_str(), load.map(f64::to_bits))
+        };
+        for members in groups_by((0..slots.len()).collect(), group_key, true) {
             let mut tables: Vec<LocalTable> = Vec::new();
             let mut held: Vec<(usize, Option<usize>, usize)> = Vec::new();
             let mut ftm = Vec::with_capacity(members.len());
@@ -374,7 +409,7 @@ impl Shards {
                 .map(|&i| keys[slots[i].feature].clone())
                 .collect();
             remote.push(LocalTbe {
-                tbe: tbe(&tables, names, ftm)?,
+                tbe: tbe(&tables, names, ftm, kernel_of(&slots[members[0]]))?,
                 tables,
                 members,
             });
@@ -400,8 +435,9 @@ impl Shards {
                 ftm.push(at);
             }
             let names = members.iter().map(|&f| keys[f].clone()).collect();
+            // Replicas live in memory (the plan's `dense` or `fused`).
             replicated.push(LocalTbe {
-                tbe: tbe(&tables, names, ftm)?,
+                tbe: tbe(&tables, names, ftm, (ComputeKernel::Fused, None))?,
                 tables,
                 members,
             });

@@ -19,6 +19,7 @@ use super::tbe::cache::bytes::ByteCache;
 use super::tbe::cache::{CacheConfig, CacheStats};
 use super::tbe::cpu::pool::{
     forward_new, pooled_forward, sequence_forward, with_quant_rows, FeatureSlot, PoolFeature,
+    VisitFeature,
 };
 use super::tbe::cuda::{DeviceBatch, DeviceTables, FeatureLayout};
 use super::tbe::{next_operator_id, TableBatchedEmbedding, TbeBatch};
@@ -642,7 +643,7 @@ impl QuantizedTableBatchedEmbedding {
     fn visit<'s, 'r>(
         &'s self,
         rows_of: &'r (dyn Fn(usize) -> &'r [u8] + Sync),
-    ) -> impl Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync + use<'s, 'r> {
+    ) -> impl VisitFeature + use<'s, 'r> {
         move |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
             let t = self.feature_table_map[f];
             let ty = self.weight_types[t];

@@ -19,10 +19,13 @@
 use std::collections::BTreeMap;
 
 use embers::distributed::{
-    all_reduce_mean_gradients, init_table, load_into_unsharded, Comm, LoadReport, Placement,
-    ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
+    all_reduce_mean_gradients, init_table, load_into_unsharded, Comm, ComputeKernel, LoadReport,
+    Placement, ShardCaches, ShardedEmbeddingBagCollection, ShardingPlan, TableShape,
 };
-use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode};
+use embers::embedding::{
+    CachePolicy, EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer, PoolingMode,
+    WeightDecay,
+};
 use embers::nn::{Forward, Linear, Module};
 use embers::optim::{Optimizer, Sgd};
 use embers::sparse::KeyedJaggedTensor;
@@ -47,6 +50,11 @@ pub struct Case {
     pub batches: Vec<usize>,
     /// Where the sharded tables live (the unsharded reference stays on the CPU).
     pub device: embers::Device,
+    /// Tables given another compute kernel than the hand-written plan's `fused` (`dense` for
+    /// data-parallel tables), with the cache load factor.
+    pub kernels: Vec<(String, ComputeKernel, Option<f64>)>,
+    /// Where shards of cached kernels keep their rows.
+    pub caches: ShardCaches,
 }
 
 /// The tables (TorchRec's test shapes: rows `(i+1)·10`, dims `(i+2)·8`, then one small one),
@@ -89,6 +97,8 @@ pub fn cases(world: usize) -> Vec<Case> {
         weighted: false,
         batches: batches.clone(),
         device: embers::Device::Cpu,
+        kernels: Vec::new(),
+        caches: ShardCaches::default(),
     };
     let mixed = vec![
         (
@@ -158,6 +168,31 @@ pub fn cases(world: usize) -> Vec<Case> {
     let mut empty = case("mixed_empty_rank", out[6].placements.clone(), sgd);
     empty.batches[world - 1] = 0;
     out.push(empty);
+    // The plan's cached kernels: every sharded table of the mixed plan behind a cache over
+    // rows in host memory (the smallest cache, or a fraction of the rows), the optimizer's
+    // state kept with the rows; then row-wise shards in files, under LFU.
+    let adagrad = out
+        .iter()
+        .find(|c| c.name == "mixed_adagrad")
+        .expect("case");
+    let mut cached = case("mixed_cached", adagrad.placements.clone(), rw_adagrad);
+    cached.kernels = vec![
+        ("t0".into(), ComputeKernel::FusedUvmCaching, Some(0.5)),
+        ("t1".into(), ComputeKernel::FusedUvm, None),
+        ("t2".into(), ComputeKernel::FusedUvmCaching, None),
+        ("t3".into(), ComputeKernel::FusedUvm, None),
+    ];
+    out.push(cached);
+    let mut files = case("row_wise_cached_files", all(|_| Placement::RowWise), sgd);
+    files.kernels = (tables().iter())
+        .map(|t| (t.name.clone(), ComputeKernel::FusedUvm, None))
+        .collect();
+    files.caches = ShardCaches {
+        dir: std::env::temp_dir()
+            .join(format!("embers-dist-cached-{world}-{}", std::process::id())),
+        policy: CachePolicy::Lfu,
+    };
+    out.push(files);
     out
 }
 
@@ -265,6 +300,8 @@ pub struct Report {
     pub predictions: usize,
     pub table_values: usize,
     pub bytes_checked: usize,
+    /// Ids this rank's caches were asked for (0 without cached kernels).
+    pub cached_ids: u64,
 }
 
 /// Runs `case` on this rank for `steps` steps and compares it with the unsharded run.
@@ -281,6 +318,9 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
         )?;
         trained.report.table_values += got.len();
     }
+    trained.report.cached_ids = (trained.sharded.cache_stats().iter())
+        .map(|s| s.requested_ids)
+        .sum();
     Ok(trained.report)
 }
 
@@ -289,14 +329,36 @@ pub fn plan_of(case: &Case) -> Result<ShardingPlan, String> {
     let placements: Vec<(&str, Placement)> = (case.placements.iter())
         .map(|(n, p)| (n.as_str(), p.clone()))
         .collect();
-    ShardingPlan::construct(&shapes(), &placements, case.world, case.local)
-        .map_err(|e| e.to_string())
+    let mut plan = ShardingPlan::construct(&shapes(), &placements, case.world, case.local)
+        .map_err(|e| e.to_string())?;
+    for (table, kernel, load) in &case.kernels {
+        plan = plan
+            .with_kernel(table, *kernel, *load)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(plan)
+}
+
+/// The sharded collection of `case` under `plan`.
+fn build_sharded(
+    comm: Comm,
+    case: &Case,
+    plan: &ShardingPlan,
+) -> embers::Result<ShardedEmbeddingBagCollection> {
+    ShardedEmbeddingBagCollection::with_caches(
+        tables(),
+        plan,
+        case.optimizer,
+        WeightDecay::None,
+        &case.caches,
+        comm,
+        SEED,
+    )
 }
 
 /// The sharded collection of `case` (its plan), initialised from `SEED`.
 pub fn sharded_of(comm: Comm, case: &Case) -> Result<ShardedEmbeddingBagCollection, String> {
-    ShardedEmbeddingBagCollection::new(tables(), &plan_of(case)?, case.optimizer, comm, SEED)
-        .map_err(|e| e.to_string())
+    build_sharded(comm, case, &plan_of(case)?).map_err(|e| e.to_string())
 }
 
 /// Every optimizer state buffer of `table` in an unsharded collection.
@@ -371,9 +433,7 @@ pub fn train(
     }
     let configs = tables();
     let plan = plan_of(case)?;
-    let sharded =
-        ShardedEmbeddingBagCollection::new(configs.clone(), &plan, case.optimizer, comm, SEED)
-            .map_err(e)?;
+    let sharded = build_sharded(comm, case, &plan).map_err(e)?;
     let reference =
         EmbeddingBagCollection::new(configs.clone(), case.optimizer, &mut seeded(1)).map_err(e)?;
     for c in &configs {

@@ -12,7 +12,9 @@ use crate::embedding::storage::RowBuffer;
 use crate::error::Result;
 use crate::Tensor;
 use backward::{fused_backward, BackwardOutput, BackwardStep, TableUpdate};
-use pool::{forward_new, pooled_forward, sequence_forward, with_f32_rows, PoolFeature};
+use pool::{
+    forward_new, pooled_forward, sequence_forward, with_f32_rows, PoolFeature, VisitFeature,
+};
 
 /// FP32 tables and optimizer state in host memory (huge-page friendly buffers).
 pub(crate) struct HostTables {
@@ -95,11 +97,7 @@ impl HostTables {
     }
 
     /// Hands the kernels feature `f`'s table.
-    fn visit<'s>(
-        &'s self,
-        cfg: &'s TbeConfig,
-        layout: &'s TbeLayout,
-    ) -> impl Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync + 's {
+    fn visit<'s>(&'s self, cfg: &'s TbeConfig, layout: &'s TbeLayout) -> impl VisitFeature + 's {
         move |f: usize, k: &mut dyn FnMut(&dyn PoolFeature)| {
             let t = cfg.feature_table_map[f];
             let rows = &self.weights[layout.weight_offsets[t]..layout.weight_offsets[t + 1]];

@@ -717,6 +717,11 @@ fn pool_into<V>(
         });
 }
 
+/// Hands the kernels feature `f`'s table: `visit(f, |rows| ...)`.
+pub(crate) trait VisitFeature: Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync {}
+
+impl<T: Fn(usize, &mut dyn FnMut(&dyn PoolFeature)) + Sync> VisitFeature for T {}
+
 /// A table ready to pool one feature's bags (object-safe face of the generic kernels).
 pub(crate) trait PoolFeature: Sync {
     fn pool(&self, task: PoolTask<'_>);
@@ -820,7 +825,8 @@ where
         .collect();
     // Split each feature's positions into chunks and process them in parallel.
     const CHUNK: usize = 1024;
-    let mut work: Vec<(usize, std::ops::Range<usize>, &mut [MaybeUninit<f32>])> = Vec::new();
+    type Work<'o> = (usize, std::ops::Range<usize>, &'o mut [MaybeUninit<f32>]);
+    let mut work: Vec<Work<'_>> = Vec::new();
     let mut rest = out;
     for (f, range) in feature_ranges {
         let mut start = range.start;
@@ -937,8 +943,8 @@ mod tests {
                     let mut out = garbage(b * stride);
                     pool_into(&batch, &slots, pooling, &mut out, stride, &visit);
                     let out = read(&out);
-                    for f in 0..features {
-                        let (t, slot) = (table_of(f), slots[f]);
+                    for (f, &slot) in slots.iter().enumerate() {
+                        let t = table_of(f);
                         for s in 0..b {
                             let bag = batch.bag(f * b + s);
                             let n = bag.len().max(1) as f64;
