@@ -111,6 +111,30 @@ fn text(out: &Output) -> String {
     )
 }
 
+/// The DLRM example built with the `mpi` feature, or `None` (after saying why) when a test
+/// using it is skipped.
+fn dlrm_example() -> Option<String> {
+    if worker().is_err() {
+        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
+        println!("SKIP: the `mpi` feature is off");
+        return None;
+    }
+    // Examples are built beside the test binaries (target/<profile>/examples).
+    let me = std::env::current_exe().unwrap();
+    let example = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
+    if !example.exists() {
+        assert!(
+            std::env::var("EMBERS_REQUIRE_MPI").is_err(),
+            "{} was not built (cargo test builds the examples)",
+            example.display()
+        );
+        println!("SKIP: {} was not built", example.display());
+        return None;
+    }
+    Some(example.to_str().unwrap().to_string())
+}
+
 fn equivalence(world: usize) {
     let Some((out, _)) = mpirun(world, &["equivalence", "all", "5"]) else {
         return;
@@ -330,25 +354,10 @@ fn a_world_other_than_the_expected_one_is_refused() {
 /// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
 #[test]
 fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
-    if worker().is_err() {
-        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
-        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
-        println!("SKIP: the `mpi` feature is off");
+    let Some(example) = dlrm_example() else {
         return;
-    }
-    // Examples are built beside the test binaries (target/<profile>/examples).
-    let me = std::env::current_exe().unwrap();
-    let example = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
-    if !example.exists() {
-        assert!(
-            std::env::var("EMBERS_REQUIRE_MPI").is_err(),
-            "{} was not built (cargo test builds the examples)",
-            example.display()
-        );
-        println!("SKIP: {} was not built", example.display());
-        return;
-    }
-    let example = example.to_str().unwrap();
+    };
+    let example = example.as_str();
     let dir = std::env::temp_dir().join(format!("embers-mpi-dlrm-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (a, b) = (dir.join("a"), dir.join("b"));
@@ -420,24 +429,10 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
 /// the cached shards' rows live in files under `--cache-dir`, one per rank.
 #[test]
 fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
-    if worker().is_err() {
-        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
-        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
-        println!("SKIP: the `mpi` feature is off");
+    let Some(example) = dlrm_example() else {
         return;
-    }
-    let me = std::env::current_exe().unwrap();
-    let example = me.parent().unwrap().parent().unwrap().join("examples/dlrm");
-    if !example.exists() {
-        assert!(
-            std::env::var("EMBERS_REQUIRE_MPI").is_err(),
-            "{} was not built (cargo test builds the examples)",
-            example.display()
-        );
-        println!("SKIP: {} was not built", example.display());
-        return;
-    }
-    let example = example.to_str().unwrap();
+    };
+    let example = example.as_str();
     let dir = std::env::temp_dir().join(format!("embers-mpi-cached-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
