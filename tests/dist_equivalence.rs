@@ -27,6 +27,10 @@ fn check_cases(cases: Vec<dist_scenarios::Case>) {
                 case.name, case.kernels
             ));
         }
+        // The case's row files, if it had any.
+        if !case.caches.dir.as_os_str().is_empty() && case.caches.dir.exists() {
+            std::fs::remove_dir_all(&case.caches.dir).unwrap();
+        }
         for (rank, r) in reports.into_iter().enumerate() {
             match r {
                 Ok(report) => {

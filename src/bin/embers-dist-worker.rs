@@ -76,6 +76,10 @@ fn run(args: &[String]) -> Result<(), String> {
                 let comm = mpi_world().map_err(|e| e.to_string())?;
                 let report = dist_scenarios::run_case(comm, &case, steps)?;
                 println!("OK rank {rank} {} pooled {report:?}", case.name);
+                // This process's row files of the case (its directory is named by process).
+                if !case.caches.dir.as_os_str().is_empty() && case.caches.dir.exists() {
+                    std::fs::remove_dir_all(&case.caches.dir).map_err(|e| e.to_string())?;
+                }
                 // The same case for the unpooled collection.
                 let comm = mpi_world().map_err(|e| e.to_string())?;
                 let report = dist_sequence::run_ec_case(comm, &case, steps)?;

@@ -340,7 +340,7 @@ impl ShardedEmbeddingBagCollection {
             return Ok((vec![batch], looked));
         }
         let all = width(slots);
-        let starts = slot_columns(slots);
+        let columns = slot_columns(slots);
         let mut looked = vec![0.0f32; total * all];
         let mut batches = Vec::with_capacity(shards.remote.len());
         for remote in &shards.remote {
@@ -367,7 +367,7 @@ impl ShardedEmbeddingBagCollection {
             for &i in &remote.members {
                 let cols = slots[i].cols;
                 for b in 0..total {
-                    looked[b * all + starts[i]..][..cols]
+                    looked[b * all + columns[i]..][..cols]
                         .copy_from_slice(&out[b * group_width + col..][..cols]);
                 }
                 col += cols;
@@ -674,8 +674,12 @@ impl BackwardOp for ShardedBackward {
         apply_scales(&mut grad, shards.routing.width, &self.scales);
         if shards.routing.has_slots() {
             let g = sharded.gather_gradients(&self.codec, &grad, &self.strides)?;
-            if !self.remote.is_empty() {
-                let total: usize = self.strides.iter().sum();
+            let total: usize = self.strides.iter().sum();
+            if let ([remote], [batch]) = (&shards.remote[..], &self.remote[..]) {
+                // One TBE holds every slot, in slot order: the gradient as it is.
+                let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
+                remote.tbe.backward_batch(batch, &g)?;
+            } else {
                 let slots = &shards.routing.slots[rank];
                 for (remote, batch) in shards.remote.iter().zip(&self.remote) {
                     let g = group_columns(&g, slots, total, &remote.members);
@@ -703,27 +707,18 @@ impl BackwardOp for ShardedBackward {
 
 /// The first column of each slot in a rank's remote lookup (`[Σ B, slot widths]`).
 fn slot_columns(slots: &[Slot]) -> Vec<usize> {
-    let mut at = 0;
-    (slots.iter())
-        .map(|s| {
-            at += s.cols;
-            at - s.cols
-        })
-        .collect()
+    starts(&slots.iter().map(|s| s.cols).collect::<Vec<_>>())
 }
 
 /// The columns of slots `members` (in that order) of `g` (`[total, slot widths]`): the
-/// gradient of one remote TBE's lookup.
+/// gradient of one of several remote TBEs' lookups.
 fn group_columns(g: &[f32], slots: &[Slot], total: usize, members: &[usize]) -> Vec<f32> {
     let all = width(slots);
-    if members.len() == slots.len() && members.iter().enumerate().all(|(k, &i)| k == i) {
-        return g.to_vec();
-    }
-    let starts = slot_columns(slots);
+    let columns = slot_columns(slots);
     let mut out = Vec::with_capacity(total * members.iter().map(|&i| slots[i].cols).sum::<usize>());
     for b in 0..total {
         for &i in members {
-            out.extend_from_slice(&g[b * all + starts[i]..][..slots[i].cols]);
+            out.extend_from_slice(&g[b * all + columns[i]..][..slots[i].cols]);
         }
     }
     out

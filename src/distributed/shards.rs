@@ -336,7 +336,12 @@ impl Shards {
             None
         };
         let keys: Vec<String> = b.features.concat();
-        let short = if op.contains("Bag") { "ebc" } else { "ec" };
+        // Row files named by collection kind: the pooled one (EBC) or the unpooled one (EC).
+        let short = if b.pooling == PoolingMode::None {
+            "ec"
+        } else {
+            "ebc"
+        };
         let mut files = 0;
         // A TBE of `tables` (features `names` reading tables `ftm`), its rows where `kernel`
         // keeps them.
