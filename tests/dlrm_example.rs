@@ -465,6 +465,20 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
         !out.status.success() && log.contains("the plan's compute kernels place the tables"),
         "{log}"
     );
+    let mut args: Vec<&str> = QUICK.to_vec();
+    args.extend([
+        "--plan",
+        "auto",
+        "--cache-prefetch",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let out = run(&args);
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("--cache-prefetch is not supported with --plan"),
+        "{log}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
