@@ -371,3 +371,6 @@ inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long e,
 }
 inline int atomicExch(int* p, int v) { return std::atomic_ref<int>(*p).exchange(v); }
 inline float atomicExch(float* p, float v) { return std::atomic_ref<float>(*p).exchange(v); }
+inline unsigned long long atomicExch(unsigned long long* p, unsigned long long v) {
+    return std::atomic_ref<unsigned long long>(*p).exchange(v);
+}

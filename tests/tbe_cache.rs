@@ -298,7 +298,7 @@ fn pressure_and_race(device: Device, name: &str) -> Result<()> {
             let pa = t.prepare(a.input())?;
             let pb = t.prepare(b.input())?;
             if t.is_cached() {
-                assert_eq!(t.locked_cache_slots(), vec![32], "{what}");
+                assert_eq!(t.locked_cache_slots().unwrap(), vec![32], "{what}");
                 let st = &t.cache_stats().unwrap()[0];
                 assert_eq!((st.unique_misses, st.conflict_misses), (64, 32), "{what}");
             }
@@ -318,7 +318,7 @@ fn pressure_and_race(device: Device, name: &str) -> Result<()> {
             t.prefetch(c.input())?;
             if t.is_cached() {
                 // B's 16 hits, and C's 16 rows (locked until C is admitted).
-                assert_eq!(t.locked_cache_slots(), vec![32], "{what}");
+                assert_eq!(t.locked_cache_slots().unwrap(), vec![32], "{what}");
             }
             t.backward_batch(&pb, &grad(48))?;
             drop(pb);
@@ -703,7 +703,7 @@ fn a_collection_prefetches_its_cached_tables_rows_for_the_next_batch() -> Result
             .collect()
     };
     assert_eq!(misses(tbe), vec![3, 8]);
-    assert_eq!(tbe.locked_cache_slots(), vec![3, 8]);
+    assert_eq!(tbe.locked_cache_slots().unwrap(), vec![3, 8]);
     let pooled = ebc.forward(&kjt)?;
     // The forward took the prefetched admission: no second one.
     assert_eq!(misses(tbe), vec![3, 8]);

@@ -59,13 +59,13 @@ impl TableBatchedEmbedding {
 
     /// Per table, the cache slots that batches still alive (prepared, or recorded for a
     /// backward) hold locked; empty without a cache.
-    pub fn locked_cache_slots(&self) -> Vec<usize> {
+    pub fn locked_cache_slots(&self) -> Result<Vec<usize>> {
         match &mut self.inner.state.write().tables {
             Tables::Cached(c) => {
-                c.drain_released();
+                c.drain_released()?;
                 c.locked_slots()
             }
-            _ => Vec::new(),
+            _ => Ok(Vec::new()),
         }
     }
 

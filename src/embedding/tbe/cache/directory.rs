@@ -43,13 +43,21 @@ fn fmix64(row: u64) -> u64 {
 
 /// What the directory keeps of one slot.
 #[derive(Clone, Copy, Default)]
-struct Meta {
+pub(crate) struct Meta {
     /// The tick of the slot's last use (LRU, and LFU's tie-break).
-    stamp: u64,
+    pub stamp: u64,
     /// In-flight batches using the slot.
-    locks: u32,
+    pub locks: u32,
     /// Whether the slot differs from the store.
-    dirty: bool,
+    pub dirty: bool,
+}
+
+/// A directory's contents as they are stored (for copies to and from a GPU).
+pub(crate) struct RawDirectory<'a> {
+    pub tags: &'a [u64],
+    pub meta: &'a [Meta],
+    /// LFU's access counts (empty for LRU).
+    pub counts: &'a [u32],
 }
 
 /// The directory of one table's cache.
@@ -89,6 +97,39 @@ impl Directory {
             counts,
             policy,
         })
+    }
+
+    /// The contents as stored.
+    pub(crate) fn raw(&self) -> RawDirectory<'_> {
+        RawDirectory {
+            tags: &self.tags,
+            meta: &self.meta,
+            counts: &self.counts,
+        }
+    }
+
+    /// Replaces the contents: each slot's row (`u64::MAX`: none), stamp, locks and dirtiness
+    /// (non-zero: dirty), and the LFU counts (ignored for LRU). The lengths are this
+    /// directory's.
+    pub(crate) fn set_raw(
+        &mut self,
+        tags: &[u64],
+        stamp: &[u64],
+        locks: &[u32],
+        dirty: &[u32],
+        counts: &[u32],
+    ) {
+        self.tags.copy_from_slice(tags);
+        for (((m, &s), &l), &d) in self.meta.iter_mut().zip(stamp).zip(locks).zip(dirty) {
+            *m = Meta {
+                stamp: s,
+                locks: l,
+                dirty: d != 0,
+            };
+        }
+        if self.policy == CachePolicy::Lfu {
+            self.counts.copy_from_slice(counts);
+        }
     }
 
     /// Slots (sets × ways).

@@ -168,12 +168,14 @@ impl CachedTables {
             weights_grad: on_device.weights.is_some(),
         })?;
         if optimizer != FusedOptimizer::None {
-            self.mark_dirty(batch);
+            self.mark_dirty(batch)?;
             self.sync_scratch(fallback, false)?;
         }
         let sparse = match grads.sparse {
             None => None,
             Some((rows, values)) => {
+                // The rows held by the batch's slots, from the host directory.
+                self.on_host()?;
                 let row_offsets = &self.layout.row_offsets;
                 let mut per_table = Vec::with_capacity(self.cfg.tables.len());
                 for (t, spec) in self.cfg.tables.iter().enumerate() {

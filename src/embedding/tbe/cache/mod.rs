@@ -31,6 +31,7 @@
 mod api;
 pub(crate) mod bytes;
 mod config;
+mod device_directory;
 pub(crate) mod directory;
 mod gpu;
 pub(crate) mod store;
@@ -46,10 +47,11 @@ use super::cpu::HostTables;
 use super::cuda::records::{RecordAt, RecordStaging};
 use super::cuda::{DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
-use crate::cuda::CudaDevice;
+use crate::cuda::{CudaDevice, DeviceBuffer};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Device, Error, Result, Tensor};
+use device_directory::DeviceDirectory;
 use directory::TableAdmission;
 use directory::{Directory, SLOT_BYTES, WAYS};
 use rayon::prelude::*;
@@ -68,20 +70,33 @@ struct Fallback {
     pos: usize,
 }
 
+/// The slots a batch locked: per table, on the host (the host directory admitted it), or as
+/// global slot numbers on the GPU (the device directory did).
+enum Locks {
+    Host(Vec<Vec<usize>>),
+    Device(DeviceBuffer<i64>, usize),
+}
+
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
 struct Lease {
-    /// Per table, the slots locked.
-    locked: Vec<Vec<usize>>,
+    locked: Locks,
     fallback: Vec<Fallback>,
-    released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
+    released: Arc<Mutex<Vec<Locks>>>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // Deferred to the next admission: a drop may happen while the TBE's lock is held.
-        let locked = std::mem::take(&mut self.locked);
+        let locked = std::mem::replace(&mut self.locked, Locks::Host(Vec::new()));
         self.released.lock().push(locked);
     }
+}
+
+/// Which copy of a GPU cache's directory is current.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Home {
+    Host,
+    Device,
 }
 
 /// A batch admitted to the cache: its ids as cache rows (copied to the GPU for a GPU cache),
@@ -129,6 +144,11 @@ impl TablePositions {
     /// Whether any feature reads table `t`.
     pub(crate) fn read(&self, t: usize) -> bool {
         !self.0[t].is_empty()
+    }
+
+    /// How many ids of the batch read table `t`.
+    pub(crate) fn len(&self, t: usize) -> usize {
+        self.0[t].iter().map(|r| r.len()).sum()
     }
 
     fn positions(&self, t: usize) -> impl Iterator<Item = usize> + '_ {
@@ -209,8 +229,13 @@ pub(crate) struct CachedTables {
     parts: Vec<Parts>,
     tick: u64,
     stats: Vec<CacheStats>,
-    /// The locked slots of dropped batches (per batch, per table), not yet unlocked.
-    released: Arc<Mutex<Vec<Vec<Vec<usize>>>>>,
+    /// The locked slots of dropped batches, not yet unlocked.
+    released: Arc<Mutex<Vec<Locks>>>,
+    /// A GPU cache's directory on the GPU (admissions run there), unless
+    /// `EMBERS_CACHE_HOST_DIRECTORY=1` asked for the host's.
+    device_dir: Option<DeviceDirectory>,
+    /// Which directory is current: `dirs`, or `device_dir`'s buffers.
+    home: Home,
     /// A GPU cache's pinned staging buffers.
     staging: RecordStaging,
     /// Where the admissions' time went.
@@ -285,7 +310,17 @@ impl CachedTables {
         let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))
             .map(|(s, p)| (s.rows, p.record() * 4))
             .collect();
-        let sets = sets_for(cache.size, &tables)?;
+        // A GPU cache keeps its directory on the device too (unless asked not to): its slots
+        // cost that copy's bytes as well.
+        let with_device_dir = device.is_some()
+            && !std::env::var("EMBERS_CACHE_HOST_DIRECTORY").is_ok_and(|v| v == "1");
+        let extra = if with_device_dir {
+            device_directory::SLOT_BYTES
+        } else {
+            0
+        };
+        let sized: Vec<(usize, usize)> = tables.iter().map(|&(r, b)| (r, b + extra)).collect();
+        let sets = sets_for(cache.size, &sized)?;
         let store = RowStore::create(&cache.path, &tables)?;
         let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
             .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
@@ -295,6 +330,19 @@ impl CachedTables {
             .collect();
         let scratch = vec![0; config.tables.len()];
         let (cfg, layout, rows) = Self::buffers(config, &dirs, &scratch, device.as_ref())?;
+        let device_dir = match &device {
+            Some(d) if with_device_dir => {
+                let rows: Vec<usize> = config.tables.iter().map(|s| s.rows).collect();
+                Some(DeviceDirectory::new(
+                    d,
+                    &dirs,
+                    &rows,
+                    &config.feature_table_map,
+                    cache.policy,
+                )?)
+            }
+            _ => None,
+        };
         Ok(CachedTables {
             store,
             policy: cache.policy,
@@ -307,6 +355,8 @@ impl CachedTables {
             tick: 0,
             stats,
             released: Arc::new(Mutex::new(Vec::new())),
+            device_dir,
+            home: Home::Host,
             staging: RecordStaging::default(),
             times: CacheTimes::default(),
             prefetched: Default::default(),
@@ -372,6 +422,7 @@ impl CachedTables {
             CacheRows::Device(d) => d.allocated_bytes(),
         };
         rows + self.dirs.iter().map(Directory::bytes).sum::<usize>()
+            + self.device_dir.as_ref().map_or(0, DeviceDirectory::bytes)
     }
 
     /// The counters of every table.
@@ -393,8 +444,76 @@ impl CachedTables {
     }
 
     /// Slots locked by in-flight batches, per table.
-    pub(crate) fn locked_slots(&self) -> Vec<usize> {
-        self.dirs.iter().map(Directory::locked_slots).collect()
+    pub(crate) fn locked_slots(&mut self) -> Result<Vec<usize>> {
+        self.on_host()?;
+        Ok(self.dirs.iter().map(Directory::locked_slots).collect())
+    }
+
+    /// Makes the host directories the current ones (copied back from the GPU when the
+    /// device directory was).
+    fn on_host(&mut self) -> Result<()> {
+        if self.home == Home::Device {
+            let d = (self.device_dir.as_ref()).expect("a device home has a device directory");
+            d.pull(&mut self.dirs)?;
+            self.home = Home::Host;
+        }
+        Ok(())
+    }
+
+    /// Makes the device directory the current one (copied from the host's when they were);
+    /// false without one.
+    fn on_device(&mut self) -> Result<bool> {
+        let Some(d) = self.device_dir.as_mut() else {
+            return Ok(false);
+        };
+        if self.home == Home::Host {
+            d.push(&self.dirs)?;
+            self.home = Home::Device;
+        }
+        Ok(true)
+    }
+
+    /// Per table, the slots of `locks` (read back from the GPU for a device lease).
+    fn locks_by_table(&self, locks: &Locks) -> Result<Vec<Vec<usize>>> {
+        match locks {
+            Locks::Host(per_table) => Ok(per_table.clone()),
+            Locks::Device(slots, n) => {
+                let d = (self.device_dir.as_ref()).expect("a device lease has a device directory");
+                let mut global = vec![0i64; *n];
+                d.device()
+                    .read_bytes(slots, 0, bytemuck::cast_slice_mut(&mut global))?;
+                let mut per_table = vec![Vec::new(); self.dirs.len()];
+                for s in global {
+                    let (t, local) = d.local(s as usize);
+                    per_table[t].push(local);
+                }
+                Ok(per_table)
+            }
+        }
+    }
+
+    /// Applies `op` (the device directory's unlock or mark_dirty) to the slots of `locks` on
+    /// the GPU (a host lease's slots copied up first).
+    fn on_device_slots(
+        &mut self,
+        locks: &Locks,
+        op: fn(&mut DeviceDirectory, &DeviceBuffer<i64>, usize) -> Result<()>,
+    ) -> Result<()> {
+        let d = (self.device_dir.as_mut()).expect("a device home has a device directory");
+        match locks {
+            Locks::Device(slots, n) => op(d, slots, *n),
+            Locks::Host(per_table) => {
+                let global: Vec<i64> = (per_table.iter().enumerate())
+                    .flat_map(|(t, ss)| ss.iter().map(move |&s| (t, s)))
+                    .map(|(t, s)| d.global(t, s) as i64)
+                    .collect();
+                if global.is_empty() {
+                    return Ok(());
+                }
+                let slots = d.device().htod(&global)?;
+                op(d, &slots, global.len())
+            }
+        }
     }
 
     /// Floats of table `t`'s cache rows: weights, state 0, state 1.
@@ -525,11 +644,20 @@ impl CachedTables {
     }
 
     /// Releases the locks of dropped batches.
-    pub(crate) fn drain_released(&mut self) {
+    pub(crate) fn drain_released(&mut self) -> Result<()> {
         let released = std::mem::take(&mut *self.released.lock());
         if released.is_empty() {
-            return;
+            return Ok(());
         }
+        if self.home == Home::Device {
+            for locks in &released {
+                self.on_device_slots(locks, DeviceDirectory::unlock)?;
+            }
+            return Ok(());
+        }
+        let released = (released.iter())
+            .map(|l| self.locks_by_table(l))
+            .collect::<Result<Vec<_>>>()?;
         (self.dirs.par_iter_mut().enumerate()).for_each(|(t, dir)| {
             for lease in &released {
                 for &s in &lease[t] {
@@ -537,6 +665,7 @@ impl CachedTables {
                 }
             }
         });
+        Ok(())
     }
 
     /// Admits a validated batch: caches (and locks) its rows and gives its ids as cache rows.
@@ -557,20 +686,24 @@ impl CachedTables {
             let (_, _, mut admitted) = self.prefetched.remove(k).expect("a queued admission");
             admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
             admitted.remapped.kept = batch.kept.clone();
-            // A GPU copy made with other weights (or with weights, now none) is made again.
-            let had_weights = (admitted.on_device.as_ref()).is_some_and(|b| b.weights.is_some());
-            if let Some(d) = self
-                .gpu()
-                .filter(|_| had_weights || batch.weights.is_some())
-            {
-                admitted.on_device = Some(DeviceBatch::upload(d, &admitted.remapped)?);
+            // The GPU copy's weights are this batch's too.
+            if let Some(on_device) = admitted.on_device.as_mut() {
+                on_device.set_weights(batch.weights.as_deref())?;
             }
             return Ok(admitted);
         }
-        self.drain_released();
+        let ranges = TablePositions::new(&logical.feature_table_map, logical.tables.len(), batch);
+        if self
+            .device_dir
+            .as_ref()
+            .is_some_and(|d| d.fits(batch.ids.len()))
+        {
+            return self.admit_on_device(logical, batch, &ranges);
+        }
+        self.on_host()?;
+        self.drain_released()?;
         self.tick += 1;
         let tick = self.tick;
-        let ranges = TablePositions::new(&logical.feature_table_map, logical.tables.len(), batch);
         let t0 = std::time::Instant::now();
         let admitted: Vec<Option<TableAdmission>> = self
             .views()
@@ -584,23 +717,24 @@ impl CachedTables {
             .collect();
         self.times.directory += t0.elapsed();
         let mut remapped = vec![0i64; batch.ids.len()];
-        let mut lease = Lease {
-            locked: vec![Vec::new(); logical.tables.len()],
-            fallback: Vec::new(),
-            released: self.released.clone(),
-        };
+        let mut locked = vec![Vec::new(); logical.tables.len()];
+        let mut fallback = Vec::new();
         let mut fallbacks = vec![0; logical.tables.len()];
         let mut moves = vec![Vec::new(); logical.tables.len()];
         ranges.place(&admitted, &mut remapped);
         for (t, a) in admitted.into_iter().enumerate() {
             let Some(a) = a else { continue };
             moves[t] = a.moves;
-            lease.locked[t] = a.locked;
+            locked[t] = a.locked;
             fallbacks[t] = a.fallback.len();
-            lease
-                .fallback
+            fallback
                 .extend((a.fallback.into_iter()).map(|(row, pos)| Fallback { table: t, row, pos }));
         }
+        let lease = Lease {
+            locked: Locks::Host(locked),
+            fallback,
+            released: self.released.clone(),
+        };
         // Every lock is in the lease now: if growing fails, dropping it releases them all.
         for (t, &n) in fallbacks.iter().enumerate() {
             if n > self.scratch[t] {
@@ -626,6 +760,73 @@ impl CachedTables {
         Ok(CachedBatch {
             remapped,
             on_device,
+            lease,
+        })
+    }
+
+    /// Admits a validated batch with the device directory: its ids go up as they are and
+    /// become cache rows on the GPU; the moves and direct reads come back to the host.
+    fn admit_on_device(
+        &mut self,
+        logical: &TbeConfig,
+        batch: &Batch<'_>,
+        ranges: &TablePositions,
+    ) -> Result<CachedBatch> {
+        self.on_device()?;
+        self.drain_released()?;
+        self.tick += 1;
+        let tick = self.tick;
+        let device = self.gpu().expect("a device directory has a GPU").clone();
+        let t0 = std::time::Instant::now();
+        let mut on_device = DeviceBatch::upload(&device, batch)?;
+        self.times.transfer += t0.elapsed();
+        let t0 = std::time::Instant::now();
+        let dir = self.device_dir.as_mut().expect("admitting on the device");
+        let a = dir.admit(&mut on_device, tick)?;
+        self.times.directory += t0.elapsed();
+        for (t, stats) in self.stats.iter_mut().enumerate() {
+            if !ranges.read(t) {
+                continue;
+            }
+            let [hits, installed, direct, evictions] = a.counts[t];
+            stats.calls += 1;
+            stats.requested_ids += ranges.len(t) as u64;
+            stats.unique_ids += hits + installed + direct;
+            stats.unique_misses += installed + direct;
+            stats.conflict_misses += direct;
+            stats.evictions += evictions;
+        }
+        let mut fallbacks = vec![0; logical.tables.len()];
+        let fallback = (a.direct.iter())
+            .map(|&(table, row, pos)| {
+                fallbacks[table] += 1;
+                Fallback { table, row, pos }
+            })
+            .collect();
+        let lease = Lease {
+            locked: Locks::Device(a.locked, a.locked_len),
+            fallback,
+            released: self.released.clone(),
+        };
+        // Every lock is in the lease now: if growing fails, dropping it releases them all.
+        for (t, &n) in fallbacks.iter().enumerate() {
+            if n > self.scratch[t] {
+                self.grow_scratch(logical, t, n)?;
+            }
+        }
+        self.apply_moves(&a.moves)?;
+        let remapped = Batch {
+            // The cache rows are on the device only.
+            ids: Ids::I64(Vec::new().into()),
+            offsets: batch.offsets.clone(),
+            weights: batch.weights.clone().map(|w| w.into_owned().into()),
+            batch_size: batch.batch_size,
+            num_features: batch.num_features,
+            kept: batch.kept.clone(),
+        };
+        Ok(CachedBatch {
+            remapped,
+            on_device: Some(on_device),
             lease,
         })
     }
@@ -686,6 +887,7 @@ impl CachedTables {
         if fallback.is_empty() {
             return Ok(());
         }
+        self.on_host()?;
         if into_scratch {
             self.store.check_len()?;
         }
@@ -758,12 +960,24 @@ impl CachedTables {
     }
 
     /// Marks the slots of an admitted batch dirty (its backward updated them).
-    fn mark_dirty(&mut self, batch: &CachedBatch) {
-        for (dir, locked) in self.dirs.iter_mut().zip(&batch.lease.locked) {
+    fn mark_dirty(&mut self, batch: &CachedBatch) -> Result<()> {
+        if self.home == Home::Device {
+            return self.on_device_slots(&batch.lease.locked, DeviceDirectory::mark_dirty);
+        }
+        let downloaded;
+        let per_table = match &batch.lease.locked {
+            Locks::Host(per_table) => per_table,
+            locks => {
+                downloaded = self.locks_by_table(locks)?;
+                &downloaded
+            }
+        };
+        for (dir, locked) in self.dirs.iter_mut().zip(per_table) {
             for &s in locked {
                 dir.set_dirty(s, true);
             }
         }
+        Ok(())
     }
 
     /// Table `t`'s cache rows `idx` as the table rows they hold for a batch whose direct reads
@@ -818,7 +1032,7 @@ impl CachedTables {
             step,
         );
         if *optimizer != FusedOptimizer::None {
-            self.mark_dirty(batch);
+            self.mark_dirty(batch)?;
             // Scratch rows go back where their row lives now.
             self.sync_scratch(fallback, false)?;
         }
@@ -844,6 +1058,7 @@ impl CachedTables {
     /// Writes every dirty cached row back to the file and syncs it.
     pub(crate) fn flush(&mut self) -> Result<()> {
         self.store.check_len()?;
+        self.on_host()?;
         let dirty: Vec<(usize, usize, u64)> = (self.dirs.iter().enumerate())
             .flat_map(|(t, d)| {
                 (d.occupied())
@@ -882,7 +1097,10 @@ impl CachedTables {
             first += n;
         }
         // Cached rows: their slot is the current copy.
-        let occupied: Vec<(usize, u64)> = self.dirs[t].occupied().collect();
+        let occupied: Vec<(usize, u64)> = match (self.home, &self.device_dir) {
+            (Home::Device, Some(d)) => d.occupied(t)?,
+            _ => self.dirs[t].occupied().collect(),
+        };
         let slots: Vec<(usize, usize)> = occupied.iter().map(|&(s, _)| (t, s)).collect();
         let records = self.take(&slots)?;
         for (&(_, r), record) in occupied.iter().zip(records.chunks(rec.max(1))) {
@@ -910,6 +1128,7 @@ impl CachedTables {
         mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
         self.store.check_len()?;
+        self.on_host()?;
         let parts = self.parts[t];
         let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
@@ -952,6 +1171,8 @@ impl CachedTables {
             .map(|(d, s)| Directory::new(d.sets, s.rows, self.policy))
             .collect::<Result<Vec<_>>>()?;
         self.dirs = dirs;
+        // The device directory is stale now; the next admission copies these up.
+        self.home = Home::Host;
         Ok(())
     }
 
@@ -975,7 +1196,8 @@ impl CachedTables {
     /// Prefetched admissions are forgotten first.
     pub(crate) fn check_idle(&mut self) -> Result<()> {
         self.prefetched.clear();
-        self.drain_released();
+        self.drain_released()?;
+        self.on_host()?;
         if self.dirs.iter().any(|d| d.locked_slots() > 0) {
             return Err(Error::invalid(
                 OP,

@@ -340,4 +340,11 @@ impl DeviceBatch {
             batch_size: batch.batch_size,
         })
     }
+
+    /// Replaces the per-sample weights (`None`: none).
+    pub(crate) fn set_weights(&mut self, weights: Option<&[f32]>) -> Result<()> {
+        let device = self.offsets.device().clone();
+        self.weights = weights.map(|w| upload(&device, w)).transpose()?;
+        Ok(())
+    }
 }

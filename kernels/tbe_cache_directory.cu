@@ -1,0 +1,225 @@
+// The directory of a GPU cache on the GPU (src/embedding/tbe/cache/device_directory.rs): the
+// same set-associative directory as the host's (src/embedding/tbe/cache/directory.rs) and the
+// same admission decisions, made by kernels over every table's slots at once.
+//
+// Slots are numbered across tables: table t's slots are set_base[t]·32 .. (set_base[t] +
+// sets[t])·32, and slot = set·32 + way. A row's set is MurmurHash3's 64-bit finaliser of its
+// id modulo the table's sets (FBGEMM's cache_slot). Rows are numbered across tables too:
+// g = row_base[t] + row (row_base has one entry per table and the total at the end).
+//
+// One admission (tick `tick`), in order:
+//   cache_dir_find:    each id looks its row up; a hit's slot is locked at its row's first
+//                      occurrence (the one thread that swaps the slot's stamp to `tick`) and
+//                      the id becomes its cache row; a miss writes the key (g << pbits | p).
+//   radix sort of the miss keys by g (non-misses carry g = total rows: last).
+//   cache_dir_heads:   each distinct missed row (the first key of its run) writes
+//                      (set << 32 | its index); the others write the sentinel.
+//   radix sort of those by set (stable: within a set, row order).
+//   cache_dir_install: one thread per set takes its distinct missed rows in row order, each
+//                      the first empty way, else the unlocked way its policy likes least (LRU:
+//                      oldest stamp; LFU: fewest accesses, then oldest stamp; ties to the
+//                      lowest way) — installed, locked, its move (dirty victim, new row)
+//                      listed — or, when every way is locked, a scratch row of its table.
+//   cache_dir_place:   each missed id becomes its row's cache row.
+// Sets are independent and each set's misses are taken in row order, so the decisions are the
+// host directory's, which takes all misses in row order.
+//
+// `counters` (u64): [0] slots locked, [1] moves, [2] direct reads, then per table t, at 3 + 4t:
+// hits locked, rows installed, direct reads, evictions.
+
+#define EMPTY_ROW 0xffffffffffffffffull
+#define WAYS 32
+
+__device__ __forceinline__ unsigned long long fmix64(unsigned long long h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 33);
+}
+
+// The table of global row g (row_base: tables + 1 ascending entries).
+__device__ __forceinline__ int table_of_row(const i64* row_base, int tables, i64 g) {
+    int lo = 0, hi = tables - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (row_base[mid] <= g) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// One saturating access count (LFU); one thread per row and admission touches it.
+__device__ __forceinline__ void count_access(unsigned* counts, i64 g) {
+    if (counts[g] != 0xffffffffu) counts[g] += 1u;
+}
+
+// One warp per bag (grid-stride), its lanes over the bag's ids.
+extern "C" __global__ void cache_dir_find(
+    const i64* __restrict__ offsets, i64* ids, i64 bags, i64 batch_size,
+    const i64* __restrict__ feature_table, const i64* __restrict__ sets,
+    const i64* __restrict__ set_base, const i64* __restrict__ row_base,
+    const unsigned long long* __restrict__ tags, unsigned long long* stamp, unsigned* locks,
+    unsigned* counts, int lfu, unsigned long long tick, unsigned long long* miss_keys, int pbits,
+    unsigned long long sentinel, i64* locked, unsigned long long* counters) {
+    i64 warps = (i64)gridDim.x * blockDim.y;
+    for (i64 bag = (i64)blockIdx.x * blockDim.y + threadIdx.y; bag < bags; bag += warps) {
+        i64 t = feature_table[bag / batch_size];
+        i64 n_sets = sets[t];
+        i64 first_set = set_base[t];
+        for (i64 p = offsets[bag] + threadIdx.x; p < offsets[bag + 1]; p += 32) {
+            unsigned long long row = (unsigned long long)ids[p];
+            i64 set = (i64)(fmix64(row) % (unsigned long long)n_sets);
+            i64 base = (first_set + set) * WAYS;
+            int way = -1;
+            for (int w = 0; w < WAYS; ++w) {
+                if (tags[base + w] == row) { way = w; break; }
+            }
+            if (way < 0) {
+                miss_keys[p] = ((unsigned long long)(row_base[t] + (i64)row) << pbits) |
+                               (unsigned long long)p;
+                continue;
+            }
+            i64 slot = base + way;
+            miss_keys[p] = sentinel;
+            ids[p] = set * WAYS + way;
+            if (atomicExch(&stamp[slot], tick) != tick) {
+                if (lfu) count_access(counts, row_base[t] + (i64)row);
+                atomicAdd(&locks[slot], 1u);
+                locked[atomicAdd(&counters[0], 1ull)] = slot;
+                atomicAdd(&counters[3 + 4 * t], 1ull);
+            }
+        }
+    }
+}
+
+// keys2[i] = set << 32 | i for the first key of each missed row's run, else sentinel2.
+extern "C" __global__ void cache_dir_heads(
+    const unsigned long long* __restrict__ keys, i64 n, int pbits, unsigned long long sentinel,
+    const i64* __restrict__ row_base, int tables, const i64* __restrict__ sets,
+    const i64* __restrict__ set_base, unsigned long long* __restrict__ keys2,
+    unsigned long long sentinel2) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        unsigned long long k = keys[i];
+        i64 g = (i64)(k >> pbits);
+        bool head = k < sentinel && (i == 0 || (i64)(keys[i - 1] >> pbits) != g);
+        if (!head) {
+            keys2[i] = sentinel2;
+            continue;
+        }
+        int t = table_of_row(row_base, tables, g);
+        unsigned long long row = (unsigned long long)(g - row_base[t]);
+        i64 set = set_base[t] + (i64)(fmix64(row) % (unsigned long long)sets[t]);
+        keys2[i] = ((unsigned long long)set << 32) | (unsigned long long)i;
+    }
+}
+
+// One thread per set with misses (the first entry of its run in keys2).
+extern "C" __global__ void cache_dir_install(
+    const unsigned long long* __restrict__ keys2, i64 n, unsigned long long sentinel2,
+    const unsigned long long* __restrict__ keys, int pbits, const i64* __restrict__ row_base,
+    int tables, const i64* __restrict__ sets, const i64* __restrict__ set_base,
+    unsigned long long* tags, unsigned long long* stamp, unsigned* locks, unsigned* dirty,
+    unsigned* counts, int lfu, unsigned long long tick, i64* __restrict__ head_slot,
+    i64* __restrict__ locked, i64* __restrict__ moves, i64* __restrict__ direct,
+    unsigned* scratch_next, unsigned long long* counters) {
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n;
+         j += (i64)gridDim.x * blockDim.x) {
+        unsigned long long k2 = keys2[j];
+        if (k2 >= sentinel2) continue;
+        unsigned long long set = k2 >> 32;
+        if (j > 0 && (keys2[j - 1] >> 32) == set) continue;
+        i64 base = (i64)set * WAYS;
+        for (i64 jj = j; jj < n && keys2[jj] < sentinel2 && (keys2[jj] >> 32) == set; ++jj) {
+            i64 i = (i64)(keys2[jj] & 0xffffffffull);
+            i64 g = (i64)(keys[i] >> pbits);
+            int t = table_of_row(row_base, tables, g);
+            i64 row = g - row_base[t];
+            if (lfu) count_access(counts, g);
+            int victim = -1;
+            for (int w = 0; w < WAYS; ++w) {
+                if (tags[base + w] == EMPTY_ROW) { victim = w; break; }
+            }
+            if (victim < 0) {
+                unsigned long long best_count = 0, best_stamp = 0;
+                for (int w = 0; w < WAYS; ++w) {
+                    i64 s = base + w;
+                    if (locks[s] != 0) continue;
+                    unsigned long long c =
+                        lfu ? counts[row_base[t] + (i64)tags[s]] : 0ull;
+                    unsigned long long st = stamp[s];
+                    if (victim < 0 || c < best_count || (c == best_count && st < best_stamp)) {
+                        victim = w;
+                        best_count = c;
+                        best_stamp = st;
+                    }
+                }
+            }
+            if (victim < 0) {
+                // Every way locked: a direct read through a scratch row after the slots.
+                i64 pos = sets[t] * WAYS + (i64)atomicAdd(&scratch_next[t], 1u);
+                i64 d = (i64)atomicAdd(&counters[2], 1ull);
+                direct[3 * d] = t;
+                direct[3 * d + 1] = row;
+                direct[3 * d + 2] = pos;
+                head_slot[i] = pos;
+                atomicAdd(&counters[3 + 4 * t + 2], 1ull);
+                continue;
+            }
+            i64 s = base + victim;
+            unsigned long long old = tags[s];
+            i64 written = -1;
+            if (old != EMPTY_ROW) {
+                atomicAdd(&counters[3 + 4 * t + 3], 1ull);
+                if (dirty[s]) written = (i64)old;
+            }
+            i64 local = s - set_base[t] * WAYS;
+            i64 m = (i64)atomicAdd(&counters[1], 1ull);
+            moves[4 * m] = t;
+            moves[4 * m + 1] = local;
+            moves[4 * m + 2] = written;
+            moves[4 * m + 3] = row;
+            tags[s] = (unsigned long long)row;
+            dirty[s] = 0u;
+            stamp[s] = tick;
+            locks[s] += 1u;
+            locked[atomicAdd(&counters[0], 1ull)] = s;
+            atomicAdd(&counters[3 + 4 * t + 1], 1ull);
+            head_slot[i] = local;
+        }
+    }
+}
+
+// Every missed id (its key's position) takes its row's cache row: one thread per run.
+extern "C" __global__ void cache_dir_place(const unsigned long long* __restrict__ keys, i64 n,
+                                           int pbits, unsigned long long sentinel,
+                                           const i64* __restrict__ head_slot, i64* ids) {
+    unsigned long long pmask = (1ull << pbits) - 1ull;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        unsigned long long k = keys[i];
+        unsigned long long g = k >> pbits;
+        if (k >= sentinel || (i > 0 && (keys[i - 1] >> pbits) == g)) continue;
+        i64 slot = head_slot[i];
+        for (i64 j = i; j < n && (keys[j] >> pbits) == g; ++j) ids[keys[j] & pmask] = slot;
+    }
+}
+
+// One lock of each slot in `slots` released (each slot at most once in the list).
+extern "C" __global__ void cache_dir_unlock(const i64* __restrict__ slots, i64 n,
+                                            unsigned* locks) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        i64 s = slots[i];
+        if (locks[s] != 0u) locks[s] -= 1u;
+    }
+}
+
+// Each slot in `slots` marked as differing from the store.
+extern "C" __global__ void cache_dir_mark_dirty(const i64* __restrict__ slots, i64 n,
+                                                unsigned* dirty) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        dirty[slots[i]] = 1u;
+    }
+}

@@ -1,0 +1,558 @@
+//! A GPU cache's directory on the GPU: the host [`Directory`]'s tags and slot state for every
+//! table in device buffers, and its admission as kernels (`kernels/tbe_cache_directory.cu`),
+//! so that a batch's 10⁶ ids are looked up, locked and given victims where the cache rows are,
+//! instead of on the host. The decisions are the host directory's, bit for bit (hits locked
+//! at their row's first occurrence, distinct misses taking victims in row order, the same
+//! policies and ties); the host directory stays the one that flushes, checkpoints and serves
+//! direct reads, and the two are copied into each other when the work changes sides
+//! ([`push`](DeviceDirectory::push), [`pull`](DeviceDirectory::pull)).
+
+use std::sync::Arc;
+
+use super::directory::{Directory, WAYS};
+use super::{CachePolicy, Move};
+use crate::cuda::{CudaDevice, DeviceBuffer, LaunchConfig};
+use crate::embedding::tbe::cuda::DeviceBatch;
+use crate::{args, Result};
+
+crate::kernel_source!(
+    pub(crate) static DIRECTORY = "tbe_cache_directory.cu",
+    [
+        "cache_dir_find",
+        "cache_dir_heads",
+        "cache_dir_install",
+        "cache_dir_place",
+        "cache_dir_unlock",
+        "cache_dir_mark_dirty",
+    ];
+);
+
+/// Threads per block of the one-thread-per-item kernels.
+const THREADS: u32 = 256;
+/// Warps per block of the find kernel (a warp per bag).
+const FIND_WARPS: u32 = 8;
+/// Counters before the per-table ones (`kernels/tbe_cache_directory.cu`).
+const HEAD: usize = 3;
+/// Counters per table: hits locked, rows installed, direct reads, evictions.
+const PER_TABLE: usize = 4;
+
+/// Device bytes per slot: its tag, stamp, locks and dirtiness.
+pub(crate) const SLOT_BYTES: usize = 8 + 8 + 4 + 4;
+
+/// Bits needed to write every value up to `v`.
+fn bits_for(v: u64) -> u32 {
+    64 - v.leading_zeros()
+}
+
+/// What a device admission decided, read back to the host.
+pub(crate) struct DeviceAdmission {
+    /// Slots locked for the batch (global slot numbers, on the device), and how many.
+    pub locked: DeviceBuffer<i64>,
+    pub locked_len: usize,
+    /// Per table, the data moves (cache row, dirty row written back, row read in), in row
+    /// order of the rows read.
+    pub moves: Vec<Vec<Move>>,
+    /// Direct reads: (table, row, scratch row).
+    pub direct: Vec<(usize, u64, usize)>,
+    /// Per table: hits locked, rows installed, direct reads, evictions.
+    pub counts: Vec<[u64; PER_TABLE]>,
+}
+
+/// Every table's directory in device buffers.
+pub(crate) struct DeviceDirectory {
+    device: Arc<CudaDevice>,
+    policy: CachePolicy,
+    /// Per table: sets, first set, first global row (and the total after the last).
+    sets: Vec<usize>,
+    set_base: Vec<usize>,
+    row_base: Vec<usize>,
+    d_sets: DeviceBuffer<i64>,
+    d_set_base: DeviceBuffer<i64>,
+    d_row_base: DeviceBuffer<i64>,
+    /// Feature → table.
+    d_feature_table: DeviceBuffer<i64>,
+    tags: DeviceBuffer<u64>,
+    stamp: DeviceBuffer<u64>,
+    locks: DeviceBuffer<u32>,
+    dirty: DeviceBuffer<u32>,
+    /// LFU: every table's access counts, by global row (one element otherwise).
+    counts: DeviceBuffer<u32>,
+}
+
+impl DeviceDirectory {
+    /// Buffers for `dirs` (tables of `rows` rows, read by features as `feature_table` says) on
+    /// `device`; their contents are set by [`push`](Self::push).
+    pub(crate) fn new(
+        device: &Arc<CudaDevice>,
+        dirs: &[Directory],
+        rows: &[usize],
+        feature_table: &[usize],
+        policy: CachePolicy,
+    ) -> Result<Self> {
+        let sets: Vec<usize> = dirs.iter().map(|d| d.sets).collect();
+        let mut set_base = vec![0usize];
+        for &s in &sets {
+            set_base.push(set_base.last().unwrap() + s);
+        }
+        let mut row_base = vec![0usize];
+        for &r in rows {
+            row_base.push(row_base.last().unwrap() + r);
+        }
+        let slots = set_base[sets.len()] * WAYS;
+        let total_rows = row_base[rows.len()];
+        let i64s = |v: &[usize]| v.iter().map(|&x| x as i64).collect::<Vec<i64>>();
+        let counts_len = if policy == CachePolicy::Lfu {
+            total_rows.max(1)
+        } else {
+            1
+        };
+        Ok(DeviceDirectory {
+            d_sets: device.htod(&i64s(&sets))?,
+            d_set_base: device.htod(&i64s(&set_base))?,
+            d_row_base: device.htod(&i64s(&row_base))?,
+            d_feature_table: device.htod(&i64s(feature_table).into_iter().chain([0]).collect::<Vec<_>>())?,
+            tags: device.alloc(slots.max(1))?,
+            stamp: device.alloc(slots.max(1))?,
+            locks: device.alloc(slots.max(1))?,
+            dirty: device.alloc(slots.max(1))?,
+            counts: device.alloc(counts_len)?,
+            device: device.clone(),
+            policy,
+            sets,
+            set_base,
+            row_base,
+        })
+    }
+
+    /// Bytes of the device buffers.
+    pub(crate) fn bytes(&self) -> usize {
+        self.tags.bytes()
+            + self.stamp.bytes()
+            + self.locks.bytes()
+            + self.dirty.bytes()
+            + self.counts.bytes()
+    }
+
+    /// Global slot `slot` as (table, slot of the table).
+    pub(crate) fn local(&self, slot: usize) -> (usize, usize) {
+        let first = slot / WAYS;
+        let t = self.set_base.partition_point(|&b| b <= first) - 1;
+        (t, slot - self.set_base[t] * WAYS)
+    }
+
+    /// Table `t`'s slot `slot` as a global slot.
+    pub(crate) fn global(&self, t: usize, slot: usize) -> usize {
+        self.set_base[t] * WAYS + slot
+    }
+
+    /// Copies the host directories into the device buffers.
+    pub(crate) fn push(&mut self, dirs: &[Directory]) -> Result<()> {
+        let slots = self.tags.len();
+        let (mut tags, mut stamp, mut locks, mut dirty) = (
+            Vec::with_capacity(slots),
+            Vec::with_capacity(slots),
+            Vec::with_capacity(slots),
+            Vec::with_capacity(slots),
+        );
+        let mut counts = Vec::with_capacity(self.counts.len());
+        for d in dirs {
+            let raw = d.raw();
+            tags.extend_from_slice(raw.tags);
+            stamp.extend(raw.meta.iter().map(|m| m.stamp));
+            locks.extend(raw.meta.iter().map(|m| m.locks));
+            dirty.extend(raw.meta.iter().map(|m| u32::from(m.dirty)));
+            counts.extend_from_slice(raw.counts);
+        }
+        // The buffers' spare element (no slots, or no LFU counts).
+        for (v, fill) in [(&mut tags, u64::MAX), (&mut stamp, 0)] {
+            v.resize(slots, fill);
+        }
+        locks.resize(slots, 0);
+        dirty.resize(slots, 0);
+        counts.resize(self.counts.len(), 0);
+        self.tags.copy_from_host(&tags)?;
+        self.stamp.copy_from_host(&stamp)?;
+        self.locks.copy_from_host(&locks)?;
+        self.dirty.copy_from_host(&dirty)?;
+        self.counts.copy_from_host(&counts)
+    }
+
+    /// Table `t`'s occupied slots and their rows, read from the device.
+    pub(crate) fn occupied(&self, t: usize) -> Result<Vec<(usize, u64)>> {
+        let first = self.set_base[t] * WAYS;
+        let mut tags = vec![0u64; self.sets[t] * WAYS];
+        self.device
+            .read_bytes(&self.tags, first * 8, bytemuck::cast_slice_mut(&mut tags))?;
+        Ok((tags.into_iter().enumerate())
+            .filter(|&(_, r)| r != u64::MAX)
+            .collect())
+    }
+
+    /// Copies the device buffers into the host directories.
+    pub(crate) fn pull(&self, dirs: &mut [Directory]) -> Result<()> {
+        let (tags, stamp, locks, dirty) = (
+            self.tags.to_host()?,
+            self.stamp.to_host()?,
+            self.locks.to_host()?,
+            self.dirty.to_host()?,
+        );
+        let counts = match self.policy {
+            CachePolicy::Lfu => self.counts.to_host()?,
+            CachePolicy::Lru => Vec::new(),
+        };
+        for (t, d) in dirs.iter_mut().enumerate() {
+            let slots = self.set_base[t] * WAYS..self.set_base[t + 1] * WAYS;
+            let rows = self.row_base[t]..self.row_base[t + 1];
+            d.set_raw(
+                &tags[slots.clone()],
+                &stamp[slots.clone()],
+                &locks[slots.clone()],
+                &dirty[slots],
+                counts.get(rows).unwrap_or(&[]),
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether a batch of `n` ids fits the kernels' keys (else the host admits it).
+    pub(crate) fn fits(&self, n: usize) -> bool {
+        let total_rows = *self.row_base.last().unwrap() as u64;
+        let total_sets = *self.set_base.last().unwrap() as u64;
+        let (pbits, gbits) = (bits_for(n.max(2) as u64 - 1), bits_for(total_rows));
+        n < (1 << 32)
+            && pbits + 8 * gbits.div_ceil(8) <= 64
+            && 32 + 8 * bits_for(total_sets).div_ceil(8) <= 64
+    }
+
+    /// Admits `batch` (uploaded with its table rows as ids, validated; [`fits`](Self::fits))
+    /// at `tick`: its ids become cache rows in place, its rows are locked, and the moves, direct
+    /// reads and counters come back.
+    pub(crate) fn admit(&mut self, batch: &mut DeviceBatch, tick: u64) -> Result<DeviceAdmission> {
+        let d = &self.device;
+        let n = batch.num_ids;
+        let tables = self.sets.len();
+        let total_rows = *self.row_base.last().unwrap() as u64;
+        let total_sets = *self.set_base.last().unwrap() as u64;
+        let pbits = bits_for(n.max(2) as u64 - 1);
+        let gbits = bits_for(total_rows);
+        let sentinel = total_rows << pbits;
+        let sentinel2 = total_sets << 32;
+        let lfu = i32::from(self.policy == CachePolicy::Lfu);
+        let len = n.max(1);
+        let counters = d.zeros::<u64>(HEAD + PER_TABLE * tables)?;
+        let scratch_next = d.zeros::<u32>(tables.max(1))?;
+        let locked = d.alloc::<i64>(len)?;
+        let keys = d.alloc::<u64>(len)?;
+        let bags = batch.offsets.len() - 1;
+        if n > 0 && bags > 0 {
+            d.launch(
+                DIRECTORY.kernel("cache_dir_find"),
+                LaunchConfig::warp_per_item(bags.min(65_535 * FIND_WARPS as usize), FIND_WARPS),
+                &args![
+                    batch.offsets,
+                    batch.ids,
+                    bags as i64,
+                    batch.batch_size as i64,
+                    self.d_feature_table,
+                    self.d_sets,
+                    self.d_set_base,
+                    self.d_row_base,
+                    self.tags,
+                    self.stamp,
+                    self.locks,
+                    self.counts,
+                    lfu,
+                    tick,
+                    keys,
+                    pbits as i32,
+                    sentinel,
+                    locked,
+                    counters
+                ],
+            )?;
+        }
+        let moves_d = d.alloc::<i64>(4 * len)?;
+        let direct_d = d.alloc::<i64>(3 * len)?;
+        if n > 0 {
+            let keys = crate::cuda::radix_sort_u64(keys, pbits, gbits)?;
+            let keys2 = d.alloc::<u64>(n)?;
+            let grid = LaunchConfig::linear(n, THREADS);
+            d.launch(
+                DIRECTORY.kernel("cache_dir_heads"),
+                grid,
+                &args![
+                    keys,
+                    n as i64,
+                    pbits as i32,
+                    sentinel,
+                    self.d_row_base,
+                    tables as i32,
+                    self.d_sets,
+                    self.d_set_base,
+                    keys2,
+                    sentinel2
+                ],
+            )?;
+            let keys2 = crate::cuda::radix_sort_u64(keys2, 32, bits_for(total_sets))?;
+            let head_slot = d.alloc::<i64>(n)?;
+            d.launch(
+                DIRECTORY.kernel("cache_dir_install"),
+                grid,
+                &args![
+                    keys2,
+                    n as i64,
+                    sentinel2,
+                    keys,
+                    pbits as i32,
+                    self.d_row_base,
+                    tables as i32,
+                    self.d_sets,
+                    self.d_set_base,
+                    self.tags,
+                    self.stamp,
+                    self.locks,
+                    self.dirty,
+                    self.counts,
+                    lfu,
+                    tick,
+                    head_slot,
+                    locked,
+                    moves_d,
+                    direct_d,
+                    scratch_next,
+                    counters
+                ],
+            )?;
+            d.launch(
+                DIRECTORY.kernel("cache_dir_place"),
+                grid,
+                &args![keys, n as i64, pbits as i32, sentinel, head_slot, batch.ids],
+            )?;
+        }
+        let c = counters.to_host()?;
+        let (locked_len, moves_len, direct_len) = (c[0] as usize, c[1] as usize, c[2] as usize);
+        let mut raw_moves = vec![0i64; 4 * moves_len];
+        d.read_bytes(&moves_d, 0, bytemuck::cast_slice_mut(&mut raw_moves))?;
+        let mut raw_direct = vec![0i64; 3 * direct_len];
+        d.read_bytes(&direct_d, 0, bytemuck::cast_slice_mut(&mut raw_direct))?;
+        let mut moves = vec![Vec::new(); tables];
+        for m in raw_moves.chunks_exact(4) {
+            let old = u64::try_from(m[2]).ok();
+            moves[m[0] as usize].push((m[1] as usize, old, m[3] as u64));
+        }
+        // In the order of the rows read, as the host directory lists them.
+        for m in &mut moves {
+            m.sort_unstable_by_key(|mv| mv.2);
+        }
+        let direct = (raw_direct.chunks_exact(3))
+            .map(|f| (f[0] as usize, f[1] as u64, f[2] as usize))
+            .collect();
+        let counts = (0..tables)
+            .map(|t| std::array::from_fn(|k| c[HEAD + PER_TABLE * t + k]))
+            .collect();
+        Ok(DeviceAdmission {
+            locked,
+            locked_len,
+            moves,
+            direct,
+            counts,
+        })
+    }
+
+    /// Releases one lock of each of the first `n` global slots of `slots`.
+    pub(crate) fn unlock(&mut self, slots: &DeviceBuffer<i64>, n: usize) -> Result<()> {
+        self.launch_over_slots("cache_dir_unlock", slots, n, true)
+    }
+
+    /// Marks the first `n` global slots of `slots` dirty.
+    pub(crate) fn mark_dirty(&mut self, slots: &DeviceBuffer<i64>, n: usize) -> Result<()> {
+        self.launch_over_slots("cache_dir_mark_dirty", slots, n, false)
+    }
+
+    fn launch_over_slots(
+        &self,
+        kernel: &'static str,
+        slots: &DeviceBuffer<i64>,
+        n: usize,
+        locks: bool,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let target = if locks { &self.locks } else { &self.dirty };
+        self.device.launch(
+            DIRECTORY.kernel(kernel),
+            LaunchConfig::linear(n, THREADS),
+            &args![*slots, n as i64, *target],
+        )
+    }
+
+    /// The device.
+    pub(crate) fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedding::input::{Batch, Ids};
+    use crate::embedding::tbe::cache::{CacheStats, TablePositions};
+    use rand::{Rng, SeedableRng};
+
+    /// The emulated device, or `None` (reason printed; a failure under
+    /// `EMBERS_REQUIRE_CUDA_SIM=1`).
+    fn emulated() -> Option<Arc<CudaDevice>> {
+        match crate::cuda::simulated_device(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
+                assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
+                println!("skipped: no host emulation: {e}");
+                None
+            }
+        }
+    }
+
+    /// Admissions on the device decide what the host directory decides: the same cache rows,
+    /// locks, victims, moves (dirty write-backs included), direct reads, counters and
+    /// directory contents, batch after batch, under both policies, with sets small enough
+    /// that many are wholly locked.
+    #[test]
+    fn device_admissions_equal_the_host_directorys() {
+        let Some(device) = emulated() else { return };
+        for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
+            let rows = [300usize, 500];
+            let feature_table = [0usize, 1, 1];
+            let b = 16;
+            let mut host: Vec<Directory> = [2, 3]
+                .iter()
+                .zip(&rows)
+                .map(|(&sets, &r)| Directory::new(sets, r, policy).unwrap())
+                .collect();
+            let mut dev = DeviceDirectory::new(&device, &host, &rows, &feature_table, policy)
+                .unwrap();
+            dev.push(&host).unwrap();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+            let mut stats = vec![CacheStats::empty(String::new(), 0); 2];
+            let mut held: Vec<(Vec<Vec<usize>>, DeviceBuffer<i64>, usize)> = Vec::new();
+            for tick in 1..=8u64 {
+                let mut offsets = vec![0usize];
+                let mut ids = Vec::new();
+                for f in 0..feature_table.len() {
+                    let r = rows[feature_table[f]] as u64;
+                    for _ in 0..b {
+                        for _ in 0..rng.random_range(0..12) {
+                            // Skewed: low rows come back often.
+                            let x: f64 = rng.random();
+                            ids.push((x * x * x * r as f64) as i64);
+                        }
+                        offsets.push(ids.len());
+                    }
+                }
+                let batch = Batch {
+                    ids: Ids::I64(ids.clone().into()),
+                    offsets,
+                    weights: None,
+                    batch_size: b,
+                    num_features: feature_table.len(),
+                    kept: None,
+                };
+                let ranges = TablePositions::new(&feature_table, 2, &batch);
+                let before = stats.clone();
+                let admitted: Vec<_> = (0..2)
+                    .map(|t| {
+                        let table_ids = ranges.ids(t, &batch);
+                        Some(host[t].admit(&table_ids, tick, &mut stats[t]))
+                    })
+                    .collect();
+                let mut host_loc = vec![0i64; ids.len()];
+                ranges.place(&admitted, &mut host_loc);
+                let mut on_device = DeviceBatch::upload(&device, &batch).unwrap();
+                let a = dev.admit(&mut on_device, tick).unwrap();
+                let dev_loc = on_device.ids.to_host().unwrap();
+                // Scratch rows may be numbered in another order: compare the rows they serve.
+                let serve = |t: usize, loc: i64, direct: &[(u64, usize)]| -> (bool, u64) {
+                    let slots = host[t].slots() as i64;
+                    if loc < slots {
+                        return (false, loc as u64);
+                    }
+                    let row = direct.iter().find(|&&(_, p)| p as i64 == loc).unwrap().0;
+                    (true, row)
+                };
+                for t in 0..2 {
+                    let host_direct = &admitted[t].as_ref().unwrap().fallback;
+                    let dev_direct: Vec<(u64, usize)> = (a.direct.iter())
+                        .filter(|d| d.0 == t)
+                        .map(|&(_, r, p)| (r, p))
+                        .collect();
+                    let mut sorted_host = host_direct.iter().map(|d| d.0).collect::<Vec<_>>();
+                    let mut sorted_dev = dev_direct.iter().map(|d| d.0).collect::<Vec<_>>();
+                    sorted_host.sort_unstable();
+                    sorted_dev.sort_unstable();
+                    assert_eq!(sorted_host, sorted_dev, "{policy:?} tick {tick} table {t}");
+                    for p in ranges.positions(t) {
+                        assert_eq!(
+                            serve(t, host_loc[p], host_direct),
+                            serve(t, dev_loc[p], &dev_direct),
+                            "{policy:?} tick {tick} table {t} position {p}"
+                        );
+                    }
+                    assert_eq!(
+                        admitted[t].as_ref().unwrap().moves,
+                        a.moves[t],
+                        "{policy:?} tick {tick} table {t}"
+                    );
+                    let [hits, installed, direct, evictions] = a.counts[t];
+                    let s = &stats[t];
+                    assert_eq!(s.unique_ids - before[t].unique_ids, hits + installed + direct);
+                    assert_eq!(s.unique_misses - before[t].unique_misses, installed + direct);
+                    assert_eq!(s.conflict_misses - before[t].conflict_misses, direct);
+                    assert_eq!(s.evictions - before[t].evictions, evictions);
+                }
+                let locked: Vec<Vec<usize>> =
+                    admitted.into_iter().map(|a| a.unwrap().locked).collect();
+                // Every other batch updates its rows (dirty) and every third is dropped at once.
+                if tick % 2 == 1 {
+                    for (t, l) in locked.iter().enumerate() {
+                        for &s in l {
+                            host[t].set_dirty(s, true);
+                        }
+                    }
+                    dev.mark_dirty(&a.locked, a.locked_len).unwrap();
+                }
+                held.push((locked, a.locked, a.locked_len));
+                if tick % 3 != 0 {
+                    let (locked, slots, n) = held.remove(0);
+                    for (t, l) in locked.iter().enumerate() {
+                        for &s in l {
+                            host[t].unlock(s);
+                        }
+                    }
+                    dev.unlock(&slots, n).unwrap();
+                }
+                let mut pulled: Vec<Directory> = [2, 3]
+                    .iter()
+                    .zip(&rows)
+                    .map(|(&sets, &r)| Directory::new(sets, r, policy).unwrap())
+                    .collect();
+                dev.pull(&mut pulled).unwrap();
+                for (h, p) in host.iter().zip(&pulled) {
+                    let (h, p) = (h.raw(), p.raw());
+                    assert_eq!(h.tags, p.tags, "{policy:?} tick {tick}");
+                    assert_eq!(h.counts, p.counts, "{policy:?} tick {tick}");
+                    for (x, y) in h.meta.iter().zip(p.meta) {
+                        assert_eq!(
+                            (x.stamp, x.locks, x.dirty),
+                            (y.stamp, y.locks, y.dirty),
+                            "{policy:?} tick {tick}"
+                        );
+                    }
+                }
+            }
+            let conflicts: u64 = stats.iter().map(|s| s.conflict_misses).sum();
+            let evictions: u64 = stats.iter().map(|s| s.evictions).sum();
+            assert!(conflicts > 0 && evictions > 0, "{conflicts} {evictions}");
+        }
+    }
+}
