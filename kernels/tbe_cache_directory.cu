@@ -10,8 +10,8 @@
 // One admission (tick `tick`), in order:
 //   cache_dir_find:    each id looks its row up; a hit's slot is locked at its row's first
 //                      occurrence (the one thread that swaps the slot's stamp to `tick`) and
-//                      the id becomes its cache row; a miss writes the key (g << pbits | p).
-//   radix sort of the miss keys by g (non-misses carry g = total rows: last).
+//                      the id becomes its cache row; a miss appends the key (g << pbits | p).
+//   radix sort of the miss keys by g (a row's ids in any order: they all get its cache row).
 //   cache_dir_heads:   each distinct missed row (the first key of its run) writes
 //                      (set << 32 | its index); the others write the sentinel.
 //   radix sort of those by set (stable: within a set, row order).
@@ -21,11 +21,13 @@
 //                      lowest way) — installed, locked, its move (dirty victim, new row)
 //                      listed — or, when every way is locked, a scratch row of its table.
 //   cache_dir_place:   each missed id becomes its row's cache row.
+//   cache_dir_moves:   (rows in mapped host memory) the moves, made by the GPU.
 // Sets are independent and each set's misses are taken in row order, so the decisions are the
 // host directory's, which takes all misses in row order.
 //
-// `counters` (u64): [0] slots locked, [1] moves, [2] direct reads, then per table t, at 3 + 4t:
-// hits locked, rows installed, direct reads, evictions.
+// `counters` (u64): [0] slots locked, [1] moves, [2] direct reads, [3] missed ids, then per
+// table t, at 4 + 5t: hits locked, rows installed, direct reads, evictions, dirty rows written
+// back.
 
 #define EMPTY_ROW 0xffffffffffffffffull
 #define WAYS 32
@@ -60,7 +62,7 @@ extern "C" __global__ void cache_dir_find(
     const i64* __restrict__ set_base, const i64* __restrict__ row_base,
     const unsigned long long* __restrict__ tags, unsigned long long* stamp, unsigned* locks,
     unsigned* counts, int lfu, unsigned long long tick, unsigned long long* miss_keys, int pbits,
-    unsigned long long sentinel, i64* locked, unsigned long long* counters) {
+    i64* locked, unsigned long long* counters) {
     i64 warps = (i64)gridDim.x * blockDim.y;
     for (i64 bag = (i64)blockIdx.x * blockDim.y + threadIdx.y; bag < bags; bag += warps) {
         i64 t = feature_table[bag / batch_size];
@@ -75,18 +77,18 @@ extern "C" __global__ void cache_dir_find(
                 if (tags[base + w] == row) { way = w; break; }
             }
             if (way < 0) {
-                miss_keys[p] = ((unsigned long long)(row_base[t] + (i64)row) << pbits) |
-                               (unsigned long long)p;
+                miss_keys[atomicAdd(&counters[3], 1ull)] =
+                    ((unsigned long long)(row_base[t] + (i64)row) << pbits) |
+                    (unsigned long long)p;
                 continue;
             }
             i64 slot = base + way;
-            miss_keys[p] = sentinel;
             ids[p] = set * WAYS + way;
             if (atomicExch(&stamp[slot], tick) != tick) {
                 if (lfu) count_access(counts, row_base[t] + (i64)row);
                 atomicAdd(&locks[slot], 1u);
                 locked[atomicAdd(&counters[0], 1ull)] = slot;
-                atomicAdd(&counters[3 + 4 * t], 1ull);
+                atomicAdd(&counters[4 + 5 * t], 1ull);
             }
         }
     }
@@ -163,15 +165,18 @@ extern "C" __global__ void cache_dir_install(
                 direct[3 * d + 1] = row;
                 direct[3 * d + 2] = pos;
                 head_slot[i] = pos;
-                atomicAdd(&counters[3 + 4 * t + 2], 1ull);
+                atomicAdd(&counters[4 + 5 * t + 2], 1ull);
                 continue;
             }
             i64 s = base + victim;
             unsigned long long old = tags[s];
             i64 written = -1;
             if (old != EMPTY_ROW) {
-                atomicAdd(&counters[3 + 4 * t + 3], 1ull);
-                if (dirty[s]) written = (i64)old;
+                atomicAdd(&counters[4 + 5 * t + 3], 1ull);
+                if (dirty[s]) {
+                    written = (i64)old;
+                    atomicAdd(&counters[4 + 5 * t + 4], 1ull);
+                }
             }
             i64 local = s - set_base[t] * WAYS;
             i64 m = (i64)atomicAdd(&counters[1], 1ull);
@@ -184,7 +189,7 @@ extern "C" __global__ void cache_dir_install(
             stamp[s] = tick;
             locks[s] += 1u;
             locked[atomicAdd(&counters[0], 1ull)] = s;
-            atomicAdd(&counters[3 + 4 * t + 1], 1ull);
+            atomicAdd(&counters[4 + 5 * t + 1], 1ull);
             head_slot[i] = local;
         }
     }
@@ -221,5 +226,44 @@ extern "C" __global__ void cache_dir_mark_dirty(const i64* __restrict__ slots, i
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         dirty[slots[i]] = 1u;
+    }
+}
+
+// An admission's row moves between the cache rows and the rows in mapped host memory (rows in
+// host memory that the GPU reads and writes in place): one warp per move, `counters[1]` of
+// them. The dirty victim's record (if any) is written back to its row, then the new row's
+// record is read into the slot; each lane copies the same elements both ways. A record in
+// host memory is weights, state 0, state 1 back to back, at host_first[t] + row · record
+// floats; in the cache buffers, part k of table t starts at part_start[3t + k] and has
+// part_len[3t + k] floats per cache row.
+extern "C" __global__ void cache_dir_moves(const i64* __restrict__ moves,
+                                           const unsigned long long* __restrict__ counters,
+                                           float* w, float* s0, float* s1, float* host,
+                                           const i64* __restrict__ host_first,
+                                           const i64* __restrict__ part_start,
+                                           const i64* __restrict__ part_len) {
+    i64 n = (i64)counters[1];
+    i64 warps = (i64)gridDim.x * blockDim.y;
+    for (i64 m = (i64)blockIdx.x * blockDim.y + threadIdx.y; m < n; m += warps) {
+        i64 t = moves[4 * m], slot = moves[4 * m + 1], old = moves[4 * m + 2];
+        i64 row = moves[4 * m + 3];
+        float* parts[3] = {w, s0, s1};
+        i64 record = part_len[3 * t] + part_len[3 * t + 1] + part_len[3 * t + 2];
+        if (old >= 0) {
+            float* dst = host + host_first[t] + old * record;
+            for (int k = 0; k < 3; ++k) {
+                i64 len = part_len[3 * t + k];
+                const float* src = parts[k] + part_start[3 * t + k] + slot * len;
+                for (i64 j = threadIdx.x; j < len; j += 32) dst[j] = src[j];
+                dst += len;
+            }
+        }
+        const float* src = host + host_first[t] + row * record;
+        for (int k = 0; k < 3; ++k) {
+            i64 len = part_len[3 * t + k];
+            float* dst = parts[k] + part_start[3 * t + k] + slot * len;
+            for (i64 j = threadIdx.x; j < len; j += 32) dst[j] = src[j];
+            src += len;
+        }
     }
 }

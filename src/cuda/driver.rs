@@ -190,6 +190,51 @@ impl Driver {
         Ok(p.cast())
     }
 
+    /// Registers `bytes` of host memory at `host` with the GPU (pinned and mapped:
+    /// FBGEMM's rows in host memory read by its kernels) and gives their device address.
+    ///
+    /// # Safety
+    /// The memory stays allocated until [`unregister_host`](Self::unregister_host).
+    pub(crate) unsafe fn register_host(
+        &self,
+        ordinal: usize,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<u64> {
+        use cudarc::driver::sys;
+        self.bind(ordinal)?;
+        // SAFETY: the caller's promise.
+        unsafe { sys::cuMemHostRegister_v2(host.cast(), bytes, sys::CU_MEMHOSTREGISTER_DEVICEMAP) }
+            .result()
+            .map_err(|e| failed(ordinal, "registering host memory with the GPU", e))?;
+        let mut address: sys::CUdeviceptr = 0;
+        // SAFETY: registered just above.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut address, host.cast(), 0) }
+            .result()
+            .map_err(|e| failed(ordinal, "mapping registered host memory", e));
+        if let Err(e) = mapped {
+            // SAFETY: registered above, used by nothing yet.
+            let _ = unsafe { sys::cuMemHostUnregister(host.cast()) };
+            return Err(e);
+        }
+        Ok(address)
+    }
+
+    /// Unregisters host memory registered by [`register_host`](Self::register_host), after
+    /// the work queued before has finished.
+    ///
+    /// # Safety
+    /// `host` was registered and is still allocated.
+    pub(crate) unsafe fn unregister_host(&self, ordinal: usize, host: *mut u8) -> Result<()> {
+        use cudarc::driver::sys;
+        self.bind(ordinal)?;
+        let _ = self.context.synchronize();
+        // SAFETY: the caller's promise.
+        unsafe { sys::cuMemHostUnregister(host.cast()) }
+            .result()
+            .map_err(|e| failed(ordinal, "unregistering host memory", e))
+    }
+
     /// Queues a copy of `bytes` from pinned `src` to `dst` and returns an event reached when
     /// it is done.
     ///

@@ -53,6 +53,7 @@ pub use compile::{
 use device::Backend;
 pub use device::{CudaDevice, DeviceEvent};
 pub use launch::{ArgKind, DeviceOperand, KernelArg, KernelArgs, LaunchConfig};
+pub(crate) use pinned::MappedHost;
 pub use pinned::PinnedBuffer;
 pub use sim::HOST_SIM_HEADER;
 pub(crate) use sort::SORT;

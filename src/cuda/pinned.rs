@@ -393,3 +393,66 @@ impl Drop for Staging {
         }
     }
 }
+
+/// Host memory the GPU's kernels read and write in place (registered, pinned and mapped:
+/// `cuMemHostRegister`), given to kernels as a pointer. On the host emulation the host address
+/// is the device address.
+pub(crate) struct MappedHost {
+    device: Arc<CudaDevice>,
+    host: *mut u8,
+    address: u64,
+    bytes: usize,
+}
+
+// SAFETY: the registration is a handle to memory owned elsewhere; the driver calls are
+// thread-safe.
+unsafe impl Send for MappedHost {}
+// SAFETY: as above; `&MappedHost` only hands out the address.
+unsafe impl Sync for MappedHost {}
+
+impl MappedHost {
+    /// Registers `bytes` bytes at `host` with `device`.
+    ///
+    /// # Safety
+    /// The memory stays allocated (and is not remapped) until the registration is dropped,
+    /// and the host reads or writes it only when no kernel using it is running.
+    pub(crate) unsafe fn register(
+        device: &Arc<CudaDevice>,
+        host: *mut u8,
+        bytes: usize,
+    ) -> Result<Self> {
+        let address = match device.driver() {
+            // SAFETY: the caller's promise.
+            Some(d) => unsafe { d.register_host(device.ordinal(), host, bytes)? },
+            None => host as u64,
+        };
+        Ok(MappedHost {
+            device: device.clone(),
+            host,
+            address,
+            bytes,
+        })
+    }
+}
+
+impl super::DeviceOperand for MappedHost {
+    fn device_span(&self, device: &CudaDevice) -> Result<(u64, usize)> {
+        if !std::ptr::eq(self.device.as_ref(), device) {
+            return Err(Error::DeviceMismatch {
+                op: "kernel launch",
+                lhs: Device::Cuda(device.ordinal()),
+                rhs: Device::Cuda(self.device.ordinal()),
+            });
+        }
+        Ok((self.address, self.bytes))
+    }
+}
+
+impl Drop for MappedHost {
+    fn drop(&mut self) {
+        if let Some(d) = self.device.driver() {
+            // SAFETY: registered by `register`; the memory is still allocated (its promise).
+            let _ = unsafe { d.unregister_host(self.device.ordinal(), self.host) };
+        }
+    }
+}

@@ -251,7 +251,7 @@ impl TableBatchedEmbedding {
             ));
         }
         c.check_idle()?;
-        c.store_mut().commit(staged)?;
+        c.commit_store(staged)?;
         // The old file's rows (dirty ones included) are gone with it: forget them.
         c.invalidate(cfg)?;
         state.step = step;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::directory::{Directory, WAYS};
 use super::{CachePolicy, Move};
-use crate::cuda::{CudaDevice, DeviceBuffer, LaunchConfig};
+use crate::cuda::{CudaDevice, DeviceBuffer, LaunchConfig, MappedHost};
 use crate::embedding::tbe::cuda::DeviceBatch;
 use crate::{args, Result};
 
@@ -24,6 +24,7 @@ crate::kernel_source!(
         "cache_dir_place",
         "cache_dir_unlock",
         "cache_dir_mark_dirty",
+        "cache_dir_moves",
     ];
 );
 
@@ -32,9 +33,10 @@ const THREADS: u32 = 256;
 /// Warps per block of the find kernel (a warp per bag).
 const FIND_WARPS: u32 = 8;
 /// Counters before the per-table ones (`kernels/tbe_cache_directory.cu`).
-const HEAD: usize = 3;
-/// Counters per table: hits locked, rows installed, direct reads, evictions.
-const PER_TABLE: usize = 4;
+const HEAD: usize = 4;
+/// Counters per table: hits locked, rows installed, direct reads, evictions, dirty rows
+/// written back.
+pub(crate) const PER_TABLE: usize = 5;
 
 /// Device bytes per slot: its tag, stamp, locks and dirtiness.
 pub(crate) const SLOT_BYTES: usize = 8 + 8 + 4 + 4;
@@ -44,18 +46,56 @@ fn bits_for(v: u64) -> u32 {
     64 - v.leading_zeros()
 }
 
+/// Where an admission's moves go when the GPU makes them itself: the rows in mapped host
+/// memory and the cache buffers (`cache_dir_moves` in `kernels/tbe_cache_directory.cu`).
+pub(crate) struct MovesInPlace<'a> {
+    /// The cache rows' weights and two state buffers.
+    pub buffers: [&'a DeviceBuffer<f32>; 3],
+    /// The row store.
+    pub host: &'a MappedHost,
+    /// Per table, the float offset of its first record in the store.
+    pub host_first: Vec<i64>,
+    /// Per table and part (weights, state 0, state 1): the float offset of its first cache
+    /// row in the part's buffer, and its floats per row.
+    pub part_start: Vec<i64>,
+    pub part_len: Vec<i64>,
+}
+
 /// What a device admission decided, read back to the host.
 pub(crate) struct DeviceAdmission {
     /// Slots locked for the batch (global slot numbers, on the device), and how many.
     pub locked: DeviceBuffer<i64>,
     pub locked_len: usize,
-    /// Per table, the data moves (cache row, dirty row written back, row read in), in row
-    /// order of the rows read.
-    pub moves: Vec<Vec<Move>>,
+    /// The data moves, 4 values each (table, cache row, dirty row written back or -1, row
+    /// read in), on the device, and how many; already made when the admission was given
+    /// [`MovesInPlace`].
+    moves: DeviceBuffer<i64>,
+    moves_len: usize,
     /// Direct reads: (table, row, scratch row).
     pub direct: Vec<(usize, u64, usize)>,
-    /// Per table: hits locked, rows installed, direct reads, evictions.
+    /// Per table: hits locked, rows installed, direct reads, evictions, dirty rows written
+    /// back.
     pub counts: Vec<[u64; PER_TABLE]>,
+    /// Seconds until the directory's decisions were made (the rest: the moves in place).
+    pub decided: std::time::Duration,
+}
+
+impl DeviceAdmission {
+    /// Per table, the data moves (cache row, dirty row written back, row read in), in the
+    /// order of the rows read (as the host directory lists them), read back from the device.
+    pub(crate) fn moves(&self, tables: usize) -> Result<Vec<Vec<Move>>> {
+        let mut raw = vec![0i64; 4 * self.moves_len];
+        (self.moves.device()).read_bytes(&self.moves, 0, bytemuck::cast_slice_mut(&mut raw))?;
+        let mut moves = vec![Vec::new(); tables];
+        for m in raw.chunks_exact(4) {
+            let old = u64::try_from(m[2]).ok();
+            moves[m[0] as usize].push((m[1] as usize, old, m[3] as u64));
+        }
+        for m in &mut moves {
+            m.sort_unstable_by_key(|mv| mv.2);
+        }
+        Ok(moves)
+    }
 }
 
 /// Every table's directory in device buffers.
@@ -225,10 +265,17 @@ impl DeviceDirectory {
     }
 
     /// Admits `batch` (uploaded with its table rows as ids, validated; [`fits`](Self::fits))
-    /// at `tick`: its ids become cache rows in place, its rows are locked, and the moves, direct
-    /// reads and counters come back.
-    pub(crate) fn admit(&mut self, batch: &mut DeviceBatch, tick: u64) -> Result<DeviceAdmission> {
-        let d = &self.device;
+    /// at `tick`: its ids become cache rows in place, its rows are locked, the moves are made
+    /// when `in_place` says where (else listed for the host), and the direct reads and
+    /// counters come back.
+    pub(crate) fn admit(
+        &mut self,
+        batch: &mut DeviceBatch,
+        tick: u64,
+        in_place: Option<&MovesInPlace<'_>>,
+    ) -> Result<DeviceAdmission> {
+        let start = std::time::Instant::now();
+        let d = self.device.clone();
         let n = batch.num_ids;
         let tables = self.sets.len();
         let total_rows = *self.row_base.last().unwrap() as u64;
@@ -265,24 +312,30 @@ impl DeviceDirectory {
                     tick,
                     keys,
                     pbits as i32,
-                    sentinel,
                     locked,
                     counters
                 ],
             )?;
         }
-        let moves_d = d.alloc::<i64>(4 * len)?;
-        let direct_d = d.alloc::<i64>(3 * len)?;
-        if n > 0 {
-            let keys = crate::cuda::radix_sort_u64(keys, pbits, gbits)?;
-            let keys2 = d.alloc::<u64>(n)?;
-            let grid = LaunchConfig::linear(n, THREADS);
+        // The missed ids, appended by the find: only they are sorted.
+        let mut head = [0u64; HEAD];
+        d.read_bytes(&counters, 0, bytemuck::cast_slice_mut(&mut head))?;
+        let missed = head[3] as usize;
+        let moves = d.alloc::<i64>(4 * len)?;
+        let direct = d.alloc::<i64>(3 * len)?;
+        if missed > 0 {
+            let mut compact = d.alloc::<u64>(missed)?;
+            d.copy_bytes(&mut compact, 0, &keys, 0, 8 * missed)?;
+            drop(keys);
+            let keys = crate::cuda::radix_sort_u64(compact, pbits, gbits)?;
+            let keys2 = d.alloc::<u64>(missed)?;
+            let grid = LaunchConfig::linear(missed, THREADS);
             d.launch(
                 DIRECTORY.kernel("cache_dir_heads"),
                 grid,
                 &args![
                     keys,
-                    n as i64,
+                    missed as i64,
                     pbits as i32,
                     sentinel,
                     self.d_row_base,
@@ -294,13 +347,13 @@ impl DeviceDirectory {
                 ],
             )?;
             let keys2 = crate::cuda::radix_sort_u64(keys2, 32, bits_for(total_sets))?;
-            let head_slot = d.alloc::<i64>(n)?;
+            let head_slot = d.alloc::<i64>(missed)?;
             d.launch(
                 DIRECTORY.kernel("cache_dir_install"),
                 grid,
                 &args![
                     keys2,
-                    n as i64,
+                    missed as i64,
                     sentinel2,
                     keys,
                     pbits as i32,
@@ -317,8 +370,8 @@ impl DeviceDirectory {
                     tick,
                     head_slot,
                     locked,
-                    moves_d,
-                    direct_d,
+                    moves,
+                    direct,
                     scratch_next,
                     counters
                 ],
@@ -326,25 +379,30 @@ impl DeviceDirectory {
             d.launch(
                 DIRECTORY.kernel("cache_dir_place"),
                 grid,
-                &args![keys, n as i64, pbits as i32, sentinel, head_slot, batch.ids],
+                &args![keys, missed as i64, pbits as i32, sentinel, head_slot, batch.ids],
+            )?;
+        }
+        let mut decided = start.elapsed();
+        if let Some(m) = in_place.filter(|_| missed > 0) {
+            d.synchronize()?;
+            decided = start.elapsed();
+            let [w, s0, s1] = m.buffers;
+            let (first, starts, lens) = (
+                d.htod(&m.host_first)?,
+                d.htod(&m.part_start)?,
+                d.htod(&m.part_len)?,
+            );
+            d.launch(
+                DIRECTORY.kernel("cache_dir_moves"),
+                LaunchConfig::warp_per_item(missed.min(65_535 * 8), 8),
+                &args![moves, counters, *w, *s0, *s1, *m.host, first, starts, lens],
             )?;
         }
         let c = counters.to_host()?;
         let (locked_len, moves_len, direct_len) = (c[0] as usize, c[1] as usize, c[2] as usize);
-        let mut raw_moves = vec![0i64; 4 * moves_len];
-        d.read_bytes(&moves_d, 0, bytemuck::cast_slice_mut(&mut raw_moves))?;
         let mut raw_direct = vec![0i64; 3 * direct_len];
-        d.read_bytes(&direct_d, 0, bytemuck::cast_slice_mut(&mut raw_direct))?;
-        let mut moves = vec![Vec::new(); tables];
-        for m in raw_moves.chunks_exact(4) {
-            let old = u64::try_from(m[2]).ok();
-            moves[m[0] as usize].push((m[1] as usize, old, m[3] as u64));
-        }
-        // In the order of the rows read, as the host directory lists them.
-        for m in &mut moves {
-            m.sort_unstable_by_key(|mv| mv.2);
-        }
-        let direct = (raw_direct.chunks_exact(3))
+        d.read_bytes(&direct, 0, bytemuck::cast_slice_mut(&mut raw_direct))?;
+        let direct_reads = (raw_direct.chunks_exact(3))
             .map(|f| (f[0] as usize, f[1] as u64, f[2] as usize))
             .collect();
         let counts = (0..tables)
@@ -354,8 +412,10 @@ impl DeviceDirectory {
             locked,
             locked_len,
             moves,
-            direct,
+            moves_len,
+            direct: direct_reads,
             counts,
+            decided,
         })
     }
 
@@ -469,7 +529,8 @@ mod tests {
                 let mut host_loc = vec![0i64; ids.len()];
                 ranges.place(&admitted, &mut host_loc);
                 let mut on_device = DeviceBatch::upload(&device, &batch).unwrap();
-                let a = dev.admit(&mut on_device, tick).unwrap();
+                let a = dev.admit(&mut on_device, tick, None).unwrap();
+                let moves = a.moves(2).unwrap();
                 let dev_loc = on_device.ids.to_host().unwrap();
                 // Scratch rows may be numbered in another order: compare the rows they serve.
                 let serve = |t: usize, loc: i64, direct: &[(u64, usize)]| -> (bool, u64) {
@@ -500,10 +561,12 @@ mod tests {
                     }
                     assert_eq!(
                         admitted[t].as_ref().unwrap().moves,
-                        a.moves[t],
+                        moves[t],
                         "{policy:?} tick {tick} table {t}"
                     );
-                    let [hits, installed, direct, evictions] = a.counts[t];
+                    let [hits, installed, direct, evictions, written] = a.counts[t];
+                    let dirty = moves[t].iter().filter(|m| m.1.is_some()).count();
+                    assert_eq!(written, dirty as u64);
                     let s = &stats[t];
                     assert_eq!(s.unique_ids - before[t].unique_ids, hits + installed + direct);
                     assert_eq!(s.unique_misses - before[t].unique_misses, installed + direct);

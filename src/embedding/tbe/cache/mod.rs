@@ -47,7 +47,7 @@ use super::cpu::HostTables;
 use super::cuda::records::{RecordAt, RecordStaging};
 use super::cuda::{DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
-use crate::cuda::{CudaDevice, DeviceBuffer};
+use crate::cuda::{CudaDevice, DeviceBuffer, MappedHost};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Device, Error, Result, Tensor};
@@ -218,6 +218,9 @@ impl Parts {
 
 /// Tables in a file, cached in DRAM.
 pub(crate) struct CachedTables {
+    /// A GPU cache's rows in host memory, registered with the GPU so that its kernels make
+    /// the moves themselves (declared before `store`: unregistered before the memory goes).
+    mapped: Option<MappedHost>,
     store: RowStore,
     policy: CachePolicy,
     dirs: Vec<Directory>,
@@ -343,7 +346,8 @@ impl CachedTables {
             }
             _ => None,
         };
-        Ok(CachedTables {
+        let mut tables = CachedTables {
+            mapped: None,
             store,
             policy: cache.policy,
             dirs,
@@ -360,7 +364,39 @@ impl CachedTables {
             staging: RecordStaging::default(),
             times: CacheTimes::default(),
             prefetched: Default::default(),
-        })
+        };
+        tables.mapped = tables.map_store();
+        Ok(tables)
+    }
+
+    /// The registration of a GPU cache's rows in host memory with its GPU, when the device
+    /// directory admits batches and the rows are not in a file (a file's pages cannot be
+    /// pinned). `None` also when the driver refuses: the moves then cross in staged copies.
+    fn map_store(&mut self) -> Option<MappedHost> {
+        let device = self.gpu()?.clone();
+        let aligned = (0..self.dirs.len()).all(|t| self.store.table(t).offset % 4 == 0);
+        if self.device_dir.is_none() || !self.store.in_memory() || !aligned {
+            return None;
+        }
+        let bytes = self.store.bytes_mut();
+        if bytes.is_empty() {
+            return None;
+        }
+        // SAFETY: the mapping lives as long as the store's memory: `mapped` is dropped first
+        // (field order) and before the memory is replaced (`commit_store`); the host touches
+        // the rows only between admissions, and an admission waits for its moves.
+        unsafe { MappedHost::register(&device, bytes.as_mut_ptr(), bytes.len()) }.ok()
+    }
+
+    /// Makes staged rows the store's (a checkpoint's), the registration with the GPU moved
+    /// to the new memory.
+    pub(crate) fn commit_store(&mut self, staged: store::Staged) -> Result<()> {
+        let was_mapped = self.mapped.take().is_some();
+        let committed = self.store.commit(staged);
+        if was_mapped {
+            self.mapped = self.map_store();
+        }
+        committed
     }
 
     /// The cache-shaped config, layout and zero buffers for `scratch` rows per table (on
@@ -781,14 +817,36 @@ impl CachedTables {
         let mut on_device = DeviceBatch::upload(&device, batch)?;
         self.times.transfer += t0.elapsed();
         let t0 = std::time::Instant::now();
+        let starts = self.starts();
+        let in_place = match (&self.mapped, &self.rows) {
+            (Some(host), CacheRows::Device(d)) => Some(device_directory::MovesInPlace {
+                buffers: d.record_buffers(),
+                host,
+                host_first: (0..self.parts.len())
+                    .map(|t| (self.store.table(t).offset / 4) as i64)
+                    .collect(),
+                part_start: starts.iter().flatten().map(|&x| x as i64).collect(),
+                part_len: (self.parts.iter())
+                    .flat_map(|p| [p.dim, p.state[0], p.state[1]])
+                    .map(|x| x as i64)
+                    .collect(),
+            }),
+            _ => None,
+        };
         let dir = self.device_dir.as_mut().expect("admitting on the device");
-        let a = dir.admit(&mut on_device, tick)?;
-        self.times.directory += t0.elapsed();
+        let a = dir.admit(&mut on_device, tick, in_place.as_ref())?;
+        self.times.directory += a.decided;
+        self.times.transfer += t0.elapsed() - a.decided;
+        let moved = in_place.is_some();
         for (t, stats) in self.stats.iter_mut().enumerate() {
+            let [hits, installed, direct, evictions, written] = a.counts[t];
+            if moved {
+                stats.rows_read += installed;
+                stats.rows_written += written;
+            }
             if !ranges.read(t) {
                 continue;
             }
-            let [hits, installed, direct, evictions] = a.counts[t];
             stats.calls += 1;
             stats.requested_ids += ranges.len(t) as u64;
             stats.unique_ids += hits + installed + direct;
@@ -803,6 +861,7 @@ impl CachedTables {
                 Fallback { table, row, pos }
             })
             .collect();
+        let host_moves = (!moved).then(|| a.moves(self.dirs.len())).transpose()?;
         let lease = Lease {
             locked: Locks::Device(a.locked, a.locked_len),
             fallback,
@@ -814,7 +873,9 @@ impl CachedTables {
                 self.grow_scratch(logical, t, n)?;
             }
         }
-        self.apply_moves(&a.moves)?;
+        if let Some(moves) = host_moves {
+            self.apply_moves(&moves)?;
+        }
         let remapped = Batch {
             // The cache rows are on the device only.
             ids: Ids::I64(Vec::new().into()),
@@ -1210,11 +1271,6 @@ impl CachedTables {
     /// The row store.
     pub(crate) fn store(&self) -> &RowStore {
         &self.store
-    }
-
-    /// The row store, mutably.
-    pub(crate) fn store_mut(&mut self) -> &mut RowStore {
-        &mut self.store
     }
 }
 

@@ -193,7 +193,7 @@ impl DeviceTables {
 
     /// The weights and state buffers as the record kernels take them (a missing state buffer
     /// is never read: its lengths are 0).
-    fn record_buffers(&self) -> [&DeviceBuffer<f32>; 3] {
+    pub(crate) fn record_buffers(&self) -> [&DeviceBuffer<f32>; 3] {
         let Weights::F32(w) = &self.weights else {
             unreachable!("checked by record_offsets");
         };
