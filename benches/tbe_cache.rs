@@ -235,7 +235,7 @@ fn main() {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / timed as f64;
     println!(
         "  cached admission per batch {:.2} ms: directory {:.2} ms, moving rows to and from \
-         the file {:.2} ms, transfers and gather/scatter kernels {:.2} ms, the rest (sorting \
+         the store {:.2} ms, transfers and gather/scatter kernels {:.2} ms, the rest (sorting \
          ids into the batch, bookkeeping) {:.2} ms",
         ms(times.admission),
         ms(times.directory),

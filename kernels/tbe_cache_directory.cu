@@ -229,13 +229,31 @@ extern "C" __global__ void cache_dir_mark_dirty(const i64* __restrict__ slots, i
     }
 }
 
+// `len` floats from `src` to `dst` by one warp, eight loads in flight per lane before their
+// stores (host memory answers over PCIe: many requests at once hide its latency).
+__device__ __forceinline__ void warp_copy(float* __restrict__ dst, const float* __restrict__ src,
+                                          i64 len) {
+    for (i64 base = 0; base < len; base += 8 * 32) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            i64 j = base + k * 32 + threadIdx.x;
+            if (j < len) v[k] = src[j];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            i64 j = base + k * 32 + threadIdx.x;
+            if (j < len) dst[j] = v[k];
+        }
+    }
+}
+
 // An admission's row moves between the cache rows and the rows in mapped host memory (rows in
 // host memory that the GPU reads and writes in place): one warp per move, `counters[1]` of
 // them. The dirty victim's record (if any) is written back to its row, then the new row's
-// record is read into the slot; each lane copies the same elements both ways. A record in
-// host memory is weights, state 0, state 1 back to back, at host_first[t] + row · record
-// floats; in the cache buffers, part k of table t starts at part_start[3t + k] and has
-// part_len[3t + k] floats per cache row.
+// record is read into the slot. A record in host memory is weights, state 0, state 1 back to
+// back, at host_first[t] + row · record floats; in the cache buffers, part k of table t
+// starts at part_start[3t + k] and has part_len[3t + k] floats per cache row.
 extern "C" __global__ void cache_dir_moves(const i64* __restrict__ moves,
                                            const unsigned long long* __restrict__ counters,
                                            float* w, float* s0, float* s1, float* host,
@@ -253,16 +271,16 @@ extern "C" __global__ void cache_dir_moves(const i64* __restrict__ moves,
             float* dst = host + host_first[t] + old * record;
             for (int k = 0; k < 3; ++k) {
                 i64 len = part_len[3 * t + k];
-                const float* src = parts[k] + part_start[3 * t + k] + slot * len;
-                for (i64 j = threadIdx.x; j < len; j += 32) dst[j] = src[j];
+                warp_copy(dst, parts[k] + part_start[3 * t + k] + slot * len, len);
                 dst += len;
             }
         }
+        // The victim's values are read (above) before the slot is overwritten: each lane
+        // copies the same elements both ways.
         const float* src = host + host_first[t] + row * record;
         for (int k = 0; k < 3; ++k) {
             i64 len = part_len[3 * t + k];
-            float* dst = parts[k] + part_start[3 * t + k] + slot * len;
-            for (i64 j = threadIdx.x; j < len; j += 32) dst[j] = src[j];
+            warp_copy(parts[k] + part_start[3 * t + k] + slot * len, src, len);
             src += len;
         }
     }

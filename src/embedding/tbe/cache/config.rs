@@ -219,11 +219,13 @@ impl CacheStats {
 pub struct CacheTimes {
     /// Admissions in all (`prepare`, `forward`, `prefetch`), the parts below included.
     pub admission: std::time::Duration,
-    /// Moving rows between the row file and the cache's staging (a GPU cache; a host cache
-    /// moves rows while admitting, counted in `admission` only).
+    /// Moving rows between the row store (a file, or host memory) and the cache (a GPU
+    /// cache: the host's copies to and from the staging buffers, or the GPU's own moves over
+    /// rows in mapped host memory; a host cache moves rows while admitting, counted in
+    /// `admission` only).
     pub file: std::time::Duration,
-    /// Copies between host and GPU (rows, and the batch's ids as cache rows) and the kernels
-    /// that gather and scatter cache rows (a GPU cache).
+    /// Copies between host and GPU (staged rows, the batch's ids, the admission's results)
+    /// and the kernels that gather and scatter staged rows (a GPU cache).
     pub transfer: std::time::Duration,
     /// Looking the batch's rows up in the directories and choosing victims (the tables in
     /// parallel; a host cache's row moves included).

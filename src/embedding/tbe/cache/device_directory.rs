@@ -76,8 +76,10 @@ pub(crate) struct DeviceAdmission {
     /// Per table: hits locked, rows installed, direct reads, evictions, dirty rows written
     /// back.
     pub counts: Vec<[u64; PER_TABLE]>,
-    /// Seconds until the directory's decisions were made (the rest: the moves in place).
+    /// Time until the directory's decisions were made, and then until the moves in place
+    /// were made (zero without them).
     pub decided: std::time::Duration,
+    pub moved: std::time::Duration,
 }
 
 impl DeviceAdmission {
@@ -383,6 +385,7 @@ impl DeviceDirectory {
             )?;
         }
         let mut decided = start.elapsed();
+        let mut moved = std::time::Duration::ZERO;
         if let Some(m) = in_place.filter(|_| missed > 0) {
             d.synchronize()?;
             decided = start.elapsed();
@@ -397,6 +400,8 @@ impl DeviceDirectory {
                 LaunchConfig::warp_per_item(missed.min(65_535 * 8), 8),
                 &args![moves, counters, *w, *s0, *s1, *m.host, first, starts, lens],
             )?;
+            d.synchronize()?;
+            moved = start.elapsed() - decided;
         }
         let c = counters.to_host()?;
         let (locked_len, moves_len, direct_len) = (c[0] as usize, c[1] as usize, c[2] as usize);
@@ -416,6 +421,7 @@ impl DeviceDirectory {
             direct: direct_reads,
             counts,
             decided,
+            moved,
         })
     }
 

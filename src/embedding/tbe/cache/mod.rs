@@ -836,7 +836,8 @@ impl CachedTables {
         let dir = self.device_dir.as_mut().expect("admitting on the device");
         let a = dir.admit(&mut on_device, tick, in_place.as_ref())?;
         self.times.directory += a.decided;
-        self.times.transfer += t0.elapsed() - a.decided;
+        self.times.file += a.moved;
+        self.times.transfer += t0.elapsed() - a.decided - a.moved;
         let moved = in_place.is_some();
         for (t, stats) in self.stats.iter_mut().enumerate() {
             let [hits, installed, direct, evictions, written] = a.counts[t];
