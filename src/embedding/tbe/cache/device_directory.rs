@@ -152,7 +152,12 @@ impl DeviceDirectory {
             d_sets: device.htod(&i64s(&sets))?,
             d_set_base: device.htod(&i64s(&set_base))?,
             d_row_base: device.htod(&i64s(&row_base))?,
-            d_feature_table: device.htod(&i64s(feature_table).into_iter().chain([0]).collect::<Vec<_>>())?,
+            d_feature_table: device.htod(
+                &i64s(feature_table)
+                    .into_iter()
+                    .chain([0])
+                    .collect::<Vec<_>>(),
+            )?,
             tags: device.alloc(slots.max(1))?,
             stamp: device.alloc(slots.max(1))?,
             locks: device.alloc(slots.max(1))?,
@@ -326,8 +331,8 @@ impl DeviceDirectory {
         let moves = d.alloc::<i64>(4 * len)?;
         let direct = d.alloc::<i64>(3 * len)?;
         if missed > 0 {
-            let mut compact = d.alloc::<u64>(missed)?;
-            d.copy_bytes(&mut compact, 0, &keys, 0, 8 * missed)?;
+            let compact = d.alloc::<u64>(missed)?;
+            d.copy_bytes(&compact, 0, &keys, 0, 8 * missed)?;
             drop(keys);
             let keys = crate::cuda::radix_sort_u64(compact, pbits, gbits)?;
             let keys2 = d.alloc::<u64>(missed)?;
@@ -381,7 +386,14 @@ impl DeviceDirectory {
             d.launch(
                 DIRECTORY.kernel("cache_dir_place"),
                 grid,
-                &args![keys, missed as i64, pbits as i32, sentinel, head_slot, batch.ids],
+                &args![
+                    keys,
+                    missed as i64,
+                    pbits as i32,
+                    sentinel,
+                    head_slot,
+                    batch.ids
+                ],
             )?;
         }
         let mut decided = start.elapsed();
@@ -496,8 +508,8 @@ mod tests {
                 .zip(&rows)
                 .map(|(&sets, &r)| Directory::new(sets, r, policy).unwrap())
                 .collect();
-            let mut dev = DeviceDirectory::new(&device, &host, &rows, &feature_table, policy)
-                .unwrap();
+            let mut dev =
+                DeviceDirectory::new(&device, &host, &rows, &feature_table, policy).unwrap();
             dev.push(&host).unwrap();
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
             let mut stats = vec![CacheStats::empty(String::new(), 0); 2];
@@ -574,8 +586,14 @@ mod tests {
                     let dirty = moves[t].iter().filter(|m| m.1.is_some()).count();
                     assert_eq!(written, dirty as u64);
                     let s = &stats[t];
-                    assert_eq!(s.unique_ids - before[t].unique_ids, hits + installed + direct);
-                    assert_eq!(s.unique_misses - before[t].unique_misses, installed + direct);
+                    assert_eq!(
+                        s.unique_ids - before[t].unique_ids,
+                        hits + installed + direct
+                    );
+                    assert_eq!(
+                        s.unique_misses - before[t].unique_misses,
+                        installed + direct
+                    );
                     assert_eq!(s.conflict_misses - before[t].conflict_misses, direct);
                     assert_eq!(s.evictions - before[t].evictions, evictions);
                 }

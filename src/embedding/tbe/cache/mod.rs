@@ -3,9 +3,15 @@
 //! rows in use, in DRAM or in a GPU's memory (FBGEMM's `MANAGED_CACHING`). The cache's buffers
 //! are ordinary tables ([`HostTables`] or [`DeviceTables`]) whose table `t` has
 //! `slots_t + scratch_t` rows, so forward and the fused backward are the host or GPU kernels
-//! themselves, run on a copy of the batch whose ids are cache slots. The directory and the
-//! admission always run on the host; a GPU cache's row moves are deferred to the end of the
-//! admission and cross in one pinned transfer each way ([`gpu`], `cuda::records`).
+//! themselves, run on a copy of the batch whose ids are cache slots. A host cache's directory
+//! and admission run on the host. A GPU cache admits on the GPU ([`device_directory`]: the
+//! same decisions, made by kernels, the batch's ids turned into cache rows in place); its row
+//! moves are made by a kernel over rows in host memory registered with the GPU, or, for rows in
+//! a file (whose pages cannot be pinned), listed for the host and crossing in one pinned
+//! transfer each way ([`gpu`], `cuda::records`). The host directory stays the one that
+//! flushes, checkpoints and serves direct reads: the two directories are copied into each
+//! other when the work changes sides (`EMBERS_CACHE_HOST_DIRECTORY=1` keeps a GPU cache's
+//! directory on the host, as before).
 //!
 //! The life of a batch:
 //! * **admission** (at `prepare`, `forward` or `prefetch`): each table's unique ids are looked
@@ -763,8 +769,11 @@ impl CachedTables {
             moves[t] = a.moves;
             locked[t] = a.locked;
             fallbacks[t] = a.fallback.len();
-            fallback
-                .extend((a.fallback.into_iter()).map(|(row, pos)| Fallback { table: t, row, pos }));
+            fallback.extend((a.fallback.into_iter()).map(|(row, pos)| Fallback {
+                table: t,
+                row,
+                pos,
+            }));
         }
         let lease = Lease {
             locked: Locks::Host(locked),
