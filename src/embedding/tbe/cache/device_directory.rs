@@ -119,6 +119,9 @@ pub(crate) struct DeviceDirectory {
     dirty: DeviceBuffer<u32>,
     /// LFU: every table's access counts, by global row (one element otherwise).
     counts: DeviceBuffer<u32>,
+    /// The stream of the last operation on the buffers: an operation from another stream
+    /// waits for it (a prefetch in `Stream::run` after a backward on the default stream).
+    last_stream: Option<crate::cuda::allocator::StreamId>,
 }
 
 impl DeviceDirectory {
@@ -163,12 +166,24 @@ impl DeviceDirectory {
             locks: device.alloc(slots.max(1))?,
             dirty: device.alloc(slots.max(1))?,
             counts: device.alloc(counts_len)?,
+            last_stream: None,
             device: device.clone(),
             policy,
             sets,
             set_base,
             row_base,
         })
+    }
+
+    /// Orders this operation (on the calling thread's stream) after the previous one on the
+    /// buffers, whatever stream that was on.
+    fn order(&mut self) -> Result<()> {
+        let current = self.device.at().stream;
+        if let Some(last) = self.last_stream.filter(|&l| l != current) {
+            self.device.stream_wait(current, last)?;
+        }
+        self.last_stream = Some(current);
+        Ok(())
     }
 
     /// Bytes of the device buffers.
@@ -194,6 +209,7 @@ impl DeviceDirectory {
 
     /// Copies the host directories into the device buffers.
     pub(crate) fn push(&mut self, dirs: &[Directory]) -> Result<()> {
+        self.order()?;
         let slots = self.tags.len();
         let (mut tags, mut stamp, mut locks, mut dirty) = (
             Vec::with_capacity(slots),
@@ -226,6 +242,11 @@ impl DeviceDirectory {
 
     /// Table `t`'s occupied slots and their rows, read from the device.
     pub(crate) fn occupied(&self, t: usize) -> Result<Vec<(usize, u64)>> {
+        // Reads wait for the work queued before on the calling thread's stream; the work of
+        // another stream is waited for too.
+        if let Some(last) = self.last_stream.filter(|&l| l != self.device.at().stream) {
+            self.device.synchronize_stream(last)?;
+        }
         let first = self.set_base[t] * WAYS;
         let mut tags = vec![0u64; self.sets[t] * WAYS];
         self.device
@@ -236,7 +257,8 @@ impl DeviceDirectory {
     }
 
     /// Copies the device buffers into the host directories.
-    pub(crate) fn pull(&self, dirs: &mut [Directory]) -> Result<()> {
+    pub(crate) fn pull(&mut self, dirs: &mut [Directory]) -> Result<()> {
+        self.order()?;
         let (tags, stamp, locks, dirty) = (
             self.tags.to_host()?,
             self.stamp.to_host()?,
@@ -282,6 +304,7 @@ impl DeviceDirectory {
         in_place: Option<&MovesInPlace<'_>>,
     ) -> Result<DeviceAdmission> {
         let start = std::time::Instant::now();
+        self.order()?;
         let d = self.device.clone();
         let n = batch.num_ids;
         let tables = self.sets.len();
@@ -448,7 +471,7 @@ impl DeviceDirectory {
     }
 
     fn launch_over_slots(
-        &self,
+        &mut self,
         kernel: &'static str,
         slots: &DeviceBuffer<i64>,
         n: usize,
@@ -457,6 +480,7 @@ impl DeviceDirectory {
         if n == 0 {
             return Ok(());
         }
+        self.order()?;
         let target = if locks { &self.locks } else { &self.dirty };
         self.device.launch(
             DIRECTORY.kernel(kernel),

@@ -245,6 +245,10 @@ pub(crate) struct CachedTables {
     device_dir: Option<DeviceDirectory>,
     /// Which directory is current: `dirs`, or `device_dir`'s buffers.
     home: Home,
+    /// Why the cache is unusable: a GPU admission failed after deciding (its locks and
+    /// installed rows may disagree with the cache rows). Everything but a checkpoint load
+    /// ([`invalidate`](Self::invalidate)) is refused meanwhile.
+    poisoned: Option<String>,
     /// A GPU cache's pinned staging buffers.
     staging: RecordStaging,
     /// Where the admissions' time went.
@@ -367,6 +371,7 @@ impl CachedTables {
             released: Arc::new(Mutex::new(Vec::new())),
             device_dir,
             home: Home::Host,
+            poisoned: None,
             staging: RecordStaging::default(),
             times: CacheTimes::default(),
             prefetched: Default::default(),
@@ -491,11 +496,25 @@ impl CachedTables {
         Ok(self.dirs.iter().map(Directory::locked_slots).collect())
     }
 
+    /// Refuses when a failed admission left the cache unusable.
+    fn check_usable(&self) -> Result<()> {
+        match &self.poisoned {
+            None => Ok(()),
+            Some(why) => Err(Error::invalid(
+                OP,
+                format!(
+                    "the cache is unusable after a failed admission ({why}); load a \
+                     checkpoint to continue"
+                ),
+            )),
+        }
+    }
+
     /// Makes the host directories the current ones (copied back from the GPU when the
     /// device directory was).
     fn on_host(&mut self) -> Result<()> {
         if self.home == Home::Device {
-            let d = (self.device_dir.as_ref()).expect("a device home has a device directory");
+            let d = (self.device_dir.as_mut()).expect("a device home has a device directory");
             d.pull(&mut self.dirs)?;
             self.home = Home::Host;
         }
@@ -721,6 +740,7 @@ impl CachedTables {
 
     fn admit_timed(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<CachedBatch> {
         self.store.check_len()?;
+        self.check_usable()?;
         if let Some(k) = (self.prefetched.iter())
             .position(|(ids, offsets, _)| *offsets == batch.offsets && same_ids(ids, &batch.ids))
         {
@@ -740,7 +760,13 @@ impl CachedTables {
             .as_ref()
             .is_some_and(|d| d.fits(batch.ids.len()))
         {
-            return self.admit_on_device(logical, batch, &ranges);
+            let admitted = self.admit_on_device(logical, batch, &ranges);
+            if let Err(e) = &admitted {
+                // Past its first kernel, an admission has locked and installed rows that no
+                // lease or move will account for.
+                self.poisoned = Some(e.to_string());
+            }
+            return admitted;
         }
         self.on_host()?;
         self.drain_released()?;
@@ -1129,6 +1155,7 @@ impl CachedTables {
     /// Writes every dirty cached row back to the file and syncs it.
     pub(crate) fn flush(&mut self) -> Result<()> {
         self.store.check_len()?;
+        self.check_usable()?;
         self.on_host()?;
         let dirty: Vec<(usize, usize, u64)> = (self.dirs.iter().enumerate())
             .flat_map(|(t, d)| {
@@ -1152,6 +1179,7 @@ impl CachedTables {
     /// Part `p` (0 weights, 1/2 optimizer state) of every row of table `t`, in row order.
     pub(crate) fn read_part(&self, t: usize, p: usize) -> Result<Vec<f32>> {
         self.store.check_len()?;
+        self.check_usable()?;
         let parts = self.parts[t];
         let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
@@ -1199,6 +1227,7 @@ impl CachedTables {
         mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
         self.store.check_len()?;
+        self.check_usable()?;
         self.on_host()?;
         let parts = self.parts[t];
         let rows = self.store.table(t).rows;
@@ -1244,6 +1273,10 @@ impl CachedTables {
         self.dirs = dirs;
         // The device directory is stale now; the next admission copies these up.
         self.home = Home::Host;
+        // Batches still alive (only after a failed admission: check_idle) release into a
+        // list no one drains: their slots are not these directories'.
+        self.released = Arc::new(Mutex::new(Vec::new()));
+        self.poisoned = None;
         Ok(())
     }
 
@@ -1267,6 +1300,10 @@ impl CachedTables {
     /// Prefetched admissions are forgotten first.
     pub(crate) fn check_idle(&mut self) -> Result<()> {
         self.prefetched.clear();
+        if self.poisoned.is_some() {
+            // The directories are to be rebuilt (invalidate): their locks do not matter.
+            return Ok(());
+        }
         self.drain_released()?;
         self.on_host()?;
         if self.dirs.iter().any(|d| d.locked_slots() > 0) {
