@@ -84,6 +84,9 @@ fn run(args: &[String]) -> Result<(), String> {
                 let comm = mpi_world().map_err(|e| e.to_string())?;
                 let report = dist_sequence::run_ec_case(comm, &case, steps)?;
                 println!("OK rank {rank} {} unpooled {report:?}", case.name);
+                if !case.caches.dir.as_os_str().is_empty() && case.caches.dir.exists() {
+                    std::fs::remove_dir_all(&case.caches.dir).map_err(|e| e.to_string())?;
+                }
             }
             Ok(())
         }

@@ -33,8 +33,8 @@ use super::plan::{ShardCaches, ShardingPlan};
 use super::routing::{Route, Slot};
 use super::shards::{sharded_access, Build, LocalInput, ShardValues, Shards, TableInfo};
 use crate::embedding::{
-    check_configs, EmbeddingConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding, TbeBatch,
-    TbeInput, WeightDecay,
+    check_configs, CacheStats, EmbeddingConfig, FusedOptimizer, PoolingMode, TableBatchedEmbedding,
+    TbeBatch, TbeInput, WeightDecay,
 };
 use crate::error::{Error, Result};
 use crate::sparse::{JaggedTensor, KeyedJaggedTensor};
@@ -210,6 +210,29 @@ impl ShardedEmbeddingCollection {
         comm: Comm,
         seed: u64,
     ) -> Result<Self> {
+        Self::with_caches(
+            configs,
+            plan,
+            optimizer,
+            &ShardCaches::default(),
+            comm,
+            seed,
+        )
+    }
+
+    /// [`new`](Self::new) with the rows of tables the plan gives a cached kernel
+    /// (`fused_uvm`, `fused_uvm_caching`) kept where `caches` says (by default in host
+    /// memory; a directory: one row file per rank and group of its shards, `ec-rank<r>-…`):
+    /// each rank's shards of those tables train through a DRAM cache of the plan's size, bit
+    /// for bit as in memory.
+    pub fn with_caches(
+        configs: Vec<EmbeddingConfig>,
+        plan: &ShardingPlan,
+        optimizer: FusedOptimizer,
+        caches: &ShardCaches,
+        comm: Comm,
+        seed: u64,
+    ) -> Result<Self> {
         let checked = check_configs(OP, &configs).map(|_| ());
         let shards = Shards::build(Build {
             op: OP,
@@ -230,8 +253,7 @@ impl ShardedEmbeddingCollection {
             optimizer,
             weight_decay: WeightDecay::None,
             plan,
-            // A plan's cached kernels keep the rows in host memory.
-            caches: &ShardCaches::default(),
+            caches,
             comm,
             seed,
         })?;
@@ -241,6 +263,12 @@ impl ShardedEmbeddingCollection {
     }
 
     sharded_access!();
+
+    /// The cache counters of this rank's shards that the plan's cached kernels put behind a
+    /// cache (one entry per local table, named `<table>#<i>`; empty without cached kernels).
+    pub fn cache_stats(&self) -> Vec<CacheStats> {
+        self.inner.shards.cache_stats()
+    }
 
     /// The table configs (unsharded).
     pub fn configs(&self) -> &[EmbeddingConfig] {

@@ -109,10 +109,7 @@ impl ShardedEmbeddingBagCollection {
     /// The cache counters of this rank's shards that the plan's cached kernels put behind a
     /// cache (one entry per local table, named `<table>#<i>`; empty without cached kernels).
     pub fn cache_stats(&self) -> Vec<CacheStats> {
-        (self.inner.shards.remote.iter())
-            .filter_map(|l| l.tbe.cache_stats())
-            .flatten()
-            .collect()
+        self.inner.shards.cache_stats()
     }
 
     /// [`new`](Self::new) with weight decay.

@@ -17,8 +17,9 @@ use super::input_dist::{all_to_all_bags, Bags, Gathered, HostKjt};
 use super::plan::{fnv1a, ComputeKernel, ShardCaches, ShardingPlan, TableShape};
 use super::routing::{Route, Routing, Slot};
 use crate::embedding::{
-    fill_init, BoundsCheckMode, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit, FusedOptimizer,
-    Placement, PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig, WeightDecay,
+    fill_init, BoundsCheckMode, CacheStats, EmbeddingBagConfig, EmbeddingConfig, EmbeddingInit,
+    FusedOptimizer, Placement, PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig,
+    WeightDecay,
 };
 use crate::error::{Error, Result};
 use crate::sparse::KeyedJaggedTensor;
@@ -293,6 +294,14 @@ fn groups_by<K: Ord + Copy>(
 }
 
 impl Shards {
+    /// The cache counters of the local TBEs behind caches (a plan's cached kernels).
+    pub(crate) fn cache_stats(&self) -> Vec<CacheStats> {
+        (self.remote.iter())
+            .filter_map(|l| l.tbe.cache_stats())
+            .flatten()
+            .collect()
+    }
+
     /// Builds this rank's shards (a collective: every rank calls it with the same arguments)
     /// and initialises them from the seed, row by row ([`init_table`]).
     pub fn build(b: Build<'_>) -> Result<Shards> {

@@ -85,10 +85,11 @@ pub fn train_ec(comm: Comm, case: &Case, steps: usize) -> Result<TrainedEc, Stri
     let e = |e: embers::Error| e.to_string();
     let (rank, w) = (comm.rank(), comm.size());
     let configs = ec_tables();
-    let sharded = ShardedEmbeddingCollection::new(
+    let sharded = ShardedEmbeddingCollection::with_caches(
         configs.clone(),
         &plan_of(case)?,
         case.optimizer,
+        &case.caches,
         comm,
         SEED,
     )
@@ -196,6 +197,9 @@ pub fn run_ec_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, Stri
         )?;
         trained.report.table_values += got.len();
     }
+    trained.report.cached_ids = (trained.sharded.cache_stats().iter())
+        .map(|s| s.requested_ids)
+        .sum();
     Ok(trained.report)
 }
 
