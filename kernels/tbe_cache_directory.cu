@@ -272,3 +272,24 @@ extern "C" __global__ void cache_dir_moves(const i64* __restrict__ moves,
         }
     }
 }
+
+// out[i] = the cache row (slot of its table) holding row rows[i] of table tables[i], or -1.
+extern "C" __global__ void cache_dir_lookup(const i64* __restrict__ tables,
+                                            const i64* __restrict__ rows, i64 n,
+                                            const i64* __restrict__ sets,
+                                            const i64* __restrict__ set_base,
+                                            const unsigned long long* __restrict__ tags,
+                                            i64* __restrict__ out) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        i64 t = tables[i];
+        unsigned long long row = (unsigned long long)rows[i];
+        i64 set = (i64)(fmix64(row) % (unsigned long long)sets[t]);
+        i64 base = (set_base[t] + set) * WAYS;
+        i64 found = -1;
+        for (int w = 0; w < WAYS; ++w) {
+            if (tags[base + w] == row) { found = set * WAYS + w; break; }
+        }
+        out[i] = found;
+    }
+}

@@ -8,7 +8,7 @@ mod cuda_device;
 #[path = "support/dist_scenarios.rs"]
 mod dist_scenarios;
 
-use dist_scenarios::{cases, run_local};
+use dist_scenarios::{cache_failures, cases, remove_cache_files, run_local};
 
 fn check_world(world: usize) {
     check_cases(cases(world));
@@ -19,18 +19,8 @@ fn check_cases(cases: Vec<dist_scenarios::Case>) {
     for case in cases {
         let world = case.world;
         let reports = run_local(&case, 5);
-        // The plan's cached kernels put some rank's shards behind a cache, and only they.
-        let cached: u64 = (reports.iter().flatten()).map(|r| r.cached_ids).sum();
-        if reports.iter().all(|r| r.is_ok()) && case.kernels.is_empty() != (cached == 0) {
-            failures.push(format!(
-                "{}: {cached} ids looked up through caches, with kernels {:?}",
-                case.name, case.kernels
-            ));
-        }
-        // The case's row files, if it had any.
-        if !case.caches.dir.as_os_str().is_empty() && case.caches.dir.exists() {
-            std::fs::remove_dir_all(&case.caches.dir).unwrap();
-        }
+        let files = remove_cache_files(&case);
+        failures.extend(cache_failures(&case, &reports, files));
         for (rank, r) in reports.into_iter().enumerate() {
             match r {
                 Ok(report) => {

@@ -13,7 +13,10 @@ mod dist_sequence;
 
 use std::time::Duration;
 
-use dist_scenarios::{case, cases, compare, kjt_of, plan_of, rank_batch, Case, SEED};
+use dist_scenarios::{
+    cache_failures, case, cases, compare, kjt_of, plan_of, rank_batch, remove_cache_files, Case,
+    SEED,
+};
 use dist_sequence::{ec_tables, run_ec_local, train_ec};
 use embers::distributed::{load_into_unsharded, Comm, ShardedEmbeddingCollection};
 use embers::embedding::{EmbeddingCollection, EmbeddingConfig};
@@ -25,28 +28,8 @@ fn check_cases(cases: Vec<Case>) {
     let mut failures = Vec::new();
     for case in cases {
         let reports = run_ec_local(&case, 5);
-        // The plan's cached kernels put some rank's shards behind a cache, and only they; a
-        // case with a cache directory keeps their rows in files there.
-        let cached: u64 = (reports.iter().flatten()).map(|r| r.cached_ids).sum();
-        if reports.iter().all(|r| r.is_ok()) && case.kernels.is_empty() != (cached == 0) {
-            failures.push(format!(
-                "{}: {cached} ids looked up through caches, with kernels {:?}",
-                case.name, case.kernels
-            ));
-        }
-        if !case.caches.dir.as_os_str().is_empty() {
-            let files = std::fs::read_dir(&case.caches.dir)
-                .map(|d| d.flatten().count())
-                .unwrap_or(0);
-            if reports.iter().all(|r| r.is_ok()) && files == 0 {
-                failures.push(format!(
-                    "{}: no row files in {}",
-                    case.name,
-                    case.caches.dir.display()
-                ));
-            }
-            let _ = std::fs::remove_dir_all(&case.caches.dir);
-        }
+        let files = remove_cache_files(&case);
+        failures.extend(cache_failures(&case, &reports, files));
         for (rank, r) in reports.into_iter().enumerate() {
             match r {
                 Ok(report) => {

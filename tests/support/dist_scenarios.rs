@@ -304,6 +304,46 @@ pub struct Report {
     pub cached_ids: u64,
 }
 
+/// What is wrong with the caches of `case` after a run whose rank reports are `reports`: the
+/// plan's cached kernels put some rank's shards behind a cache, and only they; a case with a
+/// cache directory keeps their rows in files there (`files` of them after the run).
+pub fn cache_failures(
+    case: &Case,
+    reports: &[Result<Report, String>],
+    files: usize,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    if reports.iter().any(|r| r.is_err()) {
+        return failures;
+    }
+    let cached: u64 = (reports.iter().flatten()).map(|r| r.cached_ids).sum();
+    if case.kernels.is_empty() != (cached == 0) {
+        failures.push(format!(
+            "{}: {cached} ids looked up through caches, with kernels {:?}",
+            case.name, case.kernels
+        ));
+    }
+    if !case.caches.dir.as_os_str().is_empty() && files == 0 {
+        failures.push(format!(
+            "{}: no row files in {}",
+            case.name,
+            case.caches.dir.display()
+        ));
+    }
+    failures
+}
+
+/// The row files in `case`'s cache directory, which is then removed (none without one).
+pub fn remove_cache_files(case: &Case) -> usize {
+    let dir = &case.caches.dir;
+    if dir.as_os_str().is_empty() {
+        return 0;
+    }
+    let files = std::fs::read_dir(dir).map_or(0, |d| d.flatten().count());
+    let _ = std::fs::remove_dir_all(dir);
+    files
+}
+
 /// Runs `case` on this rank for `steps` steps and compares it with the unsharded run.
 pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String> {
     let e = |e: embers::Error| e.to_string();

@@ -25,6 +25,7 @@ crate::kernel_source!(
         "cache_dir_unlock",
         "cache_dir_mark_dirty",
         "cache_dir_moves",
+        "cache_dir_lookup",
     ];
 );
 
@@ -240,8 +241,52 @@ impl DeviceDirectory {
         self.counts.copy_from_host(&counts)
     }
 
-    /// Table `t`'s occupied slots and their rows, read from the device.
-    pub(crate) fn occupied(&self, t: usize) -> Result<Vec<(usize, u64)>> {
+    /// The slot (of its table) holding each `(table, row)`, if cached: a lookup on the device
+    /// (the host directory stays as it is).
+    pub(crate) fn find(&mut self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.order()?;
+        let d = &self.device;
+        let tables: Vec<i64> = rows.iter().map(|&(t, _)| t as i64).collect();
+        let ids: Vec<i64> = rows.iter().map(|&(_, r)| r as i64).collect();
+        let (tables, ids) = (d.htod(&tables)?, d.htod(&ids)?);
+        let out = d.alloc::<i64>(rows.len())?;
+        d.launch(
+            DIRECTORY.kernel("cache_dir_lookup"),
+            LaunchConfig::linear(rows.len(), THREADS),
+            &args![
+                tables,
+                ids,
+                rows.len() as i64,
+                self.d_sets,
+                self.d_set_base,
+                self.tags,
+                out
+            ],
+        )?;
+        Ok(out
+            .to_host()?
+            .into_iter()
+            .map(|s| usize::try_from(s).ok())
+            .collect())
+    }
+
+    /// Marks slots `slots` ((table, slot of the table) pairs) dirty.
+    pub(crate) fn set_dirty(&mut self, slots: &[(usize, usize)]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let global: Vec<i64> = (slots.iter())
+            .map(|&(t, s)| self.global(t, s) as i64)
+            .collect();
+        let global = self.device.htod(&global)?;
+        self.mark_dirty(&global, slots.len())
+    }
+
+    /// The row in each slot of table `t` (`u64::MAX`: none), read from the device.
+    pub(crate) fn tags_of(&self, t: usize) -> Result<Vec<u64>> {
         // Reads wait for the work queued before on the calling thread's stream; the work of
         // another stream is waited for too.
         if let Some(last) = self.last_stream.filter(|&l| l != self.device.at().stream) {
@@ -251,7 +296,12 @@ impl DeviceDirectory {
         let mut tags = vec![0u64; self.sets[t] * WAYS];
         self.device
             .read_bytes(&self.tags, first * 8, bytemuck::cast_slice_mut(&mut tags))?;
-        Ok((tags.into_iter().enumerate())
+        Ok(tags)
+    }
+
+    /// Table `t`'s occupied slots and their rows, read from the device.
+    pub(crate) fn occupied(&self, t: usize) -> Result<Vec<(usize, u64)>> {
+        Ok((self.tags_of(t)?.into_iter().enumerate())
             .filter(|&(_, r)| r != u64::MAX)
             .collect())
     }
@@ -642,6 +692,14 @@ mod tests {
                     }
                     dev.unlock(&slots, n).unwrap();
                 }
+                // Lookups of single rows agree too (cached or not).
+                let probe: Vec<(usize, u64)> = (0..40)
+                    .map(|k| (k % 2, rng.random_range(0..rows[k % 2] as u64)))
+                    .collect();
+                let want: Vec<Option<usize>> =
+                    probe.iter().map(|&(t, r)| host[t].find(r)).collect();
+                assert_eq!(dev.find(&probe).unwrap(), want, "{policy:?} tick {tick}");
+                assert!(want.iter().any(Option::is_some) && want.iter().any(Option::is_none));
                 let mut pulled: Vec<Directory> = [2, 3]
                     .iter()
                     .zip(&rows)

@@ -174,8 +174,6 @@ impl CachedTables {
         let sparse = match grads.sparse {
             None => None,
             Some((rows, values)) => {
-                // The rows held by the batch's slots, from the host directory.
-                self.on_host()?;
                 let row_offsets = &self.layout.row_offsets;
                 let mut per_table = Vec::with_capacity(self.cfg.tables.len());
                 for (t, spec) in self.cfg.tables.iter().enumerate() {
@@ -183,7 +181,7 @@ impl CachedTables {
                     let a = rows.partition_point(|&r| r < first);
                     let b = rows.partition_point(|&r| r < end);
                     let idx = rows[a..b].iter().map(|&r| (r - first) as usize);
-                    let order = self.by_table_row(t, idx, fallback);
+                    let order = self.by_table_row(t, idx, fallback)?;
                     let positions: Vec<i64> = order.iter().map(|&(_, k)| k as i64).collect();
                     let positions =
                         Tensor::from_vec(positions, &[order.len()])?.to_device(self.device())?;

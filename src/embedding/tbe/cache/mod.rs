@@ -984,13 +984,20 @@ impl CachedTables {
         if fallback.is_empty() {
             return Ok(());
         }
-        self.on_host()?;
         if into_scratch {
             self.store.check_len()?;
         }
-        let current: Vec<Option<usize>> = (fallback.iter())
-            .map(|f| self.dirs[f.table].find(f.row))
-            .collect();
+        // Where each row lives now, from the current directory (looked up on the GPU when
+        // that one is current: no copy of the whole directory).
+        let current: Vec<Option<usize>> = match (self.home, &mut self.device_dir) {
+            (Home::Device, Some(d)) => {
+                let rows: Vec<(usize, u64)> = fallback.iter().map(|f| (f.table, f.row)).collect();
+                d.find(&rows)?
+            }
+            _ => (fallback.iter())
+                .map(|f| self.dirs[f.table].find(f.row))
+                .collect(),
+        };
         let scratch_rows: Vec<(usize, usize)> = fallback.iter().map(|f| (f.table, f.pos)).collect();
         let cached: Vec<(usize, usize)> = (fallback.iter().zip(&current))
             .filter_map(|(f, s)| Some((f.table, (*s)?)))
@@ -1020,14 +1027,20 @@ impl CachedTables {
                 let (this, rest) = rec.split_at(self.parts[f.table].record());
                 rec = rest;
                 match s {
-                    Some(s) => {
-                        to_slots.extend_from_slice(this);
-                        self.dirs[f.table].set_dirty(*s, true);
-                    }
+                    Some(_) => to_slots.extend_from_slice(this),
                     None => self.write_row(f.table, f.row, this),
                 }
             }
-            self.put(&cached, &to_slots)
+            self.put(&cached, &to_slots)?;
+            match (self.home, &mut self.device_dir) {
+                (Home::Device, Some(d)) => d.set_dirty(&cached),
+                _ => {
+                    for &(t, s) in &cached {
+                        self.dirs[t].set_dirty(s, true);
+                    }
+                    Ok(())
+                }
+            }
         }
     }
 
@@ -1084,8 +1097,17 @@ impl CachedTables {
         t: usize,
         idx: impl Iterator<Item = usize>,
         fallback: &[Fallback],
-    ) -> Vec<(i64, usize)> {
+    ) -> Result<Vec<(i64, usize)>> {
         let slots = self.dirs[t].slots();
+        // The rows in the slots, from the current directory.
+        let device_tags = match (self.home, &self.device_dir) {
+            (Home::Device, Some(d)) => Some(d.tags_of(t)?),
+            _ => None,
+        };
+        let row_of = |i: usize| match &device_tags {
+            Some(tags) => Some(tags[i]).filter(|&r| r != u64::MAX),
+            None => self.dirs[t].row_of(i),
+        };
         // Scratch row → the row it serves.
         let mut scratch = vec![0u64; self.scratch[t]];
         for f in fallback.iter().filter(|f| f.table == t) {
@@ -1094,14 +1116,14 @@ impl CachedTables {
         let mut order: Vec<(i64, usize)> = (idx.enumerate())
             .map(|(k, i)| {
                 let row = match i < slots {
-                    true => (self.dirs[t].row_of(i)).expect("a locked slot holds its row"),
+                    true => row_of(i).expect("a locked slot holds its row"),
                     false => scratch[i - slots],
                 };
                 (row as i64, k)
             })
             .collect();
         order.sort_unstable();
-        order
+        Ok(order)
     }
 
     /// The fused backward of an admitted batch on a host cache; sparse gradients come back
@@ -1140,7 +1162,7 @@ impl CachedTables {
             read.dedup();
             for (g, &t) in grads.iter_mut().zip(&read) {
                 let dim = g.dim;
-                let order = self.by_table_row(t, g.rows.iter().map(|&i| i as usize), fallback);
+                let order = self.by_table_row(t, g.rows.iter().map(|&i| i as usize), fallback)?;
                 let mut values = Vec::with_capacity(g.values.len());
                 for &(_, k) in &order {
                     values.extend_from_slice(&g.values[k * dim..(k + 1) * dim]);
