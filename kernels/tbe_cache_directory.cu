@@ -96,7 +96,7 @@ extern "C" __global__ void cache_dir_find(
 
 // keys2[i] = set << 32 | i for the first key of each missed row's run, else sentinel2.
 extern "C" __global__ void cache_dir_heads(
-    const unsigned long long* __restrict__ keys, i64 n, int pbits, unsigned long long sentinel,
+    const unsigned long long* __restrict__ keys, i64 n, int pbits,
     const i64* __restrict__ row_base, int tables, const i64* __restrict__ sets,
     const i64* __restrict__ set_base, unsigned long long* __restrict__ keys2,
     unsigned long long sentinel2) {
@@ -104,7 +104,7 @@ extern "C" __global__ void cache_dir_heads(
          i += (i64)gridDim.x * blockDim.x) {
         unsigned long long k = keys[i];
         i64 g = (i64)(k >> pbits);
-        bool head = k < sentinel && (i == 0 || (i64)(keys[i - 1] >> pbits) != g);
+        bool head = i == 0 || (i64)(keys[i - 1] >> pbits) != g;
         if (!head) {
             keys2[i] = sentinel2;
             continue;
@@ -197,14 +197,14 @@ extern "C" __global__ void cache_dir_install(
 
 // Every missed id (its key's position) takes its row's cache row: one thread per run.
 extern "C" __global__ void cache_dir_place(const unsigned long long* __restrict__ keys, i64 n,
-                                           int pbits, unsigned long long sentinel,
-                                           const i64* __restrict__ head_slot, i64* ids) {
+                                           int pbits, const i64* __restrict__ head_slot,
+                                           i64* ids) {
     unsigned long long pmask = (1ull << pbits) - 1ull;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         unsigned long long k = keys[i];
         unsigned long long g = k >> pbits;
-        if (k >= sentinel || (i > 0 && (keys[i - 1] >> pbits) == g)) continue;
+        if (i > 0 && (keys[i - 1] >> pbits) == g) continue;
         i64 slot = head_slot[i];
         for (i64 j = i; j < n && (keys[j] >> pbits) == g; ++j) ids[keys[j] & pmask] = slot;
     }

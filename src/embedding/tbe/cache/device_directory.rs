@@ -273,16 +273,25 @@ impl DeviceDirectory {
             .collect())
     }
 
+    /// `slots` ((table, slot of the table) pairs) as global slot numbers on the device, and
+    /// how many (`None` when there are none).
+    pub(crate) fn upload_slots(
+        &self,
+        slots: impl Iterator<Item = (usize, usize)>,
+    ) -> Result<Option<(DeviceBuffer<i64>, usize)>> {
+        let global: Vec<i64> = slots.map(|(t, s)| self.global(t, s) as i64).collect();
+        if global.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some((self.device.htod(&global)?, global.len())))
+    }
+
     /// Marks slots `slots` ((table, slot of the table) pairs) dirty.
     pub(crate) fn set_dirty(&mut self, slots: &[(usize, usize)]) -> Result<()> {
-        if slots.is_empty() {
-            return Ok(());
+        match self.upload_slots(slots.iter().copied())? {
+            Some((global, n)) => self.mark_dirty(&global, n),
+            None => Ok(()),
         }
-        let global: Vec<i64> = (slots.iter())
-            .map(|&(t, s)| self.global(t, s) as i64)
-            .collect();
-        let global = self.device.htod(&global)?;
-        self.mark_dirty(&global, slots.len())
     }
 
     /// The row in each slot of table `t` (`u64::MAX`: none), read from the device.
@@ -362,7 +371,6 @@ impl DeviceDirectory {
         let total_sets = *self.set_base.last().unwrap() as u64;
         let pbits = bits_for(n.max(2) as u64 - 1);
         let gbits = bits_for(total_rows);
-        let sentinel = total_rows << pbits;
         let sentinel2 = total_sets << 32;
         let lfu = i32::from(self.policy == CachePolicy::Lfu);
         let len = n.max(1);
@@ -417,7 +425,6 @@ impl DeviceDirectory {
                     keys,
                     missed as i64,
                     pbits as i32,
-                    sentinel,
                     self.d_row_base,
                     tables as i32,
                     self.d_sets,
@@ -459,14 +466,7 @@ impl DeviceDirectory {
             d.launch(
                 DIRECTORY.kernel("cache_dir_place"),
                 grid,
-                &args![
-                    keys,
-                    missed as i64,
-                    pbits as i32,
-                    sentinel,
-                    head_slot,
-                    batch.ids
-                ],
+                &args![keys, missed as i64, pbits as i32, head_slot, batch.ids],
             )?;
         }
         let mut decided = start.elapsed();

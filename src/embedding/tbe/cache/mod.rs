@@ -564,15 +564,12 @@ impl CachedTables {
         match locks {
             Locks::Device(slots, n) => op(d, slots, *n),
             Locks::Host(per_table) => {
-                let global: Vec<i64> = (per_table.iter().enumerate())
-                    .flat_map(|(t, ss)| ss.iter().map(move |&s| (t, s)))
-                    .map(|(t, s)| d.global(t, s) as i64)
-                    .collect();
-                if global.is_empty() {
-                    return Ok(());
+                let slots = (per_table.iter().enumerate())
+                    .flat_map(|(t, ss)| ss.iter().map(move |&s| (t, s)));
+                match d.upload_slots(slots)? {
+                    Some((slots, n)) => op(d, &slots, n),
+                    None => Ok(()),
                 }
-                let slots = d.device().htod(&global)?;
-                op(d, &slots, global.len())
             }
         }
     }
@@ -806,28 +803,53 @@ impl CachedTables {
             fallback,
             released: self.released.clone(),
         };
-        // Every lock is in the lease now: if growing fails, dropping it releases them all.
+        // A host cache made its moves while admitting; a GPU cache's are deferred to here.
+        let moves = self.gpu().is_some().then_some(moves);
+        self.finish_admission(logical, batch, lease, &fallbacks, moves, remapped, None)
+    }
+
+    /// The end of an admission made by either directory, its locks in `lease` (dropping it
+    /// on an error releases them): room for `fallbacks[t]` direct reads of each table, the
+    /// `moves` left to the host (if any), and the batch with its ids as cache rows — `ids`,
+    /// or, when they are on the GPU already, `on_device` (a GPU cache's batch otherwise goes
+    /// up here).
+    #[allow(clippy::too_many_arguments)]
+    fn finish_admission(
+        &mut self,
+        logical: &TbeConfig,
+        batch: &Batch<'_>,
+        lease: Lease,
+        fallbacks: &[usize],
+        moves: Option<Vec<Vec<Move>>>,
+        ids: Vec<i64>,
+        on_device: Option<DeviceBatch>,
+    ) -> Result<CachedBatch> {
         for (t, &n) in fallbacks.iter().enumerate() {
             if n > self.scratch[t] {
                 self.grow_scratch(logical, t, n)?;
             }
         }
-        if self.gpu().is_some() {
+        if let Some(moves) = moves {
             self.apply_moves(&moves)?;
         }
         let remapped = Batch {
-            ids: Ids::I64(remapped.into()),
+            ids: Ids::I64(ids.into()),
             offsets: batch.offsets.clone(),
             weights: batch.weights.clone().map(|w| w.into_owned().into()),
             batch_size: batch.batch_size,
             num_features: batch.num_features,
             kept: batch.kept.clone(),
         };
-        let t0 = std::time::Instant::now();
-        let on_device = (self.gpu())
-            .map(|d| DeviceBatch::upload(d, &remapped))
-            .transpose()?;
-        self.times.transfer += t0.elapsed();
+        let on_device = match (on_device, self.gpu()) {
+            (Some(b), _) => Some(b),
+            (None, Some(d)) => {
+                let t0 = std::time::Instant::now();
+                let uploaded = DeviceBatch::upload(d, &remapped)?;
+                self.times.transfer += t0.elapsed();
+                Some(uploaded)
+            }
+            (None, None) => None,
+        };
         Ok(CachedBatch {
             remapped,
             on_device,
@@ -903,29 +925,11 @@ impl CachedTables {
             fallback,
             released: self.released.clone(),
         };
-        // Every lock is in the lease now: if growing fails, dropping it releases them all.
-        for (t, &n) in fallbacks.iter().enumerate() {
-            if n > self.scratch[t] {
-                self.grow_scratch(logical, t, n)?;
-            }
-        }
-        if let Some(moves) = host_moves {
-            self.apply_moves(&moves)?;
-        }
-        let remapped = Batch {
-            // The cache rows are on the device only.
-            ids: Ids::I64(Vec::new().into()),
-            offsets: batch.offsets.clone(),
-            weights: batch.weights.clone().map(|w| w.into_owned().into()),
-            batch_size: batch.batch_size,
-            num_features: batch.num_features,
-            kept: batch.kept.clone(),
-        };
-        Ok(CachedBatch {
-            remapped,
-            on_device: Some(on_device),
-            lease,
-        })
+        // The cache rows are on the device only: the host batch keeps no ids.
+        let (ids, on_device) = (Vec::new(), Some(on_device));
+        self.finish_admission(
+            logical, batch, lease, &fallbacks, host_moves, ids, on_device,
+        )
     }
 
     /// Gives table `t` room for `need` scratch rows (keeping every cached row).

@@ -340,12 +340,12 @@ impl RowStore {
         }
     }
 
-    /// The whole file's bytes, to be split among the tables.
     /// Whether the rows are in anonymous host memory (not a file).
     pub(crate) fn in_memory(&self) -> bool {
         self.file.is_none()
     }
 
+    /// The whole file's bytes, to be split among the tables.
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match &mut self.map {
             Some(m) => &mut m[..],
