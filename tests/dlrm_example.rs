@@ -434,51 +434,30 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
     assert!(log.contains("ml.inter has no timestamp column"), "{log}");
-    let mut args: Vec<&str> = QUICK.to_vec();
-    args.extend([
-        "--plan",
-        "auto",
-        "--early-stop-patience",
-        "2",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    let out = run(&args);
-    let log = text(&out);
-    assert!(
-        !out.status.success() && log.contains("--early-stop-patience is not supported with --plan"),
-        "{log}"
-    );
-    // With a plan, its kernels place the tables: a --placement beside it is refused.
-    let mut args: Vec<&str> = QUICK.to_vec();
-    args.extend([
-        "--plan",
-        "auto",
-        "--placement",
-        "fused-uvm-caching",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    let out = run(&args);
-    let log = text(&out);
-    assert!(
-        !out.status.success() && log.contains("the plan's compute kernels place the tables"),
-        "{log}"
-    );
-    let mut args: Vec<&str> = QUICK.to_vec();
-    args.extend([
-        "--plan",
-        "auto",
-        "--cache-prefetch",
-        "--out",
-        out_dir.to_str().unwrap(),
-    ]);
-    let out = run(&args);
-    let log = text(&out);
-    assert!(
-        !out.status.success() && log.contains("--cache-prefetch is not supported with --plan"),
-        "{log}"
-    );
+    // Flags a plan does not support yet, or that it decides itself (its kernels place the
+    // tables), are refused beside it in words.
+    for (extra, refusal) in [
+        (
+            &["--early-stop-patience", "2"][..],
+            "--early-stop-patience is not supported with --plan",
+        ),
+        (
+            &["--placement", "fused-uvm-caching"],
+            "the plan's compute kernels place the tables",
+        ),
+        (
+            &["--cache-prefetch"],
+            "--cache-prefetch is not supported with --plan",
+        ),
+    ] {
+        let mut args: Vec<&str> = QUICK.to_vec();
+        args.extend(["--plan", "auto"]);
+        args.extend(extra);
+        args.extend(["--out", out_dir.to_str().unwrap()]);
+        let out = run(&args);
+        let log = text(&out);
+        assert!(!out.status.success() && log.contains(refusal), "{log}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
