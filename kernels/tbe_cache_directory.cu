@@ -21,7 +21,8 @@
 //                      lowest way) — installed, locked, its move (dirty victim, new row)
 //                      listed — or, when every way is locked, a scratch row of its table.
 //   cache_dir_place:   each missed id becomes its row's cache row.
-//   cache_dir_moves:   (rows in mapped host memory) the moves, made by the GPU.
+//   cache_dir_moves:   (rows in mapped host memory) the moves, made by the GPU
+//                      (cache_dir_moves_bytes for a byte-form inference cache).
 // Sets are independent and each set's misses are taken in row order, so the decisions are the
 // host directory's, which takes all misses in row order.
 //
@@ -270,6 +271,53 @@ extern "C" __global__ void cache_dir_moves(const i64* __restrict__ moves,
             warp_copy(parts[k] + part_start[3 * t + k] + slot * len, src, len);
             src += len;
         }
+    }
+}
+
+// `len` bytes from `src` to `dst` by one warp, a word per lane when both ends and the length
+// allow it.
+__device__ __forceinline__ void warp_copy_bytes(u8* dst, const u8* src,
+                                                i64 len) {
+    if ((((unsigned long long)dst | (unsigned long long)src | (unsigned long long)len) & 3ull) ==
+        0ull) {
+        unsigned* d = (unsigned*)dst;
+        const unsigned* s = (const unsigned*)src;
+        for (i64 j = threadIdx.x; j < len / 4; j += 32) d[j] = s[j];
+    } else {
+        for (i64 j = threadIdx.x; j < len; j += 32) dst[j] = src[j];
+    }
+}
+
+// A byte-form (inference) cache's moves over rows in mapped host memory: one warp per move,
+// `counters[1]` of them, each new row's row_bytes[t] bytes read from host_first[t] + row ·
+// row_bytes[t] into its cache row at cache_first[t] + slot · row_bytes[t]. Cached rows never
+// differ from the store's, so no victim is written back.
+extern "C" __global__ void cache_dir_moves_bytes(const i64* __restrict__ moves,
+                                                 const unsigned long long* __restrict__ counters,
+                                                 u8* cache,
+                                                 const u8* __restrict__ host,
+                                                 const i64* __restrict__ host_first,
+                                                 const i64* __restrict__ cache_first,
+                                                 const i64* __restrict__ row_bytes) {
+    i64 n = (i64)counters[1];
+    i64 warps = (i64)gridDim.x * blockDim.y;
+    for (i64 m = (i64)blockIdx.x * blockDim.y + threadIdx.y; m < n; m += warps) {
+        i64 t = moves[4 * m], slot = moves[4 * m + 1], row = moves[4 * m + 3];
+        i64 rb = row_bytes[t];
+        warp_copy_bytes(cache + cache_first[t] + slot * rb, host + host_first[t] + row * rb, rb);
+    }
+}
+
+// Rows staged in `src` (row i: len[i] bytes at src_off[i]) copied to dst_off[i] in `dst`: one
+// warp per row.
+extern "C" __global__ void cache_bytes_scatter(const u8* __restrict__ src,
+                                               const i64* __restrict__ src_off,
+                                               u8* dst,
+                                               const i64* __restrict__ dst_off,
+                                               const i64* __restrict__ len, i64 n) {
+    i64 warps = (i64)gridDim.x * blockDim.y;
+    for (i64 i = (i64)blockIdx.x * blockDim.y + threadIdx.y; i < n; i += warps) {
+        warp_copy_bytes(dst + dst_off[i], src + src_off[i], len[i]);
     }
 }
 

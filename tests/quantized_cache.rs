@@ -2,10 +2,14 @@
 //! (`QuantizedTableBatchedEmbedding::new_cached`): lookups equal, bit for bit, those of the
 //! same rows in memory for every weight type, pooling, cache size and policy (conflict misses
 //! included); hit and miss counts equal an independent simulation of the policy; rows written
-//! while cached are seen at once; a truncated row file and misuse are named errors.
+//! while cached are seen at once; a truncated row file and misuse are named errors. On a GPU
+//! (the emulation in CI): the cache in the GPU's memory gives the lookups of the same rows all
+//! in the GPU's memory, bit for bit, and makes the host cache's decisions.
 
 #[path = "support/cache_trace.rs"]
 mod cache_trace;
+#[path = "support/cuda_device.rs"]
+mod cuda_device;
 
 use cache_trace::{assert_counts_match, batches, simulate_step, simulations, temp_dir, Step};
 use embers::embedding::{
@@ -283,11 +287,134 @@ fn a_cached_operator_names_bad_files_writes_and_devices() -> Result<()> {
     let err = p.cached.forward(bad.input()).unwrap_err().to_string();
     assert!(err.contains("700"), "{err}");
 
-    // Lookups of a cached operator run on the host.
-    let err = p.cached.to_device(Device::Cuda(0)).unwrap_err().to_string();
-    assert!(err.contains("row file") && err.contains("host"), "{err}");
+    // A GPU that does not exist is named; the cache stays on the host.
+    let err = p
+        .cached
+        .to_device(Device::Cuda(99))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("99"), "{err}");
     assert_eq!(p.cached.device(), Device::Cpu);
     drop(p);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn gpu_cached_lookups_equal_lookups_in_gpu_memory_and_make_the_host_caches_decisions() -> Result<()>
+{
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    let dir = temp_dir("quantized-gpu");
+    let sizes = [
+        CacheSize::LoadFactor(1e-9), // one set per table: conflict misses in most batches
+        CacheSize::LoadFactor(0.1),
+        CacheSize::LoadFactor(0.5),
+        CacheSize::Bytes(40_000),
+    ];
+    let (mut conflicts, mut hits, mut evictions) = (0, 0, 0);
+    for (i, ty) in WeightType::ALL.iter().enumerate() {
+        let types = [
+            *ty,
+            WeightType::ALL[(i + 3) % 8],
+            WeightType::ALL[(i + 5) % 8],
+        ];
+        let pooling = [PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None][i % 3];
+        let dims = if pooling == PoolingMode::None {
+            [8, 8, 8]
+        } else {
+            [8, 5, 16]
+        };
+        let size = sizes[i % sizes.len()];
+        let policy = [CachePolicy::Lru, CachePolicy::Lfu][i % 2];
+        // Rows in a file (moves staged through the host) or in host memory the GPU reads in
+        // place, alternating.
+        let in_memory = i % 2 == 0;
+        let what = format!("{types:?} {pooling:?} {size:?} {policy:?} in memory {in_memory}");
+        let cache = CacheConfig::new(dir.join(format!("host-{i}.bin")), size).with_policy(policy);
+        let mut p = pair(types, dims, pooling, &cache)?;
+        let gpu_cache = if in_memory {
+            CacheConfig::in_host_memory(size)
+        } else {
+            CacheConfig::new(dir.join(format!("gpu-{i}.bin")), size)
+        }
+        .with_policy(policy);
+        let mut gpu = QuantizedTableBatchedEmbedding::new_cached(
+            p.tables.clone(),
+            types.to_vec(),
+            p.map.clone(),
+            pooling,
+            &gpu_cache,
+        )?;
+        for t in 0..3 {
+            gpu.set_table_bytes(t, p.memory.table_bytes(t)?)?;
+        }
+        let mut on_gpu = QuantizedTableBatchedEmbedding::new(
+            p.tables.clone(),
+            types.to_vec(),
+            p.map.clone(),
+            pooling,
+        )?;
+        for t in 0..3 {
+            on_gpu.set_table_bytes(t, p.memory.table_bytes(t)?)?;
+        }
+        on_gpu.to_device(device)?;
+        gpu.to_device(device)?;
+        assert_eq!(gpu.device(), device);
+        let s = [1.1, 0.0][i % 2];
+        let steps = trace(&p, 8, s, pooling == PoolingMode::Sum, i as u64);
+        for (k, step) in steps.iter().enumerate() {
+            if k == 4 {
+                // Rows rewritten while cached, in all three; then the cache goes to the host
+                // and back, keeping its rows.
+                let mut rng = seeded(k as u64);
+                let values: Vec<f32> = (0..40 * dims[0])
+                    .map(|_| rng.random_range(-2.0f32..2.0))
+                    .collect();
+                for op in [&mut p.memory, &mut p.cached, &mut gpu, &mut on_gpu] {
+                    op.quantize_rows_from(0, 10, &values)?;
+                }
+                gpu.to_device(Device::Cpu)?;
+                assert_eq!(gpu.device(), Device::Cpu);
+                let a = p.cached.forward(step.input())?.to_vec::<f32>()?;
+                let b = gpu.forward(step.input())?.to_vec::<f32>()?;
+                assert_eq!(bits(&a), bits(&b), "{what}, batch {k} on the host");
+                gpu.to_device(device)?;
+                continue;
+            }
+            p.cached.forward(step.input())?;
+            let a = on_gpu.forward(step.input())?;
+            let b = gpu.forward(step.input())?;
+            assert_eq!(b.device(), device);
+            let (a, b) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+            assert_eq!(bits(&a), bits(&b), "{what}, batch {k}");
+            if pooling != PoolingMode::None {
+                let mut into = vec![f32::NAN; a.len()];
+                gpu.forward_into(step.input(), &mut into)?;
+                p.cached.forward(step.input())?;
+                assert_eq!(bits(&a), bits(&into), "{what}, batch {k}, forward_into");
+            }
+        }
+        // The same decisions as the host cache, batch by batch: the same counters.
+        let (host, device_stats) = (p.cached.cache_stats().unwrap(), gpu.cache_stats().unwrap());
+        assert_eq!(host, device_stats, "{what}");
+        for st in &device_stats {
+            assert_eq!(st.rows_written, 0, "{what}");
+            assert_eq!(
+                st.rows_read, st.unique_misses,
+                "{what}: every miss read once"
+            );
+            conflicts += st.conflict_misses;
+            hits += st.unique_ids - st.unique_misses;
+            evictions += st.evictions;
+        }
+    }
+    assert!(conflicts > 0, "no conflict miss was served by direct reads");
+    assert!(
+        hits > 0 && evictions > 0,
+        "hits {hits}, evictions {evictions}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

@@ -15,7 +15,7 @@ use super::config::{BoundsCheckMode, PoolingMode, TableSpec, WeightType};
 use super::input::{validate, Batch, FeatureBounds, SkipCounter, TbeInput};
 use super::quantize::{dequantize_row, quantize_row};
 use super::storage::RowBuffer;
-use super::tbe::cache::bytes::ByteCache;
+use super::tbe::cache::bytes::{ByteCache, GpuShape};
 use super::tbe::cache::{CacheConfig, CacheStats};
 use super::tbe::cpu::pool::{
     forward_new, pooled_forward, sequence_forward, with_quant_rows, FeatureSlot, PoolFeature,
@@ -97,7 +97,8 @@ impl QuantizedTableBatchedEmbedding {
     /// from DRAM. Fill it in chunks with [`quantize_rows_from`](Self::quantize_rows_from) or
     /// [`set_rows_bytes`](Self::set_rows_bytes); lookups give exactly what the same rows in
     /// memory give, and [`cache_stats`](Self::cache_stats) counts hits and misses. Lookups
-    /// run on the host ([`to_device`](Self::to_device) is refused).
+    /// run on the host, or, after [`to_device`](Self::to_device) to a GPU, with the cache in
+    /// the GPU's memory.
     pub fn new_cached(
         tables: Vec<TableSpec>,
         weight_types: Vec<WeightType>,
@@ -339,32 +340,44 @@ impl QuantizedTableBatchedEmbedding {
 
     /// Where lookups run.
     pub fn device(&self) -> Device {
-        match &self.on_device {
-            Some(d) => Device::Cuda(d.device().ordinal()),
-            None => Device::Cpu,
+        match (&self.on_device, &self.rows) {
+            (Some(d), _) => Device::Cuda(d.device().ordinal()),
+            (None, Rows::Cached(cache)) => cache.device(),
+            (None, Rows::Resident(_)) => Device::Cpu,
         }
     }
 
     /// Makes lookups run on `device`: the rows are copied there (the host bytes stay as the
     /// tables' record, for [`table_bytes`](Self::table_bytes) and checkpoints). Outputs are
-    /// then tensors on that device.
+    /// then tensors on that device. A cached operator's cache moves there instead (its
+    /// directory and cache rows; the row file stays where it is): on a GPU, FBGEMM's
+    /// `MANAGED_CACHING` for inference — the cache in the GPU's memory, the rows in the file
+    /// or, with [`CacheConfig::in_host_memory`](crate::embedding::CacheConfig::in_host_memory),
+    /// in host memory the GPU reads in place.
     pub fn to_device(&mut self, device: Device) -> Result<()> {
-        if matches!(self.rows, Rows::Cached(_)) && device != Device::Cpu {
-            return Err(Self::cached_on_host());
-        }
-        self.on_device = match device {
+        let gpu = match device {
             Device::Cpu => None,
-            Device::Cuda(_) => Some(self.device_tables(crate::cuda::open(device)?)?),
+            Device::Cuda(_) => Some(crate::cuda::open(device)?),
         };
+        if let Rows::Cached(cache) = &mut self.rows {
+            let shape = GpuShape {
+                dims: self.tables.iter().map(|s| s.dim).collect(),
+                types: self.weight_types.clone(),
+                feature_table_map: self.feature_table_map.clone(),
+                pooling: self.pooling,
+            };
+            return cache.move_to(gpu, shape);
+        }
+        self.on_device = gpu.map(|d| self.device_tables(d)).transpose()?;
         Ok(())
     }
 
-    fn cached_on_host() -> Error {
-        Error::invalid(
-            OP,
-            "the rows live in a row file behind a DRAM cache: lookups run on the host (build \
-             the operator with `new` to run it on a GPU)",
-        )
+    /// A cached operator whose cache is on a GPU: its cache.
+    fn gpu_cache(&self) -> Option<&ByteCache> {
+        match &self.rows {
+            Rows::Cached(cache) if cache.on_gpu() => Some(cache),
+            _ => None,
+        }
     }
 
     /// A device copy of the rows with the per-feature layout the kernels read.
@@ -373,22 +386,12 @@ impl QuantizedTableBatchedEmbedding {
         device: std::sync::Arc<crate::cuda::CudaDevice>,
     ) -> Result<DeviceTables> {
         let ftm = &self.feature_table_map;
-        let mut row_starts = vec![0i64; self.tables.len()];
-        for t in 1..self.tables.len() {
-            row_starts[t] = row_starts[t - 1] + self.tables[t - 1].rows as i64;
-        }
-        let layout = FeatureLayout {
-            table_offsets: ftm.iter().map(|&t| self.byte_offsets[t] as i64).collect(),
-            rows: ftm.iter().map(|&t| self.tables[t].rows as i64).collect(),
-            dims: ftm.iter().map(|&t| self.tables[t].dim as i32).collect(),
-            row_starts: ftm.iter().map(|&t| row_starts[t]).collect(),
-            total_rows: self.tables.iter().map(|s| s.rows).sum(),
-            table_dims: self.tables.iter().map(|s| s.dim).collect(),
-            pooling: self.pooling,
-        };
+        let rows: Vec<usize> = self.tables.iter().map(|s| s.rows).collect();
+        let dims: Vec<usize> = self.tables.iter().map(|s| s.dim).collect();
+        let layout = FeatureLayout::of_tables(ftm, &self.byte_offsets, &rows, &dims, self.pooling);
         let types: Vec<WeightType> = ftm.iter().map(|&t| self.weight_types[t]).collect();
         let Rows::Resident(data) = &self.rows else {
-            return Err(Self::cached_on_host());
+            unreachable!("a cached operator's lookups run on its cache");
         };
         DeviceTables::quantized(device, layout, data, &types)
     }
@@ -561,6 +564,9 @@ impl QuantizedTableBatchedEmbedding {
         }
         let out = match (&self.on_device, &batch.on_device) {
             (Some(d), Some(on_device)) => d.forward(on_device)?,
+            (None, None) if self.gpu_cache().is_some() => {
+                self.gpu_cache().unwrap().forward_on_device(&batch.batch)?
+            }
             (None, None) => {
                 let (out, shape) = self.forward_f32(&batch.batch)?;
                 return match self.output_dtype {
@@ -600,13 +606,12 @@ impl QuantizedTableBatchedEmbedding {
     pub fn forward_into(&self, input: TbeInput<'_>, out: &mut [f32]) -> Result<()> {
         let batch = self.validate_input(input)?;
         batch.check_pooled_buffer(OP, self.pooling, self.out_stride, out.len())?;
-        match &self.on_device {
-            Some(d) => {
-                let values = d.forward(&DeviceBatch::upload(d.device(), &batch)?)?;
-                out.copy_from_slice(&values.to_vec::<f32>()?);
-            }
-            None => self.pool_into(&batch, out)?,
-        }
+        let values = match (&self.on_device, self.gpu_cache()) {
+            (Some(d), _) => d.forward(&DeviceBatch::upload(d.device(), &batch)?)?,
+            (None, Some(cache)) => cache.forward_on_device(&batch)?,
+            (None, None) => return self.pool_into(&batch, out),
+        };
+        out.copy_from_slice(&values.to_vec::<f32>()?);
         Ok(())
     }
 

@@ -20,18 +20,24 @@ use rayon::prelude::*;
 
 use super::directory::{Directory, TableAdmission, AHEAD};
 use super::store::{DiskProbe, RowStore, PROBE};
-use super::{sets_for, CacheConfig, CacheStats, TablePositions, OP};
+use super::{sets_for, CacheConfig, CachePolicy, CacheStats, TablePositions, OP};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::storage::RowBuffer;
 use crate::embedding::tbe::cpu::pool::prefetch_lines;
 use crate::{Error, Result};
 
-/// Tables of quantized rows in a file, cached in DRAM.
+mod gpu;
+
+pub(crate) use gpu::GpuShape;
+
+/// Tables of quantized rows in a file, cached in DRAM or in a GPU's memory.
 pub(crate) struct ByteCache {
+    /// Declared before `store`: a GPU cache's registration of the store's memory goes first.
+    state: Mutex<CacheState>,
     store: RowStore,
     /// Bytes per row, per table.
     row_bytes: Vec<usize>,
-    state: Mutex<CacheState>,
+    policy: CachePolicy,
 }
 
 /// What a lookup changes: directories, counters and cache rows.
@@ -40,25 +46,41 @@ struct CacheState {
     stats: Vec<CacheStats>,
     /// Scratch rows per table (after its slots).
     scratch: Vec<usize>,
-    /// Every table's cache rows (slots, then scratch rows), table `t` from `starts[t]`.
+    /// Every table's cache rows (slots, then scratch rows), table `t` from `starts[t]` (none
+    /// while the cache is on a GPU).
     rows: RowBuffer<u8>,
     starts: Vec<usize>,
     tick: u64,
+    /// The cache on a GPU: its rows and directory there, current rather than the above.
+    gpu: Option<gpu::GpuRows>,
 }
 
-/// Byte offsets of each table's cache rows (`slots + scratch` rows of `row_bytes`), and the end.
-fn starts_for(dirs: &[Directory], scratch: &[usize], row_bytes: &[usize]) -> Result<Vec<usize>> {
-    let mut starts = Vec::with_capacity(dirs.len() + 1);
+/// Byte offsets of each table's cache rows (`slots + scratch` rows of `row_bytes`, each table
+/// starting at a multiple of `align`), and the end.
+fn starts_for(
+    slots: &[usize],
+    scratch: &[usize],
+    row_bytes: &[usize],
+    align: usize,
+) -> Result<Vec<usize>> {
+    let mut starts = Vec::with_capacity(slots.len() + 1);
     let mut at = 0usize;
-    for ((d, &s), &rb) in dirs.iter().zip(scratch).zip(row_bytes) {
+    let overflow = || Error::invalid(OP, "the cache's size overflows");
+    for ((&n, &s), &rb) in slots.iter().zip(scratch).zip(row_bytes) {
+        at = at.checked_next_multiple_of(align).ok_or_else(overflow)?;
         starts.push(at);
-        at = (d.slots() + s)
+        at = (n + s)
             .checked_mul(rb)
             .and_then(|n| n.checked_add(at))
-            .ok_or_else(|| Error::invalid(OP, "the cache's size overflows"))?;
+            .ok_or_else(overflow)?;
     }
     starts.push(at);
     Ok(starts)
+}
+
+/// Slots per table.
+fn slots_of(dirs: &[Directory]) -> Vec<usize> {
+    dirs.iter().map(Directory::slots).collect()
 }
 
 impl ByteCache {
@@ -79,11 +101,12 @@ impl ByteCache {
             .collect();
         let row_bytes: Vec<usize> = tables.iter().map(|&(_, b)| b).collect();
         let scratch = vec![0; tables.len()];
-        let starts = starts_for(&dirs, &scratch, &row_bytes)?;
+        let starts = starts_for(&slots_of(&dirs), &scratch, &row_bytes, 1)?;
         let rows = RowBuffer::zeros(starts[tables.len()])?;
         Ok(ByteCache {
             store,
             row_bytes,
+            policy: cache.policy,
             state: Mutex::new(CacheState {
                 dirs,
                 stats,
@@ -91,6 +114,7 @@ impl ByteCache {
                 rows,
                 starts,
                 tick: 0,
+                gpu: None,
             }),
         })
     }
@@ -107,6 +131,9 @@ impl ByteCache {
         let rb = self.row_bytes[t];
         self.store.write_bytes(t, first, bytes);
         let n = (bytes.len() / rb) as u64;
+        if self.refresh_on_gpu(t, first, n as usize)? {
+            return Ok(());
+        }
         let st = self.state.get_mut();
         let start = st.starts[t];
         let rows = first as u64..first as u64 + n;
@@ -138,10 +165,13 @@ impl ByteCache {
         }
     }
 
-    /// Bytes of the cache rows (scratch included) and the directories.
+    /// Bytes of the cache rows (scratch included) and the directories, on the host and, when
+    /// the cache is on a GPU, there.
     pub(crate) fn allocated_bytes(&self) -> usize {
         let st = self.state.lock();
-        st.rows.allocated_bytes() + st.dirs.iter().map(Directory::bytes).sum::<usize>()
+        st.rows.allocated_bytes()
+            + st.dirs.iter().map(Directory::bytes).sum::<usize>()
+            + Self::gpu_bytes(&st)
     }
 
     /// Runs `lookup` on the cache with `batch` (validated against the logical tables) admitted:
@@ -157,6 +187,12 @@ impl ByteCache {
         self.store.check_len()?;
         let mut guard = self.state.lock();
         let st = &mut *guard;
+        if st.gpu.is_some() {
+            return Err(Error::invalid(
+                OP,
+                "the cache is on a GPU: lookups run there",
+            ));
+        }
         st.tick += 1;
         let tick = st.tick;
         let tables = self.row_bytes.len();
@@ -249,7 +285,7 @@ impl CacheState {
         let scratch: Vec<usize> = (self.scratch.iter().zip(need))
             .map(|(&s, &n)| if n > s { n.max(s * 2) } else { s })
             .collect();
-        let starts = starts_for(&self.dirs, &scratch, row_bytes)?;
+        let starts = starts_for(&slots_of(&self.dirs), &scratch, row_bytes, 1)?;
         let mut rows = RowBuffer::zeros(starts[self.dirs.len()])?;
         for (t, d) in self.dirs.iter().enumerate() {
             let len = d.slots() * row_bytes[t];

@@ -25,6 +25,8 @@ crate::kernel_source!(
         "cache_dir_unlock",
         "cache_dir_mark_dirty",
         "cache_dir_moves",
+        "cache_dir_moves_bytes",
+        "cache_bytes_scatter",
         "cache_dir_lookup",
     ];
 );
@@ -47,19 +49,116 @@ fn bits_for(v: u64) -> u32 {
     64 - v.leading_zeros()
 }
 
-/// Where an admission's moves go when the GPU makes them itself: the rows in mapped host
-/// memory and the cache buffers (`cache_dir_moves` in `kernels/tbe_cache_directory.cu`).
-pub(crate) struct MovesInPlace<'a> {
-    /// The cache rows' weights and two state buffers.
-    pub buffers: [&'a DeviceBuffer<f32>; 3],
-    /// The row store.
-    pub host: &'a MappedHost,
-    /// Per table, the float offset of its first record in the store.
-    pub host_first: Vec<i64>,
-    /// Per table and part (weights, state 0, state 1): the float offset of its first cache
-    /// row in the part's buffer, and its floats per row.
-    pub part_start: Vec<i64>,
-    pub part_len: Vec<i64>,
+/// Where an admission's moves go when the GPU makes them itself: the rows in mapped host memory
+/// and the cache buffers (`cache_dir_moves` and `cache_dir_moves_bytes` in
+/// `kernels/tbe_cache_directory.cu`).
+pub(crate) enum MovesInPlace<'a> {
+    /// A training cache's FP32 records.
+    Records {
+        /// The cache rows' weights and two state buffers.
+        buffers: [&'a DeviceBuffer<f32>; 3],
+        /// The row store.
+        host: &'a MappedHost,
+        /// Per table, the float offset of its first record in the store.
+        host_first: Vec<i64>,
+        /// Per table and part (weights, state 0, state 1): the float offset of its first
+        /// cache row in the part's buffer, and its floats per row.
+        part_start: Vec<i64>,
+        part_len: Vec<i64>,
+    },
+    /// An inference cache's stored rows (read only: no victim is written back).
+    Bytes {
+        /// Every table's cache rows.
+        cache: &'a DeviceBuffer<u8>,
+        /// The row store.
+        host: &'a MappedHost,
+        /// Per table: the byte offset of its first row in the store and in `cache`, and its
+        /// bytes per row.
+        host_first: Vec<i64>,
+        cache_first: Vec<i64>,
+        row_bytes: Vec<i64>,
+    },
+}
+
+impl MovesInPlace<'_> {
+    /// Launches the kernel that makes the `counters[1]` moves listed in `moves`.
+    fn launch(
+        &self,
+        d: &Arc<CudaDevice>,
+        moves: &DeviceBuffer<i64>,
+        counters: &DeviceBuffer<u64>,
+        missed: usize,
+    ) -> Result<()> {
+        let grid = LaunchConfig::warp_per_item(missed.min(65_535 * 8), 8);
+        match self {
+            MovesInPlace::Records {
+                buffers: [w, s0, s1],
+                host,
+                host_first,
+                part_start,
+                part_len,
+            } => {
+                let (first, starts, lens) =
+                    (d.htod(host_first)?, d.htod(part_start)?, d.htod(part_len)?);
+                d.launch(
+                    DIRECTORY.kernel("cache_dir_moves"),
+                    grid,
+                    &args![*moves, *counters, **w, **s0, **s1, **host, first, starts, lens],
+                )
+            }
+            MovesInPlace::Bytes {
+                cache,
+                host,
+                host_first,
+                cache_first,
+                row_bytes,
+            } => {
+                let (host_first, cache_first, row_bytes) = (
+                    d.htod(host_first)?,
+                    d.htod(cache_first)?,
+                    d.htod(row_bytes)?,
+                );
+                d.launch(
+                    DIRECTORY.kernel("cache_dir_moves_bytes"),
+                    grid,
+                    &args![
+                        *moves,
+                        *counters,
+                        **cache,
+                        **host,
+                        host_first,
+                        cache_first,
+                        row_bytes
+                    ],
+                )
+            }
+        }
+    }
+}
+
+/// Copies rows staged in `src` into `dst`: row `i` is `rows[i] = (offset in src, offset in
+/// dst, bytes)` (`cache_bytes_scatter`).
+pub(crate) fn scatter_bytes(
+    src: &DeviceBuffer<u8>,
+    dst: &DeviceBuffer<u8>,
+    rows: &[(usize, usize, usize)],
+) -> Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let d = dst.device();
+    let column =
+        |k: usize| -> Vec<i64> { (rows.iter()).map(|r| [r.0, r.1, r.2][k] as i64).collect() };
+    let (src_off, dst_off, len) = (
+        d.htod(&column(0))?,
+        d.htod(&column(1))?,
+        d.htod(&column(2))?,
+    );
+    d.launch(
+        DIRECTORY.kernel("cache_bytes_scatter"),
+        LaunchConfig::warp_per_item(rows.len().min(65_535 * 8), 8),
+        &args![*src, src_off, *dst, dst_off, len, rows.len() as i64],
+    )
 }
 
 /// What a device admission decided, read back to the host.
@@ -474,17 +573,7 @@ impl DeviceDirectory {
         if let Some(m) = in_place.filter(|_| missed > 0) {
             d.synchronize()?;
             decided = start.elapsed();
-            let [w, s0, s1] = m.buffers;
-            let (first, starts, lens) = (
-                d.htod(&m.host_first)?,
-                d.htod(&m.part_start)?,
-                d.htod(&m.part_len)?,
-            );
-            d.launch(
-                DIRECTORY.kernel("cache_dir_moves"),
-                LaunchConfig::warp_per_item(missed.min(65_535 * 8), 8),
-                &args![moves, counters, *w, *s0, *s1, *m.host, first, starts, lens],
-            )?;
+            m.launch(&d, &moves, &counters, missed)?;
             d.synchronize()?;
             moved = start.elapsed() - decided;
         }

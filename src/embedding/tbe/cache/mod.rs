@@ -200,6 +200,29 @@ impl TablePositions {
     }
 }
 
+/// Adds a device admission's counters (per table: hits locked, rows installed, direct reads,
+/// evictions, dirty rows written back) to FBGEMM's statistics of the tables the batch read
+/// (moved rows are counted by the caller, where they were moved).
+pub(crate) fn add_device_counts(
+    stats: &mut [CacheStats],
+    counts: &[[u64; device_directory::PER_TABLE]],
+    ranges: &TablePositions,
+) {
+    for (t, (stats, &[hits, installed, direct, evictions, _])) in
+        stats.iter_mut().zip(counts).enumerate()
+    {
+        if !ranges.read(t) {
+            continue;
+        }
+        stats.calls += 1;
+        stats.requested_ids += ranges.len(t) as u64;
+        stats.unique_ids += hits + installed + direct;
+        stats.unique_misses += installed + direct;
+        stats.conflict_misses += direct;
+        stats.evictions += evictions;
+    }
+}
+
 /// A moved row: its slot, the dirty row it evicts (written back first), the row read in.
 pub(crate) type Move = (usize, Option<u64>, u64);
 
@@ -876,7 +899,7 @@ impl CachedTables {
         let t0 = std::time::Instant::now();
         let starts = self.starts();
         let in_place = match (&self.mapped, &self.rows) {
-            (Some(host), CacheRows::Device(d)) => Some(device_directory::MovesInPlace {
+            (Some(host), CacheRows::Device(d)) => Some(device_directory::MovesInPlace::Records {
                 buffers: d.record_buffers(),
                 host,
                 host_first: (0..self.parts.len())
@@ -896,21 +919,12 @@ impl CachedTables {
         self.times.file += a.moved;
         self.times.transfer += t0.elapsed() - a.decided - a.moved;
         let moved = in_place.is_some();
-        for (t, stats) in self.stats.iter_mut().enumerate() {
-            let [hits, installed, direct, evictions, written] = a.counts[t];
-            if moved {
+        add_device_counts(&mut self.stats, &a.counts, ranges);
+        if moved {
+            for (stats, &[_, installed, _, _, written]) in self.stats.iter_mut().zip(&a.counts) {
                 stats.rows_read += installed;
                 stats.rows_written += written;
             }
-            if !ranges.read(t) {
-                continue;
-            }
-            stats.calls += 1;
-            stats.requested_ids += ranges.len(t) as u64;
-            stats.unique_ids += hits + installed + direct;
-            stats.unique_misses += installed + direct;
-            stats.conflict_misses += direct;
-            stats.evictions += evictions;
         }
         let mut fallbacks = vec![0; logical.tables.len()];
         let fallback = (a.direct.iter())

@@ -52,6 +52,33 @@ pub(crate) struct FeatureLayout {
     pub pooling: PoolingMode,
 }
 
+impl FeatureLayout {
+    /// The layout of tables given per table — where each starts (`offsets`), its rows and
+    /// dim — as read by features `feature_table_map`.
+    pub(crate) fn of_tables(
+        feature_table_map: &[usize],
+        offsets: &[usize],
+        rows: &[usize],
+        dims: &[usize],
+        pooling: PoolingMode,
+    ) -> Self {
+        let mut row_starts = vec![0i64; rows.len()];
+        for t in 1..rows.len() {
+            row_starts[t] = row_starts[t - 1] + rows[t - 1] as i64;
+        }
+        let ftm = feature_table_map;
+        FeatureLayout {
+            table_offsets: ftm.iter().map(|&t| offsets[t] as i64).collect(),
+            rows: ftm.iter().map(|&t| rows[t] as i64).collect(),
+            dims: ftm.iter().map(|&t| dims[t] as i32).collect(),
+            row_starts: ftm.iter().map(|&t| row_starts[t]).collect(),
+            total_rows: rows.iter().sum(),
+            table_dims: dims.to_vec(),
+            pooling,
+        }
+    }
+}
+
 /// A TBE's tables in device memory, with the layout the kernels read.
 pub(crate) struct DeviceTables {
     device: Arc<CudaDevice>,
@@ -188,11 +215,22 @@ impl DeviceTables {
     }
 
     /// Quantized rows (`bytes`, FBGEMM's row layout; `layout.table_offsets` in bytes) of
-    /// `types[t]` per table `t`, copied to `device`.
+    /// `feature_types[f]` per feature `f`, copied to `device`.
     pub(crate) fn quantized(
         device: Arc<CudaDevice>,
         layout: FeatureLayout,
         bytes: &[u8],
+        feature_types: &[WeightType],
+    ) -> Result<Self> {
+        let bytes = upload(&device, bytes)?;
+        Self::quantized_in(device, layout, bytes, feature_types)
+    }
+
+    /// As [`quantized`](Self::quantized), over rows already in device memory.
+    pub(crate) fn quantized_in(
+        device: Arc<CudaDevice>,
+        layout: FeatureLayout,
+        bytes: DeviceBuffer<u8>,
         feature_types: &[WeightType],
     ) -> Result<Self> {
         let row_bytes: Vec<i32> = (feature_types.iter().zip(&layout.dims))
@@ -215,12 +253,20 @@ impl DeviceTables {
             None => None,
         };
         let weights = Weights::Quantized {
-            bytes: upload(&device, bytes)?,
+            bytes,
             row_bytes: upload(&device, &row_bytes)?,
             types: upload(&device, &types)?,
             half,
         };
         Self::build(device, weights, layout)
+    }
+
+    /// The quantized rows' bytes (`None` for FP32 tables).
+    pub(crate) fn quantized_bytes(&self) -> Option<&DeviceBuffer<u8>> {
+        match &self.weights {
+            Weights::Quantized { bytes, .. } => Some(bytes),
+            Weights::F32(_) => None,
+        }
     }
 
     /// The device the tables live on.
