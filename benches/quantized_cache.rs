@@ -13,6 +13,11 @@
 //! `EMBERS_CACHE_POLICY` the policy (`lru` or `lfu`), `EMBERS_CACHE_DIR` where the files go (the
 //! temp dir), `EMBERS_CACHE_BATCHES="W N"` the warm-up and timed batches (default 50 40),
 //! `EMBERS_CACHE_TYPES` the weight types (default `int8 int4 fp16`).
+//!
+//! `EMBERS_CACHE_DEVICE=cuda` runs on GPU 0 instead: the cache in the GPU's memory, beside the
+//! same tables all in the GPU's memory (each lookup ending in a device synchronize);
+//! `EMBERS_CACHE_DIR=memory` keeps the rows in host memory the GPU reads in place rather than in
+//! a file (FBGEMM's `MANAGED_CACHING` for inference).
 
 use std::time::Instant;
 
@@ -21,6 +26,7 @@ use embers::embedding::{
     TbeInput, WeightType,
 };
 use embers::tensor::rng::seeded;
+use embers::Device;
 use rand::Rng as _;
 
 #[path = "support/cache_bench.rs"]
@@ -59,9 +65,20 @@ fn main() {
         .split_whitespace()
         .map(|n| WeightType::from_fbgemm_name(&n.to_ascii_uppercase()).expect("a weight type"))
         .collect();
+    let device = match std::env::var("EMBERS_CACHE_DEVICE").as_deref() {
+        Ok("cuda") => Device::cuda(0).expect("EMBERS_CACHE_DEVICE=cuda needs GPU 0"),
+        _ => Device::Cpu,
+    };
+    let gpu = match device {
+        Device::Cuda(i) => Some(embers::cuda::device(i).unwrap()),
+        Device::Cpu => None,
+    };
+    let in_memory = std::env::var("EMBERS_CACHE_DIR").is_ok_and(|d| d == "memory");
     let dir = std::env::var("EMBERS_CACHE_DIR")
+        .ok()
+        .filter(|d| d != "memory")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| std::env::temp_dir())
+        .unwrap_or_else(std::env::temp_dir)
         .join(format!(
             "embers-quantized-cache-bench-{}",
             std::process::id()
@@ -69,9 +86,13 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     println!(
         "inference tables: T={t} B={b} D={d} E={e} L={l}, Zipf({s}) ids, cache load factor \
-         {clf}, {}, files under {}",
+         {clf}, {}, on {device:?}, rows {}",
         policy.name(),
-        dir.display()
+        if in_memory {
+            "in host memory".to_string()
+        } else {
+            format!("in files under {}", dir.display())
+        }
     );
 
     let batches = cache_bench::zipf_batches(warm + timed, [t, b, l], e, s, 7);
@@ -89,8 +110,13 @@ fn main() {
             PoolingMode::Sum,
         )
         .unwrap();
-        let cache =
-            CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(clf)).with_policy(policy);
+        let size = CacheSize::LoadFactor(clf);
+        let cache = if in_memory {
+            CacheConfig::in_host_memory(size)
+        } else {
+            CacheConfig::new(dir.join("rows.bin"), size)
+        }
+        .with_policy(policy);
         let mut cached = QuantizedTableBatchedEmbedding::new_cached(
             tables,
             types,
@@ -113,6 +139,8 @@ fn main() {
                 cached.quantize_rows_from(table, first, &values).unwrap();
             }
         }
+        in_ram.to_device(device).unwrap();
+        cached.to_device(device).unwrap();
         let file_bytes = (t * e * ty.row_bytes(d)) as f64;
         println!(
             "\n{}: rows of {} B; in RAM {:.0} MiB; cached {:.0} MiB ({:.2} of the {:.0} MiB \
@@ -129,8 +157,15 @@ fn main() {
         let mut run = |q: &QuantizedTableBatchedEmbedding,
                        (ids, offsets): &(Vec<i64>, Vec<i64>)| {
             let t0 = Instant::now();
-            q.forward_into(TbeInput::new(&ids[..], &offsets[..]), &mut out)
-                .unwrap();
+            let input = TbeInput::new(&ids[..], &offsets[..]);
+            match &gpu {
+                // The output stays on the GPU, as a model's next layer would take it.
+                Some(g) => {
+                    q.forward(input).unwrap();
+                    g.synchronize().unwrap();
+                }
+                None => q.forward_into(input, &mut out).unwrap(),
+            }
             t0.elapsed().as_secs_f64() * 1e3
         };
         for batch in &batches[..warm] {
@@ -157,9 +192,10 @@ fn main() {
             sum(|s| s.rows_read),
         );
         let (ma, mc) = (median(a), median(c));
+        let mem = if gpu.is_some() { "HBM" } else { "RAM" };
         println!(
-            "  lookup (forward_into): in RAM {ma:.2} ms, cached {mc:.2} ms per batch: cached / in \
-             RAM throughput {:.2}",
+            "  lookup: all in {mem} {ma:.2} ms, cached {mc:.2} ms per batch: cached / all in {mem} \
+             throughput {:.2}",
             ma / mc
         );
         println!(
