@@ -81,12 +81,24 @@ fn invalid(path: &Path, msg: impl std::fmt::Display) -> Error {
     Error::invalid("checkpoint", format!("{}: {msg}", path.display()))
 }
 
+/// Metadata key naming a checkpoint's directory of parts (see
+/// [`CheckpointWriter::parts_beside`]).
+const PARTS_KEY: &str = "parts_dir";
+
+/// The prefix of the parts directories of checkpoints written to a file named `file_name`.
+fn parts_prefix(file_name: &str) -> String {
+    format!("{file_name}.parts-")
+}
+
 /// Collects tensors and metadata for one atomically written safetensors file.
 #[derive(Default)]
 pub struct CheckpointWriter {
     entries: Vec<(String, Entry)>,
     names: HashSet<String>,
     metadata: HashMap<String, String>,
+    /// The file this checkpoint will be written to, when it may have a parts directory, and
+    /// that directory once made.
+    parts: Option<(PathBuf, Option<PathBuf>)>,
 }
 
 impl CheckpointWriter {
@@ -144,21 +156,111 @@ impl CheckpointWriter {
         self.metadata.insert(key.into(), value.into());
     }
 
+    /// Says that this checkpoint will be written to `path` and may keep parts that do not
+    /// belong in one file (the row files of tables cached in files, copied whole) in a
+    /// directory beside it, `<file name>.parts-<nonce>/`, made on first use
+    /// ([`parts_dir`](Self::parts_dir)) and named in the metadata. Each checkpoint gets a new
+    /// directory, and [`write`](Self::write) removes those of earlier checkpoints at `path`
+    /// only after the new file is in place: a crash leaves the previous checkpoint whole.
+    pub fn parts_beside(&mut self, path: impl AsRef<Path>) {
+        self.parts = Some((path.as_ref().to_path_buf(), None));
+    }
+
+    /// The parts directory (made now if needed), when [`parts_beside`](Self::parts_beside)
+    /// allowed one.
+    pub(crate) fn parts_dir(&mut self) -> Result<Option<PathBuf>> {
+        let Some((target, made)) = &mut self.parts else {
+            return Ok(None);
+        };
+        if let Some(dir) = made {
+            return Ok(Some(dir.clone()));
+        }
+        let file_name = target
+            .file_name()
+            .ok_or_else(|| invalid(target, "not a file path"))?
+            .to_string_lossy()
+            .into_owned();
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let name = format!(
+            "{}{nonce:x}-{}",
+            parts_prefix(&file_name),
+            std::process::id()
+        );
+        let dir = parent_dir(target).join(&name);
+        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        self.metadata.insert(PARTS_KEY.into(), name);
+        *made = Some(dir.clone());
+        Ok(Some(dir))
+    }
+
     /// Serialises everything to `path` atomically (temporary file, fsync, rename, directory
     /// fsync), streaming the tensors to the file rather than building the whole file in
-    /// memory. On error the temporary file is removed and `path` is untouched.
+    /// memory. On error the temporary file is removed and `path` is untouched. With
+    /// [`parts_beside`](Self::parts_beside), then, the parts directories of earlier
+    /// checkpoints at `path` are removed (on error: this one's).
     pub fn write(self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        if let Some((target, _)) = &self.parts {
+            if target != path {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "this checkpoint's parts were made for {}, not this path",
+                        target.display()
+                    ),
+                ));
+            }
+        }
         let metadata = self.metadata;
         let entries = self.entries;
-        replace_atomically(path, |tmp| {
+        let written = replace_atomically(path, |tmp| {
             safetensors::serialize_to_file(
                 entries.iter().map(|(n, e)| (n.as_str(), e)),
                 Some(metadata),
                 tmp,
             )
             .map_err(|e| invalid(path, e))
-        })
+        });
+        if let Some((_, made)) = &self.parts {
+            match (&written, made) {
+                (Err(_), Some(dir)) => {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                (Err(_), None) => {}
+                (Ok(()), _) => remove_stale_parts(path, made.as_deref()),
+            }
+        }
+        written
+    }
+}
+
+/// The directory holding `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Removes the parts directories of the checkpoints written to `path` other than `keep`.
+fn remove_stale_parts(path: &Path, keep: Option<&Path>) {
+    let Some(file_name) = path.file_name() else {
+        return;
+    };
+    let prefix = parts_prefix(&file_name.to_string_lossy());
+    let keep = keep.and_then(Path::file_name);
+    let Ok(entries) = std::fs::read_dir(parent_dir(path)) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        if name.to_string_lossy().starts_with(&prefix)
+            && Some(name.as_os_str()) != keep
+            && e.file_type().is_ok_and(|t| t.is_dir())
+        {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 
@@ -174,10 +276,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Lets `fill` write the new contents to a temporary file next to `path`, then flushes that
 /// file to disk, renames it over `path` and syncs the directory.
 fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = parent_dir(path);
     let file_name = path
         .file_name()
         .ok_or_else(|| invalid(path, "not a file path"))?;
@@ -231,6 +330,35 @@ impl CheckpointReader {
     /// The file this was read from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The checkpoint's parts directory (see [`CheckpointWriter::parts_beside`]), if it has
+    /// one; an error when the metadata names something else than a parts directory beside
+    /// the file, or when it is missing.
+    pub fn parts_dir(&self) -> Result<Option<PathBuf>> {
+        let Some(name) = self.metadata(PARTS_KEY) else {
+            return Ok(None);
+        };
+        // A checkpoint copied under another name keeps its parts directory's name, so only
+        // the form is checked.
+        if name.contains(['/', '\\']) || !name.contains(".parts-") || name.starts_with('.') {
+            return Err(invalid(
+                &self.path,
+                format!("`{PARTS_KEY}` is `{name}`, not a parts directory name"),
+            ));
+        }
+        let dir = parent_dir(&self.path).join(name);
+        if !dir.is_dir() {
+            return Err(invalid(
+                &self.path,
+                format!(
+                    "its parts directory {} is missing (the checkpoint's cached tables are \
+                     there)",
+                    dir.display()
+                ),
+            ));
+        }
+        Ok(Some(dir))
     }
 
     /// A metadata string, if present.

@@ -332,9 +332,71 @@ fn tables_in_files_behind_a_small_cache_train_like_tables_in_memory() -> Result<
         plain.save_checkpoint(&path, &BTreeMap::new())?;
         again.load_checkpoint(&path)?;
         assert!(state_bits(&again) == state_bits(&plain));
+
+        // A cached model's checkpoint keeps its tables out of the file: their row files and
+        // manifests sit in a parts directory beside it, one per checkpoint, the previous one
+        // removed only once the new file is in place.
+        let path2 = dir.join("ckpt2.safetensors");
+        std::fs::create_dir_all(dir.join("ckpt2.safetensors.parts-interrupted")).unwrap();
+        again.save_checkpoint(&path2, &BTreeMap::new())?;
+        let first = parts_dirs(&dir, "ckpt2.safetensors");
+        assert_eq!(first.len(), 1, "{first:?}");
+        let names = embers::checkpoint::CheckpointReader::open(&path2)?.names();
+        assert!(
+            !names.iter().any(|n| n.starts_with("tables.")),
+            "tables in the file: {names:?}"
+        );
+        again.save_checkpoint(&path2, &BTreeMap::new())?;
+        let second = parts_dirs(&dir, "ckpt2.safetensors");
+        assert!(
+            second.len() == 1 && second != first,
+            "{first:?} then {second:?}"
+        );
+        // Read back into a cached model (its own row files) and into one in memory.
+        let elsewhere =
+            Placement::for_kernel("fused_uvm_caching", Some(0.1), dir.join("rows2"), policy)?;
+        let mut third = cfg.build_with(&elsewhere)?;
+        third.load_checkpoint(&path2)?;
+        assert!(state_bits(&third) == state_bits(&plain), "{policy:?}");
+        let mut fourth = cfg.build()?;
+        fourth.load_checkpoint(&path2)?;
+        assert!(state_bits(&fourth) == state_bits(&plain), "{policy:?}");
+        // A damaged row file is named and changes nothing; so is a missing parts directory.
+        let rows = (std::fs::read_dir(dir.join(&second[0]).join("tables.group0")).unwrap())
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "bin"))
+            .expect("a row file");
+        let mut bytes = std::fs::read(&rows).unwrap();
+        bytes[100] ^= 1;
+        std::fs::write(&rows, &bytes).unwrap();
+        let mut fresh = cfg.build()?;
+        let before = state_bits(&fresh);
+        let err = fresh.load_checkpoint(&path2).unwrap_err().to_string();
+        assert!(err.contains("corrupt"), "{err}");
+        assert!(state_bits(&fresh) == before);
+        let err = third.load_checkpoint(&path2).unwrap_err().to_string();
+        assert!(err.contains("corrupt"), "{err}");
+        assert!(state_bits(&third) == state_bits(&plain));
+        std::fs::remove_dir_all(dir.join(&second[0])).unwrap();
+        let err = fresh.load_checkpoint(&path2).unwrap_err().to_string();
+        assert!(
+            err.contains("parts directory") && err.contains("missing"),
+            "{err}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
+}
+
+/// The parts directories beside checkpoint `file` in `dir`.
+fn parts_dirs(dir: &std::path::Path, file: &str) -> Vec<String> {
+    let mut found: Vec<String> = (std::fs::read_dir(dir).unwrap().flatten())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("{file}.parts-")))
+        .collect();
+    found.sort();
+    found
 }
 
 #[test]

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use super::config::WeightType;
 use super::inference::QuantizedTableBatchedEmbedding;
+use super::tbe::cache::api::{read_cached_checkpoint, StagedRows};
 use super::tbe::TableBatchedEmbedding;
 use super::StateShape;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
@@ -30,6 +31,21 @@ pub(crate) fn add_tbes(
 ) -> Result<()> {
     w.set_metadata(format!("{prefix}format"), FORMAT);
     for (g, tbe) in tbes.iter().enumerate() {
+        w.set_metadata(
+            format!("{prefix}group{g}.optimizer"),
+            tbe.config().optimizer.name(),
+        );
+        w.set_metadata(format!("{prefix}group{g}.step"), tbe.step().to_string());
+        if tbe.is_cached() {
+            if let Some(parts) = w.parts_dir()? {
+                // Tables cached in a file: their own checkpoint (the row file copied whole,
+                // and a manifest) in the parts directory, never all in memory.
+                let name = format!("{prefix}group{g}");
+                tbe.save_cached_checkpoint(parts.join(&name))?;
+                w.set_metadata(format!("{prefix}group{g}.rows"), name);
+                continue;
+            }
+        }
         let states = tbe.optimizer_state_names();
         for (t, spec) in tbe.config().tables.iter().enumerate() {
             w.add(
@@ -45,11 +61,6 @@ pub(crate) fn add_tbes(
                 )?;
             }
         }
-        w.set_metadata(
-            format!("{prefix}group{g}.optimizer"),
-            tbe.config().optimizer.name(),
-        );
-        w.set_metadata(format!("{prefix}group{g}.step"), tbe.step().to_string());
     }
     Ok(())
 }
@@ -65,12 +76,17 @@ fn state_shape(shape: StateShape, rows: usize, dim: usize) -> Vec<usize> {
 pub(crate) struct StagedTables {
     weights: Vec<(usize, usize, Vec<f32>)>,
     states: Vec<(usize, usize, usize, Vec<f32>)>,
+    /// Groups whose tables are cached in files: their checkpoints' rows, staged.
+    cached: Vec<(usize, StagedRows)>,
     steps: Vec<u64>,
 }
 
 impl StagedTables {
     /// Writes the staged values into the TBEs they were read for.
     pub(crate) fn apply(self, tbes: &[&TableBatchedEmbedding]) -> Result<()> {
+        for (g, rows) in self.cached {
+            tbes[g].commit_cached_checkpoint(rows)?;
+        }
         for (g, t, w) in self.weights {
             tbes[g].set_table_weights(t, &w)?;
         }
@@ -94,6 +110,7 @@ pub(crate) fn stage_tbes(
     let mut staged = StagedTables {
         weights: Vec::new(),
         states: Vec::new(),
+        cached: Vec::new(),
         steps: Vec::new(),
     };
     for (g, tbe) in tbes.iter().enumerate() {
@@ -109,6 +126,46 @@ pub(crate) fn stage_tbes(
                 ),
             ));
         }
+        let step = r.metadata(&format!("{prefix}group{g}.step")).unwrap_or("0");
+        staged.steps.push(step.parse().map_err(|_| {
+            Error::invalid(
+                "checkpoint",
+                format!("{path}: group {g} step `{step}` is not a count"),
+            )
+        })?);
+        if let Some(name) = r.metadata(&format!("{prefix}group{g}.rows")) {
+            // The group's own checkpoint, in the parts directory.
+            let parts = r.parts_dir()?.ok_or_else(|| {
+                Error::invalid(
+                    "checkpoint",
+                    format!(
+                        "{path}: group {g}'s rows are in `{name}`, but it has no parts directory"
+                    ),
+                )
+            })?;
+            if name.contains(['/', '\\']) || name.starts_with('.') {
+                return Err(Error::invalid(
+                    "checkpoint",
+                    format!("{path}: group {g}'s rows `{name}` is not a directory name"),
+                ));
+            }
+            let dir = parts.join(name);
+            if tbe.is_cached() {
+                staged.cached.push((g, tbe.stage_cached_checkpoint(&dir)?));
+            } else {
+                // Into tables in memory: the row file read whole.
+                let plain = read_cached_checkpoint(&dir, tbe.config())?;
+                for (t, w) in plain.weights.into_iter().enumerate() {
+                    staged.weights.push((g, t, w));
+                }
+                for (i, per_table) in plain.states.into_iter().enumerate() {
+                    for (t, s) in per_table.into_iter().enumerate() {
+                        staged.states.push((g, i, t, s));
+                    }
+                }
+            }
+            continue;
+        }
         let states = tbe.optimizer_state_names();
         for (t, spec) in tbe.config().tables.iter().enumerate() {
             let name = format!("{prefix}{}.weight", spec.name);
@@ -121,13 +178,6 @@ pub(crate) fn stage_tbes(
                 staged.states.push((g, i, t, r.read(&name, &shape)?));
             }
         }
-        let step = r.metadata(&format!("{prefix}group{g}.step")).unwrap_or("0");
-        staged.steps.push(step.parse().map_err(|_| {
-            Error::invalid(
-                "checkpoint",
-                format!("{path}: group {g} step `{step}` is not a count"),
-            )
-        })?);
     }
     Ok(staged)
 }
@@ -135,6 +185,7 @@ pub(crate) fn stage_tbes(
 /// Writes the tables and optimizer state of several TBEs into one file.
 pub(crate) fn save_many(path: &Path, tbes: &[&TableBatchedEmbedding]) -> Result<()> {
     let mut w = CheckpointWriter::new();
+    w.parts_beside(path);
     add_tbes(&mut w, "", tbes)?;
     w.write(path)
 }
@@ -147,7 +198,10 @@ pub(crate) fn load_many(path: &Path, tbes: &[&TableBatchedEmbedding]) -> Result<
 
 impl TableBatchedEmbedding {
     /// Writes every table (`<name>.weight`) and its optimizer state (`<name>.momentum1`, ...)
-    /// to `path` as safetensors, atomically. Table names must be unique.
+    /// to `path` as safetensors, atomically. Table names must be unique. Tables cached in a
+    /// file are saved as their row file and manifest
+    /// ([`save_cached_checkpoint`](Self::save_cached_checkpoint)) in a directory beside
+    /// `path` ([`CheckpointWriter::parts_beside`]), never read whole into memory.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         save_many(path.as_ref(), &[self])
     }

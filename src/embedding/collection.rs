@@ -227,7 +227,9 @@ macro_rules! table_access {
         }
 
         /// Adds every table and its optimizer state to a larger checkpoint, names prefixed by
-        /// `prefix`.
+        /// `prefix`. Tables cached in files go, as their row files, into the writer's parts
+        /// directory when it has one ([`CheckpointWriter::parts_beside`](crate::checkpoint::CheckpointWriter::parts_beside));
+        /// otherwise they are read whole into the file.
         pub fn checkpoint_into(
             &self,
             writer: &mut crate::checkpoint::CheckpointWriter,

@@ -814,6 +814,8 @@ impl DlrmTrainer {
         user: &BTreeMap<String, String>,
     ) -> Result<()> {
         let mut w = trainer_writer(FORMAT, self.step, self.examples, self.config.as_ref(), user)?;
+        // Tables cached in files go beside the file as their row files.
+        w.parts_beside(path.as_ref());
         write_dense_state(
             &mut w,
             &self.model.dense,

@@ -327,6 +327,8 @@ impl TwoTowerTrainer {
         user: &BTreeMap<String, String>,
     ) -> Result<()> {
         let mut w = trainer_writer(FORMAT, self.step, self.examples, Some(&self.config), user)?;
+        // Tables cached in files go beside the file as their row files.
+        w.parts_beside(path.as_ref());
         write_dense_state(&mut w, &Mlps(&self.model), self.optimizer.as_ref(), None)?;
         self.model
             .query

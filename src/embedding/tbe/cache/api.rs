@@ -17,6 +17,7 @@ use serde_json::json;
 use super::store::io_error;
 use super::{CacheStats, CacheTimes};
 use crate::embedding::input::TbeInput;
+use crate::embedding::tbe::TbeConfig;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
 use crate::{Error, Result};
 
@@ -176,8 +177,84 @@ impl TableBatchedEmbedding {
     /// (length, checksum) and copied over the live one, the cache emptied. Any error leaves the
     /// operator as it was.
     pub fn load_cached_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
-        let dir = dir.as_ref();
+        let staged = self.stage_cached_checkpoint(dir.as_ref())?;
+        self.commit_cached_checkpoint(staged)
+    }
+
+    /// The first half of [`load_cached_checkpoint`](Self::load_cached_checkpoint): every
+    /// check, and the rows copied beside the live ones; nothing changes yet.
+    pub(crate) fn stage_cached_checkpoint(&self, dir: &Path) -> Result<StagedRows> {
+        let m = Manifest::read(dir, &self.inner.config)?;
+        let state = self.inner.state.read();
+        let Tables::Cached(c) = &state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        if m.bytes != c.store().len() {
+            return Err(m.bad(format!(
+                "says {} bytes of rows, these tables need {}",
+                m.bytes,
+                c.store().len()
+            )));
+        }
+        // Read (and checked) beside the live rows first; an unaccepted copy goes with `staged`.
+        let staged = c.store().stage(&m.rows_file)?;
+        let h = staged.checksum();
+        if format!("{h:016x}") != m.checksum {
+            return Err(m.corrupt(h));
+        }
+        let step = m.step;
+        Ok(StagedRows { staged, step })
+    }
+
+    /// The second half of [`load_cached_checkpoint`](Self::load_cached_checkpoint): the staged
+    /// rows become the live ones, the cache emptied.
+    pub(crate) fn commit_cached_checkpoint(&self, staged: StagedRows) -> Result<()> {
         let cfg = &self.inner.config;
+        let mut state = self.inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        c.check_idle()?;
+        c.commit_store(staged.staged)?;
+        // The old file's rows (dirty ones included) are gone with it: forget them.
+        c.invalidate(cfg)?;
+        state.step = staged.step;
+        Ok(())
+    }
+}
+
+/// A cached checkpoint's rows, checked and copied beside the live ones, and its step.
+pub(crate) struct StagedRows {
+    staged: super::store::Staged,
+    step: u64,
+}
+
+/// The `(name, rows, dim)` of every table a manifest lists, if it lists them.
+fn manifest_tables(m: &serde_json::Value) -> Option<Vec<(String, u64, u64)>> {
+    (m.get("tables")?.as_array()?.iter())
+        .map(|t| {
+            Some((
+                t["name"].as_str()?.to_string(),
+                t["rows"].as_u64()?,
+                t["dim"].as_u64()?,
+            ))
+        })
+        .collect()
+}
+
+/// A cached checkpoint's manifest, checked against the tables it is loaded for.
+struct Manifest {
+    path: std::path::PathBuf,
+    rows_file: std::path::PathBuf,
+    bytes: u64,
+    checksum: String,
+    step: u64,
+}
+
+impl Manifest {
+    /// Reads `dir`'s manifest and checks it against `cfg` (format, optimizer, tables) and the
+    /// row file it names against its length.
+    fn read(dir: &Path, cfg: &TbeConfig) -> Result<Self> {
         let path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, "reading", e))?;
         let bad = |why: String| Error::invalid(OP, format!("{}: {why}", path.display()));
@@ -216,16 +293,6 @@ impl TableBatchedEmbedding {
             .filter(|n| !n.contains('/') && !n.contains('\\') && !n.starts_with('.'))
             .ok_or_else(|| bad("`rows_file` is not a file name".into()))?;
         let rows_file = dir.join(name);
-        let mut state = self.inner.state.write();
-        let Tables::Cached(c) = &mut state.tables else {
-            return Err(Error::invalid(OP, "the tables are not cached in a file"));
-        };
-        if bytes != c.store().len() {
-            return Err(bad(format!(
-                "says {bytes} bytes of rows, these tables need {}",
-                c.store().len()
-            )));
-        }
         let have = std::fs::metadata(&rows_file)
             .map_err(|e| io_error(&rows_file, "reading its size", e))?
             .len();
@@ -238,36 +305,81 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
-        // Read (and checked) beside the live rows first; an unaccepted copy goes with `staged`.
-        let staged = c.store().stage(&rows_file)?;
-        let h = staged.checksum();
-        if format!("{h:016x}") != checksum {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{}: checksum {h:016x}, the manifest says {checksum} (corrupt)",
-                    rows_file.display()
-                ),
-            ));
-        }
-        c.check_idle()?;
-        c.commit_store(staged)?;
-        // The old file's rows (dirty ones included) are gone with it: forget them.
-        c.invalidate(cfg)?;
-        state.step = step;
-        Ok(())
+        Ok(Manifest {
+            path,
+            rows_file,
+            bytes,
+            checksum,
+            step,
+        })
+    }
+
+    /// An error about the manifest.
+    fn bad(&self, why: String) -> Error {
+        Error::invalid(OP, format!("{}: {why}", self.path.display()))
+    }
+
+    /// An error about the row file's checksum.
+    fn corrupt(&self, h: u64) -> Error {
+        Error::invalid(
+            OP,
+            format!(
+                "{}: checksum {h:016x}, the manifest says {} (corrupt)",
+                self.rows_file.display(),
+                self.checksum
+            ),
+        )
     }
 }
 
-/// The `(name, rows, dim)` of every table a manifest lists, if it lists them.
-fn manifest_tables(m: &serde_json::Value) -> Option<Vec<(String, u64, u64)>> {
-    (m.get("tables")?.as_array()?.iter())
-        .map(|t| {
-            Some((
-                t["name"].as_str()?.to_string(),
-                t["rows"].as_u64()?,
-                t["dim"].as_u64()?,
-            ))
-        })
-        .collect()
+/// A cached checkpoint's tables read whole, for tables kept in memory.
+pub(crate) struct PlainTables {
+    /// Per table, its weights (`[rows, dim]`).
+    pub weights: Vec<Vec<f32>>,
+    /// Per optimizer state buffer, per table, its values.
+    pub states: Vec<Vec<Vec<f32>>>,
+}
+
+/// Reads the checkpoint of cached tables `cfg` written by
+/// [`TableBatchedEmbedding::save_cached_checkpoint`] in `dir` whole into memory (every check
+/// made, the checksum included), for an operator whose tables are in memory.
+pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<PlainTables> {
+    let m = Manifest::read(dir, cfg)?;
+    let parts = super::parts_of(cfg);
+    let records: Vec<(usize, usize)> = (cfg.tables.iter().zip(&parts))
+        .map(|(s, p)| (s.rows, p.record() * 4))
+        .collect();
+    let (layout, len) = super::store::RowStore::layout(&records)?;
+    if len != m.bytes {
+        return Err(m.bad(format!(
+            "says {} bytes of rows, these tables need {len}",
+            m.bytes
+        )));
+    }
+    let (bytes, h) = super::store::read_with_checksum(&m.rows_file, len)?;
+    if format!("{h:016x}") != m.checksum {
+        return Err(m.corrupt(h));
+    }
+    let buffers = cfg.optimizer.state_buffers().len();
+    let mut weights = Vec::with_capacity(cfg.tables.len());
+    let mut states = vec![Vec::with_capacity(cfg.tables.len()); buffers];
+    for ((spec, p), table) in cfg.tables.iter().zip(&parts).zip(&layout) {
+        let start = table.offset as usize;
+        let floats = (bytes[start..start + spec.rows * table.record_bytes].chunks_exact(4))
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let mut split = [Vec::new(), Vec::new(), Vec::new()];
+        for (k, x) in floats.enumerate() {
+            let at = k % p.record();
+            let part = (0..3)
+                .find(|&q| p.range(q).contains(&at))
+                .expect("in a part");
+            split[part].push(x);
+        }
+        let [w, s0, s1] = split;
+        weights.push(w);
+        for (i, s) in [s0, s1].into_iter().enumerate().take(buffers) {
+            states[i].push(s);
+        }
+    }
+    Ok(PlainTables { weights, states })
 }

@@ -34,7 +34,7 @@
 //! share (`cache_load_factor × rows`, at least one set): the planner's per-table load factor
 //! then means what it says, and no table can evict another's rows.
 
-mod api;
+pub(crate) mod api;
 pub(crate) mod bytes;
 mod config;
 mod device_directory;
@@ -245,6 +245,16 @@ impl Parts {
     }
 }
 
+/// Where each table's record parts sit (weights, then the optimizer's per-row state).
+fn parts_of(config: &TbeConfig) -> Vec<Parts> {
+    (config.tables.iter())
+        .map(|s| Parts {
+            dim: s.dim,
+            state: [0, 1].map(|i| config.optimizer.state_len(i, 1, s.dim)),
+        })
+        .collect()
+}
+
 /// Tables in a file, cached in DRAM.
 pub(crate) struct CachedTables {
     /// A GPU cache's rows in host memory, registered with the GPU so that its kernels make
@@ -337,12 +347,7 @@ impl CachedTables {
         cache: &CacheConfig,
         device: Option<Arc<CudaDevice>>,
     ) -> Result<Self> {
-        let parts: Vec<Parts> = (config.tables.iter())
-            .map(|s| Parts {
-                dim: s.dim,
-                state: [0, 1].map(|i| config.optimizer.state_len(i, 1, s.dim)),
-            })
-            .collect();
+        let parts = parts_of(config);
         let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))
             .map(|(s, p)| (s.rows, p.record() * 4))
             .collect();

@@ -498,6 +498,17 @@ impl CopyTarget for [u8] {
     }
 }
 
+/// Reads the file `src`, which must be `len` bytes long, into memory, with its checksum (as
+/// [`copy_with_checksum`]).
+pub(crate) fn read_with_checksum(src: &Path, len: u64) -> Result<(Vec<u8>, u64)> {
+    let input = File::open(src).map_err(|e| io_error(src, "opening to read", e))?;
+    let len = usize::try_from(len)
+        .map_err(|_| Error::invalid(OP, format!("{len} bytes do not fit in memory")))?;
+    let mut bytes = vec![0u8; len];
+    let h = checksum_copy(input, src, &mut bytes[..], Path::new("<memory>"))?;
+    Ok((bytes, h))
+}
+
 /// Copies `src` to a new file `dst` (flushed to disk) and returns the copy's checksum, a
 /// 64-bit FNV-1a over the file's 8-byte words (a final partial word zero-padded).
 pub(crate) fn copy_with_checksum(src: &Path, dst: &Path) -> Result<u64> {
