@@ -825,3 +825,45 @@ fn a_prefetched_batch_is_looked_up_with_its_own_weights() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_byte_budget_pays_for_lfus_access_counts_too() -> Result<()> {
+    let dir = temp_dir("budget-lfu");
+    let cfg = TbeConfig::new(
+        vec![TableSpec::new("t", 20_000, 16)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-3,
+        },
+    );
+    // A quarter of the 17-float records; LFU also counts every row's accesses (80 kB here).
+    let budget = 20_000 * 17 * 4 / 4;
+    let mut slots = Vec::new();
+    for policy in [CachePolicy::Lru, CachePolicy::Lfu] {
+        let cache = CacheConfig::new(
+            dir.join(format!("{policy:?}.bin")),
+            CacheSize::Bytes(budget),
+        )
+        .with_policy(policy);
+        let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache)?;
+        let bytes = tbe.allocated_bytes() as u64;
+        assert!(bytes <= budget, "{policy:?}: {bytes} bytes > {budget}");
+        assert!(bytes > budget * 9 / 10, "{policy:?}: {bytes} bytes");
+        slots.push(tbe.cache_stats().unwrap()[0].slots);
+    }
+    assert!(
+        slots[1] < slots[0],
+        "LFU's counts take room from its slots: {slots:?}"
+    );
+    // A budget the counts alone exceed is refused in words.
+    let cache = CacheConfig::new(dir.join("small.bin"), CacheSize::Bytes(60_000))
+        .with_policy(CachePolicy::Lfu);
+    let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("access counts"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}

@@ -91,7 +91,12 @@ impl ByteCache {
         tables: &[(usize, usize)],
         names: &[String],
     ) -> Result<Self> {
-        let sets = sets_for(cache.size, tables)?;
+        let per_row = if cache.policy == CachePolicy::Lfu {
+            4
+        } else {
+            0
+        };
+        let sets = sets_for(cache.size, tables, per_row)?;
         let store = RowStore::create(&cache.path, tables)?;
         let dirs: Vec<Directory> = (sets.iter().zip(tables))
             .map(|(&n, &(rows, _))| Directory::new(n, rows, cache.policy))

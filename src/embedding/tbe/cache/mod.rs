@@ -294,8 +294,13 @@ pub(crate) struct CachedTables {
 /// Prefetched admissions kept at most (a pipeline one batch deep needs one).
 const MAX_PREFETCHED: usize = 2;
 
-/// Sets per table for `size`, tables given as `(rows, bytes per cached row)`.
-pub(crate) fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec<usize>> {
+/// Sets per table for `size`, tables given as `(rows, bytes per cached row)`; a byte budget
+/// also pays `per_row` bytes for every row of the tables, cached or not (LFU's access counts).
+pub(crate) fn sets_for(
+    size: CacheSize,
+    tables: &[(usize, usize)],
+    per_row: usize,
+) -> Result<Vec<usize>> {
     let full = |rows: usize| rows.div_ceil(WAYS).max(1);
     match size {
         CacheSize::LoadFactor(f) if f.is_finite() && f > 0.0 => Ok(tables
@@ -309,8 +314,13 @@ pub(crate) fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec
             OP,
             format!("cache load factor {f} must be a finite number above 0"),
         )),
-        CacheSize::Bytes(b) => {
-            // A slot costs its record and its directory entry.
+        CacheSize::Bytes(budget) => {
+            // Every row's fixed cost first (LFU's counts), then a slot costs its record and its
+            // directory entry.
+            let fixed: u64 = (tables.iter())
+                .map(|&(rows, _)| (rows as u64).saturating_mul(per_row as u64))
+                .fold(0, u64::saturating_add);
+            let b = budget.saturating_sub(fixed);
             let slot = |record_bytes: usize| (record_bytes + SLOT_BYTES) as f64;
             let total: f64 = (tables.iter())
                 .map(|&(rows, record)| rows as f64 * slot(record))
@@ -320,11 +330,16 @@ pub(crate) fn sets_for(size: CacheSize, tables: &[(usize, usize)]) -> Result<Vec
                 .map(|&(_, record)| (WAYS as f64 * slot(record)) as u64)
                 .sum();
             if b < min_bytes {
+                let counts = if fixed > 0 {
+                    format!(" after LFU's access counts of every row ({fixed} bytes)")
+                } else {
+                    String::new()
+                };
                 return Err(Error::invalid(
                     OP,
                     format!(
-                        "a cache budget of {b} bytes is below one 32-way set per table \
-                         ({min_bytes} bytes)"
+                        "a cache budget of {budget} bytes is below one 32-way set per table \
+                         ({min_bytes} bytes){counts}"
                     ),
                 ));
             }
@@ -361,7 +376,14 @@ impl CachedTables {
             0
         };
         let sized: Vec<(usize, usize)> = tables.iter().map(|&(r, b)| (r, b + extra)).collect();
-        let sets = sets_for(cache.size, &sized)?;
+        // LFU counts every row's accesses, in each directory.
+        let lfu_copies = if with_device_dir { 2 } else { 1 };
+        let per_row = if cache.policy == CachePolicy::Lfu {
+            4 * lfu_copies
+        } else {
+            0
+        };
+        let sets = sets_for(cache.size, &sized, per_row)?;
         let store = RowStore::create(&cache.path, &tables)?;
         let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
             .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
