@@ -53,21 +53,29 @@ fn one_rank_is_the_unsharded_model() {
 }
 
 /// The same with every rank's tables on the CUDA device (a GPU, else the host emulation): the
-/// device TBEs' lookups and fused backward under each sharding type, at 2 ranks.
+/// device TBEs' lookups and fused backward under each sharding type, at 2 ranks, and the
+/// plan's cached kernels with their caches in the GPU's memory (rows in host memory or in
+/// files).
 #[test]
 fn sharded_equals_unsharded_with_tables_on_the_cuda_device() {
     let Some(device) = cuda_device::device() else {
         return;
     };
+    let names = [
+        "mixed",
+        "mixed_adagrad",
+        "column_wise",
+        "row_wise",
+        "mixed_cached",
+        "row_wise_cached_files",
+    ];
     let cases = (cases(2).into_iter())
-        .filter(|c| {
-            ["mixed", "mixed_adagrad", "column_wise", "row_wise"].contains(&c.name.as_str())
-        })
+        .filter(|c| names.contains(&c.name.as_str()))
         .map(|mut c| {
             c.device = device;
             c
         })
         .collect::<Vec<_>>();
-    assert_eq!(cases.len(), 4);
+    assert_eq!(cases.len(), names.len());
     check_cases(cases);
 }

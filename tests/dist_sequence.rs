@@ -63,14 +63,22 @@ fn sharded_ec_equals_unsharded_with_tables_on_the_cuda_device() {
     let Some(device) = cuda_device::device() else {
         return;
     };
+    // With the plan's cached kernels too: their caches in the GPU's memory.
+    let names = [
+        "mixed",
+        "mixed_adagrad",
+        "row_wise",
+        "mixed_cached",
+        "row_wise_cached_files",
+    ];
     let cases = (cases(2).into_iter())
-        .filter(|c| ["mixed", "mixed_adagrad", "row_wise"].contains(&c.name.as_str()))
+        .filter(|c| names.contains(&c.name.as_str()))
         .map(|mut c| {
             c.device = device;
             c
         })
         .collect::<Vec<_>>();
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), names.len());
     check_cases(cases);
 }
 

@@ -426,8 +426,13 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
     let input = TbeInput::new(&[700i64][..], &[0i64, 1, 1, 1, 1][..]);
     let err = tbe.lookup(input).unwrap_err().to_string();
     assert!(err.contains("700"), "{err}");
-    // A cached operator stays on the host.
-    assert!(tbe.to_device(embers::Device::Cuda(0)).is_err());
+    // A GPU that does not exist is named; the cache stays where it was.
+    let err = tbe
+        .to_device(embers::Device::Cuda(99))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("99"), "{err}");
+    assert_eq!(tbe.device(), embers::Device::Cpu);
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }
@@ -864,6 +869,71 @@ fn a_byte_budget_pays_for_lfus_access_counts_too() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("access counts"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+#[test]
+fn gpu_a_cached_tbe_moves_between_the_host_and_the_gpu_training_bit_identically() -> Result<()> {
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    let dir = temp_dir("gpu-move");
+    let cfg = TbeConfig::new(
+        vec![TableSpec::new("a", 3000, 8), TableSpec::new("b", 500, 12)],
+        vec![0, 1, 0],
+        PoolingMode::Sum,
+        FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+    );
+    let steps = batches(&cfg, 12, 16, 8, 1.05, true, 4);
+    for in_memory in [false, true] {
+        let size = CacheSize::LoadFactor(0.1);
+        let cache = match in_memory {
+            true => CacheConfig::in_host_memory(size),
+            false => CacheConfig::new(dir.join("rows.bin"), size),
+        };
+        let reference = TableBatchedEmbedding::new(cfg.clone())?;
+        let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache)?;
+        for t in [&reference, &tbe] {
+            t.init_weights(
+                EmbeddingInit::Uniform {
+                    low: -0.1,
+                    high: 0.1,
+                },
+                &mut seeded(2),
+            )?;
+        }
+        // Host, then the GPU, then the host again: the uncached TBE follows (host and GPU
+        // kernels may round differently, the cache's place must not matter).
+        for (k, at) in [Device::Cpu, device, Device::Cpu].into_iter().enumerate() {
+            reference.to_device(at)?;
+            tbe.to_device(at)?;
+            assert_eq!(tbe.device(), at);
+            let part = &steps[4 * k..4 * k + 4];
+            let (a, b) = (train(&reference, part, false)?, train(&tbe, part, k == 1)?);
+            assert!(a == b, "in memory {in_memory}: outputs differ on {at:?}");
+            assert!(
+                state_bits(&tbe)? == state_bits(&reference)?,
+                "in memory {in_memory}: state differs on {at:?}"
+            );
+        }
+        let stats = tbe.cache_stats().unwrap();
+        assert!(stats.iter().all(|s| s.calls == 12), "{stats:?}");
+        assert!(stats.iter().any(|s| s.evictions > 0), "{stats:?}");
+        // A batch still alive keeps the cache where it is.
+        let batch = tbe.prepare(steps[0].input())?;
+        let err = tbe.to_device(device).unwrap_err().to_string();
+        assert!(err.contains("still alive"), "{err}");
+        assert_eq!(tbe.device(), Device::Cpu);
+        drop(batch);
+        tbe.to_device(device)?;
+        assert_eq!(tbe.device(), device);
+    }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

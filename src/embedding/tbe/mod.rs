@@ -363,7 +363,10 @@ impl TableBatchedEmbedding {
 
     /// Moves the tables, their optimizer state and the step count to `device` (every clone
     /// follows). Between training steps: a backward recorded before the move refuses to run
-    /// after it.
+    /// after it. Tables cached in a file move their cache: its dirty rows are written back
+    /// and an empty cache of the same size is made on `device` over the same rows (on a GPU,
+    /// FBGEMM's `MANAGED_CACHING`, as [`new_cached_on`](Self::new_cached_on) makes it); batches
+    /// it admitted must be dropped first.
     pub fn to_device(&self, device: Device) -> Result<()> {
         if device == self.device() {
             return Ok(());
@@ -380,15 +383,30 @@ impl TableBatchedEmbedding {
                 Tables::Device(upload(cfg, layout, &host, open()?)?)
             }
             (Tables::Host(_), Device::Cpu) => return Ok(()),
-            (Tables::Cached(c), _) => {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "tables kept in a file with a cache on {:?} stay there (copy them to \
-                         {device:?} with clone_to)",
-                        c.device()
-                    ),
-                ))
+            (Tables::Cached(_), _) => {
+                // The cache moves (emptied, its dirty rows written back first); the rows stay
+                // in their file or host memory.
+                let gpu = match device {
+                    Device::Cpu => None,
+                    Device::Cuda(_) => Some(open()?),
+                };
+                let none = HostTables {
+                    weights: crate::embedding::RowBuffer::zeros(0)?,
+                    m1: crate::embedding::RowBuffer::zeros(0)?,
+                    m2: crate::embedding::RowBuffer::zeros(0)?,
+                };
+                let Tables::Cached(c) = std::mem::replace(&mut state.tables, Tables::Host(none))
+                else {
+                    unreachable!("matched above");
+                };
+                match c.moved_to(cfg, gpu) {
+                    Ok(moved) => Tables::Cached(moved),
+                    Err(failed) => {
+                        let (c, e) = *failed;
+                        state.tables = Tables::Cached(c);
+                        return Err(e);
+                    }
+                }
             }
         };
         state.tables = moved;

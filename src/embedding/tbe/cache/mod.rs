@@ -385,31 +385,52 @@ impl CachedTables {
         };
         let sets = sets_for(cache.size, &sized, per_row)?;
         let store = RowStore::create(&cache.path, &tables)?;
-        let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
-            .map(|(&n, s)| Directory::new(n, s.rows, cache.policy))
-            .collect::<Result<_>>()?;
+        Self::over(config, store, &sets, cache.policy, device, with_device_dir).map_err(|f| f.1)
+    }
+
+    /// An empty cache of `sets` sets per table over `store` (the rows of the logical tables
+    /// of `config`), as [`create`](Self::create) makes it.
+    fn over(
+        config: &TbeConfig,
+        store: RowStore,
+        sets: &[usize],
+        policy: CachePolicy,
+        device: Option<Arc<CudaDevice>>,
+        with_device_dir: bool,
+    ) -> std::result::Result<Self, Box<(RowStore, Error)>> {
+        let parts = parts_of(config);
+        let built = (|| {
+            let dirs: Vec<Directory> = (sets.iter().zip(&config.tables))
+                .map(|(&n, s)| Directory::new(n, s.rows, policy))
+                .collect::<Result<_>>()?;
+            let scratch = vec![0; config.tables.len()];
+            let (cfg, layout, rows) = Self::buffers(config, &dirs, &scratch, device.as_ref())?;
+            let device_dir = match &device {
+                Some(d) if with_device_dir => {
+                    let rows: Vec<usize> = config.tables.iter().map(|s| s.rows).collect();
+                    Some(DeviceDirectory::new(
+                        d,
+                        &dirs,
+                        &rows,
+                        &config.feature_table_map,
+                        policy,
+                    )?)
+                }
+                _ => None,
+            };
+            Ok((dirs, scratch, cfg, layout, rows, device_dir))
+        })();
+        let (dirs, scratch, cfg, layout, rows, device_dir) = match built {
+            Ok(b) => b,
+            Err(e) => return Err(Box::new((store, e))),
+        };
         let stats = (config.tables.iter().zip(&dirs))
             .map(|(s, d)| CacheStats::empty(s.name.clone(), d.slots()))
             .collect();
-        let scratch = vec![0; config.tables.len()];
-        let (cfg, layout, rows) = Self::buffers(config, &dirs, &scratch, device.as_ref())?;
-        let device_dir = match &device {
-            Some(d) if with_device_dir => {
-                let rows: Vec<usize> = config.tables.iter().map(|s| s.rows).collect();
-                Some(DeviceDirectory::new(
-                    d,
-                    &dirs,
-                    &rows,
-                    &config.feature_table_map,
-                    cache.policy,
-                )?)
-            }
-            _ => None,
-        };
         let mut tables = CachedTables {
             mapped: None,
             store,
-            policy: cache.policy,
+            policy,
             dirs,
             cfg,
             layout,
@@ -428,6 +449,45 @@ impl CachedTables {
         };
         tables.mapped = tables.map_store();
         Ok(tables)
+    }
+
+    /// This cache moved to `device` (`None`: the host): its dirty rows written back, then an
+    /// empty cache of the same sets per table made there over the same store (rows in a file
+    /// stay in it; rows in host memory stay there, registered with the new GPU). The
+    /// counters carry over. Refused while batches it admitted are alive.
+    pub(crate) fn moved_to(
+        mut self,
+        config: &TbeConfig,
+        device: Option<Arc<CudaDevice>>,
+    ) -> std::result::Result<Self, Box<(Self, Error)>> {
+        if let Err(e) = (|| {
+            self.flush()?;
+            self.check_idle()
+        })() {
+            return Err(Box::new((self, e)));
+        }
+        let sets: Vec<usize> = self.dirs.iter().map(|d| d.sets).collect();
+        let with_device_dir = device.is_some()
+            && !std::env::var("EMBERS_CACHE_HOST_DIRECTORY").is_ok_and(|v| v == "1");
+        // Unregistered before the store changes hands.
+        self.mapped = None;
+        let empty =
+            RowStore::create(std::path::Path::new(""), &[]).expect("an empty store needs nothing");
+        let store = std::mem::replace(&mut self.store, empty);
+        match Self::over(config, store, &sets, self.policy, device, with_device_dir) {
+            Ok(mut moved) => {
+                moved.stats = std::mem::take(&mut self.stats);
+                moved.times = self.times;
+                Ok(moved)
+            }
+            Err(failed) => {
+                // Back as it was (its dirty rows written back).
+                let (store, e) = *failed;
+                self.store = store;
+                self.mapped = self.map_store();
+                Err(Box::new((self, e)))
+            }
+        }
     }
 
     /// The registration of a GPU cache's rows in host memory with its GPU, when the device
@@ -1376,7 +1436,7 @@ impl CachedTables {
         if self.dirs.iter().any(|d| d.locked_slots() > 0) {
             return Err(Error::invalid(
                 OP,
-                "batches prepared before a checkpoint load are still alive (drop them first)",
+                "batches it admitted are still alive (drop them before a checkpoint load or a move)",
             ));
         }
         Ok(())
