@@ -426,7 +426,8 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
 /// A plan whose kernels put tables behind caches (`fused_uvm_caching`, the planner's choice
 /// under a kernel constraint) trains the DLRM example on 2 processes to the same tables,
 /// optimizer state and dense half, bit for bit, as the same plan with every table `fused`;
-/// the cached shards' rows live in files under `--cache-dir`, one per rank.
+/// the cached shards' rows live in files under `--cache-dir`, one per rank, and each batch's
+/// rows are prefetched into the caches while the batch before trains (`--cache-prefetch`).
 #[test]
 fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
     let Some(example) = dlrm_example() else {
@@ -484,9 +485,11 @@ fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
     }
     std::fs::write(dir.join("fused.json"), plan.to_json()).unwrap();
     for name in ["fused", "cached"] {
-        let args = [
+        let (plan_path, out_path) = (path(&format!("{name}.json")), path(name));
+        let rows_path = path(&format!("{name}-rows"));
+        let mut args = vec![
             "--plan",
-            &path(&format!("{name}.json")),
+            &plan_path,
             "--steps",
             "40",
             "--synthetic-train",
@@ -499,10 +502,14 @@ fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
             "256",
             "--no-progress",
             "--out",
-            &path(name),
+            &out_path,
             "--cache-dir",
-            &path(&format!("{name}-rows")),
+            &rows_path,
         ];
+        if name == "cached" {
+            // Each batch's cached rows brought in while the batch before trains.
+            args.push("--cache-prefetch");
+        }
         let (out, _) = launch(2, example, &args).expect("mpiexec runs");
         let log = text(&out);
         assert!(out.status.success(), "{log}");

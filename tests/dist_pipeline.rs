@@ -10,7 +10,7 @@ mod dist_scenarios;
 
 use std::time::Duration;
 
-use dist_pipeline::{raw_step, step, step_of, train};
+use dist_pipeline::{raw_step, step, step_of, train, train_case};
 use dist_scenarios::{case, on_ranks, sharded_of};
 use embers::distributed::LocalGroup;
 
@@ -53,6 +53,31 @@ fn pipelined_training_equals_sequential_training_bit_for_bit() {
     });
     assert_ne!(first[0].tables, ten[0].tables);
     assert_eq!(first[0].losses[..], ten[0].losses[..1]);
+}
+
+/// The plan's cached kernels (`mixed_cached`: sharded tables behind caches over rows in host
+/// memory) with each batch's rows prefetched into the caches while the batch before trains:
+/// the same losses, tables and head, bit for bit, as the steps one after the other without
+/// prefetching (and as the same plan all in memory, `tests/dist_equivalence.rs`).
+#[test]
+fn prefetching_into_the_caches_of_cached_shards_changes_nothing() {
+    let reference = on_ranks(2, DEADLINE, |comm| {
+        let data = (0..10).map(|s| step(comm.rank(), s)).collect();
+        train_case(comm, "mixed_cached", false, false, data).unwrap()
+    });
+    for pipelined in [false, true] {
+        let runs = on_ranks(2, DEADLINE, |comm| {
+            let data = (0..10).map(|s| step(comm.rank(), s)).collect();
+            train_case(comm, "mixed_cached", pipelined, true, data).unwrap()
+        });
+        for (rank, ((got, report), (want, _))) in runs.iter().zip(&reference).enumerate() {
+            assert_eq!(report.steps, 10, "rank {rank}");
+            assert!(
+                got == want,
+                "pipelined={pipelined} rank {rank}: prefetching changed the run"
+            );
+        }
+    }
 }
 
 #[test]

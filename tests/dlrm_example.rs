@@ -442,12 +442,8 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
             "--early-stop-patience is not supported with --plan",
         ),
         (
-            &["--placement", "fused-uvm-caching"],
+            &["--placement", "fused-uvm-caching"][..],
             "the plan's compute kernels place the tables",
-        ),
-        (
-            &["--cache-prefetch"],
-            "--cache-prefetch is not supported with --plan",
         ),
     ] {
         let mut args: Vec<&str> = QUICK.to_vec();

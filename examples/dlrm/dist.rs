@@ -323,6 +323,10 @@ mod with_mpi {
             train_pipeline = train_pipeline.sequential();
             eval_pipeline = eval_pipeline.sequential();
         }
+        if args.cache_prefetch {
+            // The cached shards' rows for batch i+1 come in while batch i trains.
+            train_pipeline = train_pipeline.with_cache_prefetch();
+        }
         if lead {
             println!(
                 "DLRM on {world} processes: {} tables sharded by {} ({}), {} dense parameters \

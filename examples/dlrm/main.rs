@@ -930,12 +930,6 @@ fn run(args: Args) -> Result<()> {
                  is for runs without --plan",
             ));
         }
-        if args.cache_prefetch {
-            return Err(Error::invalid(
-                "dlrm",
-                "--cache-prefetch is not supported with --plan yet",
-            ));
-        }
         return dist::run(&args, &data, &config);
     }
     let mut trainer = config.build_with(&args.placement()?)?;

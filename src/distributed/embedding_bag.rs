@@ -315,50 +315,31 @@ impl ShardedEmbeddingBagCollection {
     fn remote_lookups(&self, g: &Gathered) -> Result<(Vec<TbeBatch>, Vec<f32>)> {
         let shards = &self.inner.shards;
         let slots = &shards.routing.slots[shards.comm.rank()];
-        let offsets = g.offsets();
         let total = g.batch();
         fn lookup(
             tbe: &TableBatchedEmbedding,
-            ids: &[i64],
-            offsets: &[i64],
-            weights: Option<&[f32]>,
+            input: TbeInput<'_>,
         ) -> Result<(TbeBatch, Vec<f32>)> {
-            let mut input = TbeInput::new(ids, offsets);
-            if let Some(w) = weights {
-                input = input.with_weights(w);
-            }
             let batch = tbe.prepare(input)?;
             let looked = tbe.lookup_batch(&batch)?.to_vec::<f32>()?;
             Ok((batch, looked))
         }
         if let [remote] = &shards.remote[..] {
             // One TBE holds every slot, in slot order: the gathered batch as it is.
-            let (batch, looked) = lookup(&remote.tbe, &g.values, &offsets, g.weights.as_deref())?;
+            let offsets = g.offsets();
+            let (batch, looked) = lookup(&remote.tbe, group_input(g, &offsets))?;
             return Ok((vec![batch], looked));
         }
         let all = width(slots);
         let columns = slot_columns(slots);
         let mut looked = vec![0.0f32; total * all];
         let mut batches = Vec::with_capacity(shards.remote.len());
-        for remote in &shards.remote {
-            // The group's slots' bags (each slot's `total` bags are consecutive).
-            let mut ids = Vec::new();
-            let mut group_offsets = vec![0i64];
-            let mut weights = g.weights.as_ref().map(|_| Vec::new());
-            for &i in &remote.members {
-                let (s, e) = (
-                    offsets[i * total] as usize,
-                    offsets[(i + 1) * total] as usize,
-                );
-                ids.extend_from_slice(&g.values[s..e]);
-                if let (Some(w), Some(all_w)) = (&mut weights, &g.weights) {
-                    w.extend_from_slice(&all_w[s..e]);
-                }
-                let base = *group_offsets.last().expect("starts at 0") - s as i64;
-                let bags = &offsets[i * total + 1..=(i + 1) * total];
-                group_offsets.extend(bags.iter().map(|&o| o + base));
+        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
+            let mut input = TbeInput::new(&ids[..], &offsets[..]);
+            if let Some(w) = &weights {
+                input = input.with_weights(w);
             }
-            let (batch, out) = lookup(&remote.tbe, &ids, &group_offsets, weights.as_deref())?;
+            let (batch, out) = lookup(&remote.tbe, input)?;
             let group_width = remote.tbe.output_dim();
             let mut col = 0;
             for &i in &remote.members {
@@ -372,6 +353,67 @@ impl ShardedEmbeddingBagCollection {
             batches.push(batch);
         }
         Ok((batches, looked))
+    }
+
+    /// Per remote TBE (several of them), its slots' bags of the gathered batch `g`: ids,
+    /// offsets and weights (each slot's bags are consecutive).
+    #[allow(clippy::type_complexity)]
+    fn group_bags(&self, g: &Gathered) -> Vec<(Vec<i64>, Vec<i64>, Option<Vec<f32>>)> {
+        let offsets = g.offsets();
+        let total = g.batch();
+        (self.inner.shards.remote.iter())
+            .map(|remote| {
+                let mut ids = Vec::new();
+                let mut group_offsets = vec![0i64];
+                let mut weights = g.weights.as_ref().map(|_| Vec::new());
+                for &i in &remote.members {
+                    let (s, e) = (
+                        offsets[i * total] as usize,
+                        offsets[(i + 1) * total] as usize,
+                    );
+                    ids.extend_from_slice(&g.values[s..e]);
+                    if let (Some(w), Some(all_w)) = (&mut weights, &g.weights) {
+                        w.extend_from_slice(&all_w[s..e]);
+                    }
+                    let base = *group_offsets.last().expect("starts at 0") - s as i64;
+                    let bags = &offsets[i * total + 1..=(i + 1) * total];
+                    group_offsets.extend(bags.iter().map(|&o| o + base));
+                }
+                (ids, group_offsets, weights)
+            })
+            .collect()
+    }
+
+    /// Brings the rows a distributed batch will look up on this rank into the caches of the
+    /// shards behind caches (the plan's cached kernels) and locks them there, as
+    /// [`TableBatchedEmbedding::prefetch`] does: the batch's own lookups then take those
+    /// admissions. Called on the batch after [`distribute_input`](Self::distribute_input) and
+    /// before [`forward_distributed`](Self::forward_distributed), e.g. while the previous batch
+    /// trains ([`TrainPipeline::with_cache_prefetch`](super::TrainPipeline::with_cache_prefetch)).
+    /// Nothing to do without cached shards. Not a collective.
+    pub fn prefetch_distributed(&self, input: &DistributedInput) -> Result<()> {
+        let shards = &self.inner.shards;
+        let Some(g) = &input.gathered else {
+            return Ok(());
+        };
+        if !shards.remote.iter().any(|r| r.tbe.is_cached()) {
+            return Ok(());
+        }
+        if let [remote] = &shards.remote[..] {
+            let offsets = g.offsets();
+            return remote.tbe.prefetch(group_input(g, &offsets));
+        }
+        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
+            if !remote.tbe.is_cached() {
+                continue;
+            }
+            let mut input = TbeInput::new(&ids[..], &offsets[..]);
+            if let Some(w) = &weights {
+                input = input.with_weights(w);
+            }
+            remote.tbe.prefetch(input)?;
+        }
+        Ok(())
     }
 
     /// The output distribution: this rank's remote lookup `looked` (`[Σ B, slot widths]`) to
@@ -719,4 +761,13 @@ fn group_columns(g: &[f32], slots: &[Slot], total: usize, members: &[usize]) -> 
         }
     }
     out
+}
+
+/// The gathered batch `g` as one TBE's input (`offsets`: its offsets).
+fn group_input<'a>(g: &'a Gathered, offsets: &'a [i64]) -> TbeInput<'a> {
+    let input = TbeInput::new(&g.values[..], offsets);
+    match &g.weights {
+        Some(w) => input.with_weights(w),
+        None => input,
+    }
 }

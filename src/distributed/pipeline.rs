@@ -84,6 +84,8 @@ pub struct TrainPipeline {
     input_comm: Comm,
     pipelined: bool,
     input_delay: Duration,
+    /// Each batch's rows brought into the caches of cached shards once its ids have arrived.
+    cache_prefetch: bool,
 }
 
 /// What the end-of-data agreement sends: this rank's state for the next step.
@@ -101,6 +103,7 @@ impl TrainPipeline {
             input_comm,
             pipelined: true,
             input_delay: Duration::ZERO,
+            cache_prefetch: false,
         })
     }
 
@@ -109,6 +112,18 @@ impl TrainPipeline {
     pub fn sequential(self) -> TrainPipeline {
         TrainPipeline {
             pipelined: false,
+            ..self
+        }
+    }
+
+    /// Prefetches each batch into the caches of the collection's cached shards (the plan's
+    /// `fused_uvm_caching` and `fused_uvm` kernels) in the communication stage, right after
+    /// its input distribution — while the batch before trains — as TorchRec's
+    /// `PrefetchTrainPipelineSparseDist` does: its lookups then find their rows cached and
+    /// locked ([`ShardedEmbeddingBagCollection::prefetch_distributed`]). Changes no value.
+    pub fn with_cache_prefetch(self) -> TrainPipeline {
+        TrainPipeline {
+            cache_prefetch: true,
             ..self
         }
     }
@@ -258,6 +273,9 @@ impl TrainPipeline {
             std::thread::sleep(self.input_delay);
         }
         let input = self.sharded.distribute_input(batch.sparse(), comm)?;
+        if self.cache_prefetch {
+            self.sharded.prefetch_distributed(&input)?;
+        }
         Ok(Some((batch, input)))
     }
 }

@@ -64,7 +64,19 @@ pub fn train(
     pipelined: bool,
     data: Vec<embers::Result<Step>>,
 ) -> embers::Result<(Outcome, PipelineReport)> {
-    let c = case(2, "mixed_adagrad").unwrap();
+    train_case(comm, "mixed_adagrad", pipelined, false, data)
+}
+
+/// [`train`] with case `name` of `dist_scenarios` (its plan and caches), and the cached
+/// shards' rows prefetched in the communication stage when `prefetch` says so.
+pub fn train_case(
+    comm: Comm,
+    name: &str,
+    pipelined: bool,
+    prefetch: bool,
+    data: Vec<embers::Result<Step>>,
+) -> embers::Result<(Outcome, PipelineReport)> {
+    let c = case(2, name).unwrap();
     let sharded = sharded_of(comm, &c).unwrap();
     let width: usize = sharded.output_keys_and_dims().1.iter().sum();
     let head = Linear::new(width, 1, &mut seeded(SEED))?;
@@ -72,6 +84,9 @@ pub fn train(
     let mut pipeline = TrainPipeline::new(&sharded)?;
     if !pipelined {
         pipeline = pipeline.sequential();
+    }
+    if prefetch {
+        pipeline = pipeline.with_cache_prefetch();
     }
     let mut losses = Vec::new();
     let report = pipeline.run(data, |batch: &Step, pooled| {
