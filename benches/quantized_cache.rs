@@ -26,7 +26,6 @@ use embers::embedding::{
     TbeInput, WeightType,
 };
 use embers::tensor::rng::seeded;
-use embers::Device;
 use rand::Rng as _;
 
 #[path = "support/cache_bench.rs"]
@@ -65,14 +64,7 @@ fn main() {
         .split_whitespace()
         .map(|n| WeightType::from_fbgemm_name(&n.to_ascii_uppercase()).expect("a weight type"))
         .collect();
-    let device = match std::env::var("EMBERS_CACHE_DEVICE").as_deref() {
-        Ok("cuda") => Device::cuda(0).expect("EMBERS_CACHE_DEVICE=cuda needs GPU 0"),
-        _ => Device::Cpu,
-    };
-    let gpu = match device {
-        Device::Cuda(i) => Some(embers::cuda::device(i).unwrap()),
-        Device::Cpu => None,
-    };
+    let (device, gpu) = cache_bench::device_from_env();
     let in_memory = std::env::var("EMBERS_CACHE_DIR").is_ok_and(|d| d == "memory");
     let dir = std::env::var("EMBERS_CACHE_DIR")
         .ok()

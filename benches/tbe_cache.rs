@@ -25,7 +25,7 @@ use embers::embedding::{
     TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput,
 };
 use embers::tensor::rng::seeded;
-use embers::{Device, Tensor};
+use embers::Tensor;
 use rand::Rng as _;
 
 #[path = "support/cache_bench.rs"]
@@ -77,14 +77,7 @@ fn main() {
         std::env::var("EMBERS_CACHE_POLICY").unwrap_or_else(|_| "lru".into())
     );
 
-    let device = match std::env::var("EMBERS_CACHE_DEVICE").as_deref() {
-        Ok("cuda") => Device::cuda(0).expect("EMBERS_CACHE_DEVICE=cuda needs GPU 0"),
-        _ => Device::Cpu,
-    };
-    let gpu = match device {
-        Device::Cuda(i) => Some(embers::cuda::device(i).unwrap()),
-        Device::Cpu => None,
-    };
+    let (device, gpu) = cache_bench::device_from_env();
     let sync = || {
         if let Some(g) = &gpu {
             g.synchronize().unwrap();

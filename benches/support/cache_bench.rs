@@ -1,5 +1,5 @@
 //! What the cache benches (`tbe_cache`, `quantized_cache`) share: their Zipf id batches, a
-//! numeric setting from the environment, a median.
+//! numeric setting from the environment, the device they run on, a median.
 
 use embers::tensor::rng::seeded;
 use rand_distr::{Distribution, Zipf};
@@ -42,4 +42,21 @@ pub fn env_f64(name: &str, default: f64) -> f64 {
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
+}
+
+/// The device `EMBERS_CACHE_DEVICE` names (`cuda`: GPU 0; otherwise the host), and the GPU to
+/// synchronize with when it is one.
+pub fn device_from_env() -> (
+    embers::Device,
+    Option<std::sync::Arc<embers::cuda::CudaDevice>>,
+) {
+    let device = match std::env::var("EMBERS_CACHE_DEVICE").as_deref() {
+        Ok("cuda") => embers::Device::cuda(0).expect("EMBERS_CACHE_DEVICE=cuda needs GPU 0"),
+        _ => embers::Device::Cpu,
+    };
+    let gpu = match device {
+        embers::Device::Cuda(i) => Some(embers::cuda::device(i).unwrap()),
+        embers::Device::Cpu => None,
+    };
+    (device, gpu)
 }
