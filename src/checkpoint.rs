@@ -159,7 +159,7 @@ impl CheckpointWriter {
     /// Says that this checkpoint will be written to `path` and may keep parts that do not
     /// belong in one file (the row files of tables cached in files, copied whole) in a
     /// directory beside it, `<file name>.parts-<nonce>/`, made on first use
-    /// ([`parts_dir`](Self::parts_dir)) and named in the metadata. Each checkpoint gets a new
+    /// (when the first cached table is written) and named in the metadata. Each checkpoint gets a new
     /// directory, and [`write`](Self::write) removes those of earlier checkpoints at `path`
     /// only after the new file is in place: a crash leaves the previous checkpoint whole.
     pub fn parts_beside(&mut self, path: impl AsRef<Path>) {
