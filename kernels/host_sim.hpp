@@ -52,7 +52,7 @@ enum class Wait { None, Block, Warp, Done };
 // fiber whose stack pointer is `next`.
 extern "C" void embers_sim_switch(void** save, void* next);
 asm(R"(
-    .text
+    .pushsection .text
     .p2align 4
     .globl embers_sim_switch
     .hidden embers_sim_switch
@@ -80,6 +80,7 @@ embers_sim_switch:
     popq %rbp
     ret
     .size embers_sim_switch, .-embers_sim_switch
+    .popsection
 )");
 #endif
 

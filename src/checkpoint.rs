@@ -158,10 +158,12 @@ impl CheckpointWriter {
 
     /// Says that this checkpoint will be written to `path` and may keep parts that do not
     /// belong in one file (the row files of tables cached in files, copied whole) in a
-    /// directory beside it, `<file name>.parts-<nonce>/`, made on first use
-    /// (when the first cached table is written) and named in the metadata. Each checkpoint gets a new
+    /// directory beside it, `<file name>.parts-<nonce>/`, made on first use (when the first
+    /// cached table is written) and named in the metadata. Each checkpoint gets a new
     /// directory, and [`write`](Self::write) removes those of earlier checkpoints at `path`
-    /// only after the new file is in place: a crash leaves the previous checkpoint whole.
+    /// only after the new file is in place: a crash leaves the previous checkpoint whole. A
+    /// copy of the file under another name still names this directory: copy the directory
+    /// with it (the next checkpoint written to `path` removes it).
     pub fn parts_beside(&mut self, path: impl AsRef<Path>) {
         self.parts = Some((path.as_ref().to_path_buf(), None));
     }
@@ -200,10 +202,11 @@ impl CheckpointWriter {
     /// memory. On error the temporary file is removed and `path` is untouched. With
     /// [`parts_beside`](Self::parts_beside), then, the parts directories of earlier
     /// checkpoints at `path` are removed (on error: this one's).
-    pub fn write(self, path: impl AsRef<Path>) -> Result<()> {
+    pub fn write(mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        if let Some((target, _)) = &self.parts {
-            if target != path {
+        if let Some((target, made)) = &self.parts {
+            // (On an early return, `drop` removes a parts directory made for this write.)
+            if !same_path(target, path) {
                 return Err(invalid(
                     path,
                     format!(
@@ -212,9 +215,13 @@ impl CheckpointWriter {
                     ),
                 ));
             }
+            if let Some(dir) = made {
+                // The parts' directory entries on disk before the file naming them.
+                sync_dir(dir);
+            }
         }
-        let metadata = self.metadata;
-        let entries = self.entries;
+        let metadata = std::mem::take(&mut self.metadata);
+        let entries = std::mem::take(&mut self.entries);
         let written = replace_atomically(path, |tmp| {
             safetensors::serialize_to_file(
                 entries.iter().map(|(n, e)| (n.as_str(), e)),
@@ -223,16 +230,38 @@ impl CheckpointWriter {
             )
             .map_err(|e| invalid(path, e))
         });
-        if let Some((_, made)) = &self.parts {
-            match (&written, made) {
-                (Err(_), Some(dir)) => {
-                    let _ = std::fs::remove_dir_all(dir);
-                }
-                (Err(_), None) => {}
-                (Ok(()), _) => remove_stale_parts(path, made.as_deref()),
+        if written.is_ok() {
+            if let Some((_, made)) = self.parts.take() {
+                remove_stale_parts(path, made.as_deref());
             }
         }
         written
+    }
+}
+
+impl Drop for CheckpointWriter {
+    /// A parts directory made for a checkpoint never written (an error while adding to it or
+    /// writing it) goes with the writer.
+    fn drop(&mut self) {
+        if let Some((_, Some(dir))) = &self.parts {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Whether `a` and `b` name the same path as written, `.` components aside.
+fn same_path(a: &Path, b: &Path) -> bool {
+    fn parts(p: &Path) -> impl Iterator<Item = std::path::Component<'_>> {
+        p.components()
+            .filter(|c| !matches!(c, std::path::Component::CurDir))
+    }
+    parts(a).eq(parts(b))
+}
+
+/// Flushes directory `dir`'s entries to disk (best effort where directories cannot be opened).
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
 }
 
@@ -291,11 +320,8 @@ fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Re
             .and_then(|f| f.sync_all())
             .map_err(|e| io_err(&tmp, e))?;
         std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
-        // Persist the rename itself (the directory entry); best effort where directories
-        // cannot be opened.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+        // Persist the rename itself (the directory entry).
+        sync_dir(dir);
         Ok(())
     })();
     if result.is_err() {

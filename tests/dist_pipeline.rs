@@ -65,18 +65,30 @@ fn prefetching_into_the_caches_of_cached_shards_changes_nothing() {
         let data = (0..10).map(|s| step(comm.rank(), s)).collect();
         train_case(comm, "mixed_cached", false, false, data).unwrap()
     });
+    assert!(
+        reference.iter().all(|r| r.2 == 0),
+        "no prefetch, none taken"
+    );
     for pipelined in [false, true] {
         let runs = on_ranks(2, DEADLINE, |comm| {
             let data = (0..10).map(|s| step(comm.rank(), s)).collect();
             train_case(comm, "mixed_cached", pipelined, true, data).unwrap()
         });
-        for (rank, ((got, report), (want, _))) in runs.iter().zip(&reference).enumerate() {
+        let mut prefetched = 0;
+        for (rank, ((got, report, taken), (want, _, _))) in runs.iter().zip(&reference).enumerate()
+        {
             assert_eq!(report.steps, 10, "rank {rank}");
             assert!(
                 got == want,
                 "pipelined={pipelined} rank {rank}: prefetching changed the run"
             );
+            prefetched += taken;
         }
+        // Every step's cached lookups took the prefetch's admission, on some rank at least.
+        assert!(
+            prefetched >= 10,
+            "pipelined={pipelined}: {prefetched} prefetched lookups"
+        );
     }
 }
 

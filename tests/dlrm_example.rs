@@ -490,13 +490,76 @@ fn tables_in_files_behind_a_cache_train_the_same_model() {
         logs[1]
     );
     assert!(dir.join("file/tables/ebc-group0.rows").exists());
-    let (x, y) = (
+    let (x, mut y) = (
         tensors_of(&dir.join("mem"), "checkpoint"),
         tensors_of(&dir.join("file"), "checkpoint"),
     );
     assert!(x.len() > 4, "{x:?}");
+    // The cached run's checkpoint keeps its tables out of the file, in its parts directory.
+    assert!(
+        !y.keys().any(|k| k.starts_with("checkpoint/tables.")),
+        "cached tables in the checkpoint file"
+    );
+    y.extend(cached_tables(&dir.join("file"), &x));
     assert!(x == y, "the cached and the in-memory run differ");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The tables of the checkpoint in `out` that live in its parts directory (each cached
+/// group's row file and manifest), read by the layout the in-memory run's tensors `mem` give
+/// (each row: its weights, then each optimizer state's values) and keyed and typed as there.
+fn cached_tables(
+    out: &std::path::Path,
+    mem: &std::collections::BTreeMap<String, (String, Vec<u8>)>,
+) -> std::collections::BTreeMap<String, (String, Vec<u8>)> {
+    let parts = (std::fs::read_dir(out).unwrap().flatten())
+        .map(|e| e.path())
+        .find(|p| {
+            (p.file_name().unwrap().to_string_lossy()).starts_with("checkpoint.safetensors.parts-")
+        })
+        .expect("a parts directory beside the checkpoint");
+    let mut tables = std::collections::BTreeMap::new();
+    for group in std::fs::read_dir(&parts).unwrap().flatten() {
+        let manifest: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(group.path().join("manifest.json")).unwrap(),
+        )
+        .unwrap();
+        let rows =
+            std::fs::read(group.path().join(manifest["rows_file"].as_str().unwrap())).unwrap();
+        let mut at = 0;
+        for t in manifest["tables"].as_array().unwrap() {
+            let (name, n) = (
+                t["name"].as_str().unwrap(),
+                t["rows"].as_u64().unwrap() as usize,
+            );
+            // Each part's key and floats per row.
+            let record: Vec<(String, usize)> = (["weight", "momentum1", "momentum2"].iter())
+                .map(|part| format!("checkpoint/tables.{name}.{part}"))
+                .filter_map(|key| Some((key.clone(), mem.get(&key)?.1.len() / 4 / n)))
+                .collect();
+            let width: usize = record.iter().map(|r| r.1).sum();
+            let mut columns = vec![Vec::new(); record.len()];
+            for r in 0..n {
+                let mut from = at + r * width * 4;
+                for (k, (_, w)) in record.iter().enumerate() {
+                    columns[k].extend_from_slice(&rows[from..from + w * 4]);
+                    from += w * 4;
+                }
+            }
+            at += n * width * 4;
+            for ((key, _), values) in record.into_iter().zip(columns) {
+                let kind = mem[&key].0.clone();
+                tables.insert(key, (kind, values));
+            }
+        }
+        assert_eq!(
+            at,
+            rows.len(),
+            "{}: the manifest's tables fill the file",
+            group.path().display()
+        );
+    }
+    tables
 }
 
 /// `--write-planner-config --cache-stats-batches N` measures each table's cache statistics on

@@ -286,9 +286,11 @@ struct Args {
     /// `MANAGED_CACHING` behind a GPU cache: no page-cache write-back of evicted rows).
     #[arg(long)]
     cache_host_memory: bool,
-    /// With a file placement: bring the next batch's rows into the cache on another thread
-    /// while a batch trains (off by default: with every core busy training, as on 2 cores, the
-    /// second admission costs more than the overlap hides).
+    /// With a file placement, or a plan with cached kernels: bring the next batch's rows into
+    /// the cache while a batch trains — on another thread, or with `--plan` in the training
+    /// pipeline's communication stage after the batch's input distribution (off by default:
+    /// with every core busy training, as on 2 cores, the second admission costs more than the
+    /// overlap hides).
     #[arg(long)]
     cache_prefetch: bool,
 }

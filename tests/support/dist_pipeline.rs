@@ -64,18 +64,19 @@ pub fn train(
     pipelined: bool,
     data: Vec<embers::Result<Step>>,
 ) -> embers::Result<(Outcome, PipelineReport)> {
-    train_case(comm, "mixed_adagrad", pipelined, false, data)
+    train_case(comm, "mixed_adagrad", pipelined, false, data).map(|(o, r, _)| (o, r))
 }
 
 /// [`train`] with case `name` of `dist_scenarios` (its plan and caches), and the cached
-/// shards' rows prefetched in the communication stage when `prefetch` says so.
+/// shards' rows prefetched in the communication stage when `prefetch` says so; also how many
+/// of this rank's cached-table lookups took a prefetched admission.
 pub fn train_case(
     comm: Comm,
     name: &str,
     pipelined: bool,
     prefetch: bool,
     data: Vec<embers::Result<Step>>,
-) -> embers::Result<(Outcome, PipelineReport)> {
+) -> embers::Result<(Outcome, PipelineReport, u64)> {
     let c = case(2, name).unwrap();
     let sharded = sharded_of(comm, &c).unwrap();
     let width: usize = sharded.output_keys_and_dims().1.iter().sum();
@@ -107,6 +108,7 @@ pub fn train_case(
     let head = (head.parameters().iter())
         .map(|p| p.to_vec::<f32>().map(|v| bits(&v)))
         .collect::<embers::Result<_>>()?;
+    let prefetched = sharded.cache_stats().iter().map(|s| s.prefetched).sum();
     Ok((
         Outcome {
             losses,
@@ -114,5 +116,6 @@ pub fn train_case(
             head,
         },
         report,
+        prefetched,
     ))
 }

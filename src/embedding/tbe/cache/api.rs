@@ -185,10 +185,12 @@ impl TableBatchedEmbedding {
     /// check, and the rows copied beside the live ones; nothing changes yet.
     pub(crate) fn stage_cached_checkpoint(&self, dir: &Path) -> Result<StagedRows> {
         let m = Manifest::read(dir, &self.inner.config)?;
-        let state = self.inner.state.read();
-        let Tables::Cached(c) = &state.tables else {
+        let mut state = self.inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
+        // Refused now rather than at the commit: a commit should not fail on a check.
+        c.check_idle()?;
         if m.bytes != c.store().len() {
             return Err(m.bad(format!(
                 "says {} bytes of rows, these tables need {}",

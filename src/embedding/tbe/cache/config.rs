@@ -185,6 +185,10 @@ pub struct CacheStats {
     pub rows_read: u64,
     /// Row records written to the file.
     pub rows_written: u64,
+    /// Batches reading this table whose admission an earlier
+    /// [`prefetch`](crate::embedding::TableBatchedEmbedding::prefetch) had made (their rows
+    /// already cached and locked; that prefetch counted the call).
+    pub prefetched: u64,
 }
 
 impl CacheStats {

@@ -853,6 +853,13 @@ impl CachedTables {
         {
             // Prefetched: its rows are cached and locked already; the weights are this batch's.
             let (_, _, mut admitted) = self.prefetched.remove(k).expect("a queued admission");
+            let ranges =
+                TablePositions::new(&logical.feature_table_map, logical.tables.len(), batch);
+            for (t, stats) in self.stats.iter_mut().enumerate() {
+                if ranges.read(t) {
+                    stats.prefetched += 1;
+                }
+            }
             admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
             admitted.remapped.kept = batch.kept.clone();
             // The GPU copy's weights are this batch's too.

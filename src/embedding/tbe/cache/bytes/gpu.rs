@@ -148,39 +148,39 @@ impl ByteCache {
     }
 
     /// Moves the cache rows and directories to `device` (`None`: the host), for lookups of
-    /// tables shaped as `shape`. The cached rows stay cached.
+    /// tables shaped as `shape`. The cached rows stay cached. On an error the cache stays
+    /// where it was (a move from one GPU to another that fails on the second one leaves it
+    /// on the host).
     pub(crate) fn move_to(
         &mut self,
         device: Option<Arc<CudaDevice>>,
         shape: GpuShape,
     ) -> Result<()> {
         let st = self.state.get_mut();
-        if let Some(mut gpu) = st.gpu.take() {
+        if let Some(gpu) = st.gpu.as_mut() {
             if device
                 .as_ref()
                 .is_some_and(|d| Arc::ptr_eq(d, gpu.dir.device()))
             {
-                st.gpu = Some(gpu);
                 return Ok(());
             }
-            let fresh = gpu.stale;
-            if !fresh {
-                gpu.dir.pull(&mut st.dirs)?;
+            // The host copy is made aside first: a failure leaves the cache on its GPU.
+            let mut dirs = Self::empty_dirs(&self.store, self.policy, &st.dirs)?;
+            if !gpu.stale {
+                gpu.dir.pull(&mut dirs)?;
             }
-            let starts = starts_for(&slots_of(&st.dirs), &st.scratch, &self.row_bytes, 1)?;
-            let mut rows = RowBuffer::zeros(starts[st.dirs.len()])?;
-            if !fresh {
+            let starts = starts_for(&slots_of(&dirs), &st.scratch, &self.row_bytes, 1)?;
+            let mut rows = RowBuffer::zeros(starts[dirs.len()])?;
+            if !gpu.stale {
                 let d = gpu.dir.device().clone();
-                for (t, dir) in st.dirs.iter().enumerate() {
+                for (t, dir) in dirs.iter().enumerate() {
                     let len = dir.slots() * self.row_bytes[t];
                     let to = &mut rows[starts[t]..starts[t] + len];
                     d.read_bytes(gpu.bytes(), gpu.starts[t], to)?;
                 }
             }
-            (st.rows, st.starts) = (rows, starts);
-            if fresh {
-                st.dirs = Self::empty_dirs(&self.store, self.policy, &st.dirs)?;
-            }
+            (st.dirs, st.rows, st.starts) = (dirs, rows, starts);
+            st.gpu = None;
         }
         let Some(device) = device else {
             return Ok(());
@@ -315,12 +315,17 @@ impl ByteCache {
             return Ok(true);
         }
         let rows = first as u64..(first + n) as u64;
-        let cached: Vec<(usize, u64, usize)> = (gpu.dir.occupied(t)?.into_iter())
-            .filter(|(_, r)| rows.contains(r))
-            .map(|(slot, row)| (t, row, slot))
-            .collect();
-        gpu.fill(&self.store, &self.row_bytes, cached.into_iter())?;
-        Ok(true)
+        let refreshed = gpu.dir.occupied(t).and_then(|occupied| {
+            let cached = (occupied.into_iter())
+                .filter(|(_, r)| rows.contains(r))
+                .map(|(slot, row)| (t, row, slot));
+            gpu.fill(&self.store, &self.row_bytes, cached)
+        });
+        if refreshed.is_err() {
+            // Some cached copies may be old: the next lookup empties the directory.
+            gpu.stale = true;
+        }
+        refreshed.map(|()| true)
     }
 
     /// Device bytes of the GPU cache (rows and directory), if on a GPU.
