@@ -489,6 +489,9 @@ fn tables_in_files_behind_a_cache_train_the_same_model() {
         "{}",
         logs[1]
     );
+    // The cached run names where its checkpoint keeps the tables; the in-memory one has none.
+    assert!(logs[1].contains("cached tables are in"), "{}", logs[1]);
+    assert!(!logs[0].contains("cached tables are in"), "{}", logs[0]);
     assert!(dir.join("file/tables/ebc-group0.rows").exists());
     let (x, mut y) = (
         tensors_of(&dir.join("mem"), "checkpoint"),

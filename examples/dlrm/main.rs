@@ -1313,6 +1313,19 @@ fn run(args: Args) -> Result<()> {
         json_path.display(),
         png.display()
     );
+    // Tables cached in files are checkpointed beside the file (its parts directory).
+    let prefix = format!(
+        "{}.parts-",
+        checkpoint.file_name().unwrap().to_string_lossy()
+    );
+    let parts = (std::fs::read_dir(&args.out).into_iter().flatten().flatten())
+        .find(|e| e.file_name().to_string_lossy().starts_with(&prefix));
+    if let Some(parts) = parts {
+        println!(
+            "  the checkpoint's cached tables are in {} (copy it with the file)",
+            parts.path().display()
+        );
+    }
     Ok(())
 }
 
