@@ -83,6 +83,13 @@ fn trace(pair: &Pair, n: usize, s: f64, weighted: bool, seed: u64) -> Vec<Step> 
     batches(&cfg, n, BAGS, 30, s, weighted, seed)
 }
 
+/// Case `i`'s weight types for the three tables: each type first in one case, mixed with
+/// two others.
+fn types_of_case(i: usize) -> [WeightType; 3] {
+    let all = WeightType::ALL;
+    [all[i], all[(i + 3) % 8], all[(i + 5) % 8]]
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|x| x.to_bits()).collect()
 }
@@ -99,12 +106,8 @@ fn cached_lookups_equal_lookups_in_memory_for_every_type_pooling_size_and_policy
     ];
     let mut conflicts = 0;
     let mut hits = 0;
-    for (i, ty) in WeightType::ALL.iter().enumerate() {
-        let types = [
-            *ty,
-            WeightType::ALL[(i + 3) % 8],
-            WeightType::ALL[(i + 5) % 8],
-        ];
+    for i in 0..WeightType::ALL.len() {
+        let types = types_of_case(i);
         for (j, pooling) in [PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None]
             .into_iter()
             .enumerate()
@@ -314,12 +317,8 @@ fn gpu_cached_lookups_equal_lookups_in_gpu_memory_and_make_the_host_caches_decis
         CacheSize::Bytes(40_000),
     ];
     let (mut conflicts, mut hits, mut evictions) = (0, 0, 0);
-    for (i, ty) in WeightType::ALL.iter().enumerate() {
-        let types = [
-            *ty,
-            WeightType::ALL[(i + 3) % 8],
-            WeightType::ALL[(i + 5) % 8],
-        ];
+    for i in 0..WeightType::ALL.len() {
+        let types = types_of_case(i);
         let pooling = [PoolingMode::Sum, PoolingMode::Mean, PoolingMode::None][i % 3];
         let dims = if pooling == PoolingMode::None {
             [8, 8, 8]

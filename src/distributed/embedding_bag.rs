@@ -335,10 +335,7 @@ impl ShardedEmbeddingBagCollection {
         let mut looked = vec![0.0f32; total * all];
         let mut batches = Vec::with_capacity(shards.remote.len());
         for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
-            let mut input = TbeInput::new(&ids[..], &offsets[..]);
-            if let Some(w) = &weights {
-                input = input.with_weights(w);
-            }
+            let input = tbe_input(&ids, &offsets, weights.as_deref());
             let (batch, out) = lookup(&remote.tbe, input)?;
             let group_width = remote.tbe.output_dim();
             let mut col = 0;
@@ -404,14 +401,11 @@ impl ShardedEmbeddingBagCollection {
             return remote.tbe.prefetch(group_input(g, &offsets));
         }
         for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
-            if !remote.tbe.is_cached() {
-                continue;
+            if remote.tbe.is_cached() {
+                remote
+                    .tbe
+                    .prefetch(tbe_input(&ids, &offsets, weights.as_deref()))?;
             }
-            let mut input = TbeInput::new(&ids[..], &offsets[..]);
-            if let Some(w) = &weights {
-                input = input.with_weights(w);
-            }
-            remote.tbe.prefetch(input)?;
         }
         Ok(())
     }
@@ -765,8 +759,13 @@ fn group_columns(g: &[f32], slots: &[Slot], total: usize, members: &[usize]) -> 
 
 /// The gathered batch `g` as one TBE's input (`offsets`: its offsets).
 fn group_input<'a>(g: &'a Gathered, offsets: &'a [i64]) -> TbeInput<'a> {
-    let input = TbeInput::new(&g.values[..], offsets);
-    match &g.weights {
+    tbe_input(&g.values, offsets, g.weights.as_deref())
+}
+
+/// Bags (`ids`, `offsets`, optional per-sample `weights`) as a TBE's input.
+fn tbe_input<'a>(ids: &'a [i64], offsets: &'a [i64], weights: Option<&'a [f32]>) -> TbeInput<'a> {
+    let input = TbeInput::new(ids, offsets);
+    match weights {
         Some(w) => input.with_weights(w),
         None => input,
     }

@@ -348,10 +348,7 @@ pub(crate) struct PlainTables {
 pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<PlainTables> {
     let m = Manifest::read(dir, cfg)?;
     let parts = super::parts_of(cfg);
-    let records: Vec<(usize, usize)> = (cfg.tables.iter().zip(&parts))
-        .map(|(s, p)| (s.rows, p.record() * 4))
-        .collect();
-    let (layout, len) = super::store::RowStore::layout(&records)?;
+    let (layout, len) = super::store::RowStore::layout(&super::records_of(cfg, &parts))?;
     if len != m.bytes {
         return Err(m.bad(format!(
             "says {} bytes of rows, these tables need {len}",
@@ -367,15 +364,16 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
     let mut states = vec![Vec::with_capacity(cfg.tables.len()); buffers];
     for ((spec, p), table) in cfg.tables.iter().zip(&parts).zip(&layout) {
         let start = table.offset as usize;
-        let floats = (bytes[start..start + spec.rows * table.record_bytes].chunks_exact(4))
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let floats: Vec<f32> = (bytes[start..start + spec.rows * table.record_bytes])
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        // Each record: its weights, then each state's values.
         let mut split = [Vec::new(), Vec::new(), Vec::new()];
-        for (k, x) in floats.enumerate() {
-            let at = k % p.record();
-            let part = (0..3)
-                .find(|&q| p.range(q).contains(&at))
-                .expect("in a part");
-            split[part].push(x);
+        for record in floats.chunks_exact(p.record().max(1)) {
+            for (q, part) in split.iter_mut().enumerate() {
+                part.extend_from_slice(&record[p.range(q)]);
+            }
         }
         let [w, s0, s1] = split;
         weights.push(w);

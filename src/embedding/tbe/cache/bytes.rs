@@ -83,6 +83,14 @@ fn slots_of(dirs: &[Directory]) -> Vec<usize> {
     dirs.iter().map(Directory::slots).collect()
 }
 
+/// Scratch rows per table giving each table `t` room for `need[t]` at least: a table that
+/// needs more gets that many, or twice what it had.
+fn grown_scratch(scratch: &[usize], need: &[usize]) -> Vec<usize> {
+    (scratch.iter().zip(need))
+        .map(|(&s, &n)| if n > s { n.max(s * 2) } else { s })
+        .collect()
+}
+
 impl ByteCache {
     /// A cache of `cache.size` over a new all-zero row file at `cache.path` (anonymous host
     /// memory when empty) for tables of `(rows, bytes per row)` called `names`.
@@ -287,9 +295,7 @@ impl CacheState {
 
     /// Gives each table `t` room for `need[t]` scratch rows at least (keeping every cached row).
     fn grow_scratch(&mut self, need: &[usize], row_bytes: &[usize]) -> Result<()> {
-        let scratch: Vec<usize> = (self.scratch.iter().zip(need))
-            .map(|(&s, &n)| if n > s { n.max(s * 2) } else { s })
-            .collect();
+        let scratch = grown_scratch(&self.scratch, need);
         let starts = starts_for(&slots_of(&self.dirs), &scratch, row_bytes, 1)?;
         let mut rows = RowBuffer::zeros(starts[self.dirs.len()])?;
         for (t, d) in self.dirs.iter().enumerate() {

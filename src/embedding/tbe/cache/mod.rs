@@ -255,6 +255,19 @@ fn parts_of(config: &TbeConfig) -> Vec<Parts> {
         .collect()
 }
 
+/// Each table's rows and bytes per record in the store, for records laid out as `parts`.
+fn records_of(config: &TbeConfig, parts: &[Parts]) -> Vec<(usize, usize)> {
+    (config.tables.iter().zip(parts))
+        .map(|(s, p)| (s.rows, p.record() * 4))
+        .collect()
+}
+
+/// Whether a cache on `device` keeps its directory there too: on a GPU, unless
+/// `EMBERS_CACHE_HOST_DIRECTORY=1` keeps it on the host.
+fn wants_device_dir(device: Option<&Arc<CudaDevice>>) -> bool {
+    device.is_some() && !std::env::var("EMBERS_CACHE_HOST_DIRECTORY").is_ok_and(|v| v == "1")
+}
+
 /// Tables in a file, cached in DRAM.
 pub(crate) struct CachedTables {
     /// A GPU cache's rows in host memory, registered with the GPU so that its kernels make
@@ -362,14 +375,10 @@ impl CachedTables {
         cache: &CacheConfig,
         device: Option<Arc<CudaDevice>>,
     ) -> Result<Self> {
-        let parts = parts_of(config);
-        let tables: Vec<(usize, usize)> = (config.tables.iter().zip(&parts))
-            .map(|(s, p)| (s.rows, p.record() * 4))
-            .collect();
-        // A GPU cache keeps its directory on the device too (unless asked not to): its slots
-        // cost that copy's bytes as well.
-        let with_device_dir = device.is_some()
-            && !std::env::var("EMBERS_CACHE_HOST_DIRECTORY").is_ok_and(|v| v == "1");
+        let tables = records_of(config, &parts_of(config));
+        // A GPU cache keeps its directory on the device too: its slots cost that copy's bytes
+        // as well.
+        let with_device_dir = wants_device_dir(device.as_ref());
         let extra = if with_device_dir {
             device_directory::SLOT_BYTES
         } else {
@@ -467,8 +476,7 @@ impl CachedTables {
             return Err(Box::new((self, e)));
         }
         let sets: Vec<usize> = self.dirs.iter().map(|d| d.sets).collect();
-        let with_device_dir = device.is_some()
-            && !std::env::var("EMBERS_CACHE_HOST_DIRECTORY").is_ok_and(|v| v == "1");
+        let with_device_dir = wants_device_dir(device.as_ref());
         // Unregistered before the store changes hands.
         self.mapped = None;
         let empty =

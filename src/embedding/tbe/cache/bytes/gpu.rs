@@ -15,7 +15,7 @@ use super::super::device_directory::{scatter_bytes, DeviceDirectory, MovesInPlac
 use super::super::directory::Directory;
 use super::super::store::RowStore;
 use super::super::{add_device_counts, CachePolicy, TablePositions};
-use super::{slots_of, starts_for, ByteCache, CacheState};
+use super::{grown_scratch, slots_of, starts_for, ByteCache, CacheState};
 use crate::cuda::{CudaDevice, DeviceBuffer, MappedHost};
 use crate::embedding::config::{PoolingMode, WeightType};
 use crate::embedding::input::Batch;
@@ -78,9 +78,7 @@ impl GpuRows {
 
     /// Gives each table `t` room for `need[t]` scratch rows at least (keeping every cached row).
     fn grow_scratch(&mut self, slots: &[usize], need: &[usize], row_bytes: &[usize]) -> Result<()> {
-        let scratch: Vec<usize> = (self.scratch.iter().zip(need))
-            .map(|(&s, &n)| if n > s { n.max(s * 2) } else { s })
-            .collect();
+        let scratch = grown_scratch(&self.scratch, need);
         let starts = starts_for(slots, &scratch, row_bytes, ALIGN)?;
         let d = self.dir.device().clone();
         let bytes = d.zeros::<u8>(starts[slots.len()].max(1))?;
@@ -314,11 +312,11 @@ impl ByteCache {
             // The next lookup empties the directory anyway.
             return Ok(true);
         }
-        let rows = first as u64..(first + n) as u64;
-        let refreshed = gpu.dir.occupied(t).and_then(|occupied| {
-            let cached = (occupied.into_iter())
-                .filter(|(_, r)| rows.contains(r))
-                .map(|(slot, row)| (t, row, slot));
+        // Only the written rows are looked up on the GPU (not the table's whole directory).
+        let rows: Vec<(usize, u64)> = (first as u64..(first + n) as u64).map(|r| (t, r)).collect();
+        let refreshed = gpu.dir.find(&rows).and_then(|slots| {
+            let cached =
+                (rows.iter().zip(slots)).filter_map(|(&(t, row), slot)| Some((t, row, slot?)));
             gpu.fill(&self.store, &self.row_bytes, cached)
         });
         if refreshed.is_err() {
