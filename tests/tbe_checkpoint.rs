@@ -302,3 +302,92 @@ fn per_row_and_per_element_state_side_by_side_round_trip() {
     assert!(err.contains("partial_rowwise_lamb"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A cached TBE's checkpoint keeps its rows in a parts directory beside the file. A writer
+/// whose parts were made for another path refuses to write and leaves no parts behind; a
+/// checkpoint whose metadata names something else than a parts directory is refused by name
+/// and changes nothing.
+#[test]
+fn parts_directories_are_checked_on_write_and_on_load() {
+    use embers::checkpoint::{CheckpointReader, CheckpointWriter};
+    use embers::embedding::{CacheConfig, CacheSize, Placement};
+    let dir = tmp_dir("parts");
+    let cached = |seed: u64| {
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("users", 300, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.1 },
+        );
+        let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.2));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        let init = EmbeddingInit::Uniform {
+            low: -1.0,
+            high: 1.0,
+        };
+        tbe.init_weights(init, &mut seeded(seed)).unwrap();
+        tbe
+    };
+    let a = cached(1);
+    let path = dir.join("a.safetensors");
+    a.save(&path).unwrap();
+    let parts = |name: &str| -> Vec<String> {
+        (std::fs::read_dir(&dir).unwrap().flatten())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&format!("{name}.parts-")))
+            .collect()
+    };
+    assert_eq!(parts("a.safetensors").len(), 1);
+
+    // Parts made for one path, the file written to another: refused, and no parts remain.
+    let ebc = EmbeddingBagCollection::with_placement(
+        vec![EmbeddingBagConfig::new("items", 200, 4, &["f"])],
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &Placement::for_kernel("fused_uvm_caching", Some(0.2), "", Default::default()).unwrap(),
+        &mut seeded(2),
+    )
+    .unwrap();
+    let mut w = CheckpointWriter::new();
+    w.parts_beside(dir.join("b.safetensors"));
+    ebc.checkpoint_into(&mut w, "tables.").unwrap();
+    assert_eq!(
+        parts("b.safetensors").len(),
+        1,
+        "the cached table's rows went there"
+    );
+    let err = w.write(dir.join("c.safetensors")).unwrap_err().to_string();
+    assert!(err.contains("parts were made for"), "{err}");
+    assert!(
+        parts("b.safetensors").is_empty(),
+        "the unwritten checkpoint's parts stay"
+    );
+    assert!(!dir.join("c.safetensors").exists());
+
+    // A checkpoint naming a parts directory outside its own: refused by name.
+    let r = CheckpointReader::open(&path).unwrap();
+    let mut forged = CheckpointWriter::new();
+    for name in r.names() {
+        forged
+            .add_tensor(name.clone(), &r.read_tensor(&name).unwrap())
+            .unwrap();
+    }
+    for (k, v) in r.names_of_metadata() {
+        let v = if k == "parts_dir" {
+            "../elsewhere.parts-1".to_string()
+        } else {
+            v
+        };
+        forged.set_metadata(k, v);
+    }
+    let forged_path = dir.join("forged.safetensors");
+    forged.write(&forged_path).unwrap();
+    let b = cached(3);
+    let before = b.table_weights(0).unwrap();
+    let err = b.load(&forged_path).unwrap_err().to_string();
+    assert!(err.contains("not a parts directory name"), "{err}");
+    assert_eq!(b.table_weights(0).unwrap(), before);
+    // The real one loads.
+    b.load(&path).unwrap();
+    assert_eq!(b.table_weights(0).unwrap(), a.table_weights(0).unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
