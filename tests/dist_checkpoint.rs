@@ -308,3 +308,227 @@ fn bad_checkpoints_change_nothing() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&empty);
 }
+
+/// Copies directory `from` into `to`, subdirectories included.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &to.join(entry.file_name()));
+        } else {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// A shard's name (`<table>@<row>,<col>`), values and optimizer state by name.
+type ShardState = (String, Vec<f32>, Vec<(&'static str, Vec<f32>)>);
+
+/// Every table's shards on this rank: values and optimizer state.
+fn shards_of(s: &embers::distributed::ShardedEmbeddingBagCollection) -> Vec<ShardState> {
+    let mut out = Vec::new();
+    for c in tables() {
+        for v in s.local_shards(&c.name).unwrap() {
+            let name = format!("{}@{},{}", c.name, v.row_offset, v.col_offset);
+            out.push((name, v.values, v.states));
+        }
+    }
+    out
+}
+
+/// The inode of every file in `dir`.
+fn inodes(dir: &Path) -> Vec<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<(String, u64)> = (std::fs::read_dir(dir).unwrap())
+        .map(|x| x.unwrap())
+        .map(|x| {
+            let name = x.file_name().to_string_lossy().to_string();
+            (name, x.metadata().unwrap().ino())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Shards whose tables are cached in files are saved as their row files (copied into a parts
+/// directory beside each rank file, never read into memory) and load under any layout: under
+/// the same plan the saved row files become the shards' own (whole, bit for bit); under another
+/// plan, into tables in memory or into other caches, and into one unsharded collection, only
+/// the rows each rectangle needs are read. A flipped byte in a saved row file is refused as
+/// corrupt and changes nothing; a later save removes the earlier one's parts. An unsharded
+/// collection's checkpoint of cached tables loads into a sharded one too.
+#[test]
+fn cached_shards_are_saved_as_their_row_files_and_load_under_any_layout() {
+    let dir = temp_dir("cached");
+    let saved = dir.join("saved");
+    let mut files = case(2, "row_wise_cached_files").unwrap();
+    files.optimizer = RW_ADAGRAD;
+    let trained = on_ranks(2, |comm| {
+        let trained = train(comm, &files, 0..3, None)?;
+        trained.sharded.save(&saved).map_err(e)?;
+        // Into memory, from the row files.
+        let (_, report) = load_whole_and_compare(&saved, &trained.reference, RW_ADAGRAD)?;
+        assert!(report.approximated_row_state.is_empty(), "{report:?}");
+        Ok(shards_of(&trained.sharded))
+    });
+    // The rank files hold no table: each names its parts directory, one cached group in it.
+    let mut rank_files = 0;
+    for entry in std::fs::read_dir(&saved).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !(name.starts_with("rank-") && name.ends_with(".safetensors")) {
+            continue;
+        }
+        rank_files += 1;
+        let r = embers::checkpoint::CheckpointReader::open(&path).unwrap();
+        assert!(r.names().is_empty(), "{name} holds {:?}", r.names());
+        let parts = r.parts_dir().unwrap().expect("a parts directory");
+        assert!(parts.join("group0/manifest.json").is_file(), "{parts:?}");
+    }
+    assert_eq!(rank_files, 2);
+
+    // The same plan: the saved row files replace the shards' own (new files: new inodes),
+    // bit for bit; then training resumes in step with the unsharded collection.
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let s = sharded_of(comm, &files)?;
+        s.comm().barrier("built").map_err(e)?;
+        let before = inodes(&files.caches.dir);
+        s.comm().barrier("looked").map_err(e)?;
+        s.load(&saved).map_err(e)?;
+        s.comm().barrier("loaded").map_err(e)?;
+        let after = inodes(&files.caches.dir);
+        assert_eq!(before.len(), after.len(), "{before:?} / {after:?}");
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!(b.0, a.0);
+            assert_ne!(b.1, a.1, "{} was not replaced by the saved rows", b.0);
+        }
+        assert!(
+            shards_of(&s) == trained[rank],
+            "rank {rank}: other values after the load"
+        );
+        Ok(())
+    });
+    on_ranks(2, |comm| {
+        train(comm, &files, 3..5, Some(&saved)).map(|_| ())
+    });
+
+    // Other plans: in memory (row-wise), and other caches over host memory (mixed).
+    let mut row_wise = case(2, "row_wise").unwrap();
+    row_wise.optimizer = RW_ADAGRAD;
+    let mixed_cached = case(2, "mixed_cached").unwrap();
+    let again = dir.join("again");
+    for other in [&row_wise, &mixed_cached] {
+        on_ranks(2, |comm| {
+            let trained = train(comm, other, 3..5, Some(&saved))?;
+            if other.name == "mixed_cached" {
+                // ... whose own checkpoint (cached and uncached shards) loads whole too.
+                trained.sharded.save(&again).map_err(e)?;
+                load_whole_and_compare(&again, &trained.reference, RW_ADAGRAD)?;
+            }
+            Ok(())
+        });
+    }
+
+    // A flipped byte in rank 1's saved row file: refused by the reading ranks, nothing changed.
+    let corrupt = dir.join("corrupt");
+    copy_tree(&saved, &corrupt);
+    let parts = std::fs::read_dir(&corrupt)
+        .unwrap()
+        .map(|x| x.unwrap().path())
+        .find(|p| p.is_dir() && p.to_string_lossy().contains("rank-1-of-2."))
+        .unwrap();
+    let rows_file = std::fs::read_dir(parts.join("group0"))
+        .unwrap()
+        .map(|x| x.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "bin"))
+        .unwrap();
+    let mut bytes = std::fs::read(&rows_file).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&rows_file, bytes).unwrap();
+    on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let s = sharded_of(comm, &files)?;
+        let before = shards_of(&s);
+        let err = s.load(&corrupt).unwrap_err().to_string();
+        if rank == 1 {
+            assert!(err.contains("corrupt"), "{err}");
+        } else {
+            assert!(err.contains("rank 1"), "rank 0 names rank 1: {err}");
+        }
+        assert!(
+            shards_of(&s) == before,
+            "rank {rank}: changed by a refused load"
+        );
+        Ok(())
+    });
+    let whole = fresh(RW_ADAGRAD);
+    let before = whole.table_weights("t0").unwrap();
+    let err = load_into_unsharded(&whole, &corrupt)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("corrupt"), "{err}");
+    assert_eq!(whole.table_weights("t0").unwrap(), before);
+
+    // A second save into the same directory leaves only its own parts directories.
+    on_ranks(2, |comm| {
+        let s = sharded_of(comm, &files)?;
+        s.load(&saved).map_err(e)?;
+        s.save(&saved).map_err(e)
+    });
+    let parts_dirs: Vec<String> = (std::fs::read_dir(&saved).unwrap())
+        .map(|x| x.unwrap().path())
+        .filter(|p| p.is_dir())
+        .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(parts_dirs.len(), 2, "{parts_dirs:?}");
+
+    // An unsharded collection of cached tables: its checkpoint loads into shards in memory,
+    // and into another cached collection.
+    let placement = |name: &str| embers::embedding::Placement::Cached {
+        dir: dir.join(name),
+        size: embers::embedding::CacheSize::LoadFactor(0.3),
+        policy: embers::embedding::CachePolicy::Lru,
+    };
+    let cached = EmbeddingBagCollection::with_placement(
+        tables(),
+        RW_ADAGRAD,
+        &placement("ebc"),
+        &mut seeded(5),
+    )
+    .unwrap();
+    for step in 0..2 {
+        let batch = rank_batch(0, step, 6);
+        let pooled = cached.forward(&kjt_of(&[&batch], false)).unwrap();
+        pooled.values().sum_all().unwrap().backward().unwrap();
+    }
+    let file = dir.join("ebc.safetensors");
+    cached.save(&file).unwrap();
+    on_ranks(2, |comm| {
+        let s = sharded_of(comm, &row_wise)?;
+        s.load(&file).map_err(e)?;
+        for c in tables() {
+            let got = s.table_weights(&c.name).map_err(e)?;
+            assert_eq!(got, cached.table_weights(&c.name).unwrap(), "{}", c.name);
+        }
+        Ok(())
+    });
+    let other = EmbeddingBagCollection::with_placement(
+        tables(),
+        RW_ADAGRAD,
+        &placement("ebc-other"),
+        &mut seeded(6),
+    )
+    .unwrap();
+    load_into_unsharded(&other, &file).unwrap();
+    for c in tables() {
+        assert_eq!(
+            other.table_weights(&c.name).unwrap(),
+            cached.table_weights(&c.name).unwrap()
+        );
+        assert_eq!(state_of(&other, &c.name), state_of(&cached, &c.name));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&files.caches.dir);
+}

@@ -18,7 +18,7 @@
 #[path = "support/checkpoint_files.rs"]
 mod checkpoint_files;
 
-use checkpoint_files::tensors_of;
+use checkpoint_files::{tables_of_sharded, tensors_of};
 use std::process::{Command, Output};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -484,56 +484,84 @@ fn the_dlrm_example_trains_a_plan_with_cached_tables_bit_identically() {
         t.compute_kernel = embers_planner::types::ComputeKernel::Fused;
     }
     std::fs::write(dir.join("fused.json"), plan.to_json()).unwrap();
-    for name in ["fused", "cached"] {
-        let (plan_path, out_path) = (path(&format!("{name}.json")), path(name));
-        let rows_path = path(&format!("{name}-rows"));
-        let mut args = vec![
-            "--plan",
-            &plan_path,
-            "--steps",
-            "40",
-            "--synthetic-train",
-            "40000",
-            "--synthetic-eval",
-            "2000",
-            "--validation-examples",
-            "2000",
-            "--batch-size",
-            "256",
-            "--no-progress",
-            "--out",
-            &out_path,
-            "--cache-dir",
-            &rows_path,
-        ];
-        if name == "cached" {
-            // Each batch's cached rows brought in while the batch before trains.
-            args.push("--cache-prefetch");
+    // 40 steps, then 20 more resumed from the checkpoint of the 40 (the cached shards' saved
+    // row files loaded whole under the same plan).
+    for (steps, trained, resume) in [("40", 40, false), ("60", 20, true)] {
+        for name in ["fused", "cached"] {
+            let (plan_path, out_path) = (path(&format!("{name}.json")), path(name));
+            let rows_path = path(&format!("{name}-rows"));
+            let checkpoint = path(&format!("{name}/checkpoint"));
+            let mut args = vec![
+                "--plan",
+                &plan_path,
+                "--steps",
+                steps,
+                "--synthetic-train",
+                "40000",
+                "--synthetic-eval",
+                "2000",
+                "--validation-examples",
+                "2000",
+                "--batch-size",
+                "256",
+                "--no-progress",
+                "--out",
+                &out_path,
+                "--cache-dir",
+                &rows_path,
+            ];
+            if name == "cached" {
+                // Each batch's cached rows brought in while the batch before trains.
+                args.push("--cache-prefetch");
+            }
+            if resume {
+                args.extend(["--resume", &checkpoint]);
+            }
+            let (out, _) = launch(2, example, &args).expect("mpiexec runs");
+            let log = text(&out);
+            assert!(out.status.success(), "{log}");
+            assert!(
+                log.contains(&format!("trained {trained} steps on 2 ranks")),
+                "{log}"
+            );
+            if name == "cached" {
+                assert!(log.contains("fused_uvm_caching"), "{log}");
+            }
         }
-        let (out, _) = launch(2, example, &args).expect("mpiexec runs");
-        let log = text(&out);
-        assert!(out.status.success(), "{log}");
-        assert!(log.contains("trained 40 steps on 2 ranks"), "{log}");
-        if name == "cached" {
-            assert!(log.contains("fused_uvm_caching"), "{log}");
+        for rank in 0..2 {
+            let file = dir.join(format!("cached-rows/ebc-rank{rank}-group0.rows"));
+            assert!(file.exists(), "{} missing", file.display());
         }
-    }
-    for rank in 0..2 {
-        let file = dir.join(format!("cached-rows/ebc-rank{rank}-group0.rows"));
-        assert!(file.exists(), "{} missing", file.display());
-    }
-    assert!(
-        !dir.join("fused-rows").exists(),
-        "a fused plan wrote row files"
-    );
-    for (sub, prefix) in [("checkpoint", "rank"), ("checkpoint/tables", "rank-")] {
-        let (x, y) = (dir.join("fused").join(sub), dir.join("cached").join(sub));
-        let (x, y) = (tensors_of(&x, prefix), tensors_of(&y, prefix));
-        assert!(!x.is_empty(), "no tensors in fused/{sub}");
         assert!(
-            x == y,
-            "{sub}/{prefix}*: the cached and the fused plan trained differently"
+            !dir.join("fused-rows").exists(),
+            "a fused plan wrote row files"
         );
+        let (x, y) = (dir.join("fused/checkpoint"), dir.join("cached/checkpoint"));
+        let (dense_x, dense_y) = (tensors_of(&x, "rank"), tensors_of(&y, "rank"));
+        assert!(!dense_x.is_empty(), "no tensors in fused/checkpoint");
+        assert!(
+            dense_x == dense_y,
+            "step {steps}: the dense halves of the cached and the fused plan differ"
+        );
+        // The cached plan's checkpoint keeps its cached shards as row files in parts
+        // directories; read back, every table and its optimizer state equal the fused plan's,
+        // bit for bit.
+        let (tables_x, tables_y) = (
+            tables_of_sharded(&x.join("tables")),
+            tables_of_sharded(&y.join("tables")),
+        );
+        assert!(!tables_x.is_empty());
+        for (name, want) in &tables_x {
+            assert!(
+                tables_y.get(name) == Some(want),
+                "step {steps}, table {name}: the cached and the fused plan trained differently"
+            );
+        }
+        assert_eq!(tables_x.len(), tables_y.len());
+        let parts = (std::fs::read_dir(y.join("tables")).unwrap())
+            .filter(|e| (e.as_ref().unwrap().file_name().to_string_lossy()).contains(".parts-"))
+            .count();
+        assert_eq!(parts, 2, "one parts directory per rank");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

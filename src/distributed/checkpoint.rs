@@ -10,11 +10,21 @@
 //!   `[rows, cols]`); a data-parallel table only in rank 0's file;
 //! * `manifest.safetensors`: the files of the checkpoint `id`, the rectangles each holds, the
 //!   optimizer and its step. A load opens only the files holding rectangles it needs.
+//! * a rank's shards whose tables are cached in files (the plan's `fused_uvm_caching` and
+//!   `fused_uvm` kernels) are not in its file: each of its TBEs of them is saved as its own
+//!   cached checkpoint (the row file copied, never read into memory, and a manifest;
+//!   [`TableBatchedEmbedding::save_cached_checkpoint`]) into `group<k>/` of the rank file's
+//!   parts directory (`rank-<r>-of-<W>.<id>.safetensors.parts-<nonce>/`), and the manifest
+//!   lists each such rectangle with its group and place. A TBE of cached tables loading the
+//!   same rectangles (the same plan) takes the saved row file whole — checked, copied beside
+//!   its own, renamed over it; any other load (another plan, tables in memory, one unsharded
+//!   collection) reads from the row file only the rows each rectangle needs, after checking
+//!   its checksum.
 //!
 //! Every file is written atomically (temporary file, fsync, rename). The manifest is written
 //! last, by rank 0, once every rank's file is on disk, and names files no older checkpoint
-//! used: a crash at any moment leaves the previous checkpoint whole (files of an unfinished one
-//! are removed by the next save).
+//! used: a crash at any moment leaves the previous checkpoint whole (files and parts directories
+//! of an unfinished one are removed by the next save).
 //!
 //! Per-row optimizer state (row-wise Adagrad, the partial row-wise optimizers) is kept per
 //! column block: a block's value sums `mean(g²)` over its own columns. Merging blocks into a
@@ -25,6 +35,7 @@ use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::embedding::tbe::cache::api::{SavedRows, StagedRows};
 use crate::embedding::{
     EmbeddingBagCollection, EmbeddingCollection, StateShape, TableBatchedEmbedding,
 };
@@ -98,6 +109,36 @@ fn add_held(w: &mut CheckpointWriter, held: &Held<'_>) -> Result<()> {
     Ok(())
 }
 
+/// A TBE of cached tables saved whole into a rank file's parts directory.
+struct CachedGroup<'a> {
+    tbe: &'a TableBatchedEmbedding,
+}
+
+/// The TBEs among `held` whose tables are cached in files and all held (each once), in order
+/// of first appearance: each is saved as its own cached checkpoint.
+fn cached_groups<'a>(held: &[Held<'a>]) -> Vec<CachedGroup<'a>> {
+    let mut out: Vec<CachedGroup<'a>> = Vec::new();
+    for h in held {
+        if out.iter().any(|g| std::ptr::eq(g.tbe, h.tbe)) || !h.tbe.is_cached() {
+            continue;
+        }
+        let mut indices: Vec<usize> = (held.iter())
+            .filter(|o| std::ptr::eq(o.tbe, h.tbe))
+            .map(|o| o.index)
+            .collect();
+        indices.sort_unstable();
+        if indices.iter().copied().eq(0..h.tbe.config().tables.len()) {
+            out.push(CachedGroup { tbe: h.tbe });
+        }
+    }
+    out
+}
+
+/// The name of a rank file's `k`-th cached group in its parts directory.
+fn group_name(k: usize) -> String {
+    format!("group{k}")
+}
+
 fn rank_file(rank: usize, world: usize, id: u64) -> String {
     format!("rank-{rank}-of-{world}.{id:016x}.safetensors")
 }
@@ -123,11 +164,29 @@ pub(crate) fn save(
         .map_or(0, |d| d.as_nanos() as u64)
         ^ u64::from(std::process::id())];
     let id = comm.all_gather_v("checkpoint.id", &proposal, Some(&vec![1; world]))?[0][0];
-    // Rank 0 lists every file's rectangles in the manifest.
+    // TBEs whose tables are cached in files are saved as their own checkpoints (row file and
+    // manifest) in the rank file's parts directory, never read whole into memory.
+    let groups = cached_groups(held);
+    let group_of = |h: &Held<'_>| {
+        (groups.iter().enumerate()).find_map(|(k, g)| std::ptr::eq(g.tbe, h.tbe).then_some(k))
+    };
+    // Rank 0 lists every file's rectangles in the manifest (with the group holding a cached
+    // one, and the table's place in it).
     let mine: Vec<serde_json::Value> = (held.iter())
         .map(|h| {
             let r = h.rect;
-            serde_json::json!([h.table, r.row_offset, r.col_offset, r.rows, r.cols])
+            match group_of(h) {
+                Some(k) => serde_json::json!([
+                    h.table,
+                    r.row_offset,
+                    r.col_offset,
+                    r.rows,
+                    r.cols,
+                    group_name(k),
+                    h.index
+                ]),
+                None => serde_json::json!([h.table, r.row_offset, r.col_offset, r.rows, r.cols]),
+            }
         })
         .collect();
     let mine = serde_json::Value::Array(mine).to_string();
@@ -137,14 +196,22 @@ pub(crate) fn save(
             path: dir.display().to_string(),
             source,
         })?;
+        let path = dir.join(rank_file(rank, world, id));
         let mut w = CheckpointWriter::new();
+        w.parts_beside(&path);
         w.set_metadata("format", FORMAT);
         w.set_metadata("rank", rank.to_string());
         w.set_metadata("world_size", world.to_string());
-        for h in held {
+        for h in held.iter().filter(|h| group_of(h).is_none()) {
             add_held(&mut w, h)?;
         }
-        w.write(dir.join(rank_file(rank, world, id)))
+        for (k, g) in groups.iter().enumerate() {
+            let parts = w
+                .parts_dir()?
+                .ok_or_else(|| bad(&path, "no parts directory"))?;
+            g.tbe.save_cached_checkpoint(parts.join(group_name(k)))?;
+        }
+        w.write(&path)
     })();
     all_ok(comm, "checkpoint.written", written)?;
     let committed = if rank == 0 {
@@ -161,12 +228,19 @@ pub(crate) fn save(
                 w.set_metadata(format!("rects.{r}"), String::from_utf8_lossy(list));
             }
             w.write(dir.join(MANIFEST))?;
-            // The previous checkpoints' files (and any unfinished one's) are garbage now.
+            // The previous checkpoints' files and their parts directories (and any unfinished
+            // one's) are garbage now.
             if let Ok(entries) = std::fs::read_dir(dir) {
                 for e in entries.flatten() {
                     let name = e.file_name().to_string_lossy().to_string();
                     if is_rank_file(&name) && !files.contains(&name) {
                         let _ = std::fs::remove_file(e.path());
+                    }
+                    if let Some((file, _)) = name.split_once(".parts-") {
+                        let dir = e.file_type().is_ok_and(|t| t.is_dir());
+                        if dir && is_rank_file(file) && !files.iter().any(|f| f == file) {
+                            let _ = std::fs::remove_dir_all(e.path());
+                        }
                     }
                 }
             }
@@ -199,19 +273,56 @@ pub(crate) fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Resul
     }
 }
 
-/// A rectangle as the manifest lists it: table, first row, first column, rows, columns.
-type ListedRect = (String, usize, usize, usize, usize);
+/// A rectangle as the manifest lists it: its table, where it is, and for a table saved in a
+/// cached group, the group's name and the table's place in it.
+type Listed = (String, Rect, Option<(String, usize)>);
+
+/// Parses a manifest's rectangle: table, first row, first column, rows, columns, and
+/// optionally the cached group's name and the table's place in it.
+fn parse_listed(v: &serde_json::Value) -> Option<Listed> {
+    let a = v.as_array()?;
+    let n = |i: usize| -> Option<usize> { a.get(i)?.as_u64()?.try_into().ok() };
+    let rect = Rect {
+        row_offset: n(1)?,
+        col_offset: n(2)?,
+        rows: n(3)?,
+        cols: n(4)?,
+    };
+    let group = match a.len() {
+        5 => None,
+        7 => Some((a[5].as_str()?.to_string(), n(6)?)),
+        _ => return None,
+    };
+    Some((a[0].as_str()?.to_string(), rect, group))
+}
 
 /// A rectangle's values read from a checkpoint: weights, then each optimizer state buffer.
 type RectValues = (Vec<f32>, Vec<Vec<f32>>);
 
+/// Where a saved rectangle's values are.
+enum Source {
+    /// Tensors of its file, named with this prefix (`<table>@<row>,<col>`, or `<table>` in an
+    /// unsharded file).
+    Tensors(String),
+    /// Table `index` of cached group `group` (an index into [`Saved::groups`]).
+    Rows { group: usize, index: usize },
+}
+
 /// A saved rectangle: which file, which table, where.
 struct SavedRect {
     file: usize,
-    /// Tensor name prefix (`<table>@<row>,<col>`, or `<table>` in an unsharded file).
-    base: String,
+    source: Source,
     table: String,
     rect: Rect,
+}
+
+/// A cached group: the checkpoint of a TBE of cached tables in a file's parts directory.
+struct SavedGroup {
+    file: usize,
+    name: String,
+    /// Once opened (and when read from, its checksum verified).
+    rows: Option<SavedRows>,
+    verified: bool,
 }
 
 /// The contents of a checkpoint, sharded or not.
@@ -222,6 +333,7 @@ pub(crate) struct Saved {
     /// Each file once opened.
     readers: Vec<Option<CheckpointReader>>,
     rects: Vec<SavedRect>,
+    groups: Vec<SavedGroup>,
     optimizer: String,
     step: u64,
 }
@@ -258,27 +370,49 @@ impl Saved {
             .map_err(|_| bad(&manifest_path, "the step is not a count"))?;
         let mut paths = Vec::new();
         let mut rects = Vec::new();
+        let mut groups: Vec<SavedGroup> = Vec::new();
         for (file, name) in files.split(',').enumerate() {
             paths.push(dir.join(name));
             let listed = manifest.required_metadata(&format!("rects.{file}"))?;
-            let parsed: Option<Vec<ListedRect>> = serde_json::from_str(listed).ok();
+            let parsed: Option<Vec<_>> = serde_json::from_str::<Vec<serde_json::Value>>(listed)
+                .ok()
+                .and_then(|l| l.iter().map(parse_listed).collect());
             let Some(listed) = parsed else {
                 return Err(bad(
                     &manifest_path,
                     format!("the rectangles of file {name} do not parse"),
                 ));
             };
-            for (table, row_offset, col_offset, rows, cols) in listed {
+            for (table, rect, group) in listed {
+                let source = match group {
+                    None => {
+                        Source::Tensors(format!("{table}@{},{}", rect.row_offset, rect.col_offset))
+                    }
+                    Some((group, index)) => {
+                        if group.contains(['/', '\\']) || group.starts_with('.') {
+                            return Err(bad(
+                                &manifest_path,
+                                format!("`{group}` of file {name} is not a directory name"),
+                            ));
+                        }
+                        let known = (groups.iter()).position(|g| g.file == file && g.name == group);
+                        let group = known.unwrap_or_else(|| {
+                            groups.push(SavedGroup {
+                                file,
+                                name: group,
+                                rows: None,
+                                verified: false,
+                            });
+                            groups.len() - 1
+                        });
+                        Source::Rows { group, index }
+                    }
+                };
                 rects.push(SavedRect {
                     file,
-                    base: format!("{table}@{row_offset},{col_offset}"),
+                    source,
                     table,
-                    rect: Rect {
-                        row_offset,
-                        col_offset,
-                        rows,
-                        cols,
-                    },
+                    rect,
                 });
             }
         }
@@ -288,37 +422,144 @@ impl Saved {
             paths,
             readers,
             rects,
+            groups,
             optimizer,
             step,
         })
     }
 
-    /// Opens the files holding rectangles of `held` (once each) and checks that they hold
-    /// what the manifest lists.
-    fn open_files_for(&mut self, held: &[Held<'_>]) -> Result<()> {
+    /// Opens file `file` (once) and checks that it holds the tensors the manifest lists.
+    fn open_file(&mut self, file: usize) -> Result<()> {
+        if self.readers[file].is_some() {
+            return Ok(());
+        }
+        let path = &self.paths[file];
+        let reader = CheckpointReader::open(path)?;
+        for listed in self.rects.iter().filter(|x| x.file == file) {
+            let Source::Tensors(base) = &listed.source else {
+                continue;
+            };
+            let tensor = format!("{base}.weight");
+            let want = [listed.rect.rows, listed.rect.cols];
+            if reader.shape(&tensor).as_deref() != Some(&want[..]) {
+                return Err(bad(
+                    path,
+                    format!("no `{tensor}` of shape {want:?}, which the manifest lists"),
+                ));
+            }
+        }
+        self.readers[file] = Some(reader);
+        Ok(())
+    }
+
+    /// Opens cached group `g` (once), in its file's parts directory, and checks that it holds
+    /// the tables the manifest lists in it.
+    fn open_group(&mut self, g: usize) -> Result<()> {
+        if self.groups[g].rows.is_some() {
+            return Ok(());
+        }
+        let file = self.groups[g].file;
+        self.open_file(file)?;
+        let path = &self.paths[file];
+        let reader = self.readers[file].as_ref().expect("opened above");
+        let parts = reader.parts_dir()?.ok_or_else(|| {
+            bad(
+                path,
+                format!(
+                    "its tables of cached group `{}` are in a parts directory, and it names none",
+                    self.groups[g].name
+                ),
+            )
+        })?;
+        let rows = SavedRows::open(&parts.join(&self.groups[g].name))?;
         for s in &self.rects {
-            if self.readers[s.file].is_some()
-                || !held
-                    .iter()
-                    .any(|h| h.table == s.table && h.rect.meets(&s.rect))
+            let Source::Rows { group, index } = s.source else {
+                continue;
+            };
+            let (r, c) = (s.rect.rows as u64, s.rect.cols as u64);
+            if group == g && rows.tables().get(index).map(|t| (t.1, t.2)) != Some((r, c)) {
+                return Err(bad(
+                    rows.dir(),
+                    format!(
+                        "no table {index} of {r}×{c} (`{}` rows {}.. columns {}..), which the \
+                         manifest lists",
+                        s.table, s.rect.row_offset, s.rect.col_offset
+                    ),
+                ));
+            }
+        }
+        self.groups[g].rows = Some(rows);
+        Ok(())
+    }
+
+    /// Opens the files and cached groups holding rectangles of `held` (once each), checks
+    /// that they hold what the manifest lists and the groups' checksums.
+    fn open_files_for(&mut self, held: &[&Held<'_>]) -> Result<()> {
+        for i in 0..self.rects.len() {
+            let s = &self.rects[i];
+            if !held
+                .iter()
+                .any(|h| h.table == s.table && h.rect.meets(&s.rect))
             {
                 continue;
             }
-            let path = &self.paths[s.file];
-            let reader = CheckpointReader::open(path)?;
-            for listed in self.rects.iter().filter(|x| x.file == s.file) {
-                let tensor = format!("{}.weight", listed.base);
-                let want = [listed.rect.rows, listed.rect.cols];
-                if reader.shape(&tensor).as_deref() != Some(&want[..]) {
-                    return Err(bad(
-                        path,
-                        format!("no `{tensor}` of shape {want:?}, which the manifest lists"),
-                    ));
+            match s.source {
+                Source::Tensors(_) => self.open_file(s.file)?,
+                Source::Rows { group, .. } => {
+                    self.open_group(group)?;
+                    let g = &mut self.groups[group];
+                    if !g.verified {
+                        g.rows.as_ref().expect("opened above").verify()?;
+                        g.verified = true;
+                    }
                 }
             }
-            self.readers[s.file] = Some(reader);
         }
         Ok(())
+    }
+
+    /// For each TBE of cached tables among `held`, all held, a cached group saved for exactly
+    /// those tables (the same rectangles, names, widths and optimizer), its row file checked
+    /// and copied beside the TBE's own: such TBEs load whole, never read into memory. Returns
+    /// them, and the rectangles left to read one by one.
+    fn stage_whole_groups<'a>(
+        &mut self,
+        held: &'a [Held<'a>],
+    ) -> Result<(WholeGroups<'a>, Vec<&'a Held<'a>>)> {
+        let mut whole = Vec::new();
+        let mut rest = Vec::new();
+        for group in cached_groups(held) {
+            let tbe = group.tbe;
+            let mine = |h: &&Held<'_>| std::ptr::eq(h.tbe, tbe);
+            let tables = tbe.config().tables.len();
+            // The saved group whose table `i` is exactly this TBE's table `i`, for every `i`.
+            let candidate = (0..self.groups.len()).find(|&g| {
+                let in_g =
+                    |s: &&SavedRect| matches!(s.source, Source::Rows { group, .. } if group == g);
+                self.rects.iter().filter(in_g).count() == tables
+                    && held.iter().filter(mine).all(|h| {
+                        self.rects.iter().filter(in_g).any(|s| {
+                            matches!(s.source, Source::Rows { index, .. } if index == h.index)
+                                && s.table == h.table
+                                && s.rect == h.rect
+                        })
+                    })
+            });
+            if let Some(g) = candidate {
+                self.open_group(g)?;
+                let rows = self.groups[g].rows.as_ref().expect("opened above");
+                if rows.is_for(tbe.config()) {
+                    whole.push((tbe, tbe.stage_cached_checkpoint(rows.dir())?));
+                    continue;
+                }
+            }
+        }
+        for h in held {
+            if !whole.iter().any(|(t, _)| std::ptr::eq(*t, h.tbe)) {
+                rest.push(h);
+            }
+        }
+        Ok((whole, rest))
     }
 
     /// An [`EmbeddingBagCollection::save`] file: `<table>.weight` and its state, whole.
@@ -358,7 +599,7 @@ impl Saved {
             };
             rects.push(SavedRect {
                 file: 0,
-                base: table.to_string(),
+                source: Source::Tensors(table.to_string()),
                 table: table.to_string(),
                 rect: Rect {
                     row_offset: 0,
@@ -368,11 +609,57 @@ impl Saved {
                 },
             });
         }
+        // Groups of tables cached in files: their own checkpoints in the parts directory.
+        let mut groups = Vec::new();
+        for g in 0.. {
+            if reader.metadata(&format!("group{g}.optimizer")).is_none() {
+                break;
+            }
+            let Some(name) = reader.metadata(&format!("group{g}.rows")) else {
+                continue;
+            };
+            let parts = reader.parts_dir()?.ok_or_else(|| {
+                bad(
+                    path,
+                    format!("group {g}'s rows are in `{name}`, but it has no parts directory"),
+                )
+            })?;
+            if name.contains(['/', '\\']) || name.starts_with('.') {
+                return Err(bad(
+                    path,
+                    format!("group {g}'s rows `{name}` is not a directory name"),
+                ));
+            }
+            let rows = SavedRows::open(&parts.join(name))?;
+            for (index, (table, n, dim)) in rows.tables().iter().enumerate() {
+                rects.push(SavedRect {
+                    file: 0,
+                    source: Source::Rows {
+                        group: groups.len(),
+                        index,
+                    },
+                    table: table.clone(),
+                    rect: Rect {
+                        row_offset: 0,
+                        col_offset: 0,
+                        rows: *n as usize,
+                        cols: *dim as usize,
+                    },
+                });
+            }
+            groups.push(SavedGroup {
+                file: 0,
+                name: name.to_string(),
+                rows: Some(rows),
+                verified: false,
+            });
+        }
         Ok(Saved {
             path: path.to_path_buf(),
             paths: vec![path.to_path_buf()],
             readers: vec![Some(reader)],
             rects,
+            groups,
             optimizer,
             step,
         })
@@ -400,39 +687,60 @@ impl Saved {
             if rows.is_empty() || cols.is_empty() {
                 continue;
             }
-            let Some(reader) = &self.readers[s.file] else {
-                return Err(bad(&self.paths[s.file], "read before it was opened"));
+            // The saved rows' values from row `first` on: weights, then each state buffer.
+            let (first, saved, saved_states) = match &s.source {
+                Source::Tensors(base) => {
+                    let Some(reader) = &self.readers[s.file] else {
+                        return Err(bad(&self.paths[s.file], "read before it was opened"));
+                    };
+                    let saved =
+                        reader.read::<f32>(&format!("{base}.weight"), &[have.rows, have.cols])?;
+                    let saved_states = (states.iter())
+                        .map(|(name, shape)| {
+                            let dims = match shape {
+                                StateShape::PerElement => vec![have.rows, have.cols],
+                                StateShape::PerRow => vec![have.rows],
+                            };
+                            reader.read::<f32>(&format!("{base}.{name}"), &dims)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    (have.row_offset, saved, saved_states)
+                }
+                Source::Rows { group, index } => {
+                    let Some(g) = &self.groups[*group].rows else {
+                        return Err(bad(&self.paths[s.file], "read before it was opened"));
+                    };
+                    // Only the rows wanted, from the group's row file.
+                    let local = rows.start - have.row_offset..rows.end - have.row_offset;
+                    let (w, st) = g.read_rows(&held.tbe.config().optimizer, *index, local)?;
+                    (rows.start, w, st)
+                }
             };
-            let saved =
-                reader.read::<f32>(&format!("{}.weight", s.base), &[have.rows, have.cols])?;
             for r in rows.clone() {
-                let src = (r - have.row_offset) * have.cols + (cols.start - have.col_offset);
+                let src = (r - first) * have.cols + (cols.start - have.col_offset);
                 let dst = (r - r0) * want.cols + (cols.start - c0);
                 weights[dst..dst + cols.len()].copy_from_slice(&saved[src..src + cols.len()]);
                 covered[r - r0] += cols.len();
             }
-            for (i, (name, shape)) in states.iter().enumerate() {
-                let tensor = format!("{}.{name}", s.base);
+            for (i, (_, shape)) in states.iter().enumerate() {
+                let saved = &saved_states[i];
                 match shape {
                     StateShape::PerElement => {
-                        let saved = reader.read::<f32>(&tensor, &[have.rows, have.cols])?;
                         for r in rows.clone() {
-                            let src =
-                                (r - have.row_offset) * have.cols + (cols.start - have.col_offset);
+                            let src = (r - first) * have.cols + (cols.start - have.col_offset);
                             let dst = (r - r0) * want.cols + (cols.start - c0);
                             state_values[i][dst..dst + cols.len()]
                                 .copy_from_slice(&saved[src..src + cols.len()]);
                         }
                     }
                     StateShape::PerRow => {
-                        let saved = reader.read::<f32>(&tensor, &[have.rows])?;
                         // The width-weighted mean of the saved blocks over the wanted columns.
                         let share = cols.len() as f32 / want.cols as f32;
                         if have.cols > cols.len() {
                             approximate = true;
                         }
                         for r in rows.clone() {
-                            state_values[i][r - r0] += share * saved[r - have.row_offset];
+                            state_values[i][r - r0] += share * saved[r - first];
                         }
                     }
                 }
@@ -467,10 +775,11 @@ impl Saved {
                 ),
             ));
         }
-        self.open_files_for(held)?;
-        let mut values = Vec::with_capacity(held.len());
+        let (whole, rest) = self.stage_whole_groups(held)?;
+        self.open_files_for(&rest)?;
+        let mut values = Vec::with_capacity(rest.len());
         let mut report = LoadReport::default();
-        for h in held {
+        for h in rest {
             let (weights, states, approximate) = self.read(h)?;
             if approximate && !report.approximated_row_state.iter().any(|t| t == h.table) {
                 report.approximated_row_state.push(h.table.to_string());
@@ -478,6 +787,7 @@ impl Saved {
             values.push((h, (weights, states)));
         }
         Ok(Staged {
+            whole,
             values,
             step: self.step,
             report,
@@ -485,8 +795,13 @@ impl Saved {
     }
 }
 
+/// TBEs of cached tables loading a saved row file whole, and that file staged.
+type WholeGroups<'a> = Vec<(&'a TableBatchedEmbedding, StagedRows)>;
+
 /// Checked values, ready to be written into the TBEs.
 pub(crate) struct Staged<'a> {
+    /// TBEs of cached tables loaded whole: their staged row files.
+    whole: WholeGroups<'a>,
     values: Vec<(&'a Held<'a>, RectValues)>,
     step: u64,
     report: LoadReport,
@@ -495,6 +810,10 @@ pub(crate) struct Staged<'a> {
 impl Staged<'_> {
     /// Writes the values and the step count.
     pub fn apply(self) -> Result<LoadReport> {
+        for (tbe, rows) in self.whole {
+            tbe.commit_cached_checkpoint(rows)?;
+            tbe.set_step(self.step);
+        }
         for (h, (weights, states)) in &self.values {
             h.tbe.set_table_weights(h.index, weights)?;
             for (i, s) in states.iter().enumerate() {

@@ -17,6 +17,7 @@ use serde_json::json;
 use super::store::io_error;
 use super::{CacheStats, CacheTimes};
 use crate::embedding::input::TbeInput;
+use crate::embedding::optimizer::FusedOptimizer;
 use crate::embedding::tbe::TbeConfig;
 use crate::embedding::tbe::{moved_error, TableBatchedEmbedding, Tables};
 use crate::{Error, Result};
@@ -109,9 +110,7 @@ impl TableBatchedEmbedding {
         let Tables::Cached(c) = &mut state.tables else {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
-        let ours: Vec<(String, u64, u64)> = (cfg.tables.iter())
-            .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
-            .collect();
+        let ours = tables_of(cfg);
         if let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST)) {
             let theirs = serde_json::from_str::<serde_json::Value>(&text)
                 .ok()
@@ -231,6 +230,13 @@ pub(crate) struct StagedRows {
     step: u64,
 }
 
+/// The `(name, rows, dim)` of every table of `cfg`, as a manifest lists them.
+fn tables_of(cfg: &TbeConfig) -> Vec<(String, u64, u64)> {
+    (cfg.tables.iter())
+        .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
+        .collect()
+}
+
 /// The `(name, rows, dim)` of every table a manifest lists, if it lists them.
 fn manifest_tables(m: &serde_json::Value) -> Option<Vec<(String, u64, u64)>> {
     (m.get("tables")?.as_array()?.iter())
@@ -244,19 +250,43 @@ fn manifest_tables(m: &serde_json::Value) -> Option<Vec<(String, u64, u64)>> {
         .collect()
 }
 
-/// A cached checkpoint's manifest, checked against the tables it is loaded for.
+/// A cached checkpoint's manifest.
 struct Manifest {
     path: std::path::PathBuf,
     rows_file: std::path::PathBuf,
     bytes: u64,
     checksum: String,
     step: u64,
+    optimizer: String,
+    /// Each table's `(name, rows, dim)`.
+    tables: Vec<(String, u64, u64)>,
 }
 
 impl Manifest {
     /// Reads `dir`'s manifest and checks it against `cfg` (format, optimizer, tables) and the
     /// row file it names against its length.
     fn read(dir: &Path, cfg: &TbeConfig) -> Result<Self> {
+        let m = Self::open(dir)?;
+        if m.optimizer != cfg.optimizer.name() {
+            return Err(m.bad(format!(
+                "saved with optimizer `{}`, this operator uses `{}`",
+                m.optimizer,
+                cfg.optimizer.name()
+            )));
+        }
+        let ours = tables_of(cfg);
+        if ours != m.tables {
+            return Err(m.bad(format!(
+                "tables (name, rows, dim) {:?} differ from this operator's {ours:?}",
+                m.tables
+            )));
+        }
+        Ok(m)
+    }
+
+    /// Reads `dir`'s manifest (format, fields) and checks the row file it names against its
+    /// length, for whatever tables it lists.
+    fn open(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, "reading", e))?;
         let bad = |why: String| Error::invalid(OP, format!("{}: {why}", path.display()));
@@ -266,23 +296,9 @@ impl Manifest {
         if field("format")?.as_str() != Some(FORMAT) {
             return Err(bad(format!("not a `{FORMAT}` manifest")));
         }
-        let optimizer = field("optimizer")?.as_str().unwrap_or("?");
-        if optimizer != cfg.optimizer.name() {
-            return Err(bad(format!(
-                "saved with optimizer `{optimizer}`, this operator uses `{}`",
-                cfg.optimizer.name()
-            )));
-        }
-        let theirs =
+        let optimizer = field("optimizer")?.as_str().unwrap_or("?").to_string();
+        let tables =
             manifest_tables(&m).ok_or_else(|| bad("`tables` is not a list of tables".into()))?;
-        let ours: Vec<(String, u64, u64)> = (cfg.tables.iter())
-            .map(|s| (s.name.clone(), s.rows as u64, s.dim as u64))
-            .collect();
-        if ours != theirs {
-            return Err(bad(format!(
-                "tables (name, rows, dim) {theirs:?} differ from this operator's {ours:?}"
-            )));
-        }
         let step = field("step")?
             .as_u64()
             .ok_or_else(|| bad("`step` is not a number".into()))?;
@@ -313,6 +329,8 @@ impl Manifest {
             bytes,
             checksum,
             step,
+            optimizer,
+            tables,
         })
     }
 
@@ -382,4 +400,107 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
         }
     }
     Ok(PlainTables { weights, states })
+}
+
+/// A cached checkpoint ([`TableBatchedEmbedding::save_cached_checkpoint`]) opened to read
+/// some rows of its tables, without an operator of the same tables: what a sharded
+/// checkpoint's reader uses to cut rectangles out of a shard's rows under another plan. Only
+/// the rows asked for are read.
+pub(crate) struct SavedRows {
+    m: Manifest,
+}
+
+impl SavedRows {
+    /// Opens the checkpoint in `dir`: its manifest read and the row file's length checked (not
+    /// yet its checksum: [`verify`](Self::verify)).
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
+        Ok(SavedRows {
+            m: Manifest::open(dir)?,
+        })
+    }
+
+    /// The directory it was opened from.
+    pub(crate) fn dir(&self) -> &Path {
+        self.m.path.parent().unwrap_or(Path::new("."))
+    }
+
+    /// Each table's `(name, rows, dim)`.
+    pub(crate) fn tables(&self) -> &[(String, u64, u64)] {
+        &self.m.tables
+    }
+
+    /// Whether these are the tables of `cfg` (names, rows, widths, optimizer): a checkpoint
+    /// such an operator loads whole.
+    pub(crate) fn is_for(&self, cfg: &TbeConfig) -> bool {
+        self.m.optimizer == cfg.optimizer.name() && self.m.tables == tables_of(cfg)
+    }
+
+    /// Reads the whole row file once and compares its checksum with the manifest's.
+    pub(crate) fn verify(&self) -> Result<()> {
+        let h = super::store::checksum_of(&self.m.rows_file)?;
+        if format!("{h:016x}") != self.m.checksum {
+            return Err(self.m.corrupt(h));
+        }
+        Ok(())
+    }
+
+    /// Rows `rows` of table `t`, trained by `optimizer` (which must be the one saved): their
+    /// weights (`[rows, dim]`) and each optimizer state buffer's values for them (`[rows]`
+    /// per-row, else `[rows, dim]`).
+    pub(crate) fn read_rows(
+        &self,
+        optimizer: &FusedOptimizer,
+        t: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        use std::os::unix::fs::FileExt;
+        if self.m.optimizer != optimizer.name() {
+            return Err(self.m.bad(format!(
+                "saved with optimizer `{}`, read for `{}`",
+                self.m.optimizer,
+                optimizer.name()
+            )));
+        }
+        let Some(&(_, n, _)) = self.m.tables.get(t) else {
+            return Err(self
+                .m
+                .bad(format!("no table {t}: it lists {}", self.m.tables.len())));
+        };
+        if rows.start > rows.end || rows.end as u64 > n {
+            return Err(self
+                .m
+                .bad(format!("rows {rows:?} of table {t}, which has {n}")));
+        }
+        let parts = super::parts_for(optimizer, self.m.tables.iter().map(|x| x.2 as usize));
+        let records: Vec<(usize, usize)> = (self.m.tables.iter().zip(&parts))
+            .map(|(x, p)| (x.1 as usize, p.record() * 4))
+            .collect();
+        let (layout, len) = super::store::RowStore::layout(&records)?;
+        if len != self.m.bytes {
+            return Err(self.m.bad(format!(
+                "says {} bytes of rows, its tables need {len}",
+                self.m.bytes
+            )));
+        }
+        let (table, p) = (&layout[t], &parts[t]);
+        let mut bytes = vec![0u8; rows.len() * table.record_bytes];
+        let at = table.offset + (rows.start * table.record_bytes) as u64;
+        let file = std::fs::File::open(&self.m.rows_file)
+            .map_err(|e| io_error(&self.m.rows_file, "opening to read", e))?;
+        file.read_exact_at(&mut bytes, at)
+            .map_err(|e| io_error(&self.m.rows_file, "reading rows", e))?;
+        let buffers = optimizer.state_buffers().len();
+        let mut split = [Vec::new(), Vec::new(), Vec::new()];
+        for record in bytes.chunks_exact(table.record_bytes.max(1)) {
+            for (q, part) in split.iter_mut().enumerate() {
+                let r = p.range(q);
+                part.extend(
+                    (record[r.start * 4..r.end * 4].chunks_exact(4))
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                );
+            }
+        }
+        let [w, s0, s1] = split;
+        Ok((w, [s0, s1].into_iter().take(buffers).collect()))
+    }
 }

@@ -247,12 +247,16 @@ impl Parts {
 
 /// Where each table's record parts sit (weights, then the optimizer's per-row state).
 fn parts_of(config: &TbeConfig) -> Vec<Parts> {
-    (config.tables.iter())
-        .map(|s| Parts {
-            dim: s.dim,
-            state: [0, 1].map(|i| config.optimizer.state_len(i, 1, s.dim)),
-        })
-        .collect()
+    parts_for(&config.optimizer, config.tables.iter().map(|s| s.dim))
+}
+
+/// [`parts_of`] for tables of widths `dims` trained by `optimizer`.
+fn parts_for(optimizer: &FusedOptimizer, dims: impl Iterator<Item = usize>) -> Vec<Parts> {
+    dims.map(|dim| Parts {
+        dim,
+        state: [0, 1].map(|i| optimizer.state_len(i, 1, dim)),
+    })
+    .collect()
 }
 
 /// Each table's rows and bytes per record in the store, for records laid out as `parts`.

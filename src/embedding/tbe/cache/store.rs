@@ -479,6 +479,15 @@ impl CopyTarget for File {
     }
 }
 
+impl CopyTarget for std::io::Sink {
+    fn put(&mut self, _bytes: &[u8], _at: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn finish(&mut self, _len: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl CopyTarget for [u8] {
     fn put(&mut self, bytes: &[u8], at: usize) -> std::io::Result<()> {
         let dst = self.get_mut(at..at + bytes.len()).ok_or_else(|| {
@@ -507,6 +516,12 @@ pub(crate) fn read_with_checksum(src: &Path, len: u64) -> Result<(Vec<u8>, u64)>
     let mut bytes = vec![0u8; len];
     let h = checksum_copy(input, src, &mut bytes[..], Path::new("<memory>"))?;
     Ok((bytes, h))
+}
+
+/// The checksum of the file `src` (as [`copy_with_checksum`]'s), read through and kept nowhere.
+pub(crate) fn checksum_of(src: &Path) -> Result<u64> {
+    let input = File::open(src).map_err(|e| io_error(src, "opening to read", e))?;
+    checksum_copy(input, src, &mut std::io::sink(), Path::new("<nowhere>"))
 }
 
 /// Copies `src` to a new file `dst` (flushed to disk) and returns the copy's checksum, a
