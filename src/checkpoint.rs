@@ -451,6 +451,26 @@ impl CheckpointReader {
             .collect())
     }
 
+    /// Elements `elems` (in row-major order) of `name`, which must have element type `T` and
+    /// shape `shape`: only those are decoded.
+    pub fn read_range<T: CheckpointElem>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        elems: std::ops::Range<usize>,
+    ) -> Result<Vec<T>> {
+        let raw = self.raw(name, T::DTYPE, shape)?;
+        let bytes = raw
+            .get(elems.start * T::SIZE..elems.end * T::SIZE)
+            .ok_or_else(|| {
+                invalid(
+                    &self.path,
+                    format!("elements {elems:?} of `{name}` {shape:?}: past its end"),
+                )
+            })?;
+        Ok(bytes.chunks_exact(T::SIZE).map(T::get).collect())
+    }
+
     /// The stored shape of `name`.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.header.info(name).map(|i| i.shape.clone())

@@ -355,7 +355,8 @@ fn inodes(dir: &Path) -> Vec<(String, u64)> {
 /// directory beside each rank file, never read into memory) and load under any layout: under
 /// the same plan the saved row files become the shards' own (whole, bit for bit); under another
 /// plan, into tables in memory or into other caches, and into one unsharded collection, only
-/// the rows each rectangle needs are read. A flipped byte in a saved row file is refused as
+/// the rows each rectangle needs are read (into other caches: their row files written a few
+/// rows at a time). A flipped byte in a saved row file is refused as
 /// corrupt and changes nothing; a later save removes the earlier one's parts. An unsharded
 /// collection's checkpoint of cached tables loads into a sharded one too.
 #[test]
@@ -505,15 +506,23 @@ fn cached_shards_are_saved_as_their_row_files_and_load_under_any_layout() {
     }
     let file = dir.join("ebc.safetensors");
     cached.save(&file).unwrap();
-    on_ranks(2, |comm| {
-        let s = sharded_of(comm, &row_wise)?;
-        s.load(&file).map_err(e)?;
-        for c in tables() {
-            let got = s.table_weights(&c.name).map_err(e)?;
-            assert_eq!(got, cached.table_weights(&c.name).unwrap(), "{}", c.name);
-        }
-        Ok(())
-    });
+    for layout in [&row_wise, &files] {
+        // (Into shards cached in files: their new row files written a few rows at a time.)
+        on_ranks(2, |comm| {
+            let s = sharded_of(comm, layout)?;
+            s.load(&file).map_err(e)?;
+            for c in tables() {
+                let got = s.table_weights(&c.name).map_err(e)?;
+                assert_eq!(got, cached.table_weights(&c.name).unwrap(), "{}", c.name);
+                let want = state_of(&cached, &c.name)?;
+                for shard in s.local_shards(&c.name).map_err(e)? {
+                    let rows = shard.row_offset..shard.row_offset + shard.rows;
+                    assert_eq!(shard.states[0].1[..], want[0][rows], "{}", c.name);
+                }
+            }
+            Ok(())
+        });
+    }
     let other = EmbeddingBagCollection::with_placement(
         tables(),
         RW_ADAGRAD,

@@ -19,7 +19,9 @@
 //!   same rectangles (the same plan) takes the saved row file whole — checked, copied beside
 //!   its own, renamed over it; any other load (another plan, tables in memory, one unsharded
 //!   collection) reads from the row file only the rows each rectangle needs, after checking
-//!   its checksum.
+//!   its checksum. A TBE of cached tables that does not take a saved file whole gets a new
+//!   row file written a few rows at a time (staged beside its own, renamed over it when
+//!   every rank has read its part), so no cached table is ever held whole in memory.
 //!
 //! Every file is written atomically (temporary file, fsync, rename). The manifest is written
 //! last, by rank 0, once every rank's file is on disk, and names files no older checkpoint
@@ -44,6 +46,8 @@ use crate::error::{Error, Result};
 const FORMAT: &str = "embers.sharded_ebc.v1";
 const MANIFEST: &str = "manifest.safetensors";
 const OP: &str = "sharded checkpoint";
+/// Bytes of records read at a time into the staged row file of a TBE of cached tables.
+const STAGE_CHUNK_BYTES: usize = 16 << 20;
 
 /// What a load did besides copying values exactly.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -665,10 +669,19 @@ impl Saved {
         })
     }
 
-    /// Reads `held`'s rectangle: weights, then each state buffer of its TBE; and whether a
-    /// per-row state had to be split from a wider block.
-    fn read(&self, held: &Held<'_>) -> Result<(Vec<f32>, Vec<Vec<f32>>, bool)> {
-        let want = held.rect;
+    /// Reads rows `sub` (counted from its first) of `held`'s rectangle: weights, then each
+    /// state buffer of its TBE; and whether a per-row state had to be split from a wider
+    /// block. Only the saved rows it needs are read.
+    fn read(
+        &self,
+        held: &Held<'_>,
+        sub: std::ops::Range<usize>,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>, bool)> {
+        let want = Rect {
+            row_offset: held.rect.row_offset + sub.start,
+            rows: sub.len(),
+            ..held.rect
+        };
         let (r0, c0) = (want.row_offset, want.col_offset);
         let states = held.tbe.optimizer_state_names();
         let mut weights = vec![0.0f32; want.rows * want.cols];
@@ -693,18 +706,27 @@ impl Saved {
                     let Some(reader) = &self.readers[s.file] else {
                         return Err(bad(&self.paths[s.file], "read before it was opened"));
                     };
-                    let saved =
-                        reader.read::<f32>(&format!("{base}.weight"), &[have.rows, have.cols])?;
+                    // Only the rows wanted, from the file's tensors.
+                    let local = rows.start - have.row_offset..rows.end - have.row_offset;
+                    let (c, dims) = (have.cols, [have.rows, have.cols]);
+                    let elems = local.start * c..local.end * c;
+                    let saved = reader.read_range(&format!("{base}.weight"), &dims, elems)?;
                     let saved_states = (states.iter())
                         .map(|(name, shape)| {
-                            let dims = match shape {
-                                StateShape::PerElement => vec![have.rows, have.cols],
-                                StateShape::PerRow => vec![have.rows],
-                            };
-                            reader.read::<f32>(&format!("{base}.{name}"), &dims)
+                            let tensor = format!("{base}.{name}");
+                            match shape {
+                                StateShape::PerElement => reader.read_range(
+                                    &tensor,
+                                    &dims,
+                                    local.start * c..local.end * c,
+                                ),
+                                StateShape::PerRow => {
+                                    reader.read_range(&tensor, &[have.rows], local.clone())
+                                }
+                            }
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    (have.row_offset, saved, saved_states)
+                    (rows.start, saved, saved_states)
                 }
                 Source::Rows { group, index } => {
                     let Some(g) = &self.groups[*group].rows else {
@@ -779,11 +801,38 @@ impl Saved {
         self.open_files_for(&rest)?;
         let mut values = Vec::with_capacity(rest.len());
         let mut report = LoadReport::default();
-        for h in rest {
-            let (weights, states, approximate) = self.read(h)?;
+        let mut note = |h: &Held<'_>, approximate: bool| {
             if approximate && !report.approximated_row_state.iter().any(|t| t == h.table) {
                 report.approximated_row_state.push(h.table.to_string());
             }
+        };
+        // TBEs of cached tables, all held: new row files written a few rows at a time, never
+        // read whole into memory.
+        let mut whole = whole;
+        for group in cached_groups(held) {
+            if whole.iter().any(|(t, _)| std::ptr::eq(*t, group.tbe)) {
+                continue;
+            }
+            let mine: Vec<&Held<'_>> = (rest.iter().copied())
+                .filter(|h| std::ptr::eq(h.tbe, group.tbe))
+                .collect();
+            let staged = group.tbe.stage_cached_rows(STAGE_CHUNK_BYTES, |t, rows| {
+                let h = mine
+                    .iter()
+                    .find(|h| h.index == t)
+                    .expect("every table held");
+                let (weights, states, approximate) = self.read(h, rows)?;
+                note(h, approximate);
+                Ok((weights, states))
+            })?;
+            whole.push((group.tbe, staged));
+        }
+        for h in rest {
+            if whole.iter().any(|(t, _)| std::ptr::eq(*t, h.tbe)) {
+                continue;
+            }
+            let (weights, states, approximate) = self.read(h, 0..h.rect.rows)?;
+            note(h, approximate);
             values.push((h, (weights, states)));
         }
         Ok(Staged {
@@ -871,4 +920,93 @@ pub fn load_into_unsharded(
     }
     let optimizer = tbes.first().map_or("none", |t| t.config().optimizer.name());
     saved.stage(&held, optimizer)?.apply()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedding::{CachePolicy, CacheSize, EmbeddingBagConfig, FusedOptimizer, Placement};
+
+    /// Any rows of a saved rectangle read alone equal the same rows of the whole rectangle, for
+    /// tables saved as tensors and as a cached group's row file, per-row and per-element state.
+    #[test]
+    fn reading_some_rows_of_a_rectangle_reads_those_rows() {
+        let dir = std::env::temp_dir().join(format!("embers-read-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let optimizers = [
+            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+            FusedOptimizer::Adagrad { lr: 0.1, eps: 1e-8 },
+        ];
+        for (k, optimizer) in optimizers.into_iter().enumerate() {
+            for cached in [false, true] {
+                let configs = vec![
+                    EmbeddingBagConfig::new("a", 53, 4, &["fa"]),
+                    EmbeddingBagConfig::new("b", 9, 2, &["fb"]),
+                ];
+                let placement = match cached {
+                    false => Placement::Memory,
+                    true => Placement::Cached {
+                        dir: dir.join(format!("rows-{k}")),
+                        size: CacheSize::LoadFactor(0.3),
+                        policy: CachePolicy::Lru,
+                    },
+                };
+                let mut rng = crate::tensor::rng::seeded(3);
+                let ebc = EmbeddingBagCollection::with_placement(
+                    configs, optimizer, &placement, &mut rng,
+                )
+                .unwrap();
+                let tbes = ebc.tbes();
+                for tbe in &tbes {
+                    for (t, spec) in tbe.config().tables.iter().enumerate() {
+                        for i in 0..tbe.optimizer_state_names().len() {
+                            let n = tbe.optimizer_state(i, t).unwrap().len();
+                            let v: Vec<f32> = (0..n).map(|x| (x * 7 + spec.rows) as f32).collect();
+                            tbe.set_optimizer_state(i, t, &v).unwrap();
+                        }
+                    }
+                }
+                let file = dir.join(format!("ebc-{k}-{cached}.safetensors"));
+                ebc.save(&file).unwrap();
+                let mut saved = Saved::open(&file).unwrap();
+                let mut held = Vec::new();
+                for tbe in &tbes {
+                    for (index, spec) in tbe.config().tables.iter().enumerate() {
+                        held.push(Held {
+                            table: &spec.name,
+                            rect: Rect {
+                                row_offset: 0,
+                                col_offset: 0,
+                                rows: spec.rows,
+                                cols: spec.dim,
+                            },
+                            tbe,
+                            index,
+                        });
+                    }
+                }
+                let refs: Vec<&Held<'_>> = held.iter().collect();
+                saved.open_files_for(&refs).unwrap();
+                let from_rows = saved
+                    .rects
+                    .iter()
+                    .any(|s| matches!(s.source, Source::Rows { .. }));
+                assert_eq!(from_rows, cached);
+                for h in &held {
+                    let (w, states, _) = saved.read(h, 0..h.rect.rows).unwrap();
+                    assert_eq!(w, h.tbe.table_weights(h.index).unwrap());
+                    let c = h.rect.cols;
+                    for sub in [0..1, 3..8, h.rect.rows - 2..h.rect.rows] {
+                        let (ws, ss, _) = saved.read(h, sub.clone()).unwrap();
+                        assert_eq!(ws, w[sub.start * c..sub.end * c], "{} {sub:?}", h.table);
+                        for (s, part) in states.iter().zip(&ss) {
+                            let per = s.len() / h.rect.rows;
+                            assert_eq!(part[..], s[sub.start * per..sub.end * per]);
+                        }
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

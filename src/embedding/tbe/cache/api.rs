@@ -224,6 +224,69 @@ impl TableBatchedEmbedding {
     }
 }
 
+impl TableBatchedEmbedding {
+    /// Stages new values for every row of these cached tables beside the live ones (as
+    /// [`stage_cached_checkpoint`](Self::stage_cached_checkpoint) stages a checkpoint's copy),
+    /// asking `rows_of(t, rows)` for the weights (`[rows, dim]`) and each optimizer state
+    /// buffer's values (`[rows]` per-row, else `[rows, dim]`) of about `chunk_bytes` of
+    /// records of table `t` at a time: a table bigger than memory is never held whole. Nothing changes until
+    /// [`commit_cached_checkpoint`](Self::commit_cached_checkpoint).
+    pub(crate) fn stage_cached_rows(
+        &self,
+        chunk_bytes: usize,
+        mut rows_of: impl FnMut(usize, std::ops::Range<usize>) -> Result<(Vec<f32>, Vec<Vec<f32>>)>,
+    ) -> Result<StagedRows> {
+        let cfg = &self.inner.config;
+        let mut state = self.inner.state.write();
+        let step = state.step;
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        c.check_idle()?;
+        let parts = super::parts_of(cfg);
+        let staged = c.store().stage_new(|bytes, layout| {
+            for (t, (spec, p)) in cfg.tables.iter().zip(&parts).enumerate() {
+                let record = layout[t].record_bytes;
+                // About `chunk_bytes` of records at a time.
+                let chunk = (chunk_bytes / record.max(1)).max(1);
+                for first in (0..spec.rows).step_by(chunk) {
+                    let rows = first..(first + chunk).min(spec.rows);
+                    let (w, states) = rows_of(t, rows.clone())?;
+                    let n = rows.len();
+                    let sizes = [p.dim, p.state[0], p.state[1]];
+                    let short = (w.len() != n * p.dim)
+                        || (0..2).any(|i| states.get(i).map_or(0, Vec::len) != n * sizes[i + 1]);
+                    if short {
+                        return Err(Error::invalid(
+                            OP,
+                            format!("table {t} rows {rows:?}: values of the wrong length"),
+                        ));
+                    }
+                    let at = layout[t].offset as usize + first * record;
+                    let out = &mut bytes[at..at + n * record];
+                    for (r, rec) in out.chunks_exact_mut(record).enumerate() {
+                        let values = [
+                            &w[..],
+                            states.first().map_or(&[][..], |s| &s[..]),
+                            states.get(1).map_or(&[][..], |s| &s[..]),
+                        ];
+                        for (q, v) in values.iter().enumerate() {
+                            let range = p.range(q);
+                            let src = &v[r * sizes[q]..(r + 1) * sizes[q]];
+                            let dst = &mut rec[range.start * 4..range.end * 4];
+                            for (b, x) in dst.chunks_exact_mut(4).zip(src) {
+                                b.copy_from_slice(&x.to_le_bytes());
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        Ok(StagedRows { staged, step })
+    }
+}
+
 /// A cached checkpoint's rows, checked and copied beside the live ones, and its step.
 pub(crate) struct StagedRows {
     staged: super::store::Staged,
@@ -502,5 +565,90 @@ impl SavedRows {
         }
         let [w, s0, s1] = split;
         Ok((w, [s0, s1].into_iter().take(buffers).collect()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedding::{CacheConfig, CacheSize, PoolingMode, TableSpec};
+
+    /// The value `rows_of` gives row `r` of table `t`, part `q` (0 weights, 1.. state), at `i`.
+    fn value(t: usize, r: usize, q: usize, i: usize) -> f32 {
+        (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
+    }
+
+    /// Rows staged a few at a time (chunks much smaller than a table, and not a whole number
+    /// of them) land in the right records: every weight and state value read back through the
+    /// operator equals what was given, for per-row and per-element state, rows in a file or in
+    /// host memory; values of the wrong length are refused and change nothing.
+    #[test]
+    fn rows_staged_in_chunks_become_the_tables_rows() {
+        let dir = std::env::temp_dir().join(format!("embers-stage-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let optimizers = [
+            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+            FusedOptimizer::Adam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ];
+        for (k, optimizer) in optimizers.into_iter().enumerate() {
+            for in_file in [false, true] {
+                let tables = vec![TableSpec::new("a", 257, 5), TableSpec::new("b", 40, 3)];
+                let cfg = TbeConfig::new(tables, vec![0, 1], PoolingMode::Sum, optimizer);
+                let size = CacheSize::LoadFactor(0.2);
+                let cache = if in_file {
+                    CacheConfig::new(dir.join(format!("rows-{k}.bin")), size)
+                } else {
+                    CacheConfig::in_host_memory(size)
+                };
+                let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap();
+                let sizes = |t: usize| {
+                    let dim = cfg.tables[t].dim;
+                    [
+                        dim,
+                        optimizer.state_len(0, 1, dim),
+                        optimizer.state_len(1, 1, dim),
+                    ]
+                };
+                let make = |t: usize, rows: std::ops::Range<usize>, q: usize| -> Vec<f32> {
+                    rows.flat_map(|r| (0..sizes(t)[q]).map(move |i| value(t, r, q, i)))
+                        .collect()
+                };
+                let before = tbe.table_weights(0).unwrap();
+                let short = tbe.stage_cached_rows(64, |t, rows| {
+                    let mut w = make(t, rows.clone(), 0);
+                    w.pop();
+                    Ok((w, vec![make(t, rows.clone(), 1), make(t, rows, 2)]))
+                });
+                assert!(short.is_err());
+                assert_eq!(tbe.table_weights(0).unwrap(), before);
+                let mut calls = 0;
+                let staged = tbe
+                    .stage_cached_rows(64, |t, rows| {
+                        calls += 1;
+                        let states = (1..3)
+                            .map(|q| make(t, rows.clone(), q))
+                            .filter(|s| !s.is_empty())
+                            .collect();
+                        Ok((make(t, rows, 0), states))
+                    })
+                    .unwrap();
+                assert!(calls > 10, "{calls} chunks");
+                tbe.commit_cached_checkpoint(staged).unwrap();
+                for t in 0..2 {
+                    let rows = cfg.tables[t].rows;
+                    assert_eq!(tbe.table_weights(t).unwrap(), make(t, 0..rows, 0));
+                    for i in 0..optimizer.state_buffers().len() {
+                        let got = tbe.optimizer_state(i, t).unwrap();
+                        assert_eq!(got, make(t, 0..rows, i + 1), "{optimizer:?} state {i}");
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -398,6 +398,50 @@ impl RowStore {
         Ok(Staged::Memory(Some(map), checksum))
     }
 
+    /// A new store for these tables, staged beside the live one as [`stage`](Self::stage)
+    /// stages a copy (a file to be renamed over it, or anonymous memory), every byte written by
+    /// `fill` (given the store's bytes, all zero, and the tables' layout) and, for a file,
+    /// synced to disk. Its checksum is not computed (0).
+    pub(crate) fn stage_new(
+        &self,
+        fill: impl FnOnce(&mut [u8], &[StoreTable]) -> Result<()>,
+    ) -> Result<Staged> {
+        if self.file.is_none() {
+            if self.len == 0 {
+                fill(&mut [], &self.tables)?;
+                return Ok(Staged::Memory(None, 0));
+            }
+            let mut map = Self::anonymous_map(&self.path, self.len)?;
+            fill(&mut map[..], &self.tables)?;
+            return Ok(Staged::Memory(Some(map), 0));
+        }
+        let tmp = self.path.with_extension("restore.tmp");
+        let staged = Staged::File(tmp.clone(), 0); // removes the file on an early return
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| io_error(&tmp, "creating", e))?;
+        file.set_len(self.len)
+            .map_err(|e| io_error(&tmp, "sizing", e))?;
+        allocate(&file, &tmp, self.len)?;
+        if self.len == 0 {
+            fill(&mut [], &self.tables)?;
+        } else {
+            // SAFETY: a new file of this process's, under a name no other store uses.
+            let mut map =
+                unsafe { MmapMut::map_mut(&file) }.map_err(|e| io_error(&tmp, "mapping", e))?;
+            fill(&mut map[..], &self.tables)?;
+            map.flush()
+                .map_err(|e| io_error(&tmp, "writing the staged rows", e))?;
+        }
+        file.sync_all()
+            .map_err(|e| io_error(&tmp, "syncing the staged rows", e))?;
+        Ok(staged)
+    }
+
     /// Makes the staged rows the store's (nothing changes on an error).
     pub(crate) fn commit(&mut self, mut staged: Staged) -> Result<()> {
         match &mut staged {
