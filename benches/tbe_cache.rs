@@ -16,7 +16,8 @@
 //! `EMBERS_CACHE_BATCHES="W N"` warms up on W batches and times N (default 100 40).
 //! `EMBERS_CACHE_DEVICE=cuda` runs the GPU placements instead (GPU 0): rows in host memory
 //! (the file, through the page cache) behind an HBM cache (FBGEMM's `MANAGED_CACHING`), beside
-//! the same tables all in HBM; each step ends with a device synchronize.
+//! the same tables all in HBM, and all of them in managed memory the GPU reads in place
+//! (FBGEMM's `MANAGED`, the planner's `fused_uvm`); each step ends with a device synchronize.
 
 use std::time::Instant;
 
@@ -115,7 +116,12 @@ fn main() {
     // The same cache, each batch's successor prefetched between its lookup and its backward
     // (FBGEMM's pipeline, one host thread).
     let prefetch_cache = rows_in("rows-prefetch.bin").with_policy(policy);
-    let prefetching = TableBatchedEmbedding::new_cached_on(cfg, prefetch_cache, device).unwrap();
+    let prefetching =
+        TableBatchedEmbedding::new_cached_on(cfg.clone(), prefetch_cache, device).unwrap();
+    // On a GPU, also the planner's `fused_uvm`: every row in managed memory, read in place.
+    let managed = gpu
+        .as_ref()
+        .map(|_| TableBatchedEmbedding::new_managed(cfg, device).unwrap());
     let init = EmbeddingInit::Uniform {
         low: -0.01,
         high: 0.01,
@@ -124,6 +130,9 @@ fn main() {
     let t0 = Instant::now();
     cached.init_weights(init, &mut seeded(1)).unwrap();
     prefetching.init_weights(init, &mut seeded(1)).unwrap();
+    if let Some(m) = &managed {
+        m.init_weights(init, &mut seeded(1)).unwrap();
+    }
     println!(
         "memory: {mem} {:.0} MiB, cached {:.0} MiB ({:.2} of the file); file written in {:.1} s",
         in_ram.allocated_bytes() as f64 / (1 << 20) as f64,
@@ -178,13 +187,20 @@ fn main() {
         step(&in_ram, batch);
         step(&cached, batch);
         step_with(&prefetching, batch, batches.get(i + 1));
+        if let Some(m) = &managed {
+            step(m, batch);
+        }
     }
     cached.reset_cache_stats();
     let (mut ram_ms, mut cache_ms, mut prefetch_ms) = (Vec::new(), Vec::new(), Vec::new());
+    let mut managed_ms = Vec::new();
     for (i, batch) in batches.iter().enumerate().skip(warm) {
         ram_ms.push(step(&in_ram, batch));
         cache_ms.push(step(&cached, batch));
         prefetch_ms.push(step_with(&prefetching, batch, batches.get(i + 1)));
+        if let Some(m) = &managed {
+            managed_ms.push(step(m, batch));
+        }
     }
     let stats = cached.cache_stats().unwrap();
     let times = cached.cache_times().unwrap();
@@ -225,6 +241,16 @@ fn main() {
         part(&prefetch_ms, 1),
         part(&prefetch_ms, 2),
     );
+    if !managed_ms.is_empty() {
+        let m = total(&managed_ms);
+        println!(
+            "  every row in managed memory (fused_uvm, FBGEMM's MANAGED): {m:.2} ms ({:.2} of \
+             {mem}); lookup / backward medians {:.2} / {:.2} ms",
+            ram / m,
+            part(&managed_ms, 1),
+            part(&managed_ms, 2),
+        );
+    }
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / timed as f64;
     println!(
         "  cached admission per batch {:.2} ms: directory {:.2} ms, moving rows to and from \
@@ -252,7 +278,7 @@ fn main() {
 
     // The limit misses run into: copying random records out of the mapped file, one thread
     // (as the cache does), the file in the page cache (or out of as much host memory).
-    drop((in_ram, cached, prefetching));
+    drop((in_ram, cached, prefetching, managed));
     let map: Box<dyn std::ops::Deref<Target = [u8]>> = match in_memory {
         true => Box::new(vec![1u8; file_bytes as usize]),
         false => {

@@ -16,8 +16,9 @@ use cache_trace::{assert_counts_match, batches, simulate_step, simulations, temp
 use std::path::{Path, PathBuf};
 
 use embers::embedding::{
-    CacheConfig, CachePolicy, CacheSize, EmbeddingInit, FusedOptimizer, PoolingMode,
-    TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput, WeightDecay,
+    CacheConfig, CachePolicy, CacheSize, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingInit,
+    FusedOptimizer, Placement, PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput,
+    WeightDecay,
 };
 use embers::tensor::rng::seeded;
 use embers::{Device, Result, Tensor};
@@ -869,6 +870,110 @@ fn a_byte_budget_pays_for_lfus_access_counts_too() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("access counts"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// The planner's `fused_uvm` on a GPU (FBGEMM's `MANAGED`): tables and optimizer state in
+/// managed memory, which the caching allocator does not hand out, trained by the same kernels
+/// as tables in the GPU's memory — bit for bit, moved host → GPU → host → GPU, or made on the
+/// GPU; a collection placed `Managed` puts them there on a GPU and in files behind the
+/// smallest cache on the host.
+#[test]
+fn gpu_tables_in_managed_memory_train_like_tables_in_gpu_memory() -> Result<()> {
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    let gpu = embers::cuda::open(device)?;
+    let cfg = TbeConfig::new(
+        vec![TableSpec::new("a", 3000, 8), TableSpec::new("b", 500, 12)],
+        vec![0, 1, 0],
+        PoolingMode::Sum,
+        FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+    );
+    // Weights and Adam's two per-element moments.
+    let table_bytes = 3 * 4 * (3000 * 8 + 500 * 12);
+    let steps = batches(&cfg, 12, 16, 8, 1.05, true, 4);
+    let reference = TableBatchedEmbedding::new(cfg.clone())?;
+    let managed = TableBatchedEmbedding::new_managed(cfg.clone(), Device::Cpu)?;
+    assert!(managed.is_managed() && !reference.is_managed());
+    for t in [&reference, &managed] {
+        t.init_weights(
+            EmbeddingInit::Uniform {
+                low: -0.1,
+                high: 0.1,
+            },
+            &mut seeded(2),
+        )?;
+    }
+    let allocated = || gpu.memory_stats().allocated;
+    let before = allocated();
+    managed.to_device(device)?;
+    let with_managed = allocated();
+    reference.to_device(device)?;
+    let with_both = allocated();
+    assert!(
+        with_managed - before < table_bytes / 2,
+        "managed tables took {} allocator bytes",
+        with_managed - before
+    );
+    assert!(
+        with_both - with_managed >= table_bytes,
+        "{with_both} {with_managed}"
+    );
+    for (k, at) in [device, Device::Cpu, device].into_iter().enumerate() {
+        reference.to_device(at)?;
+        managed.to_device(at)?;
+        assert_eq!(managed.device(), at);
+        let part = &steps[4 * k..4 * k + 4];
+        let (a, b) = (
+            train(&reference, part, false)?,
+            train(&managed, part, false)?,
+        );
+        assert!(a == b, "outputs differ on {at:?}");
+        assert!(
+            state_bits(&managed)? == state_bits(&reference)?,
+            "state differs on {at:?}"
+        );
+    }
+    // Made on the GPU: zeros there, in managed memory.
+    let before = allocated();
+    let made = TableBatchedEmbedding::new_managed(cfg.clone(), device)?;
+    assert!(allocated() - before < table_bytes / 2);
+    assert_eq!(made.device(), device);
+    assert!(made.table_weights(0)?.iter().all(|&x| x == 0.0));
+
+    // A collection placed `Managed` (the planner's `fused_uvm`).
+    let dir = temp_dir("gpu-managed");
+    let placement = Placement::for_kernel("fused_uvm", None, &dir, CachePolicy::Lru)?;
+    assert!(
+        matches!(placement, Placement::Managed { .. }),
+        "{placement:?}"
+    );
+    let configs = vec![EmbeddingBagConfig::new("t", 400, 8, &["f"])];
+    let on_gpu = EmbeddingBagCollection::with_placement_on(
+        configs.clone(),
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &placement,
+        device,
+        &mut seeded(3),
+    )?;
+    on_gpu.to_device(device)?;
+    let tbe = on_gpu.tbes()[0];
+    assert!(tbe.is_managed() && !tbe.is_cached() && tbe.device() == device);
+    let on_host = EmbeddingBagCollection::with_placement(
+        configs,
+        FusedOptimizer::Sgd { lr: 0.1 },
+        &placement,
+        &mut seeded(3),
+    )?;
+    let tbe = on_host.tbes()[0];
+    assert!(tbe.is_cached() && tbe.cache_stats().unwrap()[0].slots == 32);
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

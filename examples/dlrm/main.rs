@@ -52,7 +52,9 @@ enum DenseOpt {
 enum PlacementArg {
     /// In memory.
     Fused,
-    /// In files under --cache-dir, read through the smallest cache (one set per table).
+    /// On a GPU: in managed memory, read and updated in place by the GPU (FBGEMM's
+    /// MANAGED); on the host: in files under --cache-dir, read through the smallest cache
+    /// (one set per table).
     FusedUvm,
     /// In files under --cache-dir behind a DRAM cache of --cache-load-factor × rows.
     FusedUvmCaching,

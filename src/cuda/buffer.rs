@@ -33,6 +33,8 @@ pub struct DeviceBuffer<T: DeviceElem> {
     len: usize,
     /// Streams besides the block's own that used the buffer ([`DeviceBuffer::record_stream`]).
     other_streams: parking_lot::Mutex<Vec<StreamId>>,
+    /// The block is managed memory ([`CudaDevice::managed_zeros`]), not the allocator's.
+    managed: bool,
     _elem: PhantomData<T>,
 }
 
@@ -56,8 +58,30 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             block: Some(block),
             len,
             other_streams: parking_lot::Mutex::new(Vec::new()),
+            managed: false,
             _elem: PhantomData,
         })
+    }
+
+    /// A buffer over `bytes` of managed memory at `ptr`, freed with it.
+    pub(crate) fn managed(device: &Arc<CudaDevice>, ptr: u64, bytes: usize, len: usize) -> Self {
+        DeviceBuffer {
+            device: device.clone(),
+            block: Some(Block {
+                ptr,
+                size: bytes,
+                stream: super::stream::current_stream_id(device),
+            }),
+            len,
+            other_streams: parking_lot::Mutex::new(Vec::new()),
+            managed: true,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Whether the values are in managed memory ([`CudaDevice::managed_zeros`]).
+    pub fn is_managed(&self) -> bool {
+        self.managed
     }
 
     /// Number of values.
@@ -134,6 +158,7 @@ impl<T: DeviceElem> DeviceBuffer<T> {
             block: self.block.take(),
             len: self.bytes(),
             other_streams: parking_lot::Mutex::new(std::mem::take(self.other_streams.get_mut())),
+            managed: self.managed,
             _elem: PhantomData,
         }
     }
@@ -166,7 +191,11 @@ impl<T: DeviceElem> DeviceBuffer<T> {
 impl<T: DeviceElem> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            self.device.free_block(block, self.other_streams.get_mut());
+            if self.managed {
+                self.device.free_managed(block.ptr, block.size);
+            } else {
+                self.device.free_block(block, self.other_streams.get_mut());
+            }
         }
     }
 }

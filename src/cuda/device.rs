@@ -120,6 +120,45 @@ impl CudaDevice {
         DeviceBuffer::alloc(self, len)
     }
 
+    /// `len` zeros in managed (unified) memory: kept on the host and read and written by this
+    /// device's kernels in place, over the bus (FBGEMM's `MANAGED` placement: more than the
+    /// device's memory holds). Not from the caching allocator: it does not count in
+    /// [`memory_stats`](Self::memory_stats). Host memory on the emulation.
+    pub fn managed_zeros<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = (len * std::mem::size_of::<T>()).max(1);
+        let ptr = match &self.backend {
+            Backend::Driver(d) => d.malloc_managed(self.ordinal(), bytes)?,
+            Backend::Sim(_) => {
+                let layout = std::alloc::Layout::from_size_align(bytes, 256)
+                    .map_err(|e| Error::invalid("managed_zeros", e.to_string()))?;
+                // SAFETY: non-zero size; freed by `free_managed` with the same layout.
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                if p.is_null() {
+                    return Err(Error::invalid(
+                        "managed_zeros",
+                        format!("out of host memory for {bytes} bytes"),
+                    ));
+                }
+                p as u64
+            }
+        };
+        Ok(DeviceBuffer::managed(self, ptr, bytes, len))
+    }
+
+    /// Frees `bytes` of managed memory at `ptr` ([`managed_zeros`](Self::managed_zeros)).
+    pub(crate) fn free_managed(&self, ptr: u64, bytes: usize) {
+        match &self.backend {
+            // SAFETY: from `managed_zeros`, freed once (by the buffer's drop).
+            Backend::Driver(d) => unsafe { d.free_managed(self.ordinal(), ptr) },
+            Backend::Sim(_) => {
+                if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), 256) {
+                    // SAFETY: allocated by `managed_zeros` with this layout, freed once.
+                    unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+                }
+            }
+        }
+    }
+
     /// Device memory for `len` zeros.
     pub fn zeros<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer<T>> {
         let mut b = DeviceBuffer::alloc(self, len)?;

@@ -172,6 +172,55 @@ impl Driver {
             .map_err(|e| failed(at.ordinal, "host-to-device copy", e))
     }
 
+    /// `bytes` of managed (unified) memory, kept on the host and read and written by this
+    /// device in place (FBGEMM's `new_managed_tensor`: preferred location the CPU, accessed by
+    /// the device), zeroed. The advice is a hint: a driver that refuses it still gives memory
+    /// both sides can use.
+    pub(crate) fn malloc_managed(&self, ordinal: usize, bytes: usize) -> Result<u64> {
+        use cudarc::driver::sys;
+        self.bind(ordinal)?;
+        let bytes = bytes.max(1);
+        // SAFETY: a plain allocation, owned by the caller from here on (freed by
+        // `free_managed`).
+        let ptr =
+            unsafe { result::malloc_managed(bytes, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) }
+                .map_err(|e| failed(ordinal, "allocating managed memory", e))?;
+        // `CU_DEVICE_CPU`: the host.
+        const CPU: sys::CUdevice = -1;
+        // SAFETY: advice on the range just allocated.
+        unsafe {
+            let _ = sys::cuMemAdvise(
+                ptr,
+                bytes,
+                sys::CUmem_advise::CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+                CPU,
+            );
+            let _ = sys::cuMemAdvise(
+                ptr,
+                bytes,
+                sys::CUmem_advise::CU_MEM_ADVISE_SET_ACCESSED_BY,
+                ordinal as sys::CUdevice,
+            );
+        }
+        // SAFETY: `bytes` bytes at `ptr` were just allocated; the device is idle on them.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }
+            .map_err(|e| failed(ordinal, "zeroing managed memory", e))?;
+        Ok(ptr)
+    }
+
+    /// Frees memory of [`malloc_managed`](Self::malloc_managed) once the work queued on every
+    /// stream has finished.
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc_managed` and is freed once.
+    pub(crate) unsafe fn free_managed(&self, ordinal: usize, ptr: u64) {
+        if self.bind(ordinal).is_ok() {
+            let _ = self.context.synchronize();
+            // SAFETY: the caller's promise; nothing queued uses it any more.
+            let _ = unsafe { result::free_sync(ptr) };
+        }
+    }
+
     /// `bytes` of page-locked host memory.
     pub(crate) fn malloc_pinned(&self, ordinal: usize, bytes: usize) -> Result<*mut u8> {
         self.malloc_pinned_with_flags(ordinal, bytes, 0)

@@ -93,6 +93,8 @@ pub(crate) enum Tables {
 /// Tables, optimizer state and the step count, behind one lock.
 pub(crate) struct TrainState {
     pub tables: Tables,
+    /// Tables on a GPU live in managed memory ([`TableBatchedEmbedding::new_managed`]).
+    pub managed: bool,
     /// Backward calls so far (Adam's bias correction).
     pub step: u64,
 }
@@ -239,6 +241,24 @@ impl TableBatchedEmbedding {
         Self::build(config, Device::Cpu, Some(&cache))
     }
 
+    /// Builds the operator with all-zero tables and optimizer state whose home on a GPU is
+    /// managed (unified) memory: kept in host memory and read and updated in place by the
+    /// GPU's kernels over the bus, so tables bigger than the GPU's memory train there
+    /// (FBGEMM's `MANAGED` placement, the planner's `fused_uvm` kernel: `cudaMallocManaged`
+    /// with the host as preferred location, accessed by the GPU). Made on `device`; on the
+    /// host they are ordinary host tables, and [`to_device`](Self::to_device) to a GPU puts
+    /// them in managed memory. The kernels are the same as for tables in the GPU's memory:
+    /// training gives the same tables, bit for bit.
+    pub fn new_managed(config: TbeConfig, device: Device) -> Result<Self> {
+        Self::build_with(config, device, None, true)
+    }
+
+    /// Whether the tables' home on a GPU is managed memory
+    /// ([`new_managed`](Self::new_managed)).
+    pub fn is_managed(&self) -> bool {
+        self.inner.state.read().managed
+    }
+
     /// Builds the operator with its tables and optimizer state in a new all-zero file
     /// (`cache.path`, in host memory through the page cache) and a cache of `cache.size` in
     /// the memory of `device`: on a GPU, FBGEMM's `MANAGED_CACHING` placement (rows in host
@@ -250,6 +270,15 @@ impl TableBatchedEmbedding {
     }
 
     fn build(config: TbeConfig, device: Device, cache: Option<&CacheConfig>) -> Result<Self> {
+        Self::build_with(config, device, cache, false)
+    }
+
+    fn build_with(
+        config: TbeConfig,
+        device: Device,
+        cache: Option<&CacheConfig>,
+        managed: bool,
+    ) -> Result<Self> {
         config.optimizer.validate()?;
         if let WeightDecay::L2(l) | WeightDecay::Decoupled(l) = config.weight_decay {
             if !l.is_finite() {
@@ -331,6 +360,7 @@ impl TableBatchedEmbedding {
                     feature_layout(&config, &layout),
                     layout.total_elements(),
                     &lens,
+                    managed,
                 )?)
             }
         };
@@ -341,7 +371,11 @@ impl TableBatchedEmbedding {
                 config,
                 feature_names,
                 layout,
-                state: RwLock::new(TrainState { tables, step: 0 }),
+                state: RwLock::new(TrainState {
+                    tables,
+                    step: 0,
+                    managed,
+                }),
                 skips: SkipCounter::default(),
             }),
         })
@@ -375,12 +409,15 @@ impl TableBatchedEmbedding {
         let (cfg, layout) = (&inner.config, &inner.layout);
         let mut state = inner.state.write();
         let open = || crate::cuda::open(device);
+        let managed = state.managed;
         let moved = match (&state.tables, device) {
-            (Tables::Host(h), Device::Cuda(_)) => Tables::Device(upload(cfg, layout, h, open()?)?),
+            (Tables::Host(h), Device::Cuda(_)) => {
+                Tables::Device(upload(cfg, layout, h, open()?, managed)?)
+            }
             (Tables::Device(d), Device::Cpu) => Tables::Host(download(cfg, layout, d)?),
             (Tables::Device(d), Device::Cuda(_)) => {
                 let host = download(cfg, layout, d)?;
-                Tables::Device(upload(cfg, layout, &host, open()?)?)
+                Tables::Device(upload(cfg, layout, &host, open()?, managed)?)
             }
             (Tables::Host(_), Device::Cpu) => return Ok(()),
             (Tables::Cached(_), _) => {
@@ -452,6 +489,7 @@ impl TableBatchedEmbedding {
                 }
             }
             target.step = state.step;
+            target.managed = state.managed;
         }
         copy.to_device(device)?;
         Ok(copy)
@@ -1282,11 +1320,13 @@ fn upload(
     layout: &TbeLayout,
     host: &HostTables,
     device: Arc<crate::cuda::CudaDevice>,
+    managed: bool,
 ) -> Result<DeviceTables> {
     let states: Vec<&[f32]> = (0..cfg.optimizer.state_buffers().len())
         .map(|i| host.state(i))
         .collect();
-    DeviceTables::f32(device, feature_layout(cfg, layout), &host.weights, &states)
+    let l = feature_layout(cfg, layout);
+    DeviceTables::f32(device, l, &host.weights, &states, managed)
 }
 
 /// A host copy of device tables and their optimizer state.

@@ -96,9 +96,21 @@ pub enum Placement {
     /// In the memory of the device the model runs on (the planner's `fused`).
     #[default]
     Memory,
+    /// The planner's `fused_uvm`. On a GPU: in managed (unified) memory, kept on the host and
+    /// read and updated in place by the GPU's kernels (FBGEMM's `MANAGED` placement;
+    /// [`TableBatchedEmbedding::new_managed`](crate::embedding::TableBatchedEmbedding::new_managed)).
+    /// On the host, where memory is one level down: in files under `dir` (empty: host
+    /// memory), each behind the smallest cache (one set per table, so almost every row is
+    /// read from the file) with `policy`. Sharded collections, built on the host, keep the
+    /// latter on GPUs too (their `to_device` moves that cache).
+    Managed {
+        /// Directory of the row files on the host (created if needed); empty: host memory.
+        dir: PathBuf,
+        /// The replacement policy of the host's cache.
+        policy: CachePolicy,
+    },
     /// In files under `dir` (one per table group), each behind a DRAM cache of `size`
-    /// (the planner's `fused_uvm_caching`; `fused_uvm` is the smallest cache, one set per
-    /// table, so almost every row is read from the file).
+    /// (the planner's `fused_uvm_caching`).
     Cached {
         /// Directory of the row files (created if needed); empty: the rows live in anonymous
         /// host memory ([`CacheConfig::in_host_memory`]).
@@ -111,9 +123,10 @@ pub enum Placement {
 }
 
 impl Placement {
-    /// The placement the planner's kernel `kernel` (`dense`, `fused`, `fused_uvm`,
-    /// `fused_uvm_caching`) asks for, with its `cache_load_factor` (FBGEMM's default 0.2 when
-    /// none), row files under `dir`.
+    /// The placement the planner's kernel `kernel` asks for: `dense` and `fused`
+    /// [`Memory`](Self::Memory), `fused_uvm` [`Managed`](Self::Managed), `fused_uvm_caching`
+    /// [`Cached`](Self::Cached) with its `cache_load_factor` (FBGEMM's default 0.2 when none);
+    /// row files under `dir`.
     pub fn for_kernel(
         kernel: &str,
         cache_load_factor: Option<f64>,
@@ -122,7 +135,12 @@ impl Placement {
     ) -> Result<Placement> {
         let size = match kernel {
             "dense" | "fused" => return Ok(Placement::Memory),
-            "fused_uvm" => CacheSize::LoadFactor(f64::MIN_POSITIVE),
+            "fused_uvm" => {
+                return Ok(Placement::Managed {
+                    dir: dir.into(),
+                    policy,
+                })
+            }
             "fused_uvm_caching" => CacheSize::LoadFactor(cache_load_factor.unwrap_or(0.2)),
             _ => {
                 return Err(Error::invalid(
@@ -145,6 +163,12 @@ impl Placement {
     pub(crate) fn cache_for(&self, name: &str) -> Result<Option<CacheConfig>> {
         match self {
             Placement::Memory => Ok(None),
+            Placement::Managed { dir, policy } => Placement::Cached {
+                dir: dir.clone(),
+                size: CacheSize::LoadFactor(f64::MIN_POSITIVE),
+                policy: *policy,
+            }
+            .cache_for(name),
             Placement::Cached { dir, size, policy } if dir.as_os_str().is_empty() => Ok(Some(
                 CacheConfig::in_host_memory(*size).with_policy(*policy),
             )),

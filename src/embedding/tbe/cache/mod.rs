@@ -556,6 +556,7 @@ impl CachedTables {
                     super::feature_layout(&cfg, &layout),
                     layout.total_elements(),
                     &lens,
+                    false,
                 )?)
             }
         };
@@ -1095,7 +1096,7 @@ impl CachedTables {
         }
         let rows = match self.gpu() {
             None => CacheRows::Host(host),
-            Some(d) => CacheRows::Device(super::upload(&cfg, &layout, &host, d.clone())?),
+            Some(d) => CacheRows::Device(super::upload(&cfg, &layout, &host, d.clone(), false)?),
         };
         (self.cfg, self.layout, self.scratch, self.rows) = (cfg, layout, scratch, rows);
         Ok(())

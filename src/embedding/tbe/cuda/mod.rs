@@ -132,6 +132,15 @@ fn upload<T: DeviceElem + Default>(
     device.htod(host)
 }
 
+/// [`upload`] into managed memory ([`CudaDevice::managed_zeros`]).
+fn upload_managed(device: &Arc<CudaDevice>, host: &[f32]) -> Result<DeviceBuffer<f32>> {
+    let mut b = device.managed_zeros::<f32>(host.len().max(1))?;
+    if !host.is_empty() {
+        b.copy_from_host(host)?;
+    }
+    Ok(b)
+}
+
 impl DeviceTables {
     fn build(device: Arc<CudaDevice>, weights: Weights, l: FeatureLayout) -> Result<Self> {
         let sequence = l.pooling == PoolingMode::None;
@@ -181,33 +190,42 @@ impl DeviceTables {
     }
 
     /// FP32 tables (`weights`, all tables back to back) and optimizer state buffers `state`
-    /// copied to `device`.
+    /// copied to `device`: into its memory, or `managed` memory the host keeps and the
+    /// device's kernels read and write in place (FBGEMM's `MANAGED` placement).
     pub(crate) fn f32(
         device: Arc<CudaDevice>,
         layout: FeatureLayout,
         weights: &[f32],
         state: &[&[f32]],
+        managed: bool,
     ) -> Result<Self> {
-        let w = upload(&device, weights)?;
-        let state = (state.iter())
-            .map(|s| upload(&device, s))
-            .collect::<Result<Vec<_>>>()?;
+        let put = |host: &[f32]| match managed {
+            true => upload_managed(&device, host),
+            false => upload(&device, host),
+        };
+        let w = put(weights)?;
+        let state = (state.iter()).map(|s| put(s)).collect::<Result<Vec<_>>>()?;
         let mut tables = Self::build(device, Weights::F32(w), layout)?;
         tables.state = state;
         Ok(tables)
     }
 
     /// FP32 tables of zeros with zero optimizer state (`state_lens` values per buffer) made on
-    /// the device, without a host copy.
+    /// the device (in its memory, or `managed` memory), without a host copy.
     pub(crate) fn f32_zeros(
         device: Arc<CudaDevice>,
         layout: FeatureLayout,
         elements: usize,
         state_lens: &[usize],
+        managed: bool,
     ) -> Result<Self> {
-        let w = device.zeros::<f32>(elements.max(1))?;
+        let zeros = |n: usize| match managed {
+            true => device.managed_zeros::<f32>(n.max(1)),
+            false => device.zeros::<f32>(n.max(1)),
+        };
+        let w = zeros(elements)?;
         let state = (state_lens.iter())
-            .map(|&n| device.zeros::<f32>(n.max(1)))
+            .map(|&n| zeros(n))
             .collect::<Result<Vec<_>>>()?;
         let mut tables = Self::build(device, Weights::F32(w), layout)?;
         tables.state = state;
