@@ -54,7 +54,13 @@ struct Inner {
 pub struct DistributedInput {
     host: LocalInput,
     gathered: Option<Gathered>,
+    /// The gathered batch's bags grouped per remote TBE, once a prefetch or the lookups
+    /// needed them (with several remote TBEs).
+    bags: std::sync::OnceLock<Vec<GroupBags>>,
 }
+
+/// One remote TBE's bags of a gathered batch: ids, offsets and per-sample weights.
+type GroupBags = (Vec<i64>, Vec<i64>, Option<Vec<f32>>);
 
 impl std::fmt::Debug for DistributedInput {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -234,7 +240,11 @@ impl ShardedEmbeddingBagCollection {
         comm: &Comm,
     ) -> Result<DistributedInput> {
         let (host, gathered) = self.inner.shards.distribute_input(kjt, true, comm)?;
-        Ok(DistributedInput { host, gathered })
+        Ok(DistributedInput {
+            host,
+            gathered,
+            bags: std::sync::OnceLock::new(),
+        })
     }
 
     /// The second half of [`forward`](Self::forward): the lookups and the output
@@ -244,7 +254,11 @@ impl ShardedEmbeddingBagCollection {
         let inner = &*self.inner;
         let shards = &inner.shards;
         let routing = &shards.routing;
-        let DistributedInput { host, gathered } = input;
+        let DistributedInput {
+            host,
+            gathered,
+            bags,
+        } = input;
         let stride = host.kjt.stride;
         let qcomms = self.qcomms();
         let strides = match &gathered {
@@ -254,7 +268,7 @@ impl ShardedEmbeddingBagCollection {
         let mut out = vec![0.0f32; stride * routing.width];
         // Remote lookups and the output distribution.
         let remote_batch = match &gathered {
-            Some(g) if !shards.remote.is_empty() => Some(self.remote_lookups(g)?),
+            Some(g) if !shards.remote.is_empty() => Some(self.remote_lookups(g, &bags)?),
             _ => None,
         };
         if gathered.is_some() {
@@ -312,7 +326,11 @@ impl ShardedEmbeddingBagCollection {
     /// This rank's remote lookups of the gathered global batch: one prepared batch per remote
     /// TBE (the plan's kernels may put its shards in several: in memory, behind caches) and
     /// the pooled rows of every slot, `[Σ B, slot widths]` in slot order.
-    fn remote_lookups(&self, g: &Gathered) -> Result<(Vec<TbeBatch>, Vec<f32>)> {
+    fn remote_lookups(
+        &self,
+        g: &Gathered,
+        bags: &std::sync::OnceLock<Vec<GroupBags>>,
+    ) -> Result<(Vec<TbeBatch>, Vec<f32>)> {
         let shards = &self.inner.shards;
         let slots = &shards.routing.slots[shards.comm.rank()];
         let total = g.batch();
@@ -334,8 +352,9 @@ impl ShardedEmbeddingBagCollection {
         let columns = slot_columns(slots);
         let mut looked = vec![0.0f32; total * all];
         let mut batches = Vec::with_capacity(shards.remote.len());
-        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
-            let input = tbe_input(&ids, &offsets, weights.as_deref());
+        let grouped = bags.get_or_init(|| self.group_bags(g));
+        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(grouped) {
+            let input = tbe_input(ids, offsets, weights.as_deref());
             let (batch, out) = lookup(&remote.tbe, input)?;
             let group_width = remote.tbe.output_dim();
             let mut col = 0;
@@ -354,8 +373,7 @@ impl ShardedEmbeddingBagCollection {
 
     /// Per remote TBE (several of them), its slots' bags of the gathered batch `g`: ids,
     /// offsets and weights (each slot's bags are consecutive).
-    #[allow(clippy::type_complexity)]
-    fn group_bags(&self, g: &Gathered) -> Vec<(Vec<i64>, Vec<i64>, Option<Vec<f32>>)> {
+    fn group_bags(&self, g: &Gathered) -> Vec<GroupBags> {
         let offsets = g.offsets();
         let total = g.batch();
         (self.inner.shards.remote.iter())
@@ -400,11 +418,13 @@ impl ShardedEmbeddingBagCollection {
             let offsets = g.offsets();
             return remote.tbe.prefetch(group_input(g, &offsets));
         }
-        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(self.group_bags(g)) {
+        // Grouped once: the batch's lookups take the same groups.
+        let grouped = input.bags.get_or_init(|| self.group_bags(g));
+        for (remote, (ids, offsets, weights)) in shards.remote.iter().zip(grouped) {
             if remote.tbe.is_cached() {
                 remote
                     .tbe
-                    .prefetch(tbe_input(&ids, &offsets, weights.as_deref()))?;
+                    .prefetch(tbe_input(ids, offsets, weights.as_deref()))?;
             }
         }
         Ok(())
