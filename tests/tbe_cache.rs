@@ -874,6 +874,33 @@ fn a_byte_budget_pays_for_lfus_access_counts_too() -> Result<()> {
     Ok(())
 }
 
+/// Two tables (3000×8 and 500×12, three features) trained by Adam.
+fn two_tables_adam() -> TbeConfig {
+    TbeConfig::new(
+        vec![TableSpec::new("a", 3000, 8), TableSpec::new("b", 500, 12)],
+        vec![0, 1, 0],
+        PoolingMode::Sum,
+        FusedOptimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-6,
+        },
+    )
+}
+
+/// The same uniform weights in every TBE of `tbes`.
+fn init_alike(tbes: &[&TableBatchedEmbedding]) -> Result<()> {
+    for t in tbes {
+        let init = EmbeddingInit::Uniform {
+            low: -0.1,
+            high: 0.1,
+        };
+        t.init_weights(init, &mut seeded(2))?;
+    }
+    Ok(())
+}
+
 /// The planner's `fused_uvm` on a GPU (FBGEMM's `MANAGED`): tables and optimizer state in
 /// managed memory, which the caching allocator does not hand out, trained by the same kernels
 /// as tables in the GPU's memory — bit for bit, moved host → GPU → host → GPU, or made on the
@@ -885,32 +912,14 @@ fn gpu_tables_in_managed_memory_train_like_tables_in_gpu_memory() -> Result<()> 
         return Ok(());
     };
     let gpu = embers::cuda::open(device)?;
-    let cfg = TbeConfig::new(
-        vec![TableSpec::new("a", 3000, 8), TableSpec::new("b", 500, 12)],
-        vec![0, 1, 0],
-        PoolingMode::Sum,
-        FusedOptimizer::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-6,
-        },
-    );
+    let cfg = two_tables_adam();
     // Weights and Adam's two per-element moments.
     let table_bytes = 3 * 4 * (3000 * 8 + 500 * 12);
     let steps = batches(&cfg, 12, 16, 8, 1.05, true, 4);
     let reference = TableBatchedEmbedding::new(cfg.clone())?;
     let managed = TableBatchedEmbedding::new_managed(cfg.clone(), Device::Cpu)?;
     assert!(managed.is_managed() && !reference.is_managed());
-    for t in [&reference, &managed] {
-        t.init_weights(
-            EmbeddingInit::Uniform {
-                low: -0.1,
-                high: 0.1,
-            },
-            &mut seeded(2),
-        )?;
-    }
+    init_alike(&[&reference, &managed])?;
     let allocated = || gpu.memory_stats().allocated;
     let before = allocated();
     managed.to_device(device)?;
@@ -984,17 +993,7 @@ fn gpu_a_cached_tbe_moves_between_the_host_and_the_gpu_training_bit_identically(
         return Ok(());
     };
     let dir = temp_dir("gpu-move");
-    let cfg = TbeConfig::new(
-        vec![TableSpec::new("a", 3000, 8), TableSpec::new("b", 500, 12)],
-        vec![0, 1, 0],
-        PoolingMode::Sum,
-        FusedOptimizer::Adam {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-6,
-        },
-    );
+    let cfg = two_tables_adam();
     let steps = batches(&cfg, 12, 16, 8, 1.05, true, 4);
     for in_memory in [false, true] {
         let size = CacheSize::LoadFactor(0.1);
@@ -1004,15 +1003,7 @@ fn gpu_a_cached_tbe_moves_between_the_host_and_the_gpu_training_bit_identically(
         };
         let reference = TableBatchedEmbedding::new(cfg.clone())?;
         let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache)?;
-        for t in [&reference, &tbe] {
-            t.init_weights(
-                EmbeddingInit::Uniform {
-                    low: -0.1,
-                    high: 0.1,
-                },
-                &mut seeded(2),
-            )?;
-        }
+        init_alike(&[&reference, &tbe])?;
         // Host, then the GPU, then the host again: the uncached TBE follows (host and GPU
         // kernels may round differently, the cache's place must not matter).
         for (k, at) in [Device::Cpu, device, Device::Cpu].into_iter().enumerate() {

@@ -893,17 +893,10 @@ impl UnshardedTables for EmbeddingCollection {
     }
 }
 
-/// Loads a sharded checkpoint (or another collection's file) into an unsharded
-/// [`EmbeddingBagCollection`] or [`EmbeddingCollection`] with the same tables: train sharded,
-/// serve from one process. A bad checkpoint changes nothing.
-pub fn load_into_unsharded(
-    collection: &impl UnshardedTables,
-    path: impl AsRef<Path>,
-) -> Result<LoadReport> {
-    let mut saved = Saved::open(path.as_ref())?;
-    let tbes = collection.tables();
+/// Every table of `tbes`, whole.
+fn whole_tables<'a>(tbes: &[&'a TableBatchedEmbedding]) -> Vec<Held<'a>> {
     let mut held = Vec::new();
-    for tbe in &tbes {
+    for &tbe in tbes {
         for (index, spec) in tbe.config().tables.iter().enumerate() {
             held.push(Held {
                 table: &spec.name,
@@ -918,6 +911,19 @@ pub fn load_into_unsharded(
             });
         }
     }
+    held
+}
+
+/// Loads a sharded checkpoint (or another collection's file) into an unsharded
+/// [`EmbeddingBagCollection`] or [`EmbeddingCollection`] with the same tables: train sharded,
+/// serve from one process. A bad checkpoint changes nothing.
+pub fn load_into_unsharded(
+    collection: &impl UnshardedTables,
+    path: impl AsRef<Path>,
+) -> Result<LoadReport> {
+    let mut saved = Saved::open(path.as_ref())?;
+    let tbes = collection.tables();
+    let held = whole_tables(&tbes);
     let optimizer = tbes.first().map_or("none", |t| t.config().optimizer.name());
     saved.stage(&held, optimizer)?.apply()
 }
@@ -969,22 +975,7 @@ mod tests {
                 let file = dir.join(format!("ebc-{k}-{cached}.safetensors"));
                 ebc.save(&file).unwrap();
                 let mut saved = Saved::open(&file).unwrap();
-                let mut held = Vec::new();
-                for tbe in &tbes {
-                    for (index, spec) in tbe.config().tables.iter().enumerate() {
-                        held.push(Held {
-                            table: &spec.name,
-                            rect: Rect {
-                                row_offset: 0,
-                                col_offset: 0,
-                                rows: spec.rows,
-                                cols: spec.dim,
-                            },
-                            tbe,
-                            index,
-                        });
-                    }
-                }
+                let held = whole_tables(&tbes);
                 let refs: Vec<&Held<'_>> = held.iter().collect();
                 saved.open_files_for(&refs).unwrap();
                 let from_rows = saved
