@@ -462,6 +462,14 @@ fn cached_shards_are_saved_as_their_row_files_and_load_under_any_layout() {
             shards_of(&s) == before,
             "rank {rank}: changed by a refused load"
         );
+        // The copy staged beside the shards' row files went with the refusal (on every rank:
+        // all have returned).
+        s.comm().barrier("refused").map_err(e)?;
+        let left: Vec<String> = (std::fs::read_dir(&files.caches.dir).unwrap())
+            .map(|x| x.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.contains("restore"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
         Ok(())
     });
     let whole = fresh(RW_ADAGRAD);

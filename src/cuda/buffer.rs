@@ -1,5 +1,6 @@
 //! Typed device buffers. Memory comes from the device's [`CachingAllocator`](super::CachingAllocator)
-//! on the calling thread's current stream and goes back to it when the buffer is dropped; work
+//! on the calling thread's current stream and goes back to it when the buffer is dropped (or,
+//! for managed memory, [`CudaDevice::managed_zeros`], straight from and back to the driver); work
 //! on one stream runs in order, so a block freed while kernels of its stream that use it are
 //! still queued is only handed out again to work queued after them. A buffer also used on
 //! other streams says so ([`DeviceBuffer::record_stream`]) and its block waits for them.
@@ -26,7 +27,7 @@ macro_rules! device_elem {
 }
 device_elem!(u8, u16, i32, u32, i64, u64, f32, f64, half::f16, half::bf16);
 
-/// `len` values of `T` in a device's memory.
+/// `len` values of `T` in a device's memory (or in managed memory it reads in place).
 pub struct DeviceBuffer<T: DeviceElem> {
     device: Arc<CudaDevice>,
     block: Option<Block>,

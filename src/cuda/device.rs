@@ -125,7 +125,10 @@ impl CudaDevice {
     /// device's memory holds). Not from the caching allocator: it does not count in
     /// [`memory_stats`](Self::memory_stats). Host memory on the emulation.
     pub fn managed_zeros<T: DeviceElem>(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer<T>> {
-        let bytes = (len * std::mem::size_of::<T>()).max(1);
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::invalid("managed_zeros", format!("{len} values overflow")))?
+            .max(1);
         let ptr = match &self.backend {
             Backend::Driver(d) => d.malloc_managed(self.ordinal(), bytes)?,
             Backend::Sim(_) => {

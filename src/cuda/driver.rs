@@ -203,8 +203,11 @@ impl Driver {
             );
         }
         // SAFETY: `bytes` bytes at `ptr` were just allocated; the device is idle on them.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes) }
-            .map_err(|e| failed(ordinal, "zeroing managed memory", e))?;
+        if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+            // SAFETY: allocated above, used by nothing.
+            let _ = unsafe { result::free_sync(ptr) };
+            return Err(failed(ordinal, "zeroing managed memory", e));
+        }
         Ok(ptr)
     }
 

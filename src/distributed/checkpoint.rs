@@ -21,7 +21,9 @@
 //!   collection) reads from the row file only the rows each rectangle needs, after checking
 //!   its checksum. A TBE of cached tables that does not take a saved file whole gets a new
 //!   row file written a few rows at a time (staged beside its own, renamed over it when
-//!   every rank has read its part), so no cached table is ever held whole in memory.
+//!   every rank has read its part), so no cached table is ever held whole in memory. (Rank
+//!   files, which hold the tables that were in memory, are still read whole, and only the
+//!   rows needed decoded.)
 //!
 //! Every file is written atomically (temporary file, fsync, rename). The manifest is written
 //! last, by rank 0, once every rank's file is on disk, and names files no older checkpoint
@@ -43,10 +45,13 @@ use crate::embedding::{
 };
 use crate::error::{Error, Result};
 
-const FORMAT: &str = "embers.sharded_ebc.v1";
+const FORMAT: &str = "embers.sharded_ebc.v2";
+/// The format before cached groups (its rectangles list no group): still loaded.
+const FORMAT_V1: &str = "embers.sharded_ebc.v1";
 const MANIFEST: &str = "manifest.safetensors";
 const OP: &str = "sharded checkpoint";
-/// Bytes of records read at a time into the staged row file of a TBE of cached tables.
+/// About how many bytes of rows are read at a time into the staged row file of a TBE of
+/// cached tables.
 const STAGE_CHUNK_BYTES: usize = 16 << 20;
 
 /// What a load did besides copying values exactly.
@@ -259,6 +264,16 @@ pub(crate) fn save(
 /// Every rank's verdict on a step of a collective save or load: this rank's error, an error
 /// naming the ranks that failed, or this rank's value when every rank succeeded.
 pub(crate) fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Result<T> {
+    all_ok_then(comm, op, mine, "nothing changed")
+}
+
+/// [`all_ok`], whose error says `then` about the state the failure left.
+pub(crate) fn all_ok_then<T>(
+    comm: &Comm,
+    op: &'static str,
+    mine: Result<T>,
+    then: &str,
+) -> Result<T> {
     let flag = [u8::from(mine.is_err())];
     let all = comm.all_gather_v(op, &flag, Some(&vec![1; comm.size()]))?;
     let value = mine?;
@@ -269,7 +284,7 @@ pub(crate) fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Resul
     match failed.len() {
         0 => Ok(value),
         n => Err(Error::Distributed(format!(
-            "rank {}: {op} failed on rank{} {} (see their error); nothing changed",
+            "rank {}: {op} failed on rank{} {} (see their error); {then}",
             comm.rank(),
             if n == 1 { "" } else { "s" },
             failed.join(", ")
@@ -292,6 +307,9 @@ fn parse_listed(v: &serde_json::Value) -> Option<Listed> {
         rows: n(3)?,
         cols: n(4)?,
     };
+    // Rectangles whose end does not fit in a `usize` are malformed.
+    rect.row_offset.checked_add(rect.rows)?;
+    rect.col_offset.checked_add(rect.cols)?;
     let group = match a.len() {
         5 => None,
         7 => Some((a[5].as_str()?.to_string(), n(6)?)),
@@ -365,7 +383,7 @@ impl Saved {
             ));
         }
         let manifest = CheckpointReader::open(&manifest_path)?;
-        if manifest.metadata("format") != Some(FORMAT) {
+        if !matches!(manifest.metadata("format"), Some(FORMAT | FORMAT_V1)) {
             return Err(bad(&manifest_path, format!("not a {FORMAT} manifest")));
         }
         let files = manifest.required_metadata("files")?;
@@ -481,12 +499,19 @@ impl Saved {
                 continue;
             };
             let (r, c) = (s.rect.rows as u64, s.rect.cols as u64);
-            if group == g && rows.tables().get(index).map(|t| (t.1, t.2)) != Some((r, c)) {
+            // The group's table is the rectangle's: named as the table (a collection's TBE) or
+            // `<table>#<i>` (a sharded collection's).
+            let same = |t: &(String, u64, u64)| {
+                let named = (t.0.strip_prefix(s.table.as_str()))
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('#'));
+                named && (t.1, t.2) == (r, c)
+            };
+            if group == g && !rows.tables().get(index).is_some_and(same) {
                 return Err(bad(
                     rows.dir(),
                     format!(
-                        "no table {index} of {r}×{c} (`{}` rows {}.. columns {}..), which the \
-                         manifest lists",
+                        "no table {index} of {r}×{c} named for `{}` (rows {}.. columns {}..), \
+                         which the manifest lists",
                         s.table, s.rect.row_offset, s.rect.col_offset
                     ),
                 ));
@@ -669,6 +694,25 @@ impl Saved {
         })
     }
 
+    /// The most bytes one row of `held`'s rectangle takes, in it or in a saved rectangle it
+    /// is read from: weights and optimizer state.
+    fn row_bytes(&self, held: &Held<'_>) -> usize {
+        let states = held.tbe.optimizer_state_names();
+        let bytes = |cols: usize| {
+            let state: usize = (states.iter())
+                .map(|(_, shape)| match shape {
+                    StateShape::PerRow => 1,
+                    StateShape::PerElement => cols,
+                })
+                .sum();
+            4 * (cols + state)
+        };
+        (self.rects.iter())
+            .filter(|s| s.table == held.table && s.rect.meets(&held.rect))
+            .map(|s| bytes(s.rect.cols))
+            .fold(bytes(held.rect.cols), usize::max)
+    }
+
     /// Reads rows `sub` (counted from its first) of `held`'s rectangle: weights, then each
     /// state buffer of its TBE; and whether a per-row state had to be split from a wider
     /// block. Only the saved rows it needs are read.
@@ -816,7 +860,15 @@ impl Saved {
             let mine: Vec<&Held<'_>> = (rest.iter().copied())
                 .filter(|h| std::ptr::eq(h.tbe, group.tbe))
                 .collect();
-            let staged = group.tbe.stage_cached_rows(STAGE_CHUNK_BYTES, |t, rows| {
+            // About STAGE_CHUNK_BYTES of the widest records read or written per chunk.
+            let chunk_rows = |t: usize| {
+                let h = mine
+                    .iter()
+                    .find(|h| h.index == t)
+                    .expect("every table held");
+                STAGE_CHUNK_BYTES / self.row_bytes(h).max(1)
+            };
+            let staged = group.tbe.stage_cached_rows(chunk_rows, |t, rows| {
                 let h = mine
                     .iter()
                     .find(|h| h.index == t)
@@ -932,6 +984,51 @@ pub fn load_into_unsharded(
 mod tests {
     use super::*;
     use crate::embedding::{CachePolicy, CacheSize, EmbeddingBagConfig, FusedOptimizer, Placement};
+
+    /// A saved cached group is taken whole only by cached tables exactly like it: not by the
+    /// same tables in memory, nor by cached tables of another shape.
+    #[test]
+    fn only_the_same_cached_tables_take_a_saved_row_file_whole() {
+        let dir = std::env::temp_dir().join(format!("embers-whole-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let optimizer = FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
+        let configs = |b_rows: usize| {
+            vec![
+                EmbeddingBagConfig::new("a", 53, 4, &["fa"]),
+                EmbeddingBagConfig::new("b", b_rows, 2, &["fb"]),
+            ]
+        };
+        let cached = |name: &str| Placement::Cached {
+            dir: dir.join(name),
+            size: CacheSize::LoadFactor(0.3),
+            policy: CachePolicy::Lru,
+        };
+        let build = |placement: &Placement, b_rows: usize| {
+            let mut rng = crate::tensor::rng::seeded(3);
+            EmbeddingBagCollection::with_placement(configs(b_rows), optimizer, placement, &mut rng)
+                .unwrap()
+        };
+        let file = dir.join("saved.safetensors");
+        build(&cached("saved"), 9).save(&file).unwrap();
+        for (placement, b_rows, taken) in [
+            (cached("same"), 9, true),
+            (Placement::Memory, 9, false),
+            (cached("other"), 10, false),
+        ] {
+            let target = build(&placement, b_rows);
+            let tbes = target.tbes();
+            let held = whole_tables(&tbes);
+            let mut saved = Saved::open(&file).unwrap();
+            let (whole, rest) = saved.stage_whole_groups(&held).unwrap();
+            assert_eq!(
+                whole.len(),
+                usize::from(taken),
+                "{placement:?} b of {b_rows}"
+            );
+            assert_eq!(rest.len(), if taken { 0 } else { held.len() });
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// Any rows of a saved rectangle read alone equal the same rows of the whole rectangle, for
     /// tables saved as tensors and as a cached group's row file, per-row and per-element state.

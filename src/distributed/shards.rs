@@ -658,7 +658,15 @@ impl Shards {
         let staged = checkpoint::Saved::open(path)
             .and_then(|mut saved| saved.stage(&held, self.optimizer.name()));
         let staged = checkpoint::all_ok(&self.comm, "checkpoint.loaded", staged)?;
-        staged.apply()
+        // Writing what every rank read can still fail on I/O (a staged row file's rename):
+        // every rank then says so.
+        let applied = staged.apply();
+        checkpoint::all_ok_then(
+            &self.comm,
+            "checkpoint.applied",
+            applied,
+            "tables may now differ between ranks: load a checkpoint again",
+        )
     }
 
     /// Reads and checks this rank's batch: every feature present, ids inside their tables.

@@ -228,12 +228,12 @@ impl TableBatchedEmbedding {
     /// Stages new values for every row of these cached tables beside the live ones (as
     /// [`stage_cached_checkpoint`](Self::stage_cached_checkpoint) stages a checkpoint's copy),
     /// asking `rows_of(t, rows)` for the weights (`[rows, dim]`) and each optimizer state
-    /// buffer's values (`[rows]` per-row, else `[rows, dim]`) of about `chunk_bytes` of
-    /// records of table `t` at a time: a table bigger than memory is never held whole. Nothing changes until
+    /// buffer's values (`[rows]` per-row, else `[rows, dim]`) of `chunk_rows(t)` rows of table
+    /// `t` at a time: a table bigger than memory is never held whole. Nothing changes until
     /// [`commit_cached_checkpoint`](Self::commit_cached_checkpoint).
     pub(crate) fn stage_cached_rows(
         &self,
-        chunk_bytes: usize,
+        chunk_rows: impl Fn(usize) -> usize,
         mut rows_of: impl FnMut(usize, std::ops::Range<usize>) -> Result<(Vec<f32>, Vec<Vec<f32>>)>,
     ) -> Result<StagedRows> {
         let cfg = &self.inner.config;
@@ -247,8 +247,7 @@ impl TableBatchedEmbedding {
         let staged = c.store().stage_new(|bytes, layout| {
             for (t, (spec, p)) in cfg.tables.iter().zip(&parts).enumerate() {
                 let record = layout[t].record_bytes;
-                // About `chunk_bytes` of records at a time.
-                let chunk = (chunk_bytes / record.max(1)).max(1);
+                let chunk = chunk_rows(t).max(1);
                 for first in (0..spec.rows).step_by(chunk) {
                     let rows = first..(first + chunk).min(spec.rows);
                     let (w, states) = rows_of(t, rows.clone())?;
@@ -362,6 +361,14 @@ impl Manifest {
         let optimizer = field("optimizer")?.as_str().unwrap_or("?").to_string();
         let tables =
             manifest_tables(&m).ok_or_else(|| bad("`tables` is not a list of tables".into()))?;
+        // Sizes no table has (their products would overflow) are malformed.
+        if let Some((name, rows, dim)) =
+            (tables.iter()).find(|(_, rows, dim)| *rows > 1 << 48 || *dim == 0 || *dim > 1 << 24)
+        {
+            return Err(bad(format!(
+                "table `{name}` of {rows} rows of {dim}: impossible sizes"
+            )));
+        }
         let step = field("step")?
             .as_u64()
             .ok_or_else(|| bad("`step` is not a number".into()))?;
@@ -471,15 +478,18 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
 /// the rows asked for are read.
 pub(crate) struct SavedRows {
     m: Manifest,
+    /// The row file, open from the start (what is verified is what is read).
+    file: std::fs::File,
 }
 
 impl SavedRows {
     /// Opens the checkpoint in `dir`: its manifest read and the row file's length checked (not
     /// yet its checksum: [`verify`](Self::verify)).
     pub(crate) fn open(dir: &Path) -> Result<Self> {
-        Ok(SavedRows {
-            m: Manifest::open(dir)?,
-        })
+        let m = Manifest::open(dir)?;
+        let file = std::fs::File::open(&m.rows_file)
+            .map_err(|e| io_error(&m.rows_file, "opening to read", e))?;
+        Ok(SavedRows { m, file })
     }
 
     /// The directory it was opened from.
@@ -500,7 +510,7 @@ impl SavedRows {
 
     /// Reads the whole row file once and compares its checksum with the manifest's.
     pub(crate) fn verify(&self) -> Result<()> {
-        let h = super::store::checksum_of(&self.m.rows_file)?;
+        let h = super::store::checksum_of(&self.file, &self.m.rows_file)?;
         if format!("{h:016x}") != self.m.checksum {
             return Err(self.m.corrupt(h));
         }
@@ -548,9 +558,8 @@ impl SavedRows {
         let (table, p) = (&layout[t], &parts[t]);
         let mut bytes = vec![0u8; rows.len() * table.record_bytes];
         let at = table.offset + (rows.start * table.record_bytes) as u64;
-        let file = std::fs::File::open(&self.m.rows_file)
-            .map_err(|e| io_error(&self.m.rows_file, "opening to read", e))?;
-        file.read_exact_at(&mut bytes, at)
+        self.file
+            .read_exact_at(&mut bytes, at)
             .map_err(|e| io_error(&self.m.rows_file, "reading rows", e))?;
         let buffers = optimizer.state_buffers().len();
         let mut split = [Vec::new(), Vec::new(), Vec::new()];
@@ -619,23 +628,35 @@ mod tests {
                         .collect()
                 };
                 let before = tbe.table_weights(0).unwrap();
-                let short = tbe.stage_cached_rows(64, |t, rows| {
-                    let mut w = make(t, rows.clone(), 0);
-                    w.pop();
-                    Ok((w, vec![make(t, rows.clone(), 1), make(t, rows, 2)]))
-                });
+                let short = tbe.stage_cached_rows(
+                    |t| [7, 3][t],
+                    |t, rows| {
+                        let mut w = make(t, rows.clone(), 0);
+                        w.pop();
+                        Ok((w, vec![make(t, rows.clone(), 1), make(t, rows, 2)]))
+                    },
+                );
                 assert!(short.is_err());
                 assert_eq!(tbe.table_weights(0).unwrap(), before);
+                // Nothing staged is left behind.
+                let left: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+                    .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+                    .filter(|n| n.contains("restore"))
+                    .collect();
+                assert!(left.is_empty(), "{left:?}");
                 let mut calls = 0;
                 let staged = tbe
-                    .stage_cached_rows(64, |t, rows| {
-                        calls += 1;
-                        let states = (1..3)
-                            .map(|q| make(t, rows.clone(), q))
-                            .filter(|s| !s.is_empty())
-                            .collect();
-                        Ok((make(t, rows, 0), states))
-                    })
+                    .stage_cached_rows(
+                        |t| [7, 3][t],
+                        |t, rows| {
+                            calls += 1;
+                            let states = (1..3)
+                                .map(|q| make(t, rows.clone(), q))
+                                .filter(|s| !s.is_empty())
+                                .collect();
+                            Ok((make(t, rows, 0), states))
+                        },
+                    )
                     .unwrap();
                 assert!(calls > 10, "{calls} chunks");
                 tbe.commit_cached_checkpoint(staged).unwrap();

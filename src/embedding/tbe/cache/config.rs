@@ -92,17 +92,21 @@ impl CacheConfig {
 /// Where the tables of a collection live (the placement the planner's compute kernel asks
 /// for, on a host).
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub enum Placement {
     /// In the memory of the device the model runs on (the planner's `fused`).
     #[default]
     Memory,
-    /// The planner's `fused_uvm`. On a GPU: in managed (unified) memory, kept on the host and
+    /// The planner's `fused_uvm`. For a collection built for a GPU
+    /// ([`EmbeddingBagCollection::with_placement_on`](crate::embedding::EmbeddingBagCollection::with_placement_on)
+    /// with a CUDA device): in managed (unified) memory once the collection moves there
+    /// (`to_device`; built on the host like [`Memory`](Self::Memory)), kept on the host and
     /// read and updated in place by the GPU's kernels (FBGEMM's `MANAGED` placement;
     /// [`TableBatchedEmbedding::new_managed`](crate::embedding::TableBatchedEmbedding::new_managed)).
-    /// On the host, where memory is one level down: in files under `dir` (empty: host
+    /// Built for the host, where memory is one level down: in files under `dir` (empty: host
     /// memory), each behind the smallest cache (one set per table, so almost every row is
-    /// read from the file) with `policy`. Sharded collections, built on the host, keep the
-    /// latter on GPUs too (their `to_device` moves that cache).
+    /// read from the file) with `policy`; moved to a GPU later, that cache moves there.
+    /// Sharded collections, built on the host, do the latter.
     Managed {
         /// Directory of the row files on the host (created if needed); empty: host memory.
         dir: PathBuf,

@@ -562,10 +562,13 @@ pub(crate) fn read_with_checksum(src: &Path, len: u64) -> Result<(Vec<u8>, u64)>
     Ok((bytes, h))
 }
 
-/// The checksum of the file `src` (as [`copy_with_checksum`]'s), read through and kept nowhere.
-pub(crate) fn checksum_of(src: &Path) -> Result<u64> {
-    let input = File::open(src).map_err(|e| io_error(src, "opening to read", e))?;
-    checksum_copy(input, src, &mut std::io::sink(), Path::new("<nowhere>"))
+/// The checksum of the open file `file` (called `src` in messages; as
+/// [`copy_with_checksum`]'s), read through from its start and kept nowhere.
+pub(crate) fn checksum_of(mut file: &File, src: &Path) -> Result<u64> {
+    use std::io::Seek;
+    file.seek(std::io::SeekFrom::Start(0))
+        .map_err(|e| io_error(src, "reading", e))?;
+    checksum_copy(file, src, &mut std::io::sink(), Path::new("<nowhere>"))
 }
 
 /// Copies `src` to a new file `dst` (flushed to disk) and returns the copy's checksum, a
