@@ -73,6 +73,11 @@ fn sharded_equals_unsharded_with_tables_on_the_cuda_device() {
         .filter(|c| names.contains(&c.name.as_str()))
         .map(|mut c| {
             c.device = device;
+            if c.name == "mixed_cached" {
+                // Its `fused_uvm` shards in managed memory (its `fused_uvm_caching` ones
+                // behind HBM caches); the other cached case moves its smallest caches there.
+                c.caches.device = device;
+            }
             c
         })
         .collect::<Vec<_>>();

@@ -286,7 +286,12 @@ mod with_mpi {
             &plan,
             config.sparse_optimizer,
             WeightDecay::None,
-            &ShardCaches { dir, policy },
+            // The sharded model runs on the host: `fused_uvm` shards in files.
+            &ShardCaches {
+                dir,
+                policy,
+                device: embers::Device::Cpu,
+            },
             comm,
             config.seed,
         )?;

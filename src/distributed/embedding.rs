@@ -270,6 +270,12 @@ impl ShardedEmbeddingCollection {
         self.inner.shards.cache_stats()
     }
 
+    /// How many of this rank's TBEs keep their tables in managed memory on a GPU (the plan's
+    /// `fused_uvm` shards with [`ShardCaches::device`](crate::distributed::ShardCaches) a GPU).
+    pub fn managed_tbes(&self) -> usize {
+        self.inner.shards.managed_tbes()
+    }
+
     /// The table configs (unsharded).
     pub fn configs(&self) -> &[EmbeddingConfig] {
         &self.inner.configs

@@ -118,6 +118,12 @@ impl ShardedEmbeddingBagCollection {
         self.inner.shards.cache_stats()
     }
 
+    /// How many of this rank's TBEs keep their tables in managed memory on a GPU (the plan's
+    /// `fused_uvm` shards with [`ShardCaches::device`](crate::distributed::ShardCaches) a GPU).
+    pub fn managed_tbes(&self) -> usize {
+        self.inner.shards.managed_tbes()
+    }
+
     /// [`new`](Self::new) with weight decay.
     pub fn with_options(
         configs: Vec<EmbeddingBagConfig>,

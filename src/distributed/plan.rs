@@ -57,6 +57,11 @@ pub struct ShardCaches {
     pub dir: PathBuf,
     /// The caches' replacement policy.
     pub policy: CachePolicy,
+    /// The device the collection will run on. On a GPU, shards the plan gives `fused_uvm`
+    /// keep their tables in managed memory once the collection moves there (FBGEMM's
+    /// `MANAGED`; built on the host in memory); on the host (the default), in a file behind the
+    /// smallest cache.
+    pub device: crate::Device,
 }
 
 /// Where every table of a collection lives across `world_size` ranks, `local_world_size` per

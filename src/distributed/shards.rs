@@ -370,6 +370,12 @@ impl Shards {
             let placement =
                 Placement::for_kernel(kernel.0.as_str(), kernel.1, &b.caches.dir, b.caches.policy)?;
             let name = format!("{short}-rank{rank}-group{files}.rows");
+            if let (Placement::Managed { .. }, crate::Device::Cuda(_)) =
+                (&placement, b.caches.device)
+            {
+                // Managed memory once the collection moves to its GPU.
+                return TableBatchedEmbedding::new_managed(cfg, crate::Device::Cpu);
+            }
             match placement.cache_for(&name)? {
                 None => TableBatchedEmbedding::new(cfg),
                 Some(cache) => {
@@ -491,6 +497,11 @@ impl Shards {
             }
         }
         Ok(())
+    }
+
+    /// This rank's TBEs whose tables live in managed memory on a GPU.
+    pub fn managed_tbes(&self) -> usize {
+        self.local_tbes().filter(|l| l.tbe.is_managed()).count()
     }
 
     /// Every TBE of this rank, remote ones first.

@@ -191,6 +191,7 @@ pub fn cases(world: usize) -> Vec<Case> {
         dir: std::env::temp_dir()
             .join(format!("embers-dist-cached-{world}-{}", std::process::id())),
         policy: CachePolicy::Lfu,
+        ..ShardCaches::default()
     };
     out.push(files);
     out
@@ -302,6 +303,8 @@ pub struct Report {
     pub bytes_checked: usize,
     /// Ids this rank's caches were asked for (0 without cached kernels).
     pub cached_ids: u64,
+    /// This rank's TBEs with their tables in managed memory.
+    pub managed_tbes: usize,
 }
 
 /// What is wrong with the caches of `case` after a run whose rank reports are `reports`: the
@@ -316,8 +319,20 @@ pub fn cache_failures(
     if reports.iter().any(|r| r.is_err()) {
         return failures;
     }
+    // On a GPU with `caches.device` set, `fused_uvm` shards live in managed memory instead.
+    let managed_uvm = matches!(case.caches.device, embers::Device::Cuda(_));
+    let uvm = |k: &ComputeKernel| *k == ComputeKernel::FusedUvm;
+    let expect_managed = managed_uvm && case.kernels.iter().any(|k| uvm(&k.1));
+    let expect_cached = case.kernels.iter().any(|k| !(managed_uvm && uvm(&k.1)));
+    let managed: usize = (reports.iter().flatten()).map(|r| r.managed_tbes).sum();
+    if expect_managed != (managed > 0) {
+        failures.push(format!(
+            "{}: {managed} TBEs in managed memory, with kernels {:?} and caches on {:?}",
+            case.name, case.kernels, case.caches.device
+        ));
+    }
     let cached: u64 = (reports.iter().flatten()).map(|r| r.cached_ids).sum();
-    if case.kernels.is_empty() != (cached == 0) {
+    if expect_cached != (cached > 0) {
         failures.push(format!(
             "{}: {cached} ids looked up through caches, with kernels {:?}",
             case.name, case.kernels
@@ -361,6 +376,7 @@ pub fn run_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, String>
     trained.report.cached_ids = (trained.sharded.cache_stats().iter())
         .map(|s| s.requested_ids)
         .sum();
+    trained.report.managed_tbes = trained.sharded.managed_tbes();
     Ok(trained.report)
 }
 

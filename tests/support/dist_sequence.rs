@@ -200,6 +200,7 @@ pub fn run_ec_case(comm: Comm, case: &Case, steps: usize) -> Result<Report, Stri
     trained.report.cached_ids = (trained.sharded.cache_stats().iter())
         .map(|s| s.requested_ids)
         .sum();
+    trained.report.managed_tbes = trained.sharded.managed_tbes();
     Ok(trained.report)
 }
 

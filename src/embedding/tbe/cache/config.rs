@@ -106,7 +106,8 @@ pub enum Placement {
     /// Built for the host, where memory is one level down: in files under `dir` (empty: host
     /// memory), each behind the smallest cache (one set per table, so almost every row is
     /// read from the file) with `policy`; moved to a GPU later, that cache moves there.
-    /// Sharded collections, built on the host, do the latter.
+    /// Sharded collections say which with
+    /// [`ShardCaches::device`](crate::distributed::ShardCaches).
     Managed {
         /// Directory of the row files on the host (created if needed); empty: host memory.
         dir: PathBuf,
