@@ -131,19 +131,15 @@ impl CudaDevice {
             .max(1);
         let ptr = match &self.backend {
             Backend::Driver(d) => d.malloc_managed(self.ordinal(), bytes)?,
-            Backend::Sim(_) => {
-                let layout = std::alloc::Layout::from_size_align(bytes, 256)
-                    .map_err(|e| Error::invalid("managed_zeros", e.to_string()))?;
-                // SAFETY: non-zero size; freed by `free_managed` with the same layout.
-                let p = unsafe { std::alloc::alloc_zeroed(layout) };
-                if p.is_null() {
-                    return Err(Error::invalid(
+            // Freed by `free_managed`, with the same layout.
+            Backend::Sim(_) => sim::host_layout(bytes)
+                .and_then(sim::host_alloc)
+                .ok_or_else(|| {
+                    Error::invalid(
                         "managed_zeros",
                         format!("out of host memory for {bytes} bytes"),
-                    ));
-                }
-                p as u64
-            }
+                    )
+                })?,
         };
         Ok(DeviceBuffer::managed(self, ptr, bytes, len))
     }
@@ -154,9 +150,9 @@ impl CudaDevice {
             // SAFETY: from `managed_zeros`, freed once (by the buffer's drop).
             Backend::Driver(d) => unsafe { d.free_managed(self.ordinal(), ptr) },
             Backend::Sim(_) => {
-                if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), 256) {
+                if let Some(layout) = sim::host_layout(bytes) {
                     // SAFETY: allocated by `managed_zeros` with this layout, freed once.
-                    unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+                    unsafe { sim::host_free(ptr, layout) };
                 }
             }
         }

@@ -339,23 +339,41 @@ pub(crate) struct HostMemory {
     live: HashMap<u64, std::alloc::Layout>,
 }
 
+/// The layout of `bytes` of emulated device memory (at least 1 byte, 256-byte aligned).
+pub(crate) fn host_layout(bytes: usize) -> Option<std::alloc::Layout> {
+    std::alloc::Layout::from_size_align(bytes.max(1), 256).ok()
+}
+
+/// Zeroed host memory of `layout` standing in for device memory, if there is room.
+pub(crate) fn host_alloc(layout: std::alloc::Layout) -> Option<u64> {
+    // SAFETY: a non-zero size (`host_layout`). Zeroed, so a kernel reading memory it never
+    // wrote sees zeros rather than stale host data (a GPU gives no such promise; nothing
+    // relies on it).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    (!p.is_null()).then_some(p as u64)
+}
+
+/// Frees memory of [`host_alloc`].
+///
+/// # Safety
+/// `ptr` came from `host_alloc(layout)` and is freed once.
+pub(crate) unsafe fn host_free(ptr: u64, layout: std::alloc::Layout) {
+    // SAFETY: the caller's promise.
+    unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+}
+
 impl RawAllocator for HostMemory {
     fn alloc(&mut self, bytes: usize) -> Option<u64> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256).ok()?;
-        // SAFETY: non-zero size. Zeroed, so a kernel reading memory it never wrote sees zeros
-        // rather than stale host data (a GPU gives no such promise; nothing relies on it).
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        if p.is_null() {
-            return None;
-        }
-        self.live.insert(p as u64, layout);
-        Some(p as u64)
+        let layout = host_layout(bytes)?;
+        let p = host_alloc(layout)?;
+        self.live.insert(p, layout);
+        Some(p)
     }
 
     fn free(&mut self, ptr: u64, _bytes: usize) {
         if let Some(layout) = self.live.remove(&ptr) {
             // SAFETY: allocated above with this layout, freed once (removed from the map).
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            unsafe { host_free(ptr, layout) };
         }
     }
 }

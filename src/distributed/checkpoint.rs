@@ -39,6 +39,7 @@ use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::embedding::checkpoint::cached_group_dir;
 use crate::embedding::tbe::cache::api::{SavedRows, StagedRows};
 use crate::embedding::{
     EmbeddingBagCollection, EmbeddingCollection, StateShape, TableBatchedEmbedding,
@@ -550,12 +551,13 @@ impl Saved {
     /// For each TBE of cached tables among `held`, all held, a cached group saved for exactly
     /// those tables (the same rectangles, names, widths and optimizer), its row file checked
     /// and copied beside the TBE's own: such TBEs load whole, never read into memory. Returns
-    /// them, and the rectangles left to read one by one.
+    /// them, the other TBEs of cached tables (all held), and the rectangles left to read.
     fn stage_whole_groups<'a>(
         &mut self,
         held: &'a [Held<'a>],
-    ) -> Result<(WholeGroups<'a>, Vec<&'a Held<'a>>)> {
+    ) -> Result<(WholeGroups<'a>, Vec<CachedGroup<'a>>, Vec<&'a Held<'a>>)> {
         let mut whole = Vec::new();
+        let mut others = Vec::new();
         let mut rest = Vec::new();
         for group in cached_groups(held) {
             let tbe = group.tbe;
@@ -582,13 +584,14 @@ impl Saved {
                     continue;
                 }
             }
+            others.push(group);
         }
         for h in held {
             if !whole.iter().any(|(t, _)| std::ptr::eq(*t, h.tbe)) {
                 rest.push(h);
             }
         }
-        Ok((whole, rest))
+        Ok((whole, others, rest))
     }
 
     /// An [`EmbeddingBagCollection::save`] file: `<table>.weight` and its state, whole.
@@ -644,22 +647,10 @@ impl Saved {
             if reader.metadata(&format!("group{g}.optimizer")).is_none() {
                 break;
             }
-            let Some(name) = reader.metadata(&format!("group{g}.rows")) else {
+            let Some(dir) = cached_group_dir(&reader, "", g)? else {
                 continue;
             };
-            let parts = reader.parts_dir()?.ok_or_else(|| {
-                bad(
-                    path,
-                    format!("group {g}'s rows are in `{name}`, but it has no parts directory"),
-                )
-            })?;
-            if name.contains(['/', '\\']) || name.starts_with('.') {
-                return Err(bad(
-                    path,
-                    format!("group {g}'s rows `{name}` is not a directory name"),
-                ));
-            }
-            let rows = SavedRows::open(&parts.join(name))?;
+            let rows = SavedRows::open(&dir)?;
             for (index, (table, n, dim)) in rows.tables().iter().enumerate() {
                 rects.push(SavedRect {
                     file: 0,
@@ -676,9 +667,10 @@ impl Saved {
                     },
                 });
             }
+            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
             groups.push(SavedGroup {
                 file: 0,
-                name: name.to_string(),
+                name: name.unwrap_or_default(),
                 rows: Some(rows),
                 verified: false,
             });
@@ -744,44 +736,43 @@ impl Saved {
             if rows.is_empty() || cols.is_empty() {
                 continue;
             }
-            // The saved rows' values from row `first` on: weights, then each state buffer.
-            let (first, saved, saved_states) = match &s.source {
+            // The saved rows wanted, counted from the saved rectangle's first.
+            let local = rows.start - have.row_offset..rows.end - have.row_offset;
+            // The saved rows' values from row `rows.start` on: weights, then each state buffer.
+            let (saved, saved_states) = match &s.source {
                 Source::Tensors(base) => {
                     let Some(reader) = &self.readers[s.file] else {
                         return Err(bad(&self.paths[s.file], "read before it was opened"));
                     };
                     // Only the rows wanted, from the file's tensors.
-                    let local = rows.start - have.row_offset..rows.end - have.row_offset;
-                    let (c, dims) = (have.cols, [have.rows, have.cols]);
-                    let elems = local.start * c..local.end * c;
-                    let saved = reader.read_range(&format!("{base}.weight"), &dims, elems)?;
+                    let dims = [have.rows, have.cols];
+                    let elems = local.start * have.cols..local.end * have.cols;
+                    let saved =
+                        reader.read_range(&format!("{base}.weight"), &dims, elems.clone())?;
                     let saved_states = (states.iter())
                         .map(|(name, shape)| {
                             let tensor = format!("{base}.{name}");
                             match shape {
-                                StateShape::PerElement => reader.read_range(
-                                    &tensor,
-                                    &dims,
-                                    local.start * c..local.end * c,
-                                ),
+                                StateShape::PerElement => {
+                                    reader.read_range(&tensor, &dims, elems.clone())
+                                }
                                 StateShape::PerRow => {
                                     reader.read_range(&tensor, &[have.rows], local.clone())
                                 }
                             }
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    (rows.start, saved, saved_states)
+                    (saved, saved_states)
                 }
                 Source::Rows { group, index } => {
                     let Some(g) = &self.groups[*group].rows else {
                         return Err(bad(&self.paths[s.file], "read before it was opened"));
                     };
                     // Only the rows wanted, from the group's row file.
-                    let local = rows.start - have.row_offset..rows.end - have.row_offset;
-                    let (w, st) = g.read_rows(&held.tbe.config().optimizer, *index, local)?;
-                    (rows.start, w, st)
+                    g.read_rows(&held.tbe.config().optimizer, *index, local)?
                 }
             };
+            let first = rows.start;
             for r in rows.clone() {
                 let src = (r - first) * have.cols + (cols.start - have.col_offset);
                 let dst = (r - r0) * want.cols + (cols.start - c0);
@@ -841,7 +832,7 @@ impl Saved {
                 ),
             ));
         }
-        let (whole, rest) = self.stage_whole_groups(held)?;
+        let (mut whole, chunked, rest) = self.stage_whole_groups(held)?;
         self.open_files_for(&rest)?;
         let mut values = Vec::with_capacity(rest.len());
         let mut report = LoadReport::default();
@@ -850,37 +841,25 @@ impl Saved {
                 report.approximated_row_state.push(h.table.to_string());
             }
         };
-        // TBEs of cached tables, all held: new row files written a few rows at a time, never
-        // read whole into memory.
-        let mut whole = whole;
-        for group in cached_groups(held) {
-            if whole.iter().any(|(t, _)| std::ptr::eq(*t, group.tbe)) {
-                continue;
-            }
-            let mine: Vec<&Held<'_>> = (rest.iter().copied())
+        // The other TBEs of cached tables, all held: new row files written a few rows at a
+        // time, never read whole into memory.
+        for group in &chunked {
+            // Its rectangles by table (`cached_groups` holds each table once).
+            let mut mine: Vec<&Held<'_>> = (rest.iter().copied())
                 .filter(|h| std::ptr::eq(h.tbe, group.tbe))
                 .collect();
+            mine.sort_by_key(|h| h.index);
             // About STAGE_CHUNK_BYTES of the widest records read or written per chunk.
-            let chunk_rows = |t: usize| {
-                let h = mine
-                    .iter()
-                    .find(|h| h.index == t)
-                    .expect("every table held");
-                STAGE_CHUNK_BYTES / self.row_bytes(h).max(1)
-            };
+            let chunk_rows = |t: usize| STAGE_CHUNK_BYTES / self.row_bytes(mine[t]).max(1);
             let staged = group.tbe.stage_cached_rows(chunk_rows, |t, rows| {
-                let h = mine
-                    .iter()
-                    .find(|h| h.index == t)
-                    .expect("every table held");
-                let (weights, states, approximate) = self.read(h, rows)?;
-                note(h, approximate);
+                let (weights, states, approximate) = self.read(mine[t], rows)?;
+                note(mine[t], approximate);
                 Ok((weights, states))
             })?;
             whole.push((group.tbe, staged));
         }
         for h in rest {
-            if whole.iter().any(|(t, _)| std::ptr::eq(*t, h.tbe)) {
+            if chunked.iter().any(|g| std::ptr::eq(g.tbe, h.tbe)) {
                 continue;
             }
             let (weights, states, approximate) = self.read(h, 0..h.rect.rows)?;
@@ -1019,7 +998,11 @@ mod tests {
             let tbes = target.tbes();
             let held = whole_tables(&tbes);
             let mut saved = Saved::open(&file).unwrap();
-            let (whole, rest) = saved.stage_whole_groups(&held).unwrap();
+            let (whole, chunked, rest) = saved.stage_whole_groups(&held).unwrap();
+            assert_eq!(
+                chunked.len(),
+                usize::from(!taken && placement != Placement::Memory)
+            );
             assert_eq!(
                 whole.len(),
                 usize::from(taken),

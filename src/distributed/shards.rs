@@ -370,19 +370,10 @@ impl Shards {
             let placement =
                 Placement::for_kernel(kernel.0.as_str(), kernel.1, &b.caches.dir, b.caches.policy)?;
             let name = format!("{short}-rank{rank}-group{files}.rows");
-            if let (Placement::Managed { .. }, crate::Device::Cuda(_)) =
-                (&placement, b.caches.device)
-            {
-                // Managed memory once the collection moves to its GPU.
-                return TableBatchedEmbedding::new_managed(cfg, crate::Device::Cpu);
-            }
-            match placement.cache_for(&name)? {
-                None => TableBatchedEmbedding::new(cfg),
-                Some(cache) => {
-                    files += 1;
-                    TableBatchedEmbedding::new_cached(cfg, cache)
-                }
-            }
+            // Built on the host (caches included); `to_device` moves them.
+            let tbe = placement.tbe(cfg, &name, b.caches.device, crate::Device::Cpu)?;
+            files += usize::from(tbe.is_cached());
+            Ok::<_, Error>(tbe)
         };
         // The kernel a slot's shard runs: its table's, but an empty row block stays in memory.
         let kernel_of = |s: &Slot| {

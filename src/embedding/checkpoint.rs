@@ -133,23 +133,7 @@ pub(crate) fn stage_tbes(
                 format!("{path}: group {g} step `{step}` is not a count"),
             )
         })?);
-        if let Some(name) = r.metadata(&format!("{prefix}group{g}.rows")) {
-            // The group's own checkpoint, in the parts directory.
-            let parts = r.parts_dir()?.ok_or_else(|| {
-                Error::invalid(
-                    "checkpoint",
-                    format!(
-                        "{path}: group {g}'s rows are in `{name}`, but it has no parts directory"
-                    ),
-                )
-            })?;
-            if name.contains(['/', '\\']) || name.starts_with('.') {
-                return Err(Error::invalid(
-                    "checkpoint",
-                    format!("{path}: group {g}'s rows `{name}` is not a directory name"),
-                ));
-            }
-            let dir = parts.join(name);
+        if let Some(dir) = cached_group_dir(r, prefix, g)? {
             if tbe.is_cached() {
                 staged.cached.push((g, tbe.stage_cached_checkpoint(&dir)?));
             } else {
@@ -180,6 +164,32 @@ pub(crate) fn stage_tbes(
         }
     }
     Ok(staged)
+}
+
+/// The directory of group `g`'s own checkpoint (its tables cached in files, saved by
+/// [`add_tbes`] under `prefix`) in `r`'s parts directory, if the group was saved so.
+pub(crate) fn cached_group_dir(
+    r: &CheckpointReader,
+    prefix: &str,
+    g: usize,
+) -> Result<Option<std::path::PathBuf>> {
+    let Some(name) = r.metadata(&format!("{prefix}group{g}.rows")) else {
+        return Ok(None);
+    };
+    let path = r.path().display();
+    let parts = r.parts_dir()?.ok_or_else(|| {
+        Error::invalid(
+            "checkpoint",
+            format!("{path}: group {g}'s rows are in `{name}`, but it has no parts directory"),
+        )
+    })?;
+    if name.contains(['/', '\\']) || name.starts_with('.') {
+        return Err(Error::invalid(
+            "checkpoint",
+            format!("{path}: group {g}'s rows `{name}` is not a directory name"),
+        ));
+    }
+    Ok(Some(parts.join(name)))
 }
 
 /// Writes the tables and optimizer state of several TBEs into one file.

@@ -88,16 +88,7 @@ impl TableGroups {
             cfg.weight_decay = weight_decay;
             cfg.bounds_check = bounds_check;
             let name = format!("{}-group{}.rows", op_short(op), groups.len());
-            let tbe = match (placement, device) {
-                // On a GPU: tables in managed memory once the collection moves there.
-                (Placement::Managed { .. }, Device::Cuda(_)) => {
-                    TableBatchedEmbedding::new_managed(cfg, Device::Cpu)?
-                }
-                _ => match placement.cache_for(&name)? {
-                    None => TableBatchedEmbedding::new(cfg)?,
-                    Some(cache) => TableBatchedEmbedding::new_cached_on(cfg, cache, device)?,
-                },
-            };
+            let tbe = placement.tbe(cfg, &name, device, device)?;
             for (t, &i) in members.iter().enumerate() {
                 tbe.init_table(t, tables[i].init, rng)?;
             }

@@ -452,24 +452,29 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
     let mut states = vec![Vec::with_capacity(cfg.tables.len()); buffers];
     for ((spec, p), table) in cfg.tables.iter().zip(&parts).zip(&layout) {
         let start = table.offset as usize;
-        let floats: Vec<f32> = (bytes[start..start + spec.rows * table.record_bytes])
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        // Each record: its weights, then each state's values.
-        let mut split = [Vec::new(), Vec::new(), Vec::new()];
-        for record in floats.chunks_exact(p.record().max(1)) {
-            for (q, part) in split.iter_mut().enumerate() {
-                part.extend_from_slice(&record[p.range(q)]);
-            }
-        }
-        let [w, s0, s1] = split;
+        let [w, s0, s1] = split_records(&bytes[start..start + spec.rows * table.record_bytes], p);
         weights.push(w);
         for (i, s) in [s0, s1].into_iter().enumerate().take(buffers) {
             states[i].push(s);
         }
     }
     Ok(PlainTables { weights, states })
+}
+
+/// Records laid out as `p` (little-endian FP32 bytes, back to back) split into their parts:
+/// the weights, then each state buffer's values.
+fn split_records(bytes: &[u8], p: &super::Parts) -> [Vec<f32>; 3] {
+    let mut split = [Vec::new(), Vec::new(), Vec::new()];
+    for record in bytes.chunks_exact((p.record() * 4).max(1)) {
+        for (q, part) in split.iter_mut().enumerate() {
+            let r = p.range(q);
+            part.extend(
+                (record[r.start * 4..r.end * 4].chunks_exact(4))
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+    }
+    split
 }
 
 /// A cached checkpoint ([`TableBatchedEmbedding::save_cached_checkpoint`]) opened to read
@@ -545,10 +550,8 @@ impl SavedRows {
                 .bad(format!("rows {rows:?} of table {t}, which has {n}")));
         }
         let parts = super::parts_for(optimizer, self.m.tables.iter().map(|x| x.2 as usize));
-        let records: Vec<(usize, usize)> = (self.m.tables.iter().zip(&parts))
-            .map(|(x, p)| (x.1 as usize, p.record() * 4))
-            .collect();
-        let (layout, len) = super::store::RowStore::layout(&records)?;
+        let counts = self.m.tables.iter().map(|x| x.1 as usize);
+        let (layout, len) = super::store::RowStore::layout(&super::records_for(counts, &parts))?;
         if len != self.m.bytes {
             return Err(self.m.bad(format!(
                 "says {} bytes of rows, its tables need {len}",
@@ -562,17 +565,7 @@ impl SavedRows {
             .read_exact_at(&mut bytes, at)
             .map_err(|e| io_error(&self.m.rows_file, "reading rows", e))?;
         let buffers = optimizer.state_buffers().len();
-        let mut split = [Vec::new(), Vec::new(), Vec::new()];
-        for record in bytes.chunks_exact(table.record_bytes.max(1)) {
-            for (q, part) in split.iter_mut().enumerate() {
-                let r = p.range(q);
-                part.extend(
-                    (record[r.start * 4..r.end * 4].chunks_exact(4))
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                );
-            }
-        }
-        let [w, s0, s1] = split;
+        let [w, s0, s1] = split_records(&bytes, p);
         Ok((w, [s0, s1].into_iter().take(buffers).collect()))
     }
 }

@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use super::{store, OP};
-use crate::{Error, Result};
+use crate::embedding::tbe::{TableBatchedEmbedding, TbeConfig};
+use crate::{Device, Error, Result};
 
 /// Which cached row makes room for a new one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -162,6 +163,26 @@ impl Placement {
             size,
             policy,
         })
+    }
+
+    /// The TBE of `cfg` this placement makes for a collection that will run on `runs_on`:
+    /// in memory on the host; on a GPU, [`Managed`](Self::Managed) tables in managed memory
+    /// once moved there; otherwise cached tables in the row file called `name`, their cache
+    /// made on `cache_on`.
+    pub(crate) fn tbe(
+        &self,
+        cfg: TbeConfig,
+        name: &str,
+        runs_on: Device,
+        cache_on: Device,
+    ) -> Result<TableBatchedEmbedding> {
+        if let (Placement::Managed { .. }, Device::Cuda(_)) = (self, runs_on) {
+            return TableBatchedEmbedding::new_managed(cfg, Device::Cpu);
+        }
+        match self.cache_for(name)? {
+            None => TableBatchedEmbedding::new(cfg),
+            Some(cache) => TableBatchedEmbedding::new_cached_on(cfg, cache, cache_on),
+        }
     }
 
     /// The cache of the group whose row file is called `name`, if cached.

@@ -261,9 +261,12 @@ fn parts_for(optimizer: &FusedOptimizer, dims: impl Iterator<Item = usize>) -> V
 
 /// Each table's rows and bytes per record in the store, for records laid out as `parts`.
 fn records_of(config: &TbeConfig, parts: &[Parts]) -> Vec<(usize, usize)> {
-    (config.tables.iter().zip(parts))
-        .map(|(s, p)| (s.rows, p.record() * 4))
-        .collect()
+    records_for(config.tables.iter().map(|s| s.rows), parts)
+}
+
+/// [`records_of`] for tables of `rows`.
+fn records_for(rows: impl Iterator<Item = usize>, parts: &[Parts]) -> Vec<(usize, usize)> {
+    rows.zip(parts).map(|(n, p)| (n, p.record() * 4)).collect()
 }
 
 /// Whether a cache on `device` keeps its directory there too: on a GPU, unless
