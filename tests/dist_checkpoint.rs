@@ -472,6 +472,24 @@ fn cached_shards_are_saved_as_their_row_files_and_load_under_any_layout() {
         assert!(left.is_empty(), "{left:?}");
         Ok(())
     });
+    // A group whose manifest names its table for another table: refused by name.
+    let renamed = dir.join("renamed");
+    copy_tree(&saved, &renamed);
+    let parts = std::fs::read_dir(&renamed)
+        .unwrap()
+        .map(|x| x.unwrap().path())
+        .find(|p| p.is_dir() && p.to_string_lossy().contains("rank-0-of-2."))
+        .unwrap();
+    let manifest = parts.join("group0/manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let name = m["tables"][0]["name"].as_str().unwrap().to_string();
+    m["tables"][0]["name"] = format!("other{name}").into();
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let err = load_into_unsharded(&fresh(RW_ADAGRAD), &renamed)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("named for"), "{err}");
     let whole = fresh(RW_ADAGRAD);
     let before = whole.table_weights("t0").unwrap();
     let err = load_into_unsharded(&whole, &corrupt)

@@ -964,6 +964,25 @@ mod tests {
     use super::*;
     use crate::embedding::{CachePolicy, CacheSize, EmbeddingBagConfig, FusedOptimizer, Placement};
 
+    /// Listed rectangles that are malformed do not parse: an end past `usize`, a wrong
+    /// number of fields, a group without its place.
+    #[test]
+    fn malformed_listed_rectangles_do_not_parse() {
+        let ok = serde_json::json!(["t", 0, 0, 4, 2]);
+        assert!(parse_listed(&ok).is_some());
+        let grouped = serde_json::json!(["t", 0, 0, 4, 2, "group0", 1]);
+        assert!(matches!(parse_listed(&grouped), Some((_, _, Some((_, 1))))));
+        for bad in [
+            serde_json::json!(["t", u64::MAX, 0, 4, 2]),
+            serde_json::json!(["t", 0, u64::MAX, 4, 2]),
+            serde_json::json!(["t", 0, 0, 4]),
+            serde_json::json!(["t", 0, 0, 4, 2, "group0"]),
+            serde_json::json!(["t", 0, 0, 4, 2, 7, 1]),
+        ] {
+            assert!(parse_listed(&bad).is_none(), "{bad}");
+        }
+    }
+
     /// A saved cached group is taken whole only by cached tables exactly like it: not by the
     /// same tables in memory, nor by cached tables of another shape.
     #[test]

@@ -580,6 +580,34 @@ mod tests {
         (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
     }
 
+    /// A manifest listing a table of impossible size (its products would overflow) is refused
+    /// by name when opened, before any row is read.
+    #[test]
+    fn a_manifest_of_impossible_table_sizes_is_refused() {
+        let dir = std::env::temp_dir().join(format!("embers-impossible-{}", std::process::id()));
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 20, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.1 },
+        );
+        let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.5));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        tbe.save_cached_checkpoint(&dir).unwrap();
+        assert!(SavedRows::open(&dir).is_ok());
+        let path = dir.join(MANIFEST);
+        let mut m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        m["tables"][0]["dim"] = json!(1u64 << 62);
+        std::fs::write(&path, m.to_string()).unwrap();
+        let err = SavedRows::open(&dir).err().expect("refused").to_string();
+        assert!(
+            err.contains("table `a`") && err.contains("impossible sizes"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Rows staged a few at a time (chunks much smaller than a table, and not a whole number
     /// of them) land in the right records: every weight and state value read back through the
     /// operator equals what was given, for per-row and per-element state, rows in a file or in
