@@ -84,15 +84,44 @@ fn state_bits(tbe: &TableBatchedEmbedding) -> Result<(Vec<u32>, u64)> {
 /// Trains on `steps` (prepare, lookup, optionally prefetch the next batch, backward) and
 /// returns the bits of every output and every sparse gradient.
 fn train(tbe: &TableBatchedEmbedding, steps: &[Step], prefetch: bool) -> Result<Vec<u32>> {
+    let when = match prefetch {
+        true => Prefetch::AfterLookup,
+        false => Prefetch::Never,
+    };
+    train_prefetching(tbe, steps, when)
+}
+
+/// When [`train_prefetching`] prefetches batch `i + 1`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Prefetch {
+    Never,
+    /// After batch `i`'s lookup, before its backward.
+    AfterLookup,
+    /// After batch `i`'s backward is queued, while the batch is alive (a GPU cache's
+    /// prefetch stream then admits beside the backward).
+    AfterBackward,
+}
+
+/// Trains `tbe` on `steps`, prefetching each batch's successor as `when` says; the outputs,
+/// per-sample weight gradients and sparse gradients seen, as bits.
+fn train_prefetching(
+    tbe: &TableBatchedEmbedding,
+    steps: &[Step],
+    when: Prefetch,
+) -> Result<Vec<u32>> {
     let mut seen = Vec::new();
+    // The next batch's rows, brought in and locked until that batch has been admitted.
+    let prefetch = |i: usize| -> Result<()> {
+        match steps.get(i + 1) {
+            Some(next) => tbe.prefetch(next.input()),
+            None => Ok(()),
+        }
+    };
     for (i, step) in steps.iter().enumerate() {
         let batch = tbe.prepare(step.input())?;
         let out = tbe.lookup_batch(&batch)?;
-        // The next batch's rows, brought in and locked until that batch has been admitted.
-        if prefetch {
-            if let Some(next) = steps.get(i + 1) {
-                tbe.prefetch(next.input())?;
-            }
+        if when == Prefetch::AfterLookup {
+            prefetch(i)?;
         }
         let values = out.to_vec::<f32>()?;
         seen.extend(values.iter().map(|x| x.to_bits()));
@@ -101,6 +130,9 @@ fn train(tbe: &TableBatchedEmbedding, steps: &[Step], prefetch: bool) -> Result<
             .collect();
         let grad = Tensor::from_vec(grad, out.shape())?;
         let grads = tbe.backward_batch(&batch, &grad)?;
+        if when == Prefetch::AfterBackward {
+            prefetch(i)?;
+        }
         if let Some(g) = grads.per_sample_weights {
             seen.extend(g.to_vec::<f32>()?.iter().map(|x| x.to_bits()));
         }
@@ -153,16 +185,20 @@ fn gpu_training_through_an_hbm_cache_is_bit_identical_for_every_optimizer_size_a
 /// optimizer with every size and prefetch (`every`), or with one combination each in turn.
 fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str, every: bool) -> Result<()> {
     let dir = temp_dir(name);
-    let combinations: Vec<(CacheSize, bool)> = [false, true]
-        .into_iter()
-        .flat_map(|prefetch| {
-            sizes
-                .iter()
-                .map(move |&s| (CacheSize::LoadFactor(s), prefetch))
-        })
-        .collect();
+    let combinations: Vec<(CacheSize, Prefetch)> = [
+        Prefetch::Never,
+        Prefetch::AfterLookup,
+        Prefetch::AfterBackward,
+    ]
+    .into_iter()
+    .flat_map(|prefetch| {
+        sizes
+            .iter()
+            .map(move |&s| (CacheSize::LoadFactor(s), prefetch))
+    })
+    .collect();
     let optimizers = optimizers();
-    assert!(every || optimizers.len() >= combinations.len());
+    let n = optimizers.len();
     for (k, optimizer) in optimizers.into_iter().enumerate() {
         let (pooling, decay, weighted) = match k % 3 {
             0 => (PoolingMode::Sum, WeightDecay::None, true),
@@ -176,9 +212,10 @@ fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str, every: b
         reference.to_device(device)?;
         let seen = train(&reference, &steps, false)?;
         let expected = state_bits(&reference)?;
-        let these = match every {
+        // In turn: optimizer k takes combinations k, k + n, … (every one is taken).
+        let these: Vec<(CacheSize, Prefetch)> = match every {
             true => combinations.clone(),
-            false => vec![combinations[k % combinations.len()]],
+            false => combinations.iter().copied().skip(k).step_by(n).collect(),
         };
         for (size, prefetch) in these {
             // Every other optimizer keeps its rows in host memory instead of a file (on a GPU:
@@ -193,12 +230,12 @@ fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str, every: b
             assert_eq!(tbe.device(), device);
             tbe.init_weights(EmbeddingInit::Normal { std: 0.3 }, &mut seeded(3))?;
             let what = format!(
-                "{} with {size:?}, prefetch {prefetch}, rows in {}",
+                "{} with {size:?}, prefetch {prefetch:?}, rows in {}",
                 optimizer.name(),
                 ["a file", "host memory"][k % 2]
             );
             assert!(
-                train(&tbe, &steps, prefetch)? == seen,
+                train_prefetching(&tbe, &steps, prefetch)? == seen,
                 "{what}: outputs differ"
             );
             assert!(state_bits(&tbe)? == expected, "{what}: tables differ");

@@ -164,6 +164,16 @@ impl<T: DeviceElem> DeviceBuffer<T> {
         }
     }
 
+    /// The stream the buffer's block was allocated on, and the other streams noted as using
+    /// it.
+    #[cfg(test)]
+    pub(crate) fn streams(&self) -> (Option<StreamId>, Vec<StreamId>) {
+        (
+            self.block.as_ref().map(|b| b.stream),
+            self.other_streams.lock().clone(),
+        )
+    }
+
     /// Adds `stream` to the streams the buffer's memory must wait for when freed.
     pub(crate) fn note_stream(&self, stream: StreamId) {
         let own = self.block.as_ref().map(|b| b.stream);

@@ -232,6 +232,41 @@ impl CudaDevice {
         }
     }
 
+    /// Marks the current point of the calling thread's stream for ordering only (no timing:
+    /// cheaper to record; [`DeviceEvent::elapsed_ms`] refuses it on a GPU), to be waited for
+    /// by [`wait_event`](Self::wait_event) on another stream.
+    pub fn record_marker(&self) -> Result<DeviceEvent> {
+        match &self.backend {
+            Backend::Driver(d) => d.record_marker(self.at()).map(DeviceEvent::Driver),
+            Backend::Sim(_) => Ok(DeviceEvent::Host(std::time::Instant::now())),
+        }
+    }
+
+    /// Makes the work queued from now on the calling thread's current stream wait until
+    /// `event` (recorded on any stream of this device) is reached, without blocking the host.
+    pub fn wait_event(&self, event: &DeviceEvent) -> Result<()> {
+        match (&self.backend, event) {
+            (Backend::Driver(d), DeviceEvent::Driver(e)) => d.wait_event(self.at(), e),
+            // The emulation runs every launch to completion before returning.
+            (Backend::Sim(_), DeviceEvent::Host(_)) => Ok(()),
+            _ => Err(Error::invalid(
+                "CudaDevice::wait_event",
+                "an event of another kind of device",
+            )),
+        }
+    }
+
+    /// Blocks the host until the work queued on the calling thread's current stream is done
+    /// (the other streams' work may still run).
+    pub(crate) fn synchronize_current(&self) -> Result<()> {
+        self.synchronize_stream(self.at().stream)
+    }
+
+    /// The calling thread's current stream of this device.
+    pub(crate) fn current_stream_id(&self) -> StreamId {
+        self.at().stream
+    }
+
     /// Where the calling thread's work on this device goes (for the driver).
     pub(crate) fn at(&self) -> driver::At {
         driver::At {

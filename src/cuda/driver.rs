@@ -372,6 +372,15 @@ impl Driver {
         })
     }
 
+    /// An event without timing, recorded at the current point of `at`'s stream.
+    pub(crate) fn record_marker(&self, at: At) -> Result<cudarc::driver::CudaEvent> {
+        self.stream(at)?
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(|e| failed(at.ordinal, "recording an event", e))
+    }
+
     pub(crate) fn record_event(&self, at: At) -> Result<cudarc::driver::CudaEvent> {
         self.stream(at)?
             .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::directory::{Directory, WAYS};
 use super::{CachePolicy, Move};
-use crate::cuda::{CudaDevice, DeviceBuffer, LaunchConfig, MappedHost};
+use crate::cuda::{CudaDevice, DeviceBuffer, DeviceEvent, LaunchConfig, MappedHost};
 use crate::embedding::tbe::cuda::DeviceBatch;
 use crate::{args, Result};
 
@@ -220,8 +220,15 @@ pub(crate) struct DeviceDirectory {
     /// LFU: every table's access counts, by global row (one element otherwise).
     counts: DeviceBuffer<u32>,
     /// The stream of the last operation on the buffers: an operation from another stream
-    /// waits for it (a prefetch in `Stream::run` after a backward on the default stream).
+    /// waits for it (an admission on the prefetch stream after one on the caller's). Dirty
+    /// marks are not such operations (below).
     last_stream: Option<crate::cuda::allocator::StreamId>,
+    /// The dirty marks of backwards (per stream, the point after the last one) that no copy
+    /// to the host has waited for yet. A mark touches only slots locked by its batch, which
+    /// no admission reads or changes while the batch is alive, so an admission on another
+    /// stream does not wait for it (it runs beside the backward); a batch's unlock waits for
+    /// its backward ([`super::CachedBatch`]), and [`pull`](Self::pull) for all of them.
+    marks: Vec<(crate::cuda::allocator::StreamId, DeviceEvent)>,
 }
 
 impl DeviceDirectory {
@@ -267,6 +274,7 @@ impl DeviceDirectory {
             dirty: device.alloc(slots.max(1))?,
             counts: device.alloc(counts_len)?,
             last_stream: None,
+            marks: Vec::new(),
             device: device.clone(),
             policy,
             sets,
@@ -416,6 +424,9 @@ impl DeviceDirectory {
 
     /// Copies the device buffers into the host directories.
     pub(crate) fn pull(&mut self, dirs: &mut [Directory]) -> Result<()> {
+        for (_, mark) in std::mem::take(&mut self.marks) {
+            self.device.wait_event(&mark)?;
+        }
         self.order()?;
         let (tags, stamp, locks, dirty) = (
             self.tags.to_host()?,
@@ -571,10 +582,11 @@ impl DeviceDirectory {
         let mut decided = start.elapsed();
         let mut moved = std::time::Duration::ZERO;
         if let Some(m) = in_place.filter(|_| missed > 0) {
-            d.synchronize()?;
+            // This stream only: a backward on another may still run beside it.
+            d.synchronize_current()?;
             decided = start.elapsed();
             m.launch(&d, &moves, &counters, missed)?;
-            d.synchronize()?;
+            d.synchronize_current()?;
             moved = start.elapsed() - decided;
         }
         let c = counters.to_host()?;
@@ -601,26 +613,39 @@ impl DeviceDirectory {
 
     /// Releases one lock of each of the first `n` global slots of `slots`.
     pub(crate) fn unlock(&mut self, slots: &DeviceBuffer<i64>, n: usize) -> Result<()> {
-        self.launch_over_slots("cache_dir_unlock", slots, n, true)
-    }
-
-    /// Marks the first `n` global slots of `slots` dirty.
-    pub(crate) fn mark_dirty(&mut self, slots: &DeviceBuffer<i64>, n: usize) -> Result<()> {
-        self.launch_over_slots("cache_dir_mark_dirty", slots, n, false)
-    }
-
-    fn launch_over_slots(
-        &mut self,
-        kernel: &'static str,
-        slots: &DeviceBuffer<i64>,
-        n: usize,
-        locks: bool,
-    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         self.order()?;
-        let target = if locks { &self.locks } else { &self.dirty };
+        self.launch_over_slots("cache_dir_unlock", slots, n, &self.locks)
+    }
+
+    /// Marks the first `n` global slots of `slots` (locked by a live batch) dirty, on the
+    /// calling thread's stream, without ordering later admissions after it (the `marks`
+    /// field says why).
+    pub(crate) fn mark_dirty(&mut self, slots: &DeviceBuffer<i64>, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // After the earlier operations on the buffers (an admission or unlock elsewhere).
+        let current = self.device.current_stream_id();
+        if let Some(last) = self.last_stream.filter(|&l| l != current) {
+            self.device.stream_wait(current, last)?;
+        }
+        self.launch_over_slots("cache_dir_mark_dirty", slots, n, &self.dirty)?;
+        let mark = self.device.record_marker()?;
+        self.marks.retain(|(s, _)| *s != current);
+        self.marks.push((current, mark));
+        Ok(())
+    }
+
+    fn launch_over_slots<T: crate::cuda::DeviceElem>(
+        &self,
+        kernel: &'static str,
+        slots: &DeviceBuffer<i64>,
+        n: usize,
+        target: &DeviceBuffer<T>,
+    ) -> Result<()> {
         self.device.launch(
             DIRECTORY.kernel(kernel),
             LaunchConfig::linear(n, THREADS),

@@ -82,6 +82,11 @@ impl CachedTables {
         let CacheRows::Device(d) = &self.rows else {
             unreachable!("only a GPU cache defers its moves");
         };
+        // The staging buffers' last moves may have been queued on another stream (the
+        // prefetch stream, or the caller's).
+        if let Some(done) = self.moves_done.take() {
+            d.device().wait_event(&done)?;
+        }
         let t0 = std::time::Instant::now();
         let victims = d.take_staged(&evicted_at, &mut staging.at, &mut staging.down)?;
         let loads = d.stage_up(load_len, &mut staging.up)?;
@@ -136,6 +141,7 @@ impl CachedTables {
         };
         let put = d.put_staged(&loaded_at, &mut staging.at, &mut staging.up);
         self.staging = staging;
+        self.moves_done = Some(d.device().record_marker()?);
         self.times.transfer += t1 - t0 + t2.elapsed();
         self.times.file += t2 - t1;
         put
@@ -171,6 +177,8 @@ impl CachedTables {
             self.mark_dirty(batch)?;
             self.sync_scratch(fallback, false)?;
         }
+        // The batch's slots are released only after this point of the stream.
+        batch.mark_used(self.gpu().expect("a GPU cache's backward"))?;
         let sparse = match grads.sparse {
             None => None,
             Some((rows, values)) => {

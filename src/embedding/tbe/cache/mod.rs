@@ -20,7 +20,10 @@
 //!   wholly locked by in-flight batches (a *conflict miss*) is served by direct reads instead:
 //!   a scratch row after the slots, filled from the row's current copy at each use. An
 //!   admission made by `prefetch` is kept, and the same batch's `prepare` or `forward` takes it
-//!   instead of admitting again.
+//!   instead of admitting again. A GPU cache's prefetch runs on its own stream, beside the
+//!   backward of the batch in flight (which touches only its own locked slots); the unlock of
+//!   a released batch waits for that batch's last lookup or backward, and a lookup of a
+//!   prefetched batch for the prefetch stream.
 //! * **forward / backward** run on the slots; the backward marks its slots dirty and writes
 //!   scratch rows back where the row now lives (its slot, if a later admission cached it
 //!   meanwhile — the stale-copy race of a prefetch pipeline — or else the file).
@@ -41,6 +44,8 @@ mod device_directory;
 pub(crate) mod directory;
 mod gpu;
 pub(crate) mod store;
+#[cfg(test)]
+mod stream_tests;
 pub(crate) mod trace;
 mod view;
 
@@ -53,7 +58,7 @@ use super::cpu::HostTables;
 use super::cuda::records::{RecordAt, RecordStaging};
 use super::cuda::{DeviceBatch, DeviceTables};
 use super::{TbeConfig, TbeLayout};
-use crate::cuda::{CudaDevice, DeviceBuffer, MappedHost};
+use crate::cuda::{CudaDevice, DeviceBuffer, DeviceEvent, MappedHost, Stream};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::FusedOptimizer;
 use crate::{Device, Error, Result, Tensor};
@@ -83,18 +88,27 @@ enum Locks {
     Device(DeviceBuffer<i64>, usize),
 }
 
+/// A dropped batch's locks, and the point of the GPU stream after its last lookup or backward
+/// (the locks are released on the GPU only once it is reached).
+type Released = (Locks, Option<DeviceEvent>);
+
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
 struct Lease {
     locked: Locks,
     fallback: Vec<Fallback>,
-    released: Arc<Mutex<Vec<Locks>>>,
+    /// A GPU cache: the point of its stream after the batch's last lookup or backward. Its
+    /// slots may take other rows only after it (the release waits for it), while an
+    /// admission on another stream runs beside the batch's backward.
+    last_use: Mutex<Option<DeviceEvent>>,
+    released: Arc<Mutex<Vec<Released>>>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // Deferred to the next admission: a drop may happen while the TBE's lock is held.
         let locked = std::mem::replace(&mut self.locked, Locks::Host(Vec::new()));
-        self.released.lock().push(locked);
+        let last_use = self.last_use.get_mut().take();
+        self.released.lock().push((locked, last_use));
     }
 }
 
@@ -111,12 +125,40 @@ pub(crate) struct CachedBatch {
     pub remapped: Batch<'static>,
     on_device: Option<DeviceBatch>,
     lease: Lease,
+    /// A prefetched admission on a GPU: the point of the prefetch stream after its last
+    /// work (the batch's lookup waits for it).
+    ready: Option<DeviceEvent>,
 }
 
 impl CachedBatch {
     /// Whether the batch was admitted to a GPU cache.
     pub(crate) fn is_on_device(&self) -> bool {
         self.on_device.is_some()
+    }
+
+    /// Notes that work on the calling thread's current stream of `device` uses the batch's
+    /// GPU buffers (allocated on the prefetch stream when prefetched): their memory waits for
+    /// that work when freed.
+    fn used_here(&self, device: &CudaDevice) {
+        let stream = device.current_stream_id();
+        if let Some(b) = &self.on_device {
+            b.ids.note_stream(stream);
+            b.offsets.note_stream(stream);
+            if let Some(w) = &b.weights {
+                w.note_stream(stream);
+            }
+        }
+        if let Locks::Device(slots, _) = &self.lease.locked {
+            slots.note_stream(stream);
+        }
+    }
+
+    /// Records the point of the calling thread's stream after work on the batch (its locks
+    /// are released on the GPU only after it).
+    fn mark_used(&self, device: &CudaDevice) -> Result<()> {
+        self.used_here(device);
+        *self.lease.last_use.lock() = Some(device.record_marker()?);
+        Ok(())
     }
 }
 
@@ -292,7 +334,7 @@ pub(crate) struct CachedTables {
     tick: u64,
     stats: Vec<CacheStats>,
     /// The locked slots of dropped batches, not yet unlocked.
-    released: Arc<Mutex<Vec<Locks>>>,
+    released: Arc<Mutex<Vec<Released>>>,
     /// A GPU cache's directory on the GPU (admissions run there), unless
     /// `EMBERS_CACHE_HOST_DIRECTORY=1` asked for the host's.
     device_dir: Option<DeviceDirectory>,
@@ -302,13 +344,18 @@ pub(crate) struct CachedTables {
     /// installed rows may disagree with the cache rows). Everything but a checkpoint load
     /// ([`invalidate`](Self::invalidate)) is refused meanwhile.
     poisoned: Option<String>,
-    /// A GPU cache's pinned staging buffers.
+    /// A GPU cache's pinned staging buffers, and the point of the stream after the moves
+    /// that last used them.
     staging: RecordStaging,
+    moves_done: Option<DeviceEvent>,
     /// Where the admissions' time went.
     times: CacheTimes,
     /// Admissions made by `prefetch`, oldest first, with the ids and offsets they admitted:
     /// the admission of the same batch takes one instead of admitting it again.
     prefetched: std::collections::VecDeque<(Vec<i64>, Vec<usize>, CachedBatch)>,
+    /// A GPU cache's prefetch stream (made at the first prefetch): a prefetched admission
+    /// runs there, beside the backward of the batch before on the caller's stream.
+    prefetch_stream: Option<Stream>,
 }
 
 /// Prefetched admissions kept at most (a pipeline one batch deep needs one).
@@ -460,8 +507,10 @@ impl CachedTables {
             home: Home::Host,
             poisoned: None,
             staging: RecordStaging::default(),
+            moves_done: None,
             times: CacheTimes::default(),
             prefetched: Default::default(),
+            prefetch_stream: None,
         };
         tables.mapped = tables.map_store();
         Ok(tables)
@@ -688,7 +737,11 @@ impl CachedTables {
     ) -> Result<()> {
         let d = (self.device_dir.as_mut()).expect("a device home has a device directory");
         match locks {
-            Locks::Device(slots, n) => op(d, slots, *n),
+            Locks::Device(slots, n) => {
+                // Allocated on the stream that admitted the batch, perhaps not this one.
+                slots.note_stream(d.device().current_stream_id());
+                op(d, slots, *n)
+            }
             Locks::Host(per_table) => {
                 let slots = (per_table.iter().enumerate())
                     .flat_map(|(t, ss)| ss.iter().map(move |&s| (t, s)));
@@ -789,7 +842,19 @@ impl CachedTables {
                 }
                 Ok(out)
             }
-            CacheRows::Device(d) => d.take_records(&at),
+            CacheRows::Device(d) => {
+                self.after_moves()?;
+                d.take_records(&at)
+            }
+        }
+    }
+
+    /// A GPU cache: makes the calling thread's stream wait for the last admission's moves
+    /// (perhaps queued on another stream).
+    fn after_moves(&self) -> Result<()> {
+        match (&self.moves_done, self.gpu()) {
+            (Some(done), Some(d)) => d.wait_event(done),
+            _ => Ok(()),
         }
     }
 
@@ -811,7 +876,13 @@ impl CachedTables {
                 }
                 Ok(())
             }
-            CacheRows::Device(d) => d.put_records(&at, records),
+            CacheRows::Device(_) => {
+                self.after_moves()?;
+                let CacheRows::Device(d) = &mut self.rows else {
+                    unreachable!("matched above");
+                };
+                d.put_records(&at, records)
+            }
         }
     }
 
@@ -833,14 +904,22 @@ impl CachedTables {
         if released.is_empty() {
             return Ok(());
         }
+        // A GPU cache: what comes next on this stream (the unlocks, the admission's moves over
+        // the slots they free) waits for the batches' last lookups and backwards, wherever
+        // they were queued.
+        if let Some(d) = self.gpu() {
+            for event in released.iter().filter_map(|(_, e)| e.as_ref()) {
+                d.wait_event(event)?;
+            }
+        }
         if self.home == Home::Device {
-            for locks in &released {
+            for (locks, _) in &released {
                 self.on_device_slots(locks, DeviceDirectory::unlock)?;
             }
             return Ok(());
         }
         let released = (released.iter())
-            .map(|l| self.locks_by_table(l))
+            .map(|(l, _)| self.locks_by_table(l))
             .collect::<Result<Vec<_>>>()?;
         (self.dirs.par_iter_mut().enumerate()).for_each(|(t, dir)| {
             for lease in &released {
@@ -878,6 +957,14 @@ impl CachedTables {
             }
             admitted.remapped.weights = batch.weights.clone().map(|w| w.into_owned().into());
             admitted.remapped.kept = batch.kept.clone();
+            if let Some(d) = self.gpu() {
+                // Admitted on the prefetch stream: this stream's work on the batch comes after
+                // that stream's.
+                if let Some(ready) = admitted.ready.take() {
+                    d.wait_event(&ready)?;
+                }
+                admitted.used_here(d);
+            }
             // The GPU copy's weights are this batch's too.
             if let Some(on_device) = admitted.on_device.as_mut() {
                 on_device.set_weights(batch.weights.as_deref())?;
@@ -934,6 +1021,7 @@ impl CachedTables {
         let lease = Lease {
             locked: Locks::Host(locked),
             fallback,
+            last_use: Mutex::new(None),
             released: self.released.clone(),
         };
         // A host cache made its moves while admitting; a GPU cache's are deferred to here.
@@ -987,6 +1075,7 @@ impl CachedTables {
             remapped,
             on_device,
             lease,
+            ready: None,
         })
     }
 
@@ -1047,6 +1136,7 @@ impl CachedTables {
         let lease = Lease {
             locked: Locks::Device(a.locked, a.locked_len),
             fallback,
+            last_use: Mutex::new(None),
             released: self.released.clone(),
         };
         // The cache rows are on the device only: the host batch keeps no ids.
@@ -1073,7 +1163,11 @@ impl CachedTables {
             })
             .collect();
         // A GPU cache's rows are rearranged on the host (growing is rare: a batch with more
-        // conflict misses than ever before).
+        // conflict misses than ever before), once every stream's work on them is done (a
+        // prefetch's admission may run beside a backward).
+        if let Some(d) = self.gpu() {
+            d.synchronize()?;
+        }
         let downloaded;
         let old = match &self.rows {
             CacheRows::Host(h) => h,
@@ -1099,7 +1193,13 @@ impl CachedTables {
         }
         let rows = match self.gpu() {
             None => CacheRows::Host(host),
-            Some(d) => CacheRows::Device(super::upload(&cfg, &layout, &host, d.clone(), false)?),
+            // On the default stream, as the buffers it replaces (not the prefetch stream's
+            // pool, which would hand their memory out again before the caller's work on
+            // them is done when they are freed).
+            Some(d) => CacheRows::Device(
+                d.default_stream()
+                    .run(|| super::upload(&cfg, &layout, &host, d.clone(), false))?,
+            ),
         };
         (self.cfg, self.layout, self.scratch, self.rows) = (cfg, layout, scratch, rows);
         Ok(())
@@ -1192,7 +1292,11 @@ impl CachedTables {
         self.sync_scratch(&batch.lease.fallback, true)?;
         match (&self.rows, &batch.on_device) {
             (CacheRows::Host(h), None) => h.forward(&self.cfg, &self.layout, &batch.remapped),
-            (CacheRows::Device(d), Some(on_device)) => d.forward(on_device),
+            (CacheRows::Device(d), Some(on_device)) => {
+                let out = d.forward(on_device)?;
+                batch.mark_used(d.device())?;
+                Ok(out)
+            }
             _ => Err(super::moved_error()),
         }
     }
@@ -1434,7 +1538,20 @@ impl CachedTables {
     /// rows stay cached and locked meanwhile); the oldest kept admission beyond
     /// [`MAX_PREFETCHED`] is dropped.
     pub(crate) fn prefetch(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<()> {
-        let admitted = self.admit(logical, batch)?;
+        let admitted = match self.gpu().cloned() {
+            None => self.admit(logical, batch)?,
+            Some(d) => {
+                let stream = match &self.prefetch_stream {
+                    Some(s) => s.clone(),
+                    None => self.prefetch_stream.insert(d.new_stream()?).clone(),
+                };
+                stream.run(|| -> Result<CachedBatch> {
+                    let mut admitted = self.admit(logical, batch)?;
+                    admitted.ready = Some(d.record_marker()?);
+                    Ok(admitted)
+                })?
+            }
+        };
         let ids = (0..batch.ids.len())
             .map(|p| batch.ids.get(p) as i64)
             .collect();

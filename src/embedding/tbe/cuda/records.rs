@@ -54,7 +54,11 @@ fn room<'a, T: DeviceElem>(
             device: device.alloc(cap)?,
         });
     }
-    Ok(slot.as_mut().expect("made above"))
+    let s = slot.as_mut().expect("made above");
+    // Admissions run on the caller's stream or a cache's prefetch stream: the memory waits
+    // for both when freed.
+    s.device.note_stream(device.current_stream_id());
+    Ok(s)
 }
 
 /// The staging buffers of a GPU cache's record moves: the offsets, records coming down and

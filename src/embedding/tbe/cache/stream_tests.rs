@@ -1,0 +1,109 @@
+//! A GPU cache's prefetch stream, on the host emulation (which runs every launch to completion,
+//! so it checks what is recorded and waited for, not the overlap itself).
+
+use super::*;
+use crate::embedding::input::{Batch, Ids};
+use crate::embedding::optimizer::WeightDecay;
+use crate::embedding::{PoolingMode, TableSpec};
+
+fn batch(ids: Vec<i64>) -> Batch<'static> {
+    let offsets = (0..=ids.len()).collect();
+    Batch {
+        batch_size: ids.len(),
+        ids: Ids::I64(ids.into()),
+        offsets,
+        weights: None,
+        num_features: 1,
+        kept: None,
+    }
+}
+
+/// A prefetch admits on the cache's own stream; the batch's lookup (on the caller's stream)
+/// waits for it and notes its buffers as used there; its lookup and backward leave the point
+/// its release waits for, and the next admission drains that release.
+#[test]
+fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backward() {
+    let device = match crate::cuda::simulated_device(0) {
+        Ok(d) => d,
+        Err(e) => {
+            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
+            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
+            println!("skipped: no host emulation: {e}");
+            return;
+        }
+    };
+    let config = TbeConfig::new(
+        vec![TableSpec::new("t", 300, 4)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.5));
+    let mut c = CachedTables::create(&config, &cache, Some(device.clone())).unwrap();
+    let caller = device.current_stream_id();
+    let (first, second) = (batch((0..40).collect()), batch((20..70).collect()));
+
+    c.prefetch(&config, &first).unwrap();
+    let stream = c.prefetch_stream.as_ref().expect("a prefetch stream").id();
+    assert_ne!(stream, caller);
+    {
+        let (_, _, kept) = c.prefetched.front().expect("the prefetched admission");
+        assert!(
+            kept.ready.is_some(),
+            "no point recorded for the lookup to wait for"
+        );
+        let ids = &kept.on_device.as_ref().unwrap().ids;
+        assert_eq!(ids.streams(), (Some(stream), vec![]));
+    }
+    let taken = c.admit(&config, &first).unwrap();
+    assert!(
+        c.prefetched.is_empty(),
+        "the prefetched admission was not taken"
+    );
+    assert!(
+        taken.ready.is_none(),
+        "the lookup did not wait for the prefetch stream"
+    );
+    let on_device = taken.on_device.as_ref().unwrap();
+    assert_eq!(on_device.ids.streams(), (Some(stream), vec![caller]));
+    assert_eq!(on_device.offsets.streams().1, vec![caller]);
+    let Locks::Device(slots, _) = &taken.lease.locked else {
+        panic!("a device directory's admission locks on the device");
+    };
+    assert_eq!(slots.streams(), (Some(stream), vec![caller]));
+
+    assert!(taken.lease.last_use.lock().is_none());
+    let out = c.forward(&taken).unwrap();
+    assert!(
+        taken.lease.last_use.lock().is_some(),
+        "the lookup left no point"
+    );
+    *taken.lease.last_use.lock() = None;
+    let grad = device.htod(&vec![0.5f32; 40 * 4]).unwrap();
+    let grad = crate::tensor::backend::cuda::from_buffer(grad, &[40, 4]).unwrap();
+    assert_eq!(out.shape(), grad.shape());
+    let sgd = FusedOptimizer::Sgd { lr: 0.1 };
+    (c.backward_device(&taken, &grad, sgd, WeightDecay::None, 1)).unwrap();
+    assert!(
+        taken.lease.last_use.lock().is_some(),
+        "the backward left no point"
+    );
+
+    // Batch 2 prefetched beside the backward, then batch 1 released: its locks (and the
+    // point they wait for) wait for the next admission that admits (taking a prefetched one
+    // does not).
+    c.prefetch(&config, &second).unwrap();
+    drop(taken);
+    let next = c.admit(&config, &second).unwrap();
+    {
+        let released = c.released.lock();
+        assert_eq!(released.len(), 1);
+        assert!(released[0].1.is_some(), "the release waits for nothing");
+    }
+    // Rows 0..70 locked: batch 1's 40 and batch 2's 50, 20 of them shared.
+    assert_eq!(c.locked_slots().unwrap()[0], 70);
+    c.drain_released().unwrap();
+    assert!(c.released.lock().is_empty());
+    assert_eq!(c.locked_slots().unwrap()[0], 50);
+    drop(next);
+}
