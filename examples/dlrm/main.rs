@@ -1019,6 +1019,7 @@ fn run(args: Args) -> Result<()> {
     let mut yielded = 0u64;
     let tables = trainer.model().sparse_arch.clone();
     let prefetching = args.placement != PlacementArg::Fused && args.cache_prefetch;
+    let on_gpu = trainer.model().device() != embers::Device::Cpu;
     'epochs: while progress.epoch < args.epochs {
         let mut batches = data.batches(Split::Train, progress.epoch, args.batch_size, args.seed)?;
         // Resuming: skip the batches of this epoch that were already trained on.
@@ -1038,10 +1039,14 @@ fn run(args: Args) -> Result<()> {
             }
             let batch = batch?;
             yielded += 1;
-            // Tables behind a cache: the next batch is admitted (its rows read in) on another
-            // thread while this one trains.
+            // Tables behind a cache: the next batch is admitted (its rows read in) while this
+            // one trains — on the host, on another thread; on a GPU, once this batch's
+            // backward is queued, on the caches' prefetch streams beside it.
             let next = batches.peek().and_then(|b| b.as_ref().ok());
             let out = match next.filter(|_| prefetching) {
+                Some(next) if on_gpu => {
+                    trainer.train_step_then(&batch, || tables.prefetch(&next.sparse))?
+                }
                 Some(next) => std::thread::scope(|s| {
                     let prefetch = s.spawn(|| tables.prefetch(&next.sparse));
                     let out = trainer.train_step(&batch);

@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use super::comm::Comm;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
 use crate::embedding::checkpoint::cached_group_dir;
-use crate::embedding::tbe::cache::api::{SavedRows, StagedRows};
+use crate::embedding::tbe::cache::api::{commit_cached_checkpoints, SavedRows, StagedRows};
 use crate::embedding::{
     EmbeddingBagCollection, EmbeddingCollection, StateShape, TableBatchedEmbedding,
 };
@@ -890,8 +890,10 @@ pub(crate) struct Staged<'a> {
 impl Staged<'_> {
     /// Writes the values and the step count.
     pub fn apply(self) -> Result<LoadReport> {
-        for (tbe, rows) in self.whole {
-            tbe.commit_cached_checkpoint(rows)?;
+        // All the TBEs of cached tables or none.
+        let cached: Vec<&TableBatchedEmbedding> = self.whole.iter().map(|(t, _)| *t).collect();
+        commit_cached_checkpoints(self.whole)?;
+        for tbe in cached {
             tbe.set_step(self.step);
         }
         for (h, (weights, states)) in &self.values {

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use super::config::WeightType;
 use super::inference::QuantizedTableBatchedEmbedding;
-use super::tbe::cache::api::{read_cached_checkpoint, StagedRows};
+use super::tbe::cache::api::{commit_cached_checkpoints, read_cached_checkpoint, StagedRows};
 use super::tbe::TableBatchedEmbedding;
 use super::StateShape;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
@@ -84,9 +84,12 @@ pub(crate) struct StagedTables {
 impl StagedTables {
     /// Writes the staged values into the TBEs they were read for.
     pub(crate) fn apply(self, tbes: &[&TableBatchedEmbedding]) -> Result<()> {
-        for (g, rows) in self.cached {
-            tbes[g].commit_cached_checkpoint(rows)?;
-        }
+        // All cached groups or none.
+        commit_cached_checkpoints(
+            (self.cached.into_iter())
+                .map(|(g, rows)| (tbes[g], rows))
+                .collect(),
+        )?;
         for (g, t, w) in self.weights {
             tbes[g].set_table_weights(t, &w)?;
         }

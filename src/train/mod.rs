@@ -715,14 +715,31 @@ impl DlrmTrainer {
     /// The loss and predictions are read back only once the whole step is queued: on a GPU
     /// the host waits for the device once per step, not between forward and backward.
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepOutput> {
+        self.train_step_then(batch, || Ok(()))
+    }
+
+    /// [`train_step`](Self::train_step), calling `after_backward` once the backward is queued,
+    /// before the dense optimizer's step. On a GPU that is where to prefetch the next batch's
+    /// cached rows (`EmbeddingBagCollection::prefetch`): their admission runs on the caches'
+    /// prefetch streams beside this batch's backward. An error from it ends the step (the
+    /// backward done, the optimizer's step not taken).
+    pub fn train_step_then(
+        &mut self,
+        batch: &Batch,
+        after_backward: impl FnOnce() -> Result<()> + Send,
+    ) -> Result<StepOutput> {
         if self.model.device() == Device::Cpu {
-            crate::tensor::on_worker(|| self.step_inner(batch))
+            crate::tensor::on_worker(|| self.step_inner(batch, after_backward))
         } else {
-            self.step_inner(batch)
+            self.step_inner(batch, after_backward)
         }
     }
 
-    fn step_inner(&mut self, batch: &Batch) -> Result<StepOutput> {
+    fn step_inner(
+        &mut self,
+        batch: &Batch,
+        after_backward: impl FnOnce() -> Result<()>,
+    ) -> Result<StepOutput> {
         let b = batch.batch_size();
         self.optimizer.zero_grad();
         let logits = self.model.forward(&batch.dense, &batch.sparse)?;
@@ -731,6 +748,7 @@ impl DlrmTrainer {
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let probs = no_grad(|| logits.detach().sigmoid())?;
         loss.backward()?;
+        after_backward()?;
         self.optimizer.step()?;
         let loss_value = loss.item()?;
         if !loss_value.is_finite() {

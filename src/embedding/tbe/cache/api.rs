@@ -14,7 +14,7 @@ use std::path::Path;
 
 use serde_json::json;
 
-use super::store::io_error;
+use super::store::{io_error, Previous};
 use super::{CacheStats, CacheTimes};
 use crate::embedding::input::TbeInput;
 use crate::embedding::optimizer::FusedOptimizer;
@@ -228,6 +228,78 @@ impl TableBatchedEmbedding {
         state.step = staged.step;
         Ok(())
     }
+
+    /// [`commit_cached_checkpoint`](Self::commit_cached_checkpoint), keeping what it replaces
+    /// for [`undo_commit`](Self::undo_commit): the dirty cached rows are written back first, so
+    /// that the rows kept are every row; the step count it replaced comes back too.
+    fn commit_keeping(&self, staged: StagedRows) -> Result<(Previous, u64)> {
+        let cfg = &self.inner.config;
+        let mut state = self.inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        c.check_idle()?;
+        c.flush()?;
+        let previous = c.commit_store_keeping(staged.staged)?;
+        if let Err(e) = c.invalidate(cfg) {
+            // Not committed after all.
+            c.restore_store(previous)?;
+            return Err(e);
+        }
+        let step = std::mem::replace(&mut state.step, staged.step);
+        Ok((previous, step))
+    }
+
+    /// Puts back the rows and step count a [`commit_keeping`](Self::commit_keeping) replaced
+    /// (the cache emptied again).
+    fn undo_commit(&self, previous: Previous, step: u64) -> Result<()> {
+        let cfg = &self.inner.config;
+        let mut state = self.inner.state.write();
+        let Tables::Cached(c) = &mut state.tables else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        c.check_idle()?;
+        c.restore_store(previous)?;
+        c.invalidate(cfg)?;
+        state.step = step;
+        Ok(())
+    }
+}
+
+/// Commits the staged checkpoint loads of several cached TBEs as one: the rows each commit
+/// replaces are kept (dirty cached rows written back first) until every commit is done, and if
+/// one fails — an I/O error when its file is renamed into place — the TBEs committed before it
+/// get their rows, cache and step count back, and the error says so.
+pub(crate) fn commit_cached_checkpoints(
+    loads: Vec<(&TableBatchedEmbedding, StagedRows)>,
+) -> Result<()> {
+    let mut done = Vec::with_capacity(loads.len());
+    for (tbe, staged) in loads {
+        match tbe.commit_keeping(staged) {
+            Ok((previous, step)) => done.push((tbe, previous, step)),
+            Err(e) => {
+                let n = done.len();
+                let failed: Vec<Error> = (done.into_iter().rev())
+                    .filter_map(|(tbe, previous, step)| tbe.undo_commit(previous, step).err())
+                    .collect();
+                return Err(Error::invalid(
+                    OP,
+                    match failed.first() {
+                        None => format!(
+                            "{e}; nothing was loaded (the {n} groups of cached tables loaded \
+                             before it were put back as they were)"
+                        ),
+                        Some(u) => format!(
+                            "{e}; putting back the {n} groups of cached tables loaded before it \
+                             failed too ({u}): some tables may hold the checkpoint's rows and \
+                             others not"
+                        ),
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl TableBatchedEmbedding {
@@ -584,6 +656,93 @@ mod tests {
     /// The value `rows_of` gives row `r` of table `t`, part `q` (0 weights, 1.. state), at `i`.
     fn value(t: usize, r: usize, q: usize, i: usize) -> f32 {
         (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
+    }
+
+    /// Loads into several cached TBEs commit as one: when the last one's commit fails (its
+    /// staged file gone before the rename), the ones committed before it get back their rows —
+    /// dirty cached rows included —, step count and an empty cache, and no kept or staged file
+    /// is left behind; committed again, all of them load.
+    #[test]
+    fn loads_into_several_cached_tbes_commit_all_or_nothing() {
+        let dir = std::env::temp_dir().join(format!("embers-commit-all-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 64, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Adagrad { lr: 0.5, eps: 1e-3 },
+        );
+        let size = CacheSize::LoadFactor(0.5);
+        // One with its rows in host memory, two in files.
+        let tbes: Vec<TableBatchedEmbedding> = [None, Some("b.rows"), Some("c.rows")]
+            .into_iter()
+            .map(|file| {
+                let cache = match file {
+                    None => CacheConfig::in_host_memory(size),
+                    Some(f) => CacheConfig::new(dir.join(f), size),
+                };
+                TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+            })
+            .collect();
+        let saved: Vec<f32> = (0..64 * 4).map(|i| i as f32 / 8.0).collect();
+        for (k, tbe) in tbes.iter().enumerate() {
+            tbe.set_table_weights(0, &saved).unwrap();
+            tbe.save_cached_checkpoint(dir.join(format!("ckpt{k}")))
+                .unwrap();
+        }
+        // Since the checkpoints: one step trained through every cache (dirty cached rows).
+        let ids: Vec<i64> = (0..40).collect();
+        let offsets: Vec<i64> = (0..=40).collect();
+        for tbe in &tbes {
+            let batch = tbe.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap();
+            let out = tbe.lookup_batch(&batch).unwrap();
+            let grad = crate::Tensor::from_vec(vec![1.0f32; 40 * 4], out.shape()).unwrap();
+            tbe.backward_batch(&batch, &grad).unwrap();
+        }
+        let now: Vec<Vec<f32>> = tbes.iter().map(|t| t.table_weights(0).unwrap()).collect();
+        assert!(now.iter().all(|w| *w != saved), "training changed nothing");
+        let leftovers = || -> Vec<String> {
+            (std::fs::read_dir(&dir).unwrap())
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".tmp"))
+                .collect()
+        };
+        let stage = || -> Vec<(&TableBatchedEmbedding, StagedRows)> {
+            (tbes.iter().enumerate())
+                .map(|(k, t)| {
+                    let dir = dir.join(format!("ckpt{k}"));
+                    (t, t.stage_cached_checkpoint(&dir).unwrap())
+                })
+                .collect()
+        };
+        let loads = stage();
+        let super::super::store::Staged::File(last, _) = &loads[2].1.staged else {
+            panic!("a file store stages a file");
+        };
+        std::fs::remove_file(last).unwrap();
+        let err = commit_cached_checkpoints(loads).unwrap_err().to_string();
+        assert!(
+            err.contains("opening the new row store") && err.contains("nothing was loaded"),
+            "{err}"
+        );
+        for (k, tbe) in tbes.iter().enumerate() {
+            assert!(tbe.table_weights(0).unwrap() == now[k], "table {k} changed");
+            assert_eq!(tbe.step(), 1, "table {k}'s step changed");
+            assert_eq!(tbe.locked_cache_slots().unwrap(), vec![0]);
+        }
+        assert_eq!(leftovers(), Vec::<String>::new());
+        commit_cached_checkpoints(stage()).unwrap();
+        for (k, tbe) in tbes.iter().enumerate() {
+            assert!(
+                tbe.table_weights(0).unwrap() == saved,
+                "table {k} not loaded"
+            );
+            assert_eq!(tbe.step(), 0);
+        }
+        assert_eq!(leftovers(), Vec::<String>::new());
+        drop(tbes);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A manifest listing a table of impossible size (its products would overflow) is refused

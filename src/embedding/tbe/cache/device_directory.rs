@@ -317,6 +317,10 @@ impl DeviceDirectory {
 
     /// Copies the host directories into the device buffers.
     pub(crate) fn push(&mut self, dirs: &[Directory]) -> Result<()> {
+        // No dirty mark still in flight may land on what is copied up.
+        for (_, mark) in std::mem::take(&mut self.marks) {
+            self.device.wait_event(&mark)?;
+        }
         self.order()?;
         let slots = self.tags.len();
         let (mut tags, mut stamp, mut locks, mut dirty) = (

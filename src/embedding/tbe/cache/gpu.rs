@@ -78,15 +78,13 @@ impl CachedTables {
         );
         let record: Vec<usize> = self.parts.iter().map(Parts::record).collect();
         let load_len = loaded.iter().map(|&(t, _)| record[t]).sum();
+        // The staging buffers' last moves, and other writes into the cache rows, may have
+        // been queued on another stream (the prefetch stream, or the caller's).
+        self.after_moves()?;
         let mut staging = std::mem::take(&mut self.staging);
         let CacheRows::Device(d) = &self.rows else {
             unreachable!("only a GPU cache defers its moves");
         };
-        // The staging buffers' last moves may have been queued on another stream (the
-        // prefetch stream, or the caller's).
-        if let Some(done) = self.moves_done.take() {
-            d.device().wait_event(&done)?;
-        }
         let t0 = std::time::Instant::now();
         let victims = d.take_staged(&evicted_at, &mut staging.at, &mut staging.down)?;
         let loads = d.stage_up(load_len, &mut staging.up)?;
@@ -141,7 +139,7 @@ impl CachedTables {
         };
         let put = d.put_staged(&loaded_at, &mut staging.at, &mut staging.up);
         self.staging = staging;
-        self.moves_done = Some(d.device().record_marker()?);
+        self.fence()?;
         self.times.transfer += t1 - t0 + t2.elapsed();
         self.times.file += t2 - t1;
         put

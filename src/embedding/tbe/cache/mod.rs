@@ -88,9 +88,9 @@ enum Locks {
     Device(DeviceBuffer<i64>, usize),
 }
 
-/// A dropped batch's locks, and the point of the GPU stream after its last lookup or backward
-/// (the locks are released on the GPU only once it is reached).
-type Released = (Locks, Option<DeviceEvent>);
+/// A dropped batch's locks, the point of the GPU stream after its last lookup or backward
+/// (the locks are released on the GPU only once it is reached), and the tick of its admission.
+type Released = (Locks, Option<DeviceEvent>, u64);
 
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
 struct Lease {
@@ -100,6 +100,8 @@ struct Lease {
     /// slots may take other rows only after it (the release waits for it), while an
     /// admission on another stream runs beside the batch's backward.
     last_use: Mutex<Option<DeviceEvent>>,
+    /// The admission's tick.
+    tick: u64,
     released: Arc<Mutex<Vec<Released>>>,
 }
 
@@ -108,7 +110,7 @@ impl Drop for Lease {
         // Deferred to the next admission: a drop may happen while the TBE's lock is held.
         let locked = std::mem::replace(&mut self.locked, Locks::Host(Vec::new()));
         let last_use = self.last_use.get_mut().take();
-        self.released.lock().push((locked, last_use));
+        self.released.lock().push((locked, last_use, self.tick));
     }
 }
 
@@ -576,12 +578,32 @@ impl CachedTables {
     /// Makes staged rows the store's (a checkpoint's), the registration with the GPU moved
     /// to the new memory.
     pub(crate) fn commit_store(&mut self, staged: store::Staged) -> Result<()> {
+        self.unmapped(|store| store.commit(staged))
+    }
+
+    /// [`commit_store`](Self::commit_store), keeping the rows it replaces
+    /// ([`store::RowStore::commit_keeping`]).
+    pub(crate) fn commit_store_keeping(
+        &mut self,
+        staged: store::Staged,
+    ) -> Result<store::Previous> {
+        self.unmapped(|store| store.commit_keeping(staged))
+    }
+
+    /// Puts back the rows a [`commit_store_keeping`](Self::commit_store_keeping) replaced.
+    pub(crate) fn restore_store(&mut self, previous: store::Previous) -> Result<()> {
+        self.unmapped(|store| store.restore(previous))
+    }
+
+    /// Runs `f` on the store with its registration with the GPU (if any) withdrawn, then
+    /// registers its memory (perhaps new) again.
+    fn unmapped<R>(&mut self, f: impl FnOnce(&mut RowStore) -> Result<R>) -> Result<R> {
         let was_mapped = self.mapped.take().is_some();
-        let committed = self.store.commit(staged);
+        let done = f(&mut self.store);
         if was_mapped {
             self.mapped = self.map_store();
         }
-        committed
+        done
     }
 
     /// The cache-shaped config, layout and zero buffers for `scratch` rows per table (on
@@ -849,13 +871,25 @@ impl CachedTables {
         }
     }
 
-    /// A GPU cache: makes the calling thread's stream wait for the last admission's moves
-    /// (perhaps queued on another stream).
+    /// A GPU cache: makes the calling thread's stream wait for the last writes to the cache
+    /// rows outside a batch's own slots, and the releases on the host (`moves_done`), perhaps
+    /// queued on another stream.
     fn after_moves(&self) -> Result<()> {
         match (&self.moves_done, self.gpu()) {
             (Some(done), Some(d)) => d.wait_event(done),
             _ => Ok(()),
         }
+    }
+
+    /// A GPU cache: the calling thread's stream, having waited for the previous fence
+    /// ([`after_moves`](Self::after_moves)), becomes the one later moves and admissions wait
+    /// for, from its current point.
+    fn fence(&mut self) -> Result<()> {
+        if let Some(d) = self.gpu().cloned() {
+            self.after_moves()?;
+            self.moves_done = Some(d.record_marker()?);
+        }
+        Ok(())
     }
 
     /// Writes `records` (back to back, as [`take`](Self::take) gives them) into cache rows
@@ -881,7 +915,10 @@ impl CachedTables {
                 let CacheRows::Device(d) = &mut self.rows else {
                     unreachable!("matched above");
                 };
-                d.put_records(&at, records)
+                d.put_records(&at, records)?;
+                // Perhaps into slots of other batches (a direct read's row cached since):
+                // later moves on another stream wait for it.
+                self.fence()
             }
         }
     }
@@ -900,7 +937,33 @@ impl CachedTables {
 
     /// Releases the locks of dropped batches.
     pub(crate) fn drain_released(&mut self) -> Result<()> {
-        let released = std::mem::take(&mut *self.released.lock());
+        self.drain_released_before(u64::MAX)
+    }
+
+    /// What an admission releases first: every dropped batch on the host; on a GPU, those
+    /// admitted before the last admission. The batch admitted last stays locked through this
+    /// admission even if dropped, so that the admission need not wait for its backward (the
+    /// release waits for it): a pipeline prefetching batch `i + 1` once batch `i`'s backward
+    /// is queued overlaps the two also when batch `i` is dropped first (as a training step
+    /// drops its graph). The choice depends only on the order of the calls, never on timing.
+    fn drain_for_admission(&mut self) -> Result<()> {
+        match self.gpu() {
+            Some(_) => self.drain_released_before(self.tick),
+            None => self.drain_released(),
+        }
+    }
+
+    /// Releases the locks of the dropped batches admitted before tick `tick`; the others stay
+    /// locked (listed as released) until a later drain.
+    fn drain_released_before(&mut self, tick: u64) -> Result<()> {
+        let released = {
+            let mut list = self.released.lock();
+            let (now, later): (Vec<Released>, Vec<Released>) = std::mem::take(&mut *list)
+                .into_iter()
+                .partition(|r| r.2 < tick);
+            *list = later;
+            now
+        };
         if released.is_empty() {
             return Ok(());
         }
@@ -908,18 +971,21 @@ impl CachedTables {
         // the slots they free) waits for the batches' last lookups and backwards, wherever
         // they were queued.
         if let Some(d) = self.gpu() {
-            for event in released.iter().filter_map(|(_, e)| e.as_ref()) {
+            for event in released.iter().filter_map(|(_, e, _)| e.as_ref()) {
                 d.wait_event(event)?;
             }
         }
         if self.home == Home::Device {
-            for (locks, _) in &released {
+            for (locks, _, _) in &released {
                 self.on_device_slots(locks, DeviceDirectory::unlock)?;
             }
             return Ok(());
         }
+        // Unlocked on the host at once: moves on another stream into the slots freed wait
+        // for the batches' work (waited for above) through the fence.
+        self.fence()?;
         let released = (released.iter())
-            .map(|(l, _)| self.locks_by_table(l))
+            .map(|(l, _, _)| self.locks_by_table(l))
             .collect::<Result<Vec<_>>>()?;
         (self.dirs.par_iter_mut().enumerate()).for_each(|(t, dir)| {
             for lease in &released {
@@ -986,7 +1052,7 @@ impl CachedTables {
             return admitted;
         }
         self.on_host()?;
-        self.drain_released()?;
+        self.drain_for_admission()?;
         self.tick += 1;
         let tick = self.tick;
         let t0 = std::time::Instant::now();
@@ -1022,6 +1088,7 @@ impl CachedTables {
             locked: Locks::Host(locked),
             fallback,
             last_use: Mutex::new(None),
+            tick,
             released: self.released.clone(),
         };
         // A host cache made its moves while admitting; a GPU cache's are deferred to here.
@@ -1087,8 +1154,10 @@ impl CachedTables {
         batch: &Batch<'_>,
         ranges: &TablePositions,
     ) -> Result<CachedBatch> {
+        // After the host's writes into the cache rows, wherever queued.
+        self.after_moves()?;
         self.on_device()?;
-        self.drain_released()?;
+        self.drain_for_admission()?;
         self.tick += 1;
         let tick = self.tick;
         let device = self.gpu().expect("a device directory has a GPU").clone();
@@ -1137,6 +1206,7 @@ impl CachedTables {
             locked: Locks::Device(a.locked, a.locked_len),
             fallback,
             last_use: Mutex::new(None),
+            tick,
             released: self.released.clone(),
         };
         // The cache rows are on the device only: the host batch keeps no ids.
@@ -1196,10 +1266,14 @@ impl CachedTables {
             // On the default stream, as the buffers it replaces (not the prefetch stream's
             // pool, which would hand their memory out again before the caller's work on
             // them is done when they are freed).
-            Some(d) => CacheRows::Device(
-                d.default_stream()
-                    .run(|| super::upload(&cfg, &layout, &host, d.clone(), false))?,
-            ),
+            Some(d) => {
+                let rows = d
+                    .default_stream()
+                    .run(|| super::upload(&cfg, &layout, &host, d.clone(), false))?;
+                // Landed before any stream's work on them.
+                d.synchronize()?;
+                CacheRows::Device(rows)
+            }
         };
         (self.cfg, self.layout, self.scratch, self.rows) = (cfg, layout, scratch, rows);
         Ok(())
@@ -1548,6 +1622,10 @@ impl CachedTables {
                 stream.run(|| -> Result<CachedBatch> {
                     let mut admitted = self.admit(logical, batch)?;
                     admitted.ready = Some(d.record_marker()?);
+                    // Its work done (the staged moves' copies too) before it returns: no
+                    // work of the prefetch stream is ever left in flight (the host waits for
+                    // this stream only, the backward goes on).
+                    d.synchronize_current()?;
                     Ok(admitted)
                 })?
             }

@@ -382,7 +382,7 @@ impl RowStore {
     /// file (to be renamed over it), or a new anonymous mapping holding it.
     pub(crate) fn stage(&self, source: &Path) -> Result<Staged> {
         if self.file.is_some() {
-            let tmp = self.path.with_extension("restore.tmp");
+            let tmp = self.beside("restore");
             let checksum = copy_with_checksum(source, &tmp).inspect_err(|_| {
                 let _ = std::fs::remove_file(&tmp);
             })?;
@@ -415,7 +415,7 @@ impl RowStore {
             fill(&mut map[..], &self.tables)?;
             return Ok(Staged::Memory(Some(map), 0));
         }
-        let tmp = self.path.with_extension("restore.tmp");
+        let tmp = self.beside("restore");
         let staged = Staged::File(tmp.clone(), 0); // removes the file on an early return
         let file = OpenOptions::new()
             .read(true)
@@ -440,6 +440,51 @@ impl RowStore {
         file.sync_all()
             .map_err(|e| io_error(&tmp, "syncing the staged rows", e))?;
         Ok(staged)
+    }
+
+    /// A new name beside the file, `<file stem>.<what>-<process>-<n>.tmp`, used by no other
+    /// staging (two stagings of one store at once each have their own).
+    fn beside(&self, what: &str) -> PathBuf {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (self.path).with_extension(format!("{what}-{}-{n}.tmp", std::process::id()))
+    }
+
+    /// [`commit`](Self::commit), keeping the rows it replaces so that
+    /// [`restore`](Self::restore) can put them back: the file's old inode under a second name
+    /// (a hard link, removed when the [`Previous`] is dropped), or the old memory. Nothing
+    /// changes on an error.
+    pub(crate) fn commit_keeping(&mut self, staged: Staged) -> Result<Previous> {
+        if self.file.is_none() {
+            let old = self.map.take();
+            if let Err(e) = self.commit(staged) {
+                self.map = old;
+                return Err(e);
+            }
+            return Ok(Previous::Memory(old));
+        }
+        let backup = self.beside("previous");
+        std::fs::hard_link(&self.path, &backup)
+            .map_err(|e| io_error(&backup, "keeping the rows a load replaces", e))?;
+        let previous = Previous::File(backup);
+        self.commit(staged)?;
+        Ok(previous)
+    }
+
+    /// Puts back the rows a [`commit_keeping`](Self::commit_keeping) replaced.
+    pub(crate) fn restore(&mut self, mut previous: Previous) -> Result<()> {
+        match &mut previous {
+            Previous::Memory(old) => {
+                self.map = old.take();
+                Ok(())
+            }
+            Previous::File(backup) => {
+                self.replace_with(backup)?;
+                // Renamed into place: nothing to remove.
+                *backup = PathBuf::new();
+                Ok(())
+            }
+        }
     }
 
     /// Makes the staged rows the store's (nothing changes on an error).
@@ -476,6 +521,23 @@ impl RowStore {
         let path = std::mem::take(&mut self.path);
         *self = RowStore { path, ..new };
         Ok(())
+    }
+}
+
+/// The rows a [`RowStore::commit_keeping`] replaced: the old file under a second name
+/// (removed when dropped), or the old memory.
+pub(crate) enum Previous {
+    File(PathBuf),
+    Memory(Option<MmapMut>),
+}
+
+impl Drop for Previous {
+    fn drop(&mut self) {
+        if let Previous::File(p) = self {
+            if !p.as_os_str().is_empty() {
+                let _ = std::fs::remove_file(p);
+            }
+        }
     }
 }
 

@@ -20,7 +20,8 @@ fn batch(ids: Vec<i64>) -> Batch<'static> {
 
 /// A prefetch admits on the cache's own stream; the batch's lookup (on the caller's stream)
 /// waits for it and notes its buffers as used there; its lookup and backward leave the point
-/// its release waits for, and the next admission drains that release.
+/// its release waits for; an admission applies the releases of batches admitted before the
+/// last one, not that one's.
 #[test]
 fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backward() {
     let device = match crate::cuda::simulated_device(0) {
@@ -100,10 +101,27 @@ fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backwar
         assert_eq!(released.len(), 1);
         assert!(released[0].1.is_some(), "the release waits for nothing");
     }
-    // Rows 0..70 locked: batch 1's 40 and batch 2's 50, 20 of them shared.
-    assert_eq!(c.locked_slots().unwrap()[0], 70);
+    // Batch 2 dropped too (as a training step drops its graph after the backward): the
+    // prefetch of batch 3 releases batch 1 but keeps batch 2, the last one admitted, locked
+    // through its admission, so that it need not wait for batch 2's backward.
+    let grad = device.htod(&vec![0.5f32; 50 * 4]).unwrap();
+    let grad = crate::tensor::backend::cuda::from_buffer(grad, &[50, 4]).unwrap();
+    c.forward(&next).unwrap();
+    (c.backward_device(&next, &grad, sgd, WeightDecay::None, 2)).unwrap();
+    drop(next);
+    c.prefetch(&config, &batch((100..110).collect())).unwrap();
+    {
+        let released = c.released.lock();
+        assert_eq!(
+            released.len(),
+            1,
+            "batch 2 was released by batch 3's admission"
+        );
+        assert_eq!(released[0].2, 2);
+    }
+    // Rows 20..70 of batch 2 and batch 3's 10.
+    assert_eq!(c.locked_slots().unwrap()[0], 60);
     c.drain_released().unwrap();
     assert!(c.released.lock().is_empty());
-    assert_eq!(c.locked_slots().unwrap()[0], 50);
-    drop(next);
+    assert_eq!(c.locked_slots().unwrap()[0], 10);
 }
