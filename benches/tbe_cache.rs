@@ -114,7 +114,7 @@ fn main() {
     let cache = rows_in("rows.bin").with_policy(policy);
     let cached = TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap();
     // The same cache, each batch's successor prefetched once its backward is queued (FBGEMM's
-    // pipeline, one host thread; on a GPU the admission runs on the cache's prefetch stream,
+    // pipeline, one host thread; on a GPU the admission runs on the device's prefetch stream,
     // beside the backward).
     let prefetch_cache = rows_in("rows-prefetch.bin").with_policy(policy);
     let prefetching =

@@ -318,6 +318,52 @@ fn tables_in_files_behind_a_small_cache_train_like_tables_in_memory() -> Result<
             .collect::<Result<_>>()?;
         assert_eq!(got, losses, "{policy:?}");
         assert!(state_bits(&cached) == state_bits(&plain), "{policy:?}");
+        // Each next batch prefetched once a step's backward is queued (`train_step_then`,
+        // as the example does on a GPU): the same losses and model. The closure runs after
+        // the backward (the dense weights have gradients) and before the optimizer's step
+        // (they have not changed yet).
+        let prefetch_rows = dir.join("rows-prefetch");
+        let prefetch_placement =
+            Placement::for_kernel("fused_uvm_caching", Some(0.1), prefetch_rows, policy)?;
+        let mut prefetching = cfg.build_with(&prefetch_placement)?;
+        let tables = prefetching.model().sparse_arch.clone();
+        let dense = prefetching.model().dense.dense_arch.parameters()[0].clone();
+        let mut got = Vec::new();
+        for (i, b) in all.iter().enumerate() {
+            let before = dense.to_vec::<f32>()?;
+            let seen = std::sync::Mutex::new(None);
+            let out = prefetching.train_step_then(b, || {
+                *seen.lock().unwrap() = Some((dense.grad().is_some(), dense.to_vec::<f32>()?));
+                match all.get(i + 1) {
+                    Some(next) => tables.prefetch(&next.sparse),
+                    None => Ok(()),
+                }
+            })?;
+            let (had_grad, values) = seen.into_inner().unwrap().expect("the closure ran");
+            assert!(
+                had_grad && values == before,
+                "step {i}: not between backward and step"
+            );
+            assert!(
+                dense.to_vec::<f32>()? != before,
+                "step {i}: no optimizer step"
+            );
+            got.push(out.loss);
+        }
+        assert_eq!(got, losses, "{policy:?} with prefetch");
+        assert!(state_bits(&prefetching) == state_bits(&plain), "{policy:?}");
+        let prefetched: u64 = (prefetching.model().sparse_arch.tbes().iter())
+            .flat_map(|t| t.cache_stats().unwrap())
+            .map(|s| s.prefetched)
+            .sum();
+        assert!(prefetched > 0, "nothing was prefetched");
+        // An error from the closure ends the step.
+        let err = prefetching
+            .train_step_then(&all[0], || Err(embers::Error::invalid("test", "refused")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("refused"), "{err}");
+        drop((prefetching, tables));
         let stats = cached.model().sparse_arch.tbes()[0].cache_stats().unwrap();
         assert!(stats.iter().any(|s| s.evictions > 0), "{stats:?}");
         let path = dir.join("ckpt.safetensors");

@@ -1041,7 +1041,7 @@ fn run(args: Args) -> Result<()> {
             yielded += 1;
             // Tables behind a cache: the next batch is admitted (its rows read in) while this
             // one trains — on the host, on another thread; on a GPU, once this batch's
-            // backward is queued, on the caches' prefetch streams beside it.
+            // backward is queued, on the device's prefetch stream beside it.
             let next = batches.peek().and_then(|b| b.as_ref().ok());
             let out = match next.filter(|_| prefetching) {
                 Some(next) if on_gpu => {

@@ -37,6 +37,8 @@ pub struct CudaDevice {
     pending_frees: Mutex<stream::PendingFrees<cudarc::driver::CudaEvent>>,
     /// The id the next [`CudaDevice::new_stream`] hands out.
     next_stream: std::sync::atomic::AtomicU64,
+    /// The stream the embedding caches of this device prefetch on, once made.
+    prefetch_stream: std::sync::OnceLock<StreamId>,
     pub(super) blas: blas::BlasSlot,
     tf32: std::sync::atomic::AtomicBool,
 }
@@ -67,6 +69,7 @@ impl CudaDevice {
             allocator: Mutex::new(CachingAllocator::new(raw, Device::Cuda(ordinal))),
             pending_frees: Mutex::new(stream::PendingFrees::new()),
             next_stream: std::sync::atomic::AtomicU64::new(1),
+            prefetch_stream: std::sync::OnceLock::new(),
             blas: Mutex::new(None),
             tf32: std::sync::atomic::AtomicBool::new(false),
         }
@@ -283,6 +286,19 @@ impl CudaDevice {
         if let Backend::Driver(d) = &self.backend {
             d.add_stream(self.ordinal, id)?;
         }
+        Ok(Stream::new(self.clone(), id))
+    }
+
+    /// The stream every embedding cache of this device prefetches on (made at the first
+    /// call; one per device, however many caches come and go).
+    pub(crate) fn prefetch_stream(self: &Arc<Self>) -> Result<Stream> {
+        let id = match self.prefetch_stream.get() {
+            Some(&id) => id,
+            None => {
+                let made = self.new_stream()?.id();
+                *self.prefetch_stream.get_or_init(|| made)
+            }
+        };
         Ok(Stream::new(self.clone(), id))
     }
 

@@ -720,8 +720,8 @@ impl DlrmTrainer {
 
     /// [`train_step`](Self::train_step), calling `after_backward` once the backward is queued,
     /// before the dense optimizer's step. On a GPU that is where to prefetch the next batch's
-    /// cached rows (`EmbeddingBagCollection::prefetch`): their admission runs on the caches'
-    /// prefetch streams beside this batch's backward. An error from it ends the step (the
+    /// cached rows (`EmbeddingBagCollection::prefetch`): their admission runs on the device's
+    /// prefetch stream beside this batch's backward. An error from it ends the step (the
     /// backward done, the optimizer's step not taken).
     pub fn train_step_then(
         &mut self,

@@ -88,8 +88,8 @@ impl TableBatchedEmbedding {
     /// unlocked). A row a backward in flight will still update is kept coherent: the backward
     /// writes where the row lives when it runs. Without a cache it does nothing.
     ///
-    /// On a GPU the admission runs on the cache's own prefetch stream (made at the first
-    /// prefetch), so that called once batch `i`'s backward is queued, it runs beside that
+    /// On a GPU the admission runs on a prefetch stream (one per device, shared by its
+    /// caches), so that called once batch `i`'s backward is queued, it runs beside that
     /// backward instead of after it: it waits only for the batches released before (their
     /// slots are the ones it may take), not for the dirty marks and updates of the batch in
     /// flight, whose rows stay locked. The batch's own lookup waits for the prefetch stream.

@@ -20,7 +20,7 @@
 //!   wholly locked by in-flight batches (a *conflict miss*) is served by direct reads instead:
 //!   a scratch row after the slots, filled from the row's current copy at each use. An
 //!   admission made by `prefetch` is kept, and the same batch's `prepare` or `forward` takes it
-//!   instead of admitting again. A GPU cache's prefetch runs on its own stream, beside the
+//!   instead of admitting again. A GPU cache's prefetch runs on its device's prefetch stream, beside the
 //!   backward of the batch in flight (which touches only its own locked slots); the unlock of
 //!   a released batch waits for that batch's last lookup or backward, and a lookup of a
 //!   prefetched batch for the prefetch stream.
@@ -355,8 +355,9 @@ pub(crate) struct CachedTables {
     /// Admissions made by `prefetch`, oldest first, with the ids and offsets they admitted:
     /// the admission of the same batch takes one instead of admitting it again.
     prefetched: std::collections::VecDeque<(Vec<i64>, Vec<usize>, CachedBatch)>,
-    /// A GPU cache's prefetch stream (made at the first prefetch): a prefetched admission
-    /// runs there, beside the backward of the batch before on the caller's stream.
+    /// A GPU cache's prefetch stream (its device's, shared by every cache there; taken at
+    /// the first prefetch): a prefetched admission runs there, beside the backward of the
+    /// batch before on the caller's stream.
     prefetch_stream: Option<Stream>,
 }
 
@@ -1617,7 +1618,7 @@ impl CachedTables {
             Some(d) => {
                 let stream = match &self.prefetch_stream {
                     Some(s) => s.clone(),
-                    None => self.prefetch_stream.insert(d.new_stream()?).clone(),
+                    None => self.prefetch_stream.insert(d.prefetch_stream()?).clone(),
                 };
                 stream.run(|| -> Result<CachedBatch> {
                     let mut admitted = self.admit(logical, batch)?;

@@ -18,7 +18,7 @@ fn batch(ids: Vec<i64>) -> Batch<'static> {
     }
 }
 
-/// A prefetch admits on the cache's own stream; the batch's lookup (on the caller's stream)
+/// A prefetch admits on its device's prefetch stream; the batch's lookup (on the caller's stream)
 /// waits for it and notes its buffers as used there; its lookup and backward leave the point
 /// its release waits for; an admission applies the releases of batches admitted before the
 /// last one, not that one's.
