@@ -100,6 +100,9 @@ enum Prefetch {
     /// After batch `i`'s backward is queued, while the batch is alive (a GPU cache's
     /// prefetch stream then admits beside the backward).
     AfterBackward,
+    /// After batch `i`'s backward is queued and the batch dropped (as a training step drops
+    /// its graph before `Trainer::train_step_then`'s closure prefetches).
+    AfterDroppingTheBatch,
 }
 
 /// Trains `tbe` on `steps`, prefetching each batch's successor as `when` says; the outputs,
@@ -130,8 +133,13 @@ fn train_prefetching(
             .collect();
         let grad = Tensor::from_vec(grad, out.shape())?;
         let grads = tbe.backward_batch(&batch, &grad)?;
-        if when == Prefetch::AfterBackward {
-            prefetch(i)?;
+        match when {
+            Prefetch::AfterBackward => prefetch(i)?,
+            Prefetch::AfterDroppingTheBatch => {
+                drop(batch);
+                prefetch(i)?;
+            }
+            Prefetch::Never | Prefetch::AfterLookup => {}
         }
         if let Some(g) = grads.per_sample_weights {
             seen.extend(g.to_vec::<f32>()?.iter().map(|x| x.to_bits()));
@@ -189,6 +197,7 @@ fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str, every: b
         Prefetch::Never,
         Prefetch::AfterLookup,
         Prefetch::AfterBackward,
+        Prefetch::AfterDroppingTheBatch,
     ]
     .into_iter()
     .flat_map(|prefetch| {
@@ -251,6 +260,69 @@ fn training_is_bit_identical(device: Device, sizes: &[f64], name: &str, every: b
                 "{what}: tables differ after flush"
             );
         }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// The pipeline a training loop runs on a GPU, at a size where the prefetch stream's admission
+/// really runs beside the backward (thousands of rows moved a batch, each way): batch `i + 1`
+/// prefetched once batch `i`'s backward is queued, batch `i` dropped first or still alive, rows
+/// in host memory (moved by the GPU in place) or in a file (staged moves), LRU and LFU. Every
+/// output, and the tables and state after flushing, equal the same tables all in the GPU's
+/// memory, bit for bit. On the emulation, which runs every launch to completion (the
+/// bookkeeping, not the overlap), a small shape.
+#[test]
+fn gpu_a_prefetch_beside_the_backward_trains_bit_identically_at_size() -> Result<()> {
+    let Some(device) = cuda_device::device() else {
+        return Ok(());
+    };
+    let on_gpu = embers::cuda::emulated_devices() == 0;
+    let (rows, dim, b, len, n) = match on_gpu {
+        true => (200_000, 64, 2048, 20, 40),
+        false => (3000, 8, 24, 6, 6),
+    };
+    let dir = temp_dir("gpu-prefetch-at-size");
+    let tables = (0..3)
+        .map(|i| TableSpec::new(format!("t{i}"), rows, dim))
+        .collect();
+    let optimizer = FusedOptimizer::RowWiseAdagrad {
+        lr: 0.05,
+        eps: 1e-3,
+    };
+    let cfg = TbeConfig::new(tables, vec![0, 1, 2, 2], PoolingMode::Sum, optimizer);
+    let steps = batches(&cfg, n, b, len, 1.1, false, 5);
+    let init = EmbeddingInit::Normal { std: 0.3 };
+    let reference = TableBatchedEmbedding::new(cfg.clone())?;
+    reference.init_weights(init, &mut seeded(3))?;
+    reference.to_device(device)?;
+    let seen = train_prefetching(&reference, &steps, Prefetch::Never)?;
+    let expected = state_bits(&reference)?;
+    let runs = [
+        (CachePolicy::Lru, false, Prefetch::AfterDroppingTheBatch),
+        (CachePolicy::Lfu, true, Prefetch::AfterDroppingTheBatch),
+        (CachePolicy::Lru, true, Prefetch::AfterBackward),
+    ];
+    for (k, (policy, in_file, when)) in runs.into_iter().enumerate() {
+        let size = CacheSize::LoadFactor(0.05);
+        let cache = match in_file {
+            true => CacheConfig::new(dir.join(format!("rows{k}.bin")), size),
+            false => CacheConfig::in_host_memory(size),
+        };
+        let tbe =
+            TableBatchedEmbedding::new_cached_on(cfg.clone(), cache.with_policy(policy), device)?;
+        tbe.init_weights(init, &mut seeded(3))?;
+        let what = format!("{policy:?}, rows in a file {in_file}, {when:?}");
+        assert!(
+            train_prefetching(&tbe, &steps, when)? == seen,
+            "{what}: outputs differ"
+        );
+        let stats = tbe.cache_stats().unwrap();
+        let prefetched: u64 = stats.iter().map(|s| s.prefetched).sum();
+        let evictions: u64 = stats.iter().map(|s| s.evictions).sum();
+        assert!(prefetched > 0 && evictions > 0, "{what}: {stats:?}");
+        tbe.flush()?;
+        assert!(state_bits(&tbe)? == expected, "{what}: tables differ");
     }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
