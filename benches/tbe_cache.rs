@@ -119,6 +119,14 @@ fn main() {
     let prefetch_cache = rows_in("rows-prefetch.bin").with_policy(policy);
     let prefetching =
         TableBatchedEmbedding::new_cached_on(cfg.clone(), prefetch_cache, device).unwrap();
+    // On a GPU, also the same prefetch on the caller's stream (after the backward, not beside
+    // it): what the prefetch stream's overlap is worth, in the same run.
+    let serial = gpu.as_ref().map(|_| {
+        let cache = rows_in("rows-serial.bin")
+            .with_policy(policy)
+            .with_prefetch_on_side_stream(false);
+        TableBatchedEmbedding::new_cached_on(cfg.clone(), cache, device).unwrap()
+    });
     // On a GPU, also the planner's `fused_uvm`: every row in managed memory, read in place.
     let managed = gpu
         .as_ref()
@@ -131,6 +139,9 @@ fn main() {
     let t0 = Instant::now();
     cached.init_weights(init, &mut seeded(1)).unwrap();
     prefetching.init_weights(init, &mut seeded(1)).unwrap();
+    if let Some(p) = &serial {
+        p.init_weights(init, &mut seeded(1)).unwrap();
+    }
     if let Some(m) = &managed {
         m.init_weights(init, &mut seeded(1)).unwrap();
     }
@@ -189,17 +200,23 @@ fn main() {
         step(&in_ram, batch);
         step(&cached, batch);
         step_with(&prefetching, batch, batches.get(i + 1));
+        if let Some(p) = &serial {
+            step_with(p, batch, batches.get(i + 1));
+        }
         if let Some(m) = &managed {
             step(m, batch);
         }
     }
     cached.reset_cache_stats();
     let (mut ram_ms, mut cache_ms, mut prefetch_ms) = (Vec::new(), Vec::new(), Vec::new());
-    let mut managed_ms = Vec::new();
+    let (mut managed_ms, mut serial_ms) = (Vec::new(), Vec::new());
     for (i, batch) in batches.iter().enumerate().skip(warm) {
         ram_ms.push(step(&in_ram, batch));
         cache_ms.push(step(&cached, batch));
         prefetch_ms.push(step_with(&prefetching, batch, batches.get(i + 1)));
+        if let Some(p) = &serial {
+            serial_ms.push(step_with(p, batch, batches.get(i + 1)));
+        }
         if let Some(m) = &managed {
             managed_ms.push(step(m, batch));
         }
@@ -243,6 +260,15 @@ fn main() {
         part(&prefetch_ms, 1),
         part(&prefetch_ms, 2),
     );
+    if !serial_ms.is_empty() {
+        let p = total(&serial_ms);
+        println!(
+            "  the same prefetch on the caller's stream (after the backward, not beside it): \
+             {p:.2} ms ({:.2} of {mem}); backward+prefetch median {:.2} ms",
+            ram / p,
+            part(&serial_ms, 2),
+        );
+    }
     if !managed_ms.is_empty() {
         let m = total(&managed_ms);
         println!(
@@ -280,7 +306,7 @@ fn main() {
 
     // The limit misses run into: copying random records out of the mapped file, one thread
     // (as the cache does), the file in the page cache (or out of as much host memory).
-    drop((in_ram, cached, prefetching, managed));
+    drop((in_ram, cached, prefetching, serial, managed));
     let map: Box<dyn std::ops::Deref<Target = [u8]>> = match in_memory {
         true => Box::new(vec![1u8; file_bytes as usize]),
         false => {

@@ -64,15 +64,19 @@ pub struct CacheConfig {
     pub size: CacheSize,
     /// The replacement policy.
     pub policy: CachePolicy,
+    /// A cache on a GPU: whether `prefetch` admits on the device's prefetch stream, beside
+    /// the caller's work (the default), or on the caller's stream, after it.
+    pub prefetch_on_side_stream: bool,
 }
 
 impl CacheConfig {
-    /// A cache of `size` over the file `path`, LRU.
+    /// A cache of `size` over the file `path`, LRU, prefetching on a GPU's prefetch stream.
     pub fn new(path: impl Into<PathBuf>, size: CacheSize) -> Self {
         CacheConfig {
             path: path.into(),
             size,
             policy: CachePolicy::Lru,
+            prefetch_on_side_stream: true,
         }
     }
 
@@ -86,6 +90,14 @@ impl CacheConfig {
     /// The same cache with `policy`.
     pub fn with_policy(mut self, policy: CachePolicy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// The same cache, prefetching on a GPU's prefetch stream (`true`, the default) or on the
+    /// caller's stream (`false`: the admission then runs after the work queued before it,
+    /// as a comparison for the overlap).
+    pub fn with_prefetch_on_side_stream(mut self, on: bool) -> Self {
+        self.prefetch_on_side_stream = on;
         self
     }
 }
@@ -201,11 +213,9 @@ impl Placement {
             Placement::Cached { dir, size, policy } => {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| store::io_error(dir, "creating the row files' directory", e))?;
-                Ok(Some(CacheConfig {
-                    path: dir.join(name),
-                    size: *size,
-                    policy: *policy,
-                }))
+                Ok(Some(
+                    CacheConfig::new(dir.join(name), *size).with_policy(*policy),
+                ))
             }
         }
     }

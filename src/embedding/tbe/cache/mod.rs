@@ -359,6 +359,8 @@ pub(crate) struct CachedTables {
     /// the first prefetch): a prefetched admission runs there, beside the backward of the
     /// batch before on the caller's stream.
     prefetch_stream: Option<Stream>,
+    /// Whether a GPU cache prefetches on the prefetch stream (else on the caller's).
+    prefetch_on_side_stream: bool,
 }
 
 /// Prefetched admissions kept at most (a pipeline one batch deep needs one).
@@ -451,7 +453,10 @@ impl CachedTables {
         };
         let sets = sets_for(cache.size, &sized, per_row)?;
         let store = RowStore::create(&cache.path, &tables)?;
-        Self::over(config, store, &sets, cache.policy, device, with_device_dir).map_err(|f| f.1)
+        let mut tables = (Self::over(config, store, &sets, cache.policy, device, with_device_dir))
+            .map_err(|f| f.1)?;
+        tables.prefetch_on_side_stream = cache.prefetch_on_side_stream;
+        Ok(tables)
     }
 
     /// An empty cache of `sets` sets per table over `store` (the rows of the logical tables
@@ -514,6 +519,7 @@ impl CachedTables {
             times: CacheTimes::default(),
             prefetched: Default::default(),
             prefetch_stream: None,
+            prefetch_on_side_stream: true,
         };
         tables.mapped = tables.map_store();
         Ok(tables)
@@ -545,6 +551,7 @@ impl CachedTables {
             Ok(mut moved) => {
                 moved.stats = std::mem::take(&mut self.stats);
                 moved.times = self.times;
+                moved.prefetch_on_side_stream = self.prefetch_on_side_stream;
                 Ok(moved)
             }
             Err(failed) => {
@@ -1614,6 +1621,7 @@ impl CachedTables {
     /// [`MAX_PREFETCHED`] is dropped.
     pub(crate) fn prefetch(&mut self, logical: &TbeConfig, batch: &Batch<'_>) -> Result<()> {
         let admitted = match self.gpu().cloned() {
+            Some(_) if !self.prefetch_on_side_stream => self.admit(logical, batch)?,
             None => self.admit(logical, batch)?,
             Some(d) => {
                 let stream = match &self.prefetch_stream {

@@ -125,3 +125,27 @@ fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backwar
     assert!(c.released.lock().is_empty());
     assert_eq!(c.locked_slots().unwrap()[0], 10);
 }
+
+/// A cache configured to prefetch on the caller's stream admits there.
+#[test]
+fn a_gpu_cache_can_prefetch_on_the_callers_stream() {
+    let Ok(device) = crate::cuda::simulated_device(0) else {
+        // The test above reports a missing emulation.
+        return;
+    };
+    let config = TbeConfig::new(
+        vec![TableSpec::new("t", 300, 4)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    );
+    let cache =
+        CacheConfig::in_host_memory(CacheSize::LoadFactor(0.5)).with_prefetch_on_side_stream(false);
+    let mut c = CachedTables::create(&config, &cache, Some(device.clone())).unwrap();
+    c.prefetch(&config, &batch((0..40).collect())).unwrap();
+    assert!(c.prefetch_stream.is_none());
+    let (_, _, kept) = c.prefetched.front().expect("the prefetched admission");
+    let caller = device.current_stream_id();
+    let ids = &kept.on_device.as_ref().unwrap().ids;
+    assert_eq!(ids.streams(), (Some(caller), vec![]));
+}
