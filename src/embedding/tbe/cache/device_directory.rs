@@ -664,7 +664,7 @@ impl DeviceDirectory {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::embedding::input::{Batch, Ids};
     use crate::embedding::tbe::cache::{CacheStats, TablePositions};
@@ -672,7 +672,7 @@ mod tests {
 
     /// The emulated device, or `None` (reason printed; a failure under
     /// `EMBERS_REQUIRE_CUDA_SIM=1`).
-    fn emulated() -> Option<Arc<CudaDevice>> {
+    pub(in crate::embedding::tbe::cache) fn emulated() -> Option<Arc<CudaDevice>> {
         match crate::cuda::simulated_device(0) {
             Ok(d) => Some(d),
             Err(e) => {

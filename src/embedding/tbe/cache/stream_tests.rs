@@ -1,10 +1,21 @@
 //! A GPU cache's prefetch stream, on the host emulation (which runs every launch to completion,
 //! so it checks what is recorded and waited for, not the overlap itself).
 
+use super::device_directory::tests::emulated;
 use super::*;
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::optimizer::WeightDecay;
 use crate::embedding::{PoolingMode, TableSpec};
+
+/// One table of 300 rows of width 4, trained by SGD.
+fn one_table() -> TbeConfig {
+    TbeConfig::new(
+        vec![TableSpec::new("t", 300, 4)],
+        vec![0],
+        PoolingMode::Sum,
+        FusedOptimizer::Sgd { lr: 0.1 },
+    )
+}
 
 fn batch(ids: Vec<i64>) -> Batch<'static> {
     let offsets = (0..=ids.len()).collect();
@@ -24,21 +35,10 @@ fn batch(ids: Vec<i64>) -> Batch<'static> {
 /// last one, not that one's.
 #[test]
 fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backward() {
-    let device = match crate::cuda::simulated_device(0) {
-        Ok(d) => d,
-        Err(e) => {
-            let required = std::env::var("EMBERS_REQUIRE_CUDA_SIM").is_ok_and(|v| v == "1");
-            assert!(!required, "EMBERS_REQUIRE_CUDA_SIM=1 but {e}");
-            println!("skipped: no host emulation: {e}");
-            return;
-        }
+    let Some(device) = emulated() else {
+        return;
     };
-    let config = TbeConfig::new(
-        vec![TableSpec::new("t", 300, 4)],
-        vec![0],
-        PoolingMode::Sum,
-        FusedOptimizer::Sgd { lr: 0.1 },
-    );
+    let config = one_table();
     let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.5));
     let mut c = CachedTables::create(&config, &cache, Some(device.clone())).unwrap();
     let caller = device.current_stream_id();
@@ -129,16 +129,10 @@ fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backwar
 /// A cache configured to prefetch on the caller's stream admits there.
 #[test]
 fn a_gpu_cache_can_prefetch_on_the_callers_stream() {
-    let Ok(device) = crate::cuda::simulated_device(0) else {
-        // The test above reports a missing emulation.
+    let Some(device) = emulated() else {
         return;
     };
-    let config = TbeConfig::new(
-        vec![TableSpec::new("t", 300, 4)],
-        vec![0],
-        PoolingMode::Sum,
-        FusedOptimizer::Sgd { lr: 0.1 },
-    );
+    let config = one_table();
     let cache =
         CacheConfig::in_host_memory(CacheSize::LoadFactor(0.5)).with_prefetch_on_side_stream(false);
     let mut c = CachedTables::create(&config, &cache, Some(device.clone())).unwrap();
