@@ -231,15 +231,23 @@ impl TableBatchedEmbedding {
 
     /// [`commit_cached_checkpoint`](Self::commit_cached_checkpoint), keeping what it replaces
     /// for [`undo_commit`](Self::undo_commit): the dirty cached rows are written back first, so
-    /// that the rows kept are every row; the step count it replaced comes back too.
-    fn commit_keeping(&self, staged: StagedRows) -> Result<(Previous, u64)> {
+    /// that the rows kept are every row. A cache that cannot write them back (unusable after a
+    /// failed admission, or an I/O error) still loads — that is how it recovers —, and
+    /// [`Kept::lost`] says why, for an undo to leave it unusable again.
+    fn commit_keeping(&self, staged: StagedRows) -> Result<Kept> {
         let cfg = &self.inner.config;
         let mut state = self.inner.state.write();
         let Tables::Cached(c) = &mut state.tables else {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
         c.check_idle()?;
-        c.flush()?;
+        let lost = match c.poisoned() {
+            Some(why) => Some(why.to_string()),
+            None => c
+                .flush()
+                .err()
+                .map(|e| format!("its cached rows could not be written back before a load ({e})")),
+        };
         let previous = c.commit_store_keeping(staged.staged)?;
         if let Err(e) = c.invalidate(cfg) {
             // Not committed after all.
@@ -247,40 +255,67 @@ impl TableBatchedEmbedding {
             return Err(e);
         }
         let step = std::mem::replace(&mut state.step, staged.step);
-        Ok((previous, step))
+        Ok(Kept {
+            previous,
+            step,
+            lost,
+        })
     }
 
     /// Puts back the rows and step count a [`commit_keeping`](Self::commit_keeping) replaced
-    /// (the cache emptied again).
-    fn undo_commit(&self, previous: Previous, step: u64) -> Result<()> {
+    /// (the cache emptied again, and unusable again if it was or could not write its rows
+    /// back). On an error the kept rows stay where the error says.
+    fn undo_commit(&self, kept: Kept) -> Result<()> {
         let cfg = &self.inner.config;
-        let mut state = self.inner.state.write();
+        let mut guard = self.inner.state.write();
+        let state = &mut *guard;
         let Tables::Cached(c) = &mut state.tables else {
-            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+            return Err(kept
+                .previous
+                .abandon(Error::invalid(OP, "the tables are not cached in a file")));
         };
-        c.check_idle()?;
-        c.restore_store(previous)?;
+        if let Err(e) = c.check_idle() {
+            return Err(kept.previous.abandon(e));
+        }
+        state.step = kept.step;
+        c.restore_store(kept.previous)?;
         c.invalidate(cfg)?;
-        state.step = step;
+        if let Some(why) = kept.lost {
+            c.poison(why);
+        }
         Ok(())
     }
+}
+
+/// What a [`TableBatchedEmbedding::commit_keeping`] replaced: the rows, the step count, and
+/// why (if so) the rows kept lack the cache's dirty ones.
+struct Kept {
+    previous: Previous,
+    step: u64,
+    lost: Option<String>,
 }
 
 /// Commits the staged checkpoint loads of several cached TBEs as one: the rows each commit
 /// replaces are kept (dirty cached rows written back first) until every commit is done, and if
 /// one fails — an I/O error when its file is renamed into place — the TBEs committed before it
-/// get their rows, cache and step count back, and the error says so.
+/// get their rows, cache and step count back, and the error says so. A single load is a plain
+/// commit (nothing to keep). This covers errors, not a crash of the process midway: after one,
+/// load the checkpoint again.
 pub(crate) fn commit_cached_checkpoints(
     loads: Vec<(&TableBatchedEmbedding, StagedRows)>,
 ) -> Result<()> {
+    if loads.len() == 1 {
+        let (tbe, staged) = loads.into_iter().next().expect("one load");
+        return tbe.commit_cached_checkpoint(staged);
+    }
     let mut done = Vec::with_capacity(loads.len());
     for (tbe, staged) in loads {
         match tbe.commit_keeping(staged) {
-            Ok((previous, step)) => done.push((tbe, previous, step)),
+            Ok(kept) => done.push((tbe, kept)),
             Err(e) => {
                 let n = done.len();
                 let failed: Vec<Error> = (done.into_iter().rev())
-                    .filter_map(|(tbe, previous, step)| tbe.undo_commit(previous, step).err())
+                    .filter_map(|(tbe, kept)| tbe.undo_commit(kept).err())
                     .collect();
                 return Err(Error::invalid(
                     OP,
@@ -741,6 +776,87 @@ mod tests {
             assert_eq!(tbe.step(), 0);
         }
         assert_eq!(leftovers(), Vec::<String>::new());
+        drop(tbes);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A cache left unusable by a failed admission recovers by a load into several TBEs at
+    /// once (its dirty rows cannot be written back first, and need not be); when that load is
+    /// undone — another TBE's commit failing — it is unusable again, not silently missing
+    /// its lost rows.
+    #[test]
+    fn an_unusable_cache_recovers_by_a_load_of_several_and_stays_unusable_when_undone() {
+        let dir = std::env::temp_dir().join(format!("embers-poisoned-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 32, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.5 },
+        );
+        let size = CacheSize::LoadFactor(0.5);
+        let tbes: Vec<TableBatchedEmbedding> = ["a.rows", "b.rows"]
+            .into_iter()
+            .map(|f| {
+                let cache = CacheConfig::new(dir.join(f), size);
+                TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+            })
+            .collect();
+        let saved: Vec<f32> = (0..32 * 4).map(|i| i as f32 / 4.0).collect();
+        for (k, tbe) in tbes.iter().enumerate() {
+            tbe.set_table_weights(0, &saved).unwrap();
+            tbe.save_cached_checkpoint(dir.join(format!("ckpt{k}")))
+                .unwrap();
+        }
+        let ids: Vec<i64> = (0..10).collect();
+        let offsets: Vec<i64> = (0..=10).collect();
+        let step = |tbe: &TableBatchedEmbedding| -> Result<()> {
+            let batch = tbe.prepare(TbeInput::new(&ids[..], &offsets[..]))?;
+            let out = tbe.lookup_batch(&batch)?;
+            let grad = crate::Tensor::from_vec(vec![1.0f32; 10 * 4], out.shape())?;
+            tbe.backward_batch(&batch, &grad).map(drop)
+        };
+        for tbe in &tbes {
+            step(tbe).unwrap();
+        }
+        if let Tables::Cached(c) = &mut tbes[0].inner.state.write().tables {
+            c.poison("an admission failed (test)".to_string());
+        }
+        let unusable = |tbe: &TableBatchedEmbedding| {
+            let err = step(tbe).unwrap_err().to_string();
+            assert!(err.contains("unusable") && err.contains("(test)"), "{err}");
+        };
+        unusable(&tbes[0]);
+        let stage = || -> Vec<(&TableBatchedEmbedding, StagedRows)> {
+            (tbes.iter().enumerate())
+                .map(|(k, t)| {
+                    let dir = dir.join(format!("ckpt{k}"));
+                    (t, t.stage_cached_checkpoint(&dir).unwrap())
+                })
+                .collect()
+        };
+        // Undone: the poisoned one is put back, and still refuses.
+        let loads = stage();
+        let super::super::store::Staged::File(last, _) = &loads[1].1.staged else {
+            panic!("a file store stages a file");
+        };
+        std::fs::remove_file(last).unwrap();
+        let err = commit_cached_checkpoints(loads).unwrap_err().to_string();
+        assert!(err.contains("nothing was loaded"), "{err}");
+        unusable(&tbes[0]);
+        assert_eq!(tbes[1].step(), 1);
+        // Loaded: usable again, with the checkpoint's rows.
+        commit_cached_checkpoints(stage()).unwrap();
+        for tbe in &tbes {
+            assert!(tbe.table_weights(0).unwrap() == saved);
+            assert_eq!(tbe.step(), 0);
+        }
+        step(&tbes[0]).unwrap();
+        assert!(
+            tbes[0].table_weights(0).unwrap() != saved,
+            "the step changed nothing"
+        );
         drop(tbes);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -701,6 +701,17 @@ impl CachedTables {
         Ok(self.dirs.iter().map(Directory::locked_slots).collect())
     }
 
+    /// Why the cache is unusable (a failed admission), if it is.
+    pub(crate) fn poisoned(&self) -> Option<&str> {
+        self.poisoned.as_deref()
+    }
+
+    /// Makes the cache unusable, saying why, until a checkpoint is loaded (a load undone
+    /// after the cache's own rows were lost).
+    pub(crate) fn poison(&mut self, why: String) {
+        self.poisoned = Some(why);
+    }
+
     /// Refuses when a failed admission left the cache unusable.
     fn check_usable(&self) -> Result<()> {
         match &self.poisoned {

@@ -125,6 +125,65 @@ fn lock_exclusively(file: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Removes what a process killed while loading a checkpoint into the store at `path` left
+/// beside it: its staged copies (`<file name>.restore-<process>-<n>.tmp`) and the rows a load
+/// was replacing (`<file name>.previous-…`). Called with the store's lock held, so no live process
+/// uses them; only other processes' are removed. Best effort: what cannot be removed stays.
+fn remove_leftovers(path: &Path) {
+    let (Some(dir), Some(file)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let file = file.to_string_lossy();
+    let ours = std::process::id().to_string();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let Some(rest) = (name.strip_prefix(&*file))
+            .and_then(|r| r.strip_prefix('.'))
+            .and_then(|r| r.strip_suffix(".tmp"))
+        else {
+            continue;
+        };
+        let Some(tail) = (rest.strip_prefix("restore-")).or_else(|| rest.strip_prefix("previous-"))
+        else {
+            continue;
+        };
+        let Some((pid, n)) = tail.split_once('-') else {
+            continue;
+        };
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if digits(pid) && digits(n) && pid != ours {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// `std::fs::hard_link`, failing in tests that ask it to (a file system without hard links).
+fn hard_link(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    if NO_HARD_LINKS.with(|n| n.get()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "no hard links here (test)",
+        ));
+    }
+    std::fs::hard_link(from, to)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Makes [`hard_link`] fail on this thread.
+    pub(crate) static NO_HARD_LINKS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
 /// space the disk may not have.
 fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
@@ -185,6 +244,7 @@ impl RowStore {
             .open(path)
             .map_err(|e| io_error(path, "creating the row store", e))?;
         lock_exclusively(&file, path)?;
+        remove_leftovers(path);
         file.set_len(0)
             .and_then(|()| file.set_len(len))
             .map_err(|e| io_error(path, &format!("sizing the row store to {len} bytes"), e))?;
@@ -442,18 +502,19 @@ impl RowStore {
         Ok(staged)
     }
 
-    /// A new name beside the file, `<file stem>.<what>-<process>-<n>.tmp`, used by no other
+    /// A new name beside the file, `<file name>.<what>-<process>-<n>.tmp`, used by no other
     /// staging (two stagings of one store at once each have their own).
     fn beside(&self, what: &str) -> PathBuf {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        (self.path).with_extension(format!("{what}-{}-{n}.tmp", std::process::id()))
+        let name = self.path.file_name().unwrap_or_default().to_string_lossy();
+        (self.path).with_file_name(format!("{name}.{what}-{}-{n}.tmp", std::process::id()))
     }
 
     /// [`commit`](Self::commit), keeping the rows it replaces so that
     /// [`restore`](Self::restore) can put them back: the file's old inode under a second name
-    /// (a hard link, removed when the [`Previous`] is dropped), or the old memory. Nothing
-    /// changes on an error.
+    /// (a hard link, or a copy where the file system has none; removed when the [`Previous`]
+    /// is dropped), or the old memory. Nothing changes on an error.
     pub(crate) fn commit_keeping(&mut self, staged: Staged) -> Result<Previous> {
         if self.file.is_none() {
             let old = self.map.take();
@@ -464,26 +525,40 @@ impl RowStore {
             return Ok(Previous::Memory(old));
         }
         let backup = self.beside("previous");
-        std::fs::hard_link(&self.path, &backup)
-            .map_err(|e| io_error(&backup, "keeping the rows a load replaces", e))?;
+        if let Err(link) = hard_link(&self.path, &backup) {
+            // FAT, exFAT and some network or FUSE file systems have no hard links: a copy
+            // (the rows were just written back, and nothing writes them meanwhile).
+            if let Err(e) = self.copy_to(&backup) {
+                let _ = std::fs::remove_file(&backup);
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{e} (keeping the rows a load replaces: a hard link failed too: {link})"
+                    ),
+                ));
+            }
+        }
         let previous = Previous::File(backup);
         self.commit(staged)?;
         Ok(previous)
     }
 
-    /// Puts back the rows a [`commit_keeping`](Self::commit_keeping) replaced.
+    /// Puts back the rows a [`commit_keeping`](Self::commit_keeping) replaced. On an error
+    /// they are left in their file, which the error names.
     pub(crate) fn restore(&mut self, mut previous: Previous) -> Result<()> {
         match &mut previous {
             Previous::Memory(old) => {
                 self.map = old.take();
                 Ok(())
             }
-            Previous::File(backup) => {
-                self.replace_with(backup)?;
-                // Renamed into place: nothing to remove.
-                *backup = PathBuf::new();
-                Ok(())
-            }
+            Previous::File(backup) => match self.replace_with(backup) {
+                Ok(()) => {
+                    // Renamed into place: nothing to remove.
+                    *backup = PathBuf::new();
+                    Ok(())
+                }
+                Err(e) => Err(previous.abandon(e)),
+            },
         }
     }
 
@@ -529,6 +604,27 @@ impl RowStore {
 pub(crate) enum Previous {
     File(PathBuf),
     Memory(Option<MmapMut>),
+}
+
+impl Previous {
+    /// `e`, for an operation that could not put these rows back: a file is left where it is
+    /// (the only copy of those rows), and the error names it.
+    pub(crate) fn abandon(mut self, e: Error) -> Error {
+        match &mut self {
+            Previous::File(p) => {
+                let kept = std::mem::take(p);
+                Error::invalid(
+                    OP,
+                    format!(
+                        "{e} (the rows it replaced are kept in {}; rename it over the row \
+                         file to use them)",
+                        kept.display()
+                    ),
+                )
+            }
+            Previous::Memory(_) => e,
+        }
+    }
 }
 
 impl Drop for Previous {
@@ -702,6 +798,116 @@ mod tests {
         let err = io_error(Path::new("/dev/full"), "writing row 3", e).to_string();
         assert!(err.contains("the disk is full"), "{err}");
         assert!(err.contains("/dev/full: writing row 3"), "{err}");
+    }
+
+    /// A dir of its own for a store test.
+    fn test_dir(what: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("embers-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The rows of a store of one table of 8 rows of 4 bytes: row `r` holds `r + fill`.
+    fn staged_with(store: &RowStore, fill: u8) -> Staged {
+        store
+            .stage_new(|bytes, _| {
+                for (r, row) in bytes.chunks_mut(4).enumerate() {
+                    row.fill(r as u8 + fill);
+                }
+                Ok(())
+            })
+            .unwrap()
+    }
+
+    fn row(store: &RowStore, r: usize) -> u8 {
+        let mut b = [0u8; 4];
+        store.read_bytes(0, r, &mut b);
+        b[0]
+    }
+
+    /// Where the file system has no hard links, the rows a load replaces are kept as a copy,
+    /// and put back; the copy is gone after.
+    #[test]
+    fn without_hard_links_the_replaced_rows_are_kept_as_a_copy() {
+        let dir = test_dir("no-links");
+        let path = dir.join("rows.bin");
+        let mut store = RowStore::create(&path, &[(8, 4)]).unwrap();
+        let first = staged_with(&store, 10);
+        store.commit(first).unwrap();
+        NO_HARD_LINKS.with(|n| n.set(true));
+        let second = staged_with(&store, 50);
+        let previous = store.commit_keeping(second);
+        NO_HARD_LINKS.with(|n| n.set(false));
+        let previous = previous.unwrap();
+        assert_eq!(row(&store, 3), 53);
+        store.restore(previous).unwrap();
+        assert_eq!(row(&store, 3), 13);
+        let names: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["rows.bin".to_string()]);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A restore that fails leaves the kept rows' file in place (the only copy of them) and
+    /// names it; renamed over the row file by hand, they are back.
+    #[test]
+    fn a_failed_restore_keeps_the_replaced_rows_and_names_their_file() {
+        let dir = test_dir("failed-restore");
+        let path = dir.join("rows.bin");
+        let mut store = RowStore::create(&path, &[(8, 4)]).unwrap();
+        let first = staged_with(&store, 10);
+        store.commit(first).unwrap();
+        let second = staged_with(&store, 50);
+        let previous = store.commit_keeping(second).unwrap();
+        let Previous::File(kept) = &previous else {
+            panic!("a file store keeps a file");
+        };
+        let kept = kept.clone();
+        // The kept file grows by a byte: putting it back is refused (wrong length).
+        let f = OpenOptions::new().write(true).open(&kept).unwrap();
+        f.set_len(33).unwrap();
+        let err = store.restore(previous).unwrap_err().to_string();
+        assert!(err.contains("the rows it replaced are kept in"), "{err}");
+        assert!(err.contains(&kept.display().to_string()), "{err}");
+        assert!(kept.exists(), "the kept rows were removed");
+        assert_eq!(row(&store, 3), 53, "a failed restore changed the store");
+        f.set_len(32).unwrap();
+        drop(store);
+        std::fs::rename(&kept, &path).unwrap();
+        let store = RowStore::open(&path, &[(8, 4)]).unwrap();
+        assert_eq!(row(&store, 3), 13);
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Creating a store removes what killed processes left beside its file (staged copies,
+    /// kept rows), and nothing else: this process's, another file's, other names.
+    #[test]
+    fn a_new_store_removes_what_dead_loads_left_beside_it() {
+        let dir = test_dir("leftovers");
+        let ours = std::process::id();
+        let names = [
+            ("rows.bin.restore-4000000000-0.tmp", false),
+            ("rows.bin.previous-4000000001-12.tmp", false),
+            (&*format!("rows.bin.restore-{ours}-7.tmp"), true),
+            ("rows.bin2.restore-4000000000-0.tmp", true),
+            ("rows.restore-4000000000-0.tmp", true),
+            ("rows.bin.restore-x-0.tmp", true),
+            ("rows.bin.restore-4000000000-0.tmp.keep", true),
+        ]
+        .map(|(n, stays)| (n.to_string(), stays));
+        for (n, _) in &names {
+            std::fs::write(dir.join(n), b"x").unwrap();
+        }
+        let store = RowStore::create(&dir.join("rows.bin"), &[(8, 4)]).unwrap();
+        for (n, stays) in &names {
+            assert_eq!(dir.join(n).exists(), *stays, "{n}");
+        }
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
