@@ -365,3 +365,103 @@ fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A DLRM served from row files behind small DRAM caches (a tenth of each table; FP32, INT8
+/// and INT4 rows; LRU and LFU) predicts exactly what the same checkpoint served from memory
+/// predicts, bit for bit, with misses and evictions counted; two such servables of one
+/// checkpoint (a reload's overlap) keep their files apart, and each removes its own when
+/// dropped. What a dead server left there is removed; a load factor of 0 is refused by name.
+#[test]
+fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
+    use embers::embedding::{CachePolicy, CacheSize, Placement, WeightType};
+    use embers::serve::DlrmServable;
+
+    let g = support::data(3_000, 300, 1);
+    let config = support::config(&g);
+    let mut trainer = config.build().unwrap();
+    support::train(&mut trainer, &g, 1);
+    let dir = std::env::temp_dir().join(format!("embers-serve-cached-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    trainer.save_checkpoint(&path, &Default::default()).unwrap();
+    let root = dir.join("caches");
+    // Left by a server that died (no process has a pid this large).
+    let dead = root.join("embers-serve-4000000000-0");
+    std::fs::create_dir_all(&dead).unwrap();
+    std::fs::write(dead.join("ebc-group0.rows"), b"stale").unwrap();
+    let entries = || -> Vec<String> {
+        let mut names: Vec<String> = (std::fs::read_dir(&root).unwrap())
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let rows = support::rows(&g);
+    let cases = [
+        (None, CachePolicy::Lru),
+        (Some(WeightType::Int8), CachePolicy::Lfu),
+        (Some(WeightType::Int4), CachePolicy::Lru),
+    ];
+    for (quantize, policy) in cases {
+        let memory = DlrmServable::from_checkpoint(&path, quantize).unwrap();
+        let placement = Placement::Cached {
+            dir: root.clone(),
+            size: CacheSize::LoadFactor(0.1),
+            policy,
+        };
+        let cached = DlrmServable::from_checkpoint_placed(&path, quantize, &placement).unwrap();
+        assert!(!dead.exists(), "a dead server's files were kept");
+        let again = DlrmServable::from_checkpoint_placed(&path, quantize, &placement).unwrap();
+        let ours = entries();
+        assert_eq!(ours.len(), 2, "{ours:?}");
+        assert!(
+            ours.iter().all(|n| n.starts_with("embers-serve-")),
+            "{ours:?}"
+        );
+        for chunk in rows.chunks(37) {
+            let want = memory.run(chunk.to_vec()).unwrap();
+            assert_eq!(cached.run(chunk.to_vec()).unwrap(), want, "{quantize:?}");
+            assert_eq!(again.run(chunk.to_vec()).unwrap(), want, "{quantize:?}");
+        }
+        assert!(memory.cache_stats().is_empty());
+        let stats = cached.cache_stats();
+        assert_eq!(stats.len(), 4, "one series per table");
+        for s in &stats {
+            // 100 rows, one set of 32 slots: the tables do not fit.
+            assert_eq!(s.slots, 32, "{s:?}");
+            assert!(s.unique_misses > 32 && s.evictions > 0, "{s:?}");
+            assert!(s.unique_misses < s.unique_ids, "{s:?}");
+            assert_eq!(s.rows_read, s.unique_misses, "{s:?}");
+        }
+        drop(cached);
+        assert_eq!(entries().len(), 1);
+        drop(again);
+        assert_eq!(entries(), Vec::<String>::new());
+    }
+    let zero = Placement::Cached {
+        dir: root.clone(),
+        size: CacheSize::LoadFactor(0.0),
+        policy: CachePolicy::Lru,
+    };
+    let err = DlrmServable::from_checkpoint_placed(&path, None, &zero)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("cache load factor 0"), "{err}");
+    assert_eq!(entries(), Vec::<String>::new());
+    // A cache directory that is a file: named.
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let in_file = Placement::Cached {
+        dir: file.clone(),
+        size: CacheSize::LoadFactor(0.1),
+        policy: CachePolicy::Lru,
+    };
+    let err = DlrmServable::from_checkpoint_placed(&path, None, &in_file)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("a-file"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

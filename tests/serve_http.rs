@@ -906,6 +906,11 @@ fn the_embers_serve_binary_serves_reloads_and_drains() {
             "127.0.0.1:0",
             "--quantize",
             "int8",
+            // The INT8 rows in files behind a cache of a tenth of them.
+            "--cache-dir",
+            dir.join("caches").to_str().unwrap(),
+            "--cache-load-factor",
+            "0.1",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -968,12 +973,34 @@ fn the_embers_serve_binary_serves_reloads_and_drains() {
         json_predictions(&answer),
         predict(&trainer, &keys, &rows[..4], Some(&q))
     );
+    // The cache's counters, per table, of the model now served.
+    let (_, _, metrics) = rt.block_on(send(addr, "GET", "/metrics", None, vec![]));
+    let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+    for key in &keys {
+        let table = format!("{{table=\"t_{key}\"}}");
+        let requested = metric(
+            &metrics,
+            &format!("embers_cache_requested_ids_total{table}"),
+        );
+        let misses = metric(
+            &metrics,
+            &format!("embers_cache_unique_misses_total{table}"),
+        );
+        assert!(
+            requested > 0 && misses > 0 && misses <= requested,
+            "{metrics}"
+        );
+        assert_eq!(metric(&metrics, &format!("embers_cache_slots{table}")), 32);
+    }
     signal("-TERM");
     let status = child.wait().unwrap();
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     assert!(status.success(), "exit {status}: {rest}");
     assert!(rest.contains("drained"), "{rest}");
+    // Every model's row files went with it.
+    let left: Vec<_> = std::fs::read_dir(dir.join("caches")).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// The retrieval stage: a TwoTower checkpoint and an IVF-PQ index of its candidates served

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use clap::{Parser, ValueEnum};
-use embers::embedding::WeightType;
+use embers::embedding::{CachePolicy, CacheSize, Placement, WeightType};
 use embers::serve::{BatcherConfig, RetrievalConfig, Server, ServerConfig};
 
 /// Serve a trained DLRM checkpoint over HTTP with dynamic batching.
@@ -27,6 +27,17 @@ struct Args {
     /// Serve the tables in this format (quantized at load) instead of FP32.
     #[arg(long, value_enum)]
     quantize: Option<Quantize>,
+    /// Serve the tables from row files in this directory behind a DRAM cache (tables bigger
+    /// than memory; FBGEMM's MANAGED_CACHING): each load's files go in a directory of its
+    /// own there, removed when that model is dropped.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// With --cache-dir: the cache holds this fraction of each table group's rows.
+    #[arg(long, default_value_t = 0.2, requires = "cache_dir")]
+    cache_load_factor: f64,
+    /// With --cache-dir: the cache's replacement policy.
+    #[arg(long, value_enum, default_value_t = Policy::Lru, requires = "cache_dir")]
+    cache_policy: Policy,
     /// A batch closes at this many rows …
     #[arg(long, default_value_t = 256)]
     max_batch: usize,
@@ -74,6 +85,12 @@ enum Quantize {
     Int2,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Policy {
+    Lru,
+    Lfu,
+}
+
 impl Quantize {
     fn weight_type(self) -> WeightType {
         match self {
@@ -105,6 +122,17 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         model_name: args.name.clone(),
         checkpoint: args.checkpoint.clone(),
         quantize: args.quantize.map(Quantize::weight_type),
+        tables: match &args.cache_dir {
+            None => Placement::Memory,
+            Some(dir) => Placement::Cached {
+                dir: dir.clone(),
+                size: CacheSize::LoadFactor(args.cache_load_factor),
+                policy: match args.cache_policy {
+                    Policy::Lru => CachePolicy::Lru,
+                    Policy::Lfu => CachePolicy::Lfu,
+                },
+            },
+        },
         batcher: BatcherConfig {
             max_batch_rows: args.max_batch,
             max_delay: Duration::from_micros(args.max_delay_us),

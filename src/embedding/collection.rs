@@ -480,6 +480,15 @@ impl QuantizedEmbeddingBagCollection {
         assemble_pooled(&self.output_keys, &self.output_dims, outputs)
     }
 
+    /// The cache counters of every table whose rows are cached
+    /// ([`EmbeddingBagCollection::quantize_placed`]), group by group; empty when none is.
+    pub fn cache_stats(&self) -> Vec<super::CacheStats> {
+        (self.groups.iter())
+            .filter_map(|(q, _)| q.cache_stats())
+            .flatten()
+            .collect()
+    }
+
     /// Bytes held by the quantized tables.
     pub fn allocated_bytes(&self) -> usize {
         self.groups.iter().map(|(q, _)| q.allocated_bytes()).sum()
@@ -660,13 +669,35 @@ impl EmbeddingBagCollection {
     /// An inference copy with every table quantized to `weight_type` (FBGEMM's row formats),
     /// same features and pooling.
     pub fn quantize(&self, weight_type: WeightType) -> Result<QuantizedEmbeddingBagCollection> {
-        let groups = self
-            .tables
-            .groups
-            .iter()
-            .map(|g| {
+        self.quantize_placed(weight_type, &Placement::Memory)
+    }
+
+    /// [`quantize`](Self::quantize) into tables placed by `placement`: in memory
+    /// ([`Placement::Memory`]), or each group's quantized rows in a row file under the
+    /// placement's directory (`ebc-group<g>.<type>.rows`) behind a DRAM cache of its size and
+    /// policy ([`Placement::Cached`]; [`Placement::Managed`]: the smallest cache) — inference
+    /// tables bigger than memory (FBGEMM's `MANAGED_CACHING` for inference), quantized a chunk
+    /// at a time ([`QuantizedTableBatchedEmbedding::from_trained_cached`]). Lookups give the
+    /// same values whatever the placement, bit for bit. A row file of that name already there
+    /// is replaced; one in use by another operator is refused.
+    pub fn quantize_placed(
+        &self,
+        weight_type: WeightType,
+        placement: &Placement,
+    ) -> Result<QuantizedEmbeddingBagCollection> {
+        let groups = (self.tables.groups.iter().enumerate())
+            .map(|(k, g)| {
                 let types = vec![weight_type; g.tbe.config().tables.len()];
-                let q = QuantizedTableBatchedEmbedding::from_trained(&g.tbe, &types)?;
+                let name = format!(
+                    "ebc-group{k}.{}.rows",
+                    weight_type.fbgemm_name().to_lowercase()
+                );
+                let q = match placement.cache_for(&name)? {
+                    None => QuantizedTableBatchedEmbedding::from_trained(&g.tbe, &types)?,
+                    Some(cache) => {
+                        QuantizedTableBatchedEmbedding::from_trained_cached(&g.tbe, &types, &cache)?
+                    }
+                };
                 Ok((q, g.features.clone()))
             })
             .collect::<Result<_>>()?;

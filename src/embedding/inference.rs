@@ -234,6 +234,42 @@ impl QuantizedTableBatchedEmbedding {
         Ok(q)
     }
 
+    /// [`from_trained`](Self::from_trained) into a cached operator
+    /// ([`new_cached`](Self::new_cached): the quantized rows in the row file `cache.path`
+    /// behind a DRAM cache of `cache.size`): the trained tables — in memory, on a device or
+    /// themselves cached in a file — are read and quantized a chunk of rows at a time, so
+    /// neither copy is ever held whole. Lookups equal those of [`from_trained`](Self::from_trained)'s
+    /// operator, bit for bit.
+    pub fn from_trained_cached(
+        tbe: &TableBatchedEmbedding,
+        weight_types: &[WeightType],
+        cache: &CacheConfig,
+    ) -> Result<Self> {
+        let cfg = tbe.config();
+        let mut q = QuantizedTableBatchedEmbedding::new_cached(
+            cfg.tables.clone(),
+            weight_types.to_vec(),
+            cfg.feature_table_map.clone(),
+            cfg.pooling,
+            cache,
+        )?;
+        if let Some(names) = &cfg.feature_names {
+            q.feature_names = names.clone();
+        }
+        q.bounds_check = cfg.bounds_check;
+        for (t, spec) in cfg.tables.iter().enumerate() {
+            // About 4 MiB of FP32 rows at a time.
+            let chunk = ((1usize << 20) / spec.dim).max(1);
+            let mut first = 0;
+            while first < spec.rows {
+                let end = (first + chunk).min(spec.rows);
+                q.quantize_rows_from(t, first, &tbe.table_weight_rows(t, first..end)?)?;
+                first = end;
+            }
+        }
+        Ok(q)
+    }
+
     /// The same operator producing `dtype` outputs.
     pub fn with_output_dtype(mut self, dtype: OutputDType) -> Self {
         self.output_dtype = dtype;

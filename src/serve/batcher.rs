@@ -173,6 +173,11 @@ impl<M: BatchModel> DynamicBatcher<M> {
         self.config
     }
 
+    /// The model it runs (shared with the batches running on it).
+    pub fn model(&self) -> &Arc<M> {
+        &self.model
+    }
+
     /// What the batcher has done so far.
     pub fn stats(&self) -> &BatchStats {
         &self.stats

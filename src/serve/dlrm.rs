@@ -2,10 +2,12 @@
 
 use std::sync::Mutex;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::BatchModel;
-use crate::embedding::{QuantizedEmbeddingBagCollection, WeightType};
+use crate::embedding::{
+    CacheSize, CacheStats, Placement, QuantizedEmbeddingBagCollection, WeightType,
+};
 use crate::train::{Batch, DlrmConfig, DlrmTrainer};
 use crate::{Error, Result};
 
@@ -30,6 +32,60 @@ pub struct DlrmServable {
     tasks: usize,
     task_names: Vec<String>,
     weights: Option<WeightType>,
+    /// Declared last: the row files in it are removed once the tables above are dropped.
+    scratch: Option<ScratchDir>,
+}
+
+/// A directory of row files of one servable's own, removed with it.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    /// A new directory `embers-serve-<process>-<n>` under `parent`, after removing those that
+    /// processes no longer running left there (a server killed without its cleanup).
+    fn create(parent: &Path) -> Result<Self> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let io = |what: &str, path: &Path, e: std::io::Error| {
+            Error::invalid("DlrmServable", format!("{}: {what}: {e}", path.display()))
+        };
+        std::fs::create_dir_all(parent).map_err(|e| io("creating", parent, e))?;
+        remove_dead_scratch(parent);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = parent.join(format!("embers-serve-{}-{n}", std::process::id()));
+        // Left by an earlier process that had this pid: its files are stale.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(|e| io("creating", &dir, e))?;
+        Ok(ScratchDir(dir))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Removes the `embers-serve-<process>-<n>` directories under `parent` whose process is not
+/// running (Linux: no `/proc/<process>`; elsewhere nothing is removed).
+fn remove_dead_scratch(parent: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("embers-serve-")) else {
+            continue;
+        };
+        let Some((pid, n)) = rest.split_once('-') else {
+            continue;
+        };
+        let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if number(pid) && number(n) && !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 impl DlrmServable {
@@ -38,15 +94,82 @@ impl DlrmServable {
     /// that format. The loaded model must score a probe row (every dense value 0, id 0 of every
     /// feature) to finite probabilities, so a checkpoint that reads but holds NaNs is refused.
     pub fn from_checkpoint(path: impl AsRef<Path>, quantize: Option<WeightType>) -> Result<Self> {
+        Self::from_checkpoint_placed(path, quantize, &Placement::Memory)
+    }
+
+    /// [`from_checkpoint`](Self::from_checkpoint) with the tables served from where
+    /// `placement` puts them: in memory, or — [`Placement::Cached`] — in row files behind a
+    /// DRAM cache of the placement's size and policy, for tables bigger than memory (FBGEMM's
+    /// `MANAGED_CACHING` for inference; [`Placement::Managed`]: the smallest cache). The row
+    /// files go in a directory of this servable's own under the placement's directory
+    /// (`embers-serve-<process>-<n>`, removed when it is dropped; those of processes no longer
+    /// running are removed first), or in host memory when that is empty. With `quantize` the
+    /// quantized rows are the cached ones and the FP32 rows stay in a file behind the smallest
+    /// cache (the disk holds both); without, the FP32 rows are. Predictions equal those of the
+    /// tables in memory, bit for bit. [`cache_stats`](Self::cache_stats) counts the caches'
+    /// hits and misses.
+    pub fn from_checkpoint_placed(
+        path: impl AsRef<Path>,
+        quantize: Option<WeightType>,
+        placement: &Placement,
+    ) -> Result<Self> {
         let path = path.as_ref();
+        if let Placement::Cached {
+            size: CacheSize::LoadFactor(f),
+            ..
+        } = placement
+        {
+            // Refused before anything is read or written.
+            if !(f.is_finite() && *f > 0.0) {
+                return Err(Error::invalid(
+                    "DlrmServable",
+                    format!("cache load factor {f} must be a finite number above 0"),
+                ));
+            }
+        }
         let config = DlrmConfig::from_checkpoint(path)?;
-        let mut trainer = config.build()?;
+        let (scratch, placement) = match placement {
+            Placement::Memory => (None, Placement::Memory),
+            Placement::Cached { dir, .. } | Placement::Managed { dir, .. }
+                if dir.as_os_str().is_empty() =>
+            {
+                (None, placement.clone())
+            }
+            Placement::Cached { dir, size, policy } => {
+                let s = ScratchDir::create(dir)?;
+                let (size, policy) = (*size, *policy);
+                let placed = Placement::Cached {
+                    dir: s.0.clone(),
+                    size,
+                    policy,
+                };
+                (Some(s), placed)
+            }
+            Placement::Managed { dir, policy } => {
+                let s = ScratchDir::create(dir)?;
+                let placed = Placement::Managed {
+                    dir: s.0.clone(),
+                    policy: *policy,
+                };
+                (Some(s), placed)
+            }
+        };
+        // Quantized, the FP32 rows are only read once, to quantize them: the smallest cache.
+        let trained = match (&placement, quantize) {
+            (Placement::Cached { dir, policy, .. }, Some(_)) => Placement::Managed {
+                dir: dir.clone(),
+                policy: *policy,
+            },
+            _ => placement.clone(),
+        };
+        let mut trainer = config.build_with(&trained)?;
         trainer.load_checkpoint(path)?;
         let tables = quantize
-            .map(|w| trainer.model().sparse_arch.quantize(w))
+            .map(|w| trainer.model().sparse_arch.quantize_placed(w, &placement))
             .transpose()?;
         let mut servable = DlrmServable::new(trainer, tables);
         servable.weights = quantize;
+        servable.scratch = scratch;
         let probe = DlrmRow {
             dense: vec![0.0; servable.num_dense],
             ids: vec![vec![0]; servable.keys.len()],
@@ -86,7 +209,21 @@ impl DlrmServable {
             tasks: task_names.len(),
             task_names,
             weights: None,
+            scratch: None,
         }
+    }
+
+    /// The cache counters of every table served from a cache
+    /// ([`from_checkpoint_placed`](Self::from_checkpoint_placed)); empty when none is.
+    pub fn cache_stats(&self) -> Vec<CacheStats> {
+        if let Some(q) = &self.tables {
+            return q.cache_stats();
+        }
+        let trainer = self.trainer.lock().unwrap_or_else(|p| p.into_inner());
+        (trainer.model().sparse_arch.tbes().iter())
+            .filter_map(|t| t.cache_stats())
+            .flatten()
+            .collect()
     }
 
     /// The tasks, in the order of each row's outputs.

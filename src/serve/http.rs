@@ -24,7 +24,7 @@ use super::{
     BatchModel, BatcherConfig, DlrmRow, DlrmServable, DynamicBatcher, Histogram, RetrievalRow,
     RetrievalServable, ServeError,
 };
-use crate::embedding::WeightType;
+use crate::embedding::{CacheStats, Placement, WeightType};
 use crate::{Error, Result};
 
 /// The Arrow IPC stream media type.
@@ -39,6 +39,9 @@ pub struct ServerConfig {
     pub checkpoint: PathBuf,
     /// Serve a quantized copy of the tables (FP16, INT8, INT4, FP8, …) instead of FP32.
     pub quantize: Option<WeightType>,
+    /// Where the served tables live: in memory, or in row files behind a DRAM cache for
+    /// tables bigger than memory ([`DlrmServable::from_checkpoint_placed`]).
+    pub tables: Placement,
     /// Batching and queue bounds.
     pub batcher: BatcherConfig,
     /// Largest request body accepted (413 above it).
@@ -73,6 +76,7 @@ impl ServerConfig {
             model_name: model_name.into(),
             checkpoint: checkpoint.into(),
             quantize: None,
+            tables: Placement::Memory,
             batcher: BatcherConfig::default(),
             max_body_bytes: 8 << 20,
             max_inflight_requests: 1024,
@@ -269,13 +273,14 @@ impl Server {
 
     async fn load(&self) -> Result<u64> {
         let _one_at_a_time = self.shared.reloading.lock().await;
-        let (path, quantize) = (
+        let (path, quantize, tables) = (
             self.shared.config.checkpoint.clone(),
             self.shared.config.quantize,
+            self.shared.config.tables.clone(),
         );
         let retrieval = self.shared.config.retrieval.clone();
         let (servable, retriever) = tokio::task::spawn_blocking(move || -> Result<_> {
-            let servable = DlrmServable::from_checkpoint(&path, quantize)?;
+            let servable = DlrmServable::from_checkpoint_placed(&path, quantize, &tables)?;
             let retriever = retrieval
                 .map(|r| RetrievalServable::from_files(&r.checkpoint, &r.index, r.nprobe, r.max_k))
                 .transpose()?;
@@ -981,6 +986,64 @@ fn arrow_ids(column: &ArrayRef, r: usize) -> std::result::Result<Vec<i64>, Strin
     }
 }
 
+/// The counters of the tables served from a cache (FBGEMM's cache statistics, one series per
+/// table, for the current model version), in Prometheus text.
+fn write_cache_stats(out: &mut String, caches: &[CacheStats]) {
+    use std::fmt::Write as _;
+    if caches.is_empty() {
+        return;
+    }
+    type Series = (&'static str, &'static str, fn(&CacheStats) -> u64);
+    let series: [Series; 6] = [
+        (
+            "embers_cache_requested_ids_total",
+            "Ids looked up in a table's cache.",
+            |s| s.requested_ids,
+        ),
+        (
+            "embers_cache_unique_ids_total",
+            "Distinct ids per lookup, summed.",
+            |s| s.unique_ids,
+        ),
+        (
+            "embers_cache_unique_misses_total",
+            "Distinct ids not cached when looked up, summed.",
+            |s| s.unique_misses,
+        ),
+        (
+            "embers_cache_conflict_misses_total",
+            "Misses served by a direct read (every way of their set locked).",
+            |s| s.conflict_misses,
+        ),
+        (
+            "embers_cache_evictions_total",
+            "Cached rows evicted.",
+            |s| s.evictions,
+        ),
+        (
+            "embers_cache_rows_read_total",
+            "Rows read from the row file.",
+            |s| s.rows_read,
+        ),
+    ];
+    // A label value with its backslashes and quotes escaped.
+    let label = |s: &CacheStats| s.table.replace('\\', "\\\\").replace('"', "\\\"");
+    for (name, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for s in caches {
+            let _ = writeln!(out, "{name}{{table=\"{}\"}} {}", label(s), value(s));
+        }
+    }
+    let name = "embers_cache_slots";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Rows a table's cache holds.\n# TYPE {name} gauge"
+    );
+    for s in caches {
+        let _ = writeln!(out, "{name}{{table=\"{}\"}} {}", label(s), s.slots);
+    }
+}
+
 /// `GET /metrics`.
 async fn metrics(State(server): State<Server>) -> Response {
     use std::fmt::Write as _;
@@ -1049,6 +1112,13 @@ async fn metrics(State(server): State<Server>) -> Response {
             "embers_batch_rows",
             "Rows per batch run by the current model version.",
         );
+        // Off the async threads: FP32 cached tables are read under the model's lock, which a
+        // running batch holds.
+        let servable = model.batcher.model().clone();
+        let caches = tokio::task::spawn_blocking(move || servable.cache_stats())
+            .await
+            .unwrap_or_default();
+        write_cache_stats(&mut out, &caches);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

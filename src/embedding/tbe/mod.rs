@@ -571,6 +571,28 @@ impl TableBatchedEmbedding {
         }
     }
 
+    /// A copy of rows `rows` of table `t`, `[rows.len(), dim]` row-major: a table bigger
+    /// than memory (cached in a file) read a chunk at a time.
+    pub fn table_weight_rows(&self, t: usize, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let spec = self.check_table(t)?;
+        if rows.start > rows.end || rows.end > spec.rows {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "rows {}..{} of table {t} `{}`, which has {}",
+                    rows.start, rows.end, spec.name, spec.rows
+                ),
+            ));
+        }
+        let first = self.weight_range(t).start;
+        let range = first + rows.start * spec.dim..first + rows.end * spec.dim;
+        match &self.inner.state.read().tables {
+            Tables::Host(h) => Ok(h.weights[range].to_vec()),
+            Tables::Device(d) => d.read_weights(range),
+            Tables::Cached(c) => c.read_part_rows(t, 0, rows),
+        }
+    }
+
     /// Overwrites table `t`'s rows (`[rows, dim]` row-major).
     pub fn set_table_weights(&self, t: usize, values: &[f32]) -> Result<()> {
         let spec = self.check_table(t)?;

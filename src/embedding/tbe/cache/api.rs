@@ -861,6 +861,67 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Ranges of a cached table's rows read back as the same rows of the whole table (cached
+    /// dirty rows included), out-of-range ones refused by name; quantized from such a table
+    /// a chunk at a time into a cached inference operator (the table several chunks long),
+    /// lookups equal those of the operator quantized from the whole table in memory.
+    #[test]
+    fn cached_rows_read_by_range_and_quantized_by_chunk_equal_the_whole_tables() {
+        use crate::embedding::{QuantizedTableBatchedEmbedding, WeightType};
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 2500, 1024), TableSpec::new("b", 40, 3)],
+            vec![0, 1],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.5 },
+        );
+        let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.05));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        let values: Vec<f32> = (0..2500 * 1024).map(|i| (i % 977) as f32 / 97.0).collect();
+        tbe.set_table_weights(0, &values).unwrap();
+        // One step: dirty rows in the cache, newer than the file's.
+        let ids: Vec<i64> = vec![3, 2400, 1500, 7, 11, 39];
+        let offsets: Vec<i64> = vec![0, 2, 3, 4, 6];
+        let batch = tbe.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap();
+        let out = tbe.lookup_batch(&batch).unwrap();
+        let grad = crate::Tensor::from_vec(vec![1.0f32; 2 * (1024 + 3)], out.shape()).unwrap();
+        tbe.backward_batch(&batch, &grad).unwrap();
+        drop(batch);
+        let whole = tbe.table_weights(0).unwrap();
+        assert!(
+            whole[3 * 1024] != values[3 * 1024],
+            "the step changed nothing"
+        );
+        for rows in [0..2500, 3..4, 1000..2401, 2499..2500, 5..5] {
+            let part = tbe.table_weight_rows(0, rows.clone()).unwrap();
+            assert!(
+                part == whole[rows.start * 1024..rows.end * 1024],
+                "{rows:?}"
+            );
+        }
+        for bad in [2400..2501, 7..3] {
+            let err = tbe.table_weight_rows(0, bad).unwrap_err().to_string();
+            assert!(err.contains("of table 0 `a`, which has 2500"), "{err}");
+        }
+        let types = [WeightType::Int8, WeightType::Fp16];
+        let memory = QuantizedTableBatchedEmbedding::from_trained(&tbe, &types).unwrap();
+        let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.02));
+        let cached =
+            QuantizedTableBatchedEmbedding::from_trained_cached(&tbe, &types, &cache).unwrap();
+        for t in 0..2 {
+            assert_eq!(
+                cached.table_bytes(t).unwrap(),
+                memory.table_bytes(t).unwrap()
+            );
+        }
+        let ids: Vec<i64> = (0..300).map(|i| (i * 37) % 2500).chain(0..40).collect();
+        let offsets: Vec<i64> = vec![0, 100, 300, 320, 340];
+        let input = || TbeInput::new(&ids[..], &offsets[..]);
+        let want = memory.forward(input()).unwrap().to_vec::<f32>().unwrap();
+        let got = cached.forward(input()).unwrap().to_vec::<f32>().unwrap();
+        assert!(got == want, "cached lookups differ");
+        assert!(cached.cache_stats().unwrap()[0].unique_misses > 0);
+    }
+
     /// A manifest listing a table of impossible size (its products would overflow) is refused
     /// by name when opened, before any row is read.
     #[test]

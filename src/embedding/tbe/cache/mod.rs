@@ -1525,17 +1525,27 @@ impl CachedTables {
 
     /// Part `p` (0 weights, 1/2 optimizer state) of every row of table `t`, in row order.
     pub(crate) fn read_part(&self, t: usize, p: usize) -> Result<Vec<f32>> {
+        self.read_part_rows(t, p, 0..self.store.table(t).rows)
+    }
+
+    /// Part `p` of rows `rows` of table `t` (in range: checked by the caller), in row order:
+    /// the file's copy, or the cache's where the row is cached.
+    pub(crate) fn read_part_rows(
+        &self,
+        t: usize,
+        p: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
         self.store.check_len()?;
         self.check_usable()?;
         let parts = self.parts[t];
-        let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
-        let mut out = Vec::with_capacity(rows * width);
+        let mut out = Vec::with_capacity(rows.len() * width);
         let chunk = (1 << 20) / rec.max(1) + 1;
         let mut buf = vec![0.0f32; chunk * rec];
-        let mut first = 0;
-        while first < rows {
-            let n = chunk.min(rows - first);
+        let mut first = rows.start;
+        while first < rows.end {
+            let n = chunk.min(rows.end - first);
             self.store.read_rows(t, first, &mut buf[..n * rec]);
             for r in buf[..n * rec].chunks(rec) {
                 out.extend_from_slice(&r[parts.range(p)]);
@@ -1547,10 +1557,14 @@ impl CachedTables {
             (Home::Device, Some(d)) => d.occupied(t)?,
             _ => self.dirs[t].occupied().collect(),
         };
+        let wanted = rows.start as u64..rows.end as u64;
+        let occupied: Vec<(usize, u64)> = (occupied.into_iter())
+            .filter(|(_, r)| wanted.contains(r))
+            .collect();
         let slots: Vec<(usize, usize)> = occupied.iter().map(|&(s, _)| (t, s)).collect();
         let records = self.take(&slots)?;
         for (&(_, r), record) in occupied.iter().zip(records.chunks(rec.max(1))) {
-            let r = r as usize;
+            let r = r as usize - rows.start;
             out[r * width..(r + 1) * width].copy_from_slice(&record[parts.range(p)]);
         }
         Ok(out)
