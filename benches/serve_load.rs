@@ -18,6 +18,10 @@
 //!    IVF-PQ index of its items (nlist 16, m 16, nprobe 4), k = 100: the stage alone per batch,
 //!    one query at a time, and 16 clients in a closed loop.
 //!
+//! `EMBERS_SERVE_CACHE` (a load factor) serves the tables from row files behind DRAM caches of
+//! that fraction of their rows; the model alone is timed that way too (load factor 0.2 by
+//! default), beside the tables in memory.
+//!
 //! `EMBERS_SERVE_SECS` (default 4) is each phase's length; `EMBERS_SERVE_DELAY_US` (default
 //! 0: each batch is what queued while the last one ran) the batcher's `max_delay`. Client and server share the
 //! machine's cores. Run: `cargo bench --bench serve_load`.
@@ -27,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use embers::embedding::{FusedOptimizer, WeightType};
+use embers::embedding::{CachePolicy, CacheSize, FusedOptimizer, Placement, WeightType};
 use embers::serve::{BatcherConfig, Server, ServerConfig};
 use embers::train::{DenseOptimizer, DlrmConfig};
 use embers_datasets::{Split, SyntheticCriteo, SyntheticCriteoConfig};
@@ -294,6 +298,12 @@ fn start(rt: &tokio::runtime::Runtime, config: ServerConfig) -> Running {
 
 /// `label` followed by what `run(n)` costs for batches of 1, 16, 64 and 256 `unit`s (2000
 /// units per size).
+/// The median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn per_batch(label: &str, unit: &str, mut run: impl FnMut(usize)) -> String {
     let mut line = label.to_string();
     for n in [1, 16, 64, 256] {
@@ -328,6 +338,12 @@ fn main() {
         "fp8" => Some(WeightType::Fp8),
         other => panic!("EMBERS_SERVE_QUANTIZE={other}: expected fp32, fp16, int8, int4 or fp8"),
     };
+    // EMBERS_SERVE_CACHE: serve the HTTP phases from tables in row files behind DRAM caches of
+    // this load factor (default: in memory); the model-alone comparison uses it, or 0.2.
+    let serve_cached: Option<f64> = std::env::var("EMBERS_SERVE_CACHE")
+        .ok()
+        .map(|s| s.parse().expect("EMBERS_SERVE_CACHE: a load factor"));
+    let cache_load_factor = serve_cached.unwrap_or(0.2);
     // The DLRM example's default data and model (tables capped at 100k rows, D = 16,
     // bottom 64-32-16, top 64-32-1).
     let defaults = SyntheticCriteoConfig::default();
@@ -339,7 +355,8 @@ fn main() {
             .collect(),
         num_train: 0,
         num_validation: 0,
-        num_test: 4096,
+        // 4096 rows for the requests; all of them for the cached model's stream.
+        num_test: 1 << 16,
         ..defaults
     };
     let g = SyntheticCriteo::new(data.clone()).expect("synthetic data");
@@ -391,6 +408,13 @@ fn main() {
     let start_server = |batch: usize| {
         let mut config = ServerConfig::new("dlrm", &checkpoint);
         config.quantize = quantize;
+        if let Some(f) = serve_cached {
+            config.tables = Placement::Cached {
+                dir: dir.join("caches"),
+                size: CacheSize::LoadFactor(f),
+                policy: CachePolicy::Lru,
+            };
+        }
         config.batcher = BatcherConfig {
             max_batch_rows: batch,
             max_delay: Duration::from_micros(delay_us),
@@ -399,10 +423,13 @@ fn main() {
         start(&server_rt, config)
     };
     println!(
-        "embers-serve load: {} tables, {} dense, tables {:?}, max_delay {delay_us} us, {} cores, {secs} s per phase, checkpoint {}",
+        "embers-serve load: {} tables, {} dense, tables {:?}{}, max_delay {delay_us} us, {} cores, {secs} s per phase, checkpoint {}",
         g.schema().sparse_keys.len(),
         g.schema().num_dense(),
         quantize.map_or("fp32".to_string(), |w| format!("{w:?}")),
+        serve_cached.map_or(String::new(), |f| format!(
+            " in row files behind caches of {f} of their rows"
+        )),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         checkpoint.display()
     );
@@ -410,28 +437,68 @@ fn main() {
         // The model alone (no HTTP, no batcher): what a batch of each size costs.
         use embers::serve::{BatchModel, DlrmRow, DlrmServable};
         let servable = DlrmServable::from_checkpoint(&checkpoint, quantize).expect("model");
-        let rows: Vec<DlrmRow> = g
-            .examples(g.split_range(Split::Test))
-            .take(256)
-            .map(|e| {
-                let e = e.expect("example");
-                let mut at = 0;
-                let ids = (e.lengths.iter())
-                    .map(|&l| {
-                        at += l as usize;
-                        e.ids[at - l as usize..at].to_vec()
-                    })
-                    .collect();
-                DlrmRow {
-                    dense: e.dense,
-                    ids,
-                }
-            })
+        let row_of = |e: embers_datasets::Example| {
+            let mut at = 0;
+            let ids = (e.lengths.iter())
+                .map(|&l| {
+                    at += l as usize;
+                    e.ids[at - l as usize..at].to_vec()
+                })
+                .collect();
+            DlrmRow {
+                dense: e.dense,
+                ids,
+            }
+        };
+        let stream: Vec<DlrmRow> = (g.examples(g.split_range(Split::Test)))
+            .map(|e| row_of(e.expect("example")))
             .collect();
+        let rows = &stream[..256];
         let line = per_batch("the model alone, per batch:", "rows", |n| {
             servable.run(rows[..n].to_vec()).expect("run");
         });
         println!("{line}");
+        // The same tables in row files behind DRAM caches of `load_factor` of their rows,
+        // beside those in memory: rounds alternate, each a median of its batches.
+        let placement = Placement::Cached {
+            dir: dir.join("caches"),
+            size: CacheSize::LoadFactor(cache_load_factor),
+            policy: CachePolicy::Lru,
+        };
+        let cached = DlrmServable::from_checkpoint_placed(&checkpoint, quantize, &placement)
+            .expect("cached model");
+        // Warm: the caches fill with the first quarter of the stream's ids; the rest is
+        // timed, batch by batch, alternating the two models.
+        let (warm, timed) = stream.split_at(stream.len() / 4);
+        for chunk in warm.chunks(256) {
+            cached.run(chunk.to_vec()).expect("run");
+        }
+        cached.reset_cache_stats();
+        for n in [16, 256] {
+            let (mut in_memory, mut in_cache) = (Vec::new(), Vec::new());
+            for batch in timed.chunks_exact(n).take(4000 / n * 4) {
+                for (model, times) in [(&servable, &mut in_memory), (&cached, &mut in_cache)] {
+                    let t = Instant::now();
+                    model.run(batch.to_vec()).expect("run");
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let (m, c) = (median(&mut in_memory), median(&mut in_cache));
+            let stats = cached.cache_stats();
+            cached.reset_cache_stats();
+            let (unique, misses) = stats.iter().fold((0, 0), |a, s| {
+                (a.0 + s.unique_ids, a.1 + s.unique_misses)
+            });
+            println!(
+                "the model alone, {n}-row batches, tables in memory {:.0} us, in row files \
+                 behind caches of {cache_load_factor} of their rows {:.0} us: cached / in \
+                 memory throughput {:.2} (miss rate {:.3} of distinct ids)",
+                m * 1e6,
+                c * 1e6,
+                m / c,
+                misses as f64 / unique.max(1) as f64
+            );
+        }
     }
     let one = Arc::new(bodies(&g, 1, 4096));
     let many = Arc::new(bodies(&g, 32, 256));

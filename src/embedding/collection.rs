@@ -480,6 +480,13 @@ impl QuantizedEmbeddingBagCollection {
         assemble_pooled(&self.output_keys, &self.output_dims, outputs)
     }
 
+    /// Zeroes the cache counters of every cached table.
+    pub fn reset_cache_stats(&self) {
+        for (q, _) in &self.groups {
+            q.reset_cache_stats();
+        }
+    }
+
     /// The cache counters of every table whose rows are cached
     /// ([`EmbeddingBagCollection::quantize_placed`]), group by group; empty when none is.
     pub fn cache_stats(&self) -> Vec<super::CacheStats> {

@@ -213,6 +213,17 @@ impl DlrmServable {
         }
     }
 
+    /// Zeroes the counters [`cache_stats`](Self::cache_stats) gives.
+    pub fn reset_cache_stats(&self) {
+        if let Some(q) = &self.tables {
+            return q.reset_cache_stats();
+        }
+        let trainer = self.trainer.lock().unwrap_or_else(|p| p.into_inner());
+        for t in trainer.model().sparse_arch.tbes() {
+            t.reset_cache_stats();
+        }
+    }
+
     /// The cache counters of every table served from a cache
     /// ([`from_checkpoint_placed`](Self::from_checkpoint_placed)); empty when none is.
     pub fn cache_stats(&self) -> Vec<CacheStats> {

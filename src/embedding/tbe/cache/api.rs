@@ -898,7 +898,9 @@ mod tests {
                 "{rows:?}"
             );
         }
-        for bad in [2400..2501, 7..3] {
+        #[allow(clippy::reversed_empty_ranges)] // a bad range on purpose
+        let backwards = 7..3;
+        for bad in [2400..2501, backwards] {
             let err = tbe.table_weight_rows(0, bad).unwrap_err().to_string();
             assert!(err.contains("of table 0 `a`, which has 2500"), "{err}");
         }
