@@ -486,9 +486,9 @@ fn main() {
             let (m, c) = (median(&mut in_memory), median(&mut in_cache));
             let stats = cached.cache_stats();
             cached.reset_cache_stats();
-            let (unique, misses) = stats.iter().fold((0, 0), |a, s| {
-                (a.0 + s.unique_ids, a.1 + s.unique_misses)
-            });
+            let (unique, misses) = stats
+                .iter()
+                .fold((0, 0), |a, s| (a.0 + s.unique_ids, a.1 + s.unique_misses));
             println!(
                 "the model alone, {n}-row batches, tables in memory {:.0} us, in row files \
                  behind caches of {cache_load_factor} of their rows {:.0} us: cached / in \

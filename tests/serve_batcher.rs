@@ -386,10 +386,24 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
     let path = dir.join("model.safetensors");
     trainer.save_checkpoint(&path, &Default::default()).unwrap();
     let root = dir.join("caches");
-    // Left by a server that died (no process has a pid this large).
-    let dead = root.join("embers-serve-4000000000-0");
+    // Left by a server that died: its lock file held by no one...
+    let dead = root.join("embers-serve-4000000000-0-1a2b");
     std::fs::create_dir_all(&dead).unwrap();
+    std::fs::write(dead.join(".lock"), b"").unwrap();
     std::fs::write(dead.join("ebc-group0.rows"), b"stale").unwrap();
+    // ... one whose lock a live server holds (from another process or PID namespace: its
+    // pid means nothing here) ...
+    let alive = root.join("embers-serve-4000000001-0-3c4d");
+    std::fs::create_dir_all(&alive).unwrap();
+    let holder = std::fs::File::create(alive.join(".lock")).unwrap();
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: flock on an open descriptor.
+        assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+    }
+    // ... and one with no lock file yet (its server between making and locking it): kept.
+    let unlocked = root.join("embers-serve-4000000002-0-5e6f");
+    std::fs::create_dir_all(&unlocked).unwrap();
     let entries = || -> Vec<String> {
         let mut names: Vec<String> = (std::fs::read_dir(&root).unwrap())
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -413,12 +427,14 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
         let cached = DlrmServable::from_checkpoint_placed(&path, quantize, &placement).unwrap();
         assert!(!dead.exists(), "a dead server's files were kept");
         let again = DlrmServable::from_checkpoint_placed(&path, quantize, &placement).unwrap();
-        let ours = entries();
+        assert!(alive.exists(), "a live server's files were removed");
+        assert!(unlocked.exists(), "a directory being made was removed");
+        let ours: Vec<String> = (entries().into_iter())
+            .filter(|n| !alive.ends_with(n) && !unlocked.ends_with(n))
+            .collect();
         assert_eq!(ours.len(), 2, "{ours:?}");
-        assert!(
-            ours.iter().all(|n| n.starts_with("embers-serve-")),
-            "{ours:?}"
-        );
+        let pid = format!("embers-serve-{}-", std::process::id());
+        assert!(ours.iter().all(|n| n.starts_with(&pid)), "{ours:?}");
         for chunk in rows.chunks(37) {
             let want = memory.run(chunk.to_vec()).unwrap();
             assert_eq!(cached.run(chunk.to_vec()).unwrap(), want, "{quantize:?}");
@@ -435,10 +451,13 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
             assert_eq!(s.rows_read, s.unique_misses, "{s:?}");
         }
         drop(cached);
-        assert_eq!(entries().len(), 1);
+        assert_eq!(entries().len(), 3);
         drop(again);
-        assert_eq!(entries(), Vec::<String>::new());
+        assert_eq!(entries().len(), 2, "only the others' directories are left");
     }
+    drop(holder);
+    let _ = std::fs::remove_dir_all(&alive);
+    let _ = std::fs::remove_dir_all(&unlocked);
     let zero = Placement::Cached {
         dir: root.clone(),
         size: CacheSize::LoadFactor(0.0),
@@ -450,6 +469,28 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
         .to_string();
     assert!(err.contains("cache load factor 0"), "{err}");
     assert_eq!(entries(), Vec::<String>::new());
+    // A checkpoint that fails after its directory is made (weights that load but score the
+    // probe row to NaN): refused, and the directory goes with it.
+    let nan = dir.join("nan.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize + 8;
+    for chunk in bytes[header..].chunks_exact_mut(4) {
+        chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&nan, &bytes).unwrap();
+    let placement = Placement::Cached {
+        dir: root.clone(),
+        size: CacheSize::LoadFactor(0.1),
+        policy: CachePolicy::Lru,
+    };
+    for quantize in [None, Some(WeightType::Int8)] {
+        let err = DlrmServable::from_checkpoint_placed(&nan, quantize, &placement)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("non-finite"), "{err}");
+        assert_eq!(entries(), Vec::<String>::new());
+    }
     // A cache directory that is a file: named.
     let file = dir.join("a-file");
     std::fs::write(&file, b"x").unwrap();
@@ -462,6 +503,9 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("a-file"), "{err}");
+    assert!(
+        err.contains("a-file") && err.contains("not a directory"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

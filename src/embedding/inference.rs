@@ -260,12 +260,9 @@ impl QuantizedTableBatchedEmbedding {
         for (t, spec) in cfg.tables.iter().enumerate() {
             // About 4 MiB of FP32 rows at a time.
             let chunk = ((1usize << 20) / spec.dim).max(1);
-            let mut first = 0;
-            while first < spec.rows {
-                let end = (first + chunk).min(spec.rows);
-                q.quantize_rows_from(t, first, &tbe.table_weight_rows(t, first..end)?)?;
-                first = end;
-            }
+            tbe.for_each_weight_chunk(t, chunk, |first, rows| {
+                q.quantize_rows_from(t, first, rows)
+            })?;
         }
         Ok(q)
     }

@@ -239,7 +239,7 @@ async fn worker<M: BatchModel>(
             Some(job) => job,
             None => match receiver.recv().await {
                 Some(job) => job,
-                None => return,
+                None => break,
             },
         };
         let deadline = Instant::now() + config.max_delay;
@@ -276,6 +276,9 @@ async fn worker<M: BatchModel>(
         run_batch(&model, jobs, rows, &stats).await;
         queued.fetch_sub(rows, Ordering::AcqRel);
     }
+    // Usually the model's last holder: dropping it can take long (a model's row files
+    // unmapped and removed), which must not stall an async thread.
+    tokio::task::spawn_blocking(move || drop(model));
 }
 
 /// Runs one batch on a blocking thread and answers each of its requests.

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::path::{Path, PathBuf};
 
 use super::BatchModel;
+use crate::embedding::tbe::cache::store::{hold_lock, in_use};
 use crate::embedding::{
     CacheSize, CacheStats, Placement, QuantizedEmbeddingBagCollection, WeightType,
 };
@@ -36,38 +37,58 @@ pub struct DlrmServable {
     scratch: Option<ScratchDir>,
 }
 
-/// A directory of row files of one servable's own, removed with it.
-struct ScratchDir(PathBuf);
+/// A directory of row files of one servable's own, removed with it; its `.lock` file, locked
+/// while the servable lives, tells other processes it is in use.
+struct ScratchDir {
+    dir: PathBuf,
+    _lock: std::fs::File,
+}
 
 impl ScratchDir {
-    /// A new directory `embers-serve-<process>-<n>` under `parent`, after removing those that
-    /// processes no longer running left there (a server killed without its cleanup).
+    /// A new directory `embers-serve-<process>-<n>-<clock>` under `parent` (a name no other
+    /// process makes, even one of the same pid in another PID namespace sharing `parent`),
+    /// after removing those that servers no longer running left there.
     fn create(parent: &Path) -> Result<Self> {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let io = |what: &str, path: &Path, e: std::io::Error| {
-            Error::invalid("DlrmServable", format!("{}: {what}: {e}", path.display()))
+            let why = match path.exists() && !path.is_dir() {
+                true => "a file is in the way (not a directory)".to_string(),
+                false => e.to_string(),
+            };
+            Error::invalid("DlrmServable", format!("{}: {what}: {why}", path.display()))
         };
-        std::fs::create_dir_all(parent).map_err(|e| io("creating", parent, e))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| io("creating the row files' directory", parent, e))?;
         remove_dead_scratch(parent);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = parent.join(format!("embers-serve-{}-{n}", std::process::id()));
-        // Left by an earlier process that had this pid: its files are stale.
-        let _ = std::fs::remove_dir_all(&dir);
+        let clock = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+            .map_or(0, |d| d.as_nanos() as u64);
+        let dir = parent.join(format!("embers-serve-{}-{n}-{clock:x}", std::process::id()));
         std::fs::create_dir(&dir).map_err(|e| io("creating", &dir, e))?;
-        Ok(ScratchDir(dir))
+        match hold_lock(&dir.join(".lock")) {
+            Ok(lock) => Ok(ScratchDir { dir, _lock: lock }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
     }
 }
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        // Its lock goes after (fields drop after this).
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
-/// Removes the `embers-serve-<process>-<n>` directories under `parent` whose process is not
-/// running (Linux: no `/proc/<process>`; elsewhere nothing is removed).
+/// Removes the `embers-serve-<process>-<n>-<clock>` directories under `parent` that servers no
+/// longer running left: their `.lock` is held by no one (a live server holds its own, from
+/// any process or PID namespace sharing the directory). A directory without a `.lock` (a
+/// server killed between making it and locking it) is left. Unix only: elsewhere locks are
+/// not seen, and nothing is removed.
 fn remove_dead_scratch(parent: &Path) {
-    if !Path::new("/proc/self").exists() {
+    if !cfg!(unix) {
         return;
     }
     let Ok(entries) = std::fs::read_dir(parent) else {
@@ -78,11 +99,16 @@ fn remove_dead_scratch(parent: &Path) {
         let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("embers-serve-")) else {
             continue;
         };
-        let Some((pid, n)) = rest.split_once('-') else {
+        let parts: Vec<&str> = rest.split('-').collect();
+        let [pid, n, clock] = parts[..] else {
             continue;
         };
-        let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        if number(pid) && number(n) && !Path::new("/proc").join(pid).exists() {
+        let number = |s: &str, radix| !s.is_empty() && u64::from_str_radix(s, radix).is_ok();
+        if !(number(pid, 10) && number(n, 10) && number(clock, 16)) {
+            continue;
+        }
+        let lock = entry.path().join(".lock");
+        if lock.is_file() && !in_use(&lock) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -102,8 +128,10 @@ impl DlrmServable {
     /// DRAM cache of the placement's size and policy, for tables bigger than memory (FBGEMM's
     /// `MANAGED_CACHING` for inference; [`Placement::Managed`]: the smallest cache). The row
     /// files go in a directory of this servable's own under the placement's directory
-    /// (`embers-serve-<process>-<n>`, removed when it is dropped; those of processes no longer
-    /// running are removed first), or in host memory when that is empty. With `quantize` the
+    /// (`embers-serve-<process>-<n>-<clock>`, removed when it is dropped; those that dead
+    /// servers left are removed first), or in host memory when that is empty. A checkpoint
+    /// whose tables are inline (trained in memory) is read into memory while it loads; one
+    /// saved from cached tables is copied file to file, never whole in memory. With `quantize` the
     /// quantized rows are the cached ones and the FP32 rows stay in a file behind the smallest
     /// cache (the disk holds both); without, the FP32 rows are. Predictions equal those of the
     /// tables in memory, bit for bit. [`cache_stats`](Self::cache_stats) counts the caches'
@@ -139,7 +167,7 @@ impl DlrmServable {
                 let s = ScratchDir::create(dir)?;
                 let (size, policy) = (*size, *policy);
                 let placed = Placement::Cached {
-                    dir: s.0.clone(),
+                    dir: s.dir.clone(),
                     size,
                     policy,
                 };
@@ -148,7 +176,7 @@ impl DlrmServable {
             Placement::Managed { dir, policy } => {
                 let s = ScratchDir::create(dir)?;
                 let placed = Placement::Managed {
-                    dir: s.0.clone(),
+                    dir: s.dir.clone(),
                     policy: *policy,
                 };
                 (Some(s), placed)

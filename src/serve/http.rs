@@ -1027,7 +1027,11 @@ fn write_cache_stats(out: &mut String, caches: &[CacheStats]) {
         ),
     ];
     // A label value with its backslashes and quotes escaped.
-    let label = |s: &CacheStats| s.table.replace('\\', "\\\\").replace('"', "\\\"");
+    let label = |s: &CacheStats| {
+        (s.table.replace('\\', "\\\\"))
+            .replace('"', "\\\"")
+            .replace('\n', "\\n")
+    };
     for (name, help, value) in series {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
         for s in caches {

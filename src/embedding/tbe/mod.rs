@@ -593,6 +593,32 @@ impl TableBatchedEmbedding {
         }
     }
 
+    /// Calls `f(first, rows)` with table `t`'s rows `chunk_rows` at a time (`rows`:
+    /// `[n, dim]` row-major, rows `first..first + n`), every row once, in order: what reads a
+    /// table bigger than memory through (a cached table's directory read once, not per chunk
+    /// as [`table_weight_rows`](Self::table_weight_rows) would).
+    pub(crate) fn for_each_weight_chunk(
+        &self,
+        t: usize,
+        chunk_rows: usize,
+        mut f: impl FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let spec = self.check_table(t)?;
+        let (rows, dim) = (spec.rows, spec.dim);
+        let chunk = chunk_rows.max(1);
+        let start = self.weight_range(t).start;
+        let state = self.inner.state.read();
+        for first in (0..rows).step_by(chunk) {
+            let range = start + first * dim..start + (first + chunk).min(rows) * dim;
+            match &state.tables {
+                Tables::Host(h) => f(first, &h.weights[range])?,
+                Tables::Device(d) => f(first, &d.read_weights(range)?)?,
+                Tables::Cached(c) => return c.read_part_chunks(t, 0, chunk, f),
+            }
+        }
+        Ok(())
+    }
+
     /// Overwrites table `t`'s rows (`[rows, dim]` row-major).
     pub fn set_table_weights(&self, t: usize, values: &[f32]) -> Result<()> {
         let spec = self.check_table(t)?;

@@ -231,9 +231,10 @@ impl TableBatchedEmbedding {
 
     /// [`commit_cached_checkpoint`](Self::commit_cached_checkpoint), keeping what it replaces
     /// for [`undo_commit`](Self::undo_commit): the dirty cached rows are written back first, so
-    /// that the rows kept are every row. A cache that cannot write them back (unusable after a
-    /// failed admission, or an I/O error) still loads — that is how it recovers —, and
-    /// [`Kept::lost`] says why, for an undo to leave it unusable again.
+    /// that the rows kept are every row, and an error doing so refuses the load (nothing is
+    /// lost). A cache whose rows are lost already — unusable after a failed admission, or its
+    /// file truncated — loads without (that is how it recovers), and [`Kept::lost`] says why,
+    /// for an undo to leave it unusable again.
     fn commit_keeping(&self, staged: StagedRows) -> Result<Kept> {
         let cfg = &self.inner.config;
         let mut state = self.inner.state.write();
@@ -241,12 +242,13 @@ impl TableBatchedEmbedding {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
         c.check_idle()?;
-        let lost = match c.poisoned() {
-            Some(why) => Some(why.to_string()),
-            None => c
-                .flush()
-                .err()
-                .map(|e| format!("its cached rows could not be written back before a load ({e})")),
+        let lost = match (c.poisoned(), c.store().check_len()) {
+            (Some(why), _) => Some(why.to_string()),
+            (None, Err(e)) => Some(e.to_string()),
+            (None, Ok(())) => {
+                c.flush()?;
+                None
+            }
         };
         let previous = c.commit_store_keeping(staged.staged)?;
         if let Err(e) = c.invalidate(cfg) {
@@ -277,8 +279,8 @@ impl TableBatchedEmbedding {
         if let Err(e) = c.check_idle() {
             return Err(kept.previous.abandon(e));
         }
-        state.step = kept.step;
         c.restore_store(kept.previous)?;
+        state.step = kept.step;
         c.invalidate(cfg)?;
         if let Some(why) = kept.lost {
             c.poison(why);
@@ -845,6 +847,7 @@ mod tests {
         let err = commit_cached_checkpoints(loads).unwrap_err().to_string();
         assert!(err.contains("nothing was loaded"), "{err}");
         unusable(&tbes[0]);
+        assert_eq!(tbes[0].step(), 1);
         assert_eq!(tbes[1].step(), 1);
         // Loaded: usable again, with the checkpoint's rows.
         commit_cached_checkpoints(stage()).unwrap();
@@ -875,18 +878,21 @@ mod tests {
             FusedOptimizer::Sgd { lr: 0.5 },
         );
         let cache = CacheConfig::in_host_memory(CacheSize::LoadFactor(0.05));
-        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        let tbe = TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap();
+        // The same tables in memory, trained alike: the reference.
+        let plain = TableBatchedEmbedding::new(cfg).unwrap();
         let values: Vec<f32> = (0..2500 * 1024).map(|i| (i % 977) as f32 / 97.0).collect();
-        tbe.set_table_weights(0, &values).unwrap();
         // One step: dirty rows in the cache, newer than the file's.
         let ids: Vec<i64> = vec![3, 2400, 1500, 7, 11, 39];
         let offsets: Vec<i64> = vec![0, 2, 3, 4, 6];
-        let batch = tbe.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap();
-        let out = tbe.lookup_batch(&batch).unwrap();
-        let grad = crate::Tensor::from_vec(vec![1.0f32; 2 * (1024 + 3)], out.shape()).unwrap();
-        tbe.backward_batch(&batch, &grad).unwrap();
-        drop(batch);
-        let whole = tbe.table_weights(0).unwrap();
+        for t in [&tbe, &plain] {
+            t.set_table_weights(0, &values).unwrap();
+            let batch = t.prepare(TbeInput::new(&ids[..], &offsets[..])).unwrap();
+            let out = t.lookup_batch(&batch).unwrap();
+            let grad = crate::Tensor::from_vec(vec![1.0f32; 2 * (1024 + 3)], out.shape()).unwrap();
+            t.backward_batch(&batch, &grad).unwrap();
+        }
+        let whole = plain.table_weights(0).unwrap();
         assert!(
             whole[3 * 1024] != values[3 * 1024],
             "the step changed nothing"
@@ -898,6 +904,15 @@ mod tests {
                 "{rows:?}"
             );
         }
+        // By chunks (one not dividing the rows), every row once, in order.
+        let mut chunks = Vec::new();
+        tbe.for_each_weight_chunk(0, 700, |first, rows| {
+            assert_eq!(first, chunks.len() / 1024);
+            chunks.extend_from_slice(rows);
+            Ok(())
+        })
+        .unwrap();
+        assert!(chunks == whole, "chunked reads differ");
         #[allow(clippy::reversed_empty_ranges)] // a bad range on purpose
         let backwards = 7..3;
         for bad in [2400..2501, backwards] {

@@ -18,7 +18,7 @@
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
-use super::directory::{Directory, TableAdmission, AHEAD};
+use super::directory::{Directory, TableAdmission, AHEAD, WAYS};
 use super::store::{DiskProbe, RowStore, PROBE};
 use super::{sets_for, CacheConfig, CachePolicy, CacheStats, TablePositions, OP};
 use crate::embedding::input::{Batch, Ids};
@@ -150,9 +150,16 @@ impl ByteCache {
         let st = self.state.get_mut();
         let start = st.starts[t];
         let rows = first as u64..first as u64 + n;
-        let cached: Vec<(usize, u64)> = (st.dirs[t].occupied())
-            .filter(|(_, r)| rows.contains(r))
-            .collect();
+        let dir = &st.dirs[t];
+        // Few rows (a chunk of a big table): each looked up in its set; many: one pass over
+        // the directory.
+        let cached: Vec<(usize, u64)> = if n.saturating_mul(WAYS as u64) < dir.slots() as u64 {
+            (rows.clone())
+                .filter_map(|r| dir.find(r).map(|s| (s, r)))
+                .collect()
+        } else {
+            (dir.occupied()).filter(|(_, r)| rows.contains(r)).collect()
+        };
         for (slot, row) in cached {
             let at = start + slot * rb;
             let from = (row - first as u64) as usize * rb;

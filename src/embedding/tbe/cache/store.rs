@@ -125,6 +125,34 @@ fn lock_exclusively(file: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Refuses when the file `file` (opened, then locked, by path) is no longer the one at `path`:
+/// another process renamed a new one over it in between, and the inode locked is that
+/// process's old file (its kept rows, say), not to be emptied.
+fn same_file(file: &File, path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let open = file
+            .metadata()
+            .map_err(|e| io_error(path, "reading the row store's identity", e))?;
+        let now = std::fs::metadata(path)
+            .map_err(|e| io_error(path, "reading the row store's identity", e))?;
+        if (open.dev(), open.ino()) != (now.dev(), now.ino()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: replaced by another process while being opened (is another operator \
+                     using this row file?)",
+                    path.display()
+                ),
+            ));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (file, path);
+    Ok(())
+}
+
 /// Removes what a process killed while loading a checkpoint into the store at `path` left
 /// beside it: its staged copies (`<file name>.restore-<process>-<n>.tmp`) and the rows a load
 /// was replacing (`<file name>.previous-…`). Called with the store's lock held, so no live process
@@ -182,6 +210,42 @@ fn hard_link(from: &Path, to: &Path) -> std::io::Result<()> {
 thread_local! {
     /// Makes [`hard_link`] fail on this thread.
     pub(crate) static NO_HARD_LINKS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Creates (or opens) the file `path` and takes an exclusive lock on it, held while the
+/// returned file is open: what [`in_use`] then sees, from any process.
+pub(crate) fn hold_lock(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| io_error(path, "creating a lock file", e))?;
+    lock_exclusively(&file, path)?;
+    Ok(file)
+}
+
+/// Whether some open file description (of any process) holds a lock on the file at `path`,
+/// as every live row store holds one on its file ([`RowStore::create`]). Unlocked, missing or
+/// unreadable files read as not in use; off Unix, every file does.
+pub(crate) fn in_use(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        let Ok(file) = File::open(path) else {
+            return false;
+        };
+        // SAFETY: flock reads no user memory; the descriptor is open. The lock taken (if
+        // any) goes with the descriptor when `file` is closed below.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        rc != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        false
+    }
 }
 
 /// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
@@ -244,6 +308,7 @@ impl RowStore {
             .open(path)
             .map_err(|e| io_error(path, "creating the row store", e))?;
         lock_exclusively(&file, path)?;
+        same_file(&file, path)?;
         remove_leftovers(path);
         file.set_len(0)
             .and_then(|()| file.set_len(len))
@@ -612,7 +677,18 @@ impl Previous {
     pub(crate) fn abandon(mut self, e: Error) -> Error {
         match &mut self {
             Previous::File(p) => {
-                let kept = std::mem::take(p);
+                let mut kept = std::mem::take(p);
+                // Out of the names a new store removes as a dead load's leftovers
+                // (`.previous-…tmp`): `<file name>.kept-<process>-<n>`.
+                let name = kept.file_name().unwrap_or_default().to_string_lossy();
+                if let Some(safe) =
+                    (name.strip_suffix(".tmp")).map(|n| n.replacen(".previous-", ".kept-", 1))
+                {
+                    let to = kept.with_file_name(safe);
+                    if std::fs::rename(&kept, &to).is_ok() {
+                        kept = to;
+                    }
+                }
                 Error::invalid(
                     OP,
                     format!(
@@ -871,12 +947,20 @@ mod tests {
         f.set_len(33).unwrap();
         let err = store.restore(previous).unwrap_err().to_string();
         assert!(err.contains("the rows it replaced are kept in"), "{err}");
-        assert!(err.contains(&kept.display().to_string()), "{err}");
-        assert!(kept.exists(), "the kept rows were removed");
+        // Renamed out of the names a new store removes as a dead load's leftovers.
+        let name = kept.file_name().unwrap().to_string_lossy().into_owned();
+        let safe = kept.with_file_name(name.replace(".previous-", ".kept-").replace(".tmp", ""));
+        assert!(err.contains(&safe.display().to_string()), "{err}");
+        assert!(safe.exists() && !kept.exists(), "{err}");
         assert_eq!(row(&store, 3), 53, "a failed restore changed the store");
         f.set_len(32).unwrap();
         drop(store);
-        std::fs::rename(&kept, &path).unwrap();
+        // A new store there (a job restarted, so another process) leaves them alone.
+        let theirs = dir.join("rows.bin.kept-4000000000-0");
+        std::fs::copy(&safe, &theirs).unwrap();
+        drop(RowStore::create(&dir.join("rows.bin"), &[(8, 4)]).unwrap());
+        assert!(theirs.exists(), "the kept rows were removed by a new store");
+        std::fs::rename(&safe, &path).unwrap();
         let store = RowStore::open(&path, &[(8, 4)]).unwrap();
         assert_eq!(row(&store, 3), 13);
         drop(store);
