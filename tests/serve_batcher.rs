@@ -372,6 +372,7 @@ fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
 /// checkpoint (a reload's overlap) keep their files apart, and each removes its own when
 /// dropped. What a dead server left there is removed; a load factor of 0 is refused by name.
 #[test]
+#[cfg(unix)] // the test holds a lock with flock
 fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
     use embers::embedding::{CachePolicy, CacheSize, Placement, WeightType};
     use embers::serve::DlrmServable;

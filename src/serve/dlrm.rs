@@ -41,13 +41,14 @@ pub struct DlrmServable {
 /// while the servable lives, tells other processes it is in use.
 struct ScratchDir {
     dir: PathBuf,
-    _lock: std::fs::File,
+    lock: Option<std::fs::File>,
 }
 
 impl ScratchDir {
     /// A new directory `embers-serve-<process>-<n>-<clock>` under `parent` (a name no other
     /// process makes, even one of the same pid in another PID namespace sharing `parent`),
-    /// after removing those that servers no longer running left there.
+    /// after removing those that servers no longer running left there. It is made under a
+    /// name the removal ignores (`….new`), locked, then renamed: never seen unlocked.
     fn create(parent: &Path) -> Result<Self> {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let io = |what: &str, path: &Path, e: std::io::Error| {
@@ -64,11 +65,19 @@ impl ScratchDir {
         let clock = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
             .map_or(0, |d| d.as_nanos() as u64);
         let dir = parent.join(format!("embers-serve-{}-{n}-{clock:x}", std::process::id()));
-        std::fs::create_dir(&dir).map_err(|e| io("creating", &dir, e))?;
-        match hold_lock(&dir.join(".lock")) {
-            Ok(lock) => Ok(ScratchDir { dir, _lock: lock }),
+        let new = dir.with_extension("new");
+        std::fs::create_dir(&new).map_err(|e| io("creating", &new, e))?;
+        let locked = hold_lock(&new.join(".lock")).and_then(|lock| {
+            std::fs::rename(&new, &dir).map_err(|e| io("naming", &dir, e))?;
+            Ok(lock)
+        });
+        match locked {
+            Ok(lock) => Ok(ScratchDir {
+                dir,
+                lock: Some(lock),
+            }),
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
+                let _ = std::fs::remove_dir_all(&new);
                 Err(e)
             }
         }
@@ -76,17 +85,28 @@ impl ScratchDir {
 }
 
 impl Drop for ScratchDir {
+    /// The row files first, the lock last: a directory that lost its row files to a kill
+    /// midway is still seen, unlocked, and removed later.
     fn drop(&mut self) {
-        // Its lock goes after (fields drop after this).
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for entry in entries.flatten() {
+                if entry.file_name() != ".lock" {
+                    let path = entry.path();
+                    let _ = std::fs::remove_file(&path).or_else(|_| std::fs::remove_dir_all(&path));
+                }
+            }
+        }
+        // Closed before it is removed (a file open cannot be removed everywhere).
+        drop(self.lock.take());
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
 /// Removes the `embers-serve-<process>-<n>-<clock>` directories under `parent` that servers no
 /// longer running left: their `.lock` is held by no one (a live server holds its own, from
-/// any process or PID namespace sharing the directory). A directory without a `.lock` (a
-/// server killed between making it and locking it) is left. Unix only: elsewhere locks are
-/// not seen, and nothing is removed.
+/// any process or PID namespace sharing the directory; a lock that cannot be tested reads as
+/// held). A directory without a `.lock`, or still named `….new` (a server killed while
+/// making it), is left. Unix only: elsewhere locks are not seen, and nothing is removed.
 fn remove_dead_scratch(parent: &Path) {
     if !cfg!(unix) {
         return;

@@ -596,7 +596,8 @@ impl TableBatchedEmbedding {
     /// Calls `f(first, rows)` with table `t`'s rows `chunk_rows` at a time (`rows`:
     /// `[n, dim]` row-major, rows `first..first + n`), every row once, in order: what reads a
     /// table bigger than memory through (a cached table's directory read once, not per chunk
-    /// as [`table_weight_rows`](Self::table_weight_rows) would).
+    /// as [`table_weight_rows`](Self::table_weight_rows) would). The tables' lock is held
+    /// throughout (training waits): `f` must not use this operator.
     pub(crate) fn for_each_weight_chunk(
         &self,
         t: usize,

@@ -242,10 +242,13 @@ impl TableBatchedEmbedding {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
         c.check_idle()?;
-        let lost = match (c.poisoned(), c.store().check_len()) {
-            (Some(why), _) => Some(why.to_string()),
-            (None, Err(e)) => Some(e.to_string()),
-            (None, Ok(())) => {
+        let lost = match c.poisoned() {
+            Some(why) => Some(why.to_string()),
+            // Truncated under it: its rows are gone already (an I/O error refuses the load).
+            None if c.store().file_len()? != c.store().len() => {
+                c.store().check_len().err().map(|e| e.to_string())
+            }
+            None => {
                 c.flush()?;
                 None
             }
@@ -281,11 +284,12 @@ impl TableBatchedEmbedding {
         }
         c.restore_store(kept.previous)?;
         state.step = kept.step;
-        c.invalidate(cfg)?;
+        let emptied = c.invalidate(cfg);
+        // Unusable again whatever else failed: its own rows are gone.
         if let Some(why) = kept.lost {
             c.poison(why);
         }
-        Ok(())
+        emptied
     }
 }
 
@@ -695,6 +699,29 @@ mod tests {
         (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
     }
 
+    /// Each TBE's checkpoint `dir/ckpt<k>` staged for it.
+    fn stage_all<'a>(
+        tbes: &'a [TableBatchedEmbedding],
+        dir: &Path,
+    ) -> Vec<(&'a TableBatchedEmbedding, StagedRows)> {
+        (tbes.iter().enumerate())
+            .map(|(k, t)| {
+                let dir = dir.join(format!("ckpt{k}"));
+                (t, t.stage_cached_checkpoint(&dir).unwrap())
+            })
+            .collect()
+    }
+
+    /// Commits `loads` with the last one's staged file removed first (its rename fails): the
+    /// error.
+    fn commit_with_the_last_broken(loads: Vec<(&TableBatchedEmbedding, StagedRows)>) -> String {
+        let super::super::store::Staged::File(last, _) = &loads[loads.len() - 1].1.staged else {
+            panic!("a file store stages a file");
+        };
+        std::fs::remove_file(last).unwrap();
+        commit_cached_checkpoints(loads).unwrap_err().to_string()
+    }
+
     /// Loads into several cached TBEs commit as one: when the last one's commit fails (its
     /// staged file gone before the rename), the ones committed before it get back their rows —
     /// dirty cached rows included —, step count and an empty cache, and no kept or staged file
@@ -745,20 +772,8 @@ mod tests {
                 .filter(|n| n.ends_with(".tmp"))
                 .collect()
         };
-        let stage = || -> Vec<(&TableBatchedEmbedding, StagedRows)> {
-            (tbes.iter().enumerate())
-                .map(|(k, t)| {
-                    let dir = dir.join(format!("ckpt{k}"));
-                    (t, t.stage_cached_checkpoint(&dir).unwrap())
-                })
-                .collect()
-        };
-        let loads = stage();
-        let super::super::store::Staged::File(last, _) = &loads[2].1.staged else {
-            panic!("a file store stages a file");
-        };
-        std::fs::remove_file(last).unwrap();
-        let err = commit_cached_checkpoints(loads).unwrap_err().to_string();
+        let stage = || stage_all(&tbes, &dir);
+        let err = commit_with_the_last_broken(stage());
         assert!(
             err.contains("opening the new row store") && err.contains("nothing was loaded"),
             "{err}"
@@ -830,21 +845,9 @@ mod tests {
             assert!(err.contains("unusable") && err.contains("(test)"), "{err}");
         };
         unusable(&tbes[0]);
-        let stage = || -> Vec<(&TableBatchedEmbedding, StagedRows)> {
-            (tbes.iter().enumerate())
-                .map(|(k, t)| {
-                    let dir = dir.join(format!("ckpt{k}"));
-                    (t, t.stage_cached_checkpoint(&dir).unwrap())
-                })
-                .collect()
-        };
+        let stage = || stage_all(&tbes, &dir);
         // Undone: the poisoned one is put back, and still refuses.
-        let loads = stage();
-        let super::super::store::Staged::File(last, _) = &loads[1].1.staged else {
-            panic!("a file store stages a file");
-        };
-        std::fs::remove_file(last).unwrap();
-        let err = commit_cached_checkpoints(loads).unwrap_err().to_string();
+        let err = commit_with_the_last_broken(stage());
         assert!(err.contains("nothing was loaded"), "{err}");
         unusable(&tbes[0]);
         assert_eq!(tbes[0].step(), 1);
@@ -860,6 +863,23 @@ mod tests {
             tbes[0].table_weights(0).unwrap() != saved,
             "the step changed nothing"
         );
+        // A row file truncated under its cache (its rows gone already) loads too, without
+        // writing its cached rows back into it.
+        step(&tbes[1]).unwrap();
+        (std::fs::OpenOptions::new().write(true))
+            .open(dir.join("b.rows"))
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        assert!(step(&tbes[1])
+            .unwrap_err()
+            .to_string()
+            .contains("truncated"));
+        commit_cached_checkpoints(stage()).unwrap();
+        for tbe in &tbes {
+            assert!(tbe.table_weights(0).unwrap() == saved);
+            step(tbe).unwrap();
+        }
         drop(tbes);
         let _ = std::fs::remove_dir_all(&dir);
     }

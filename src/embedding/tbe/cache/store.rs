@@ -226,25 +226,28 @@ pub(crate) fn hold_lock(path: &Path) -> Result<File> {
     Ok(file)
 }
 
-/// Whether some open file description (of any process) holds a lock on the file at `path`,
-/// as every live row store holds one on its file ([`RowStore::create`]). Unlocked, missing or
-/// unreadable files read as not in use; off Unix, every file does.
+/// Whether the file at `path` may be in use: some open file description (of any process)
+/// holds a lock on it, as every live row store and serving directory holds one. Only a missing
+/// file, or a lock this call could take itself, reads as not in use: any other error (a file
+/// system without locks, no permission) reads as in use, so nothing live is taken for dead.
+/// Off Unix every existing file reads as in use.
 pub(crate) fn in_use(path: &Path) -> bool {
+    let file = match OpenOptions::new().read(true).write(true).open(path) {
+        Ok(file) => file,
+        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+    };
     #[cfg(unix)]
     {
         use std::os::unix::io::AsRawFd;
-        let Ok(file) = File::open(path) else {
-            return false;
-        };
         // SAFETY: flock reads no user memory; the descriptor is open. The lock taken (if
         // any) goes with the descriptor when `file` is closed below.
         let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        rc != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
+        rc != 0
     }
     #[cfg(not(unix))]
     {
-        let _ = path;
-        false
+        drop(file);
+        true
     }
 }
 
@@ -376,13 +379,7 @@ impl RowStore {
 
     /// Refuses a file whose length is not the store's (truncated, or replaced, under it).
     pub(crate) fn check_len(&self) -> Result<()> {
-        let Some(file) = &self.file else {
-            return Ok(());
-        };
-        let have = file
-            .metadata()
-            .map_err(|e| io_error(&self.path, "reading the row store's size", e))?
-            .len();
+        let have = self.file_len()?;
         if have != self.len {
             return Err(Error::invalid(
                 OP,
@@ -395,6 +392,18 @@ impl RowStore {
             ));
         }
         Ok(())
+    }
+
+    /// The length of the file as it is now (the store's own length for anonymous memory): not
+    /// the store's when the file was truncated under it.
+    pub(crate) fn file_len(&self) -> Result<u64> {
+        let Some(file) = &self.file else {
+            return Ok(self.len);
+        };
+        Ok(file
+            .metadata()
+            .map_err(|e| io_error(&self.path, "reading the row store's size", e))?
+            .len())
     }
 
     /// The file's length in bytes.
@@ -679,21 +688,31 @@ impl Previous {
             Previous::File(p) => {
                 let mut kept = std::mem::take(p);
                 // Out of the names a new store removes as a dead load's leftovers
-                // (`.previous-…tmp`): `<file name>.kept-<process>-<n>`.
+                // (`.previous-…tmp`), never over another file:
+                // `<file name>.kept-<process>-<n>-<clock>`.
                 let name = kept.file_name().unwrap_or_default().to_string_lossy();
-                if let Some(safe) =
-                    (name.strip_suffix(".tmp")).map(|n| n.replacen(".previous-", ".kept-", 1))
-                {
-                    let to = kept.with_file_name(safe);
-                    if std::fs::rename(&kept, &to).is_ok() {
+                let clock = (std::time::SystemTime::now())
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64);
+                let safe = (name.strip_suffix(".tmp"))
+                    .map(|n| format!("{}-{clock:x}", n.replacen(".previous-", ".kept-", 1)));
+                let mut warning = String::new();
+                match safe.map(|n| kept.with_file_name(n)) {
+                    Some(to) if hard_link(&kept, &to).is_ok() => {
+                        let _ = std::fs::remove_file(&kept);
                         kept = to;
+                    }
+                    _ => {
+                        warning = "; move it away before this row file is opened again, which \
+                                   removes it as a leftover"
+                            .to_string()
                     }
                 }
                 Error::invalid(
                     OP,
                     format!(
                         "{e} (the rows it replaced are kept in {}; rename it over the row \
-                         file to use them)",
+                         file to use them{warning})",
                         kept.display()
                     ),
                 )
@@ -949,18 +968,30 @@ mod tests {
         assert!(err.contains("the rows it replaced are kept in"), "{err}");
         // Renamed out of the names a new store removes as a dead load's leftovers.
         let name = kept.file_name().unwrap().to_string_lossy().into_owned();
-        let safe = kept.with_file_name(name.replace(".previous-", ".kept-").replace(".tmp", ""));
+        let prefix = name.replace(".previous-", ".kept-").replace(".tmp", "-");
+        let safe: Vec<PathBuf> = (std::fs::read_dir(&dir).unwrap())
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with(&prefix)
+            })
+            .collect();
+        let [safe] = &safe[..] else {
+            panic!("{safe:?}: {err}");
+        };
         assert!(err.contains(&safe.display().to_string()), "{err}");
-        assert!(safe.exists() && !kept.exists(), "{err}");
+        assert!(!kept.exists(), "{err}");
         assert_eq!(row(&store, 3), 53, "a failed restore changed the store");
         f.set_len(32).unwrap();
         drop(store);
         // A new store there (a job restarted, so another process) leaves them alone.
         let theirs = dir.join("rows.bin.kept-4000000000-0");
-        std::fs::copy(&safe, &theirs).unwrap();
+        std::fs::copy(safe, &theirs).unwrap();
         drop(RowStore::create(&dir.join("rows.bin"), &[(8, 4)]).unwrap());
         assert!(theirs.exists(), "the kept rows were removed by a new store");
-        std::fs::rename(&safe, &path).unwrap();
+        std::fs::rename(safe, &path).unwrap();
         let store = RowStore::open(&path, &[(8, 4)]).unwrap();
         assert_eq!(row(&store, 3), 13);
         drop(store);
