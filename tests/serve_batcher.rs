@@ -286,13 +286,7 @@ fn a_trained_dlrm_answers_concurrent_clients_as_it_answers_each_alone() {
     use embers::serve::{DlrmRow, DlrmServable};
 
     let g = support::data(5_000, 400, 2);
-    let config = support::config(&g);
-    let mut trainer = config.build().unwrap();
-    support::train(&mut trainer, &g, 1);
-    let dir = std::env::temp_dir().join(format!("embers-serve-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("model.safetensors");
-    trainer.save_checkpoint(&path, &Default::default()).unwrap();
+    let (config, _, dir, path) = support::trained_checkpoint(&g, 1, "serve");
     let copy = || {
         let mut t = config.build().unwrap();
         t.load_checkpoint(&path).unwrap();
@@ -378,14 +372,7 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
     use embers::serve::DlrmServable;
 
     let g = support::data(3_000, 300, 1);
-    let config = support::config(&g);
-    let mut trainer = config.build().unwrap();
-    support::train(&mut trainer, &g, 1);
-    let dir = std::env::temp_dir().join(format!("embers-serve-cached-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("model.safetensors");
-    trainer.save_checkpoint(&path, &Default::default()).unwrap();
+    let (_, _, dir, path) = support::trained_checkpoint(&g, 1, "serve-cached");
     let root = dir.join("caches");
     // Left by a server that died: its lock file held by no one...
     let dead = root.join("embers-serve-4000000000-0-1a2b");

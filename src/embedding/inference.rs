@@ -217,21 +217,7 @@ impl QuantizedTableBatchedEmbedding {
     /// Quantises a trained FP32 TBE: table `t` becomes `weight_types[t]`; same features and
     /// pooling.
     pub fn from_trained(tbe: &TableBatchedEmbedding, weight_types: &[WeightType]) -> Result<Self> {
-        let cfg = tbe.config();
-        let mut q = QuantizedTableBatchedEmbedding::new(
-            cfg.tables.clone(),
-            weight_types.to_vec(),
-            cfg.feature_table_map.clone(),
-            cfg.pooling,
-        )?;
-        if let Some(names) = &cfg.feature_names {
-            q.feature_names = names.clone();
-        }
-        q.bounds_check = cfg.bounds_check;
-        for t in 0..cfg.tables.len() {
-            q.quantize_table_from(t, &tbe.table_weights(t)?)?;
-        }
-        Ok(q)
+        Self::quantized_from(tbe, weight_types, None)
     }
 
     /// [`from_trained`](Self::from_trained) into a cached operator
@@ -245,8 +231,18 @@ impl QuantizedTableBatchedEmbedding {
         weight_types: &[WeightType],
         cache: &CacheConfig,
     ) -> Result<Self> {
+        Self::quantized_from(tbe, weight_types, Some(cache))
+    }
+
+    /// The operator of [`from_trained`](Self::from_trained) (its rows in memory, or cached as
+    /// `cache` says), filled a chunk of rows at a time.
+    fn quantized_from(
+        tbe: &TableBatchedEmbedding,
+        weight_types: &[WeightType],
+        cache: Option<&CacheConfig>,
+    ) -> Result<Self> {
         let cfg = tbe.config();
-        let mut q = QuantizedTableBatchedEmbedding::new_cached(
+        let mut q = Self::build(
             cfg.tables.clone(),
             weight_types.to_vec(),
             cfg.feature_table_map.clone(),

@@ -5,10 +5,8 @@ use std::sync::Mutex;
 use std::path::{Path, PathBuf};
 
 use super::BatchModel;
-use crate::embedding::tbe::cache::store::{hold_lock, in_use};
-use crate::embedding::{
-    CacheSize, CacheStats, Placement, QuantizedEmbeddingBagCollection, WeightType,
-};
+use crate::embedding::tbe::cache::store::{clock_nanos, hold_lock, in_use};
+use crate::embedding::{CacheStats, Placement, QuantizedEmbeddingBagCollection, WeightType};
 use crate::train::{Batch, DlrmConfig, DlrmTrainer};
 use crate::{Error, Result};
 
@@ -62,9 +60,11 @@ impl ScratchDir {
             .map_err(|e| io("creating the row files' directory", parent, e))?;
         remove_dead_scratch(parent);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let clock = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
-            .map_or(0, |d| d.as_nanos() as u64);
-        let dir = parent.join(format!("embers-serve-{}-{n}-{clock:x}", std::process::id()));
+        let dir = parent.join(format!(
+            "embers-serve-{}-{n}-{:x}",
+            std::process::id(),
+            clock_nanos()
+        ));
         let new = dir.with_extension("new");
         std::fs::create_dir(&new).map_err(|e| io("creating", &new, e))?;
         let locked = hold_lock(&new.join(".lock")).and_then(|lock| {
@@ -162,45 +162,22 @@ impl DlrmServable {
         placement: &Placement,
     ) -> Result<Self> {
         let path = path.as_ref();
-        if let Placement::Cached {
-            size: CacheSize::LoadFactor(f),
-            ..
-        } = placement
-        {
+        if let Placement::Cached { size, .. } = placement {
             // Refused before anything is read or written.
-            if !(f.is_finite() && *f > 0.0) {
-                return Err(Error::invalid(
-                    "DlrmServable",
-                    format!("cache load factor {f} must be a finite number above 0"),
-                ));
-            }
+            size.check()?;
         }
         let config = DlrmConfig::from_checkpoint(path)?;
-        let (scratch, placement) = match placement {
-            Placement::Memory => (None, Placement::Memory),
+        // The row files go in a directory of this servable's own (not for host memory).
+        let mut placement = placement.clone();
+        let scratch = match &mut placement {
             Placement::Cached { dir, .. } | Placement::Managed { dir, .. }
-                if dir.as_os_str().is_empty() =>
+                if !dir.as_os_str().is_empty() =>
             {
-                (None, placement.clone())
-            }
-            Placement::Cached { dir, size, policy } => {
                 let s = ScratchDir::create(dir)?;
-                let (size, policy) = (*size, *policy);
-                let placed = Placement::Cached {
-                    dir: s.dir.clone(),
-                    size,
-                    policy,
-                };
-                (Some(s), placed)
+                dir.clone_from(&s.dir);
+                Some(s)
             }
-            Placement::Managed { dir, policy } => {
-                let s = ScratchDir::create(dir)?;
-                let placed = Placement::Managed {
-                    dir: s.dir.clone(),
-                    policy: *policy,
-                };
-                (Some(s), placed)
-            }
+            _ => None,
         };
         // Quantized, the FP32 rows are only read once, to quantize them: the smallest cache.
         let trained = match (&placement, quantize) {

@@ -993,58 +993,68 @@ fn write_cache_stats(out: &mut String, caches: &[CacheStats]) {
     if caches.is_empty() {
         return;
     }
-    type Series = (&'static str, &'static str, fn(&CacheStats) -> u64);
-    let series: [Series; 6] = [
+    // (name, type, help, value)
+    type Series = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&CacheStats) -> u64,
+    );
+    let series: [Series; 7] = [
         (
             "embers_cache_requested_ids_total",
+            "counter",
             "Ids looked up in a table's cache.",
             |s| s.requested_ids,
         ),
         (
             "embers_cache_unique_ids_total",
+            "counter",
             "Distinct ids per lookup, summed.",
             |s| s.unique_ids,
         ),
         (
             "embers_cache_unique_misses_total",
+            "counter",
             "Distinct ids not cached when looked up, summed.",
             |s| s.unique_misses,
         ),
         (
             "embers_cache_conflict_misses_total",
+            "counter",
             "Misses served by a direct read (every way of their set locked).",
             |s| s.conflict_misses,
         ),
         (
             "embers_cache_evictions_total",
+            "counter",
             "Cached rows evicted.",
             |s| s.evictions,
         ),
         (
             "embers_cache_rows_read_total",
+            "counter",
             "Rows read from the row file.",
             |s| s.rows_read,
         ),
+        (
+            "embers_cache_slots",
+            "gauge",
+            "Rows a table's cache holds.",
+            |s| s.slots as u64,
+        ),
     ];
-    // A label value with its backslashes and quotes escaped.
+    // A label value with its backslashes, quotes and newlines escaped.
     let label = |s: &CacheStats| {
         (s.table.replace('\\', "\\\\"))
             .replace('"', "\\\"")
             .replace('\n', "\\n")
     };
-    for (name, help, value) in series {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (name, kind, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for s in caches {
             let _ = writeln!(out, "{name}{{table=\"{}\"}} {}", label(s), value(s));
         }
-    }
-    let name = "embers_cache_slots";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Rows a table's cache holds.\n# TYPE {name} gauge"
-    );
-    for s in caches {
-        let _ = writeln!(out, "{name}{{table=\"{}\"}} {}", label(s), s.slots);
     }
 }
 

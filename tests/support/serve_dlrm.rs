@@ -2,6 +2,8 @@
 //! Criteo-shaped data (4 features of 100 rows), its model configuration, training passes and
 //! the test split as serving rows.
 
+use std::path::PathBuf;
+
 use embers::embedding::FusedOptimizer;
 use embers::serve::DlrmRow;
 use embers::train::{DenseOptimizer, DlrmConfig, DlrmTrainer};
@@ -61,6 +63,25 @@ pub fn train(trainer: &mut DlrmTrainer, g: &SyntheticCriteo, epochs: usize) {
                 .unwrap();
         }
     }
+}
+
+/// A DLRM for `g` trained `epochs` passes and saved as `model.safetensors` in a new temp dir
+/// `embers-<name>-<pid>`: its config, trainer, dir and checkpoint path.
+#[allow(dead_code)] // not every test file that includes this module trains one
+pub fn trained_checkpoint(
+    g: &SyntheticCriteo,
+    epochs: usize,
+    name: &str,
+) -> (DlrmConfig, DlrmTrainer, PathBuf, PathBuf) {
+    let config = config(g);
+    let mut trainer = config.build().unwrap();
+    train(&mut trainer, g, epochs);
+    let dir = std::env::temp_dir().join(format!("embers-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    trainer.save_checkpoint(&path, &Default::default()).unwrap();
+    (config, trainer, dir, path)
 }
 
 /// The test split as serving rows.

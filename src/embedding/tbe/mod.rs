@@ -608,16 +608,16 @@ impl TableBatchedEmbedding {
         let (rows, dim) = (spec.rows, spec.dim);
         let chunk = chunk_rows.max(1);
         let start = self.weight_range(t).start;
-        let state = self.inner.state.read();
-        for first in (0..rows).step_by(chunk) {
-            let range = start + first * dim..start + (first + chunk).min(rows) * dim;
-            match &state.tables {
-                Tables::Host(h) => f(first, &h.weights[range])?,
-                Tables::Device(d) => f(first, &d.read_weights(range)?)?,
-                Tables::Cached(c) => return c.read_part_chunks(t, 0, chunk, f),
-            }
+        let range = |first: usize| start + first * dim..start + (first + chunk).min(rows) * dim;
+        match &self.inner.state.read().tables {
+            Tables::Cached(c) => c.read_part_chunks(t, 0, 0..rows, chunk, f),
+            Tables::Host(h) => (0..rows)
+                .step_by(chunk)
+                .try_for_each(|first| f(first, &h.weights[range(first)])),
+            Tables::Device(d) => (0..rows)
+                .step_by(chunk)
+                .try_for_each(|first| f(first, &d.read_weights(range(first))?)),
         }
-        Ok(())
     }
 
     /// Overwrites table `t`'s rows (`[rows, dim]` row-major).

@@ -245,13 +245,13 @@ impl TableBatchedEmbedding {
         let lost = match c.poisoned() {
             Some(why) => Some(why.to_string()),
             // Truncated under it: its rows are gone already (an I/O error refuses the load).
-            None if c.store().file_len()? != c.store().len() => {
-                c.store().check_len().err().map(|e| e.to_string())
-            }
-            None => {
-                c.flush()?;
-                None
-            }
+            None => match c.store().file_len()? {
+                have if have != c.store().len() => Some(c.store().wrong_length(have).to_string()),
+                _ => {
+                    c.flush()?;
+                    None
+                }
+            },
         };
         let previous = c.commit_store_keeping(staged.staged)?;
         if let Err(e) = c.invalidate(cfg) {

@@ -53,6 +53,20 @@ pub enum CacheSize {
     Bytes(u64),
 }
 
+impl CacheSize {
+    /// Refuses a load factor that is not a finite number above 0 (a byte budget is checked
+    /// against the tables when the cache is sized).
+    pub(crate) fn check(self) -> Result<()> {
+        match self {
+            CacheSize::LoadFactor(f) if !(f.is_finite() && f > 0.0) => Err(Error::invalid(
+                OP,
+                format!("cache load factor {f} must be a finite number above 0"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The cache of a [`TableBatchedEmbedding`](crate::embedding::TableBatchedEmbedding) whose
 /// rows live in a file (or in host memory).
 #[derive(Clone, Debug, PartialEq)]

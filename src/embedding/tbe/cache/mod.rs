@@ -374,18 +374,15 @@ pub(crate) fn sets_for(
     per_row: usize,
 ) -> Result<Vec<usize>> {
     let full = |rows: usize| rows.div_ceil(WAYS).max(1);
+    size.check()?;
     match size {
-        CacheSize::LoadFactor(f) if f.is_finite() && f > 0.0 => Ok(tables
+        CacheSize::LoadFactor(f) => Ok(tables
             .iter()
             .map(|&(rows, _)| {
                 let want = (f.min(1.0) * rows as f64 / WAYS as f64).ceil() as usize;
                 want.clamp(1, full(rows))
             })
             .collect()),
-        CacheSize::LoadFactor(f) => Err(Error::invalid(
-            OP,
-            format!("cache load factor {f} must be a finite number above 0"),
-        )),
         CacheSize::Bytes(budget) => {
             // Every row's fixed cost first (LFU's counts), then a slot costs its record and its
             // directory entry.
@@ -1536,65 +1533,47 @@ impl CachedTables {
         p: usize,
         rows: std::ops::Range<usize>,
     ) -> Result<Vec<f32>> {
-        self.store.check_len()?;
-        self.check_usable()?;
-        let parts = self.parts[t];
-        let (rec, width) = (parts.record(), parts.range(p).len());
-        let mut out = Vec::with_capacity(rows.len() * width);
-        let chunk = (1 << 20) / rec.max(1) + 1;
-        let mut buf = vec![0.0f32; chunk * rec];
-        let mut first = rows.start;
-        while first < rows.end {
-            let n = chunk.min(rows.end - first);
-            self.store.read_rows(t, first, &mut buf[..n * rec]);
-            for r in buf[..n * rec].chunks(rec) {
-                out.extend_from_slice(&r[parts.range(p)]);
-            }
-            first += n;
-        }
-        // Cached rows: their slot is the current copy.
-        let occupied: Vec<(usize, u64)> = match (self.home, &self.device_dir) {
-            (Home::Device, Some(d)) => d.occupied(t)?,
-            _ => self.dirs[t].occupied().collect(),
-        };
-        let wanted = rows.start as u64..rows.end as u64;
-        let occupied: Vec<(usize, u64)> = (occupied.into_iter())
-            .filter(|(_, r)| wanted.contains(r))
-            .collect();
-        let slots: Vec<(usize, usize)> = occupied.iter().map(|&(s, _)| (t, s)).collect();
-        let records = self.take(&slots)?;
-        for (&(_, r), record) in occupied.iter().zip(records.chunks(rec.max(1))) {
-            let r = r as usize - rows.start;
-            out[r * width..(r + 1) * width].copy_from_slice(&record[parts.range(p)]);
-        }
+        let mut out = Vec::with_capacity(rows.len() * self.parts[t].range(p).len());
+        // About 1 MiB of records read at a time.
+        let chunk = (1 << 20) / self.parts[t].record().max(1) + 1;
+        self.read_part_chunks(t, p, rows, chunk, |_, values| {
+            out.extend_from_slice(values);
+            Ok(())
+        })?;
         Ok(out)
     }
 
-    /// Calls `f(first, values)` with part `p` of table `t`'s rows `chunk_rows` at a time
-    /// (`values`: rows `first..`, row order), every row once, in order: the file's copy, or the
-    /// cache's where the row is cached. The cache's directory is read once, not per chunk.
+    /// Calls `f(first, values)` with part `p` of rows `rows` of table `t` (in range: checked
+    /// by the caller), `chunk_rows` at a time (`values`: rows `first..`, row order), every row
+    /// once, in order: the file's copy, or the cache's where the row is cached. The cache's
+    /// directory is read once, not per chunk.
     pub(crate) fn read_part_chunks(
         &self,
         t: usize,
         p: usize,
+        rows: std::ops::Range<usize>,
         chunk_rows: usize,
         mut f: impl FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<()> {
         self.store.check_len()?;
         self.check_usable()?;
         let parts = self.parts[t];
-        let rows = self.store.table(t).rows;
         let (rec, width) = (parts.record(), parts.range(p).len());
         let chunk = chunk_rows.max(1);
-        let mut occupied: Vec<(usize, u64)> = match (self.home, &self.device_dir) {
+        // The cached rows in the range, in row order: their slots hold the current copies.
+        let occupied = match (self.home, &self.device_dir) {
             (Home::Device, Some(d)) => d.occupied(t)?,
             _ => self.dirs[t].occupied().collect(),
         };
+        let wanted = rows.start as u64..rows.end as u64;
+        let mut occupied: Vec<(usize, u64)> = (occupied.into_iter())
+            .filter(|(_, r)| wanted.contains(r))
+            .collect();
         occupied.sort_unstable_by_key(|&(_, r)| r);
         let (mut buf, mut out) = (Vec::new(), Vec::new());
         let mut next = 0;
-        for first in (0..rows).step_by(chunk) {
-            let end = (first + chunk).min(rows);
+        for first in rows.clone().step_by(chunk) {
+            let end = (first + chunk).min(rows.end);
             buf.resize((end - first) * rec, 0.0);
             self.store.read_rows(t, first, &mut buf);
             out.clear();

@@ -101,27 +101,32 @@ pub(crate) fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
 /// Takes an exclusive advisory lock on `file` (held while it is open): a second operator
 /// given the same row file is refused instead of sharing, and zeroing, the first one's rows.
 fn lock_exclusively(file: &File, path: &Path) -> Result<()> {
+    match try_lock(file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(Error::invalid(
+            OP,
+            format!(
+                "{}: another operator (or process) already uses this row file",
+                path.display()
+            ),
+        )),
+        Err(e) => Err(io_error(path, "locking the row store", e)),
+    }
+}
+
+/// `flock(LOCK_EX | LOCK_NB)` on `file`: the lock goes with its open file description. Off
+/// Unix, nothing (and success).
+fn try_lock(file: &File) -> std::io::Result<()> {
     #[cfg(unix)]
     {
         use std::os::unix::io::AsRawFd;
         // SAFETY: flock reads no user memory; the descriptor is open.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::WouldBlock {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "{}: another operator (or process) already uses this row file",
-                        path.display()
-                    ),
-                ));
-            }
-            return Err(io_error(path, "locking the row store", e));
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(std::io::Error::last_os_error());
         }
     }
     #[cfg(not(unix))]
-    let _ = (file, path);
+    let _ = file;
     Ok(())
 }
 
@@ -212,6 +217,13 @@ thread_local! {
     pub(crate) static NO_HARD_LINKS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Nanoseconds since the Unix epoch (0 for a clock before it): what makes a name unique
+/// across processes that may share a pid (other PID namespaces, restarts).
+pub(crate) fn clock_nanos() -> u64 {
+    (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// Creates (or opens) the file `path` and takes an exclusive lock on it, held while the
 /// returned file is open: what [`in_use`] then sees, from any process.
 pub(crate) fn hold_lock(path: &Path) -> Result<File> {
@@ -236,19 +248,8 @@ pub(crate) fn in_use(path: &Path) -> bool {
         Ok(file) => file,
         Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
     };
-    #[cfg(unix)]
-    {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: flock reads no user memory; the descriptor is open. The lock taken (if
-        // any) goes with the descriptor when `file` is closed below.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        rc != 0
-    }
-    #[cfg(not(unix))]
-    {
-        drop(file);
-        true
-    }
+    // A lock taken here goes when `file` is closed, at the return.
+    !cfg!(unix) || try_lock(&file).is_err()
 }
 
 /// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
@@ -379,19 +380,23 @@ impl RowStore {
 
     /// Refuses a file whose length is not the store's (truncated, or replaced, under it).
     pub(crate) fn check_len(&self) -> Result<()> {
-        let have = self.file_len()?;
-        if have != self.len {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{}: {have} bytes, but these tables need {} (truncated, or not this model's \
-                     file)",
-                    self.path.display(),
-                    self.len
-                ),
-            ));
+        match self.file_len()? {
+            have if have != self.len => Err(self.wrong_length(have)),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The error of a file `have` bytes long, not the store's length.
+    pub(crate) fn wrong_length(&self, have: u64) -> Error {
+        Error::invalid(
+            OP,
+            format!(
+                "{}: {have} bytes, but these tables need {} (truncated, or not this model's \
+                 file)",
+                self.path.display(),
+                self.len
+            ),
+        )
     }
 
     /// The length of the file as it is now (the store's own length for anonymous memory): not
@@ -691,11 +696,10 @@ impl Previous {
                 // (`.previous-…tmp`), never over another file:
                 // `<file name>.kept-<process>-<n>-<clock>`.
                 let name = kept.file_name().unwrap_or_default().to_string_lossy();
-                let clock = (std::time::SystemTime::now())
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64);
-                let safe = (name.strip_suffix(".tmp"))
-                    .map(|n| format!("{}-{clock:x}", n.replacen(".previous-", ".kept-", 1)));
+                let safe = (name.strip_suffix(".tmp")).map(|n| {
+                    let kept = n.replacen(".previous-", ".kept-", 1);
+                    format!("{kept}-{:x}", clock_nanos())
+                });
                 let mut warning = String::new();
                 match safe.map(|n| kept.with_file_name(n)) {
                     Some(to) if hard_link(&kept, &to).is_ok() => {
@@ -915,6 +919,16 @@ mod tests {
             .unwrap()
     }
 
+    /// A store `rows.bin` in a test dir of its own (returned with the file's path) of one
+    /// table of 8 rows of 4 bytes, row `r` holding `r + 10`.
+    fn store_of_tens(what: &str) -> (PathBuf, PathBuf, RowStore) {
+        let dir = test_dir(what);
+        let path = dir.join("rows.bin");
+        let mut store = RowStore::create(&path, &[(8, 4)]).unwrap();
+        store.commit(staged_with(&store, 10)).unwrap();
+        (dir, path, store)
+    }
+
     fn row(store: &RowStore, r: usize) -> u8 {
         let mut b = [0u8; 4];
         store.read_bytes(0, r, &mut b);
@@ -925,11 +939,7 @@ mod tests {
     /// and put back; the copy is gone after.
     #[test]
     fn without_hard_links_the_replaced_rows_are_kept_as_a_copy() {
-        let dir = test_dir("no-links");
-        let path = dir.join("rows.bin");
-        let mut store = RowStore::create(&path, &[(8, 4)]).unwrap();
-        let first = staged_with(&store, 10);
-        store.commit(first).unwrap();
+        let (dir, _, mut store) = store_of_tens("no-links");
         NO_HARD_LINKS.with(|n| n.set(true));
         let second = staged_with(&store, 50);
         let previous = store.commit_keeping(second);
@@ -950,11 +960,7 @@ mod tests {
     /// names it; renamed over the row file by hand, they are back.
     #[test]
     fn a_failed_restore_keeps_the_replaced_rows_and_names_their_file() {
-        let dir = test_dir("failed-restore");
-        let path = dir.join("rows.bin");
-        let mut store = RowStore::create(&path, &[(8, 4)]).unwrap();
-        let first = staged_with(&store, 10);
-        store.commit(first).unwrap();
+        let (dir, path, mut store) = store_of_tens("failed-restore");
         let second = staged_with(&store, 50);
         let previous = store.commit_keeping(second).unwrap();
         let Previous::File(kept) = &previous else {
