@@ -7,38 +7,48 @@
 //! a file, validates its header, and hands out tensors with their dtype and shape checked, so
 //! callers can read and check everything before changing any state.
 
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, Metadata, SafeTensors, View};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
 use crate::{DType, Error, Result, Tensor};
 
-struct Entry {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
+/// Reads rows `range` of a tensor as little-endian bytes, while the file is written.
+type ReadRows<'a> = Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<u8>> + 'a>;
+
+/// Where a tensor's bytes come from.
+enum Data<'a> {
+    /// Held by the writer.
+    Bytes(Vec<u8>),
+    /// Read a chunk of rows at a time while the file is written: `rows` rows of `row_bytes`.
+    Rows {
+        rows: usize,
+        row_bytes: usize,
+        read: ReadRows<'a>,
+    },
 }
 
-impl View for &Entry {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
+struct Entry<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Data<'a>,
+}
+
+impl Entry<'_> {
+    fn len(&self) -> usize {
+        match &self.data {
+            Data::Bytes(b) => b.len(),
+            Data::Rows {
+                rows, row_bytes, ..
+            } => rows * row_bytes,
+        }
     }
 }
 
 /// Element types a checkpoint stores, with their safetensors dtype and little-endian bytes.
-pub trait CheckpointElem: Copy {
+pub trait CheckpointElem: bytemuck::Pod {
     /// The safetensors dtype.
     const DTYPE: Dtype;
     /// Bytes per element.
@@ -66,8 +76,14 @@ macro_rules! checkpoint_elem {
 checkpoint_elem!(f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => BF16, i64 => I64,
     i32 => I32, u8 => U8);
 
-fn safetensors_dtype(dtype: DType) -> Dtype {
-    crate::tensor::ops::with_any_dtype!(dtype, T => <T as CheckpointElem>::DTYPE)
+/// `values` as little-endian bytes (their memory, on a little-endian machine).
+fn le_bytes<T: CheckpointElem>(values: &[T]) -> Vec<u8> {
+    if cfg!(target_endian = "little") {
+        return bytemuck::cast_slice(values).to_vec();
+    }
+    let mut out = Vec::with_capacity(values.len() * T::SIZE);
+    values.iter().for_each(|v| v.put(&mut out));
+    out
 }
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {
@@ -90,10 +106,14 @@ fn parts_prefix(file_name: &str) -> String {
     format!("{file_name}.parts-")
 }
 
-/// Collects tensors and metadata for one atomically written safetensors file.
+/// Collects tensors and metadata for one atomically written safetensors file. Tensors are
+/// given as values (copied) or as a way to read them a chunk of rows at a time
+/// ([`add_rows`](Self::add_rows)) while the file is written, so that writing a checkpoint of
+/// big tables never holds a second copy of them; the writer then borrows what it reads from
+/// (`'a`).
 #[derive(Default)]
-pub struct CheckpointWriter {
-    entries: Vec<(String, Entry)>,
+pub struct CheckpointWriter<'a> {
+    entries: Vec<(String, Entry<'a>)>,
     names: HashSet<String>,
     metadata: HashMap<String, String>,
     /// The file this checkpoint will be written to, when it may have a parts directory, and
@@ -101,7 +121,7 @@ pub struct CheckpointWriter {
     parts: Option<(PathBuf, Option<PathBuf>)>,
 }
 
-impl CheckpointWriter {
+impl<'a> CheckpointWriter<'a> {
     /// An empty checkpoint.
     pub fn new() -> Self {
         Self::default()
@@ -124,14 +144,58 @@ impl CheckpointWriter {
                 ),
             ));
         }
+        self.push::<T>(name, shape, Data::Bytes(le_bytes(values)))
+    }
+
+    /// Adds a tensor of element type `T` and shape `shape` under `name` (names must be unique)
+    /// whose values are read when the file is written: `read(rows)` returns rows `rows` of it
+    /// (the first dimension; `rows.len()` times the product of the others values), and is
+    /// called for consecutive ranges of about 4 MiB covering every row once, in order. An
+    /// error from it, or values of the wrong length, fails the write.
+    pub fn add_rows<T: CheckpointElem>(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        mut read: impl FnMut(std::ops::Range<usize>) -> Result<Vec<T>> + 'a,
+    ) -> Result<()> {
+        let name = name.into();
+        let rows = shape.first().copied().unwrap_or(1);
+        let per_row: usize = shape.iter().skip(1).product();
+        let tensor = name.clone();
+        let data = Data::Rows {
+            rows,
+            row_bytes: per_row * T::SIZE,
+            read: Box::new(move |range: std::ops::Range<usize>| {
+                let n = range.len();
+                let values = read(range.clone())?;
+                if values.len() != n * per_row {
+                    return Err(Error::invalid(
+                        "checkpoint",
+                        format!(
+                            "`{tensor}` rows {range:?}: {} values read, {} expected",
+                            values.len(),
+                            n * per_row
+                        ),
+                    ));
+                }
+                Ok(le_bytes(&values))
+            }),
+        };
+        self.push::<T>(name, shape, data)
+    }
+
+    fn push<T: CheckpointElem>(
+        &mut self,
+        name: String,
+        shape: &[usize],
+        data: Data<'a>,
+    ) -> Result<()> {
         if !self.names.insert(name.clone()) {
             return Err(Error::invalid(
                 "checkpoint",
                 format!("`{name}` is written twice; names must be unique"),
             ));
         }
-        let mut data = Vec::with_capacity(values.len() * T::SIZE);
-        values.iter().for_each(|v| v.put(&mut data));
         self.entries.push((
             name,
             Entry {
@@ -222,14 +286,7 @@ impl CheckpointWriter {
         }
         let metadata = std::mem::take(&mut self.metadata);
         let entries = std::mem::take(&mut self.entries);
-        let written = replace_atomically(path, |tmp| {
-            safetensors::serialize_to_file(
-                entries.iter().map(|(n, e)| (n.as_str(), e)),
-                Some(metadata),
-                tmp,
-            )
-            .map_err(|e| invalid(path, e))
-        });
+        let written = replace_atomically(path, |tmp| write_safetensors(tmp, entries, metadata));
         if written.is_ok() {
             if let Some((_, made)) = self.parts.take() {
                 remove_stale_parts(path, made.as_deref());
@@ -239,7 +296,55 @@ impl CheckpointWriter {
     }
 }
 
-impl Drop for CheckpointWriter {
+/// Writes `entries` and `metadata` to a new file `tmp` in the safetensors format (header
+/// length, JSON header padded to 8 bytes, the tensors' bytes back to back), reading the
+/// tensors given as rows a chunk at a time.
+fn write_safetensors(
+    tmp: &Path,
+    entries: Vec<(String, Entry<'_>)>,
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    let mut infos = Vec::with_capacity(entries.len());
+    let mut end = 0usize;
+    for (name, e) in &entries {
+        let start = end;
+        end += e.len();
+        let info = TensorInfo {
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data_offsets: (start, end),
+        };
+        infos.push((name.clone(), info));
+    }
+    let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(tmp, e))?;
+    let mut header = serde_json::to_vec(&header).map_err(|e| invalid(tmp, e))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let file = std::fs::File::create(tmp).map_err(|e| io_err(tmp, e))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let io = |e| io_err(tmp, e);
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(&header).map_err(io)?;
+    for (_, e) in entries {
+        match e.data {
+            Data::Bytes(b) => out.write_all(&b).map_err(io)?,
+            Data::Rows {
+                rows,
+                row_bytes,
+                mut read,
+            } => {
+                let chunk = (READ_CHUNK_BYTES / row_bytes.max(1)).max(1);
+                for first in (0..rows).step_by(chunk) {
+                    let bytes = read(first..(first + chunk).min(rows))?;
+                    out.write_all(&bytes).map_err(io)?;
+                }
+            }
+        }
+    }
+    out.flush().map_err(io)
+}
+
+impl Drop for CheckpointWriter<'_> {
     /// A parts directory made for a checkpoint never written (an error while adding to it or
     /// writing it) goes with the writer.
     fn drop(&mut self) {
@@ -330,24 +435,85 @@ fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Re
     result
 }
 
-/// A checkpoint file read into memory with its header validated.
+/// Values decoded per read: a tensor is read from the file this many bytes at a time, so
+/// reading one never holds more than it and its decoded values.
+const READ_CHUNK_BYTES: usize = 4 << 20;
+
+/// The largest header accepted (safetensors' own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Reads `buf.len()` bytes of `file` at `offset`.
+fn read_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+    }
+    #[cfg(not(unix))]
+    {
+        use std::io::{Read, Seek};
+        let mut f = file;
+        f.seek(std::io::SeekFrom::Start(offset))?;
+        f.read_exact(buf)
+    }
+}
+
+/// An open checkpoint file with its header read and validated. Tensors are read from the file
+/// when asked for, a few megabytes at a time (never the whole file at once), so a checkpoint
+/// bigger than memory can be read tensor by tensor or range by range. The file stays open:
+/// one replaced (renamed over) meanwhile is still read whole and consistent; one truncated
+/// meanwhile gives an error naming it, not a crash.
 pub struct CheckpointReader {
     path: PathBuf,
-    bytes: Vec<u8>,
-    data_start: usize,
+    file: std::fs::File,
+    data_start: u64,
     header: Metadata,
 }
 
 impl CheckpointReader {
-    /// Reads and validates `path` (a truncated or corrupt file is an error naming it).
+    /// Opens `path` and validates its header against the file's length (a truncated or
+    /// corrupt file is an error naming it).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
-        SafeTensors::deserialize(&bytes).map_err(|e| invalid(&path, e))?;
-        let (n, header) = SafeTensors::read_metadata(&bytes).map_err(|e| invalid(&path, e))?;
+        let file = std::fs::File::open(&path).map_err(|e| io_err(&path, e))?;
+        let len = file.metadata().map_err(|e| io_err(&path, e))?.len();
+        let mut n = [0u8; 8];
+        if len < 8 {
+            return Err(invalid(
+                &path,
+                format!("{len} bytes, too short for a safetensors header"),
+            ));
+        }
+        read_at(&file, &mut n, 0).map_err(|e| io_err(&path, e))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER_BYTES || 8 + n > len {
+            return Err(invalid(
+                &path,
+                format!(
+                    "its header length {n} does not fit in its {len} bytes (truncated, or not \
+                     a safetensors file)"
+                ),
+            ));
+        }
+        let mut text = vec![0u8; n as usize];
+        read_at(&file, &mut text, 8).map_err(|e| io_err(&path, e))?;
+        let text = std::str::from_utf8(&text)
+            .map_err(|e| invalid(&path, format!("its header is not UTF-8 ({e})")))?;
+        let header: Metadata = serde_json::from_str(text)
+            .map_err(|e| invalid(&path, format!("its header is corrupt ({e})")))?;
+        let want = (8 + n).checked_add(header.data_len() as u64);
+        if want != Some(len) {
+            let want = want.map_or("more than 2^64".into(), |w| w.to_string());
+            return Err(invalid(
+                &path,
+                format!(
+                    "holds {len} bytes where its header describes {want} (truncated or \
+                     corrupt)"
+                ),
+            ));
+        }
         Ok(CheckpointReader {
             path,
-            bytes,
+            file,
             data_start: 8 + n,
             header,
         })
@@ -424,7 +590,8 @@ impl CheckpointReader {
         self.header.tensors().into_keys().collect()
     }
 
-    fn raw(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&[u8]> {
+    /// Where `name`'s bytes lie in the file (checked to have `dtype` and `shape`).
+    fn locate(&self, name: &str, dtype: Dtype, shape: &[usize]) -> Result<std::ops::Range<u64>> {
         let info = self
             .header
             .info(name)
@@ -439,36 +606,56 @@ impl CheckpointReader {
             ));
         }
         let (a, b) = info.data_offsets;
-        Ok(&self.bytes[self.data_start + a..self.data_start + b])
+        Ok(self.data_start + a as u64..self.data_start + b as u64)
     }
 
     /// The values of `name`, which must have element type `T` and shape `shape`.
     pub fn read<T: CheckpointElem>(&self, name: &str, shape: &[usize]) -> Result<Vec<T>> {
-        Ok(self
-            .raw(name, T::DTYPE, shape)?
-            .chunks_exact(T::SIZE)
-            .map(T::get)
-            .collect())
+        let n = shape.iter().product();
+        self.read_range(name, shape, 0..n)
     }
 
     /// Elements `elems` (in row-major order) of `name`, which must have element type `T` and
-    /// shape `shape`: only those are decoded.
+    /// shape `shape`: only those are read from the file.
     pub fn read_range<T: CheckpointElem>(
         &self,
         name: &str,
         shape: &[usize],
         elems: std::ops::Range<usize>,
     ) -> Result<Vec<T>> {
-        let raw = self.raw(name, T::DTYPE, shape)?;
-        let bytes = raw
-            .get(elems.start * T::SIZE..elems.end * T::SIZE)
+        let at = self.locate(name, T::DTYPE, shape)?;
+        let len = (at.end - at.start) as usize;
+        let bytes = (elems.start.checked_mul(T::SIZE))
+            .zip(elems.end.checked_mul(T::SIZE))
+            .filter(|(a, b)| a <= b && *b <= len)
             .ok_or_else(|| {
                 invalid(
                     &self.path,
                     format!("elements {elems:?} of `{name}` {shape:?}: past its end"),
                 )
             })?;
-        Ok(bytes.chunks_exact(T::SIZE).map(T::get).collect())
+        // Read straight into the values' memory, a chunk at a time.
+        let mut out = vec![T::zeroed(); elems.len()];
+        let bytes_out: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        for (k, chunk) in bytes_out.chunks_mut(READ_CHUNK_BYTES).enumerate() {
+            let offset = at.start + (bytes.0 + k * READ_CHUNK_BYTES) as u64;
+            read_at(&self.file, chunk, offset).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    invalid(
+                        &self.path,
+                        format!("`{name}` ends early: the file was truncated after it was opened"),
+                    )
+                } else {
+                    io_err(&self.path, e)
+                }
+            })?;
+        }
+        if cfg!(target_endian = "big") {
+            for v in &mut out {
+                *v = T::get(bytemuck::bytes_of(v));
+            }
+        }
+        Ok(out)
     }
 
     /// The stored shape of `name`.
@@ -505,10 +692,197 @@ impl CheckpointReader {
 
     /// A new tensor holding `name`, which must have `like`'s dtype and shape.
     pub fn read_like(&self, name: &str, like: &Tensor) -> Result<Tensor> {
-        let dtype = safetensors_dtype(like.dtype());
-        let _ = self.raw(name, dtype, like.shape())?;
         crate::tensor::ops::with_any_dtype!(like.dtype(), T => {
             Tensor::from_vec(self.read::<T>(name, like.shape())?, like.shape())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("embers-reader-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// A tensor several read chunks long (not a whole number of them) and small ones of other
+    /// dtypes read back whole and by range, a range crossing a chunk boundary included; ranges
+    /// past the end and wrong dtypes or shapes are refused by name.
+    #[test]
+    fn tensors_read_back_whole_and_by_range_across_read_chunks() {
+        let dir = temp("ranges");
+        let path = dir.join("c.safetensors");
+        let n = 2 * READ_CHUNK_BYTES / 4 + 1001;
+        let big: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let small: Vec<i64> = vec![-5, 7, 1 << 40];
+        let bytes: Vec<u8> = (0..=255).collect();
+        let mut w = CheckpointWriter::new();
+        w.add("big", &[n], &big).unwrap();
+        w.add("small", &[3], &small).unwrap();
+        w.add("bytes", &[16, 16], &bytes).unwrap();
+        w.set_metadata("k", "v");
+        w.write(&path).unwrap();
+        let r = CheckpointReader::open(&path).unwrap();
+        assert_eq!(r.metadata("k"), Some("v"));
+        assert!(r.read::<f32>("big", &[n]).unwrap() == big);
+        assert_eq!(r.read::<i64>("small", &[3]).unwrap(), small);
+        assert_eq!(r.read::<u8>("bytes", &[16, 16]).unwrap(), bytes);
+        let edge = READ_CHUNK_BYTES / 4;
+        for range in [0..0, 3..10, edge - 5..edge + 5, n - 7..n, 0..n] {
+            let got = r.read_range::<f32>("big", &[n], range.clone()).unwrap();
+            assert!(got == big[range.clone()], "{range:?}");
+        }
+        let err = (r.read_range::<f32>("big", &[n], n - 1..n + 1).unwrap_err()).to_string();
+        assert!(
+            err.contains("past its end") && err.contains("`big`"),
+            "{err}"
+        );
+        let err = r.read::<f64>("small", &[3]).unwrap_err().to_string();
+        assert!(err.contains("`small` is I64"), "{err}");
+        let err = r.read::<i64>("small", &[4]).unwrap_err().to_string();
+        assert!(err.contains("expected I64 [4]"), "{err}");
+        let err = r.read::<i64>("absent", &[3]).unwrap_err().to_string();
+        assert!(err.contains("`absent` is missing"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Tensors given as rows are read a chunk at a time (several chunks, not a whole number
+    /// of them) into a file that safetensors' own parser reads back value for value, beside
+    /// tensors given whole; a read error or a read of the wrong length fails the write by
+    /// name, and leaves the previous file as it was and no temporary file.
+    #[test]
+    fn tensors_read_by_rows_while_writing_make_a_standard_file() {
+        let dir = temp("rows");
+        let path = dir.join("c.safetensors");
+        let (rows, cols) = (3 * READ_CHUNK_BYTES / (4 * 37) + 5, 37);
+        let value = |r: usize, c: usize| (r * cols + c) as f32 * 0.25;
+        let mut calls = Vec::new();
+        let mut w = CheckpointWriter::new();
+        w.add("first", &[2], &[1.5f64, -2.0]).unwrap();
+        w.add_rows("big", &[rows, cols], |range: std::ops::Range<usize>| {
+            calls.push(range.clone());
+            Ok(range
+                .flat_map(|r| (0..cols).map(move |c| value(r, c)))
+                .collect::<Vec<f32>>())
+        })
+        .unwrap();
+        let err = w.add_rows("first", &[1], |_| Ok(vec![0u8])).unwrap_err();
+        assert!(
+            err.to_string().contains("`first` is written twice"),
+            "{err}"
+        );
+        w.add_rows("bytes", &[3, 2], |r| {
+            Ok((r.start as u8 * 2..r.end as u8 * 2).collect())
+        })
+        .unwrap();
+        w.set_metadata("k", "v");
+        w.write(&path).unwrap();
+        assert!(calls.len() > 3, "{calls:?}");
+        let file = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+        let big: Vec<f32> = (st.tensor("big").unwrap().data().chunks_exact(4))
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(big.len(), rows * cols);
+        assert!((0..rows * cols).all(|i| big[i] == value(i / cols, i % cols)));
+        assert_eq!(st.tensor("bytes").unwrap().data(), &[0, 1, 2, 3, 4, 5]);
+        assert_eq!(st.tensor("first").unwrap().shape(), &[2]);
+        let r = CheckpointReader::open(&path).unwrap();
+        assert_eq!(r.read::<f64>("first", &[2]).unwrap(), vec![1.5, -2.0]);
+        assert_eq!(r.metadata("k"), Some("v"));
+
+        let failing = |read: Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<f32>>>| {
+            let mut w = CheckpointWriter::new();
+            w.add_rows("t", &[10, 3], read).unwrap();
+            let err = w.write(&path).unwrap_err().to_string();
+            assert_eq!(std::fs::read(&path).unwrap(), file);
+            let left: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+                .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+                .filter(|n| n.contains(".tmp"))
+                .collect();
+            assert!(left.is_empty(), "{left:?}");
+            err
+        };
+        let err = failing(Box::new(|_| {
+            Err(Error::invalid("test", "the disk is gone"))
+        }));
+        assert!(err.contains("the disk is gone"), "{err}");
+        let err = failing(Box::new(|r| Ok(vec![0.0; r.len() * 3 - 1])));
+        assert!(
+            err.contains("`t` rows 0..10: 29 values read, 30 expected"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Short, truncated, padded and corrupt files are refused at open with their path; a file
+    /// truncated after it was opened gives an error on read (no crash), and one replaced by a
+    /// rename after it was opened is still read as it was.
+    #[test]
+    fn bad_files_are_refused_and_files_changed_under_a_reader_are_caught() {
+        let dir = temp("bad");
+        let path = dir.join("c.safetensors");
+        let values: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let mut w = CheckpointWriter::new();
+        w.add("v", &[1000], &values).unwrap();
+        w.write(&path).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        let refused = |bytes: &[u8], what: &str| {
+            let bad = dir.join("bad.safetensors");
+            std::fs::write(&bad, bytes).unwrap();
+            let err = CheckpointReader::open(&bad)
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(
+                err.contains("bad.safetensors") && err.contains(what),
+                "{err}"
+            );
+        };
+        refused(&good[..5], "too short");
+        refused(&good[..good.len() - 4], "truncated");
+        refused(&[&good[..], &[0u8; 4]].concat(), "truncated or corrupt");
+        let mut huge = good.clone();
+        huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        refused(&huge, "header length");
+        let mut corrupt = good.clone();
+        corrupt[8] = b'[';
+        refused(&corrupt, "header is corrupt");
+        // A header describing more bytes than 64 bits count (eight tensors of 2^61 - 1).
+        let size = (1u64 << 61) - 1;
+        let tensors: Vec<String> = (0..8u64)
+            .map(|i| {
+                format!(
+                    "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
+                    i * size,
+                    (i + 1) * size
+                )
+            })
+            .collect();
+        let header = format!("{{{}}}", tensors.join(","));
+        let huge = [&(header.len() as u64).to_le_bytes()[..], header.as_bytes()].concat();
+        refused(&huge, "more than 2^64");
+        let missing = CheckpointReader::open(dir.join("absent.safetensors")).err();
+        assert!(missing.unwrap().to_string().contains("absent.safetensors"));
+
+        // Replaced after opening: the open file is still the old one.
+        let r = CheckpointReader::open(&path).unwrap();
+        let mut w = CheckpointWriter::new();
+        w.add("v", &[1000], &vec![9.0f32; 1000]).unwrap();
+        w.write(&path).unwrap();
+        assert!(r.read::<f32>("v", &[1000]).unwrap() == values);
+        // Truncated after opening: an error naming the file and the tensor.
+        let r = CheckpointReader::open(&path).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(good.len() as u64 / 2).unwrap();
+        let err = r.read::<f32>("v", &[1000]).unwrap_err().to_string();
+        assert!(
+            err.contains("c.safetensors") && err.contains("`v` ends early"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

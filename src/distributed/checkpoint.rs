@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
 use crate::checkpoint::{CheckpointReader, CheckpointWriter};
-use crate::embedding::checkpoint::cached_group_dir;
+use crate::embedding::checkpoint::{cached_group_dir, STAGE_CHUNK_BYTES};
 use crate::embedding::tbe::cache::api::{commit_cached_checkpoints, SavedRows, StagedRows};
 use crate::embedding::{
     EmbeddingBagCollection, EmbeddingCollection, StateShape, TableBatchedEmbedding,
@@ -51,9 +51,6 @@ const FORMAT: &str = "embers.sharded_ebc.v2";
 const FORMAT_V1: &str = "embers.sharded_ebc.v1";
 const MANIFEST: &str = "manifest.safetensors";
 const OP: &str = "sharded checkpoint";
-/// About how many bytes of rows are read at a time into the staged row file of a TBE of
-/// cached tables.
-const STAGE_CHUNK_BYTES: usize = 16 << 20;
 
 /// What a load did besides copying values exactly.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -92,7 +89,7 @@ pub(crate) struct Held<'a> {
 }
 
 /// Adds `held`'s weights and optimizer state to `w`.
-fn add_held(w: &mut CheckpointWriter, held: &Held<'_>) -> Result<()> {
+fn add_held<'a>(w: &mut CheckpointWriter<'a>, held: &Held<'a>) -> Result<()> {
     let Rect {
         row_offset,
         col_offset,
@@ -100,21 +97,19 @@ fn add_held(w: &mut CheckpointWriter, held: &Held<'_>) -> Result<()> {
         cols,
     } = held.rect;
     let base = format!("{}@{row_offset},{col_offset}", held.table);
-    w.add(
-        format!("{base}.weight"),
-        &[rows, cols],
-        &held.tbe.table_weights(held.index)?,
-    )?;
-    for (i, (name, shape)) in held.tbe.optimizer_state_names().iter().enumerate() {
+    // Read a chunk of rows at a time as the file is written.
+    let (tbe, t) = (held.tbe, held.index);
+    w.add_rows(format!("{base}.weight"), &[rows, cols], move |r| {
+        tbe.table_weight_rows(t, r)
+    })?;
+    for (i, (name, shape)) in tbe.optimizer_state_names().iter().enumerate() {
         let dims = match shape {
             StateShape::PerRow => vec![rows],
             StateShape::PerElement => vec![rows, cols],
         };
-        w.add(
-            format!("{base}.{name}"),
-            &dims,
-            &held.tbe.optimizer_state(i, held.index)?,
-        )?;
+        w.add_rows(format!("{base}.{name}"), &dims, move |r| {
+            tbe.optimizer_state_rows(i, t, r)
+        })?;
     }
     Ok(())
 }

@@ -22,15 +22,19 @@ use crate::{Error, Result};
 
 const FORMAT: &str = "embers.tbe.v1";
 
+/// About how many bytes of rows are read at a time into the staged row file of a TBE of
+/// cached tables (from a checkpoint whose tables are not in row files).
+pub(crate) const STAGE_CHUNK_BYTES: usize = 16 << 20;
+
 /// Adds the tables and optimizer state of several TBEs to `w`, every name prefixed by
 /// `prefix` (table names must be unique across the TBEs).
-pub(crate) fn add_tbes(
-    w: &mut CheckpointWriter,
+pub(crate) fn add_tbes<'a>(
+    w: &mut CheckpointWriter<'a>,
     prefix: &str,
-    tbes: &[&TableBatchedEmbedding],
+    tbes: &[&'a TableBatchedEmbedding],
 ) -> Result<()> {
     w.set_metadata(format!("{prefix}format"), FORMAT);
-    for (g, tbe) in tbes.iter().enumerate() {
+    for (g, &tbe) in tbes.iter().enumerate() {
         w.set_metadata(
             format!("{prefix}group{g}.optimizer"),
             tbe.config().optimizer.name(),
@@ -46,18 +50,19 @@ pub(crate) fn add_tbes(
                 continue;
             }
         }
+        // Read a chunk of rows at a time as the file is written: no second copy of the tables.
         let states = tbe.optimizer_state_names();
         for (t, spec) in tbe.config().tables.iter().enumerate() {
-            w.add(
+            w.add_rows(
                 format!("{prefix}{}.weight", spec.name),
                 &[spec.rows, spec.dim],
-                &tbe.table_weights(t)?,
+                move |rows| tbe.table_weight_rows(t, rows),
             )?;
             for (i, (name, shape)) in states.iter().enumerate() {
-                w.add(
+                w.add_rows(
                     format!("{prefix}{}.{name}", spec.name),
                     &state_shape(*shape, spec.rows, spec.dim),
-                    &tbe.optimizer_state(i, t)?,
+                    move |rows| tbe.optimizer_state_rows(i, t, rows),
                 )?;
             }
         }
@@ -153,6 +158,11 @@ pub(crate) fn stage_tbes(
             }
             continue;
         }
+        if tbe.is_cached() {
+            let staged_rows = stage_into_cached(r, prefix, tbe, STAGE_CHUNK_BYTES)?;
+            staged.cached.push((g, staged_rows));
+            continue;
+        }
         let states = tbe.optimizer_state_names();
         for (t, spec) in tbe.config().tables.iter().enumerate() {
             let name = format!("{prefix}{}.weight", spec.name);
@@ -167,6 +177,51 @@ pub(crate) fn stage_tbes(
         }
     }
     Ok(staged)
+}
+
+/// Stages the tables and optimizer state that [`add_tbes`] wrote as tensors (under `prefix`)
+/// into a new row file for `tbe`'s cached tables, read and written about `chunk_bytes` of rows
+/// at a time: tables bigger than memory load without being held whole. Every tensor's dtype
+/// and shape is checked before any row is written.
+fn stage_into_cached(
+    r: &CheckpointReader,
+    prefix: &str,
+    tbe: &TableBatchedEmbedding,
+    chunk_bytes: usize,
+) -> Result<StagedRows> {
+    let states = tbe.optimizer_state_names();
+    let specs = &tbe.config().tables;
+    // (name, shape, elements per row) of table `t`'s weights, then of each state buffer.
+    let tensors = |t: usize| {
+        let spec = &specs[t];
+        let weight = (
+            format!("{prefix}{}.weight", spec.name),
+            vec![spec.rows, spec.dim],
+            spec.dim,
+        );
+        let states = states.iter().map(move |(state, shape)| {
+            let shape = state_shape(*shape, spec.rows, spec.dim);
+            let per_row = shape[1..].iter().product();
+            (format!("{prefix}{}.{state}", spec.name), shape, per_row)
+        });
+        std::iter::once(weight).chain(states)
+    };
+    for t in 0..specs.len() {
+        for (name, shape, _) in tensors(t) {
+            r.read_range::<f32>(&name, &shape, 0..0)?;
+        }
+    }
+    let row_bytes = |t: usize| 4 * tensors(t).map(|(_, _, n)| n).sum::<usize>();
+    tbe.stage_cached_rows(
+        |t| chunk_bytes / row_bytes(t).max(1),
+        |t, rows| {
+            let mut values = tensors(t).map(|(name, shape, n)| {
+                r.read_range::<f32>(&name, &shape, rows.start * n..rows.end * n)
+            });
+            let weights = values.next().expect("the weights come first")?;
+            Ok((weights, values.collect::<Result<_>>()?))
+        },
+    )
 }
 
 /// The directory of group `g`'s own checkpoint (its tables cached in files, saved by
@@ -234,10 +289,13 @@ impl QuantizedTableBatchedEmbedding {
         w.set_metadata("format", FORMAT);
         for (t, spec) in self.tables().iter().enumerate() {
             let ty = self.weight_types()[t];
-            w.add(
+            let row_bytes = ty.row_bytes(spec.dim);
+            // Copied a chunk of rows at a time as the file is written.
+            let bytes = self.table_bytes(t)?;
+            w.add_rows(
                 format!("{}.weight", spec.name),
-                &[spec.rows, ty.row_bytes(spec.dim)],
-                self.table_bytes(t)?,
+                &[spec.rows, row_bytes],
+                move |rows| Ok(bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec()),
             )?;
             w.set_metadata(format!("{}.weight_type", spec.name), ty.fbgemm_name());
         }
@@ -273,5 +331,104 @@ impl QuantizedTableBatchedEmbedding {
             self.set_table_bytes(t, b)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedding::optimizer::FusedOptimizer;
+    use crate::embedding::tbe::TbeConfig;
+    use crate::embedding::{CacheConfig, CacheSize, PoolingMode, TableSpec};
+
+    fn bits(tbe: &TableBatchedEmbedding) -> Vec<Vec<u32>> {
+        let mut out = Vec::new();
+        for t in 0..tbe.config().tables.len() {
+            out.push(tbe.table_weights(t).unwrap());
+            for i in 0..tbe.optimizer_state_names().len() {
+                out.push(tbe.optimizer_state(i, t).unwrap());
+            }
+        }
+        (out.iter())
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// Tables saved as tensors load into an operator whose tables are cached in a file, a few
+    /// rows at a time (chunks much smaller than a table and not a whole number of them): every
+    /// weight and state value equals the saved one, per-row and per-element state alike, and
+    /// so does a plain `load`. A tensor of the wrong shape is refused before any row is
+    /// written, and leaves no staged file.
+    #[test]
+    fn tables_saved_as_tensors_load_into_cached_tables_a_few_rows_at_a_time() {
+        let dir = std::env::temp_dir().join(format!("embers-into-cached-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let optimizers = [
+            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+            FusedOptimizer::Adam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ];
+        for (k, optimizer) in optimizers.into_iter().enumerate() {
+            let tables = vec![TableSpec::new("a", 257, 5), TableSpec::new("b", 40, 3)];
+            let cfg = TbeConfig::new(tables, vec![0, 1], PoolingMode::Sum, optimizer);
+            let plain = TableBatchedEmbedding::new(cfg.clone()).unwrap();
+            for (t, spec) in cfg.tables.iter().enumerate() {
+                let w: Vec<f32> = (0..spec.rows * spec.dim)
+                    .map(|i| (i as f32 * 0.37 + t as f32).sin())
+                    .collect();
+                plain.set_table_weights(t, &w).unwrap();
+                for i in 0..plain.optimizer_state_names().len() {
+                    let n = plain.optimizer_state(i, t).unwrap().len();
+                    let s: Vec<f32> = (0..n).map(|j| (j * 3 + i + 1) as f32 * 0.01).collect();
+                    plain.set_optimizer_state(i, t, &s).unwrap();
+                }
+            }
+            plain.set_step(7);
+            let path = dir.join(format!("plain-{k}.safetensors"));
+            plain.save(&path).unwrap();
+            let cached = |name: &str| {
+                let cache = CacheConfig::new(dir.join(name), CacheSize::LoadFactor(0.2));
+                TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
+            };
+            let r = CheckpointReader::open(&path).unwrap();
+            let a = cached(&format!("a-{k}.bin"));
+            // About three rows of `a` (and of `b`'s narrower records, five) per chunk.
+            let record = 4 * (5 + optimizer.state_len(0, 1, 5) + optimizer.state_len(1, 1, 5));
+            let staged = stage_into_cached(&r, "", &a, 3 * record + 1).unwrap();
+            a.commit_cached_checkpoint(staged).unwrap();
+            assert!(
+                bits(&a) == bits(&plain),
+                "{optimizer:?}: chunked load differs"
+            );
+            let b = cached(&format!("b-{k}.bin"));
+            b.load(&path).unwrap();
+            assert!(bits(&b) == bits(&plain), "{optimizer:?}: load differs");
+            assert_eq!(b.step(), 7);
+            // A checkpoint of other shapes: refused by name, nothing changed or left.
+            let other = TbeConfig::new(
+                vec![TableSpec::new("a", 257, 5), TableSpec::new("b", 41, 3)],
+                vec![0, 1],
+                PoolingMode::Sum,
+                optimizer,
+            );
+            let wrong = dir.join(format!("wrong-{k}.safetensors"));
+            TableBatchedEmbedding::new(other)
+                .unwrap()
+                .save(&wrong)
+                .unwrap();
+            let err = b.load(&wrong).unwrap_err().to_string();
+            assert!(err.contains("b.weight"), "{err}");
+            assert!(bits(&b) == bits(&plain));
+            let left: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+                .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+                .filter(|n| n.contains("restore"))
+                .collect();
+            assert!(left.is_empty(), "{left:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -226,10 +226,11 @@ macro_rules! table_access {
         /// Adds every table and its optimizer state to a larger checkpoint, names prefixed by
         /// `prefix`. Tables cached in files go, as their row files, into the writer's parts
         /// directory when it has one ([`CheckpointWriter::parts_beside`](crate::checkpoint::CheckpointWriter::parts_beside));
-        /// otherwise they are read whole into the file.
-        pub fn checkpoint_into(
-            &self,
-            writer: &mut crate::checkpoint::CheckpointWriter,
+        /// otherwise they are read into the file a chunk of rows at a time. The tables are
+        /// read when the writer writes its file (so it borrows this collection).
+        pub fn checkpoint_into<'a>(
+            &'a self,
+            writer: &mut crate::checkpoint::CheckpointWriter<'a>,
             prefix: &str,
         ) -> Result<()> {
             super::checkpoint::add_tbes(writer, prefix, &self.tbes())

@@ -150,8 +150,9 @@ impl DlrmServable {
     /// files go in a directory of this servable's own under the placement's directory
     /// (`embers-serve-<process>-<n>-<clock>`, removed when it is dropped; those that dead
     /// servers left are removed first), or in host memory when that is empty. A checkpoint
-    /// whose tables are inline (trained in memory) is read into memory while it loads; one
-    /// saved from cached tables is copied file to file, never whole in memory. With `quantize` the
+    /// whose tables were saved in memory is read into the row files a few megabytes of rows at
+    /// a time; one saved from cached tables is copied file to file: neither is ever whole in
+    /// memory. With `quantize` the
     /// quantized rows are the cached ones and the FP32 rows stay in a file behind the smallest
     /// cache (the disk holds both); without, the FP32 rows are. Predictions equal those of the
     /// tables in memory, bit for bit. [`cache_stats`](Self::cache_stats) counts the caches'

@@ -494,13 +494,13 @@ impl TrainerFile {
 
 /// A checkpoint writer holding a trainer checkpoint's header: `format`, the step, the examples
 /// seen, the configuration as JSON (`model.config`, when there is one) and `user` as `user.*`.
-pub(crate) fn trainer_writer(
+pub(crate) fn trainer_writer<'a>(
     format: &str,
     step: u64,
     examples: u64,
     config: Option<&impl serde::Serialize>,
     user: &BTreeMap<String, String>,
-) -> Result<CheckpointWriter> {
+) -> Result<CheckpointWriter<'a>> {
     let mut w = CheckpointWriter::new();
     w.set_metadata("format", format);
     w.set_metadata("step", step.to_string());

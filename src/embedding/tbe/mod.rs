@@ -574,6 +574,24 @@ impl TableBatchedEmbedding {
     /// A copy of rows `rows` of table `t`, `[rows.len(), dim]` row-major: a table bigger
     /// than memory (cached in a file) read a chunk at a time.
     pub fn table_weight_rows(&self, t: usize, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        self.part_rows(t, 0, rows)
+    }
+
+    /// A copy of rows `rows` of optimizer state buffer `index` of table `t` (`[rows.len()]`
+    /// for per-row state, else `[rows.len(), dim]`), as
+    /// [`table_weight_rows`](Self::table_weight_rows) reads weights.
+    pub fn optimizer_state_rows(
+        &self,
+        index: usize,
+        t: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        self.part_rows(t, index + 1, rows)
+    }
+
+    /// Rows `rows` of table `t`'s weights (`part` 0) or of its optimizer state buffer
+    /// `part - 1`.
+    fn part_rows(&self, t: usize, part: usize, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
         let spec = self.check_table(t)?;
         if rows.start > rows.end || rows.end > spec.rows {
             return Err(Error::invalid(
@@ -584,12 +602,20 @@ impl TableBatchedEmbedding {
                 ),
             ));
         }
-        let first = self.weight_range(t).start;
-        let range = first + rows.start * spec.dim..first + rows.end * spec.dim;
-        match &self.inner.state.read().tables {
-            Tables::Host(h) => Ok(h.weights[range].to_vec()),
-            Tables::Device(d) => d.read_weights(range),
-            Tables::Cached(c) => c.read_part_rows(t, 0, rows),
+        let (all, width) = match part {
+            0 => (self.weight_range(t), spec.dim),
+            _ => match self.state_shape_of(part - 1)? {
+                StateShape::PerRow => (self.state_range(t, StateShape::PerRow), 1),
+                StateShape::PerElement => (self.weight_range(t), spec.dim),
+            },
+        };
+        let range = all.start + rows.start * width..all.start + rows.end * width;
+        match (&self.inner.state.read().tables, part) {
+            (Tables::Host(h), 0) => Ok(h.weights[range].to_vec()),
+            (Tables::Host(h), i) => Ok(h.state(i - 1)[range].to_vec()),
+            (Tables::Device(d), 0) => d.read_weights(range),
+            (Tables::Device(d), i) => d.read_state(i - 1, range),
+            (Tables::Cached(c), _) => c.read_part_rows(t, part, rows),
         }
     }
 
