@@ -16,7 +16,7 @@ use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use crate::{DType, Error, Result, Tensor};
 
 /// Reads rows `range` of a tensor as little-endian bytes, while the file is written.
-type ReadRows<'a> = Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<u8>> + 'a>;
+type ReadRows<'a> = Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<u8>> + Send + 'a>;
 
 /// Where a tensor's bytes come from.
 enum Data<'a> {
@@ -37,12 +37,13 @@ struct Entry<'a> {
 }
 
 impl Entry<'_> {
-    fn len(&self) -> usize {
+    /// Its bytes (`None`: more than a `usize` counts).
+    fn len(&self) -> Option<usize> {
         match &self.data {
-            Data::Bytes(b) => b.len(),
+            Data::Bytes(b) => Some(b.len()),
             Data::Rows {
                 rows, row_bytes, ..
-            } => rows * row_bytes,
+            } => rows.checked_mul(*row_bytes),
         }
     }
 }
@@ -151,16 +152,30 @@ impl<'a> CheckpointWriter<'a> {
     /// whose values are read when the file is written: `read(rows)` returns rows `rows` of it
     /// (the first dimension; `rows.len()` times the product of the others values), and is
     /// called for consecutive ranges of about 4 MiB covering every row once, in order. An
-    /// error from it, or values of the wrong length, fails the write.
+    /// error from it, or values of the wrong length, fails the write. The values are those at
+    /// [`write`](Self::write) time: what they are read from must not change in between (a
+    /// table trained meanwhile would be saved partly before and partly after a step).
     pub fn add_rows<T: CheckpointElem>(
         &mut self,
         name: impl Into<String>,
         shape: &[usize],
-        mut read: impl FnMut(std::ops::Range<usize>) -> Result<Vec<T>> + 'a,
+        mut read: impl FnMut(std::ops::Range<usize>) -> Result<Vec<T>> + Send + 'a,
     ) -> Result<()> {
         let name = name.into();
         let rows = shape.first().copied().unwrap_or(1);
-        let per_row: usize = shape.iter().skip(1).product();
+        let per_row = (shape.iter().skip(1))
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|n| {
+                n.checked_mul(T::SIZE)
+                    .and_then(|b| b.checked_mul(rows))
+                    .is_some()
+            })
+            .ok_or_else(|| {
+                Error::invalid(
+                    "checkpoint",
+                    format!("`{name}`: shape {shape:?} holds more bytes than a usize counts"),
+                )
+            })?;
         let tensor = name.clone();
         let data = Data::Rows {
             rows,
@@ -286,7 +301,8 @@ impl<'a> CheckpointWriter<'a> {
         }
         let metadata = std::mem::take(&mut self.metadata);
         let entries = std::mem::take(&mut self.entries);
-        let written = replace_atomically(path, |tmp| write_safetensors(tmp, entries, metadata));
+        let written =
+            replace_atomically(path, |tmp| write_safetensors(path, tmp, entries, metadata));
         if written.is_ok() {
             if let Some((_, made)) = self.parts.take() {
                 remove_stale_parts(path, made.as_deref());
@@ -297,18 +313,27 @@ impl<'a> CheckpointWriter<'a> {
 }
 
 /// Writes `entries` and `metadata` to a new file `tmp` in the safetensors format (header
-/// length, JSON header padded to 8 bytes, the tensors' bytes back to back), reading the
-/// tensors given as rows a chunk at a time.
+/// length, JSON header padded to 8 bytes, the tensors' bytes back to back in safetensors' own
+/// order: by dtype, widest first, then by name, so every tensor starts aligned to its element
+/// size), reading the tensors given as rows a chunk at a time. Errors name `path`, the file
+/// being written, and the tensor.
 fn write_safetensors(
+    path: &Path,
     tmp: &Path,
-    entries: Vec<(String, Entry<'_>)>,
+    mut entries: Vec<(String, Entry<'_>)>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
+    entries.sort_by(|(a, x), (b, y)| y.dtype.cmp(&x.dtype).then_with(|| a.cmp(b)));
     let mut infos = Vec::with_capacity(entries.len());
     let mut end = 0usize;
     for (name, e) in &entries {
         let start = end;
-        end += e.len();
+        end = (e.len().and_then(|n| end.checked_add(n))).ok_or_else(|| {
+            invalid(
+                path,
+                format!("`{name}` and the tensors before it overflow the file's size"),
+            )
+        })?;
         let info = TensorInfo {
             dtype: e.dtype,
             shape: e.shape.clone(),
@@ -316,16 +341,26 @@ fn write_safetensors(
         };
         infos.push((name.clone(), info));
     }
-    let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(tmp, e))?;
-    let mut header = serde_json::to_vec(&header).map_err(|e| invalid(tmp, e))?;
+    let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(path, e))?;
+    let mut header = serde_json::to_vec(&header).map_err(|e| invalid(path, e))?;
     header.resize(header.len().next_multiple_of(8), b' ');
-    let file = std::fs::File::create(tmp).map_err(|e| io_err(tmp, e))?;
+    if header.len() as u64 > MAX_HEADER_BYTES {
+        return Err(invalid(
+            path,
+            format!(
+                "its header (names, shapes and metadata) would take {} bytes, more than the \
+                 {MAX_HEADER_BYTES} a reader accepts",
+                header.len()
+            ),
+        ));
+    }
+    let file = std::fs::File::create(tmp).map_err(|e| io_err(path, e))?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-    let io = |e| io_err(tmp, e);
+    let io = |e| io_err(path, e);
     out.write_all(&(header.len() as u64).to_le_bytes())
         .map_err(io)?;
     out.write_all(&header).map_err(io)?;
-    for (_, e) in entries {
+    for (name, e) in entries {
         match e.data {
             Data::Bytes(b) => out.write_all(&b).map_err(io)?,
             Data::Rows {
@@ -335,7 +370,8 @@ fn write_safetensors(
             } => {
                 let chunk = (READ_CHUNK_BYTES / row_bytes.max(1)).max(1);
                 for first in (0..rows).step_by(chunk) {
-                    let bytes = read(first..(first + chunk).min(rows))?;
+                    let bytes = read(first..(first + chunk).min(rows))
+                        .map_err(|e| invalid(path, format!("reading `{name}`: {e}")))?;
                     out.write_all(&bytes).map_err(io)?;
                 }
             }
@@ -448,8 +484,23 @@ fn read_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result
     {
         std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
     }
-    #[cfg(not(unix))]
+    #[cfg(windows)]
     {
+        use std::os::windows::fs::FileExt;
+        let mut done = 0;
+        while done < buf.len() {
+            match file.seek_read(&mut buf[done..], offset + done as u64) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+    #[cfg(not(any(unix, windows)))]
+    {
+        // No positioned reads: one reader must not be read from two threads at once here.
         use std::io::{Read, Seek};
         let mut f = file;
         f.seek(std::io::SeekFrom::Start(offset))?;
@@ -611,8 +662,9 @@ impl CheckpointReader {
 
     /// The values of `name`, which must have element type `T` and shape `shape`.
     pub fn read<T: CheckpointElem>(&self, name: &str, shape: &[usize]) -> Result<Vec<T>> {
-        let n = shape.iter().product();
-        self.read_range(name, shape, 0..n)
+        // The count from the checked header, not from `shape` (which may come from a file).
+        let at = self.locate(name, T::DTYPE, shape)?;
+        self.read_range(name, shape, 0..(at.end - at.start) as usize / T::SIZE)
     }
 
     /// Elements `elems` (in row-major order) of `name`, which must have element type `T` and
@@ -744,6 +796,9 @@ mod tests {
         assert!(err.contains("`small` is I64"), "{err}");
         let err = r.read::<i64>("small", &[4]).unwrap_err().to_string();
         assert!(err.contains("expected I64 [4]"), "{err}");
+        // A shape whose product overflows (as one read from a file's metadata may): an error.
+        let err = r.read::<f32>("big", &[1 << 40, 1 << 40]).unwrap_err();
+        assert!(err.to_string().contains("expected F32"), "{err}");
         let err = r.read::<i64>("absent", &[3]).unwrap_err().to_string();
         assert!(err.contains("`absent` is missing"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
@@ -794,7 +849,7 @@ mod tests {
         assert_eq!(r.read::<f64>("first", &[2]).unwrap(), vec![1.5, -2.0]);
         assert_eq!(r.metadata("k"), Some("v"));
 
-        let failing = |read: Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<f32>>>| {
+        let failing = |read: Box<dyn FnMut(std::ops::Range<usize>) -> Result<Vec<f32>> + Send>| {
             let mut w = CheckpointWriter::new();
             w.add_rows("t", &[10, 3], read).unwrap();
             let err = w.write(&path).unwrap_err().to_string();
@@ -809,12 +864,77 @@ mod tests {
         let err = failing(Box::new(|_| {
             Err(Error::invalid("test", "the disk is gone"))
         }));
-        assert!(err.contains("the disk is gone"), "{err}");
+        assert!(
+            err.contains("c.safetensors")
+                && err.contains("reading `t`: ")
+                && err.contains("the disk is gone"),
+            "{err}"
+        );
         let err = failing(Box::new(|r| Ok(vec![0.0; r.len() * 3 - 1])));
         assert!(
             err.contains("`t` rows 0..10: 29 values read, 30 expected"),
             "{err}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Tensors given whole make the very file safetensors' own writer makes of them (its
+    /// order: widest dtype first, then by name, so each starts aligned to its element size;
+    /// its padding), given as rows too; a header bigger than a reader accepts and a shape of
+    /// more bytes than a usize counts are refused by name, the previous file kept.
+    #[test]
+    fn files_are_byte_for_byte_safetensors_own_and_impossible_ones_are_refused() {
+        use safetensors::tensor::TensorView;
+        let dir = temp("same");
+        let path = dir.join("c.safetensors");
+        let f64s: Vec<f64> = vec![0.5, -1.25, 3.0];
+        let f32s: Vec<f32> = (0..7).map(|i| i as f32 / 3.0).collect();
+        let u8s: Vec<u8> = vec![1, 2, 3, 4, 5];
+        let halfs: Vec<half::f16> = (0..3).map(|i| half::f16::from_f32(i as f32)).collect();
+        let i64s: Vec<i64> = vec![-1, 1 << 50];
+        let views = [
+            ("b.bytes", Dtype::U8, vec![5], u8s.clone()),
+            ("a.half", Dtype::F16, vec![3], le_bytes(&halfs)),
+            ("z.f32", Dtype::F32, vec![7, 1], le_bytes(&f32s)),
+            ("m.f64", Dtype::F64, vec![3], le_bytes(&f64s)),
+            ("c.i64", Dtype::I64, vec![2], le_bytes(&i64s)),
+        ];
+        let theirs = safetensors::serialize(
+            (views.iter()).map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap())),
+            Some(HashMap::from([("format".to_string(), "test".to_string())])),
+        )
+        .unwrap();
+        for rows in [false, true] {
+            let mut w = CheckpointWriter::new();
+            w.add("b.bytes", &[5], &u8s).unwrap();
+            w.add("a.half", &[3], &halfs).unwrap();
+            if rows {
+                let v = f32s.clone();
+                w.add_rows("z.f32", &[7, 1], move |r| Ok(v[r].to_vec()))
+                    .unwrap();
+            } else {
+                w.add("z.f32", &[7, 1], &f32s).unwrap();
+            }
+            w.add("m.f64", &[3], &f64s).unwrap();
+            w.add("c.i64", &[2], &i64s).unwrap();
+            w.set_metadata("format", "test");
+            w.write(&path).unwrap();
+            assert!(std::fs::read(&path).unwrap() == theirs, "rows {rows}");
+        }
+        let kept = std::fs::read(&path).unwrap();
+        let mut w = CheckpointWriter::new();
+        w.set_metadata("huge", "x".repeat(MAX_HEADER_BYTES as usize));
+        let err = w.write(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("c.safetensors") && err.contains("header"),
+            "{err}"
+        );
+        let mut w = CheckpointWriter::new();
+        let err = (w.add_rows::<f32>("x", &[usize::MAX / 2, 3], |_| Ok(Vec::new())))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`x`") && err.contains("more bytes"), "{err}");
+        assert!(std::fs::read(&path).unwrap() == kept);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

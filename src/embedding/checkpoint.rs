@@ -292,11 +292,19 @@ impl QuantizedTableBatchedEmbedding {
             let row_bytes = ty.row_bytes(spec.dim);
             // Copied a chunk of rows at a time as the file is written.
             let bytes = self.table_bytes(t)?;
-            w.add_rows(
-                format!("{}.weight", spec.name),
-                &[spec.rows, row_bytes],
-                move |rows| Ok(bytes[rows.start * row_bytes..rows.end * row_bytes].to_vec()),
-            )?;
+            let name = format!("{}.weight", spec.name);
+            let what = name.clone();
+            w.add_rows(name, &[spec.rows, row_bytes], move |rows| {
+                let part = bytes.get(rows.start * row_bytes..rows.end * row_bytes);
+                Ok(part
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "checkpoint",
+                            format!("`{what}`: rows {rows:?} are past the table's stored bytes"),
+                        )
+                    })?
+                    .to_vec())
+            })?;
             w.set_metadata(format!("{}.weight_type", spec.name), ty.fbgemm_name());
         }
         w.write(path)
@@ -337,7 +345,6 @@ impl QuantizedTableBatchedEmbedding {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::embedding::optimizer::FusedOptimizer;
     use crate::embedding::tbe::TbeConfig;
     use crate::embedding::{CacheConfig, CacheSize, PoolingMode, TableSpec};
 
@@ -357,21 +364,13 @@ mod tests {
     /// Tables saved as tensors load into an operator whose tables are cached in a file, a few
     /// rows at a time (chunks much smaller than a table and not a whole number of them): every
     /// weight and state value equals the saved one, per-row and per-element state alike, and
-    /// so does a plain `load`. A tensor of the wrong shape is refused before any row is
-    /// written, and leaves no staged file.
+    /// so does a plain `load`. A tensor of the wrong shape is refused by name, changes
+    /// nothing and leaves no staged file.
     #[test]
     fn tables_saved_as_tensors_load_into_cached_tables_a_few_rows_at_a_time() {
         let dir = std::env::temp_dir().join(format!("embers-into-cached-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let optimizers = [
-            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
-            FusedOptimizer::Adam {
-                lr: 0.1,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-        ];
+        let optimizers = crate::embedding::optimizer::optimizers_of_both_state_shapes();
         for (k, optimizer) in optimizers.into_iter().enumerate() {
             let tables = vec![TableSpec::new("a", 257, 5), TableSpec::new("b", 40, 3)];
             let cfg = TbeConfig::new(tables, vec![0, 1], PoolingMode::Sum, optimizer);

@@ -227,7 +227,8 @@ macro_rules! table_access {
         /// `prefix`. Tables cached in files go, as their row files, into the writer's parts
         /// directory when it has one ([`CheckpointWriter::parts_beside`](crate::checkpoint::CheckpointWriter::parts_beside));
         /// otherwise they are read into the file a chunk of rows at a time. The tables are
-        /// read when the writer writes its file (so it borrows this collection).
+        /// read when the writer writes its file (so it borrows this collection): do not train
+        /// them in between.
         pub fn checkpoint_into<'a>(
             &'a self,
             writer: &mut crate::checkpoint::CheckpointWriter<'a>,

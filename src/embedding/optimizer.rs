@@ -420,3 +420,18 @@ pub(crate) fn trust_ratio(w_norm: f32, r_norm: f32) -> f32 {
         1.0
     }
 }
+
+/// Row-wise Adagrad (per-row state) and Adam (per-element state): what tests of the state's
+/// layouts run through.
+#[cfg(test)]
+pub(crate) fn optimizers_of_both_state_shapes() -> [FusedOptimizer; 2] {
+    [
+        FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
+        FusedOptimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ]
+}

@@ -699,7 +699,16 @@ mod tests {
         (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
     }
 
-    /// Each TBE's checkpoint `dir/ckpt<k>` staged for it.
+    /// Sets every TBE's table 0 to `saved` and writes its checkpoint `dir/ckpt<k>`.
+    fn save_all(tbes: &[TableBatchedEmbedding], saved: &[f32], dir: &Path) {
+        for (k, tbe) in tbes.iter().enumerate() {
+            tbe.set_table_weights(0, saved).unwrap();
+            tbe.save_cached_checkpoint(dir.join(format!("ckpt{k}")))
+                .unwrap();
+        }
+    }
+
+    /// Each TBE's checkpoint `dir/ckpt<k>` staged for it (by [`save_all`]).
     fn stage_all<'a>(
         tbes: &'a [TableBatchedEmbedding],
         dir: &Path,
@@ -750,11 +759,7 @@ mod tests {
             })
             .collect();
         let saved: Vec<f32> = (0..64 * 4).map(|i| i as f32 / 8.0).collect();
-        for (k, tbe) in tbes.iter().enumerate() {
-            tbe.set_table_weights(0, &saved).unwrap();
-            tbe.save_cached_checkpoint(dir.join(format!("ckpt{k}")))
-                .unwrap();
-        }
+        save_all(&tbes, &saved, &dir);
         // Since the checkpoints: one step trained through every cache (dirty cached rows).
         let ids: Vec<i64> = (0..40).collect();
         let offsets: Vec<i64> = (0..=40).collect();
@@ -821,11 +826,7 @@ mod tests {
             })
             .collect();
         let saved: Vec<f32> = (0..32 * 4).map(|i| i as f32 / 4.0).collect();
-        for (k, tbe) in tbes.iter().enumerate() {
-            tbe.set_table_weights(0, &saved).unwrap();
-            tbe.save_cached_checkpoint(dir.join(format!("ckpt{k}")))
-                .unwrap();
-        }
+        save_all(&tbes, &saved, &dir);
         let ids: Vec<i64> = (0..10).collect();
         let offsets: Vec<i64> = (0..=10).collect();
         let step = |tbe: &TableBatchedEmbedding| -> Result<()> {
@@ -995,15 +996,7 @@ mod tests {
     fn rows_staged_in_chunks_become_the_tables_rows() {
         let dir = std::env::temp_dir().join(format!("embers-stage-rows-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let optimizers = [
-            FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 },
-            FusedOptimizer::Adam {
-                lr: 0.1,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-        ];
+        let optimizers = crate::embedding::optimizer::optimizers_of_both_state_shapes();
         for (k, optimizer) in optimizers.into_iter().enumerate() {
             for in_file in [false, true] {
                 let tables = vec![TableSpec::new("a", 257, 5), TableSpec::new("b", 40, 3)];
