@@ -150,7 +150,7 @@ impl<'a> CheckpointWriter<'a> {
 
     /// Adds a tensor of element type `T` and shape `shape` under `name` (names must be unique)
     /// whose values are read when the file is written: `read(rows)` returns rows `rows` of it
-    /// (the first dimension; `rows.len()` times the product of the others values), and is
+    /// (the first dimension; `rows.len()` times the product of the other dimensions values), and is
     /// called for consecutive ranges of about 4 MiB covering every row once, in order. An
     /// error from it, or values of the wrong length, fails the write. The values are those at
     /// [`write`](Self::write) time: what they are read from must not change in between (a
