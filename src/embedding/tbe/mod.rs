@@ -562,13 +562,7 @@ impl TableBatchedEmbedding {
 
     /// A copy of table `t`'s rows, `[rows, dim]` row-major (copied back from a device).
     pub fn table_weights(&self, t: usize) -> Result<Vec<f32>> {
-        self.check_table(t)?;
-        let range = self.weight_range(t);
-        match &self.inner.state.read().tables {
-            Tables::Host(h) => Ok(h.weights[range].to_vec()),
-            Tables::Device(d) => d.read_weights(range),
-            Tables::Cached(c) => c.read_part(t, 0),
-        }
+        self.part_rows(t, 0, 0..self.check_table(t)?.rows)
     }
 
     /// A copy of rows `rows` of table `t`, `[rows.len(), dim]` row-major: a table bigger
@@ -730,13 +724,7 @@ impl TableBatchedEmbedding {
     /// A copy of optimizer state buffer `index` of table `t` (`[rows]` for per-row state,
     /// `[rows, dim]` for per-element state).
     pub fn optimizer_state(&self, index: usize, t: usize) -> Result<Vec<f32>> {
-        self.check_table(t)?;
-        let range = self.state_range(t, self.state_shape_of(index)?);
-        match &self.inner.state.read().tables {
-            Tables::Host(h) => Ok(h.state(index)[range].to_vec()),
-            Tables::Device(d) => d.read_state(index, range),
-            Tables::Cached(c) => c.read_part(t, index + 1),
-        }
+        self.optimizer_state_rows(index, t, 0..self.check_table(t)?.rows)
     }
 
     /// Overwrites optimizer state buffer `index` of table `t`.
