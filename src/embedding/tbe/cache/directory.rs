@@ -10,6 +10,10 @@ use strength_reduce::StrengthReducedU64;
 /// How many rows ahead lookups and data moves fetch their memory.
 pub(crate) const AHEAD: usize = 8;
 
+/// How many ids ahead an admission's lookups fetch their sets: a lookup is a few instructions
+/// and a cache miss or two, so more of them are kept in flight than moves.
+const LOOKUP_AHEAD: usize = 16;
+
 /// What admitting one table's ids decided.
 pub(crate) struct TableAdmission {
     /// The cache row of each id, in the order given.
@@ -28,8 +32,8 @@ pub(crate) const WAYS: usize = 32;
 
 const EMPTY: u64 = u64::MAX;
 
-/// Bytes of bookkeeping per slot (its tag and state).
-pub(crate) const SLOT_BYTES: usize = 8 + std::mem::size_of::<Meta>();
+/// Bytes of bookkeeping per slot (its tag, fingerprint and state).
+pub(crate) const SLOT_BYTES: usize = 8 + 2 + std::mem::size_of::<Meta>();
 
 /// MurmurHash3's 64-bit finaliser.
 fn fmix64(row: u64) -> u64 {
@@ -39,6 +43,54 @@ fn fmix64(row: u64) -> u64 {
     h ^= h >> 33;
     h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
     h ^ (h >> 33)
+}
+
+/// The fingerprints of one set's ways, a cache line together: 16 bits of each row's hash
+/// (never 0), 0 for an empty way. A lookup compares its row's fingerprint with all 32 at once
+/// and reads a way's full tag only where they agree, so a set costs one cache line instead of
+/// the four its tags fill.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct SetPrints([u16; WAYS]);
+
+impl SetPrints {
+    const EMPTY: Self = SetPrints([0; WAYS]);
+
+    /// The ways whose fingerprint is `fp`, as bits (way `w` is bit `w`).
+    #[cfg(target_arch = "x86_64")]
+    fn matching(&self, fp: u16) -> u32 {
+        use std::arch::x86_64::*;
+        // SAFETY: SSE2 is part of x86_64; the four unaligned loads read the 64 bytes of
+        // `self.0`.
+        unsafe {
+            let want = _mm_set1_epi16(fp as i16);
+            let at = |i: usize| {
+                let v = _mm_loadu_si128(self.0.as_ptr().add(8 * i) as *const __m128i);
+                _mm_cmpeq_epi16(v, want)
+            };
+            // Equal lanes are all ones: packing keeps that per lane, one byte each.
+            let low = _mm_movemask_epi8(_mm_packs_epi16(at(0), at(1))) as u32;
+            let high = _mm_movemask_epi8(_mm_packs_epi16(at(2), at(3))) as u32;
+            low | high << 16
+        }
+    }
+
+    /// The ways whose fingerprint is `fp`, as bits (way `w` is bit `w`).
+    #[cfg(not(target_arch = "x86_64"))]
+    fn matching(&self, fp: u16) -> u32 {
+        let mut mask = 0u32;
+        for (w, &f) in self.0.iter().enumerate() {
+            mask |= u32::from(f == fp) << w;
+        }
+        mask
+    }
+}
+
+/// Where a row belongs: its set's first slot and its fingerprint.
+#[derive(Clone, Copy)]
+struct Place {
+    base: usize,
+    fp: u16,
 }
 
 /// What the directory keeps of one slot.
@@ -67,6 +119,9 @@ pub(crate) struct Directory {
     divisor: StrengthReducedU64,
     /// Row held by each slot (`EMPTY` when none); slot = set × WAYS + way.
     tags: Vec<u64>,
+    /// Each set's fingerprints of its `tags` (kept with them: host only, not part of the
+    /// stored contents).
+    prints: Vec<SetPrints>,
     /// Each slot's state, together so that a hit touches one cache line.
     meta: Vec<Meta>,
     /// LFU: accesses of every row of the table (saturating), cached or not.
@@ -93,6 +148,7 @@ impl Directory {
             sets,
             divisor: StrengthReducedU64::new(sets as u64),
             tags: vec![EMPTY; slots],
+            prints: vec![SetPrints::EMPTY; sets],
             meta: vec![Meta::default(); slots],
             counts,
             policy,
@@ -120,6 +176,10 @@ impl Directory {
         counts: &[u32],
     ) {
         self.tags.copy_from_slice(tags);
+        for (s, &row) in tags.iter().enumerate() {
+            let fp = if row == EMPTY { 0 } else { self.place(row).fp };
+            self.prints[s / WAYS].0[s % WAYS] = fp;
+        }
         for (((m, &s), &l), &d) in self.meta.iter_mut().zip(stamp).zip(locks).zip(dirty) {
             *m = Meta {
                 stamp: s,
@@ -142,21 +202,48 @@ impl Directory {
         self.tags.len() * SLOT_BYTES + self.counts.len() * 4
     }
 
-    /// The first slot of `row`'s set: MurmurHash3's 64-bit finaliser of the row modulo the
-    /// number of sets, as FBGEMM's `cache_slot`.
-    fn first_way(&self, row: u64) -> usize {
-        (fmix64(row) % self.divisor) as usize * WAYS
+    /// The first slot of `row`'s set — MurmurHash3's 64-bit finaliser of the row modulo the
+    /// number of sets, as FBGEMM's `cache_slot` — and the row's fingerprint (the hash's top 16
+    /// bits, 0 made 1).
+    fn place(&self, row: u64) -> Place {
+        let h = fmix64(row);
+        Place {
+            base: (h % self.divisor) as usize * WAYS,
+            fp: ((h >> 48) as u16).max(1),
+        }
+    }
+
+    /// The ways of the set at `at` whose fingerprint is `at`'s, as bits.
+    fn matching(&self, at: Place) -> u32 {
+        self.prints[at.base / WAYS].matching(at.fp)
     }
 
     /// The slot holding `row`, if any.
     pub(crate) fn find(&self, row: u64) -> Option<usize> {
-        let base = self.first_way(row);
-        (base..base + WAYS).find(|&s| self.tags[s] == row)
+        let at = self.place(row);
+        let mut mask = self.matching(at);
+        while mask != 0 {
+            let s = at.base + mask.trailing_zeros() as usize;
+            if self.tags[s] == row {
+                return Some(s);
+            }
+            mask &= mask - 1;
+        }
+        None
     }
 
-    /// Asks the CPU to fetch the tags of `row`'s set ahead of a lookup.
+    /// Asks the CPU to fetch the fingerprints of `row`'s set ahead of a lookup.
     pub(crate) fn prefetch(&self, row: u64) {
-        self.prefetch_tags(self.first_way(row));
+        self.prefetch_prints(self.place(row));
+    }
+
+    /// Asks the CPU to fetch the fingerprints of the set at `at`.
+    fn prefetch_prints(&self, at: Place) {
+        let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
+        prefetch(
+            &self.prints[at.base / WAYS] as *const SetPrints as *const u8,
+            1,
+        );
     }
 
     /// Asks the CPU to fetch the tags of the set starting at slot `base`.
@@ -173,9 +260,12 @@ impl Directory {
         }
     }
 
-    /// Asks the CPU to fetch what choosing a victim for `row` reads: its set's tags and state.
+    /// Asks the CPU to fetch what choosing a victim for `row` reads: its set's fingerprints, tags
+    /// and state.
     fn prefetch_victim(&self, row: u64) {
-        let base = self.first_way(row);
+        let at = self.place(row);
+        let base = at.base;
+        self.prefetch_prints(at);
         self.prefetch_tags(base);
         self.prefetch_count(row);
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
@@ -213,10 +303,13 @@ impl Directory {
     /// policy likes least (LRU: oldest use; LFU: fewest accesses, then oldest use; ties to
     /// the lowest way). `None` when every way is locked (a conflict miss).
     pub(crate) fn victim(&self, row: u64) -> Option<usize> {
-        let base = self.first_way(row);
+        let at = self.place(row);
+        let base = at.base;
         let ways = base..base + WAYS;
-        if let Some(s) = ways.clone().find(|&s| self.tags[s] == EMPTY) {
-            return Some(s);
+        // Fingerprint 0 is an empty way's and only an empty way's.
+        let empty = self.prints[base / WAYS].matching(0);
+        if empty != 0 {
+            return Some(base + empty.trailing_zeros() as usize);
         }
         let key = |s: usize| match self.policy {
             CachePolicy::Lru => (0, self.meta[s].stamp),
@@ -229,6 +322,7 @@ impl Directory {
     /// Puts `row` in `slot` (its previous row already written back), clean.
     pub(crate) fn install(&mut self, slot: usize, row: u64) {
         self.tags[slot] = row;
+        self.prints[slot / WAYS].0[slot % WAYS] = self.place(row).fp;
         self.meta[slot].dirty = false;
     }
 
@@ -268,32 +362,49 @@ impl Directory {
         let mut loc = vec![0i64; n];
         let mut locked = Vec::new();
         let mut missed = Vec::new();
-        // Sets are far apart in the directory: fetch a few ids ahead.
-        for &r in ids.iter().take(AHEAD) {
+        // Sets are far apart in the directory: fetch a few ids ahead. The first pass reads
+        // only the fingerprints, noting each id's first candidate way (-1: certainly missed).
+        for &r in ids.iter().take(LOOKUP_AHEAD) {
             self.prefetch(r);
         }
         for (p, &r) in ids.iter().enumerate() {
-            if let Some(&next) = ids.get(p + AHEAD) {
+            if let Some(&next) = ids.get(p + LOOKUP_AHEAD) {
                 self.prefetch(next);
             }
-            loc[p] = self.find(r).map_or(-1, |s| s as i64);
+            let at = self.place(r);
+            let mask = self.matching(at);
+            loc[p] = if mask == 0 {
+                -1
+            } else {
+                (at.base + mask.trailing_zeros() as usize) as i64
+            };
         }
-        // A hit's slot is known once its set's tags have arrived: its state is fetched in a
-        // second pass, a few ids ahead.
+        // A candidate's tag and state are fetched in a second pass, a few ids ahead; a
+        // candidate whose tag is another row's (fingerprints agree about once in 2^16
+        // compares) has its set searched in full.
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
         for p in 0..n {
-            if let Some(&next) = loc.get(p + AHEAD) {
+            if let Some(&next) = loc.get(p + LOOKUP_AHEAD) {
                 if next >= 0 {
+                    prefetch(&self.tags[next as usize] as *const u64 as *const u8, 1);
                     prefetch(&self.meta[next as usize] as *const Meta as *const u8, 1);
-                    self.prefetch_count(ids[p + AHEAD]);
+                    self.prefetch_count(ids[p + LOOKUP_AHEAD]);
                 }
             }
-            let Ok(s) = usize::try_from(loc[p]) else {
+            let r = ids[p];
+            let found = match usize::try_from(loc[p]) {
+                Ok(s) if self.tags[s] == r => Some(s),
+                Ok(_) => self.find(r),
+                Err(_) => None,
+            };
+            let Some(s) = found else {
+                loc[p] = -1;
                 missed.push(p);
                 continue;
             };
+            loc[p] = s as i64;
             if self.meta[s].stamp != tick {
-                self.count(ids[p]);
+                self.count(r);
                 self.touch_and_lock(s, tick);
                 locked.push(s);
             }
@@ -381,12 +492,77 @@ mod tests {
         // fmix64(1) = 0xb456bcfc34c2cb2c.
         let set_of = |row: u64, sets: usize| {
             let d = Directory::new(sets, 1, CachePolicy::Lru).unwrap();
-            d.first_way(row) / WAYS
+            d.place(row).base / WAYS
         };
         assert_eq!(set_of(1, 1000), 604);
         assert_eq!(set_of(12345, 97), 3);
         assert_eq!(set_of((1 << 40) + 7, 4096), 2622);
         assert_eq!(set_of(0, 7), 0);
+    }
+
+    #[test]
+    fn fingerprint_matches_are_every_equal_way() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for _ in 0..200 {
+            // A few values (0xffff among them: sign bits in the compare) so that many ways agree.
+            let set = SetPrints(std::array::from_fn(|_| {
+                [0, 1, 0x8000, 0xffff][rng.random_range(0..4)]
+            }));
+            for fp in [0u16, 1, 0x8000, 0xffff, 7] {
+                let want = (0..WAYS)
+                    .filter(|&w| set.0[w] == fp)
+                    .fold(0u32, |m, w| m | 1 << w);
+                assert_eq!(set.matching(fp), want, "{:?} for {fp}", set.0);
+            }
+        }
+    }
+
+    #[test]
+    fn rows_whose_fingerprints_agree_are_told_apart_by_their_tags() {
+        // One set: every row lands in it. Rows whose 16-bit fingerprints collide, found by
+        // search.
+        let mut d = Directory::new(1, 1 << 20, CachePolicy::Lru).unwrap();
+        let mut by_print = std::collections::HashMap::new();
+        let (a, b) = (0u64..1 << 20)
+            .find_map(|r| {
+                let fp = d.place(r).fp;
+                by_print.insert(fp, r).map(|other| (other, r))
+            })
+            .expect("two rows with one fingerprint");
+        assert_eq!(d.place(a).fp, d.place(b).fp);
+        assert_eq!(d.find(a), None);
+        let sa = d.victim(a).unwrap();
+        d.install(sa, a);
+        // `b` looks like `a` by fingerprint only: still a miss, and a different slot.
+        assert_eq!(d.find(b), None);
+        let sb = d.victim(b).unwrap();
+        assert_ne!(sa, sb);
+        d.install(sb, b);
+        assert_eq!((d.find(a), d.find(b)), (Some(sa), Some(sb)));
+        // An admission of both (and of a third row) finds each in its own slot.
+        let mut stats = CacheStats::empty(String::new(), 0);
+        let c = (0u64..).find(|&r| r != a && r != b).unwrap();
+        let got = d.admit(&[b, a, c, b], 1, &mut stats);
+        assert_eq!(got.loc[..2], [sb as i64, sa as i64]);
+        assert_eq!(got.loc[3], sb as i64);
+        assert_eq!(d.row_of(got.loc[2] as usize), Some(c));
+        assert_eq!(stats.unique_misses, 1);
+        // Contents set wholesale (as from a GPU) rebuild the fingerprints: b evicted, a moved.
+        let raw = d.raw();
+        let mut tags = raw.tags.to_vec();
+        tags.swap(sa, 7);
+        tags[sb] = EMPTY;
+        let zeros = vec![0u32; d.slots()];
+        let stamps = vec![0u64; d.slots()];
+        d.set_raw(&tags, &stamps, &zeros, &zeros, &[]);
+        assert_eq!(d.find(a), Some(7));
+        assert_eq!(d.find(b), None);
+        // The first empty way, by a scan of the tags.
+        assert_eq!(d.victim(b), tags.iter().position(|&t| t == EMPTY));
+        for (s, &row) in tags.iter().enumerate().filter(|(_, &r)| r != EMPTY) {
+            assert_eq!(d.find(row), Some(s));
+        }
     }
 
     #[test]
