@@ -7,7 +7,7 @@ use super::{CachePolicy, CacheStats, Move};
 use crate::{Error, Result};
 use strength_reduce::StrengthReducedU64;
 
-/// How many rows ahead lookups and data moves fetch their memory.
+/// How many rows ahead data moves and victim choices fetch their memory.
 pub(crate) const AHEAD: usize = 8;
 
 /// How many ids ahead an admission's lookups fetch their sets: a lookup is a few instructions
@@ -175,10 +175,8 @@ impl Directory {
         dirty: &[u32],
         counts: &[u32],
     ) {
-        self.tags.copy_from_slice(tags);
         for (s, &row) in tags.iter().enumerate() {
-            let fp = if row == EMPTY { 0 } else { self.place(row).fp };
-            self.prints[s / WAYS].0[s % WAYS] = fp;
+            self.set_tag(s, row);
         }
         for (((m, &s), &l), &d) in self.meta.iter_mut().zip(stamp).zip(locks).zip(dirty) {
             *m = Meta {
@@ -321,9 +319,16 @@ impl Directory {
 
     /// Puts `row` in `slot` (its previous row already written back), clean.
     pub(crate) fn install(&mut self, slot: usize, row: u64) {
-        self.tags[slot] = row;
-        self.prints[slot / WAYS].0[slot % WAYS] = self.place(row).fp;
+        self.set_tag(slot, row);
         self.meta[slot].dirty = false;
+    }
+
+    /// Makes `slot` hold `row` (`EMPTY`: none), its fingerprint with it: the one place tags
+    /// change after `new`.
+    fn set_tag(&mut self, slot: usize, row: u64) {
+        self.tags[slot] = row;
+        let fp = if row == EMPTY { 0 } else { self.place(row).fp };
+        self.prints[slot / WAYS].0[slot % WAYS] = fp;
     }
 
     /// Whether `slot` differs from the store.
