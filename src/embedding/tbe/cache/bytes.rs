@@ -170,7 +170,7 @@ impl ByteCache {
 
     /// Flushes the file to the disk.
     pub(crate) fn sync(&self) -> Result<()> {
-        self.store.sync()
+        self.store.sync_file()
     }
 
     /// The counters of every table.

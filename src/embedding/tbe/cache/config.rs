@@ -81,6 +81,11 @@ pub struct CacheConfig {
     /// A cache on a GPU: whether `prefetch` admits on the device's prefetch stream, beside
     /// the caller's work (the default), or on the caller's stream, after it.
     pub prefetch_on_side_stream: bool,
+    /// A training cache on the host over a file: whether rows written back one at a time are
+    /// appended to a write log beside the file (the default; as large as the file, unnamed,
+    /// folded into the file when full and at every flush), or written in place. The log turns
+    /// the page-sized disk writes of scattered records into sequential ones.
+    pub write_log: bool,
 }
 
 impl CacheConfig {
@@ -91,6 +96,7 @@ impl CacheConfig {
             size,
             policy: CachePolicy::Lru,
             prefetch_on_side_stream: true,
+            write_log: true,
         }
     }
 
@@ -112,6 +118,13 @@ impl CacheConfig {
     /// as a comparison for the overlap).
     pub fn with_prefetch_on_side_stream(mut self, on: bool) -> Self {
         self.prefetch_on_side_stream = on;
+        self
+    }
+
+    /// The same cache, its write-backs logged beside the file (`true`, the default) or
+    /// written in place (`false`: no second file as large as the first on the disk).
+    pub fn with_write_log(mut self, on: bool) -> Self {
+        self.write_log = on;
         self
     }
 }

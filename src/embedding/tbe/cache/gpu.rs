@@ -93,10 +93,12 @@ impl CachedTables {
         // cached rows, each in one slot) and the rows read (misses, not cached) are distinct
         // rows, so no two chunks touch the same record.
         let mut files = Vec::with_capacity(moves.len());
-        for view in self.views() {
+        for mut view in self.views() {
+            // A GPU cache's store has no log; folded, were there one.
+            let file = view.file.folded();
             files.push(FileRows {
-                ptr: view.file.as_mut_ptr(),
-                len: view.file.len(),
+                ptr: file.as_mut_ptr(),
+                len: file.len(),
                 record: view.parts.record(),
             });
         }

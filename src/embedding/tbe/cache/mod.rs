@@ -43,6 +43,7 @@ mod config;
 mod device_directory;
 pub(crate) mod directory;
 mod gpu;
+mod log;
 pub(crate) mod store;
 #[cfg(test)]
 mod stream_tests;
@@ -308,6 +309,14 @@ fn records_of(config: &TbeConfig, parts: &[Parts]) -> Vec<(usize, usize)> {
     records_for(config.tables.iter().map(|s| s.rows), parts)
 }
 
+/// The bytes each table's write log gathers before writing them: a 16th of its cache rows'
+/// bytes, at most [`log::PENDING_BYTES`].
+fn log_buffers(dirs: &[Directory], records: &[(usize, usize)]) -> Vec<usize> {
+    (dirs.iter().zip(records))
+        .map(|(d, &(_, b))| (d.slots() * b / 16).min(log::PENDING_BYTES))
+        .collect()
+}
+
 /// [`records_of`] for tables of `rows`.
 fn records_for(rows: impl Iterator<Item = usize>, parts: &[Parts]) -> Vec<(usize, usize)> {
     rows.zip(parts).map(|(n, p)| (n, p.record() * 4)).collect()
@@ -448,8 +457,19 @@ impl CachedTables {
         } else {
             0
         };
-        let sets = sets_for(cache.size, &sized, per_row)?;
-        let store = RowStore::create(&cache.path, &tables)?;
+        // A host cache over a file logs its write-backs where the budget has room for the
+        // log: its index takes 4 bytes a row, its buffer a 16th of the cache rows' bytes
+        // ([`log_buffers`]).
+        let logged = cache.write_log && device.is_none() && !cache.path.as_os_str().is_empty();
+        let with_log: Vec<(usize, usize)> = (sized.iter())
+            .map(|&(r, b)| (r, b + b.div_ceil(16)))
+            .collect();
+        let (sets, logged) = match logged.then(|| sets_for(cache.size, &with_log, per_row + 4)) {
+            Some(Ok(sets)) => (sets, true),
+            _ => (sets_for(cache.size, &sized, per_row)?, false),
+        };
+        let mut store = RowStore::create(&cache.path, &tables)?;
+        store.want_log(logged);
         let mut tables = (Self::over(config, store, &sets, cache.policy, device, with_device_dir))
             .map_err(|f| f.1)?;
         tables.prefetch_on_side_stream = cache.prefetch_on_side_stream;
@@ -492,6 +512,13 @@ impl CachedTables {
             Ok(b) => b,
             Err(e) => return Err(Box::new((store, e))),
         };
+        // The host makes a host cache's moves, record by record: its write-backs are logged.
+        // A GPU cache's moves write the file in place, in parallel.
+        let mut store = store;
+        match device {
+            None => store.start_log(&log_buffers(&dirs, &records_of(config, &parts))),
+            Some(_) => store.stop_log(),
+        }
         let stats = (config.tables.iter().zip(&dirs))
             .map(|(s, d)| CacheStats::empty(s.name.clone(), d.slots()))
             .collect();
@@ -672,6 +699,7 @@ impl CachedTables {
         };
         rows + self.dirs.iter().map(Directory::bytes).sum::<usize>()
             + self.device_dir.as_ref().map_or(0, DeviceDirectory::bytes)
+            + self.store.log_host_bytes()
     }
 
     /// The counters of every table.
@@ -805,17 +833,11 @@ impl CachedTables {
         let lens: Vec<[usize; 3]> = (0..n)
             .map(|t| if on_host { self.lens(t) } else { [0; 3] })
             .collect();
-        let file_lens: Vec<usize> = (0..n)
-            .map(|t| {
-                let s = self.store.table(t);
-                s.rows * s.record_bytes
-            })
-            .collect();
         let (mut w, mut a, mut b): (&mut [f32], &mut [f32], &mut [f32]) = match &mut self.rows {
             CacheRows::Host(HostTables { weights, m1, m2 }) => (weights, m1, m2),
             CacheRows::Device(_) => (&mut [], &mut [], &mut []),
         };
-        let mut file = self.store.bytes_mut();
+        let mut files = self.store.tables_mut().into_iter();
         let mut views = Vec::with_capacity(n);
         for (((t, dir), stats), len) in (0..n).zip(&mut self.dirs).zip(&mut self.stats).zip(&lens) {
             let (wt, rest) = std::mem::take(&mut w).split_at_mut(len[0]);
@@ -824,8 +846,7 @@ impl CachedTables {
             a = rest;
             let (bt, rest) = std::mem::take(&mut b).split_at_mut(len[2]);
             b = rest;
-            let (ft, rest) = std::mem::take(&mut file).split_at_mut(file_lens[t]);
-            file = rest;
+            let ft = files.next().expect("a file part per table");
             views.push(TableView {
                 parts: self.parts[t],
                 weights: wt,

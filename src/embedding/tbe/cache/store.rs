@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{Advice, MmapMut};
 
+use super::log::{TableFile, WriteLog};
 use crate::{Error, Result};
 
 const OP: &str = "TBE row store";
@@ -83,6 +84,10 @@ pub(crate) struct RowStore {
     path: PathBuf,
     tables: Vec<StoreTable>,
     len: u64,
+    /// Where single records are written, if [`start_log`](Self::start_log) made one.
+    log: Option<WriteLog>,
+    /// Whether [`start_log`](Self::start_log) makes one.
+    log_wanted: bool,
 }
 
 /// An I/O error of `path` while doing `what`, with "the disk is full" and "the file is
@@ -348,6 +353,8 @@ impl RowStore {
             path,
             tables,
             len,
+            log: None,
+            log_wanted: false,
         })
     }
 
@@ -375,6 +382,8 @@ impl RowStore {
             path: path.to_path_buf(),
             tables,
             len,
+            log: None,
+            log_wanted: false,
         })
     }
 
@@ -443,19 +452,101 @@ impl RowStore {
         self.write_bytes(t, first, bytemuck::cast_slice(buf));
     }
 
-    /// Reads the records of rows `first..` of table `t` into `buf`, as bytes.
+    /// Reads the records of rows `first..` of table `t` into `buf`, as bytes (their current
+    /// copies: the log's where a row was logged).
     pub(crate) fn read_bytes(&self, t: usize, first: usize, buf: &mut [u8]) {
         if let Some(map) = &self.map {
             buf.copy_from_slice(&map[self.range(t, first, buf.len())]);
         }
+        if let Some(log) = &self.log {
+            let (bytes, region) = log.region(t);
+            region.overlay(bytes, first, buf);
+        }
     }
 
-    /// Writes the records of rows `first..` of table `t` from `buf`, as bytes.
+    /// Writes the records of rows `first..` of table `t` from `buf`, as bytes: a single
+    /// record to the log, if the store has one; more in place.
     pub(crate) fn write_bytes(&mut self, t: usize, first: usize, buf: &[u8]) {
-        let range = self.range(t, first, buf.len());
-        if let Some(map) = &mut self.map {
-            map[range].copy_from_slice(buf);
+        let _ = self.range(t, first, buf.len());
+        let single = buf.len() == self.tables[t].record_bytes;
+        let mut file = self.table_file(t);
+        if single {
+            file.write(first as u64, buf);
+        } else {
+            file.write_range(first, buf);
         }
+    }
+
+    /// Appends later single-record writes to a write log beside the file
+    /// ([`super::log`]), folded in when full or when the file is wanted whole. Nothing unless
+    /// [wanted](Self::want_log), for anonymous memory, a store that has one, or when no log
+    /// can be made (the file is then written in place).
+    /// Each table's log gathers `buffers[t]` bytes of records before writing them.
+    pub(crate) fn start_log(&mut self, buffers: &[usize]) {
+        if self.log_wanted && self.file.is_some() && self.log.is_none() {
+            let tables: Vec<(usize, usize, usize)> = (self.tables.iter().zip(buffers))
+                .map(|(s, &b)| (s.rows, s.record_bytes, b))
+                .collect();
+            self.log = WriteLog::create(&self.path, &tables);
+        }
+    }
+
+    /// Whether [`start_log`](Self::start_log) makes a log (not until told so).
+    pub(crate) fn want_log(&mut self, on: bool) {
+        self.log_wanted = on;
+    }
+
+    /// Folds the log into the file and writes in place from now on.
+    pub(crate) fn stop_log(&mut self) {
+        self.fold();
+        self.log = None;
+    }
+
+    /// The write log, if any (tests).
+    #[cfg(test)]
+    pub(crate) fn log_mut(&mut self) -> Option<&mut WriteLog> {
+        self.log.as_mut()
+    }
+
+    /// Whether single records go to a write log.
+    #[cfg(test)]
+    pub(crate) fn has_log(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// Bytes of host memory the write log takes, its index and buffers (0 without one).
+    pub(crate) fn log_host_bytes(&self) -> usize {
+        self.log.as_ref().map_or(0, WriteLog::host_bytes)
+    }
+
+    /// Writes every logged record into the file, which then holds every row's current copy.
+    pub(crate) fn fold(&mut self) {
+        for mut f in self.tables_mut() {
+            f.fold();
+        }
+    }
+
+    /// Every table's records (and log region), apart, in table order.
+    pub(crate) fn tables_mut(&mut self) -> Vec<TableFile<'_>> {
+        let mut rest: &mut [u8] = match &mut self.map {
+            Some(m) => &mut m[..],
+            None => &mut [],
+        };
+        let mut logs = self.log.as_mut().map(|l| l.regions_mut().into_iter());
+        let mut out = Vec::with_capacity(self.tables.len());
+        for s in &self.tables {
+            let (mine, after) = std::mem::take(&mut rest).split_at_mut(s.rows * s.record_bytes);
+            rest = after;
+            let log = logs.as_mut().and_then(Iterator::next);
+            let base = self.file.as_ref().map(|f| (f, s.offset));
+            out.push(TableFile::new(mine, s.record_bytes, log, base));
+        }
+        out
+    }
+
+    /// Table `t`'s records (and log region).
+    fn table_file(&mut self, t: usize) -> TableFile<'_> {
+        self.tables_mut().swap_remove(t)
     }
 
     /// Asks the kernel to start reading the pages of table `t`'s records at `rows` (`madvise`
@@ -463,6 +554,10 @@ impl RowStore {
     /// one page fault at a time, when the file is not in the page cache. Only a hint.
     pub(crate) fn will_need(&self, t: usize, rows: impl Iterator<Item = u64>) {
         let Some(map) = &self.map else { return };
+        debug_assert!(
+            self.log.is_none(),
+            "inference stores have no write log (internal)"
+        );
         let s = &self.tables[t];
         for row in rows {
             let at = s.offset as usize + row as usize * s.record_bytes;
@@ -470,8 +565,13 @@ impl RowStore {
         }
     }
 
-    /// Table `t`'s records, back to back.
+    /// Table `t`'s records, back to back (a store without a write log: an inference
+    /// cache's).
     pub(crate) fn table_bytes(&self, t: usize) -> &[u8] {
+        assert!(
+            self.log.is_none(),
+            "a store with a write log read whole (internal)"
+        );
         let s = &self.tables[t];
         match &self.map {
             Some(m) => &m[self.range(t, 0, s.rows * s.record_bytes)],
@@ -484,16 +584,25 @@ impl RowStore {
         self.file.is_none()
     }
 
-    /// The whole file's bytes, to be split among the tables.
+    /// The whole file's bytes, to be split among the tables (the log folded in first).
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        self.fold();
         match &mut self.map {
             Some(m) => &mut m[..],
             None => &mut [],
         }
     }
 
-    /// Flushes everything written to the disk (`msync`, then `fsync`).
-    pub(crate) fn sync(&self) -> Result<()> {
+    /// Folds the write log into the file, then flushes everything written to the disk
+    /// ([`sync_file`](Self::sync_file)).
+    pub(crate) fn sync(&mut self) -> Result<()> {
+        self.fold();
+        self.sync_file()
+    }
+
+    /// Flushes everything written to the file to the disk (`msync`, then `fsync`): all of the
+    /// rows for a store without a write log (an inference cache's).
+    pub(crate) fn sync_file(&self) -> Result<()> {
         let Some(file) = &self.file else {
             return Ok(());
         };
@@ -506,8 +615,12 @@ impl RowStore {
     }
 
     /// Copies the rows to a new file `dst` (synced) and returns the copy's checksum
-    /// ([`copy_with_checksum`]).
+    /// ([`copy_with_checksum`]). The write log must have been folded ([`sync`](Self::sync)).
     pub(crate) fn copy_to(&self, dst: &Path) -> Result<u64> {
+        assert!(
+            self.log.as_ref().is_none_or(|l| l.is_empty()),
+            "a row file copied with records in its log (internal)"
+        );
         if self.file.is_some() {
             return copy_with_checksum(&self.path, dst);
         }
@@ -603,6 +716,8 @@ impl RowStore {
             }
             return Ok(Previous::Memory(old));
         }
+        // The rows kept are the file's: every current copy in it.
+        self.fold();
         let backup = self.beside("previous");
         if let Err(link) = hard_link(&self.path, &backup) {
             // FAT, exFAT and some network or FUSE file systems have no hard links: a copy
@@ -671,9 +786,20 @@ impl RowStore {
         new.check_len()?;
         std::fs::rename(source, &self.path)
             .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
-        // The mapping follows the file (same inode) under its new name.
+        // The mapping follows the file (same inode) under its new name. The log's records
+        // were the old file's rows.
         let path = std::mem::take(&mut self.path);
-        *self = RowStore { path, ..new };
+        let mut log = self.log.take();
+        if let Some(l) = &mut log {
+            l.clear();
+        }
+        let log_wanted = self.log_wanted;
+        *self = RowStore {
+            path,
+            log,
+            log_wanted,
+            ..new
+        };
         Ok(())
     }
 }

@@ -3,6 +3,7 @@
 //! admitted in parallel, and the admission of one table's ids.
 
 use super::directory::{Directory, TableAdmission, AHEAD};
+use super::log::TableFile;
 use super::store::{will_need, DiskProbe, PROBE};
 use super::{CacheStats, Parts};
 
@@ -11,8 +12,8 @@ pub(crate) struct TableView<'a> {
     pub parts: Parts,
     pub weights: &'a mut [f32],
     pub state: [&'a mut [f32]; 2],
-    /// The table's records in the file (`rows × record` floats, as bytes).
-    pub file: &'a mut [u8],
+    /// The table's records in the file (`rows × record` floats, as bytes), and its write log.
+    pub file: TableFile<'a>,
     pub dir: &'a mut Directory,
     pub stats: &'a mut CacheStats,
     /// The cache rows are elsewhere (a GPU's memory; `weights` and `state` are empty): an
@@ -41,21 +42,14 @@ impl TableView<'_> {
         }
     }
 
-    fn file_range(&self, row: u64) -> std::ops::Range<usize> {
-        let bytes = self.parts.record() * 4;
-        row as usize * bytes..(row as usize + 1) * bytes
-    }
-
-    /// Reads row `row`'s record from the file into `rec`.
+    /// Reads row `row`'s record from the file (or its log) into `rec`.
     pub fn read(&self, row: u64, rec: &mut [f32]) {
-        let range = self.file_range(row);
-        bytemuck::cast_slice_mut::<f32, u8>(rec).copy_from_slice(&self.file[range]);
+        self.file.read(row, bytemuck::cast_slice_mut(rec));
     }
 
-    /// Writes `rec` as row `row`'s record in the file.
+    /// Writes `rec` as row `row`'s record (to the log, if the file has one).
     pub fn write(&mut self, row: u64, rec: &[f32]) {
-        let range = self.file_range(row);
-        self.file[range].copy_from_slice(bytemuck::cast_slice(rec));
+        self.file.write(row, bytemuck::cast_slice(rec));
         self.stats.rows_written += 1;
     }
 
@@ -65,16 +59,17 @@ impl TableView<'_> {
         self.write(row, rec);
     }
 
-    /// Asks the CPU to fetch what moving `new` into `slot` touches: the slot, and the records
-    /// of `new` and of the slot's dirty row `old`, if any.
+    /// Asks the CPU to fetch what moving `new` into `slot` touches: the slot, the record of
+    /// `new` and, written in place, that of the slot's dirty row `old` (a log's tail needs
+    /// no fetching).
     fn prefetch_move(&self, slot: usize, old: Option<u64>, new: u64) {
         let prefetch = crate::embedding::tbe::cpu::pool::prefetch_lines::<false>;
         let dim = self.parts.dim;
         let bytes = self.parts.record() * 4;
         prefetch(self.weights[slot * dim..].as_ptr() as *const u8, dim * 4);
+        let old = old.filter(|_| !self.file.has_log());
         for row in old.into_iter().chain([new]) {
-            let at = self.file_range(row).start;
-            prefetch(self.file[at..].as_ptr(), bytes);
+            prefetch(self.file.get(row).as_ptr(), bytes);
         }
     }
 
@@ -102,10 +97,12 @@ impl TableView<'_> {
         for (i, &(s, old, r)) in moves.iter().enumerate() {
             if probe.slow_at(i) {
                 // Page faults to the disk: ask for the pages of every other move's records
-                // (the write-backs' too: writing a record reads its page first).
+                // (the write-backs' too, written in place: writing a record reads its page
+                // first).
                 for &(_, old, r) in &moves[PROBE..] {
+                    let old = old.filter(|_| !self.file.has_log());
                     for row in old.into_iter().chain([r]) {
-                        will_need(&self.file[self.file_range(row)]);
+                        will_need(self.file.get(row));
                     }
                 }
             }
