@@ -484,7 +484,6 @@ mod tests {
                 t.read(r as u64, &mut out);
                 assert!(out == *w, "row {r} at step {step}");
             }
-            drop(t);
             spilled |= log.regions[0].written > 0;
             // A ranged read through the region (the store's reads) agrees too.
             let (bytes, region) = log.region(0);
