@@ -467,7 +467,7 @@ impl RowStore {
     /// Writes the records of rows `first..` of table `t` from `buf`, as bytes: a single
     /// record to the log, if the store has one; more in place.
     pub(crate) fn write_bytes(&mut self, t: usize, first: usize, buf: &[u8]) {
-        let _ = self.range(t, first, buf.len());
+        let _ = self.range(t, first, buf.len()); // the records are the table's (checked)
         let single = buf.len() == self.tables[t].record_bytes;
         let mut file = self.table_file(t);
         if single {
@@ -480,8 +480,8 @@ impl RowStore {
     /// Appends later single-record writes to a write log beside the file
     /// ([`super::log`]), folded in when full or when the file is wanted whole. Nothing unless
     /// [wanted](Self::want_log), for anonymous memory, a store that has one, or when no log
-    /// can be made (the file is then written in place).
-    /// Each table's log gathers `buffers[t]` bytes of records before writing them.
+    /// can be made (the file is then written in place). Each table's log gathers `buffers[t]`
+    /// bytes of records before writing them.
     pub(crate) fn start_log(&mut self, buffers: &[usize]) {
         if self.log_wanted && self.file.is_some() && self.log.is_none() {
             let tables: Vec<(usize, usize, usize)> = (self.tables.iter().zip(buffers))
