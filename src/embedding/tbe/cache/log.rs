@@ -16,10 +16,11 @@
 //! written in place as before). Records gather in a buffer per table (a 16th of its cache
 //! rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one `pwrite` each time it
 //! fills; the log is mapped read-only, for reading records back, so the kernel never has to
-//! write-protect a page of it when it writes it back. It has no name: it is unlinked as soon as it is made, so it goes with the process
-//! and a crash leaves nothing behind. It is not a checkpoint either: the row file holds the
-//! rows once the cache is flushed, which folds the log first. A write to the log that fails
-//! (an I/O error) folds what the region holds and writes that table in place from then on.
+//! write-protect a page of it when it writes it back. It has no name: it is unlinked as soon
+//! as it is made, so it goes with the process and a crash leaves nothing behind. It is not a
+//! checkpoint either: the row file holds the rows once the cache is flushed, which folds the
+//! log first. A write to the log that fails (an I/O error) folds what the region holds and
+//! writes that table in place from then on.
 //!
 //! An index of 4 bytes a row says where each row's current copy is: 0 in the file, `k` in the
 //! log's record `k - 1` (later appends of a row make its earlier ones garbage).
@@ -64,6 +65,19 @@ pub(crate) struct LogRegion {
 }
 
 impl LogRegion {
+    /// Where the region's records are in the log's bytes.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset as usize..self.offset as usize + self.slots * self.record
+    }
+
+    /// Forgets every record taken: every row's copy is the file's again.
+    fn reset(&mut self) {
+        self.index.fill(0);
+        self.used = 0;
+        self.written = 0;
+        self.pending.clear();
+    }
+
     /// Logged record `k` (`bytes`: the region's part of the log's mapping).
     fn at<'b>(&'b self, bytes: &'b [u8], k: usize) -> &'b [u8] {
         let n = self.record;
@@ -127,10 +141,9 @@ pub(crate) struct WriteLog {
 
 impl WriteLog {
     /// A log beside the row file `path` for tables of `(rows, bytes per record, bytes of
-    /// records gathered before they are written)`, or `None`
-    /// when it cannot be made (no room on the disk for its blocks, a file system without
-    /// allocation, a table too large for a 4-byte index, no Unix): the file is then written in
-    /// place.
+    /// records gathered before they are written)`, or `None` when it cannot be made (no room
+    /// on the disk for its blocks, a file system without allocation, a table too large for a
+    /// 4-byte index, no Unix): the file is then written in place.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
@@ -176,9 +189,7 @@ impl WriteLog {
             .ok()?;
         // Unnamed from here on: nothing to clean up after a crash.
         let _ = std::fs::remove_file(&at);
-        if !allocated(&file, len) {
-            return None;
-        }
+        super::store::fallocate(&file, len as u64).ok()?;
         // SAFETY: an unlinked file of this process's own: no other process can open it, and its
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
@@ -202,20 +213,27 @@ impl WriteLog {
         let (map, file) = (&self.map[..], &self.file);
         (self.regions.iter_mut())
             .map(|r| LogPart {
-                bytes: &map[r.offset as usize..r.offset as usize + r.slots * r.record],
+                bytes: &map[r.range()],
                 region: r,
                 file,
             })
             .collect()
     }
 
+    /// Table `t`'s region as [`regions_mut`](Self::regions_mut) gives it.
+    pub(crate) fn part(&mut self, t: usize) -> LogPart<'_> {
+        let r = &mut self.regions[t];
+        LogPart {
+            bytes: &self.map[r.range()],
+            region: r,
+            file: &self.file,
+        }
+    }
+
     /// Table `t`'s region with its bytes.
     pub(crate) fn region(&self, t: usize) -> (&[u8], &LogRegion) {
         let r = &self.regions[t];
-        (
-            &self.map[r.offset as usize..r.offset as usize + r.slots * r.record],
-            r,
-        )
+        (&self.map[r.range()], r)
     }
 
     /// Table `t`'s region, to be told to fail (tests).
@@ -233,10 +251,7 @@ impl WriteLog {
     pub(crate) fn clear(&mut self) {
         for r in &mut self.regions {
             if r.used > 0 {
-                r.index.fill(0);
-                r.used = 0;
-                r.written = 0;
-                r.pending.clear();
+                r.reset();
             }
         }
     }
@@ -301,9 +316,7 @@ impl<'a> TableFile<'a> {
     /// place without one.
     pub(crate) fn write(&mut self, row: u64, record: &[u8]) {
         if !self.has_log() {
-            let n = self.record;
-            self.file[row as usize * n..(row as usize + 1) * n].copy_from_slice(record);
-            return;
+            return self.write_range(row as usize, record);
         }
         if self
             .log
@@ -364,10 +377,7 @@ impl<'a> TableFile<'a> {
                 bytes.copy_from_slice(&piece);
             }
         }
-        r.index.fill(0);
-        r.used = 0;
-        r.written = 0;
-        r.pending.clear();
+        r.reset();
     }
 
     /// Writes rows `first..` from `records` (a whole number of records) in place, their
@@ -386,24 +396,6 @@ impl<'a> TableFile<'a> {
     pub(crate) fn folded(&mut self) -> &mut [u8] {
         self.fold();
         self.file
-    }
-}
-
-/// `posix_fallocate` of `len` bytes succeeded: writes into the mapping cannot run out of room.
-fn allocated(file: &File, len: usize) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::io::AsRawFd;
-        let Ok(len) = libc::off_t::try_from(len) else {
-            return false;
-        };
-        // SAFETY: posix_fallocate reads no user memory; the descriptor is open for writing.
-        unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) == 0 }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, len);
-        false
     }
 }
 

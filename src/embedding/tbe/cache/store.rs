@@ -262,25 +262,45 @@ pub(crate) fn in_use(path: &Path) -> bool {
 fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
     #[cfg(unix)]
     {
-        use std::os::unix::io::AsRawFd;
-        let len = libc::off_t::try_from(len).map_err(|_| {
-            Error::invalid(OP, format!("{}: {len} bytes is too large", path.display()))
-        })?;
-        // SAFETY: posix_fallocate reads no user memory; the descriptor is open for writing.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
-        // Some file systems (tmpfs of old kernels, network ones) cannot: the space is then
-        // claimed as pages are written, like any sparse file.
-        if rc != 0 && rc != libc::EOPNOTSUPP && rc != libc::EINVAL {
-            return Err(io_error(
-                path,
-                &format!("allocating {len} bytes"),
-                std::io::Error::from_raw_os_error(rc),
+        if libc::off_t::try_from(len).is_err() {
+            return Err(Error::invalid(
+                OP,
+                format!("{}: {len} bytes is too large", path.display()),
             ));
+        }
+        match fallocate(file, len) {
+            // Some file systems (tmpfs of old kernels, network ones) cannot: the space is then
+            // claimed as pages are written, like any sparse file.
+            Err(e) if !matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+                return Err(io_error(path, &format!("allocating {len} bytes"), e));
+            }
+            _ => {}
         }
     }
     #[cfg(not(unix))]
     let _ = (file, path, len);
     Ok(())
+}
+
+/// `posix_fallocate` of the first `len` bytes of `file`: every block allocated, or the error
+/// (off Unix, always unsupported).
+pub(crate) fn fallocate(file: &File, len: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        let len = libc::off_t::try_from(len)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: posix_fallocate reads no user memory; the descriptor is open for writing.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+            0 => Ok(()),
+            rc => Err(std::io::Error::from_raw_os_error(rc)),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (file, len);
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
 }
 
 impl RowStore {
@@ -544,9 +564,18 @@ impl RowStore {
         out
     }
 
-    /// Table `t`'s records (and log region).
+    /// Table `t`'s records (and log region), [`tables_mut`](Self::tables_mut)'s `t`-th
+    /// without the others: a record written alone (a flush writes one a dirty row) costs no
+    /// walk over every table.
     fn table_file(&mut self, t: usize) -> TableFile<'_> {
-        self.tables_mut().swap_remove(t)
+        let s = &self.tables[t];
+        let bytes: &mut [u8] = match &mut self.map {
+            Some(m) => &mut m[s.offset as usize..][..s.rows * s.record_bytes],
+            None => &mut [],
+        };
+        let log = self.log.as_mut().map(|l| l.part(t));
+        let base = self.file.as_ref().map(|f| (f, s.offset));
+        TableFile::new(bytes, s.record_bytes, log, base)
     }
 
     /// Asks the kernel to start reading the pages of table `t`'s records at `rows` (`madvise`
@@ -1008,6 +1037,26 @@ fn checksum_copy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An allocation the file refuses (here: opened read-only) is an error naming the file
+    /// and the bytes, as is a length no file can have; the log's allocation sees the refusal.
+    #[cfg(unix)]
+    #[test]
+    fn an_allocation_the_file_refuses_is_an_error_naming_it() {
+        let dir = test_dir("allocate");
+        let path = dir.join("rows.bin");
+        std::fs::write(&path, b"").unwrap();
+        let read_only = File::open(&path).unwrap();
+        let err = allocate(&read_only, &path, 4096).unwrap_err().to_string();
+        assert!(err.contains("rows.bin: allocating 4096 bytes"), "{err}");
+        let err = allocate(&read_only, &path, u64::MAX)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bytes is too large"), "{err}");
+        assert!(fallocate(&read_only, 4096).is_err());
+        assert!(fallocate(&read_only, u64::MAX).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_full_disk_is_named_as_such() {
