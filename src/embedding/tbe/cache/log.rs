@@ -16,7 +16,8 @@
 //! written in place as before). Records gather in a buffer per table (a 16th of its cache
 //! rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one `pwrite` each time it
 //! fills; the log is mapped read-only, for reading records back, so the kernel never has to
-//! write-protect a page of it when it writes it back. It has no name: it is unlinked as soon
+//! write-protect a page of it when it writes it back. Where the file and its log stay in
+//! memory, both are read through huge pages: nothing dirties them through their mappings. It has no name: it is unlinked as soon
 //! as it is made, so it goes with the process and a crash leaves nothing behind. It is not a
 //! checkpoint either: the row file holds the rows once the cache is flushed, which folds the
 //! log first. A write to the log that fails (an I/O error) folds what the region holds and
@@ -28,7 +29,7 @@
 use std::fs::{File, OpenOptions};
 use std::path::Path;
 
-use memmap2::{Advice, Mmap};
+use memmap2::Mmap;
 
 /// Bytes of records a table gathers before they are written to its log region at once.
 pub(crate) const PENDING_BYTES: usize = 256 << 10;
@@ -143,8 +144,15 @@ impl WriteLog {
     /// A log beside the row file `path` for tables of `(rows, bytes per record, bytes of
     /// records gathered before they are written)`, or `None` when it cannot be made (no room
     /// on the disk for its blocks, a file system without allocation, a table too large for a
-    /// 4-byte index, no Unix): the file is then written in place.
-    pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
+    /// 4-byte index, no Unix): the file is then written in place. `huge`: the log is read
+    /// through huge pages, its page cache filled with them now (the allocated blocks read as
+    /// zeros, from no disk), so that the writes land in them; else with small pages and no
+    /// read-ahead.
+    pub(crate) fn create(
+        path: &Path,
+        tables: &[(usize, usize, usize)],
+        huge: bool,
+    ) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
         }
@@ -193,7 +201,11 @@ impl WriteLog {
         // SAFETY: an unlinked file of this process's own: no other process can open it, and its
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
-        let _ = map.advise(Advice::Random);
+        super::store::advise_pages(&map, huge);
+        #[cfg(target_os = "linux")]
+        if huge {
+            let _ = map.advise(memmap2::Advice::PopulateRead);
+        }
         for (r, &(rows, record, _)) in regions.iter_mut().zip(tables) {
             r.index = vec![0; rows];
             r.pending = Vec::with_capacity(r.spill_at.min(r.slots * record));
@@ -240,6 +252,12 @@ impl WriteLog {
     #[cfg(test)]
     pub(crate) fn region_mut(&mut self, t: usize) -> &mut LogRegion {
         &mut self.regions[t]
+    }
+
+    /// Where the log is mapped (tests).
+    #[cfg(test)]
+    pub(crate) fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
     }
 
     /// Whether no region holds a record.
@@ -438,7 +456,11 @@ mod tests {
         let dir = test_dir("table-file");
         let (rows, record) = (9usize, 100_000usize);
         let mut log = with_shape(5, PENDING_BYTES, || {
-            WriteLog::create(&dir.join("rows.bin"), &[(rows, record, PENDING_BYTES)])
+            WriteLog::create(
+                &dir.join("rows.bin"),
+                &[(rows, record, PENDING_BYTES)],
+                false,
+            )
         })
         .expect("a log on the temp dir");
         let mut file = vec![0u8; rows * record];

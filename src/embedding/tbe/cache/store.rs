@@ -3,8 +3,9 @@
 //! each state buffer's per-row part, little-endian f32); an inference TBE's is the row's stored
 //! bytes (FP16, INT8 with its scale and bias, ...).
 //!
-//! The file is mapped (random access advised: no read-ahead) and records are copied in and out
-//! of the mapping. Its blocks are allocated when it is created (`posix_fallocate`), so a full
+//! The file is mapped and records are copied in and out of the mapping: with small pages and
+//! no read-ahead (random access advised), or, for a file with a write log that stays in
+//! memory, through huge pages ([`advise_pages`]). Its blocks are allocated when it is created (`posix_fallocate`), so a full
 //! disk is an error then, never a fault when a dirty page is written back; its length is checked
 //! at open and before every batch, so a file truncated under a running operator is an error
 //! naming it. (A truncation racing a batch's copies can still fault: the rule of every mapped
@@ -17,7 +18,7 @@
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use memmap2::{Advice, MmapMut};
+use memmap2::MmapMut;
 
 use super::log::{TableFile, WriteLog};
 use crate::{Error, Result};
@@ -65,6 +66,78 @@ pub(crate) fn will_need(bytes: &[u8]) {
     unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_WILLNEED) };
 }
 
+/// Advises the kernel how a mapped file is read. `huge`: through huge pages — the page cache
+/// fills with 2 MiB folios as the file is faulted in (file systems with large folios, ext4
+/// and XFS on recent kernels), each mapped by one TLB entry, so that a random record read
+/// from a file that stays in memory costs no page walk of its own (about a third of a host
+/// cache's admission time over 4 KiB pages). Else small pages and no read-ahead: a fault to
+/// the disk reads the record's page, not 2 MiB. A hint: errors, and systems without huge
+/// pages, change speed, never results.
+pub(crate) fn advise_pages(map: &[u8], huge: bool) {
+    if map.is_empty() {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    let advice = match huge {
+        true => [libc::MADV_RANDOM, libc::MADV_HUGEPAGE],
+        false => [libc::MADV_NOHUGEPAGE, libc::MADV_RANDOM],
+    };
+    #[cfg(all(unix, not(target_os = "linux")))]
+    let advice = [libc::MADV_RANDOM];
+    #[cfg(unix)]
+    for a in advice {
+        // SAFETY: madvise changes how the kernel pages a mapping of this process's (`map`
+        // starts one: mappings start on a page boundary); it reads or writes no user memory.
+        unsafe { libc::madvise(map.as_ptr() as *mut libc::c_void, map.len(), a) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge;
+}
+
+/// Whether `bytes` of file pages can stay in the page cache: at most half the memory the
+/// system has available (`MemAvailable`), and half of what this process's cgroup has left
+/// under its limit where it has one. Off Linux, or where neither can be read, no.
+pub(crate) fn stays_in_memory(bytes: u64) -> bool {
+    available_memory().is_some_and(|a| bytes <= a / 2)
+}
+
+/// Bytes of memory available to this process: `MemAvailable`, less where the cgroup v2 limit
+/// leaves less.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = (meminfo.lines())
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    let cgroup = |f: &str| -> Option<u64> {
+        (std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok()?)
+            .trim()
+            .parse()
+            .ok()
+    };
+    let left = match (cgroup("memory.max"), cgroup("memory.current")) {
+        (Some(max), Some(used)) => max.saturating_sub(used),
+        _ => u64::MAX,
+    };
+    Some(kib.saturating_mul(1024).min(left))
+}
+
+/// Drops `file`'s clean pages that no mapping holds from the page cache
+/// (`posix_fadvise(DONTNEED)`). A hint.
+fn drop_page_cache(file: &File) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: posix_fadvise reads no user memory; the descriptor is open.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = file;
+}
+
 /// The record layout of one table in the file.
 #[derive(Clone, Debug)]
 pub(crate) struct StoreTable {
@@ -88,6 +161,9 @@ pub(crate) struct RowStore {
     log: Option<WriteLog>,
     /// Whether [`start_log`](Self::start_log) makes one.
     log_wanted: bool,
+    /// Whether the file is mapped through huge pages ([`advise_pages`]): it has a write log
+    /// (nothing dirties its pages through the mapping) and it stays in the page cache.
+    huge: bool,
 }
 
 /// An I/O error of `path` while doing `what`, with "the disk is full" and "the file is
@@ -375,6 +451,7 @@ impl RowStore {
             len,
             log: None,
             log_wanted: false,
+            huge: false,
         })
     }
 
@@ -393,7 +470,7 @@ impl RowStore {
             // length by another process is checked for before every batch (see the module docs).
             let map = unsafe { MmapMut::map_mut(&file) }
                 .map_err(|e| io_error(path, "mapping the row store", e))?;
-            let _ = map.advise(Advice::Random);
+            advise_pages(&map, false);
             Some(map)
         };
         Ok(RowStore {
@@ -404,6 +481,7 @@ impl RowStore {
             len,
             log: None,
             log_wanted: false,
+            huge: false,
         })
     }
 
@@ -502,12 +580,30 @@ impl RowStore {
     /// [wanted](Self::want_log), for anonymous memory, a store that has one, or when no log
     /// can be made (the file is then written in place). Each table's log gathers `buffers[t]`
     /// bytes of records before writing them.
+    ///
+    /// With a log, nothing dirties the file's pages through its mapping record by record,
+    /// so where the file and its log [stay in memory](stays_in_memory) both are read through
+    /// huge pages ([`remap`](Self::remap)).
     pub(crate) fn start_log(&mut self, buffers: &[usize]) {
         if self.log_wanted && self.file.is_some() && self.log.is_none() {
             let tables: Vec<(usize, usize, usize)> = (self.tables.iter().zip(buffers))
                 .map(|(s, &b)| (s.rows, s.record_bytes, b))
                 .collect();
-            self.log = WriteLog::create(&self.path, &tables);
+            // The log is as large as the file.
+            let huge = stays_in_memory(self.len.saturating_mul(2));
+            self.log = WriteLog::create(&self.path, &tables, huge);
+            if huge && self.log.is_some() {
+                self.remap(true);
+            }
+        }
+    }
+
+    /// Maps the file through huge pages where it [stays in memory](stays_in_memory): for a
+    /// store whose rows are read, not written record by record (an inference cache's, written
+    /// only when its tables are set).
+    pub(crate) fn read_mostly(&mut self) {
+        if self.file.is_some() && !self.huge && stays_in_memory(self.len) {
+            self.remap(true);
         }
     }
 
@@ -516,10 +612,39 @@ impl RowStore {
         self.log_wanted = on;
     }
 
-    /// Folds the log into the file and writes in place from now on.
+    /// Folds the log into the file and writes in place from now on (mapped with small
+    /// pages again: [`remap`](Self::remap)).
     pub(crate) fn stop_log(&mut self) {
         self.fold();
         self.log = None;
+        if self.huge {
+            self.remap(false);
+        }
+    }
+
+    /// Maps the file again, advised `huge` pages or small ones ([`advise_pages`]), its pages
+    /// first written back and dropped from the page cache so that they come back as the new
+    /// advice makes them: a huge folio dirtied through the mapping (a record written in
+    /// place) is written back whole, 2 MiB for a few hundred bytes, and the small folios of a
+    /// file read so far would keep it from huge pages. Best effort: where the write-back or
+    /// the new mapping fails, the mapping stays and is advised anew (speed changes, never the
+    /// rows).
+    fn remap(&mut self, huge: bool) {
+        self.huge = huge;
+        let (Some(file), Some(_)) = (&self.file, &self.map) else {
+            return;
+        };
+        if self.sync_file().is_ok() {
+            // SAFETY: as in `mapped`: the store's own file, its length checked before every
+            // batch. The old mapping goes at the assignment, before the pages are dropped.
+            if let Ok(new) = unsafe { MmapMut::map_mut(file) } {
+                self.map = Some(new);
+                drop_page_cache(file);
+            }
+        }
+        if let Some(map) = &self.map {
+            advise_pages(map, huge);
+        }
     }
 
     /// The write log, if any (tests).
@@ -822,13 +947,16 @@ impl RowStore {
         if let Some(l) = &mut log {
             l.clear();
         }
-        let log_wanted = self.log_wanted;
+        let (log_wanted, huge) = (self.log_wanted, self.huge);
         *self = RowStore {
             path,
             log,
             log_wanted,
             ..new
         };
+        if huge {
+            self.remap(true);
+        }
         Ok(())
     }
 }
@@ -1072,6 +1200,70 @@ mod tests {
         let err = io_error(Path::new("/dev/full"), "writing row 3", e).to_string();
         assert!(err.contains("the disk is full"), "{err}");
         assert!(err.contains("/dev/full: writing row 3"), "{err}");
+    }
+
+    /// The kernel's flags (`VmFlags` of `/proc/self/smaps`) of the mapping that starts at
+    /// `addr`.
+    #[cfg(target_os = "linux")]
+    fn vm_flags(addr: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines();
+        let start = format!("{addr:x}-");
+        lines.find(|l| l.starts_with(&start)).expect("the mapping");
+        let flags = lines.find_map(|l| l.strip_prefix("VmFlags:")).unwrap();
+        flags.split_whitespace().map(String::from).collect()
+    }
+
+    /// A store with a write log that stays in memory is read through huge pages, its log too
+    /// (`hg`, random reads `rr`); written in place again (the log stopped), it is mapped anew
+    /// with small pages (`nh`), its rows kept; a file loaded into a store with huge pages
+    /// gets them too, and so does a store only read. Rows read back right through every
+    /// change.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_logged_store_in_memory_is_mapped_huge_and_small_again_without_its_log() {
+        if !Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            eprintln!("skipped: this kernel has no transparent huge pages");
+            return;
+        }
+        let (dir, path, mut store) = store_of_tens("huge");
+        assert!(stays_in_memory(2 * store.len));
+        assert!(!stays_in_memory(u64::MAX));
+        let flags = |s: &RowStore| vm_flags(s.map.as_ref().unwrap().as_ptr() as usize);
+        assert!(flags(&store).contains(&"nh".into()), "{:?}", flags(&store));
+        store.want_log(true);
+        store.start_log(&[8]);
+        for f in ["hg", "rr"] {
+            assert!(
+                flags(&store).contains(&f.into()),
+                "{f}: {:?}",
+                flags(&store)
+            );
+        }
+        let log = store.log.as_ref().unwrap().addr();
+        assert!(vm_flags(log).contains(&"hg".into()), "{:?}", vm_flags(log));
+        store.write_bytes(0, 3, &[77; 4]);
+        assert_eq!(row(&store, 3), 77);
+        store.stop_log();
+        let small = flags(&store);
+        assert!(
+            small.contains(&"nh".into()) && small.contains(&"rr".into()),
+            "{small:?}"
+        );
+        assert!(!small.contains(&"hg".into()), "{small:?}");
+        assert_eq!(row(&store, 3), 77);
+        assert_eq!(std::fs::read(&path).unwrap()[12..16], [77; 4]);
+        store.start_log(&[8]);
+        store.commit(staged_with(&store, 30)).unwrap();
+        assert!(flags(&store).contains(&"hg".into()), "{:?}", flags(&store));
+        assert_eq!(row(&store, 3), 33);
+        drop(store);
+        // An inference cache's store, its rows only read: huge pages without a log.
+        let mut read = RowStore::create(&dir.join("read.bin"), &[(8, 4)]).unwrap();
+        read.read_mostly();
+        assert!(flags(&read).contains(&"hg".into()), "{:?}", flags(&read));
+        drop(read);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A dir of its own for a store test.
