@@ -105,8 +105,7 @@ impl ByteCache {
             0
         };
         let sets = sets_for(cache.size, tables, per_row)?;
-        let mut store = RowStore::create(&cache.path, tables)?;
-        store.read_mostly();
+        let store = RowStore::create(&cache.path, tables)?;
         let dirs: Vec<Directory> = (sets.iter().zip(tables))
             .map(|(&n, &(rows, _))| Directory::new(n, rows, cache.policy))
             .collect::<Result<_>>()?;

@@ -598,15 +598,6 @@ impl RowStore {
         }
     }
 
-    /// Maps the file through huge pages where it [stays in memory](stays_in_memory): for a
-    /// store whose rows are read, not written record by record (an inference cache's, written
-    /// only when its tables are set).
-    pub(crate) fn read_mostly(&mut self) {
-        if self.file.is_some() && !self.huge && stays_in_memory(self.len) {
-            self.remap(true);
-        }
-    }
-
     /// Whether [`start_log`](Self::start_log) makes a log (not until told so).
     pub(crate) fn want_log(&mut self, on: bool) {
         self.log_wanted = on;
@@ -1217,8 +1208,7 @@ mod tests {
     /// A store with a write log that stays in memory is read through huge pages, its log too
     /// (`hg`, random reads `rr`); written in place again (the log stopped), it is mapped anew
     /// with small pages (`nh`), its rows kept; a file loaded into a store with huge pages
-    /// gets them too, and so does a store only read. Rows read back right through every
-    /// change.
+    /// gets them too. Rows read back right through every change.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_logged_store_in_memory_is_mapped_huge_and_small_again_without_its_log() {
@@ -1258,11 +1248,6 @@ mod tests {
         assert!(flags(&store).contains(&"hg".into()), "{:?}", flags(&store));
         assert_eq!(row(&store, 3), 33);
         drop(store);
-        // An inference cache's store, its rows only read: huge pages without a log.
-        let mut read = RowStore::create(&dir.join("read.bin"), &[(8, 4)]).unwrap();
-        read.read_mostly();
-        assert!(flags(&read).contains(&"hg".into()), "{:?}", flags(&read));
-        drop(read);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
