@@ -6,7 +6,8 @@
 //! Reported: median ms per batch of each, their ratio, the miss rate, rows read from and
 //! written back to the file per batch, and the limit misses run into: the rate of random
 //! one-record copies out of this file's mapping (the page cache holds it here; on a disk that
-//! does not fit in RAM, page faults to the disk would set it).
+//! does not fit in RAM, page faults to the disk would set it), and how much of the row files
+//! and their logs the kernel maps through huge pages.
 //!
 //! `EMBERS_CACHE_SHAPE="T B D E L"` changes the shape (default `8 2048 64 1000000 20`),
 //! `EMBERS_CACHE_LOAD_FACTOR` the cache (default 0.25), `EMBERS_CACHE_ZIPF` the skew (1.1),
@@ -160,6 +161,17 @@ fn main() {
         cached.allocated_bytes() as f64 / file_bytes,
         t0.elapsed().as_secs_f64()
     );
+
+    if !in_memory {
+        // Whether the kernel maps the row files and their logs through huge pages (the host
+        // caches do where they stay in memory and the file system has large folios).
+        let (pmd, rss) = mapped_kib(&dir);
+        println!(
+            "row files and logs mapped: {:.0} MiB resident, {:.0} MiB of it through huge pages",
+            rss as f64 / 1024.0,
+            pmd as f64 / 1024.0
+        );
+    }
 
     // The limit measurement's random offsets.
     let mut rng = seeded(8);
@@ -366,4 +378,27 @@ fn main() {
     );
     drop(map);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// KiB resident and KiB mapped through huge pages (`Rss`, `FilePmdMapped` of
+/// `/proc/self/smaps`) of this process's mappings of files under `dir`; zeros off Linux.
+fn mapped_kib(dir: &std::path::Path) -> (u64, u64) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let dir = dir.to_string_lossy();
+    let (mut pmd, mut rss, mut ours) = (0, 0, false);
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("FilePmdMapped:") if ours => pmd += kib(words.next()),
+            Some("Rss:") if ours => rss += kib(words.next()),
+            Some(w) if w.contains('-') && !w.ends_with(':') => ours = line.contains(&*dir),
+            _ => {}
+        }
+    }
+    (pmd, rss)
+}
+
+/// A `smaps` figure in KiB (0 where there is none).
+fn kib(w: Option<&str>) -> u64 {
+    w.and_then(|w| w.parse().ok()).unwrap_or(0)
 }

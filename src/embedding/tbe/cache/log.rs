@@ -17,11 +17,11 @@
 //! rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one `pwrite` each time it
 //! fills; the log is mapped read-only, for reading records back, so the kernel never has to
 //! write-protect a page of it when it writes it back. Where the file and its log stay in
-//! memory, both are read through huge pages: nothing dirties them through their mappings. It has no name: it is unlinked as soon
-//! as it is made, so it goes with the process and a crash leaves nothing behind. It is not a
-//! checkpoint either: the row file holds the rows once the cache is flushed, which folds the
-//! log first. A write to the log that fails (an I/O error) folds what the region holds and
-//! writes that table in place from then on.
+//! memory, both are read through huge pages: nothing dirties them through their mappings. It
+//! has no name: it is unlinked as soon as it is made, so it goes with the process and a crash
+//! leaves nothing behind. It is not a checkpoint either: the row file holds the rows once the
+//! cache is flushed, which folds the log first. A write to the log that fails (an I/O error)
+//! folds what the region holds and writes that table in place from then on.
 //!
 //! An index of 4 bytes a row says where each row's current copy is: 0 in the file, `k` in the
 //! log's record `k - 1` (later appends of a row make its earlier ones garbage).
@@ -573,8 +573,9 @@ mod tests {
     }
 
     /// Training through a cache over a file whose log holds 3 records per table (written every
-    /// second record, folded over and over, and table b's made to fail halfway) gives the tables and optimizer state of the uncached
-    /// TBE, bit for bit, and the checkpoint holds them.
+    /// second record, folded over and over, and table b's made to fail halfway) gives the
+    /// tables and optimizer state of the uncached TBE, bit for bit, and the checkpoint holds
+    /// them.
     #[test]
     fn training_through_a_small_log_is_bit_identical_and_checkpoints_whole() {
         let dir = test_dir("train");

@@ -5,11 +5,11 @@
 //!
 //! The file is mapped and records are copied in and out of the mapping: with small pages and
 //! no read-ahead (random access advised), or, for a file with a write log that stays in
-//! memory, through huge pages ([`advise_pages`]). Its blocks are allocated when it is created (`posix_fallocate`), so a full
-//! disk is an error then, never a fault when a dirty page is written back; its length is checked
-//! at open and before every batch, so a file truncated under a running operator is an error
-//! naming it. (A truncation racing a batch's copies can still fault: the rule of every mapped
-//! file.)
+//! memory, through huge pages ([`advise_pages`]). Its blocks are allocated when it is created
+//! (`posix_fallocate`), so a full disk is an error then, never a fault when a dirty page is
+//! written back; its length is checked at open and before every batch, so a file truncated
+//! under a running operator is an error naming it. (A truncation racing a batch's copies can
+//! still fault: the rule of every mapped file.)
 //!
 //! Given an empty path, the store is anonymous host memory instead (FBGEMM's rows in host
 //! memory behind a GPU cache): no file, no page-cache write-back, gone with the process;
@@ -94,11 +94,29 @@ pub(crate) fn advise_pages(map: &[u8], huge: bool) {
     let _ = huge;
 }
 
-/// Whether `bytes` of file pages can stay in the page cache: at most half the memory the
-/// system has available (`MemAvailable`), and half of what this process's cgroup has left
-/// under its limit where it has one. Off Linux, or where neither can be read, no.
-pub(crate) fn stays_in_memory(bytes: u64) -> bool {
-    available_memory().is_some_and(|a| bytes <= a / 2)
+/// Bytes of file pages this process's stores hold through huge pages (each its file's and its
+/// log's, while it has them).
+static HUGE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Reserves `bytes` of file pages to be held through huge pages, where they stay in the page
+/// cache beside those reserved already: all of them at most half the memory the system has
+/// available (`MemAvailable`) and half of what this process's cgroup has left under its limit
+/// where it has one. Off Linux, or where neither can be read, no. Given back by
+/// [`release_huge`].
+pub(crate) fn reserve_huge(bytes: u64) -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    let Some(available) = available_memory() else {
+        return false;
+    };
+    (HUGE_BYTES.fetch_update(SeqCst, SeqCst, |held| {
+        held.checked_add(bytes).filter(|&all| all <= available / 2)
+    }))
+    .is_ok()
+}
+
+/// Gives back what [`reserve_huge`] reserved.
+fn release_huge(bytes: u64) {
+    HUGE_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// Bytes of memory available to this process: `MemAvailable`, less where the cgroup v2 limit
@@ -161,9 +179,10 @@ pub(crate) struct RowStore {
     log: Option<WriteLog>,
     /// Whether [`start_log`](Self::start_log) makes one.
     log_wanted: bool,
-    /// Whether the file is mapped through huge pages ([`advise_pages`]): it has a write log
-    /// (nothing dirties its pages through the mapping) and it stays in the page cache.
-    huge: bool,
+    /// Bytes of pages (the file's and its log's) it holds through huge pages
+    /// ([`advise_pages`], [`reserve_huge`]); 0: small pages. Only with a write log: nothing
+    /// then dirties the file's pages through the mapping.
+    huge: u64,
 }
 
 /// An I/O error of `path` while doing `what`, with "the disk is full" and "the file is
@@ -451,7 +470,7 @@ impl RowStore {
             len,
             log: None,
             log_wanted: false,
-            huge: false,
+            huge: 0,
         })
     }
 
@@ -481,7 +500,7 @@ impl RowStore {
             len,
             log: None,
             log_wanted: false,
-            huge: false,
+            huge: 0,
         })
     }
 
@@ -582,7 +601,7 @@ impl RowStore {
     /// bytes of records before writing them.
     ///
     /// With a log, nothing dirties the file's pages through its mapping record by record,
-    /// so where the file and its log [stay in memory](stays_in_memory) both are read through
+    /// so where the file and its log [stay in memory](reserve_huge) both are read through
     /// huge pages ([`remap`](Self::remap)).
     pub(crate) fn start_log(&mut self, buffers: &[usize]) {
         if self.log_wanted && self.file.is_some() && self.log.is_none() {
@@ -590,10 +609,16 @@ impl RowStore {
                 .map(|(s, &b)| (s.rows, s.record_bytes, b))
                 .collect();
             // The log is as large as the file.
-            let huge = stays_in_memory(self.len.saturating_mul(2));
+            let pages = self.len.saturating_mul(2);
+            let huge = reserve_huge(pages);
             self.log = WriteLog::create(&self.path, &tables, huge);
-            if huge && self.log.is_some() {
-                self.remap(true);
+            match (huge, self.log.is_some()) {
+                (true, true) => {
+                    self.huge = pages;
+                    self.remap(true);
+                }
+                (true, false) => release_huge(pages),
+                _ => {}
             }
         }
     }
@@ -608,7 +633,8 @@ impl RowStore {
     pub(crate) fn stop_log(&mut self) {
         self.fold();
         self.log = None;
-        if self.huge {
+        if self.huge > 0 {
+            release_huge(std::mem::take(&mut self.huge));
             self.remap(false);
         }
     }
@@ -621,7 +647,6 @@ impl RowStore {
     /// the new mapping fails, the mapping stays and is advised anew (speed changes, never the
     /// rows).
     fn remap(&mut self, huge: bool) {
-        self.huge = huge;
         let (Some(file), Some(_)) = (&self.file, &self.map) else {
             return;
         };
@@ -927,28 +952,28 @@ impl RowStore {
             .open(source)
             .map_err(|e| io_error(source, "opening the new row store", e))?;
         lock_exclusively(&file, source)?;
-        let new = Self::mapped(file, source, self.tables.clone(), self.len)?;
+        let mut new = Self::mapped(file, source, self.tables.clone(), self.len)?;
         new.check_len()?;
         std::fs::rename(source, &self.path)
             .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
-        // The mapping follows the file (same inode) under its new name. The log's records
-        // were the old file's rows.
-        let path = std::mem::take(&mut self.path);
-        let mut log = self.log.take();
-        if let Some(l) = &mut log {
+        // The mapping follows the file (same inode) under its new name; the old file and its
+        // mapping go with `new`. The log's records were the old file's rows.
+        std::mem::swap(&mut self.file, &mut new.file);
+        std::mem::swap(&mut self.map, &mut new.map);
+        drop(new);
+        if let Some(l) = &mut self.log {
             l.clear();
         }
-        let (log_wanted, huge) = (self.log_wanted, self.huge);
-        *self = RowStore {
-            path,
-            log,
-            log_wanted,
-            ..new
-        };
-        if huge {
+        if self.huge > 0 {
             self.remap(true);
         }
         Ok(())
+    }
+}
+
+impl Drop for RowStore {
+    fn drop(&mut self) {
+        release_huge(self.huge);
     }
 }
 
@@ -1217,8 +1242,7 @@ mod tests {
             return;
         }
         let (dir, path, mut store) = store_of_tens("huge");
-        assert!(stays_in_memory(2 * store.len));
-        assert!(!stays_in_memory(u64::MAX));
+        assert!(!reserve_huge(u64::MAX));
         let flags = |s: &RowStore| vm_flags(s.map.as_ref().unwrap().as_ptr() as usize);
         assert!(flags(&store).contains(&"nh".into()), "{:?}", flags(&store));
         store.want_log(true);
