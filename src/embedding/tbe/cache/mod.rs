@@ -44,6 +44,7 @@ mod device_directory;
 pub(crate) mod directory;
 mod gpu;
 mod log;
+mod memory;
 pub(crate) mod store;
 #[cfg(test)]
 mod stream_tests;

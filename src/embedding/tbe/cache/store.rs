@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 use super::log::{TableFile, WriteLog};
+use super::memory::available_memory;
 use crate::{Error, Result};
 
 const OP: &str = "TBE row store";
@@ -99,10 +100,9 @@ pub(crate) fn advise_pages(map: &[u8], huge: bool) {
 static HUGE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Reserves `bytes` of file pages to be held through huge pages, where they stay in the page
-/// cache beside those reserved already: all of them at most half the memory the system has
-/// available (`MemAvailable`) and half of what this process's cgroup has left under its limit
-/// where it has one. Off Linux, or where neither can be read, no. Given back by
-/// [`release_huge`].
+/// cache beside those reserved already: all of them at most half the memory this process may
+/// still fill ([`available_memory`]: the system's, or what its memory cgroups leave it under
+/// their limits where that is less). Off Linux, no. Given back by [`release_huge`].
 pub(crate) fn reserve_huge(bytes: u64) -> bool {
     use std::sync::atomic::Ordering::SeqCst;
     let Some(available) = available_memory() else {
@@ -117,30 +117,6 @@ pub(crate) fn reserve_huge(bytes: u64) -> bool {
 /// Gives back what [`reserve_huge`] reserved.
 fn release_huge(bytes: u64) {
     HUGE_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Bytes of memory available to this process: `MemAvailable`, less where the cgroup v2 limit
-/// leaves less.
-fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = (meminfo.lines())
-        .find_map(|l| l.strip_prefix("MemAvailable:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    let cgroup = |f: &str| -> Option<u64> {
-        (std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok()?)
-            .trim()
-            .parse()
-            .ok()
-    };
-    let left = match (cgroup("memory.max"), cgroup("memory.current")) {
-        (Some(max), Some(used)) => max.saturating_sub(used),
-        _ => u64::MAX,
-    };
-    Some(kib.saturating_mul(1024).min(left))
 }
 
 /// Drops `file`'s clean pages that no mapping holds from the page cache
