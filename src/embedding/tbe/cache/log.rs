@@ -12,8 +12,9 @@
 //! log-structured key-value store for the same reason.)
 //!
 //! The log has a region per table of as many records as the table has rows (so it is as large
-//! as the file; its blocks are allocated up front, and with no room for them the file is
-//! written in place as before). Records gather in a buffer per table (a 16th of its cache
+//! as the file), or a half, a quarter or an eighth of that where the disk has less room: it
+//! takes at most half the file system's free space, its blocks allocated up front, and with
+//! no room even for an eighth the file is written in place. Records gather in a buffer per table (a 16th of its cache
 //! rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one `pwrite` each time it
 //! fills; the log is mapped read-only, for reading records back, so the kernel never has to
 //! write-protect a page of it when it writes it back. Where the file and its log stay in
@@ -43,6 +44,8 @@ thread_local! {
     /// thread (tests: folds and writes come sooner).
     pub(crate) static SHAPE: std::cell::Cell<Option<(usize, usize)>> =
         const { std::cell::Cell::new(None) };
+    /// Bytes the file system of the logs made on this thread has free (tests: no disk fills).
+    pub(crate) static FREE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// One table's share of the log: its place in the log file, how many records of how many bytes
@@ -133,6 +136,67 @@ fn write_at(file: &File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
     }
 }
 
+/// The shares of its table's rows a log region may hold records for, tried in turn
+/// ([`WriteLog::create`]).
+const LOG_SHARES: [usize; 4] = [1, 2, 4, 8];
+
+/// The regions of a log for `tables` (`(rows, bytes per record, bytes gathered)`), each of
+/// `1/share` of its table's rows (at least one), and the log's length; `None` if it overflows.
+fn regions_of(tables: &[(usize, usize, usize)], share: usize) -> Option<(Vec<LogRegion>, usize)> {
+    #[cfg(test)]
+    let shape = SHAPE.with(|s| s.get());
+    #[cfg(not(test))]
+    let shape: Option<(usize, usize)> = None;
+    let mut regions = Vec::with_capacity(tables.len());
+    let mut len = 0usize;
+    for &(rows, record, gather) in tables {
+        let slots = shape.map_or(rows.div_ceil(share), |(s, _)| s).max(1);
+        let spill_at = shape.map_or(gather, |(_, b)| b);
+        regions.push(LogRegion {
+            offset: len as u64,
+            slots,
+            record,
+            used: 0,
+            written: 0,
+            pending: Vec::with_capacity(spill_at.min(slots * record)),
+            spill_at,
+            index: vec![0; rows],
+            broken: false,
+            #[cfg(test)]
+            fail: false,
+        });
+        len = len.checked_add(slots.checked_mul(record)?)?;
+    }
+    Some((regions, len))
+}
+
+/// Bytes free to this process on the file system holding `dir` (`statvfs`); `None` where it
+/// cannot be read.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    #[cfg(test)]
+    if let Some(free) = FREE.with(|f| f.get()) {
+        return Some(free);
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: `c` is a NUL-terminated path; statvfs fills `st` on success only.
+        if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        // SAFETY: statvfs returned 0: `st` is filled.
+        let st = unsafe { st.assume_init() };
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        None
+    }
+}
+
 /// The log of a row file: the unlinked file, mapped read-only, and each table's region.
 pub(crate) struct WriteLog {
     map: Mmap,
@@ -142,47 +206,26 @@ pub(crate) struct WriteLog {
 
 impl WriteLog {
     /// A log beside the row file `path` for tables of `(rows, bytes per record, bytes of
-    /// records gathered before they are written)`, or `None` when it cannot be made (no room
-    /// on the disk for its blocks, a file system without allocation, a table too large for a
-    /// 4-byte index, no Unix): the file is then written in place. `huge`: the log is read
-    /// through huge pages, its page cache filled with them now (the allocated blocks read as
-    /// zeros, from no disk), so that the writes land in them; else with small pages and no
-    /// read-ahead.
-    pub(crate) fn create(
-        path: &Path,
-        tables: &[(usize, usize, usize)],
-        huge: bool,
-    ) -> Option<Self> {
+    /// records gathered before they are written)`, read with small pages and no read-ahead
+    /// ([`advise_huge`](Self::advise_huge) changes that), or `None` when it cannot be made (no
+    /// room on the disk for it, a file system without allocation, a table too large for a
+    /// 4-byte index, no Unix): the file is then written in place.
+    ///
+    /// Its regions hold as many records as their tables have rows, or a half, a quarter or an
+    /// eighth of that, the largest that takes at most half the file system's free space: the
+    /// log is scratch for speed, and must not take the room rows and checkpoints need. A
+    /// smaller log folds more often (each fold writes every piece of the file that holds a
+    /// logged row), which still costs far less than writing in place.
+    pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
         }
-        #[cfg(test)]
-        let shape = SHAPE.with(|s| s.get());
-        #[cfg(not(test))]
-        let shape: Option<(usize, usize)> = None;
-        let mut regions = Vec::with_capacity(tables.len());
-        let mut len = 0usize;
-        for &(rows, record, gather) in tables {
-            let slots = shape.map_or(rows, |(s, _)| s.max(1));
-            let spill_at = shape.map_or(gather, |(_, b)| b);
-            regions.push(LogRegion {
-                offset: len as u64,
-                slots,
-                record,
-                used: 0,
-                written: 0,
-                pending: Vec::new(),
-                spill_at,
-                index: Vec::new(),
-                broken: false,
-                #[cfg(test)]
-                fail: false,
-            });
-            len = len.checked_add(slots.checked_mul(record)?)?;
-        }
-        if len == 0 {
-            return None;
-        }
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        let free = free_bytes(dir.unwrap_or(Path::new(".")))?;
+        let (regions, len) = (LOG_SHARES.iter()).find_map(|&share| {
+            let (regions, len) = regions_of(tables, share)?;
+            (len > 0 && len as u64 <= free / 2).then_some((regions, len))
+        })?;
         let name = path.file_name()?.to_string_lossy();
         let at = path.with_file_name(format!(
             "{name}.log-{}-{:x}.tmp",
@@ -201,16 +244,22 @@ impl WriteLog {
         // SAFETY: an unlinked file of this process's own: no other process can open it, and its
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
-        super::store::advise_pages(&map, huge);
-        #[cfg(target_os = "linux")]
-        if huge {
-            let _ = map.advise(memmap2::Advice::PopulateRead);
-        }
-        for (r, &(rows, record, _)) in regions.iter_mut().zip(tables) {
-            r.index = vec![0; rows];
-            r.pending = Vec::with_capacity(r.spill_at.min(r.slots * record));
-        }
+        super::store::advise_pages(&map, false);
         Some(WriteLog { map, regions, file })
+    }
+
+    /// Bytes of the log file.
+    pub(crate) fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Has the log read through huge pages, its page cache filled with them now (the
+    /// allocated blocks read as zeros, from no disk) so that the writes land in them. For a
+    /// log that [stays in memory](super::store::reserve_huge).
+    pub(crate) fn advise_huge(&self) {
+        super::store::advise_pages(&self.map, true);
+        #[cfg(target_os = "linux")]
+        let _ = self.map.advise(memmap2::Advice::PopulateRead);
     }
 
     /// Bytes of host memory the log takes: its index and its buffers.
@@ -456,11 +505,7 @@ mod tests {
         let dir = test_dir("table-file");
         let (rows, record) = (9usize, 100_000usize);
         let mut log = with_shape(5, PENDING_BYTES, || {
-            WriteLog::create(
-                &dir.join("rows.bin"),
-                &[(rows, record, PENDING_BYTES)],
-                false,
-            )
+            WriteLog::create(&dir.join("rows.bin"), &[(rows, record, PENDING_BYTES)])
         })
         .expect("a log on the temp dir");
         let mut file = vec![0u8; rows * record];
@@ -652,6 +697,66 @@ mod tests {
 
     /// A byte budget pays for the log (its index and buffers) where it has room, and a cache
     /// whose budget has none writes in place rather than being refused.
+    /// The log takes at most half the disk's free bytes: the whole table's records where
+    /// they fit, else a half, a quarter or an eighth of them (rounded up, each table alike);
+    /// with room for none, no log. A log of half the records folds every half table of
+    /// writes and reads back every row's last write.
+    #[test]
+    fn a_disk_short_of_room_gets_a_smaller_log_or_none() {
+        let dir = test_dir("room");
+        let path = dir.join("rows.bin");
+        let tables = [(1000usize, 100usize, 4096usize), (10, 40, 4096)];
+        let full = (1000 * 100 + 10 * 40) as u64;
+        let made = |free: u64| {
+            FREE.with(|f| f.set(Some(free)));
+            let log = WriteLog::create(&path, &tables);
+            FREE.with(|f| f.set(None));
+            log.map(|l| {
+                let slots: Vec<usize> = l.regions.iter().map(|r| r.slots).collect();
+                assert_eq!(l.len(), (slots[0] * 100 + slots[1] * 40) as u64);
+                assert!(l.len() <= free / 2);
+                slots
+            })
+        };
+        assert_eq!(made(2 * full), Some(vec![1000, 10]));
+        assert_eq!(made(2 * full - 1), Some(vec![500, 5]));
+        assert_eq!(made(full), Some(vec![500, 5]));
+        let quarter = 250 * 100 + 3 * 40;
+        assert_eq!(made(2 * quarter), Some(vec![250, 3]));
+        assert_eq!(made(2 * quarter - 1), Some(vec![125, 2]));
+        assert_eq!(made(2 * (125 * 100 + 2 * 40) - 1), None);
+        assert_eq!(made(0), None);
+        // One table, the room for half its records: a fold each 500 writes, and every
+        // read gives the last write.
+        FREE.with(|f| f.set(Some(full)));
+        let log = WriteLog::create(&path, &tables[..1]);
+        FREE.with(|f| f.set(None));
+        let mut log = log.expect("a log of half the rows");
+        let mut file = vec![0u8; 1000 * 100];
+        let mut want = vec![vec![0u8; 100]; 1000];
+        let mut rng = seeded(5);
+        let mut folds = 0;
+        for step in 0..3000 {
+            let mut parts = log.regions_mut();
+            let mut t = TableFile::new(&mut file, 100, parts.pop(), None);
+            let row = rng.random_range(0..1000usize);
+            let bytes = vec![(step % 253) as u8 + 1; 100];
+            t.write(row as u64, &bytes);
+            want[row] = bytes;
+            // A write that finds the region full folds it first, then takes record 1.
+            folds += usize::from(step > 0 && log.regions[0].used == 1);
+        }
+        assert_eq!(folds, 3000 / 500 - 1, "a fold each 500 records");
+        let mut parts = log.regions_mut();
+        let mut t = TableFile::new(&mut file, 100, parts.pop(), None);
+        let mut out = vec![0u8; 100];
+        for (r, w) in want.iter().enumerate() {
+            t.read(r as u64, &mut out);
+            assert!(out == *w, "row {r}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_byte_budget_pays_for_the_log_or_goes_without() {
         use crate::embedding::CachePolicy;

@@ -584,17 +584,14 @@ impl RowStore {
             let tables: Vec<(usize, usize, usize)> = (self.tables.iter().zip(buffers))
                 .map(|(s, &b)| (s.rows, s.record_bytes, b))
                 .collect();
-            // The log is as large as the file.
-            let pages = self.len.saturating_mul(2);
-            let huge = reserve_huge(pages);
-            self.log = WriteLog::create(&self.path, &tables, huge);
-            match (huge, self.log.is_some()) {
-                (true, true) => {
+            self.log = WriteLog::create(&self.path, &tables);
+            if let Some(log) = &self.log {
+                let pages = self.len.saturating_add(log.len());
+                if reserve_huge(pages) {
+                    log.advise_huge();
                     self.huge = pages;
                     self.remap(true);
                 }
-                (true, false) => release_huge(pages),
-                _ => {}
             }
         }
     }
