@@ -188,6 +188,8 @@ fn free_bytes(dir: &Path) -> Option<u64> {
         }
         // SAFETY: statvfs returned 0: `st` is filled.
         let st = unsafe { st.assume_init() };
+        // The fields are 32 bits wide on some systems.
+        #[allow(clippy::unnecessary_cast)]
         Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
     }
     #[cfg(not(unix))]
@@ -748,7 +750,7 @@ mod tests {
         }
         assert_eq!(folds, 3000 / 500 - 1, "a fold each 500 records");
         let mut parts = log.regions_mut();
-        let mut t = TableFile::new(&mut file, 100, parts.pop(), None);
+        let t = TableFile::new(&mut file, 100, parts.pop(), None);
         let mut out = vec![0u8; 100];
         for (r, w) in want.iter().enumerate() {
             t.read(r as u64, &mut out);
