@@ -288,8 +288,11 @@ fn main() {
     );
     println!(
         "  prefetching the next batch once each backward is queued: {pre:.2} ms ({:.2} of \
-         {mem}); prepare / lookup / backward+prefetch medians {:.2} / {:.2} / {:.2} ms",
+         {mem}; mean {:.2} ms, {:.2}); prepare / lookup / backward+prefetch medians {:.2} / \
+         {:.2} / {:.2} ms",
         ram / pre,
+        mean(&prefetch_ms),
+        mean(&ram_ms) / mean(&prefetch_ms),
         part(&prefetch_ms, 0),
         part(&prefetch_ms, 1),
         part(&prefetch_ms, 2),
