@@ -82,7 +82,8 @@ pub struct CacheConfig {
     /// the caller's work (the default), or on the caller's stream, after it.
     pub prefetch_on_side_stream: bool,
     /// A training cache on the host over a file: whether rows written back one at a time are
-    /// appended to a write log beside the file (the default; as large as the file, unnamed,
+    /// appended to a write log beside the file (the default; as large as the file, or a half,
+    /// a quarter or an eighth of it, the largest in half the disk's free space; unnamed,
     /// folded into the file when full and at every flush), or written in place. The log turns
     /// the page-sized disk writes of scattered records into sequential ones.
     pub write_log: bool,
@@ -122,7 +123,7 @@ impl CacheConfig {
     }
 
     /// The same cache, its write-backs logged beside the file (`true`, the default) or
-    /// written in place (`false`: no second file as large as the first on the disk).
+    /// written in place (`false`: no second file, up to as large as the first, on the disk).
     pub fn with_write_log(mut self, on: bool) -> Self {
         self.write_log = on;
         self

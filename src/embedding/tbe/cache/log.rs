@@ -14,15 +14,15 @@
 //! The log has a region per table of as many records as the table has rows (so it is as large
 //! as the file), or a half, a quarter or an eighth of that where the disk has less room: it
 //! takes at most half the file system's free space, its blocks allocated up front, and with
-//! no room even for an eighth the file is written in place. Records gather in a buffer per table (a 16th of its cache
-//! rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one `pwrite` each time it
-//! fills; the log is mapped read-only, for reading records back, so the kernel never has to
-//! write-protect a page of it when it writes it back. Where the file and its log stay in
-//! memory, both are read through huge pages: nothing dirties them through their mappings. It
-//! has no name: it is unlinked as soon as it is made, so it goes with the process and a crash
-//! leaves nothing behind. It is not a checkpoint either: the row file holds the rows once the
-//! cache is flushed, which folds the log first. A write to the log that fails (an I/O error)
-//! folds what the region holds and writes that table in place from then on.
+//! no room even for an eighth the file is written in place. Records gather in a buffer per
+//! table (a 16th of its cache rows' bytes, at most [`PENDING_BYTES`]) and reach the log by one
+//! `pwrite` each time it fills; the log is mapped read-only, for reading records back, so the
+//! kernel never has to write-protect a page of it when it writes it back. Where the file and
+//! its log stay in memory, both are read through huge pages: nothing dirties them through their
+//! mappings. It has no name: it is unlinked as soon as it is made, so it goes with the process
+//! and a crash leaves nothing behind. It is not a checkpoint either: the row file holds the
+//! rows once the cache is flushed, which folds the log first. A write to the log that fails
+//! (an I/O error) folds what the region holds and writes that table in place from then on.
 //!
 //! An index of 4 bytes a row says where each row's current copy is: 0 in the file, `k` in the
 //! log's record `k - 1` (later appends of a row make its earlier ones garbage).
@@ -142,6 +142,7 @@ const LOG_SHARES: [usize; 4] = [1, 2, 4, 8];
 
 /// The regions of a log for `tables` (`(rows, bytes per record, bytes gathered)`), each of
 /// `1/share` of its table's rows (at least one), and the log's length; `None` if it overflows.
+/// Their indexes and buffers are not allocated yet.
 fn regions_of(tables: &[(usize, usize, usize)], share: usize) -> Option<(Vec<LogRegion>, usize)> {
     #[cfg(test)]
     let shape = SHAPE.with(|s| s.get());
@@ -158,9 +159,9 @@ fn regions_of(tables: &[(usize, usize, usize)], share: usize) -> Option<(Vec<Log
             record,
             used: 0,
             written: 0,
-            pending: Vec::with_capacity(spill_at.min(slots * record)),
+            pending: Vec::new(),
             spill_at,
-            index: vec![0; rows],
+            index: Vec::new(),
             broken: false,
             #[cfg(test)]
             fail: false,
@@ -224,7 +225,7 @@ impl WriteLog {
         }
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
         let free = free_bytes(dir.unwrap_or(Path::new(".")))?;
-        let (regions, len) = (LOG_SHARES.iter()).find_map(|&share| {
+        let (mut regions, len) = (LOG_SHARES.iter()).find_map(|&share| {
             let (regions, len) = regions_of(tables, share)?;
             (len > 0 && len as u64 <= free / 2).then_some((regions, len))
         })?;
@@ -247,6 +248,10 @@ impl WriteLog {
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
         super::store::advise_pages(&map, false);
+        for (r, &(rows, record, _)) in regions.iter_mut().zip(tables) {
+            r.index = vec![0; rows];
+            r.pending = Vec::with_capacity(r.spill_at.min(r.slots * record));
+        }
         Some(WriteLog { map, regions, file })
     }
 
@@ -697,8 +702,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A byte budget pays for the log (its index and buffers) where it has room, and a cache
-    /// whose budget has none writes in place rather than being refused.
     /// The log takes at most half the disk's free bytes: the whole table's records where
     /// they fit, else a half, a quarter or an eighth of them (rounded up, each table alike);
     /// with room for none, no log. A log of half the records folds every half table of
@@ -759,6 +762,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A byte budget pays for the log (its index and buffers) where it has room, and a cache
+    /// whose budget has none writes in place rather than being refused.
     #[test]
     fn a_byte_budget_pays_for_the_log_or_goes_without() {
         use crate::embedding::CachePolicy;
