@@ -215,16 +215,18 @@ impl WriteLog {
     /// 4-byte index, no Unix): the file is then written in place.
     ///
     /// Its regions hold as many records as their tables have rows, or a half, a quarter or an
-    /// eighth of that, the largest that takes at most half the file system's free space: the
-    /// log is scratch for speed, and must not take the room rows and checkpoints need. A
+    /// eighth of that, the largest that takes at most half the file system's free space
+    /// (where `statvfs` cannot tell, the whole size if it can be allocated): the log is
+    /// scratch for speed, and must not take the room rows and checkpoints need. A
     /// smaller log folds more often (each fold writes every piece of the file that holds a
     /// logged row), which still costs far less than writing in place.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
         }
+        // Free space unknown: the whole size is tried, and the allocation says whether it fits.
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-        let free = free_bytes(dir.unwrap_or(Path::new(".")))?;
+        let free = free_bytes(dir.unwrap_or(Path::new("."))).unwrap_or(u64::MAX);
         let (mut regions, len) = (LOG_SHARES.iter()).find_map(|&share| {
             let (regions, len) = regions_of(tables, share)?;
             (len > 0 && len as u64 <= free / 2).then_some((regions, len))
@@ -702,6 +704,14 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A log for `tables` beside `path`, made on this thread as if the disk had `free` bytes.
+    fn with_free(free: u64, path: &Path, tables: &[(usize, usize, usize)]) -> Option<WriteLog> {
+        FREE.with(|f| f.set(Some(free)));
+        let log = WriteLog::create(path, tables);
+        FREE.with(|f| f.set(None));
+        log
+    }
+
     /// The log takes at most half the disk's free bytes: the whole table's records where
     /// they fit, else a half, a quarter or an eighth of them (rounded up, each table alike);
     /// with room for none, no log. A log of half the records folds every half table of
@@ -713,10 +723,7 @@ mod tests {
         let tables = [(1000usize, 100usize, 4096usize), (10, 40, 4096)];
         let full = (1000 * 100 + 10 * 40) as u64;
         let made = |free: u64| {
-            FREE.with(|f| f.set(Some(free)));
-            let log = WriteLog::create(&path, &tables);
-            FREE.with(|f| f.set(None));
-            log.map(|l| {
+            with_free(free, &path, &tables).map(|l| {
                 let slots: Vec<usize> = l.regions.iter().map(|r| r.slots).collect();
                 assert_eq!(l.len(), (slots[0] * 100 + slots[1] * 40) as u64);
                 assert!(l.len() <= free / 2);
@@ -731,12 +738,13 @@ mod tests {
         assert_eq!(made(2 * quarter - 1), Some(vec![125, 2]));
         assert_eq!(made(2 * (125 * 100 + 2 * 40) - 1), None);
         assert_eq!(made(0), None);
+        // The file system's own figure: some bytes for the temp dir, none for a missing dir
+        // (a log there is then tried at its whole size).
+        assert!(free_bytes(&dir).is_some_and(|b| b > 0));
+        assert_eq!(free_bytes(&dir.join("missing")), None);
         // One table, the room for half its records: a fold each 500 writes, and every
         // read gives the last write.
-        FREE.with(|f| f.set(Some(full)));
-        let log = WriteLog::create(&path, &tables[..1]);
-        FREE.with(|f| f.set(None));
-        let mut log = log.expect("a log of half the rows");
+        let mut log = with_free(full, &path, &tables[..1]).expect("a log of half the rows");
         let mut file = vec![0u8; 1000 * 100];
         let mut want = vec![vec![0u8; 100]; 1000];
         let mut rng = seeded(5);
