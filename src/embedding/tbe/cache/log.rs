@@ -46,6 +46,9 @@ thread_local! {
         const { std::cell::Cell::new(None) };
     /// Bytes the file system of the logs made on this thread has free (tests: no disk fills).
     pub(crate) static FREE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    /// Bytes an allocation of a log made on this thread can take before the disk is full
+    /// (tests: less room than `statvfs` said).
+    pub(crate) static ROOM: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// One table's share of the log: its place in the log file, how many records of how many bytes
@@ -200,6 +203,15 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
 }
 
+/// `posix_fallocate` of the log's `len` bytes ([`ROOM`] bounds it in tests).
+fn allocate_log(file: &File, len: u64) -> std::io::Result<()> {
+    #[cfg(test)]
+    if ROOM.with(|r| r.get()).is_some_and(|room| len > room) {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
+    super::store::fallocate(file, len)
+}
+
 /// The log of a row file: the unlinked file, mapped read-only, and each table's region.
 pub(crate) struct WriteLog {
     map: Mmap,
@@ -216,21 +228,24 @@ impl WriteLog {
     ///
     /// Its regions hold as many records as their tables have rows, or a half, a quarter or an
     /// eighth of that, the largest that takes at most half the file system's free space
-    /// (where `statvfs` cannot tell, the whole size if it can be allocated): the log is
-    /// scratch for speed, and must not take the room rows and checkpoints need. A
+    /// (where `statvfs` cannot tell, the whole size if it can be allocated), a smaller one
+    /// where the allocation finds the disk fuller than that: the log is scratch for speed, and must not take the room rows and checkpoints need. A
     /// smaller log folds more often (each fold writes every piece of the file that holds a
     /// logged row), which still costs far less than writing in place.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
         }
-        // Free space unknown: the whole size is tried, and the allocation says whether it fits.
+        // Free space unknown: every size is tried, and the allocation says which fits.
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
         let free = free_bytes(dir.unwrap_or(Path::new("."))).unwrap_or(u64::MAX);
-        let (mut regions, len) = (LOG_SHARES.iter()).find_map(|&share| {
-            let (regions, len) = regions_of(tables, share)?;
-            (len > 0 && len as u64 <= free / 2).then_some((regions, len))
-        })?;
+        let sizes: Vec<(Vec<LogRegion>, usize)> = (LOG_SHARES.iter())
+            .filter_map(|&share| regions_of(tables, share))
+            .filter(|&(_, len)| len > 0 && len as u64 <= free / 2)
+            .collect();
+        if sizes.is_empty() {
+            return None;
+        }
         let name = path.file_name()?.to_string_lossy();
         let at = path.with_file_name(format!(
             "{name}.log-{}-{:x}.tmp",
@@ -245,7 +260,22 @@ impl WriteLog {
             .ok()?;
         // Unnamed from here on: nothing to clean up after a crash.
         let _ = std::fs::remove_file(&at);
-        super::store::fallocate(&file, len as u64).ok()?;
+        let mut chosen = None;
+        for (regions, len) in sizes {
+            match allocate_log(&file, len as u64) {
+                Ok(()) => {
+                    chosen = Some((regions, len));
+                    break;
+                }
+                // Less room than `statvfs` said (other writers, quotas, reserved blocks): the
+                // blocks taken so far given back, the next smaller size is tried.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+                    file.set_len(0).ok()?;
+                }
+                Err(_) => return None,
+            }
+        }
+        let (mut regions, len) = chosen?;
         // SAFETY: an unlinked file of this process's own: no other process can open it, and its
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
@@ -738,6 +768,18 @@ mod tests {
         assert_eq!(made(2 * quarter - 1), Some(vec![125, 2]));
         assert_eq!(made(2 * (125 * 100 + 2 * 40) - 1), None);
         assert_eq!(made(0), None);
+        // statvfs said room for the whole log, but the allocation finds less (another writer
+        // took it): the largest size that can be allocated, or none when not even an eighth.
+        let room = |bytes: u64| {
+            ROOM.with(|r| r.set(Some(bytes)));
+            let slots = made(2 * full);
+            ROOM.with(|r| r.set(None));
+            slots
+        };
+        assert_eq!(room(full - 1), Some(vec![500, 5]));
+        assert_eq!(room(quarter as u64), Some(vec![250, 3]));
+        assert_eq!(room(125 * 100 + 2 * 40), Some(vec![125, 2]));
+        assert_eq!(room(125 * 100 + 2 * 40 - 1), None);
         // The file system's own figure: some bytes for the temp dir, none for a missing dir
         // (a log there is then tried at its whole size).
         assert!(free_bytes(&dir).is_some_and(|b| b > 0));
