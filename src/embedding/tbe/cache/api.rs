@@ -233,8 +233,9 @@ impl TableBatchedEmbedding {
     /// for [`undo_commit`](Self::undo_commit): the dirty cached rows are written back first, so
     /// that the rows kept are every row, and an error doing so refuses the load (nothing is
     /// lost). A cache whose rows are lost already — unusable after a failed admission, or its
-    /// file truncated — loads without (that is how it recovers), and [`Kept::lost`] says why,
-    /// for an undo to leave it unusable again.
+    /// file truncated — loads without writing them back and keeps nothing (that is how it
+    /// recovers; a truncated file could not even be read through its mapping), and
+    /// [`Kept::lost`] says why, for an undo to leave it unusable again.
     fn commit_keeping(&self, staged: StagedRows) -> Result<Kept> {
         let cfg = &self.inner.config;
         let mut state = self.inner.state.write();
@@ -246,17 +247,30 @@ impl TableBatchedEmbedding {
             Some(why) => Some(why.to_string()),
             // Truncated under it: its rows are gone already (an I/O error refuses the load).
             None => match c.store().file_len()? {
-                have if have != c.store().len() => Some(c.store().wrong_length(have).to_string()),
+                have if have != c.store().len() => Some(format!(
+                    "after its row file changed length under it ({})",
+                    c.store().wrong_length(have)
+                )),
                 _ => {
                     c.flush()?;
                     None
                 }
             },
         };
-        let previous = c.commit_store_keeping(staged.staged)?;
+        let previous = match lost {
+            Some(_) => {
+                c.commit_store(staged.staged)?;
+                None
+            }
+            None => Some(c.commit_store_keeping(staged.staged)?),
+        };
         if let Err(e) = c.invalidate(cfg) {
             // Not committed after all.
-            c.restore_store(previous)?;
+            match (previous, &lost) {
+                (Some(previous), _) => c.restore_store(previous)?,
+                (None, Some(why)) => c.poison(why.clone()),
+                (None, None) => {}
+            }
             return Err(e);
         }
         let step = std::mem::replace(&mut state.step, staged.step);
@@ -268,35 +282,42 @@ impl TableBatchedEmbedding {
     }
 
     /// Puts back the rows and step count a [`commit_keeping`](Self::commit_keeping) replaced
-    /// (the cache emptied again, and unusable again if it was or could not write its rows
-    /// back). On an error the kept rows stay where the error says.
+    /// (the cache emptied again), or for a cache whose rows were lost, the step count, and
+    /// makes it unusable again. On an error the kept rows stay where the error says.
     fn undo_commit(&self, kept: Kept) -> Result<()> {
         let cfg = &self.inner.config;
         let mut guard = self.inner.state.write();
         let state = &mut *guard;
-        let Tables::Cached(c) = &mut state.tables else {
-            return Err(kept
-                .previous
-                .abandon(Error::invalid(OP, "the tables are not cached in a file")));
+        let abandon = |previous: Option<Previous>, e: Error| match previous {
+            Some(p) => p.abandon(e),
+            None => e,
         };
-        if let Err(e) = c.check_idle() {
-            return Err(kept.previous.abandon(e));
-        }
-        c.restore_store(kept.previous)?;
-        state.step = kept.step;
-        let emptied = c.invalidate(cfg);
+        let Tables::Cached(c) = &mut state.tables else {
+            let e = Error::invalid(OP, "the tables are not cached in a file");
+            return Err(abandon(kept.previous, e));
+        };
+        let undone = match c.check_idle() {
+            Err(e) => Err(abandon(kept.previous, e)),
+            Ok(()) => match kept.previous.map(|p| c.restore_store(p)).transpose() {
+                Err(e) => Err(e),
+                Ok(_) => {
+                    state.step = kept.step;
+                    c.invalidate(cfg)
+                }
+            },
+        };
         // Unusable again whatever else failed: its own rows are gone.
         if let Some(why) = kept.lost {
             c.poison(why);
         }
-        emptied
+        undone
     }
 }
 
-/// What a [`TableBatchedEmbedding::commit_keeping`] replaced: the rows, the step count, and
-/// why (if so) the rows kept lack the cache's dirty ones.
+/// What a [`TableBatchedEmbedding::commit_keeping`] replaced: the rows (none kept where they
+/// were lost already), the step count, and why (if so) the cache's rows were lost.
 struct Kept {
-    previous: Previous,
+    previous: Option<Previous>,
     step: u64,
     lost: Option<String>,
 }
@@ -802,22 +823,23 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A cache left unusable by a failed admission recovers by a load into several TBEs at
-    /// once (its dirty rows cannot be written back first, and need not be); when that load is
-    /// undone — another TBE's commit failing — it is unusable again, not silently missing
-    /// its lost rows.
+    /// A cache left unusable by a failed admission, or whose row file was truncated under
+    /// it, recovers by a load into several TBEs at once (its dirty rows cannot be written
+    /// back first, and need not be); when that load is undone — another TBE's commit
+    /// failing — it is unusable again, not silently missing its lost rows.
     #[test]
     fn an_unusable_cache_recovers_by_a_load_of_several_and_stays_unusable_when_undone() {
         let dir = std::env::temp_dir().join(format!("embers-poisoned-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        // 2000 rows of 20 bytes (10 pages of file) behind one set of 32 slots.
         let cfg = TbeConfig::new(
-            vec![TableSpec::new("a", 32, 4)],
+            vec![TableSpec::new("a", 2000, 4)],
             vec![0],
             PoolingMode::Sum,
             FusedOptimizer::Sgd { lr: 0.5 },
         );
-        let size = CacheSize::LoadFactor(0.5);
+        let size = CacheSize::LoadFactor(0.01);
         let tbes: Vec<TableBatchedEmbedding> = ["a.rows", "b.rows"]
             .into_iter()
             .map(|f| {
@@ -825,21 +847,22 @@ mod tests {
                 TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap()
             })
             .collect();
-        let saved: Vec<f32> = (0..32 * 4).map(|i| i as f32 / 4.0).collect();
+        let saved: Vec<f32> = (0..2000 * 4).map(|i| i as f32 / 4.0).collect();
         save_all(&tbes, &saved, &dir);
-        let ids: Vec<i64> = (0..10).collect();
-        let offsets: Vec<i64> = (0..=10).collect();
-        let step = |tbe: &TableBatchedEmbedding| -> Result<()> {
-            let batch = tbe.prepare(TbeInput::new(&ids[..], &offsets[..]))?;
+        let step_on = |tbe: &TableBatchedEmbedding, ids: &[i64]| -> Result<()> {
+            let offsets: Vec<i64> = (0..=ids.len() as i64).collect();
+            let batch = tbe.prepare(TbeInput::new(ids, &offsets[..]))?;
             let out = tbe.lookup_batch(&batch)?;
-            let grad = crate::Tensor::from_vec(vec![1.0f32; 10 * 4], out.shape())?;
+            let grad = crate::Tensor::from_vec(vec![1.0f32; ids.len() * 4], out.shape())?;
             tbe.backward_batch(&batch, &grad).map(drop)
         };
+        let ids: Vec<i64> = (0..10).collect();
+        let step = |tbe: &TableBatchedEmbedding| step_on(tbe, &ids);
         for tbe in &tbes {
             step(tbe).unwrap();
         }
         if let Tables::Cached(c) = &mut tbes[0].inner.state.write().tables {
-            c.poison("an admission failed (test)".to_string());
+            c.poison("after a failed admission (test)".to_string());
         }
         let unusable = |tbe: &TableBatchedEmbedding| {
             let err = step(tbe).unwrap_err().to_string();
@@ -847,7 +870,7 @@ mod tests {
         };
         unusable(&tbes[0]);
         let stage = || stage_all(&tbes, &dir);
-        // Undone: the poisoned one is put back, and still refuses.
+        // Undone: the poisoned one refuses again, with its step count back.
         let err = commit_with_the_last_broken(stage());
         assert!(err.contains("nothing was loaded"), "{err}");
         unusable(&tbes[0]);
@@ -864,21 +887,41 @@ mod tests {
             tbes[0].table_weights(0).unwrap() != saved,
             "the step changed nothing"
         );
-        // A row file truncated under its cache (its rows gone already) loads too, without
-        // writing its cached rows back into it.
-        step(&tbes[1]).unwrap();
+        // A row file truncated under its cache (its rows gone already), rows of it in its
+        // write log, loads too, without writing its cached rows back into it or folding the
+        // log into it (which would read the mapped file past its end); undone, it is
+        // unusable again, saying why.
+        let far: Vec<i64> = (1000..1060).collect();
+        step_on(&tbes[0], &far).unwrap();
+        let logged = |tbe: &TableBatchedEmbedding| match &tbe.inner.state.read().tables {
+            Tables::Cached(c) => c.store().log_holds_records(),
+            _ => unreachable!("cached tables"),
+        };
+        assert!(logged(&tbes[0]), "no write-back reached the log");
         (std::fs::OpenOptions::new().write(true))
-            .open(dir.join("b.rows"))
+            .open(dir.join("a.rows"))
             .unwrap()
             .set_len(100)
             .unwrap();
-        assert!(step(&tbes[1])
-            .unwrap_err()
-            .to_string()
-            .contains("truncated"));
+        let truncated = |tbe: &TableBatchedEmbedding, unusable: bool| {
+            let err = step(tbe).unwrap_err().to_string();
+            assert!(
+                err.contains("a.rows: 100 bytes") && err.contains("truncated"),
+                "{err}"
+            );
+            assert_eq!(err.contains("unusable"), unusable, "{err}");
+        };
+        truncated(&tbes[0], false);
+        let before = tbes[0].step();
+        assert_ne!(before, 0, "the checkpoint's step");
+        let err = commit_with_the_last_broken(stage());
+        assert!(err.contains("nothing was loaded"), "{err}");
+        truncated(&tbes[0], true);
+        assert_eq!(tbes[0].step(), before);
         commit_cached_checkpoints(stage()).unwrap();
         for tbe in &tbes {
             assert!(tbe.table_weights(0).unwrap() == saved);
+            assert!(!logged(tbe));
             step(tbe).unwrap();
         }
         drop(tbes);

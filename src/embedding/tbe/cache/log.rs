@@ -46,9 +46,6 @@ thread_local! {
         const { std::cell::Cell::new(None) };
     /// Bytes the file system of the logs made on this thread has free (tests: no disk fills).
     pub(crate) static FREE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
-    /// Bytes an allocation of a log made on this thread can take before the disk is full
-    /// (tests: less room than `statvfs` said).
-    pub(crate) static ROOM: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// One table's share of the log: its place in the log file, how many records of how many bytes
@@ -203,15 +200,6 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
 }
 
-/// `posix_fallocate` of the log's `len` bytes ([`ROOM`] bounds it in tests).
-fn allocate_log(file: &File, len: u64) -> std::io::Result<()> {
-    #[cfg(test)]
-    if ROOM.with(|r| r.get()).is_some_and(|room| len > room) {
-        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
-    }
-    super::store::fallocate(file, len)
-}
-
 /// The log of a row file: the unlinked file, mapped read-only, and each table's region.
 pub(crate) struct WriteLog {
     map: Mmap,
@@ -262,9 +250,9 @@ impl WriteLog {
         let _ = std::fs::remove_file(&at);
         let mut chosen = None;
         for (regions, len) in sizes {
-            match allocate_log(&file, len as u64) {
+            match super::store::fallocate(&file, len as u64) {
                 Ok(()) => {
-                    chosen = Some((regions, len));
+                    chosen = Some(regions);
                     break;
                 }
                 // Less room than `statvfs` said (other writers, quotas, reserved blocks): the
@@ -275,7 +263,7 @@ impl WriteLog {
                 Err(_) => return None,
             }
         }
-        let (mut regions, len) = chosen?;
+        let mut regions = chosen?;
         // SAFETY: an unlinked file of this process's own: no other process can open it, and its
         // length never changes.
         let map = unsafe { Mmap::map(&file) }.ok()?;
@@ -771,9 +759,9 @@ mod tests {
         // statvfs said room for the whole log, but the allocation finds less (another writer
         // took it): the largest size that can be allocated, or none when not even an eighth.
         let room = |bytes: u64| {
-            ROOM.with(|r| r.set(Some(bytes)));
+            super::super::store::ROOM.with(|r| r.set(Some(bytes)));
             let slots = made(2 * full);
-            ROOM.with(|r| r.set(None));
+            super::super::store::ROOM.with(|r| r.set(None));
             slots
         };
         assert_eq!(room(full - 1), Some(vec![500, 5]));

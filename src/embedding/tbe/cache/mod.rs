@@ -727,27 +727,25 @@ impl CachedTables {
         Ok(self.dirs.iter().map(Directory::locked_slots).collect())
     }
 
-    /// Why the cache is unusable (a failed admission), if it is.
+    /// Why the cache is unusable, if it is: "after a failed admission (…)", or what else lost
+    /// its rows.
     pub(crate) fn poisoned(&self) -> Option<&str> {
         self.poisoned.as_deref()
     }
 
-    /// Makes the cache unusable, saying why, until a checkpoint is loaded (a load undone
-    /// after the cache's own rows were lost).
+    /// Makes the cache unusable, saying why (a phrase such as "after …"), until a checkpoint
+    /// is loaded (a load undone after the cache's own rows were lost).
     pub(crate) fn poison(&mut self, why: String) {
         self.poisoned = Some(why);
     }
 
-    /// Refuses when a failed admission left the cache unusable.
+    /// Refuses when the cache is unusable (a failed admission, lost rows).
     fn check_usable(&self) -> Result<()> {
         match &self.poisoned {
             None => Ok(()),
             Some(why) => Err(Error::invalid(
                 OP,
-                format!(
-                    "the cache is unusable after a failed admission ({why}); load a \
-                     checkpoint to continue"
-                ),
+                format!("the cache is unusable {why}; load a checkpoint to continue"),
             )),
         }
     }
@@ -1085,7 +1083,7 @@ impl CachedTables {
             if let Err(e) = &admitted {
                 // Past its first kernel, an admission has locked and installed rows that no
                 // lease or move will account for.
-                self.poisoned = Some(e.to_string());
+                self.poisoned = Some(format!("after a failed admission ({e})"));
             }
             return admitted;
         }

@@ -291,6 +291,9 @@ fn hard_link(from: &Path, to: &Path) -> std::io::Result<()> {
 thread_local! {
     /// Makes [`hard_link`] fail on this thread.
     pub(crate) static NO_HARD_LINKS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Bytes a [`fallocate`] on this thread can take before the disk is full (tests: less
+    /// room than `statvfs` says, or a disk too small for a store).
+    pub(crate) static ROOM: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// Nanoseconds since the Unix epoch (0 for a clock before it): what makes a name unique
@@ -354,8 +357,12 @@ fn allocate(file: &File, path: &Path, len: u64) -> Result<()> {
 }
 
 /// `posix_fallocate` of the first `len` bytes of `file`: every block allocated, or the error
-/// (off Unix, always unsupported).
+/// (off Unix, always unsupported; in tests, ENOSPC beyond `ROOM`).
 pub(crate) fn fallocate(file: &File, len: u64) -> std::io::Result<()> {
+    #[cfg(test)]
+    if ROOM.with(|r| r.get()).is_some_and(|room| len > room) {
+        return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    }
     #[cfg(unix)]
     {
         use std::os::unix::io::AsRawFd;
@@ -413,7 +420,12 @@ impl RowStore {
         file.set_len(0)
             .and_then(|()| file.set_len(len))
             .map_err(|e| io_error(path, &format!("sizing the row store to {len} bytes"), e))?;
-        allocate(&file, path, len)?;
+        if let Err(e) = allocate(&file, path, len) {
+            // The blocks taken before the disk filled go back (to a smaller cache, a
+            // checkpoint); the file is no store.
+            let _ = file.set_len(0);
+            return Err(e);
+        }
         Self::mapped(file, path, tables, len)
     }
 
@@ -646,6 +658,12 @@ impl RowStore {
     #[cfg(test)]
     pub(crate) fn has_log(&self) -> bool {
         self.log.is_some()
+    }
+
+    /// Whether the write log holds records (tests).
+    #[cfg(test)]
+    pub(crate) fn log_holds_records(&self) -> bool {
+        self.log.as_ref().is_some_and(|l| !l.is_empty())
     }
 
     /// Bytes of host memory the write log takes, its index and buffers (0 without one).
@@ -1172,6 +1190,32 @@ mod tests {
         assert!(err.contains("bytes is too large"), "{err}");
         assert!(fallocate(&read_only, 4096).is_err());
         assert!(fallocate(&read_only, u64::MAX).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A store larger than the disk's room is refused in words naming the file and the
+    /// full disk, and gives back the blocks taken (its file emptied); with room, made.
+    #[cfg(unix)]
+    #[test]
+    fn a_store_the_disk_cannot_hold_is_refused_and_gives_its_blocks_back() {
+        let dir = test_dir("no-room");
+        let path = dir.join("rows.bin");
+        let tables = [(1000usize, 64usize)];
+        ROOM.with(|r| r.set(Some(64_000 - 1)));
+        let err = RowStore::create(&path, &tables)
+            .err()
+            .map(|e| e.to_string());
+        ROOM.with(|r| r.set(None));
+        let err = err.expect("a store bigger than the room");
+        assert!(
+            err.contains("rows.bin: allocating 64000 bytes") && err.contains("the disk is full"),
+            "{err}"
+        );
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+        ROOM.with(|r| r.set(Some(64_000)));
+        let made = RowStore::create(&path, &tables).map(|s| s.len());
+        ROOM.with(|r| r.set(None));
+        assert_eq!(made.unwrap(), 64_000);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
