@@ -476,16 +476,34 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
         PoolingMode::Sum,
         WeightDecay::None,
     );
-    // Impossible sizes.
-    for size in [
-        CacheSize::LoadFactor(0.0),
-        CacheSize::LoadFactor(f64::NAN),
-        CacheSize::Bytes(100),
+    // Impossible sizes: load factors outside (0, 1] (none clamped), a budget below a set.
+    for (size, says) in [
+        (CacheSize::LoadFactor(0.0), "load factor 0 is not in (0, 1]"),
+        (
+            CacheSize::LoadFactor(-0.5),
+            "load factor -0.5 is not in (0, 1]",
+        ),
+        (
+            CacheSize::LoadFactor(1.5),
+            "load factor 1.5 is not in (0, 1]",
+        ),
+        (
+            CacheSize::LoadFactor(f64::NAN),
+            "load factor NaN is not in (0, 1]",
+        ),
+        (
+            CacheSize::LoadFactor(f64::INFINITY),
+            "load factor inf is not",
+        ),
+        (CacheSize::Bytes(100), "budget of 100 bytes"),
     ] {
         let cache = CacheConfig::new(dir.join("rows.bin"), size);
         let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache).unwrap_err();
-        assert!(err.to_string().contains("cache"), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
     }
+    // Every row cached (load factor 1) is a size.
+    let cache = CacheConfig::new(dir.join("rows.bin"), CacheSize::LoadFactor(1.0));
+    drop(TableBatchedEmbedding::new_cached(cfg.clone(), cache)?);
     // A file that cannot be created.
     let cache = CacheConfig::new(dir.join("no/such/dir/rows.bin"), CacheSize::LoadFactor(0.5));
     let err = TableBatchedEmbedding::new_cached(cfg.clone(), cache)
@@ -532,6 +550,19 @@ fn the_cache_reports_bad_files_and_sizes_in_words() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("other tables"), "{err}");
+    // Nor is a directory whose manifest is damaged: named as such, left as it was.
+    let damaged = dir.join("damaged");
+    std::fs::create_dir_all(&damaged).unwrap();
+    std::fs::write(damaged.join("manifest.json"), b"{\"format\": \"embers-ro").unwrap();
+    let err = other
+        .save_cached_checkpoint(&damaged)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("damaged holds a manifest.json that is no checkpoint manifest"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(&damaged).unwrap().count(), 1);
     // Out-of-range ids are refused before the cache sees them.
     let input = TbeInput::new(&[700i64][..], &[0i64, 1, 1, 1, 1][..]);
     let err = tbe.lookup(input).unwrap_err().to_string();
@@ -793,6 +824,16 @@ fn the_planners_cache_statistics_from_a_trace_predict_an_lru_cache() -> Result<(
     // Bad traces are refused with words.
     let err = embers::embedding::planner_cache_stats(10, [vec![3i64, 10]], 4).unwrap_err();
     assert!(err.to_string().contains("id 10"), "{err}");
+    let max = embers::embedding::MAX_CACHE_STATS_BINS;
+    for (rows, bins, says) in [
+        (0, 4, "one row (0)"),
+        (10, 0, "bins (0)"),
+        (10, max + 1, "1 to 1048576 bins (1048577)"),
+        (10, usize::MAX, "bins (18446744073709551615)"),
+    ] {
+        let err = embers::embedding::planner_cache_stats(rows, [vec![3i64]], bins).unwrap_err();
+        assert!(err.to_string().contains(says), "{err}");
+    }
     Ok(())
 }
 

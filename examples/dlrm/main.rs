@@ -274,7 +274,8 @@ struct Args {
     /// DRAM cache, for tables larger than memory. Training is the same, bit for bit.
     #[arg(long, value_enum, default_value_t = PlacementArg::Fused)]
     placement: PlacementArg,
-    /// With `--placement fused-uvm-caching`: the cached fraction of each table's rows.
+    /// With `--placement fused-uvm-caching`: the cached fraction of each table's rows, in
+    /// (0, 1].
     #[arg(long, default_value_t = 0.2)]
     cache_load_factor: f64,
     /// With a file placement: the cache's replacement policy.
@@ -882,7 +883,10 @@ fn measured_cache_stats(
     for (f, rows) in &config.sparse_features {
         let name = format!("t_{f}");
         if let Some(trace) = ids.get(&name) {
-            let stats = embers::embedding::planner_cache_stats(*rows as u64, trace, 100)?;
+            let stats =
+                embers::embedding::planner_cache_stats(*rows as u64, trace, 100).map_err(|e| {
+                    Error::invalid("dlrm", format!("the cache statistics of table {name}: {e}"))
+                })?;
             out.insert(name, stats);
         }
     }

@@ -566,6 +566,33 @@ impl Config {
                     "mrc_hist_counts must be non-empty and height >= 1".into(),
                 ));
             }
+            if !(s.expected_lookups.is_finite() && s.expected_lookups >= 0.0) {
+                return Err(cfg(
+                    &f("constraints.cache_stats.expected_lookups"),
+                    format!("must be a finite count >= 0, got {}", s.expected_lookups),
+                ));
+            }
+            // Summed in f32, as TorchRec sums them: a total past f32's range is no curve.
+            let mut total = 0.0f64;
+            for (k, &v) in s.mrc_hist_counts.iter().enumerate() {
+                total += v;
+                if !(v.is_finite() && v >= 0.0 && total <= f32::MAX as f64) {
+                    return Err(cfg(
+                        &f("constraints.cache_stats.mrc_hist_counts"),
+                        format!(
+                            "count #{k} must be a finite count >= 0 (the counts summing \
+                             within {:e}), got {v}",
+                            f32::MAX
+                        ),
+                    ));
+                }
+            }
+            if let Some(a) = s.cacheability.filter(|a| !a.is_finite()) {
+                return Err(cfg(
+                    &f("constraints.cache_stats.cacheability"),
+                    format!("must be finite, got {a}"),
+                ));
+            }
         }
         if let Some(st) = &c.sharding_types {
             if st.is_empty() {

@@ -194,6 +194,66 @@ fn malformed_config_points_at_line_and_field() {
     assert!(err.contains("line 2") && err.contains("dimm"), "{err}");
 }
 
+/// Cache statistics that no trace could give (negative, NaN or infinite counts, a curve
+/// whose total overflows f32) are refused naming the field, not planned with.
+#[test]
+fn impossible_cache_stats_are_refused_naming_the_field() {
+    let resolved = |stats: &str| {
+        let toml = format!(
+            "batch_size = 512\n[[tables]]\nname = \"a\"\nrows = 1000\ndim = 8\n\
+             [tables.constraints]\ncompute_kernels = [\"fused_uvm_caching\"]\n\
+             cache_load_factor = 0.2\n[tables.constraints.cache_stats]\n{stats}\n"
+        );
+        Config::from_toml(&toml).unwrap().resolve()
+    };
+    let curve = "mrc_hist_counts = [5.0, 0.0, 1.0]\nheight = 10";
+    resolved(&format!("expected_lookups = 100.0\n{curve}")).unwrap();
+    for (stats, field, says) in [
+        (
+            format!("expected_lookups = -1e12\n{curve}"),
+            "expected_lookups",
+            "got -1000000000000",
+        ),
+        (
+            format!("expected_lookups = inf\n{curve}"),
+            "expected_lookups",
+            "got inf",
+        ),
+        (
+            format!("expected_lookups = nan\n{curve}"),
+            "expected_lookups",
+            "got NaN",
+        ),
+        (
+            "expected_lookups = 10.0\nmrc_hist_counts = [5.0, -5.0, 1.0]\nheight = 10".into(),
+            "mrc_hist_counts",
+            "count #1 must be a finite count >= 0",
+        ),
+        (
+            "expected_lookups = 10.0\nmrc_hist_counts = [1.0, nan]\nheight = 10".into(),
+            "mrc_hist_counts",
+            "count #1 must be",
+        ),
+        (
+            "expected_lookups = 10.0\nmrc_hist_counts = [3e38, 3e38]\nheight = 10".into(),
+            "mrc_hist_counts",
+            "count #1 must be",
+        ),
+        (
+            format!("expected_lookups = 10.0\n{curve}\ncacheability = -inf"),
+            "cacheability",
+            "got -inf",
+        ),
+    ] {
+        let err = resolved(&stats).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("tables[0].constraints.cache_stats.{field}"))
+                && err.contains(says),
+            "{stats}: {err}"
+        );
+    }
+}
+
 #[test]
 fn examples_parse_and_plan() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");

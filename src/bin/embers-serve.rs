@@ -32,7 +32,7 @@ struct Args {
     /// own there, removed when that model is dropped.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
-    /// With --cache-dir: the cache holds this fraction of each table group's rows.
+    /// With --cache-dir: the cache holds this fraction of each table group's rows, in (0, 1].
     #[arg(long, default_value_t = 0.2, requires = "cache_dir")]
     cache_load_factor: f64,
     /// With --cache-dir: the cache's replacement policy.

@@ -53,5 +53,5 @@ pub use storage::{RowBuffer, RowElement};
 pub use tbe::cpu::backward::{BackwardOutput, SparseTableGrad};
 pub use tbe::{
     planner_cache_stats, CacheConfig, CachePolicy, CacheSize, CacheStats, CacheTimes, Placement,
-    TableBatchedEmbedding, TbeBatch, TbeConfig, TbeGradients,
+    TableBatchedEmbedding, TbeBatch, TbeConfig, TbeGradients, MAX_CACHE_STATS_BINS,
 };

@@ -22,7 +22,7 @@ use super::optimizer::{FusedOptimizer, StateShape, WeightDecay};
 use crate::tensor::rng::Rng;
 use crate::tensor::{record_op_with_state, BackwardOp, Gradient, RowSparseGrad};
 use crate::{DType, Device, Error, Result, Tensor};
-pub use cache::trace::planner_cache_stats;
+pub use cache::trace::{planner_cache_stats, MAX_CACHE_STATS_BINS};
 pub use cache::{CacheConfig, CachePolicy, CacheSize, CacheStats, CacheTimes, Placement};
 use cache::{CachedBatch, CachedTables};
 use cpu::backward::{BackwardOutput, SparseTableGrad};

@@ -121,12 +121,17 @@ impl TableBatchedEmbedding {
             let theirs = serde_json::from_str::<serde_json::Value>(&text)
                 .ok()
                 .and_then(|m| manifest_tables(&m));
-            if theirs.as_ref() != Some(&ours) {
+            let held = match &theirs {
+                Some(theirs) if *theirs == ours => None,
+                Some(theirs) => Some(format!("the checkpoint of other tables ({theirs:?})")),
+                None => Some(format!("a {MANIFEST} that is no checkpoint manifest")),
+            };
+            if let Some(held) = held {
                 return Err(Error::invalid(
                     OP,
                     format!(
-                        "{} holds the checkpoint of other tables ({theirs:?}); give each \
-                         operator its own directory",
+                        "{} holds {held}; give each operator its own directory (nothing \
+                         there was changed)",
                         dir.display()
                     ),
                 ));

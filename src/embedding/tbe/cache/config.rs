@@ -43,8 +43,8 @@ impl CachePolicy {
 /// How large the DRAM cache is.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum CacheSize {
-    /// A fraction of every table's rows (the planner's `cache_load_factor`), rounded up to
-    /// whole 32-way sets, at least one set per table.
+    /// A fraction of every table's rows (the planner's `cache_load_factor`, in (0, 1]),
+    /// rounded up to whole 32-way sets, at least one set per table.
     LoadFactor(f64),
     /// A byte budget for cached rows, their optimizer state and the directory (24 bytes a
     /// slot), shared among the tables in proportion to their sizes (rounded down to whole
@@ -54,13 +54,17 @@ pub enum CacheSize {
 }
 
 impl CacheSize {
-    /// Refuses a load factor that is not a finite number above 0 (a byte budget is checked
-    /// against the tables when the cache is sized).
+    /// Refuses a load factor outside (0, 1], as plans and the planner do (above 1 would be
+    /// more slots than rows; a byte budget is checked against the tables when the cache is
+    /// sized).
     pub(crate) fn check(self) -> Result<()> {
         match self {
-            CacheSize::LoadFactor(f) if !(f.is_finite() && f > 0.0) => Err(Error::invalid(
+            CacheSize::LoadFactor(f) if !(f > 0.0 && f <= 1.0) => Err(Error::invalid(
                 OP,
-                format!("cache load factor {f} must be a finite number above 0"),
+                format!(
+                    "cache load factor {f} is not in (0, 1] (a fraction of the rows; 1 caches \
+                     every row)"
+                ),
             )),
             _ => Ok(()),
         }

@@ -389,7 +389,7 @@ pub(crate) fn sets_for(
         CacheSize::LoadFactor(f) => Ok(tables
             .iter()
             .map(|&(rows, _)| {
-                let want = (f.min(1.0) * rows as f64 / WAYS as f64).ceil() as usize;
+                let want = (f * rows as f64 / WAYS as f64).ceil() as usize;
                 want.clamp(1, full(rows))
             })
             .collect()),

@@ -1081,8 +1081,12 @@ impl CopyTarget for std::io::Sink {
 
 impl CopyTarget for [u8] {
     fn put(&mut self, bytes: &[u8], at: usize) -> std::io::Result<()> {
+        let len = self.len();
         let dst = self.get_mut(at..at + bytes.len()).ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, "longer than the tables")
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("longer than the tables' {len} bytes"),
+            )
         })?;
         dst.copy_from_slice(bytes);
         Ok(())
@@ -1157,7 +1161,7 @@ fn checksum_copy(
         }
         output
             .put(&buf[..n], written)
-            .map_err(|e| io_error(dst, "writing a copy", e))?;
+            .map_err(|e| copy_error(src, dst, "writing a copy", e))?;
         written += n;
         if n < buf.len() {
             break;
@@ -1165,8 +1169,21 @@ fn checksum_copy(
     }
     output
         .finish(written)
-        .map_err(|e| io_error(dst, "finishing a copy", e))?;
+        .map_err(|e| copy_error(src, dst, "finishing a copy", e))?;
     Ok(hash)
+}
+
+/// An error of [`checksum_copy`]'s output: the source's wrong length, which a copy into memory
+/// finds (`InvalidData`, `UnexpectedEof`), named as the source's; else the output's error.
+fn copy_error(src: &Path, dst: &Path, what: &str, e: std::io::Error) -> Error {
+    use std::io::ErrorKind::{InvalidData, UnexpectedEof};
+    match e.kind() {
+        InvalidData | UnexpectedEof => Error::invalid(
+            OP,
+            format!("{}: {e} (changed while it was read?)", src.display()),
+        ),
+        _ => io_error(dst, what, e),
+    }
 }
 
 #[cfg(test)]
@@ -1216,6 +1233,28 @@ mod tests {
         let made = RowStore::create(&path, &tables).map(|s| s.len());
         ROOM.with(|r| r.set(None));
         assert_eq!(made.unwrap(), 64_000);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A file read into memory that is shorter or longer than the tables (changed after its
+    /// length was checked) is an error naming that file and both lengths.
+    #[test]
+    fn a_copy_into_memory_names_the_source_of_the_wrong_length() {
+        let dir = test_dir("copy-length");
+        let src = dir.join("rows-7.bin");
+        std::fs::write(&src, vec![1u8; 100]).unwrap();
+        let (bytes, h) = read_with_checksum(&src, 100).unwrap();
+        assert_eq!(
+            (bytes.len(), h),
+            (100, checksum_of(&File::open(&src).unwrap(), &src).unwrap())
+        );
+        for (len, says) in [
+            (200, "100 bytes, the tables need 200"),
+            (40, "longer than the tables' 40 bytes"),
+        ] {
+            let err = read_with_checksum(&src, len).unwrap_err().to_string();
+            assert!(err.contains(&format!("rows-7.bin: {says}")), "{err}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

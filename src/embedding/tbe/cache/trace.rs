@@ -34,17 +34,23 @@ impl Fenwick {
     }
 }
 
+/// Bins a miss-ratio histogram may have (TorchRec's traces use 100).
+pub const MAX_CACHE_STATS_BINS: usize = 1 << 20;
+
 /// The planner's cache statistics of a table of `rows` rows from the ids its feature(s) looked
 /// up in each of `batches` (ids outside `0..rows` are an error naming the batch), with a
-/// miss-ratio histogram of `bins` bins.
+/// miss-ratio histogram of `bins` bins (1 to [`MAX_CACHE_STATS_BINS`]).
 pub fn planner_cache_stats<I, B>(rows: u64, batches: I, bins: usize) -> Result<PlannerCacheStats>
 where
     I: IntoIterator<Item = B>,
     B: AsRef<[i64]>,
 {
     const OP: &str = "planner_cache_stats";
-    if rows == 0 || bins == 0 {
-        return Err(Error::invalid(OP, "need at least one row and one bin"));
+    if rows == 0 || bins == 0 || bins > MAX_CACHE_STATS_BINS {
+        return Err(Error::invalid(
+            OP,
+            format!("need at least one row ({rows}) and 1 to {MAX_CACHE_STATS_BINS} bins ({bins})"),
+        ));
     }
     let mut accesses: Vec<u64> = Vec::new();
     let mut batch_count = 0usize;
