@@ -765,7 +765,7 @@ mod tests {
             slots
         };
         assert_eq!(room(full - 1), Some(vec![500, 5]));
-        assert_eq!(room(quarter as u64), Some(vec![250, 3]));
+        assert_eq!(room(quarter), Some(vec![250, 3]));
         assert_eq!(room(125 * 100 + 2 * 40), Some(vec![125, 2]));
         assert_eq!(room(125 * 100 + 2 * 40 - 1), None);
         // The file system's own figure: some bytes for the temp dir, none for a missing dir
