@@ -439,7 +439,7 @@ impl QuantizedTableBatchedEmbedding {
         let range = self.table_range(t)?;
         Ok(match &self.rows {
             Rows::Resident(data) => &data[range],
-            Rows::Cached(cache) => cache.table_bytes(t),
+            Rows::Cached(cache) => cache.table_bytes(t)?,
         })
     }
 

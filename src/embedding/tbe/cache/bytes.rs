@@ -105,17 +105,19 @@ impl ByteCache {
             0
         };
         let sets = sets_for(cache.size, tables, per_row)?;
-        let store = RowStore::create(&cache.path, tables)?;
+        // The directories and cache rows first: one refused (no memory for them) leaves no
+        // file.
         let dirs: Vec<Directory> = (sets.iter().zip(tables))
             .map(|(&n, &(rows, _))| Directory::new(n, rows, cache.policy))
             .collect::<Result<_>>()?;
-        let stats = (names.iter().zip(&dirs))
-            .map(|(name, d)| CacheStats::empty(name.clone(), d.slots()))
-            .collect();
         let row_bytes: Vec<usize> = tables.iter().map(|&(_, b)| b).collect();
         let scratch = vec![0; tables.len()];
         let starts = starts_for(&slots_of(&dirs), &scratch, &row_bytes, 1)?;
         let rows = RowBuffer::zeros(starts[tables.len()])?;
+        let store = RowStore::create(&cache.path, tables)?;
+        let stats = (names.iter().zip(&dirs))
+            .map(|(name, d)| CacheStats::empty(name.clone(), d.slots()))
+            .collect();
         Ok(ByteCache {
             store,
             row_bytes,
@@ -132,9 +134,12 @@ impl ByteCache {
         })
     }
 
-    /// Table `t`'s rows as the file holds them (always current: cached rows are never dirty).
-    pub(crate) fn table_bytes(&self, t: usize) -> &[u8] {
-        self.store.table_bytes(t)
+    /// Table `t`'s rows as the file holds them (always current: cached rows are never dirty);
+    /// a file of the wrong length (truncated under the operator) is an error naming it, not
+    /// a read past its end.
+    pub(crate) fn table_bytes(&self, t: usize) -> Result<&[u8]> {
+        self.store.check_len()?;
+        Ok(self.store.table_bytes(t))
     }
 
     /// Writes rows `first..` of table `t` (whole rows of its stored bytes) to the file, and
@@ -230,6 +235,15 @@ impl ByteCache {
             .collect();
         if need.iter().zip(&st.scratch).any(|(n, s)| n > s) {
             if let Err(e) = st.grow_scratch(&need, &self.row_bytes) {
+                // The directories name the moved rows' slots already: those rows are read in
+                // before the error, or later lookups would find another row's bytes there.
+                for (t, a) in admitted.iter().enumerate() {
+                    let (rb, file) = (self.row_bytes[t], self.store.table_bytes(t));
+                    for &(slot, _, row) in a.iter().flat_map(|a| &a.moves) {
+                        let (from, to) = (row as usize * rb, st.starts[t] + slot * rb);
+                        st.rows[to..to + rb].copy_from_slice(&file[from..from + rb]);
+                    }
+                }
                 st.unlock(&admitted);
                 return Err(e);
             }
@@ -302,6 +316,10 @@ impl CacheState {
 
     /// Gives each table `t` room for `need[t]` scratch rows at least (keeping every cached row).
     fn grow_scratch(&mut self, need: &[usize], row_bytes: &[usize]) -> Result<()> {
+        #[cfg(test)]
+        if FAIL_GROWTH.with(|f| f.take()) {
+            return Err(Error::invalid(OP, "no memory for scratch rows (test)"));
+        }
         let scratch = grown_scratch(&self.scratch, need);
         let starts = starts_for(&slots_of(&self.dirs), &scratch, row_bytes, 1)?;
         let mut rows = RowBuffer::zeros(starts[self.dirs.len()])?;
@@ -312,5 +330,78 @@ impl CacheState {
         }
         (self.scratch, self.rows, self.starts) = (scratch, rows, starts);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Makes the next growth of scratch rows on this thread fail (as an allocation would).
+    static FAIL_GROWTH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FAIL_GROWTH;
+    use crate::embedding::{
+        CacheConfig, CacheSize, PoolingMode, QuantizedTableBatchedEmbedding, TableSpec, TbeInput,
+        WeightType,
+    };
+
+    /// A lookup whose conflict misses need more scratch rows than the allocator gives fails,
+    /// and leaves the cache whole: the rows it had admitted are read into their slots, so the
+    /// next lookups (hits for them) equal those of the rows in memory. A truncated row file
+    /// read whole is an error naming it.
+    #[test]
+    fn a_failed_scratch_growth_leaves_no_slot_without_its_row() {
+        let tables = vec![TableSpec::new("a", 200, 8)];
+        let types = vec![WeightType::Int8];
+        let make = |cache: Option<&CacheConfig>| match cache {
+            None => QuantizedTableBatchedEmbedding::new(
+                tables.clone(),
+                types.clone(),
+                vec![0],
+                PoolingMode::Sum,
+            ),
+            Some(c) => QuantizedTableBatchedEmbedding::new_cached(
+                tables.clone(),
+                types.clone(),
+                vec![0],
+                PoolingMode::Sum,
+                c,
+            ),
+        };
+        let dir = std::env::temp_dir().join(format!("embers-scratch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // One set of 32 slots for 200 rows.
+        let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.01));
+        let (mut memory, mut cached) = (make(None).unwrap(), make(Some(&cache)).unwrap());
+        let values: Vec<f32> = (0..200 * 8).map(|i| (i % 37) as f32 / 9.0 - 2.0).collect();
+        memory.quantize_table_from(0, &values).unwrap();
+        cached.quantize_table_from(0, &values).unwrap();
+        // 40 distinct rows: 32 installed, 8 conflict misses needing scratch rows.
+        let ids: Vec<i64> = (0..40).map(|i| i * 5).collect();
+        let offsets: Vec<i64> = (0..=40).step_by(4).collect();
+        let input = || TbeInput::new(&ids[..], &offsets[..]);
+        FAIL_GROWTH.with(|f| f.set(true));
+        let err = cached.forward(input()).unwrap_err().to_string();
+        assert!(err.contains("scratch rows (test)"), "{err}");
+        let want = memory.forward(input()).unwrap().to_vec::<f32>().unwrap();
+        for _ in 0..2 {
+            let got = cached.forward(input()).unwrap().to_vec::<f32>().unwrap();
+            assert!(got == want, "lookups after the failure differ");
+        }
+        assert!(cached.cache_stats().unwrap()[0].unique_ids > 0);
+        (std::fs::OpenOptions::new().write(true))
+            .open(dir.join("a.rows"))
+            .unwrap()
+            .set_len(10)
+            .unwrap();
+        let err = cached.table_bytes(0).unwrap_err().to_string();
+        assert!(
+            err.contains("a.rows: 10 bytes") && err.contains("truncated"),
+            "{err}"
+        );
+        drop(cached);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

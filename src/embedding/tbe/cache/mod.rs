@@ -472,7 +472,11 @@ impl CachedTables {
         let mut store = RowStore::create(&cache.path, &tables)?;
         store.want_log(logged);
         let mut tables = (Self::over(config, store, &sets, cache.policy, device, with_device_dir))
-            .map_err(|f| f.1)?;
+            .map_err(|f| {
+                let (store, e) = *f;
+                store.discard();
+                e
+            })?;
         tables.prefetch_on_side_stream = cache.prefetch_on_side_stream;
         Ok(tables)
     }

@@ -429,6 +429,15 @@ impl RowStore {
         Self::mapped(file, path, tables, len)
     }
 
+    /// Removes a store just [created](Self::create) whose cache could not be built: its file
+    /// goes, with the blocks it took (a table bigger than memory takes a disk's worth).
+    pub(crate) fn discard(self) {
+        if let Some(file) = &self.file {
+            let _ = file.set_len(0);
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
     /// Opens an existing store for `tables`, refusing a file of the wrong length.
     #[cfg(test)]
     pub(crate) fn open(path: &Path, tables: &[(usize, usize)]) -> Result<Self> {
@@ -1211,7 +1220,8 @@ mod tests {
     }
 
     /// A store larger than the disk's room is refused in words naming the file and the
-    /// full disk, and gives back the blocks taken (its file emptied); with room, made.
+    /// full disk, and gives back the blocks taken (its file emptied); with room, made, and
+    /// discarded, gone.
     #[cfg(unix)]
     #[test]
     fn a_store_the_disk_cannot_hold_is_refused_and_gives_its_blocks_back() {
@@ -1230,9 +1240,13 @@ mod tests {
         );
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
         ROOM.with(|r| r.set(Some(64_000)));
-        let made = RowStore::create(&path, &tables).map(|s| s.len());
+        let made = RowStore::create(&path, &tables);
         ROOM.with(|r| r.set(None));
-        assert_eq!(made.unwrap(), 64_000);
+        let made = made.unwrap();
+        assert_eq!(made.len(), 64_000);
+        // A store whose cache could not be built goes, file and blocks.
+        made.discard();
+        assert!(!path.exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
