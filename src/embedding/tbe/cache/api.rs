@@ -828,6 +828,61 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A batch whose rows are all direct reads holds no lock, so a checkpoint load finds the
+    /// cache idle beside it; the load makes the cache anew, and the batch is refused after
+    /// it (before, its lookup and backward ran on the new cache's rows). A batch of a cache
+    /// made unusable is refused too.
+    #[test]
+    fn batches_of_an_emptied_or_unusable_cache_are_refused() {
+        let dir = std::env::temp_dir().join(format!("embers-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // 200 rows behind one set of 32 slots.
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 200, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.5 },
+        );
+        let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.01));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        tbe.save_cached_checkpoint(dir.join("ckpt")).unwrap();
+        let prepare = |ids: &[i64]| {
+            let offsets: Vec<i64> = (0..=ids.len() as i64).collect();
+            tbe.prepare(TbeInput::new(ids, &offsets[..])).unwrap()
+        };
+        let every_way: Vec<i64> = (0..32).collect();
+        let x = prepare(&every_way);
+        let y = prepare(&[100]);
+        assert_eq!(tbe.cache_stats().unwrap()[0].conflict_misses, 1);
+        drop(x);
+        let refused = |batch: &crate::embedding::TbeBatch, bags: usize, says: &str| {
+            let grad = crate::Tensor::from_vec(vec![1.0f32; bags * 4], &[bags, 4]).unwrap();
+            for err in [
+                tbe.lookup_batch(batch).unwrap_err(),
+                tbe.backward_batch(batch, &grad).unwrap_err(),
+            ] {
+                assert!(err.to_string().contains(says), "{err}");
+            }
+        };
+        tbe.lookup_batch(&y).unwrap();
+        tbe.load_cached_checkpoint(dir.join("ckpt")).unwrap();
+        refused(
+            &y,
+            1,
+            "admitted before the cache was moved, emptied or reloaded",
+        );
+        drop(y);
+        let z = prepare(&[100, 7]);
+        if let Tables::Cached(c) = &mut tbe.inner.state.write().tables {
+            c.poison("after a failed admission (test)".to_string());
+        }
+        refused(&z, 2, "unusable after a failed admission (test)");
+        drop(z);
+        drop(tbe);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A cache left unusable by a failed admission, or whose row file was truncated under
     /// it, recovers by a load into several TBEs at once (its dirty rows cannot be written
     /// back first, and need not be); when that load is undone — another TBE's commit

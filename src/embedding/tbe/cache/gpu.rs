@@ -158,6 +158,7 @@ impl CachedTables {
         decay: WeightDecay,
         step: u64,
     ) -> Result<(Option<Tensor>, Option<Vec<RowSparseGrad>>)> {
+        self.check_admitted(batch)?;
         let fallback = &batch.lease.fallback;
         self.store.check_len()?;
         self.sync_scratch(fallback, true)?;

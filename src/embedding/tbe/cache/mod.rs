@@ -127,6 +127,8 @@ enum Home {
 /// and its lease.
 pub(crate) struct CachedBatch {
     pub remapped: Batch<'static>,
+    /// The [generation](CachedTables::generation) of the cache that admitted it.
+    generation: u64,
     on_device: Option<DeviceBatch>,
     lease: Lease,
     /// A prefetched admission on a GPU: the point of the prefetch stream after its last
@@ -371,6 +373,16 @@ pub(crate) struct CachedTables {
     prefetch_stream: Option<Stream>,
     /// Whether a GPU cache prefetches on the prefetch stream (else on the caller's).
     prefetch_on_side_stream: bool,
+    /// Which cache this is: a new number whenever its slots are made anew (built, moved to
+    /// another device, emptied by a load). A batch admitted by another generation is
+    /// refused: its cache rows and direct reads are another cache's.
+    generation: u64,
+}
+
+/// A generation number no cache of this process had before.
+fn new_generation() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Prefetched admissions kept at most (a pipeline one batch deep needs one).
@@ -549,6 +561,7 @@ impl CachedTables {
             prefetched: Default::default(),
             prefetch_stream: None,
             prefetch_on_side_stream: true,
+            generation: new_generation(),
         };
         tables.mapped = tables.map_store();
         Ok(tables)
@@ -741,6 +754,21 @@ impl CachedTables {
     /// is loaded (a load undone after the cache's own rows were lost).
     pub(crate) fn poison(&mut self, why: String) {
         self.poisoned = Some(why);
+    }
+
+    /// Refuses a batch this cache cannot run: the cache unusable, or the batch admitted
+    /// before the cache was moved, emptied or reloaded (its direct reads hold no lock, so
+    /// such a batch may outlive [`check_idle`](Self::check_idle)).
+    pub(crate) fn check_admitted(&self, batch: &CachedBatch) -> Result<()> {
+        self.check_usable()?;
+        if batch.generation != self.generation {
+            return Err(Error::invalid(
+                OP,
+                "the batch was admitted before the cache was moved, emptied or reloaded; \
+                 prepare it again",
+            ));
+        }
+        Ok(())
     }
 
     /// Refuses when the cache is unusable (a failed admission, lost rows).
@@ -1152,13 +1180,19 @@ impl CachedTables {
         ids: Vec<i64>,
         on_device: Option<DeviceBatch>,
     ) -> Result<CachedBatch> {
+        // The moves first: the directory holds them already, so a failure from here on
+        // (scratch rows that cannot grow, an upload) leaves the cache whole. Moves made in
+        // part leave slots that disagree with it: unusable until a load.
+        if let Some(moves) = moves {
+            if let Err(e) = self.apply_moves(&moves) {
+                self.poisoned = Some(format!("after a failed admission ({e})"));
+                return Err(e);
+            }
+        }
         for (t, &n) in fallbacks.iter().enumerate() {
             if n > self.scratch[t] {
                 self.grow_scratch(logical, t, n)?;
             }
-        }
-        if let Some(moves) = moves {
-            self.apply_moves(&moves)?;
         }
         let remapped = Batch {
             ids: Ids::I64(ids.into()),
@@ -1180,6 +1214,7 @@ impl CachedTables {
         };
         Ok(CachedBatch {
             remapped,
+            generation: self.generation,
             on_device,
             lease,
             ready: None,
@@ -1388,6 +1423,7 @@ impl CachedTables {
 
     /// The lookup of an admitted batch into `out` (a host cache).
     pub(crate) fn forward_into(&mut self, batch: &CachedBatch, out: &mut [f32]) -> Result<()> {
+        self.check_admitted(batch)?;
         self.sync_scratch(&batch.lease.fallback, true)?;
         match &self.rows {
             CacheRows::Host(h) => {
@@ -1403,6 +1439,7 @@ impl CachedTables {
 
     /// The lookup of an admitted batch (on the cache's device).
     pub(crate) fn forward(&mut self, batch: &CachedBatch) -> Result<Tensor> {
+        self.check_admitted(batch)?;
         self.sync_scratch(&batch.lease.fallback, true)?;
         match (&self.rows, &batch.on_device) {
             (CacheRows::Host(h), None) => h.forward(&self.cfg, &self.layout, &batch.remapped),
@@ -1481,6 +1518,7 @@ impl CachedTables {
         optimizer: &FusedOptimizer,
         step: u64,
     ) -> Result<BackwardOutput> {
+        self.check_admitted(batch)?;
         let fallback = &batch.lease.fallback;
         // Checked once, before anything changes: the write-back after the kernel cannot fail.
         self.store.check_len()?;
@@ -1688,6 +1726,7 @@ impl CachedTables {
         // list no one drains: their slots are not these directories'.
         self.released = Arc::new(Mutex::new(Vec::new()));
         self.poisoned = None;
+        self.generation = new_generation();
         Ok(())
     }
 
