@@ -264,13 +264,25 @@ impl<'a> CheckpointWriter<'a> {
         let nonce = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let name = format!(
-            "{}{nonce:x}-{}",
-            parts_prefix(&file_name),
-            std::process::id()
-        );
-        let dir = parent_dir(target).join(&name);
-        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        let parent = parent_dir(target);
+        std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
+        // A new directory, never one that exists (a live checkpoint's, were the clock to
+        // repeat): the count tells apart those made in one process.
+        static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let (name, dir) = loop {
+            let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!(
+                "{}{nonce:x}-{}-{n}",
+                parts_prefix(&file_name),
+                std::process::id()
+            );
+            let dir = parent.join(&name);
+            match std::fs::create_dir(&dir) {
+                Ok(()) => break (name, dir),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(&dir, e)),
+            }
+        };
         self.metadata.insert(PARTS_KEY.into(), name);
         *made = Some(dir.clone());
         Ok(Some(dir))
@@ -296,19 +308,27 @@ impl<'a> CheckpointWriter<'a> {
             }
             if let Some(dir) = made {
                 // The parts' directory entries on disk before the file naming them.
-                sync_dir(dir);
+                sync_dir(dir).map_err(|e| io_err(dir, e))?;
             }
         }
         let metadata = std::mem::take(&mut self.metadata);
         let entries = std::mem::take(&mut self.entries);
-        let written =
-            replace_atomically(path, |tmp| write_safetensors(path, tmp, entries, metadata));
-        if written.is_ok() {
-            if let Some((_, made)) = self.parts.take() {
-                remove_stale_parts(path, made.as_deref());
+        match replace_atomically_or(path, |tmp| write_safetensors(path, tmp, entries, metadata)) {
+            Ok(()) => {
+                if let Some((_, made)) = self.parts.take() {
+                    remove_stale_parts(path, made.as_deref());
+                }
+                Ok(())
+            }
+            Err(f) => {
+                if f.renamed {
+                    // The new file is in place, naming its parts; the old parts stay too (a
+                    // crash may yet bring back the old file).
+                    self.parts = None;
+                }
+                Err(f.error)
             }
         }
-        written
     }
 }
 
@@ -399,11 +419,45 @@ fn same_path(a: &Path, b: &Path) -> bool {
     parts(a).eq(parts(b))
 }
 
-/// Flushes directory `dir`'s entries to disk (best effort where directories cannot be opened).
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
+/// Flushes directory `dir`'s entries to disk: an I/O error is returned; where directories
+/// cannot be opened or synced (some platforms and file systems), nothing is done.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    if let Some(k) = FAIL_DIR_SYNC.with(|f| f.get()) {
+        FAIL_DIR_SYNC.with(|f| f.set(k.checked_sub(1)));
+        if k == 0 {
+            return Err(std::io::Error::other("a failing directory sync (test)"));
+        }
     }
+    let Ok(d) = std::fs::File::open(dir) else {
+        return Ok(());
+    };
+    match d.sync_all() {
+        Err(e)
+            if matches!(e.kind(), std::io::ErrorKind::InvalidInput)
+                || e.kind() == std::io::ErrorKind::Unsupported =>
+        {
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// `Some(k)`: the directory sync on this thread after the next `k` fails (tests).
+    pub(crate) static FAIL_DIR_SYNC: std::cell::Cell<Option<u32>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// A [`replace_atomically_or`] that failed: before the rename (`path` untouched, the
+/// temporary file removed), or after it (`renamed`: the new file is in place, but its
+/// directory entry may not be on disk yet, so a crash may bring back the old file).
+pub(crate) struct ReplaceFailed {
+    /// What failed.
+    pub error: Error,
+    /// Whether the new file took `path`'s place.
+    pub renamed: bool,
 }
 
 /// The directory holding `path` (`.` for a bare file name).
@@ -437,7 +491,15 @@ fn remove_stale_parts(path: &Path, keep: Option<&Path>) {
 /// Writes `bytes` to `path` through a temporary file in the same directory, fsync and rename,
 /// so readers (and a crash) see the old file or the new one, never part of one.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    replace_atomically(path, |tmp| {
+    write_atomically_or(path, bytes).map_err(|f| f.error)
+}
+
+/// [`write_atomically`], saying whether a failure came after the rename.
+pub(crate) fn write_atomically_or(
+    path: &Path,
+    bytes: &[u8],
+) -> std::result::Result<(), ReplaceFailed> {
+    replace_atomically_or(path, |tmp| {
         let mut f = std::fs::File::create(tmp).map_err(|e| io_err(tmp, e))?;
         f.write_all(bytes).map_err(|e| io_err(tmp, e))
     })
@@ -445,11 +507,16 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Lets `fill` write the new contents to a temporary file next to `path`, then flushes that
 /// file to disk, renames it over `path` and syncs the directory.
-fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+fn replace_atomically_or(
+    path: &Path,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> std::result::Result<(), ReplaceFailed> {
+    let before = |error| ReplaceFailed {
+        error,
+        renamed: false,
+    };
     let dir = parent_dir(path);
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| invalid(path, "not a file path"))?;
+    let file_name = (path.file_name()).ok_or_else(|| before(invalid(path, "not a file path")))?;
     let tmp = dir.join(format!(
         ".{}.tmp.{}",
         file_name.to_string_lossy(),
@@ -460,15 +527,24 @@ fn replace_atomically(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Re
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .map_err(|e| io_err(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))?;
-        // Persist the rename itself (the directory entry).
-        sync_dir(dir);
-        Ok(())
+        std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
     })();
-    if result.is_err() {
+    if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);
+        return Err(before(e));
     }
-    result
+    // Persist the rename itself (the directory entry).
+    sync_dir(dir).map_err(|e| ReplaceFailed {
+        error: invalid(
+            path,
+            format!(
+                "written and renamed into place, but syncing {} failed ({e}): a crash may \
+                 still bring back the file it replaced, whose parts were kept",
+                dir.display()
+            ),
+        ),
+        renamed: true,
+    })
 }
 
 /// Values decoded per read: a tensor is read from the file this many bytes at a time, so
@@ -763,6 +839,64 @@ mod tests {
     /// A tensor several read chunks long (not a whole number of them) and small ones of other
     /// dtypes read back whole and by range, a range crossing a chunk boundary included; ranges
     /// past the end and wrong dtypes or shapes are refused by name.
+    /// A directory sync that fails never removes parts a checkpoint on disk may name: the
+    /// parts' own sync failing (before the file is replaced) leaves the old file and parts
+    /// and removes the new parts; the file's directory failing after the rename leaves the
+    /// new file in place with its parts and the old parts too; a clean write then removes
+    /// the stale ones.
+    #[test]
+    fn a_failed_directory_sync_never_removes_parts_a_checkpoint_may_name() {
+        let dir = temp("dir-sync");
+        let path = dir.join("ckpt.safetensors");
+        let write = |fail_after: Option<u32>, v: f32| -> Result<()> {
+            let mut w = CheckpointWriter::new();
+            w.parts_beside(&path);
+            let parts = w.parts_dir()?.expect("a parts directory");
+            std::fs::write(parts.join("rows.bin"), [v as u8]).unwrap();
+            w.add("x", &[1], &[v])?;
+            FAIL_DIR_SYNC.with(|f| f.set(fail_after));
+            let written = w.write(&path);
+            FAIL_DIR_SYNC.with(|f| f.set(None));
+            written
+        };
+        let parts = || {
+            let mut names: Vec<String> = (std::fs::read_dir(&dir).unwrap().flatten())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("ckpt.safetensors.parts-"))
+                .collect();
+            names.sort();
+            names
+        };
+        let saved = |v: f32| {
+            let r = CheckpointReader::open(&path).unwrap();
+            assert_eq!(r.read::<f32>("x", &[1]).unwrap(), vec![v]);
+            let named = r.parts_dir().unwrap().expect("named parts");
+            assert_eq!(
+                std::fs::read(named.join("rows.bin")).unwrap(),
+                vec![v as u8]
+            );
+        };
+        write(None, 1.0).unwrap();
+        let first = parts();
+        assert_eq!(first.len(), 1);
+        let err = write(Some(0), 2.0).unwrap_err().to_string();
+        assert!(err.contains("a failing directory sync (test)"), "{err}");
+        assert_eq!(parts(), first);
+        saved(1.0);
+        let err = write(Some(1), 3.0).unwrap_err().to_string();
+        assert!(
+            err.contains("renamed into place") && err.contains("(test)"),
+            "{err}"
+        );
+        assert_eq!(parts().len(), 2);
+        assert!(parts().contains(&first[0]));
+        saved(3.0);
+        write(None, 4.0).unwrap();
+        assert_eq!(parts().len(), 1);
+        saved(4.0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn tensors_read_back_whole_and_by_range_across_read_chunks() {
         let dir = temp("ranges");

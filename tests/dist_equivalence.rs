@@ -84,3 +84,45 @@ fn sharded_equals_unsharded_with_tables_on_the_cuda_device() {
     assert_eq!(cases.len(), names.len());
     check_cases(cases);
 }
+
+/// A rank whose row files cannot be made (its cache directory under a plain file) fails its
+/// build naming the path, and the other rank's build fails at once naming that rank, instead
+/// of waiting for it at its first collective until the deadline; no collection is built.
+#[test]
+fn a_rank_that_cannot_make_its_row_files_fails_every_ranks_build() {
+    use embers::distributed::ShardedEmbeddingBagCollection;
+    use embers::embedding::WeightDecay;
+    let case = dist_scenarios::case(2, "row_wise_cached_files").expect("a cached case");
+    let plan = dist_scenarios::plan_of(&case).unwrap();
+    let blocker = std::env::temp_dir().join(format!("embers-blocker-{}", std::process::id()));
+    std::fs::write(&blocker, b"a file, not a directory").unwrap();
+    let started = std::time::Instant::now();
+    let deadline = std::time::Duration::from_secs(20);
+    let results = dist_scenarios::on_ranks(2, deadline, |comm| {
+        let mut caches = case.caches.clone();
+        if comm.rank() == 1 {
+            caches.dir = blocker.join("tables");
+        }
+        ShardedEmbeddingBagCollection::with_caches(
+            dist_scenarios::tables(),
+            &plan,
+            case.optimizer,
+            WeightDecay::None,
+            &caches,
+            comm,
+            dist_scenarios::SEED,
+        )
+        .map(drop)
+        .map_err(|e| e.to_string())
+    });
+    assert!(started.elapsed() < deadline / 2, "{:?}", started.elapsed());
+    let own = results[1].as_ref().unwrap_err();
+    assert!(own.contains("embers-blocker"), "{own}");
+    let other = results[0].as_ref().unwrap_err();
+    assert!(
+        other.contains("build.tables failed on rank 1") && other.contains("no collection"),
+        "{other}"
+    );
+    let _ = std::fs::remove_file(&blocker);
+    let _ = std::fs::remove_dir_all(&case.caches.dir);
+}

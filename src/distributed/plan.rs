@@ -47,7 +47,9 @@ pub struct TableSharding {
 
 /// Where a rank keeps the rows of the tables its plan gives a cached kernel (`fused_uvm`,
 /// `fused_uvm_caching`): in files under `dir`, one per group of the rank's shards (named by
-/// collection, rank and group, so ranks may share the directory), or in anonymous host memory
+/// collection kind, rank and group, so ranks may share the directory, but two collections of
+/// one kind need a directory each: the second is refused, its files being in use), or in
+/// anonymous host memory
 /// when `dir` is empty (the default; FBGEMM's `MANAGED_CACHING` rows). Each file sits behind
 /// a DRAM cache of the plan's size with `policy`. Training is the same, bit for bit, wherever
 /// the rows live.

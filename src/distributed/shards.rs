@@ -386,73 +386,81 @@ impl Shards {
                 (t.compute_kernel, t.cache_load_factor)
             }
         };
-        // Remote TBEs: one table per distinct (table, shard, columns) of this rank's slots.
-        let slots = &routing.slots[rank];
-        let mut remote = Vec::new();
-        // Grouped by width (unpooled) and by where the kernel keeps the rows.
-        let group_key = |i: usize| {
-            let (kernel, load) = kernel_of(&slots[i]);
-            let width = if b.by_width { slots[i].cols } else { 0 };
-            (width, kernel.as_str(), load.map(f64::to_bits))
-        };
-        for members in groups_by((0..slots.len()).collect(), group_key, true) {
-            let mut tables: Vec<LocalTable> = Vec::new();
-            let mut held: Vec<(usize, Option<usize>, usize)> = Vec::new();
-            let mut ftm = Vec::with_capacity(members.len());
-            for &i in &members {
-                let s = &slots[i];
-                let key = (s.table, s.shard, s.col_offset);
-                let at = held.iter().position(|k| *k == key).unwrap_or_else(|| {
-                    held.push(key);
-                    tables.push(LocalTable {
-                        table: s.table,
-                        row_offset: s.row_offset,
-                        rows: s.rows,
-                        col_offset: s.col_offset,
-                        cols: s.cols,
+        // Built by each rank alone (row files made, their blocks allocated): a rank whose
+        // build fails (a full disk, a directory it cannot write) tells the others, which
+        // would otherwise wait for it at their first collective.
+        let built = (|| {
+            // Remote TBEs: one table per distinct (table, shard, columns) of this rank's slots.
+            let slots = &routing.slots[rank];
+            let mut remote = Vec::new();
+            // Grouped by width (unpooled) and by where the kernel keeps the rows.
+            let group_key = |i: usize| {
+                let (kernel, load) = kernel_of(&slots[i]);
+                let width = if b.by_width { slots[i].cols } else { 0 };
+                (width, kernel.as_str(), load.map(f64::to_bits))
+            };
+            for members in groups_by((0..slots.len()).collect(), group_key, true) {
+                let mut tables: Vec<LocalTable> = Vec::new();
+                let mut held: Vec<(usize, Option<usize>, usize)> = Vec::new();
+                let mut ftm = Vec::with_capacity(members.len());
+                for &i in &members {
+                    let s = &slots[i];
+                    let key = (s.table, s.shard, s.col_offset);
+                    let at = held.iter().position(|k| *k == key).unwrap_or_else(|| {
+                        held.push(key);
+                        tables.push(LocalTable {
+                            table: s.table,
+                            row_offset: s.row_offset,
+                            rows: s.rows,
+                            col_offset: s.col_offset,
+                            cols: s.cols,
+                        });
+                        tables.len() - 1
                     });
-                    tables.len() - 1
+                    ftm.push(at);
+                }
+                let names = members
+                    .iter()
+                    .map(|&i| keys[slots[i].feature].clone())
+                    .collect();
+                remote.push(LocalTbe {
+                    tbe: tbe(&tables, names, ftm, kernel_of(&slots[members[0]]))?,
+                    tables,
+                    members,
                 });
-                ftm.push(at);
             }
-            let names = members
-                .iter()
-                .map(|&i| keys[slots[i].feature].clone())
-                .collect();
-            remote.push(LocalTbe {
-                tbe: tbe(&tables, names, ftm, kernel_of(&slots[members[0]]))?,
-                tables,
-                members,
-            });
-        }
-        // Replicated TBEs: the data-parallel tables whole.
-        let mut replicated = Vec::new();
-        let features = &routing.features;
-        for members in groups_by(routing.replicated.clone(), |f| features[f].dim, b.by_width) {
-            let mut tables: Vec<LocalTable> = Vec::new();
-            let mut ftm = Vec::new();
-            for &f in &members {
-                let t = features[f].table;
-                let at = tables.iter().position(|l| l.table == t).unwrap_or_else(|| {
-                    tables.push(LocalTable {
-                        table: t,
-                        row_offset: 0,
-                        rows: b.tables[t].rows,
-                        col_offset: 0,
-                        cols: b.tables[t].dim,
+            // Replicated TBEs: the data-parallel tables whole.
+            let mut replicated = Vec::new();
+            let features = &routing.features;
+            for members in groups_by(routing.replicated.clone(), |f| features[f].dim, b.by_width) {
+                let mut tables: Vec<LocalTable> = Vec::new();
+                let mut ftm = Vec::new();
+                for &f in &members {
+                    let t = features[f].table;
+                    let at = tables.iter().position(|l| l.table == t).unwrap_or_else(|| {
+                        tables.push(LocalTable {
+                            table: t,
+                            row_offset: 0,
+                            rows: b.tables[t].rows,
+                            col_offset: 0,
+                            cols: b.tables[t].dim,
+                        });
+                        tables.len() - 1
                     });
-                    tables.len() - 1
+                    ftm.push(at);
+                }
+                let names = members.iter().map(|&f| keys[f].clone()).collect();
+                // Replicas live in memory (the plan's `dense` or `fused`).
+                replicated.push(LocalTbe {
+                    tbe: tbe(&tables, names, ftm, (ComputeKernel::Fused, None))?,
+                    tables,
+                    members,
                 });
-                ftm.push(at);
             }
-            let names = members.iter().map(|&f| keys[f].clone()).collect();
-            // Replicas live in memory (the plan's `dense` or `fused`).
-            replicated.push(LocalTbe {
-                tbe: tbe(&tables, names, ftm, (ComputeKernel::Fused, None))?,
-                tables,
-                members,
-            });
-        }
+            Ok((remote, replicated))
+        })();
+        let (remote, replicated) =
+            checkpoint::all_ok_then(&comm, "build.tables", built, "no collection was built")?;
         let shards = Shards {
             op,
             comm,
@@ -466,7 +474,13 @@ impl Shards {
             optimizer: b.optimizer,
             batches: AtomicU64::new(0),
         };
-        shards.init_tables(b.seed)?;
+        let initialised = shards.init_tables(b.seed);
+        checkpoint::all_ok_then(
+            &shards.comm,
+            "build.init",
+            initialised,
+            "no collection was built",
+        )?;
         Ok(shards)
     }
 

@@ -152,7 +152,10 @@ impl TableBatchedEmbedding {
             }
         };
         let target = dir.join(&name);
-        std::fs::rename(&tmp, &target).map_err(|e| io_error(&target, "renaming", e))?;
+        if let Err(e) = std::fs::rename(&tmp, &target) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io_error(&target, "renaming", e));
+        }
         let manifest = json!({
             "format": FORMAT,
             "rows_file": name,
@@ -165,9 +168,20 @@ impl TableBatchedEmbedding {
                 "name": s.name, "rows": s.rows, "dim": s.dim,
             })).collect::<Vec<_>>(),
         });
-        let text = serde_json::to_string_pretty(&manifest)
-            .map_err(|e| Error::invalid(OP, format!("writing the manifest: {e}")))?;
-        crate::checkpoint::write_atomically(&dir.join(MANIFEST), text.as_bytes())?;
+        let written = serde_json::to_string_pretty(&manifest)
+            .map_err(|e| Error::invalid(OP, format!("writing the manifest: {e}")))
+            .and_then(|text| {
+                crate::checkpoint::write_atomically_or(&dir.join(MANIFEST), text.as_bytes())
+                    .map_err(|f| {
+                        // Renamed, the manifest names the new copy: it stays, and so do the
+                        // old ones (a crash may yet bring back the old manifest).
+                        if !f.renamed {
+                            let _ = std::fs::remove_file(&target);
+                        }
+                        f.error
+                    })
+            });
+        written?;
         // Only now may the previous checkpoint's file go.
         if let Ok(entries) = std::fs::read_dir(dir) {
             for e in entries.flatten() {
@@ -228,8 +242,14 @@ impl TableBatchedEmbedding {
         };
         c.check_idle()?;
         c.commit_store(staged.staged)?;
-        // The old file's rows (dirty ones included) are gone with it: forget them.
-        c.invalidate(cfg)?;
+        // The old file's rows (dirty ones included) are gone with it: forget them. A cache
+        // that cannot is unusable: its directory names the old file's rows.
+        if let Err(e) = c.invalidate(cfg) {
+            c.poison(format!(
+                "after a checkpoint load that could not empty it ({e})"
+            ));
+            return Err(e);
+        }
         state.step = staged.step;
         Ok(())
     }
@@ -825,6 +845,48 @@ mod tests {
         }
         assert_eq!(leftovers(), Vec::<String>::new());
         drop(tbes);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A save whose manifest is renamed into place but whose directory cannot be synced
+    /// fails, and keeps both row files (the new manifest names the new one; a crash may bring
+    /// back the old manifest, which names the old one); the checkpoint loads as saved, and
+    /// the next clean save removes the stale file.
+    #[test]
+    fn a_save_whose_directory_cannot_be_synced_keeps_both_row_files() {
+        use crate::checkpoint::FAIL_DIR_SYNC;
+        let dir = std::env::temp_dir().join(format!("embers-save-sync-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = TbeConfig::new(
+            vec![TableSpec::new("a", 64, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            FusedOptimizer::Sgd { lr: 0.5 },
+        );
+        let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.5));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        let ckpt = dir.join("ckpt");
+        let rows_files = || {
+            (std::fs::read_dir(&ckpt).unwrap().flatten())
+                .filter(|e| e.file_name().to_string_lossy().starts_with("rows-"))
+                .count()
+        };
+        tbe.save_cached_checkpoint(&ckpt).unwrap();
+        let values: Vec<f32> = (0..64 * 4).map(|i| i as f32).collect();
+        tbe.set_table_weights(0, &values).unwrap();
+        FAIL_DIR_SYNC.with(|f| f.set(Some(0)));
+        let err = tbe.save_cached_checkpoint(&ckpt);
+        FAIL_DIR_SYNC.with(|f| f.set(None));
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("renamed into place"), "{err}");
+        assert_eq!(rows_files(), 2);
+        tbe.set_table_weights(0, &vec![0.0; 64 * 4]).unwrap();
+        tbe.load_cached_checkpoint(&ckpt).unwrap();
+        assert!(tbe.table_weights(0).unwrap() == values);
+        tbe.save_cached_checkpoint(&ckpt).unwrap();
+        assert_eq!(rows_files(), 1);
+        drop(tbe);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
