@@ -89,20 +89,36 @@ pub(crate) struct StagedTables {
 impl StagedTables {
     /// Writes the staged values into the TBEs they were read for.
     pub(crate) fn apply(self, tbes: &[&TableBatchedEmbedding]) -> Result<()> {
-        // All cached groups or none.
-        commit_cached_checkpoints(
-            (self.cached.into_iter())
-                .map(|(g, rows)| (tbes[g], rows))
-                .collect(),
-        )?;
-        for (g, t, w) in self.weights {
-            tbes[g].set_table_weights(t, &w)?;
+        Self::apply_all(vec![(self, tbes)])
+    }
+
+    /// [`apply`](Self::apply) of several collections' staged tables, each with its TBEs: the
+    /// cached groups of all of them commit first, all or none (the only part that can fail:
+    /// on their files), then the tables in memory are written.
+    pub(crate) fn apply_all(parts: Vec<(StagedTables, &[&TableBatchedEmbedding])>) -> Result<()> {
+        let mut loads = Vec::new();
+        let mut rest = Vec::with_capacity(parts.len());
+        for (staged, tbes) in parts {
+            let StagedTables {
+                weights,
+                states,
+                cached,
+                steps,
+            } = staged;
+            loads.extend(cached.into_iter().map(|(g, rows)| (tbes[g], rows)));
+            rest.push((weights, states, steps, tbes));
         }
-        for (g, i, t, s) in self.states {
-            tbes[g].set_optimizer_state(i, t, &s)?;
-        }
-        for (g, step) in self.steps.into_iter().enumerate() {
-            tbes[g].set_step(step);
+        commit_cached_checkpoints(loads)?;
+        for (weights, states, steps, tbes) in rest {
+            for (g, t, w) in weights {
+                tbes[g].set_table_weights(t, &w)?;
+            }
+            for (g, i, t, s) in states {
+                tbes[g].set_optimizer_state(i, t, &s)?;
+            }
+            for (g, step) in steps.into_iter().enumerate() {
+                tbes[g].set_step(step);
+            }
         }
         Ok(())
     }

@@ -627,19 +627,31 @@ impl DenseState {
     /// Applies it: the optimizer's state first (it checks the whole state before changing
     /// anything; after it, nothing left can fail on a value already checked), then the
     /// parameters, then the metrics when they were read (into `metrics`, when given).
+    /// Returns what it replaced, which applied the same way puts it back: the undo of a load
+    /// whose later part (the tables) fails.
     pub fn apply(
         self,
         optimizer: &mut dyn Optimizer,
         metrics: Option<&mut RecMetrics>,
-    ) -> Result<()> {
+    ) -> Result<DenseState> {
+        let mut previous = DenseState {
+            params: Vec::with_capacity(self.params.len()),
+            optim: optimizer.state_dict()?,
+            metrics: None,
+        };
+        for (p, _) in &self.params {
+            let old = p.zeros_like();
+            old.copy_from(p)?;
+            previous.params.push((p.clone(), old));
+        }
         optimizer.load_state_dict(&self.optim)?;
         for (p, new) in self.params {
             p.copy_from(&new)?;
         }
         if let (Some(m), Some(into)) = (self.metrics, metrics) {
-            *into = m;
+            previous.metrics = Some(std::mem::replace(into, m));
         }
-        Ok(())
+        Ok(previous)
     }
 }
 
@@ -862,15 +874,73 @@ impl DlrmTrainer {
             .map_err(named)?;
         let user = f.user();
         // The optimizer checks its whole state before changing anything; after it, nothing
-        // left can fail on a value already checked.
-        dense
-            .apply(self.optimizer.as_mut(), Some(&mut self.metrics))
-            .map_err(named)?;
-        tables
-            .apply(&self.model.sparse_arch.tbes())
-            .map_err(named)?;
+        // left can fail on a value already checked, but the tables' files can (I/O): the
+        // dense half is then put back.
+        let previous =
+            (dense.apply(self.optimizer.as_mut(), Some(&mut self.metrics))).map_err(named)?;
+        if let Err(e) = tables.apply(&self.model.sparse_arch.tbes()) {
+            (previous.apply(self.optimizer.as_mut(), Some(&mut self.metrics))).map_err(named)?;
+            return Err(named(e));
+        }
         self.step = step;
         self.examples = examples;
         Ok(user)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::{Forward, Linear};
+
+    /// The dense half of a load applied, then undone with what it returned (as a trainer does
+    /// when its tables fail to load): the parameters and the optimizer's state are back, bit
+    /// for bit.
+    #[test]
+    fn a_dense_load_undone_puts_back_the_parameters_and_the_optimizer_state() {
+        let dir = std::env::temp_dir().join(format!("embers-dense-undo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dense.safetensors");
+        let mut rng = crate::tensor::rng::seeded(3);
+        let layer = Linear::new(3, 2, &mut rng).unwrap();
+        let mut optimizer = Adagrad::new(layer.parameters(), 0.1, 0.0).unwrap();
+        let x = Tensor::from_vec(vec![0.5f32, -1.0, 2.0], &[1, 3]).unwrap();
+        let step = |optimizer: &mut Adagrad| {
+            optimizer.zero_grad();
+            layer
+                .forward(&x)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            optimizer.step().unwrap();
+        };
+        let bits = |optimizer: &Adagrad| {
+            let params = (layer.parameters().into_iter()).map(|p| p.to_vec::<f32>().unwrap());
+            let state = (optimizer.state_dict().unwrap().into_iter()).map(|(_, t)| {
+                t.to_dtype(crate::DType::F64)
+                    .unwrap()
+                    .to_vec::<f64>()
+                    .unwrap()
+            });
+            (params.collect::<Vec<_>>(), state.collect::<Vec<_>>())
+        };
+        step(&mut optimizer);
+        let mut w = CheckpointWriter::new();
+        write_dense_state(&mut w, &layer, &optimizer, None).unwrap();
+        w.write(&path).unwrap();
+        let saved = bits(&optimizer);
+        step(&mut optimizer);
+        let now = bits(&optimizer);
+        assert_ne!(now, saved, "the second step changed nothing");
+        let r = CheckpointReader::open(&path).unwrap();
+        let previous = (DenseState::read(&r, &layer, None).unwrap())
+            .apply(&mut optimizer, None)
+            .unwrap();
+        assert_eq!(bits(&optimizer), saved);
+        previous.apply(&mut optimizer, None).unwrap();
+        assert_eq!(bits(&optimizer), now);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

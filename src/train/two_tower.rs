@@ -14,6 +14,7 @@ use std::path::Path;
 use rand::Rng as _;
 
 use super::{trainer_writer, write_dense_state, DenseOptimizer, DenseState, TrainerFile};
+use crate::embedding::checkpoint::StagedTables;
 use crate::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
 use crate::models::two_tower::{
     pointwise_bce, sampled_softmax, FrequencyEstimator, Tower, TwoTower,
@@ -389,13 +390,19 @@ impl TwoTowerTrainer {
         )
         .map_err(named)?;
         let user = f.user();
-        dense.apply(self.optimizer.as_mut(), None).map_err(named)?;
-        query
-            .apply(&self.model.query.tables.tbes())
-            .map_err(named)?;
-        candidate
-            .apply(&self.model.candidate.tables.tbes())
-            .map_err(named)?;
+        let previous = dense.apply(self.optimizer.as_mut(), None).map_err(named)?;
+        // Both towers' cached tables commit together (all or none); on an error the dense
+        // half is put back.
+        let (queries, candidates) = (
+            self.model.query.tables.tbes(),
+            self.model.candidate.tables.tbes(),
+        );
+        if let Err(e) = StagedTables::apply_all(vec![(query, &queries), (candidate, &candidates)]) {
+            previous
+                .apply(self.optimizer.as_mut(), None)
+                .map_err(named)?;
+            return Err(named(e));
+        }
         self.estimator = estimator;
         self.step = step;
         self.examples = examples;
