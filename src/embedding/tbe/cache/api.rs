@@ -745,6 +745,24 @@ mod tests {
         (t * 100_000 + r * 10 + q) as f32 + i as f32 / 64.0
     }
 
+    /// An empty directory `embers-<name>-<process>` under the temp dir.
+    fn fresh_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("embers-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// One table `a` of `rows` rows of 4, trained by `optimizer`.
+    fn one_table(rows: usize, optimizer: FusedOptimizer) -> TbeConfig {
+        TbeConfig::new(
+            vec![TableSpec::new("a", rows, 4)],
+            vec![0],
+            PoolingMode::Sum,
+            optimizer,
+        )
+    }
+
     /// Sets every TBE's table 0 to `saved` and writes its checkpoint `dir/ckpt<k>`.
     fn save_all(tbes: &[TableBatchedEmbedding], saved: &[f32], dir: &Path) {
         for (k, tbe) in tbes.iter().enumerate() {
@@ -783,15 +801,8 @@ mod tests {
     /// is left behind; committed again, all of them load.
     #[test]
     fn loads_into_several_cached_tbes_commit_all_or_nothing() {
-        let dir = std::env::temp_dir().join(format!("embers-commit-all-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let cfg = TbeConfig::new(
-            vec![TableSpec::new("a", 64, 4)],
-            vec![0],
-            PoolingMode::Sum,
-            FusedOptimizer::Adagrad { lr: 0.5, eps: 1e-3 },
-        );
+        let dir = fresh_dir("commit-all");
+        let cfg = one_table(64, FusedOptimizer::Adagrad { lr: 0.5, eps: 1e-3 });
         let size = CacheSize::LoadFactor(0.5);
         // One with its rows in host memory, two in files.
         let tbes: Vec<TableBatchedEmbedding> = [None, Some("b.rows"), Some("c.rows")]
@@ -855,15 +866,8 @@ mod tests {
     #[test]
     fn a_save_whose_directory_cannot_be_synced_keeps_both_row_files() {
         use crate::checkpoint::FAIL_DIR_SYNC;
-        let dir = std::env::temp_dir().join(format!("embers-save-sync-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let cfg = TbeConfig::new(
-            vec![TableSpec::new("a", 64, 4)],
-            vec![0],
-            PoolingMode::Sum,
-            FusedOptimizer::Sgd { lr: 0.5 },
-        );
+        let dir = fresh_dir("save-sync");
+        let cfg = one_table(64, FusedOptimizer::Sgd { lr: 0.5 });
         let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.5));
         let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
         let ckpt = dir.join("ckpt");
@@ -896,16 +900,9 @@ mod tests {
     /// made unusable is refused too.
     #[test]
     fn batches_of_an_emptied_or_unusable_cache_are_refused() {
-        let dir = std::env::temp_dir().join(format!("embers-stale-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = fresh_dir("stale");
         // 200 rows behind one set of 32 slots.
-        let cfg = TbeConfig::new(
-            vec![TableSpec::new("a", 200, 4)],
-            vec![0],
-            PoolingMode::Sum,
-            FusedOptimizer::Sgd { lr: 0.5 },
-        );
+        let cfg = one_table(200, FusedOptimizer::Sgd { lr: 0.5 });
         let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.01));
         let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
         tbe.save_cached_checkpoint(dir.join("ckpt")).unwrap();
@@ -951,16 +948,9 @@ mod tests {
     /// failing — it is unusable again, not silently missing its lost rows.
     #[test]
     fn an_unusable_cache_recovers_by_a_load_of_several_and_stays_unusable_when_undone() {
-        let dir = std::env::temp_dir().join(format!("embers-poisoned-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = fresh_dir("poisoned");
         // 2000 rows of 20 bytes (10 pages of file) behind one set of 32 slots.
-        let cfg = TbeConfig::new(
-            vec![TableSpec::new("a", 2000, 4)],
-            vec![0],
-            PoolingMode::Sum,
-            FusedOptimizer::Sgd { lr: 0.5 },
-        );
+        let cfg = one_table(2000, FusedOptimizer::Sgd { lr: 0.5 });
         let size = CacheSize::LoadFactor(0.01);
         let tbes: Vec<TableBatchedEmbedding> = ["a.rows", "b.rows"]
             .into_iter()
