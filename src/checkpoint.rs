@@ -434,8 +434,10 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     };
     match d.sync_all() {
         Err(e)
-            if matches!(e.kind(), std::io::ErrorKind::InvalidInput)
-                || e.kind() == std::io::ErrorKind::Unsupported =>
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported
+            ) =>
         {
             Ok(())
         }
@@ -539,7 +541,7 @@ fn replace_atomically_or(
             path,
             format!(
                 "written and renamed into place, but syncing {} failed ({e}): a crash may \
-                 still bring back the file it replaced, whose parts were kept",
+                 still bring back the file it replaced",
                 dir.display()
             ),
         ),

@@ -260,7 +260,7 @@ impl TableBatchedEmbedding {
     /// lost). A cache whose rows are lost already — unusable after a failed admission, or its
     /// file truncated — loads without writing them back and keeps nothing (that is how it
     /// recovers; a truncated file could not even be read through its mapping), and
-    /// [`Kept::lost`] says why, for an undo to leave it unusable again.
+    /// [`Kept::rows`] says why, for an undo to leave it unusable again.
     fn commit_keeping(&self, staged: StagedRows) -> Result<Kept> {
         let cfg = &self.inner.config;
         let mut state = self.inner.state.write();
@@ -282,28 +282,23 @@ impl TableBatchedEmbedding {
                 }
             },
         };
-        let previous = match lost {
-            Some(_) => {
+        let rows = match lost {
+            Some(why) => {
                 c.commit_store(staged.staged)?;
-                None
+                Err(why)
             }
-            None => Some(c.commit_store_keeping(staged.staged)?),
+            None => Ok(c.commit_store_keeping(staged.staged)?),
         };
         if let Err(e) = c.invalidate(cfg) {
             // Not committed after all.
-            match (previous, &lost) {
-                (Some(previous), _) => c.restore_store(previous)?,
-                (None, Some(why)) => c.poison(why.clone()),
-                (None, None) => {}
+            match rows {
+                Ok(previous) => c.restore_store(previous)?,
+                Err(why) => c.poison(why),
             }
             return Err(e);
         }
         let step = std::mem::replace(&mut state.step, staged.step);
-        Ok(Kept {
-            previous,
-            step,
-            lost,
-        })
+        Ok(Kept { rows, step })
     }
 
     /// Puts back the rows and step count a [`commit_keeping`](Self::commit_keeping) replaced
@@ -313,38 +308,39 @@ impl TableBatchedEmbedding {
         let cfg = &self.inner.config;
         let mut guard = self.inner.state.write();
         let state = &mut *guard;
-        let abandon = |previous: Option<Previous>, e: Error| match previous {
-            Some(p) => p.abandon(e),
-            None => e,
+        let abandon = |rows: std::result::Result<Previous, String>, e: Error| match rows {
+            Ok(previous) => previous.abandon(e),
+            Err(_) => e,
         };
         let Tables::Cached(c) = &mut state.tables else {
             let e = Error::invalid(OP, "the tables are not cached in a file");
-            return Err(abandon(kept.previous, e));
+            return Err(abandon(kept.rows, e));
         };
+        let lost = kept.rows.as_ref().err().cloned();
         let undone = match c.check_idle() {
-            Err(e) => Err(abandon(kept.previous, e)),
-            Ok(()) => match kept.previous.map(|p| c.restore_store(p)).transpose() {
-                Err(e) => Err(e),
-                Ok(_) => {
-                    state.step = kept.step;
-                    c.invalidate(cfg)
-                }
-            },
+            Err(e) => Err(abandon(kept.rows, e)),
+            Ok(()) => match kept.rows {
+                Ok(previous) => c.restore_store(previous),
+                Err(_) => Ok(()),
+            }
+            .and_then(|()| {
+                state.step = kept.step;
+                c.invalidate(cfg)
+            }),
         };
         // Unusable again whatever else failed: its own rows are gone.
-        if let Some(why) = kept.lost {
+        if let Some(why) = lost {
             c.poison(why);
         }
         undone
     }
 }
 
-/// What a [`TableBatchedEmbedding::commit_keeping`] replaced: the rows (none kept where they
-/// were lost already), the step count, and why (if so) the cache's rows were lost.
+/// What a [`TableBatchedEmbedding::commit_keeping`] replaced: the rows, or why the cache's
+/// own rows were lost already (none were kept), and the step count.
 struct Kept {
-    previous: Option<Previous>,
+    rows: std::result::Result<Previous, String>,
     step: u64,
-    lost: Option<String>,
 }
 
 /// Commits the staged checkpoint loads of several cached TBEs as one: the rows each commit

@@ -233,22 +233,14 @@ impl ByteCache {
         let need: Vec<usize> = (admitted.iter())
             .map(|a| a.as_ref().map_or(0, |a| a.fallback.len()))
             .collect();
-        if need.iter().zip(&st.scratch).any(|(n, s)| n > s) {
-            if let Err(e) = st.grow_scratch(&need, &self.row_bytes) {
-                // The directories name the moved rows' slots already: those rows are read in
-                // before the error, or later lookups would find another row's bytes there.
-                for (t, a) in admitted.iter().enumerate() {
-                    let (rb, file) = (self.row_bytes[t], self.store.table_bytes(t));
-                    for &(slot, _, row) in a.iter().flat_map(|a| &a.moves) {
-                        let (from, to) = (row as usize * rb, st.starts[t] + slot * rb);
-                        st.rows[to..to + rb].copy_from_slice(&file[from..from + rb]);
-                    }
-                }
-                st.unlock(&admitted);
-                return Err(e);
-            }
-        }
-        // Read every new row into its slot or scratch row, tables in parallel.
+        let grown = match need.iter().zip(&st.scratch).any(|(n, s)| n > s) {
+            true => st.grow_scratch(&need, &self.row_bytes),
+            false => Ok(()),
+        };
+        // Read every new row into its slot or scratch row, tables in parallel. Without room
+        // for the scratch rows, the slots' rows are read all the same before the error: the
+        // directories name them already, and later lookups would find another row's bytes.
+        let fallbacks = grown.is_ok();
         let mut rest: &mut [u8] = &mut st.rows;
         let mut table_rows = Vec::with_capacity(tables);
         for t in 0..tables {
@@ -270,7 +262,7 @@ impl ByteCache {
             let file = store.table_bytes(t);
             let reads: Vec<(u64, usize)> = (a.moves.iter())
                 .map(|&(slot, _, row)| (row, slot))
-                .chain(a.fallback.iter().copied())
+                .chain(a.fallback.iter().copied().filter(|_| fallbacks))
                 .collect();
             let probe = DiskProbe::start();
             for (i, &(row, at)) in reads.iter().enumerate() {
@@ -287,6 +279,10 @@ impl ByteCache {
             }
             stats.rows_read += reads.len() as u64;
         });
+        if let Err(e) = grown {
+            st.unlock(&admitted);
+            return Err(e);
+        }
         let mut remapped = vec![0i64; batch.ids.len()];
         ranges.place(&admitted, &mut remapped);
         let remapped = Batch {

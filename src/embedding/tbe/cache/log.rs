@@ -217,9 +217,10 @@ impl WriteLog {
     /// Its regions hold as many records as their tables have rows, or a half, a quarter or an
     /// eighth of that, the largest that takes at most half the file system's free space
     /// (where `statvfs` cannot tell, the whole size if it can be allocated), a smaller one
-    /// where the allocation finds the disk fuller than that: the log is scratch for speed, and must not take the room rows and checkpoints need. A
-    /// smaller log folds more often (each fold writes every piece of the file that holds a
-    /// logged row), which still costs far less than writing in place.
+    /// where the allocation finds the disk fuller than that: the log is scratch for speed,
+    /// and must not take the room rows and checkpoints need. A smaller log folds more often
+    /// (each fold writes every piece of the file that holds a logged row), which still costs
+    /// far less than writing in place.
     pub(crate) fn create(path: &Path, tables: &[(usize, usize, usize)]) -> Option<Self> {
         if !cfg!(unix) || tables.iter().any(|&(rows, ..)| rows >= u32::MAX as usize) {
             return None;
