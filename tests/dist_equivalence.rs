@@ -87,7 +87,8 @@ fn sharded_equals_unsharded_with_tables_on_the_cuda_device() {
 
 /// A rank whose row files cannot be made (its cache directory under a plain file) fails its
 /// build naming the path, and the other rank's build fails at once naming that rank, instead
-/// of waiting for it at its first collective until the deadline; no collection is built.
+/// of waiting for it at its first collective until the deadline; no collection is built, and
+/// no row file is left behind.
 #[test]
 fn a_rank_that_cannot_make_its_row_files_fails_every_ranks_build() {
     use embers::distributed::ShardedEmbeddingBagCollection;
@@ -123,6 +124,12 @@ fn a_rank_that_cannot_make_its_row_files_fails_every_ranks_build() {
         other.contains("build.tables failed on rank 1") && other.contains("no collection"),
         "{other}"
     );
+    // Rank 0 made its row files before it heard; they went with its failed build.
+    let left: Vec<_> = std::fs::read_dir(&case.caches.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     let _ = std::fs::remove_file(&blocker);
     let _ = std::fs::remove_dir_all(&case.caches.dir);
 }

@@ -881,6 +881,37 @@ fn a_collection_prefetches_its_cached_tables_rows_for_the_next_batch() -> Result
     Ok(())
 }
 
+/// A collection whose second group's row file cannot be made (a directory stands at its
+/// path) fails naming that file, and the first group's row file, already made, goes with it.
+#[test]
+fn a_collection_that_cannot_be_built_leaves_no_row_file() -> Result<()> {
+    use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, Placement};
+    let dir = temp_dir("ebc-unbuilt");
+    let blocker = dir.join("ebc-group1.rows");
+    std::fs::create_dir_all(blocker.join("in-the-way")).unwrap();
+    let configs = vec![
+        EmbeddingBagConfig::new("users", 5000, 8, &["user"]),
+        EmbeddingBagConfig::new("items", 3000, 4, &["item"]).with_pooling(PoolingMode::Mean),
+    ];
+    let placement = Placement::Cached {
+        dir: dir.clone(),
+        size: CacheSize::LoadFactor(0.05),
+        policy: CachePolicy::Lru,
+    };
+    let sgd = FusedOptimizer::Sgd { lr: 0.1 };
+    let err = EmbeddingBagCollection::with_placement(configs, sgd, &placement, &mut seeded(1))
+        .err()
+        .expect("the second group has no row file");
+    assert!(err.to_string().contains("ebc-group1.rows"), "{err}");
+    let mut left: Vec<_> = (std::fs::read_dir(&dir).unwrap())
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    left.sort();
+    assert_eq!(left, vec![std::ffi::OsString::from("ebc-group1.rows")]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
 #[test]
 fn every_entry_point_of_a_cached_tbe_matches_the_uncached_one() -> Result<()> {
     // forward (autograd), forward_into, backward_fused, row gradients and apply_row_gradients,

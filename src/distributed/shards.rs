@@ -389,10 +389,11 @@ impl Shards {
         // Built by each rank alone (row files made, their blocks allocated): a rank whose
         // build fails (a full disk, a directory it cannot write) tells the others, which
         // would otherwise wait for it at their first collective.
+        let mut remote = Vec::new();
+        let mut replicated = Vec::new();
         let built = (|| {
             // Remote TBEs: one table per distinct (table, shard, columns) of this rank's slots.
             let slots = &routing.slots[rank];
-            let mut remote = Vec::new();
             // Grouped by width (unpooled) and by where the kernel keeps the rows.
             let group_key = |i: usize| {
                 let (kernel, load) = kernel_of(&slots[i]);
@@ -430,7 +431,6 @@ impl Shards {
                 });
             }
             // Replicated TBEs: the data-parallel tables whole.
-            let mut replicated = Vec::new();
             let features = &routing.features;
             for members in groups_by(routing.replicated.clone(), |f| features[f].dim, b.by_width) {
                 let mut tables: Vec<LocalTable> = Vec::new();
@@ -457,10 +457,18 @@ impl Shards {
                     members,
                 });
             }
-            Ok((remote, replicated))
+            Ok::<(), Error>(())
         })();
-        let (remote, replicated) =
-            checkpoint::all_ok_then(&comm, "build.tables", built, "no collection was built")?;
+        // The TBEs made so far, on a failure here or on any rank, take their row files with
+        // them.
+        let discard = |tbes: Vec<LocalTbe>| tbes.into_iter().for_each(|l| l.tbe.discard());
+        let built =
+            checkpoint::all_ok_then(&comm, "build.tables", built, "no collection was built");
+        if let Err(e) = built {
+            discard(remote);
+            discard(replicated);
+            return Err(e);
+        }
         let shards = Shards {
             op,
             comm,
@@ -475,12 +483,17 @@ impl Shards {
             batches: AtomicU64::new(0),
         };
         let initialised = shards.init_tables(b.seed);
-        checkpoint::all_ok_then(
+        let initialised = checkpoint::all_ok_then(
             &shards.comm,
             "build.init",
             initialised,
             "no collection was built",
-        )?;
+        );
+        if let Err(e) = initialised {
+            discard(shards.remote);
+            discard(shards.replicated);
+            return Err(e);
+        }
         Ok(shards)
     }
 

@@ -68,31 +68,42 @@ impl TableGroups {
         device: Device,
         rng: &mut Rng,
     ) -> Result<Self> {
-        let mut groups = Vec::new();
+        let mut groups: Vec<Group> = Vec::new();
         let mut places = vec![(0, 0); tables.len()];
-        for (members, pooling) in partition {
-            let mut specs = Vec::new();
-            let mut ftm = Vec::new();
-            let mut features = Vec::new();
-            for (t, &i) in members.iter().enumerate() {
-                let c = &tables[i];
-                specs.push(TableSpec::new(c.name, c.rows, c.dim));
-                for f in c.features {
-                    ftm.push(t);
-                    features.push(f.clone());
+        let built = (|| {
+            for (members, pooling) in partition {
+                let mut specs = Vec::new();
+                let mut ftm = Vec::new();
+                let mut features = Vec::new();
+                for (t, &i) in members.iter().enumerate() {
+                    let c = &tables[i];
+                    specs.push(TableSpec::new(c.name, c.rows, c.dim));
+                    for f in c.features {
+                        ftm.push(t);
+                        features.push(f.clone());
+                    }
+                    places[i] = (groups.len(), t);
                 }
-                places[i] = (groups.len(), t);
+                let mut cfg = TbeConfig::new(specs, ftm, pooling, optimizer);
+                cfg.feature_names = Some(features.clone());
+                cfg.weight_decay = weight_decay;
+                cfg.bounds_check = bounds_check;
+                let name = format!("{}-group{}.rows", op_short(op), groups.len());
+                let tbe = placement.tbe(cfg, &name, device, device)?;
+                groups.push(Group { tbe, features });
+                let tbe = &groups[groups.len() - 1].tbe;
+                for (t, &i) in members.iter().enumerate() {
+                    tbe.init_table(t, tables[i].init, rng)?;
+                }
             }
-            let mut cfg = TbeConfig::new(specs, ftm, pooling, optimizer);
-            cfg.feature_names = Some(features.clone());
-            cfg.weight_decay = weight_decay;
-            cfg.bounds_check = bounds_check;
-            let name = format!("{}-group{}.rows", op_short(op), groups.len());
-            let tbe = placement.tbe(cfg, &name, device, device)?;
-            for (t, &i) in members.iter().enumerate() {
-                tbe.init_table(t, tables[i].init, rng)?;
+            Ok::<(), Error>(())
+        })();
+        if let Err(e) = built {
+            // The groups made so far take their row files with them.
+            for g in groups {
+                g.tbe.discard();
             }
-            groups.push(Group { tbe, features });
+            return Err(e);
         }
         Ok(TableGroups {
             op,

@@ -52,6 +52,15 @@ impl TableBatchedEmbedding {
         }
     }
 
+    /// Drops an operator built for a collection that could not be built, its row file (if
+    /// cached) removed with it: nothing else knows that file, and a table bigger than memory
+    /// takes a disk's worth. Shared handles keep the operator, and the file, until they go.
+    pub(crate) fn discard(self) {
+        if let Tables::Cached(c) = &mut self.inner.state.write().tables {
+            c.discard_on_drop();
+        }
+    }
+
     /// Zeroes the cache counters and times (nothing without a cache).
     pub fn reset_cache_stats(&self) {
         if let Tables::Cached(c) = &mut self.inner.state.write().tables {

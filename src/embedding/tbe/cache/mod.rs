@@ -446,6 +446,11 @@ pub(crate) fn sets_for(
 }
 
 impl CachedTables {
+    /// Has the row file removed when the cache goes ([`RowStore::discard_on_drop`]).
+    pub(crate) fn discard_on_drop(&mut self) {
+        self.store.discard_on_drop();
+    }
+
     /// A cache over a new all-zero store at `cache.path` for the (logical) tables of `config`,
     /// its rows in host memory or, given `device`, in that GPU's memory.
     pub(crate) fn create(

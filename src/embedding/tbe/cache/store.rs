@@ -159,6 +159,8 @@ pub(crate) struct RowStore {
     /// ([`advise_pages`], [`reserve_huge`]); 0: small pages. Only with a write log: nothing
     /// then dirties the file's pages through the mapping.
     huge: u64,
+    /// Whether the file goes when the store does ([`discard`](Self::discard)).
+    discarded: bool,
 }
 
 /// An I/O error of `path` while doing `what`, with "the disk is full" and "the file is
@@ -429,13 +431,17 @@ impl RowStore {
         Self::mapped(file, path, tables, len)
     }
 
-    /// Removes a store just [created](Self::create) whose cache could not be built: its file
-    /// goes, with the blocks it took (a table bigger than memory takes a disk's worth).
-    pub(crate) fn discard(self) {
-        if let Some(file) = &self.file {
-            let _ = file.set_len(0);
-            let _ = std::fs::remove_file(&self.path);
-        }
+    /// Removes a store [created](Self::create) for a cache or collection that could not be
+    /// built: its file goes, with the blocks it took (a table bigger than memory takes a
+    /// disk's worth), when the store is dropped — after its cache, which may hold the mapping
+    /// registered with a GPU.
+    pub(crate) fn discard_on_drop(&mut self) {
+        self.discarded = true;
+    }
+
+    /// [`discard_on_drop`](Self::discard_on_drop), and dropped now.
+    pub(crate) fn discard(mut self) {
+        self.discard_on_drop();
     }
 
     /// Opens an existing store for `tables`, refusing a file of the wrong length.
@@ -468,6 +474,7 @@ impl RowStore {
             log: None,
             log_wanted: false,
             huge: 0,
+            discarded: false,
         })
     }
 
@@ -498,6 +505,7 @@ impl RowStore {
             log: None,
             log_wanted: false,
             huge: 0,
+            discarded: false,
         })
     }
 
@@ -974,6 +982,13 @@ impl RowStore {
 impl Drop for RowStore {
     fn drop(&mut self) {
         release_huge(self.huge);
+        if self.discarded {
+            self.map = None;
+            if let Some(file) = self.file.take() {
+                let _ = file.set_len(0);
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
     }
 }
 
