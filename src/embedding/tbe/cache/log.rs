@@ -152,7 +152,10 @@ fn regions_of(tables: &[(usize, usize, usize)], share: usize) -> Option<(Vec<Log
     let mut len = 0usize;
     for &(rows, record, gather) in tables {
         let slots = shape.map_or(rows.div_ceil(share), |(s, _)| s).max(1);
-        let spill_at = shape.map_or(gather, |(_, b)| b);
+        // Whole records: a buffer spilled only once a record crosses its capacity would
+        // have doubled it, past what the byte budget counted.
+        let whole = (gather / record.max(1)).max(1) * record;
+        let spill_at = shape.map_or(whole, |(_, b)| b);
         regions.push(LogRegion {
             offset: len as u64,
             slots,
@@ -584,6 +587,28 @@ mod tests {
         assert!(file == want.concat());
         // The log has no name: nothing is left beside the row file.
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A buffer that gathers a number of bytes that is no whole number of records (516-byte
+    /// records, 256 KiB) spills at whole records: through many spills it never grows past
+    /// what it was made with, which the byte budget counted.
+    #[test]
+    fn a_log_buffer_never_grows_past_its_budget() {
+        let dir = test_dir("buffer");
+        let (rows, record) = (4000usize, 516usize);
+        let mut log = WriteLog::create(&dir.join("rows.bin"), &[(rows, record, PENDING_BYTES)])
+            .expect("a log on the temp dir");
+        let made = log.host_bytes();
+        assert!(made <= rows * 4 + PENDING_BYTES, "{made}");
+        let mut file = vec![0u8; rows * record];
+        for k in 0..3 * rows {
+            let mut parts = log.regions_mut();
+            let mut t = TableFile::new(&mut file, record, parts.pop(), None);
+            t.write((k * 7 % rows) as u64, &[k as u8; 516]);
+        }
+        assert!(log.regions[0].written > 0, "no spill");
+        assert_eq!(log.host_bytes(), made);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
