@@ -844,6 +844,108 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
     });
 }
 
+/// Clients that would hold the server's places or memory cannot:
+/// - a body that never arrives gets 408 after `body_timeout`, and its place among those in
+///   flight comes free (with one place, the next request is answered);
+/// - an Arrow stream of a few hundred bytes that claims 2^31 rows (a `dense` column of nulls
+///   takes no bytes) is refused before any row is made;
+/// - a reload whose caller stops waiting still loads, swaps and counts the new model;
+/// - a batching delay past `MAX_DELAY` is refused at start.
+#[test]
+fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
+    use std::io::{Read, Write};
+    let g = data();
+    let dir = scratch("hostile");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let keys = g.schema().sparse_keys.clone();
+    let rows = rows(&g);
+    let want = predict(&trainer, &keys, &rows[..2], None);
+    runtime().block_on(async move {
+        let mut too_slow = ServerConfig::new("dlrm", &path);
+        too_slow.batcher.max_delay = embers::serve::MAX_DELAY + Duration::from_secs(1);
+        let err = Server::start(too_slow).await.err().expect("refused");
+        assert!(err.to_string().contains("max_delay"), "{err}");
+
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.max_inflight_requests = 1;
+        cfg.body_timeout = Duration::from_millis(300);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        // Headers promising 100 bytes, then nothing.
+        let mut stalled = std::net::TcpStream::connect(addr).unwrap();
+        stalled
+            .write_all(
+                b"POST /v1/models/dlrm:predict HTTP/1.1\r\nhost: x\r\n\
+                  content-type: application/json\r\ncontent-length: 100\r\n\r\n",
+            )
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let body = json_body(&keys, &rows[..2]);
+        let (status, _, _) =
+            send(addr, "POST", "/v1/models/dlrm:predict", None, body.clone()).await;
+        assert_eq!(status, 503, "the stalled request holds the one place");
+        stalled
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let (answer, n) = tokio::task::spawn_blocking(move || {
+            let mut answer = vec![0u8; 4096];
+            let n = stalled
+                .read(&mut answer)
+                .expect("answered within the timeout");
+            (answer, n)
+        })
+        .await
+        .unwrap();
+        let head = String::from_utf8_lossy(&answer[..n]);
+        assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+        assert!(head.contains("body_timeout"), "{head}");
+        let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
+        assert_eq!(status, 200);
+        assert_eq!(json_predictions(&answer), want);
+
+        // 2^31 rows of nothing.
+        let claimed = 1usize << 31;
+        let nulls: ArrayRef = Arc::new(arrow_array::NullArray::new(claimed));
+        let batch = RecordBatch::try_from_iter([("dense", nulls)]).unwrap();
+        let mut huge = Vec::new();
+        let mut w = arrow_ipc::writer::StreamWriter::try_new(&mut huge, &batch.schema()).unwrap();
+        w.write(&batch).unwrap();
+        w.finish().unwrap();
+        drop(w);
+        assert!(huge.len() < 1024, "{} bytes", huge.len());
+        let (status, _, answer) = send(
+            addr,
+            "POST",
+            "/v1/models/dlrm:predict",
+            Some(ARROW_STREAM),
+            huge,
+        )
+        .await;
+        let text = String::from_utf8_lossy(&answer);
+        assert_eq!(status, 400, "{text}");
+        assert!(text.contains(&format!("claims {claimed} rows")), "{text}");
+
+        // A reload polled once, then abandoned (a client that hung up).
+        let abandoned = tokio::time::timeout(Duration::ZERO, running.server.reload()).await;
+        assert!(abandoned.is_err(), "a reload takes longer than no time");
+        let waited = Instant::now();
+        while running.server.version() < 2 {
+            assert!(
+                waited.elapsed() < Duration::from_secs(20),
+                "never swapped in"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        assert_eq!(metric(&metrics, "embers_reloads_total{result=\"ok\"}"), 1);
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+    });
+}
+
 /// Shutdown drains: a request waiting in a batch (400 ms delay) when shutdown begins is still
 /// answered, and `serve` returns only after it.
 #[test]
@@ -1152,6 +1254,20 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         for c in clients {
             c.await.unwrap();
         }
+        // Queries and their times are counted as retrieval's, not as predict's.
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let queries: usize = (0..40).map(|c| 1 + c % 5).sum();
+        assert_eq!(
+            metric(&metrics, "embers_retrieval_queries_total"),
+            queries as u64
+        );
+        assert_eq!(metric(&metrics, "embers_rows_total"), 0);
+        assert_eq!(
+            metric(&metrics, "embers_retrieve_duration_seconds_count"),
+            40
+        );
+        assert_eq!(metric(&metrics, "embers_request_duration_seconds_count"), 0);
         // Bad requests: named 4xx, and the server keeps answering.
         for (body, kind) in [
             (json!({"instances": [{"user": users}], "k": 5}), "invalid"),

@@ -41,7 +41,7 @@ struct Args {
     /// A batch closes at this many rows …
     #[arg(long, default_value_t = 256)]
     max_batch: usize,
-    /// … or this many microseconds after its first request.
+    /// … or this many microseconds after its first request (at most 60 s).
     #[arg(long, default_value_t = 2000)]
     max_delay_us: u64,
     /// Rows queued or running at most; past it requests get 503 with Retry-After.
@@ -53,6 +53,9 @@ struct Args {
     /// Predict requests in flight at most (each holds up to max-body-bytes); past it, 503.
     #[arg(long, default_value_t = 1024)]
     max_inflight: usize,
+    /// Seconds a request's body may take to arrive (408 past it).
+    #[arg(long, default_value_t = 30)]
+    body_timeout_s: u64,
     /// Check the checkpoint's modification time every this many seconds and reload it when
     /// it changes (0: never; SIGHUP always reloads).
     #[arg(long, default_value_t = 0)]
@@ -140,6 +143,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         },
         max_body_bytes: args.max_body_bytes,
         max_inflight_requests: args.max_inflight,
+        body_timeout: Duration::from_secs(args.body_timeout_s),
         retrieval: args
             .retrieval_checkpoint
             .clone()
@@ -155,6 +159,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
+        // Taken before the first load, which can be long: a SIGHUP meanwhile reloads once it
+        // has loaded, instead of ending the process (the signal's default action).
+        let hangups = hangups();
         let server = Server::start(config).await?;
         let listener = tokio::net::TcpListener::bind(args.addr).await?;
         println!(
@@ -164,7 +171,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             args.checkpoint.display(),
             listener.local_addr()?
         );
-        tokio::spawn(reload_on_sighup(server.clone()));
+        tokio::spawn(reload_on_sighup(server.clone(), hangups));
         if args.watch > 0 {
             tokio::spawn(watch(server.clone(), args.checkpoint.clone(), args.watch));
         }
@@ -197,30 +204,44 @@ async fn shutdown_signal() {
     println!("embers-serve: shutting down, draining in-flight requests");
 }
 
-/// Reloads the checkpoint on every SIGHUP.
-async fn reload_on_sighup(server: Server) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut hup) = signal(SignalKind::hangup()) else {
-            return;
-        };
-        while hup.recv().await.is_some() {
-            report(server.reload().await);
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = server;
+/// SIGHUPs from now on (`None` where there are none, or they cannot be caught).
+#[cfg(unix)]
+fn hangups() -> Option<tokio::signal::unix::Signal> {
+    use tokio::signal::unix::{signal, SignalKind};
+    signal(SignalKind::hangup()).ok()
 }
 
-/// Reloads the checkpoint whenever its modification time changes.
+#[cfg(not(unix))]
+fn hangups() -> Option<()> {
+    None
+}
+
+/// Reloads the checkpoint on every SIGHUP.
+#[cfg(unix)]
+async fn reload_on_sighup(server: Server, hangups: Option<tokio::signal::unix::Signal>) {
+    let Some(mut hup) = hangups else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        report(server.reload().await);
+    }
+}
+
+#[cfg(not(unix))]
+async fn reload_on_sighup(_server: Server, _hangups: Option<()>) {}
+
+/// Reloads the checkpoint whenever its modification time or length changes (a file caught
+/// half written and completed within the clock's tick changes length).
 async fn watch(server: Server, path: PathBuf, every: u64) {
-    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut last: Option<SystemTime> = modified(&path);
+    let stamp = |p: &PathBuf| -> Option<(SystemTime, u64)> {
+        let m = std::fs::metadata(p).ok()?;
+        Some((m.modified().ok()?, m.len()))
+    };
+    let mut last = stamp(&path);
     let mut tick = tokio::time::interval(Duration::from_secs(every));
     loop {
         tick.tick().await;
-        let now = modified(&path);
+        let now = stamp(&path);
         if now.is_some() && now != last {
             last = now;
             report(server.reload().await);

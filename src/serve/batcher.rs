@@ -30,12 +30,17 @@ pub struct BatcherConfig {
     pub max_batch_rows: usize,
     /// … or this long after its first request arrived, whichever comes first (tokio's
     /// timers have 1 ms resolution; 0: the batch is whatever is queued when the previous one
-    /// finishes, so an idle server answers at once and a busy one still batches).
+    /// finishes, so an idle server answers at once and a busy one still batches). At most
+    /// [`MAX_DELAY`].
     pub max_delay: Duration,
     /// Rows queued or running at most; a request that would exceed it is refused
     /// ([`ServeError::Overloaded`]).
     pub max_queued_rows: usize,
 }
+
+/// The longest [`BatcherConfig::max_delay`]: a request kept waiting longer than this for
+/// others to batch with is a misconfiguration (and far past it, a deadline no clock holds).
+pub const MAX_DELAY: Duration = Duration::from_secs(60);
 
 impl Default for BatcherConfig {
     /// 256 rows, 2 ms, 8192 rows queued.
@@ -148,6 +153,16 @@ impl<M: BatchModel> DynamicBatcher<M> {
                 format!("max_batch_rows and max_queued_rows must be at least 1, got {config:?}"),
             ));
         }
+        if config.max_delay > MAX_DELAY {
+            return Err(crate::Error::invalid(
+                "DynamicBatcher",
+                format!(
+                    "max_delay {:?} is longer than {MAX_DELAY:?}: requests would wait that long \
+                     for others to batch with",
+                    config.max_delay
+                ),
+            ));
+        }
         let model = Arc::new(model);
         let (sender, receiver) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
@@ -211,7 +226,7 @@ impl<M: BatchModel> DynamicBatcher<M> {
             return Err(ServeError::Overloaded {
                 queued_rows: before,
                 limit,
-                retry_after: self.config.max_delay * batches_ahead,
+                retry_after: self.config.max_delay.saturating_mul(batches_ahead),
             });
         }
         let (reply, answer) = oneshot::channel();

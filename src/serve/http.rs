@@ -47,9 +47,14 @@ pub struct ServerConfig {
     /// Largest request body accepted (413 above it).
     pub max_body_bytes: usize,
     /// Predict requests being read, parsed or waiting at once; past it, 503 at once. With
-    /// `max_body_bytes` it bounds the memory requests can hold (the batcher's queue bounds
-    /// rows only once they are parsed).
+    /// `max_body_bytes` it bounds the bodies requests hold; a body being parsed takes up to
+    /// about 20 times its size more while it is parsed (one per runtime thread at a time), and
+    /// the batcher's queue bounds the rows parsed.
     pub max_inflight_requests: usize,
+    /// The longest a request's body may take to arrive (408 past it): a client that stops
+    /// sending holds its place among those in flight no longer than this, and cannot keep
+    /// a draining server from exiting.
+    pub body_timeout: Duration,
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
     pub retrieval: Option<RetrievalConfig>,
@@ -70,7 +75,7 @@ pub struct RetrievalConfig {
 
 impl ServerConfig {
     /// Serves `checkpoint` as `model_name` with FP32 tables, default batching, an 8 MiB body
-    /// limit and 1024 requests in flight.
+    /// limit, 1024 requests in flight and 30 s for a body to arrive.
     pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
         ServerConfig {
             model_name: model_name.into(),
@@ -80,6 +85,7 @@ impl ServerConfig {
             batcher: BatcherConfig::default(),
             max_body_bytes: 8 << 20,
             max_inflight_requests: 1024,
+            body_timeout: Duration::from_secs(30),
             retrieval: None,
         }
     }
@@ -113,10 +119,14 @@ struct Metrics {
     responses: Mutex<BTreeMap<(&'static str, u16), u64>>,
     /// Error responses by kind.
     errors: Mutex<BTreeMap<&'static str, u64>>,
-    /// Seconds from a predict request's arrival to its answer.
+    /// Seconds from a predict request's arrival to its answer (an error included).
     latency: Histogram,
-    /// Rows answered.
+    /// … and a retrieve request's.
+    retrieve_latency: Histogram,
+    /// Rows scored.
     rows: AtomicU64,
+    /// Retrieval queries answered.
+    queries: AtomicU64,
     reloads_ok: AtomicU64,
     reloads_failed: AtomicU64,
 }
@@ -233,6 +243,12 @@ impl Server {
                 "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
+        if config.body_timeout.is_zero() {
+            return Err(Error::invalid(
+                "ServerConfig",
+                "body_timeout must be longer than zero",
+            ));
+        }
         let shared = Arc::new(Shared {
             inflight: tokio::sync::Semaphore::new(config.max_inflight_requests),
             config,
@@ -244,7 +260,9 @@ impl Server {
                 responses: Mutex::new(BTreeMap::new()),
                 errors: Mutex::new(BTreeMap::new()),
                 latency: Histogram::exponential(1e-4, 2.0, 18),
+                retrieve_latency: Histogram::exponential(1e-4, 2.0, 18),
                 rows: AtomicU64::new(0),
+                queries: AtomicU64::new(0),
                 reloads_ok: AtomicU64::new(0),
                 reloads_failed: AtomicU64::new(0),
             },
@@ -260,15 +278,22 @@ impl Server {
     }
 
     /// Loads the checkpoint file again and swaps it in once it has loaded and scored a probe
-    /// row; returns the new version. On error the old model keeps serving.
+    /// row; returns the new version. On error the old model keeps serving. The reload runs
+    /// to its end even when the caller stops waiting (a client that hangs up on `:reload`):
+    /// the model it loaded is swapped in and counted, not thrown away.
     pub async fn reload(&self) -> Result<u64> {
-        let result = self.load().await;
-        let counter = match result {
-            Ok(_) => &self.shared.metrics.reloads_ok,
-            Err(_) => &self.shared.metrics.reloads_failed,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        result
+        let server = self.clone();
+        let task = tokio::spawn(async move {
+            let result = server.load().await;
+            let counter = match result {
+                Ok(_) => &server.shared.metrics.reloads_ok,
+                Err(_) => &server.shared.metrics.reloads_failed,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            result
+        });
+        task.await
+            .map_err(|e| Error::invalid("checkpoint", format!("the reload failed: {e}")))?
     }
 
     async fn load(&self) -> Result<u64> {
@@ -479,12 +504,11 @@ async fn model_post(
             (e.into_response(), Some(kind))
         }
     };
-    if route == "predict" || route == "retrieve" {
-        server
-            .shared
-            .metrics
-            .latency
-            .observe(started.elapsed().as_secs_f64());
+    let m = &server.shared.metrics;
+    match route {
+        "predict" => m.latency.observe(started.elapsed().as_secs_f64()),
+        "retrieve" => m.retrieve_latency.observe(started.elapsed().as_secs_f64()),
+        _ => {}
     }
     server.count(route, response.status(), kind);
     response
@@ -537,33 +561,40 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let text = format!("{e:?}");
-        if text.contains("LengthLimit") {
-            too_large()
-        } else {
-            ApiError::bad("body", format!("the body could not be read: {e}"))
-        }
-    })?;
+    let timeout = server.shared.config.body_timeout;
+    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit));
+    let bytes = read
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!("the body did not arrive within {timeout:?}"),
+            )
+        })?
+        .map_err(|e| {
+            let text = format!("{e:?}");
+            if text.contains("LengthLimit") {
+                too_large()
+            } else {
+                ApiError::bad("body", format!("the body could not be read: {e}"))
+            }
+        })?;
     Ok(bytes)
 }
 
-/// A request's rows through `batcher` (none is a 400), counted in the rows metric.
+/// A request's rows through `batcher` (none is a 400), counted in `answered` (a metric).
 async fn run_rows<M: BatchModel>(
-    server: &Server,
     batcher: &DynamicBatcher<M>,
     rows: Vec<M::Row>,
+    answered: &AtomicU64,
 ) -> std::result::Result<Vec<M::Output>, ApiError> {
     if rows.is_empty() {
         return Err(ApiError::bad("invalid", "no instances"));
     }
     let n = rows.len();
     let outputs = batcher.submit(rows).await?;
-    server
-        .shared
-        .metrics
-        .rows
-        .fetch_add(n as u64, Ordering::Relaxed);
+    answered.fetch_add(n as u64, Ordering::Relaxed);
     Ok(outputs)
 }
 
@@ -620,7 +651,7 @@ async fn retrieve(
         }
         rows.push(row);
     }
-    let found = run_rows(server, &stage.batcher, rows).await?;
+    let found = run_rows(&stage.batcher, rows, &server.shared.metrics.queries).await?;
     let ids: Vec<Vec<i64>> = found
         .iter()
         .map(|r| r.iter().map(|p| p.0).collect())
@@ -731,7 +762,7 @@ async fn predict(
             })?
         }
     };
-    let outputs = run_rows(server, &model.batcher, rows).await?;
+    let outputs = run_rows(&model.batcher, rows, &server.shared.metrics.rows).await?;
     let tasks = &model.tasks;
     let column = |t: usize| outputs.iter().map(|o| o[t]).collect::<Vec<f32>>();
     Ok(match format {
@@ -857,6 +888,23 @@ fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<Dlrm
         // Offsets, lengths and null counts checked before any value is read.
         for column in batch.columns() {
             column.to_data().validate_full().map_err(malformed)?;
+        }
+        // The rows a stream claims cost no bytes until a column is read (a `dense` column of
+        // nulls, no columns at all): checked against what its bytes can hold — every row's
+        // dense values, 4 bytes each at least — before they are made.
+        let per_row = (4 * model.num_dense).max(1);
+        let claimed = rows.len().saturating_add(batch.num_rows());
+        if claimed.saturating_mul(per_row) > bytes.len() {
+            return Err(ApiError::bad(
+                "invalid",
+                format!(
+                    "the stream claims {claimed} rows; its {} bytes hold at most {} rows of {} \
+                     dense values",
+                    bytes.len(),
+                    bytes.len() / per_row,
+                    model.num_dense
+                ),
+            ));
         }
         let first = rows.len();
         rows.extend((0..batch.num_rows()).map(|_| DlrmRow {
@@ -1081,8 +1129,18 @@ async fn metrics(State(server): State<Server>) -> Response {
     for (kind, n) in m.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "embers_errors_total{{kind=\"{kind}\"}} {n}");
     }
-    counter(&mut out, "embers_rows_total", "Rows scored.");
+    counter(&mut out, "embers_rows_total", "Rows scored (predict).");
     let _ = writeln!(out, "embers_rows_total {}", m.rows.load(Ordering::Relaxed));
+    counter(
+        &mut out,
+        "embers_retrieval_queries_total",
+        "Retrieval queries answered.",
+    );
+    let _ = writeln!(
+        out,
+        "embers_retrieval_queries_total {}",
+        m.queries.load(Ordering::Relaxed)
+    );
     counter(&mut out, "embers_reloads_total", "Model reloads by result.");
     let _ = writeln!(
         out,
@@ -1097,7 +1155,12 @@ async fn metrics(State(server): State<Server>) -> Response {
     m.latency.write(
         &mut out,
         "embers_request_duration_seconds",
-        "Predict requests, arrival to answer.",
+        "Predict requests (errors included), arrival to answer.",
+    );
+    m.retrieve_latency.write(
+        &mut out,
+        "embers_retrieve_duration_seconds",
+        "Retrieve requests (errors included), arrival to answer.",
     );
     if let Some(model) = server.current() {
         let stats = model.batcher.stats();

@@ -16,7 +16,7 @@ mod histogram;
 mod http;
 mod retrieval;
 
-pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError};
+pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError, MAX_DELAY};
 pub use dlrm::{DlrmRow, DlrmServable};
 pub use histogram::Histogram;
 #[cfg(feature = "server")]
