@@ -462,6 +462,40 @@ pub(crate) struct ReplaceFailed {
     pub renamed: bool,
 }
 
+/// `flock(LOCK_EX | LOCK_NB)` on `file`: the lock goes with its open file description. Off
+/// Unix, nothing (and success).
+pub(crate) fn try_lock(file: &std::fs::File) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: flock reads no user memory; the descriptor is open.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = file;
+    Ok(())
+}
+
+/// Whether the file at `path` may be in use: some open file description (of any process)
+/// holds a lock on it, as every live row store and serving directory holds one. Only a missing
+/// file, or a lock this call could take itself, reads as not in use: any other error (a file
+/// system without locks, no permission) reads as in use, so nothing live is taken for dead.
+/// Off Unix every existing file reads as in use.
+pub(crate) fn in_use(path: &Path) -> bool {
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+    };
+    // A lock taken here goes when `file` is closed, at the return.
+    !cfg!(unix) || try_lock(&file).is_err()
+}
+
 /// The directory holding `path` (`.` for a bare file name).
 fn parent_dir(path: &Path) -> &Path {
     path.parent()
@@ -520,10 +554,15 @@ fn replace_atomically_or(
     let dir = parent_dir(path);
     let file_name = (path.file_name()).ok_or_else(|| before(invalid(path, "not a file path")))?;
     let tmp = dir.join(format!(
-        ".{}.tmp.{}",
-        file_name.to_string_lossy(),
+        "{}{}",
+        temporary_prefix(file_name),
         std::process::id()
     ));
+    // Locked until the rename: a later writer of `path` removes the temporaries no writer
+    // holds, those a killed one left ([`remove_dead_temporaries`]). Where the lock cannot be
+    // taken the write goes on (the file is then only not told from a dead writer's).
+    let held = std::fs::File::create(&tmp).map_err(|e| before(io_err(&tmp, e)))?;
+    let _ = try_lock(&held);
     let result = (|| {
         fill(&tmp)?;
         std::fs::File::open(&tmp)
@@ -535,6 +574,8 @@ fn replace_atomically_or(
         let _ = std::fs::remove_file(&tmp);
         return Err(before(e));
     }
+    drop(held);
+    remove_dead_temporaries(dir, file_name);
     // Persist the rename itself (the directory entry).
     sync_dir(dir).map_err(|e| ReplaceFailed {
         error: invalid(
@@ -547,6 +588,34 @@ fn replace_atomically_or(
         ),
         renamed: true,
     })
+}
+
+/// The name of a temporary file of `file_name`'s writers, less the writer's process id.
+fn temporary_prefix(file_name: &std::ffi::OsStr) -> String {
+    format!(".{}.tmp.", file_name.to_string_lossy())
+}
+
+/// Removes the temporary files of `file_name` in `dir` that no writer holds: those of
+/// writers killed before their rename, which no one else would remove (a full model's worth
+/// each). A live writer's is locked ([`in_use`]).
+fn remove_dead_temporaries(dir: &Path, file_name: &std::ffi::OsStr) {
+    let prefix = temporary_prefix(file_name);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let dead = !pid.is_empty()
+            && pid.bytes().all(|b| b.is_ascii_digit())
+            && e.file_type().is_ok_and(|t| t.is_file())
+            && !in_use(&e.path());
+        if dead {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Values decoded per read: a tensor is read from the file this many bytes at a time, so
@@ -836,6 +905,36 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("embers-reader-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    /// A writer killed before its rename leaves its temporary file; the next write of the same
+    /// file removes it, but not a live writer's (locked), another file's, or a name that is no
+    /// writer's.
+    #[cfg(unix)]
+    #[test]
+    fn a_killed_writers_temporary_goes_with_the_next_write() {
+        let dir = temp("dead-temporaries");
+        let path = dir.join("m.safetensors");
+        let named = |n: &str| dir.join(n);
+        let dead = named(".m.safetensors.tmp.4194999");
+        let live = named(".m.safetensors.tmp.4194998");
+        let others = [
+            named(".n.safetensors.tmp.5"),
+            named(".m.safetensors.tmp.x1"),
+        ];
+        for p in [&dead, &live].into_iter().chain(&others) {
+            std::fs::write(p, b"a partial checkpoint").unwrap();
+        }
+        let writer = std::fs::File::open(&live).unwrap();
+        try_lock(&writer).unwrap();
+        write_atomically(&path, b"new").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        assert!(!dead.exists());
+        assert!(live.exists() && others.iter().all(|p| p.exists()));
+        drop(writer);
+        write_atomically(&path, b"newer").unwrap();
+        assert!(!live.exists() && others.iter().all(|p| p.exists()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A tensor several read chunks long (not a whole number of them) and small ones of other

@@ -22,6 +22,7 @@ use memmap2::MmapMut;
 
 use super::log::{TableFile, WriteLog};
 use super::memory::available_memory;
+use crate::checkpoint::try_lock;
 use crate::{Error, Result};
 
 const OP: &str = "TBE row store";
@@ -192,22 +193,6 @@ fn lock_exclusively(file: &File, path: &Path) -> Result<()> {
     }
 }
 
-/// `flock(LOCK_EX | LOCK_NB)` on `file`: the lock goes with its open file description. Off
-/// Unix, nothing (and success).
-fn try_lock(file: &File) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::io::AsRawFd;
-        // SAFETY: flock reads no user memory; the descriptor is open.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = file;
-    Ok(())
-}
-
 /// Refuses when the file `file` (opened, then locked, by path) is no longer the one at `path`:
 /// another process renamed a new one over it in between, and the inode locked is that
 /// process's old file (its kept rows, say), not to be emptied.
@@ -306,7 +291,7 @@ pub(crate) fn clock_nanos() -> u64 {
 }
 
 /// Creates (or opens) the file `path` and takes an exclusive lock on it, held while the
-/// returned file is open: what [`in_use`] then sees, from any process.
+/// returned file is open: what [`in_use`](crate::checkpoint::in_use) then sees, from any process.
 pub(crate) fn hold_lock(path: &Path) -> Result<File> {
     let file = OpenOptions::new()
         .read(true)
@@ -317,20 +302,6 @@ pub(crate) fn hold_lock(path: &Path) -> Result<File> {
         .map_err(|e| io_error(path, "creating a lock file", e))?;
     lock_exclusively(&file, path)?;
     Ok(file)
-}
-
-/// Whether the file at `path` may be in use: some open file description (of any process)
-/// holds a lock on it, as every live row store and serving directory holds one. Only a missing
-/// file, or a lock this call could take itself, reads as not in use: any other error (a file
-/// system without locks, no permission) reads as in use, so nothing live is taken for dead.
-/// Off Unix every existing file reads as in use.
-pub(crate) fn in_use(path: &Path) -> bool {
-    let file = match OpenOptions::new().read(true).write(true).open(path) {
-        Ok(file) => file,
-        Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
-    };
-    // A lock taken here goes when `file` is closed, at the return.
-    !cfg!(unix) || try_lock(&file).is_err()
 }
 
 /// Allocates every block of `file` up to `len` bytes, so writes through a mapping never need
