@@ -943,4 +943,88 @@ mod tests {
         assert_eq!(bits(&optimizer), now);
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A trainer load whose cached tables fail to commit (their row file's rename, an I/O
+    /// error) leaves the whole trainer as it was: dense parameters, their optimizer state and
+    /// the step count put back after the dense half was applied, tables untouched. Without
+    /// the fault the same load goes through.
+    #[test]
+    fn a_trainer_load_whose_tables_fail_leaves_the_trainer_as_it_was() {
+        use crate::embedding::tbe::cache::store::FAIL_REPLACE;
+        use crate::embedding::{CachePolicy, Placement};
+        let dir = std::env::temp_dir().join(format!("embers-load-undo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = DlrmConfig {
+            num_dense: 3,
+            sparse_features: vec![("a".into(), 60), ("b".into(), 40)],
+            embedding_dim: 4,
+            dense_arch: vec![8],
+            over_arch: vec![8],
+            tasks: vec!["click".into()],
+            dcn: None,
+            dense_optimizer: DenseOptimizer::Adagrad { lr: 0.05 },
+            sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+                lr: 0.05,
+                eps: 1e-8,
+            },
+            seed: 3,
+            metrics_window: 100,
+            device: Device::Cpu,
+        };
+        let placement = Placement::for_kernel(
+            "fused_uvm_caching",
+            Some(0.2),
+            dir.join("rows"),
+            CachePolicy::Lru,
+        )
+        .unwrap();
+        let mut t = cfg.build_with(&placement).unwrap();
+        assert!(t.model().sparse_arch.tbes()[0].is_cached());
+        let b = 8usize;
+        let dense: Vec<f32> = (0..b * 3).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect();
+        let ids: Vec<i64> = (0..2 * b as i64).map(|i| (i * 13) % 40).collect();
+        let batch = Batch::new(
+            Tensor::from_vec(dense, &[b, 3]).unwrap(),
+            KeyedJaggedTensor::from_lengths(
+                vec!["a".into(), "b".into()],
+                Tensor::from_vec(ids, &[2 * b]).unwrap(),
+                Tensor::from_vec(vec![1i64; 2 * b], &[2 * b]).unwrap(),
+                None,
+                None,
+            )
+            .unwrap(),
+            Tensor::from_vec((0..b).map(|i| (i % 2) as f32).collect(), &[b, 1]).unwrap(),
+        )
+        .unwrap();
+        let state = |t: &DlrmTrainer| {
+            let dense = (t.model().dense.named_parameters().into_iter())
+                .map(|(_, p)| p.to_vec::<f32>().unwrap())
+                .collect::<Vec<_>>();
+            let optimizer = (t.optimizer.state_dict().unwrap().into_iter())
+                .map(|(_, s)| s.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap())
+                .collect::<Vec<_>>();
+            let arch = &t.model().sparse_arch;
+            let tables = (arch.configs().iter())
+                .map(|c| arch.table_weights(&c.name).unwrap())
+                .collect::<Vec<_>>();
+            (dense, optimizer, tables, t.step())
+        };
+        t.train_step(&batch).unwrap();
+        let path = dir.join("ckpt.safetensors");
+        t.save_checkpoint(&path, &BTreeMap::new()).unwrap();
+        let saved = state(&t);
+        t.train_step(&batch).unwrap();
+        let now = state(&t);
+        assert!(now.0 != saved.0 && now.2 != saved.2 && now.3 != saved.3);
+        FAIL_REPLACE.with(|f| f.set(true));
+        let err = t.load_checkpoint(&path).unwrap_err().to_string();
+        FAIL_REPLACE.with(|f| f.set(false));
+        assert!(err.contains("a failure made by a test"), "{err}");
+        assert!(state(&t) == now, "a failed load changed the trainer");
+        t.load_checkpoint(&path).unwrap();
+        assert!(state(&t) == saved);
+        drop(t);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -281,6 +281,8 @@ thread_local! {
     /// Bytes a [`fallocate`] on this thread can take before the disk is full (tests: less
     /// room than `statvfs` says, or a disk too small for a store).
     pub(crate) static ROOM: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    /// Makes the next [`RowStore::replace_with`] on this thread fail at its rename.
+    pub(crate) static FAIL_REPLACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Nanoseconds since the Unix epoch (0 for a clock before it): what makes a name unique
@@ -933,6 +935,11 @@ impl RowStore {
         lock_exclusively(&file, source)?;
         let mut new = Self::mapped(file, source, self.tables.clone(), self.len)?;
         new.check_len()?;
+        #[cfg(test)]
+        if FAIL_REPLACE.with(|f| f.replace(false)) {
+            let e = std::io::Error::other("a failure made by a test");
+            return Err(io_error(&self.path, "replacing the row store", e));
+        }
         std::fs::rename(source, &self.path)
             .map_err(|e| io_error(&self.path, "replacing the row store", e))?;
         // The mapping follows the file (same inode) under its new name; the old file and its
