@@ -1296,65 +1296,58 @@ impl CachedTables {
         )
     }
 
-    /// Gives table `t` room for `need` scratch rows (keeping every cached row).
+    /// Gives table `t` room for `need` scratch rows (keeping every cached row). A GPU cache's
+    /// rows are rearranged on the GPU (no copy of the cache in host memory), once every
+    /// stream's work on them is done (a prefetch's admission may run beside a backward), on
+    /// the default stream as the buffers they replace (not the prefetch stream's pool, which
+    /// would hand their memory out again before the caller's work on them is done when they
+    /// are freed). Growing is rare: a batch with more conflict misses than ever before. On an
+    /// error nothing has changed.
     fn grow_scratch(&mut self, logical: &TbeConfig, t: usize, need: usize) -> Result<()> {
         let mut scratch = self.scratch.clone();
         scratch[t] = need.max(scratch[t] * 2);
-        let (cfg, layout, rows) = Self::buffers(logical, &self.dirs, &scratch, None)?;
-        let CacheRows::Host(mut host) = rows else {
-            unreachable!("host buffers were asked for");
-        };
-        let n = self.dirs.len();
-        let old_lens: Vec<[usize; 3]> = (0..n).map(|u| self.lens(u)).collect();
-        let new_lens: Vec<[usize; 3]> = (0..n)
-            .map(|u| {
-                let (rows, p) = (cfg.tables[u].rows, self.parts[u]);
-                [rows * p.dim, rows * p.state[0], rows * p.state[1]]
-            })
-            .collect();
-        // A GPU cache's rows are rearranged on the host (growing is rare: a batch with more
-        // conflict misses than ever before), once every stream's work on them is done (a
-        // prefetch's admission may run beside a backward).
-        if let Some(d) = self.gpu() {
-            d.synchronize()?;
-        }
-        let downloaded;
-        let old = match &self.rows {
-            CacheRows::Host(h) => h,
-            CacheRows::Device(d) => {
-                downloaded = super::download(&self.cfg, &self.layout, d)?;
-                &downloaded
+        let gpu = self.gpu().cloned();
+        let (cfg, layout, mut rows) = match &gpu {
+            None => Self::buffers(logical, &self.dirs, &scratch, None)?,
+            Some(d) => {
+                d.synchronize()?;
+                (d.default_stream())
+                    .run(|| Self::buffers(logical, &self.dirs, &scratch, gpu.as_ref()))?
             }
         };
         // In each buffer, every table's slot rows move to the table's new start (scratch rows
-        // are working copies, filled at each use).
-        {
-            let HostTables { weights, m1, m2 } = &mut host;
-            let buffers = [(&old.weights, weights), (&old.m1, m1), (&old.m2, m2)];
-            for (p, (src, dst)) in buffers.into_iter().enumerate() {
-                let (mut from, mut to) = (0, 0);
-                for u in 0..n {
-                    let len = self.dirs[u].slots() * self.parts[u].range(p).len();
-                    dst[to..to + len].copy_from_slice(&src[from..from + len]);
-                    from += old_lens[u][p];
-                    to += new_lens[u][p];
-                }
+        // are working copies, filled at each use): (buffer, from, to, values).
+        let mut copies = Vec::new();
+        for p in 0..3 {
+            let (mut from, mut to) = (0, 0);
+            for u in 0..self.dirs.len() {
+                let (part, slots) = (self.parts[u], self.dirs[u].slots());
+                copies.push((p, from, to, slots * part.range(p).len()));
+                from += self.cfg.tables[u].rows * part.range(p).len();
+                to += cfg.tables[u].rows * part.range(p).len();
             }
         }
-        let rows = match self.gpu() {
-            None => CacheRows::Host(host),
-            // On the default stream, as the buffers it replaces (not the prefetch stream's
-            // pool, which would hand their memory out again before the caller's work on
-            // them is done when they are freed).
-            Some(d) => {
-                let rows = d
-                    .default_stream()
-                    .run(|| super::upload(&cfg, &layout, &host, d.clone(), false))?;
+        match (&self.rows, &mut rows) {
+            (CacheRows::Host(old), CacheRows::Host(new)) => {
+                let old = [&old.weights, &old.m1, &old.m2];
+                let HostTables { weights, m1, m2 } = new;
+                let new = [weights, m1, m2];
+                for (p, from, to, len) in copies {
+                    new[p][to..to + len].copy_from_slice(&old[p][from..from + len]);
+                }
+            }
+            (CacheRows::Device(old), CacheRows::Device(new)) => {
+                let d = gpu.as_ref().expect("device rows have a GPU");
+                (d.default_stream()).run(|| {
+                    (copies.iter()).try_for_each(|&(p, from, to, len)| {
+                        new.copy_values_from(old, p, from, to, len)
+                    })
+                })?;
                 // Landed before any stream's work on them.
                 d.synchronize()?;
-                CacheRows::Device(rows)
             }
-        };
+            _ => unreachable!("buffers made where the cache rows are"),
+        }
         (self.cfg, self.layout, self.scratch, self.rows) = (cfg, layout, scratch, rows);
         Ok(())
     }

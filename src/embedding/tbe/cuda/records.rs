@@ -208,6 +208,34 @@ impl DeviceTables {
         ]
     }
 
+    /// Copies `len` values at `from` in buffer `p` of `src` (in
+    /// [`record_buffers`](Self::record_buffers)' order: weights, then the state buffers) to
+    /// `to` in the same buffer here, on the device (queued on the current stream).
+    pub(crate) fn copy_values_from(
+        &self,
+        src: &DeviceTables,
+        p: usize,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (dst, src) = (self.record_buffers()[p], src.record_buffers()[p]);
+        if from + len > src.len() || to + len > dst.len() {
+            return Err(Error::invalid(
+                "DeviceTables::copy_values_from",
+                format!(
+                    "{len} values from {from} of {} to {to} of {}",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        (self.device).copy_on_device(dst.ptr_at(to), src.ptr_at(from), len * 4)
+    }
+
     /// The records `records`, packed back to back, copied to the host.
     pub(crate) fn take_records(&self, records: &[RecordAt]) -> Result<Vec<f32>> {
         let (at, packed) = self.record_offsets(records)?;
