@@ -947,6 +947,46 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A write-back after a backward that fails (updated rows not marked dirty, scratch rows
+    /// not written back), or a release of finished batches' slots that fails (slots left
+    /// locked), makes the cache unusable, saying which, instead of losing updates or slots
+    /// silently; a checkpoint load makes it usable again.
+    #[test]
+    fn a_failed_write_back_or_release_makes_the_cache_unusable() {
+        use super::super::{FAIL_RELEASE, FAIL_WRITE_BACK};
+        let dir = fresh_dir("write-back");
+        let cfg = one_table(200, FusedOptimizer::Sgd { lr: 0.5 });
+        let cache = CacheConfig::new(dir.join("a.rows"), CacheSize::LoadFactor(0.2));
+        let tbe = TableBatchedEmbedding::new_cached(cfg, cache).unwrap();
+        tbe.save_cached_checkpoint(dir.join("ckpt")).unwrap();
+        let ids = [3i64, 50, 199];
+        let offsets: Vec<i64> = (0..=ids.len() as i64).collect();
+        let prepare = || tbe.prepare(TbeInput::new(&ids[..], &offsets[..]));
+        let grad = crate::Tensor::from_vec(vec![1.0f32; 3 * 4], &[3, 4]).unwrap();
+        let unusable = |says: &str| {
+            let err = prepare().unwrap_err().to_string();
+            assert!(err.contains("unusable") && err.contains(says), "{err}");
+        };
+        let batch = prepare().unwrap();
+        FAIL_WRITE_BACK.with(|f| f.set(true));
+        let err = tbe.backward_batch(&batch, &grad).unwrap_err().to_string();
+        assert!(err.contains("a failure made by a test"), "{err}");
+        drop(batch);
+        unusable("after a failed write-back of a backward");
+        tbe.load_cached_checkpoint(dir.join("ckpt")).unwrap();
+        let batch = prepare().unwrap();
+        tbe.backward_batch(&batch, &grad).unwrap();
+        drop(batch);
+        FAIL_RELEASE.with(|f| f.set(true));
+        let err = prepare().unwrap_err().to_string();
+        assert!(err.contains("a failure made by a test"), "{err}");
+        unusable("after a failed release of finished batches");
+        tbe.load_cached_checkpoint(dir.join("ckpt")).unwrap();
+        prepare().unwrap();
+        drop(tbe);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A cache left unusable by a failed admission, or whose row file was truncated under
     /// it, recovers by a load into several TBEs at once (its dirty rows cannot be written
     /// back first, and need not be); when that load is undone — another TBE's commit

@@ -174,12 +174,7 @@ impl CachedTables {
             step,
             weights_grad: on_device.weights.is_some(),
         })?;
-        if optimizer != FusedOptimizer::None {
-            self.mark_dirty(batch)?;
-            self.sync_scratch(fallback, false)?;
-        }
-        // The batch's slots are released only after this point of the stream.
-        batch.mark_used(self.gpu().expect("a GPU cache's backward"))?;
+        self.after_backward(batch, optimizer != FusedOptimizer::None)?;
         let sparse = match grads.sparse {
             None => None,
             Some((rows, values)) => {

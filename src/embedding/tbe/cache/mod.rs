@@ -94,6 +94,14 @@ enum Locks {
 /// (the locks are released on the GPU only once it is reached), and the tick of its admission.
 type Released = (Locks, Option<DeviceEvent>, u64);
 
+#[cfg(test)]
+thread_local! {
+    /// Makes the next release of finished batches' slots on this thread fail.
+    static FAIL_RELEASE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes the next write-back after a backward on this thread fail.
+    static FAIL_WRITE_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The slots an admitted batch locked (released when it is dropped) and its direct reads.
 struct Lease {
     locked: Locks,
@@ -1040,6 +1048,20 @@ impl CachedTables {
         if released.is_empty() {
             return Ok(());
         }
+        // Taken off the list: a release that stops part-way leaves slots locked for good.
+        let done = self.release(&released);
+        if let Err(e) = &done {
+            self.poisoned = Some(format!("after a failed release of finished batches ({e})"));
+        }
+        done
+    }
+
+    /// Unlocks the slots of `released` batches.
+    fn release(&mut self, released: &[Released]) -> Result<()> {
+        #[cfg(test)]
+        if FAIL_RELEASE.with(|f| f.replace(false)) {
+            return Err(Error::invalid(OP, "a failure made by a test"));
+        }
         // A GPU cache: what comes next on this stream (the unlocks, the admission's moves over
         // the slots they free) waits for the batches' last lookups and backwards, wherever
         // they were queued.
@@ -1049,7 +1071,7 @@ impl CachedTables {
             }
         }
         if self.home == Home::Device {
-            for (locks, _, _) in &released {
+            for (locks, _, _) in released {
                 self.on_device_slots(locks, DeviceDirectory::unlock)?;
             }
             return Ok(());
@@ -1116,13 +1138,7 @@ impl CachedTables {
             .as_ref()
             .is_some_and(|d| d.fits(batch.ids.len()))
         {
-            let admitted = self.admit_on_device(logical, batch, &ranges);
-            if let Err(e) = &admitted {
-                // Past its first kernel, an admission has locked and installed rows that no
-                // lease or move will account for.
-                self.poisoned = Some(format!("after a failed admission ({e})"));
-            }
-            return admitted;
+            return self.admit_on_device(logical, batch, &ranges);
         }
         self.on_host()?;
         self.drain_for_admission()?;
@@ -1261,12 +1277,26 @@ impl CachedTables {
             }),
             _ => None,
         };
+        let moved = in_place.is_some();
         let dir = self.device_dir.as_mut().expect("admitting on the device");
-        let a = dir.admit(&mut on_device, tick, in_place.as_ref())?;
+        // Nothing has changed before the directory kernels (a failed upload, a GPU short of
+        // memory). From them until the lease holds their locks, a failure leaves rows locked
+        // and installed that no lease or move accounts for: the cache is then unusable. After,
+        // a failure drops the lease, whose locks the next admission releases.
+        let decided = (dir.admit(&mut on_device, tick, in_place.as_ref())).and_then(|a| {
+            let host_moves = (!moved).then(|| a.moves(self.dirs.len())).transpose()?;
+            Ok((a, host_moves))
+        });
+        let (a, host_moves) = match decided {
+            Ok(decided) => decided,
+            Err(e) => {
+                self.poisoned = Some(format!("after a failed admission ({e})"));
+                return Err(e);
+            }
+        };
         self.times.directory += a.decided;
         self.times.file += a.moved;
         self.times.transfer += t0.elapsed() - a.decided - a.moved;
-        let moved = in_place.is_some();
         add_device_counts(&mut self.stats, &a.counts, ranges);
         if moved {
             for (stats, &[_, installed, _, _, written]) in self.stats.iter_mut().zip(&a.counts) {
@@ -1281,7 +1311,6 @@ impl CachedTables {
                 Fallback { table, row, pos }
             })
             .collect();
-        let host_moves = (!moved).then(|| a.moves(self.dirs.len())).transpose()?;
         let lease = Lease {
             locked: Locks::Device(a.locked, a.locked_len),
             fallback,
@@ -1450,6 +1479,32 @@ impl CachedTables {
         }
     }
 
+    /// After a backward's kernel: with a fused update (`updated`), the updated rows marked
+    /// dirty and the scratch rows written back where their rows live now; on a GPU, the
+    /// batch's slots released only after this point of the stream. A failure leaves updates
+    /// no write-back will find, or slots a move may take while the kernel still runs: the
+    /// cache is then unusable.
+    fn after_backward(&mut self, batch: &CachedBatch, updated: bool) -> Result<()> {
+        let done = (|| {
+            #[cfg(test)]
+            if FAIL_WRITE_BACK.with(|f| f.replace(false)) {
+                return Err(Error::invalid(OP, "a failure made by a test"));
+            }
+            if updated {
+                self.mark_dirty(batch)?;
+                self.sync_scratch(&batch.lease.fallback, false)?;
+            }
+            match self.gpu() {
+                Some(d) => batch.mark_used(d),
+                None => Ok(()),
+            }
+        })();
+        if let Err(e) = &done {
+            self.poisoned = Some(format!("after a failed write-back of a backward ({e})"));
+        }
+        done
+    }
+
     /// Marks the slots of an admitted batch dirty (its backward updated them).
     fn mark_dirty(&mut self, batch: &CachedBatch) -> Result<()> {
         if self.home == Home::Device {
@@ -1532,11 +1587,7 @@ impl CachedTables {
             optimizer,
             step,
         );
-        if *optimizer != FusedOptimizer::None {
-            self.mark_dirty(batch)?;
-            // Scratch rows go back where their row lives now.
-            self.sync_scratch(fallback, false)?;
-        }
+        self.after_backward(batch, *optimizer != FusedOptimizer::None)?;
         if let Some(grads) = out.sparse_grads.as_mut() {
             // One per table read by a feature, in table order; rows are cache rows.
             let mut read: Vec<usize> = self.cfg.feature_table_map.clone();
