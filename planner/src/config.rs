@@ -14,7 +14,7 @@
 //! ```
 
 use crate::error::PlannerError;
-use crate::topology::Topology;
+use crate::topology::{Topology, MAX_MULTIPLIER};
 use crate::types::{ComputeDevice, ComputeKernel, DataType, ShardingType};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -27,6 +27,10 @@ pub const MAX_DIM: u64 = 1 << 16;
 pub const MAX_ROWS: u64 = 1 << 40;
 /// Largest pooling factor (ids per sample and feature) or number of poolings accepted.
 pub const MAX_POOLING: f64 = 1e9;
+/// Largest `cache_stats.expected_lookups` accepted: distinct ids a batch looks up in one
+/// table, which no batch brings past MAX_ROWS (and whose products with row bytes must stay
+/// finite).
+pub const MAX_EXPECTED_LOOKUPS: f64 = MAX_ROWS as f64;
 
 /// A byte count given either as an integer or as a string with a binary unit (`"80GiB"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -408,6 +412,23 @@ impl Config {
                 format!("must be within [0, 1], got {}", r.percentage),
             ));
         }
+        if let Some(m) = self.optimizer.state_multiplier {
+            if self.optimizer.kind != OptimizerKind::Custom {
+                return Err(cfg(
+                    "optimizer.state_multiplier",
+                    format!(
+                        "only a `custom` optimizer takes one ({:?} sets its own state)",
+                        self.optimizer.kind
+                    ),
+                ));
+            }
+            if !(m.is_finite() && (0.0..=MAX_MULTIPLIER).contains(&m)) {
+                return Err(cfg(
+                    "optimizer.state_multiplier",
+                    format!("must be a number within [0, {MAX_MULTIPLIER}], got {m}"),
+                ));
+            }
+        }
         if self.tables.is_empty() {
             return Err(cfg("tables", "at least one table is needed".into()));
         }
@@ -566,10 +587,15 @@ impl Config {
                     "mrc_hist_counts must be non-empty and height >= 1".into(),
                 ));
             }
-            if !(s.expected_lookups.is_finite() && s.expected_lookups >= 0.0) {
+            if !(s.expected_lookups.is_finite()
+                && (0.0..=MAX_EXPECTED_LOOKUPS).contains(&s.expected_lookups))
+            {
                 return Err(cfg(
                     &f("constraints.cache_stats.expected_lookups"),
-                    format!("must be a finite count >= 0, got {}", s.expected_lookups),
+                    format!(
+                        "must be a count within [0, {MAX_EXPECTED_LOOKUPS:e}], got {}",
+                        s.expected_lookups
+                    ),
                 ));
             }
             // Summed in f32, as TorchRec sums them: a total past f32's range is no curve.

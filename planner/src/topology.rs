@@ -12,6 +12,11 @@ const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 /// Largest world size accepted (every rank has per-rank state in the search).
 pub const MAX_WORLD_SIZE: usize = 1 << 16;
 
+/// Largest multiplier of a cost or of the weights' bytes accepted (backward compute, a custom
+/// optimizer's state): beyond it no hardware or optimizer is described, and costs leave f64's
+/// useful range.
+pub const MAX_MULTIPLIER: f64 = 1e3;
+
 /// TorchRec's default HBM capacity per rank (32 GiB).
 pub const DEFAULT_HBM_CAP: u64 = 32 << 30;
 /// TorchRec's default DDR capacity per rank (128 GiB).
@@ -175,6 +180,20 @@ impl Topology {
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(name, format!("must be a positive number, got {v}")));
+            }
+        }
+        for (name, v) in [
+            ("bwd_compute_multiplier", self.bwd_compute_multiplier),
+            (
+                "weighted_feature_bwd_compute_multiplier",
+                self.weighted_feature_bwd_compute_multiplier,
+            ),
+        ] {
+            if !(v.is_finite() && (0.0..=MAX_MULTIPLIER).contains(&v)) {
+                return Err(bad(
+                    name,
+                    format!("must be a number within [0, {MAX_MULTIPLIER}], got {v}"),
+                ));
             }
         }
         Ok(())

@@ -244,6 +244,11 @@ fn impossible_cache_stats_are_refused_naming_the_field() {
             "cacheability",
             "got -inf",
         ),
+        (
+            format!("expected_lookups = 1e308\n{curve}"),
+            "expected_lookups",
+            "got 1000000000000000000000",
+        ),
     ] {
         let err = resolved(&stats).unwrap_err().to_string();
         assert!(
@@ -251,6 +256,61 @@ fn impossible_cache_stats_are_refused_naming_the_field() {
                 && err.contains(says),
             "{stats}: {err}"
         );
+    }
+}
+
+/// Multipliers no hardware or optimizer has (negative, NaN, infinite, absurd) are refused
+/// naming the field, as is a state multiplier given to an optimizer that sets its own: before,
+/// they planned to NaN costs (a plan file that could not be read back) or a silently zero
+/// optimizer state.
+#[test]
+fn impossible_multipliers_are_refused_naming_the_field() {
+    let resolved = |extra: &str| {
+        let toml =
+            format!("batch_size = 512\n{extra}\n[[tables]]\nname = \"a\"\nrows = 1000\ndim = 8\n");
+        Config::from_toml(&toml).unwrap().resolve()
+    };
+    resolved("[optimizer]\nkind = \"custom\"\nstate_multiplier = 3.0").unwrap();
+    resolved("[topology]\nbwd_compute_multiplier = 0.5").unwrap();
+    for (extra, field, says) in [
+        (
+            "[optimizer]\nkind = \"custom\"\nstate_multiplier = -1.0",
+            "optimizer.state_multiplier",
+            "got -1",
+        ),
+        (
+            "[optimizer]\nkind = \"custom\"\nstate_multiplier = nan",
+            "optimizer.state_multiplier",
+            "got NaN",
+        ),
+        (
+            "[optimizer]\nkind = \"custom\"\nstate_multiplier = 1e300",
+            "optimizer.state_multiplier",
+            "within [0, 1000], got 1000000000000000000000",
+        ),
+        (
+            "[optimizer]\nkind = \"adam\"\nstate_multiplier = 2.0",
+            "optimizer.state_multiplier",
+            "only a `custom` optimizer",
+        ),
+        (
+            "[topology]\nbwd_compute_multiplier = nan",
+            "topology.bwd_compute_multiplier",
+            "got NaN",
+        ),
+        (
+            "[topology]\nbwd_compute_multiplier = -5.0",
+            "topology.bwd_compute_multiplier",
+            "got -5",
+        ),
+        (
+            "[topology]\nweighted_feature_bwd_compute_multiplier = inf",
+            "topology.weighted_feature_bwd_compute_multiplier",
+            "got inf",
+        ),
+    ] {
+        let err = resolved(extra).unwrap_err().to_string();
+        assert!(err.contains(field) && err.contains(says), "{extra}: {err}");
     }
 }
 

@@ -217,7 +217,18 @@ impl ShardingPlan {
                     (ShardingType::RowWise, row_shards((0..world_size).collect()))
                 }
                 Placement::TableRowWise { host } => {
-                    let first = host * local_world_size;
+                    let first = (host.checked_mul(local_world_size))
+                        .filter(|&f| f < world_size)
+                        .ok_or_else(|| {
+                            Error::invalid(
+                                OP,
+                                format!(
+                                    "table `{}`: host {host} is not one of the {} hosts",
+                                    table.name,
+                                    world_size / local_world_size.max(1)
+                                ),
+                            )
+                        })?;
                     (
                         ShardingType::TableRowWise,
                         row_shards((first..first + local_world_size).collect()),
@@ -462,7 +473,15 @@ impl ShardingPlan {
                             s.col_offset
                         ));
                     }
-                    at += s.cols;
+                    at = match at.checked_add(s.cols).filter(|&a| a <= shape.dim) {
+                        Some(a) => a,
+                        None => {
+                            return fail(format!(
+                                "the shard at column {} runs past the table's {} columns",
+                                s.col_offset, shape.dim
+                            ))
+                        }
+                    };
                 }
                 if at != shape.dim {
                     return fail(format!("the shards cover {at} of {} columns", shape.dim));
@@ -484,7 +503,15 @@ impl ShardingPlan {
                             s.row_offset
                         ));
                     }
-                    at += s.rows;
+                    at = match at.checked_add(s.rows).filter(|&a| a <= shape.rows) {
+                        Some(a) => a,
+                        None => {
+                            return fail(format!(
+                                "shard {i} runs past the table's {} rows",
+                                shape.rows
+                            ))
+                        }
+                    };
                 }
                 if at != shape.rows {
                     return fail(format!("the shards cover {at} of {} rows", shape.rows));
@@ -599,6 +626,45 @@ mod tests {
         .to_string();
         assert!(e.contains("`t1`") && e.contains("several hosts"), "{e}");
         assert!(ShardingPlan::construct(&shapes(), &[], 3, 2).is_err());
+        // Sizes that wrap a running total back to the table's size (an edited plan file).
+        let mut bad = plan.clone();
+        bad.tables[0].shards[0].rows = usize::MAX;
+        bad.tables[0].shards[1].row_offset = usize::MAX;
+        bad.tables[0].shards[1].rows = 11;
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(
+            e.contains("`t0`") && e.contains("runs past the table's 10 rows"),
+            "{e}"
+        );
+        let mut bad = plan.clone();
+        bad.tables[1].shards[0].cols = usize::MAX;
+        bad.tables[1].shards[1].col_offset = usize::MAX;
+        bad.tables[1].shards[1].cols = 17;
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(
+            e.contains("`t1`") && e.contains("runs past the table's 16 columns"),
+            "{e}"
+        );
+        let e = ShardingPlan::construct(
+            &shapes(),
+            &[
+                (
+                    "t0",
+                    Placement::TableRowWise {
+                        host: usize::MAX / 2 + 1,
+                    },
+                ),
+                ("t1", Placement::RowWise),
+            ],
+            4,
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`t0`") && e.contains("not one of the 2 hosts"),
+            "{e}"
+        );
     }
 
     #[test]
