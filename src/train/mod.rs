@@ -859,11 +859,29 @@ impl DlrmTrainer {
     /// Restores a checkpoint written by [`save_checkpoint`](Self::save_checkpoint) for the
     /// same model configuration and optimizers, and returns its user metadata. Everything is
     /// read and checked before anything changes: a truncated, corrupt or mismatched file
-    /// leaves the trainer as it was.
+    /// leaves the trainer as it was. A trainer built from a [`DlrmConfig`] refuses a
+    /// checkpoint of another one (any field but the device and the seed, whose initial values
+    /// the load replaces: a resume with other learning rates is another run).
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
         let f = TrainerFile::open(path, FORMAT, "a trainer checkpoint")?;
         let (step, examples) = (f.count("step")?, f.count("examples")?);
         let named = |e| f.named(e);
+        // A trainer built from a configuration continues only a checkpoint of the same one
+        // (widths, optimizers, learning rates), not silently another run. The device and the
+        // seed (the initial values, which the load replaces) may differ.
+        if let Some(mine) = &self.config {
+            let saved: DlrmConfig = f.config("a DlrmConfig")?;
+            let mine = DlrmConfig {
+                device: saved.device,
+                seed: saved.seed,
+                ..mine.clone()
+            };
+            if saved != mine {
+                return Err(f.bad(format!(
+                    "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
+                )));
+            }
+        }
         // Stage everything.
         let dense =
             DenseState::read(&f.r, &self.model.dense, Some(&self.metrics)).map_err(named)?;
