@@ -111,11 +111,81 @@ fn synthetic<'a>(eval: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
         .collect()
 }
 
+/// Resumed bit-identically; a resume with a flag that chooses the data otherwise (another
+/// `--seed` moves examples between the splits) or a model otherwise (another learning rate)
+/// is refused naming it, and changes nothing.
 #[test]
 fn resume_on_synthetic_data_is_bit_identical() {
     let dir = scratch("synthetic");
     let common = synthetic("1000", &[]);
     straight_equals_resumed(&dir, &common, 15, 40);
+    let b = dir.join("b");
+    let ckpt = b.join("checkpoint.safetensors");
+    let before = std::fs::read(&ckpt).unwrap();
+    for (extra, says) in [
+        (
+            ["--seed", "7"],
+            "its run had --seed 0; this run has --seed 7",
+        ),
+        (
+            ["--table-cap", "5000"],
+            "--table-cap 100000; this run has --table-cap 5000",
+        ),
+        (["--sparse-lr", "0.5"], "written for another configuration"),
+    ] {
+        let args: Vec<&str> = (common.iter().copied())
+            .chain(["--steps", "50", "--out", b.to_str().unwrap()])
+            .chain(["--resume", ckpt.to_str().unwrap()])
+            .chain(extra)
+            .collect();
+        let out = run(&args);
+        let log = text(&out);
+        assert!(!out.status.success() && log.contains(says), "{log}");
+        assert!(
+            std::fs::read(&ckpt).unwrap() == before,
+            "{extra:?} changed the checkpoint"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Flags that would train on nothing or on a split of nothing are errors naming them, before
+/// any training: fewer synthetic examples than one batch, a holdout past half, MovieLens
+/// given several ratings files (only the first would be read).
+#[test]
+fn flags_that_leave_nothing_to_train_on_are_errors() {
+    let dir = scratch("bad-flags");
+    let out_dir = dir.join("out");
+    let out_dir = out_dir.to_str().unwrap();
+    let ratings = dir.join("u.data");
+    std::fs::write(&ratings, "1\t2\t5\t881250949\n").unwrap();
+    let ratings = ratings.to_str().unwrap();
+    for (args, says) in [
+        (
+            vec!["--synthetic-train", "100", "--batch-size", "512"],
+            "--synthetic-train 100 is less than one batch of 512",
+        ),
+        (
+            vec!["--holdout", "0.7"],
+            "--holdout 0.7 is not a fraction within [0, 0.5]",
+        ),
+        (vec!["--holdout", "NaN"], "--holdout NaN"),
+        (
+            vec!["--data", "movielens", "--path", ratings, ratings],
+            "reads one ratings file, --path gives 2",
+        ),
+    ] {
+        let args: Vec<&str> = (QUICK.iter().copied())
+            .chain(["--out", out_dir])
+            .chain(args)
+            .collect();
+        let out = run(&args);
+        let log = text(&out);
+        assert!(
+            !out.status.success() && log.contains(says),
+            "{args:?}: {log}"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -351,6 +421,44 @@ fn early_stopping_restores_the_best_checkpoint() {
     assert!(
         log.contains(&format!("validation: AUC {}", best.1)),
         "best {best:?}\n{log}"
+    );
+
+    // A run without early stopping keeps no best.safetensors: resumed with it, the best its
+    // checkpoint records cannot be restored, and is tracked afresh (before, the end of the
+    // run loaded a missing file, or another run's).
+    let later = dir.join("later");
+    let without: Vec<&str> = (common.iter().copied())
+        .filter(|a| *a != "--early-stop-patience" && *a != "2")
+        .map(|a| {
+            if a == out_dir.to_str().unwrap() {
+                later.to_str().unwrap()
+            } else {
+                a
+            }
+        })
+        .chain(["--dense-lr", "0", "--sparse-lr", "0"])
+        .collect();
+    let out = run(&[&without[..], &["--steps", "10"]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!later.join("best.safetensors").exists());
+    let ckpt = later.join("checkpoint.safetensors");
+    let resumed = [
+        &without[..],
+        &["--steps", "100", "--early-stop-patience", "2"],
+        &["--resume", ckpt.to_str().unwrap()],
+    ]
+    .concat();
+    let out = run(&resumed);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("holds no checkpoint of the best step 5: the best is tracked afresh"),
+        "{log}"
+    );
+    assert!(log.contains("early stop at step 25"), "{log}");
+    assert!(
+        log.contains("restored the best checkpoint (step 15,"),
+        "{log}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

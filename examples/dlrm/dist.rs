@@ -191,7 +191,8 @@ mod with_mpi {
     }
 
     /// Writes the checkpoint of step `step` into `<out>/checkpoint/` (see the module docs).
-    fn save(model: &Model, metrics: &RecMetrics, out: &Path, step: u64) -> Result<()> {
+    fn save(model: &Model, metrics: &RecMetrics, args: &Args, step: u64) -> Result<()> {
+        let out = &args.out;
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
         let partial = out.join("checkpoint.partial");
@@ -205,6 +206,9 @@ mod with_mpi {
         let mut w = CheckpointWriter::new();
         w.set_metadata("step", step.to_string());
         w.set_metadata("world", world.to_string());
+        for (flag, v) in crate::run_flags(args) {
+            w.set_metadata(format!("run.{flag}"), v);
+        }
         write_dense_state(
             &mut w,
             &model.dense,
@@ -227,11 +231,18 @@ mod with_mpi {
 
     /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at. This rank's dense
     /// state is read and checked before the tables load, and applied after.
-    fn resume(model: &mut Model, metrics: &mut RecMetrics, dir: &Path) -> Result<u64> {
+    fn resume(model: &mut Model, metrics: &mut RecMetrics, args: &Args, dir: &Path) -> Result<u64> {
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
         let own = dir.join(format!("rank{rank}.safetensors"));
         let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
+        let recorded: BTreeMap<String, String> = (crate::run_flags(args).into_iter())
+            .filter_map(|(flag, _)| {
+                let key = format!("run.{flag}");
+                Some((key.clone(), r0.metadata(&key)?.to_string()))
+            })
+            .collect();
+        crate::check_run_flags(args, &recorded, dir)?;
         let saved_world = r0.required_metadata("world")?.to_string();
         let same_world = saved_world == world.to_string();
         let r = if same_world {
@@ -249,7 +260,9 @@ mod with_mpi {
         if rank == 0 && !same_world {
             println!(
                 "resumed a checkpoint of {saved_world} ranks on {world}: tables resharded, dense \
-                 half from rank 0, metrics restart"
+                 half from rank 0, metrics restart; each rank skips {step} batches of its own \
+                 part of the data, which on {world} ranks are not the examples the {saved_world} \
+                 ranks trained on: some are trained on again, others not at all this epoch"
             );
         }
         Ok(step)
@@ -319,7 +332,7 @@ mod with_mpi {
         };
         let mut metrics = task_metrics(&config.tasks, config.metrics_window)?;
         let start_step = match &args.resume {
-            Some(dir) => resume(&mut model, &mut metrics, dir)?,
+            Some(dir) => resume(&mut model, &mut metrics, args, dir)?,
             None => 0,
         };
         let mut train_pipeline = TrainPipeline::new(&model.sharded)?;
@@ -449,14 +462,14 @@ mod with_mpi {
                 }
                 history.push(json!({ "step": step, "train": train, "validation": val }));
                 (loss_sum, loss_count) = (0.0, 0);
-                save(model, &metrics, &args.out, step)?;
+                save(model, &metrics, args, step)?;
             }
             Ok(())
         })?;
         bar.finish_and_clear();
         let elapsed = started.elapsed().as_secs_f64();
         let trained = step - start_step;
-        save(&model, &metrics, &args.out, step)?;
+        save(&model, &metrics, args, step)?;
         let (val, val_n) = validation(&model)?;
         let test =
             data.batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))?;

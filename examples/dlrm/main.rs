@@ -459,18 +459,94 @@ impl Progress {
         user
     }
 
-    /// Read back from a checkpoint's metadata (missing entries: a fresh start's values).
-    fn from_user(user: &BTreeMap<String, String>) -> Progress {
-        let get = |k: &str| user.get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        Progress {
-            epoch: get("epoch"),
-            batch_in_epoch: get("batch_in_epoch"),
-            best: (user.get("best_auc"))
-                .and_then(|a| a.parse::<f64>().ok())
-                .map(|a| (a, get("best_step"))),
-            since_best: get("since_best"),
+    /// Read back from the metadata of the checkpoint `path`, which must hold every entry.
+    fn from_user(user: &BTreeMap<String, String>, path: &Path) -> Result<Progress> {
+        let bad = |what: String| {
+            Error::invalid(
+                "dlrm",
+                format!(
+                    "--resume {}: {what} (a checkpoint of this example is needed)",
+                    path.display()
+                ),
+            )
+        };
+        let get = |k: &str| -> Result<u64> {
+            let v = user
+                .get(k)
+                .ok_or_else(|| bad(format!("no `{k}` in its metadata")))?;
+            v.parse()
+                .map_err(|_| bad(format!("its `{k}` is {v:?}, not a count")))
+        };
+        let best = match user.get("best_auc") {
+            None => None,
+            Some(a) => {
+                let auc = (a.parse::<f64>().ok().filter(|a| a.is_finite()))
+                    .ok_or_else(|| bad(format!("its `best_auc` is {a:?}, not an AUC")))?;
+                Some((auc, get("best_step")?))
+            }
+        };
+        Ok(Progress {
+            epoch: get("epoch")?,
+            batch_in_epoch: get("batch_in_epoch")?,
+            best,
+            since_best: get("since_best")?,
+        })
+    }
+}
+
+/// The flags that decide which examples each step trains on, as a checkpoint records them
+/// (`run.<flag>` metadata): a resume must give them as the run it continues did, or it would
+/// skip or repeat other examples than those trained on (another `--seed` moves examples
+/// between the splits, another `--batch-size` skips another number of them).
+fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
+    vec![
+        ("--data", format!("{:?}", args.data)),
+        ("--path", format!("{:?}", args.path)),
+        ("--train", format!("{:?}", args.train)),
+        ("--valid", format!("{:?}", args.valid)),
+        ("--test", format!("{:?}", args.test)),
+        ("--items-path", format!("{:?}", args.items_path)),
+        ("--synthetic-train", args.synthetic_train.to_string()),
+        ("--synthetic-rows", format!("{:?}", args.synthetic_rows)),
+        ("--synthetic-eval", args.synthetic_eval.to_string()),
+        ("--synthetic-tasks", args.synthetic_tasks.to_string()),
+        ("--label-columns", format!("{:?}", args.label_columns)),
+        ("--holdout", args.holdout.to_string()),
+        ("--movielens-split", format!("{:?}", args.movielens_split)),
+        ("--batch-size", args.batch_size.to_string()),
+        ("--table-cap", args.table_cap.to_string()),
+        ("--shuffle-buffer", args.shuffle_buffer.to_string()),
+        ("--seed", args.seed.to_string()),
+    ]
+}
+
+/// Refuses to resume from a checkpoint (metadata `user`, file `path`) whose run gave other
+/// [`run_flags`] than `args` do, naming the first that differs.
+fn check_run_flags(args: &Args, user: &BTreeMap<String, String>, path: &Path) -> Result<()> {
+    for (flag, mine) in run_flags(args) {
+        let theirs = user.get(&format!("run.{flag}"));
+        if theirs != Some(&mine) {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "--resume {}: {}; this run has {flag} {mine}: resume with the flags that \
+                     choose the data as the checkpoint's run gave them",
+                    path.display(),
+                    match theirs {
+                        Some(t) => format!("its run had {flag} {t}"),
+                        None => format!("it records no {flag} (not written by this example?)"),
+                    }
+                ),
+            ));
         }
     }
+    Ok(())
+}
+
+/// The step recorded in the trainer checkpoint at `path`, if it is one.
+fn checkpoint_step(path: &Path) -> Option<u64> {
+    let r = embers::checkpoint::CheckpointReader::open(path).ok()?;
+    r.metadata("step")?.parse().ok()
 }
 
 type Batches = Box<dyn Iterator<Item = Result<Batch>> + Send>;
@@ -718,7 +794,15 @@ fn criteo_config(args: &Args) -> CriteoConfig {
 }
 
 fn movielens_config(args: &Args) -> Result<MovieLensConfig> {
-    let path = &args.path[0];
+    let [path] = &args.path[..] else {
+        return Err(Error::invalid(
+            "dlrm",
+            format!(
+                "--data movielens reads one ratings file, --path gives {}",
+                args.path.len()
+            ),
+        ));
+    };
     let name = path.file_name().map(|n| n.to_string_lossy().to_string());
     let format = match name.as_deref() {
         Some(n) if n.ends_with(".inter") => MovieLensFormat::RecBoleInter,
@@ -900,6 +984,16 @@ fn run(args: Args) -> Result<()> {
             "--batch-size and --emb-dim must be at least 1",
         ));
     }
+    if !(0.0..=0.5).contains(&args.holdout) {
+        return Err(Error::invalid(
+            "dlrm",
+            format!(
+                "--holdout {} is not a fraction within [0, 0.5] (held out for validation and \
+                 for test, each)",
+                args.holdout
+            ),
+        ));
+    }
     let io = |p: &Path, e: std::io::Error| Error::Io {
         path: p.display().to_string(),
         source: e,
@@ -946,7 +1040,18 @@ fn run(args: Args) -> Result<()> {
     let best_checkpoint = args.out.join("best.safetensors");
     let mut progress = Progress::default();
     if let Some(path) = &args.resume {
-        progress = Progress::from_user(&trainer.load_checkpoint(path)?);
+        // The run's flags first: the trainer changes nothing unless they match.
+        let reader = embers::checkpoint::CheckpointReader::open(path)?;
+        let recorded: BTreeMap<String, String> = (run_flags(&args).into_iter())
+            .filter_map(|(flag, _)| {
+                let key = format!("run.{flag}");
+                let v = reader.metadata(&format!("user.{key}"))?;
+                Some((key, v.to_string()))
+            })
+            .collect();
+        drop(reader);
+        check_run_flags(&args, &recorded, path)?;
+        progress = Progress::from_user(&trainer.load_checkpoint(path)?, path)?;
         println!(
             "resumed from {} at step {} (epoch {}, batch {})",
             path.display(),
@@ -954,6 +1059,18 @@ fn run(args: Args) -> Result<()> {
             progress.epoch,
             progress.batch_in_epoch
         );
+        // Early stopping restores the best model from best.safetensors, written only by runs
+        // that stopped early: a best this run cannot restore is tracked afresh.
+        if let Some((_, at)) = progress.best {
+            if args.early_stop_patience > 0 && checkpoint_step(&best_checkpoint) != Some(at) {
+                println!(
+                    "{} holds no checkpoint of the best step {at}: the best is tracked afresh",
+                    best_checkpoint.display()
+                );
+                progress.best = None;
+                progress.since_best = 0;
+            }
+        }
     }
     let params = trainer.model().dense.num_parameters();
     println!(
@@ -1016,6 +1133,9 @@ fn run(args: Args) -> Result<()> {
     let save = |trainer: &DlrmTrainer, path: &Path, progress: &Progress| -> Result<()> {
         let mut user = progress.to_user();
         user.insert("args".to_string(), format!("{args:?}"));
+        for (flag, v) in run_flags(&args) {
+            user.insert(format!("run.{flag}"), v);
+        }
         trainer.save_checkpoint(path, &user)
     };
     // Training batches the data yielded in this run (skipped ones included): none at all
@@ -1152,7 +1272,7 @@ fn run(args: Args) -> Result<()> {
         progress.batch_in_epoch = 0;
     }
     bar.finish_and_clear();
-    if yielded == 0 && trainer.step() == 0 && total_steps != Some(0) {
+    if yielded == 0 && trainer.step() == 0 && args.steps != Some(0) {
         return Err(Error::invalid(
             "dlrm",
             match &data {
@@ -1182,6 +1302,16 @@ fn run(args: Args) -> Result<()> {
     if args.early_stop_patience > 0 {
         if let Some((b, at)) = progress.best {
             if at != trainer.step() {
+                if checkpoint_step(&best_checkpoint) != Some(at) {
+                    return Err(Error::invalid(
+                        "dlrm",
+                        format!(
+                            "{} is not the best checkpoint (step {at}) any more: was it \
+                             replaced while this run trained?",
+                            best_checkpoint.display()
+                        ),
+                    ));
+                }
                 trainer.load_checkpoint(&best_checkpoint)?;
                 println!(
                     "restored the best checkpoint (step {at}, validation AUC {b:.4}) for the \
