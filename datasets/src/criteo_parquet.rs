@@ -574,7 +574,7 @@ impl CriteoParquetReader {
                 }
                 Err(error) => {
                     let rows = file.row_group_rows[row_group];
-                    return self.bad_rows(rows, error).map(|_| Step::Continue);
+                    return self.skip_rows(rows, error).map(|_| Step::Continue);
                 }
             }
             return Ok(Step::Continue);
@@ -605,7 +605,7 @@ impl CriteoParquetReader {
                         field,
                         message: format!("cannot decode: {error}"),
                     };
-                    return self.bad_rows(remaining, error).map(|_| Step::Continue);
+                    return self.skip_rows(remaining, error).map(|_| Step::Continue);
                 }
             }
             return Ok(Step::Continue);
@@ -631,6 +631,15 @@ impl CriteoParquetReader {
     /// Applies the bad-record policy to `rows` rows that failed with `error`.
     fn bad_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
         self.config.bad_records.apply(rows, error, &self.skipped)
+    }
+
+    /// [`bad_rows`](Self::bad_rows) for `rows` rows not yet given an index (the rest of a row
+    /// group that cannot be decoded): skipped, they keep theirs, so the rows after them have
+    /// the indices they would have had (and the splits by index stay where they were).
+    fn skip_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
+        self.bad_rows(rows, error)?;
+        self.next_index += rows;
+        Ok(())
     }
 }
 
