@@ -274,13 +274,30 @@ mod with_mpi {
         if spec != "auto" {
             return ShardingPlan::load(spec);
         }
-        let text = planner_config(args, config, comm.size(), &BTreeMap::new()).to_string();
-        let problem = embers_planner::Config::from_json(&text)
-            .and_then(|c| c.resolve())
-            .map_err(|e| Error::invalid("embers-plan", e.to_string()))?;
-        let plan = embers_planner::plan_problem(&problem, embers_planner::CostModel::Torchrec)
-            .map_err(|e| Error::invalid("embers-plan", e.to_string()))?;
-        ShardingPlan::from_planner(&plan)
+        // Planned on rank 0 alone and sent to every rank: the planner's search stops on a
+        // clock, so ranks planning on their own could reach different plans.
+        let planned = (comm.rank() == 0).then(|| {
+            let text = planner_config(args, config, comm.size(), &BTreeMap::new()).to_string();
+            embers_planner::Config::from_json(&text)
+                .and_then(|c| c.resolve())
+                .and_then(|problem| {
+                    embers_planner::plan_problem(&problem, embers_planner::CostModel::Torchrec)
+                })
+                .map(|plan| plan.to_json())
+                .map_err(|e| e.to_string())
+        });
+        // One byte (1: a plan, 0: why there is none), then the text.
+        let sent = match &planned {
+            None => Vec::new(),
+            Some(Ok(json)) => [&[1u8][..], json.as_bytes()].concat(),
+            Some(Err(why)) => [&[0u8][..], why.as_bytes()].concat(),
+        };
+        let got = comm.all_gather_v("plan.auto", &sent, None)?;
+        let text = String::from_utf8_lossy(got[0].get(1..).unwrap_or_default());
+        match got[0].first() {
+            Some(1) => ShardingPlan::from_json(&text),
+            _ => Err(Error::invalid("embers-plan", format!("rank 0: {text}"))),
+        }
     }
 
     pub fn run(args: &Args, data: &Data, config: &DlrmConfig) -> Result<()> {
