@@ -900,8 +900,7 @@ fn a_collection_that_cannot_be_built_leaves_no_row_file() -> Result<()> {
     };
     let sgd = FusedOptimizer::Sgd { lr: 0.1 };
     let err = EmbeddingBagCollection::with_placement(configs, sgd, &placement, &mut seeded(1))
-        .err()
-        .expect("the second group has no row file");
+        .expect_err("the second group has no row file");
     assert!(err.to_string().contains("ebc-group1.rows"), "{err}");
     let mut left: Vec<_> = (std::fs::read_dir(&dir).unwrap())
         .map(|e| e.unwrap().file_name())
