@@ -927,9 +927,10 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         assert_eq!(status, 400, "{text}");
         assert!(text.contains(&format!("claims {claimed} rows")), "{text}");
 
-        // A reload polled once, then abandoned (a client that hung up).
-        let abandoned = tokio::time::timeout(Duration::ZERO, running.server.reload()).await;
-        assert!(abandoned.is_err(), "a reload takes longer than no time");
+        // A reload polled once, then abandoned (a client that hung up). It is usually still
+        // loading then (rarely, on a busy machine, already done: the check below holds either
+        // way, and fails when an abandoned reload is thrown away).
+        let _ = tokio::time::timeout(Duration::ZERO, running.server.reload()).await;
         let waited = Instant::now();
         while running.server.version() < 2 {
             assert!(

@@ -1129,17 +1129,22 @@ async fn metrics(State(server): State<Server>) -> Response {
     for (kind, n) in m.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "embers_errors_total{{kind=\"{kind}\"}} {n}");
     }
-    counter(&mut out, "embers_rows_total", "Rows scored (predict).");
-    let _ = writeln!(out, "embers_rows_total {}", m.rows.load(Ordering::Relaxed));
-    counter(
+    // A counter without labels.
+    let single = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
+        counter(out, name, help);
+        let _ = writeln!(out, "{name} {}", value.load(Ordering::Relaxed));
+    };
+    single(
+        &mut out,
+        "embers_rows_total",
+        "Rows scored (predict).",
+        &m.rows,
+    );
+    single(
         &mut out,
         "embers_retrieval_queries_total",
         "Retrieval queries answered.",
-    );
-    let _ = writeln!(
-        out,
-        "embers_retrieval_queries_total {}",
-        m.queries.load(Ordering::Relaxed)
+        &m.queries,
     );
     counter(&mut out, "embers_reloads_total", "Model reloads by result.");
     let _ = writeln!(
@@ -1174,15 +1179,11 @@ async fn metrics(State(server): State<Server>) -> Response {
             "# HELP embers_queue_rows Rows queued or running now.\n# TYPE embers_queue_rows gauge\nembers_queue_rows {}",
             model.batcher.queued_rows()
         );
-        counter(
+        single(
             &mut out,
             "embers_batches_total",
             "Batches run by the current model version.",
-        );
-        let _ = writeln!(
-            out,
-            "embers_batches_total {}",
-            stats.batches.load(Ordering::Relaxed)
+            &stats.batches,
         );
         stats.batch_rows.write(
             &mut out,
