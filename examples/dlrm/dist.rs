@@ -236,13 +236,7 @@ mod with_mpi {
         let (rank, world) = (comm.rank(), comm.size());
         let own = dir.join(format!("rank{rank}.safetensors"));
         let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
-        let recorded: BTreeMap<String, String> = (crate::run_flags(args).into_iter())
-            .filter_map(|(flag, _)| {
-                let key = format!("run.{flag}");
-                Some((key.clone(), r0.metadata(&key)?.to_string()))
-            })
-            .collect();
-        crate::check_run_flags(args, &recorded, dir)?;
+        crate::check_run_flags(args, |key| Some(r0.metadata(key)?.to_string()), dir)?;
         let saved_world = r0.required_metadata("world")?.to_string();
         let same_world = saved_world == world.to_string();
         let r = if same_world {

@@ -520,12 +520,16 @@ fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Refuses to resume from a checkpoint (metadata `user`, file `path`) whose run gave other
-/// [`run_flags`] than `args` do, naming the first that differs.
-fn check_run_flags(args: &Args, user: &BTreeMap<String, String>, path: &Path) -> Result<()> {
+/// Refuses to resume from the checkpoint `path`, whose `run.<flag>` metadata `recorded` gives,
+/// when its run gave other [`run_flags`] than `args` do, naming the first that differs.
+fn check_run_flags(
+    args: &Args,
+    recorded: impl Fn(&str) -> Option<String>,
+    path: &Path,
+) -> Result<()> {
     for (flag, mine) in run_flags(args) {
-        let theirs = user.get(&format!("run.{flag}"));
-        if theirs != Some(&mine) {
+        let theirs = recorded(&format!("run.{flag}"));
+        if theirs.as_ref() != Some(&mine) {
             return Err(Error::invalid(
                 "dlrm",
                 format!(
@@ -1042,15 +1046,9 @@ fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.resume {
         // The run's flags first: the trainer changes nothing unless they match.
         let reader = embers::checkpoint::CheckpointReader::open(path)?;
-        let recorded: BTreeMap<String, String> = (run_flags(&args).into_iter())
-            .filter_map(|(flag, _)| {
-                let key = format!("run.{flag}");
-                let v = reader.metadata(&format!("user.{key}"))?;
-                Some((key, v.to_string()))
-            })
-            .collect();
+        let recorded = |key: &str| Some(reader.metadata(&format!("user.{key}"))?.to_string());
+        check_run_flags(&args, recorded, path)?;
         drop(reader);
-        check_run_flags(&args, &recorded, path)?;
         progress = Progress::from_user(&trainer.load_checkpoint(path)?, path)?;
         println!(
             "resumed from {} at step {} (epoch {}, batch {})",
