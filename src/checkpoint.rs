@@ -553,16 +553,26 @@ fn replace_atomically_or(
     };
     let dir = parent_dir(path);
     let file_name = (path.file_name()).ok_or_else(|| before(invalid(path, "not a file path")))?;
-    let tmp = dir.join(format!(
-        "{}{}",
+    // Unique to this write (two threads may write one path), and locked until the rename:
+    // a later writer of `path` removes the temporaries no writer holds, those a killed one
+    // left ([`remove_dead_temporaries`]). The lock is taken under a staging name no remover
+    // looks at, before the file takes its findable one, so no live write is ever seen
+    // unlocked (a writer killed in between leaves an empty staging file). Where the lock
+    // cannot be taken the write goes on (the file is then only not told from a dead writer's).
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!(
+        "{}{}-{write}",
         temporary_prefix(file_name),
         std::process::id()
-    ));
-    // Locked until the rename: a later writer of `path` removes the temporaries no writer
-    // holds, those a killed one left ([`remove_dead_temporaries`]). Where the lock cannot be
-    // taken the write goes on (the file is then only not told from a dead writer's).
-    let held = std::fs::File::create(&tmp).map_err(|e| before(io_err(&tmp, e)))?;
+    );
+    let (staging, tmp) = (dir.join(format!("{name}.new")), dir.join(name));
+    let held = std::fs::File::create(&staging).map_err(|e| before(io_err(&staging, e)))?;
     let _ = try_lock(&held);
+    if let Err(e) = std::fs::rename(&staging, &tmp) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(before(io_err(&tmp, e)));
+    }
     let result = (|| {
         fill(&tmp)?;
         std::fs::File::open(&tmp)
@@ -590,7 +600,8 @@ fn replace_atomically_or(
     })
 }
 
-/// The name of a temporary file of `file_name`'s writers, less the writer's process id.
+/// The name of a temporary file of `file_name`'s writers, less the writer's process id and
+/// write number (`<pid>-<n>`).
 fn temporary_prefix(file_name: &std::ffi::OsStr) -> String {
     format!(".{}.tmp.", file_name.to_string_lossy())
 }
@@ -605,13 +616,16 @@ fn remove_dead_temporaries(dir: &Path, file_name: &std::ffi::OsStr) {
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+        let Some(writer) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
             continue;
         };
-        let dead = !pid.is_empty()
-            && pid.bytes().all(|b| b.is_ascii_digit())
-            && e.file_type().is_ok_and(|t| t.is_file())
-            && !in_use(&e.path());
+        // `<pid>-<n>`, or a bare `<pid>` as earlier versions named them.
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let ours = match writer.split_once('-') {
+            Some((pid, n)) => digits(pid) && digits(n),
+            None => digits(writer),
+        };
+        let dead = ours && e.file_type().is_ok_and(|t| t.is_file()) && !in_use(&e.path());
         if dead {
             let _ = std::fs::remove_file(e.path());
         }
@@ -916,20 +930,24 @@ mod tests {
         let dir = temp("dead-temporaries");
         let path = dir.join("m.safetensors");
         let named = |n: &str| dir.join(n);
-        let dead = named(".m.safetensors.tmp.4194999");
-        let live = named(".m.safetensors.tmp.4194998");
+        let dead = named(".m.safetensors.tmp.4194999-3");
+        let dead_earlier = named(".m.safetensors.tmp.4194997");
+        let live = named(".m.safetensors.tmp.4194998-0");
         let others = [
-            named(".n.safetensors.tmp.5"),
+            named(".n.safetensors.tmp.5-0"),
             named(".m.safetensors.tmp.x1"),
+            named(".m.safetensors.tmp.5-"),
+            // A writer's staging name: locked before it takes its findable one.
+            named(".m.safetensors.tmp.4194996-0.new"),
         ];
-        for p in [&dead, &live].into_iter().chain(&others) {
+        for p in [&dead, &dead_earlier, &live].into_iter().chain(&others) {
             std::fs::write(p, b"a partial checkpoint").unwrap();
         }
         let writer = std::fs::File::open(&live).unwrap();
         try_lock(&writer).unwrap();
         write_atomically(&path, b"new").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
-        assert!(!dead.exists());
+        assert!(!dead.exists() && !dead_earlier.exists());
         assert!(live.exists() && others.iter().all(|p| p.exists()));
         drop(writer);
         write_atomically(&path, b"newer").unwrap();

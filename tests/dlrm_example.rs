@@ -146,7 +146,42 @@ fn resume_on_synthetic_data_is_bit_identical() {
             "{extra:?} changed the checkpoint"
         );
     }
+    // A checkpoint from before the flags were recorded resumes, warning they went unchecked.
+    drop_run_flags(&ckpt);
+    let args: Vec<&str> = (common.iter().copied())
+        .chain(["--steps", "50", "--out", b.to_str().unwrap()])
+        .chain(["--resume", ckpt.to_str().unwrap()])
+        .collect();
+    let out = run(&args);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("records none of the flags") && log.contains("at step 40"),
+        "{log}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Rewrites the checkpoint at `path` without its `user.run.*` metadata, as written before
+/// the example recorded them (the header keeps its length: spaces pad it).
+fn drop_run_flags(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header["__metadata__"].as_object_mut().unwrap();
+    let before = meta.len();
+    meta.retain(|k, _| !k.starts_with("user.run."));
+    assert!(
+        meta.len() < before,
+        "no run flags recorded in {}",
+        path.display()
+    );
+    let mut json = serde_json::to_vec(&header).unwrap();
+    json.resize(n, b' ');
+    let out: Vec<u8> = (bytes[..8].iter().chain(&json).chain(&bytes[8 + n..]))
+        .copied()
+        .collect();
+    std::fs::write(path, out).unwrap();
 }
 
 /// Flags that would train on nothing or on a split of nothing are errors naming them, before
@@ -186,6 +221,20 @@ fn flags_that_leave_nothing_to_train_on_are_errors() {
             "{args:?}: {log}"
         );
     }
+    // `--epochs 0` asks for no training: that is not an empty training set.
+    let args: Vec<&str> = (QUICK.iter().copied())
+        .chain([
+            "--out",
+            out_dir,
+            "--synthetic-train",
+            "2000",
+            "--synthetic-eval",
+            "1000",
+        ])
+        .chain(["--epochs", "0"])
+        .collect();
+    let out = run(&args);
+    assert!(out.status.success(), "{}", text(&out));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -252,6 +301,23 @@ fn resume_on_a_criteo_file_is_bit_identical_across_an_epoch() {
         .collect();
     // About 25 training batches an epoch: step 30 is inside the second epoch, 60 in the third.
     straight_equals_resumed(&dir, &common, 30, 60);
+    // The data file spelled another way is the same file: the resume is accepted.
+    let respelled = dir.join(".").join("day_0.tsv");
+    let (b, ckpt) = (dir.join("b"), dir.join("b/checkpoint.safetensors"));
+    let args: Vec<&str> = (common.iter().copied())
+        .map(|a| {
+            if a == p {
+                respelled.to_str().unwrap()
+            } else {
+                a
+            }
+        })
+        .chain(["--steps", "61", "--out", b.to_str().unwrap()])
+        .chain(["--resume", ckpt.to_str().unwrap()])
+        .collect();
+    let out = run(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("at step 60"), "{}", text(&out));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -849,7 +849,8 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
 ///   flight comes free (with one place, the next request is answered);
 /// - an Arrow stream of a few hundred bytes that claims 2^31 rows (a `dense` column of nulls
 ///   takes no bytes) is refused before any row is made;
-/// - a reload whose caller stops waiting still loads, swaps and counts the new model;
+/// - a reload whose caller stops waiting still loads, swaps and counts the new model, and
+///   abandoned reload calls join the one waiting to start instead of each queueing a load;
 /// - a batching delay past `MAX_DELAY` is refused at start.
 #[test]
 fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
@@ -942,6 +943,24 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
         let metrics = String::from_utf8(metrics.to_vec()).unwrap();
         assert_eq!(metric(&metrics, "embers_reloads_total{result=\"ok\"}"), 1);
+
+        // Thirty abandoned reloads in a row, then one waited for: the calls made while a
+        // reload waits to start join it, so a few loads run (the one running when they came,
+        // the one they joined, perhaps the last), not one per call. Reloads run in order, so
+        // the waited one ends after all of them.
+        for _ in 0..30 {
+            let mut call = std::pin::pin!(running.server.reload());
+            let mut polled = std::task::Context::from_waker(std::task::Waker::noop());
+            let _ = std::future::Future::poll(call.as_mut(), &mut polled);
+        }
+        running.server.reload().await.unwrap();
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let loads = metric(&metrics, "embers_reloads_total{result=\"ok\"}") - 1;
+        assert!(
+            (1..=3).contains(&loads),
+            "31 reload calls ran {loads} loads"
+        );
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
     });

@@ -499,13 +499,21 @@ impl Progress {
 /// skip or repeat other examples than those trained on (another `--seed` moves examples
 /// between the splits, another `--batch-size` skips another number of them).
 fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
+    // Paths as the file system resolves them, so `./data/x` and `data/x` are one file.
+    let paths = |ps: &[PathBuf]| -> String {
+        let resolved: Vec<PathBuf> = ps
+            .iter()
+            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+            .collect();
+        format!("{resolved:?}")
+    };
     vec![
         ("--data", format!("{:?}", args.data)),
-        ("--path", format!("{:?}", args.path)),
-        ("--train", format!("{:?}", args.train)),
-        ("--valid", format!("{:?}", args.valid)),
-        ("--test", format!("{:?}", args.test)),
-        ("--items-path", format!("{:?}", args.items_path)),
+        ("--path", paths(&args.path)),
+        ("--train", paths(&args.train)),
+        ("--valid", paths(&args.valid)),
+        ("--test", paths(&args.test)),
+        ("--items-path", paths(args.items_path.as_slice())),
         ("--synthetic-train", args.synthetic_train.to_string()),
         ("--synthetic-rows", format!("{:?}", args.synthetic_rows)),
         ("--synthetic-eval", args.synthetic_eval.to_string()),
@@ -521,13 +529,27 @@ fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
 }
 
 /// Refuses to resume from the checkpoint `path`, whose `run.<flag>` metadata `recorded` gives,
-/// when its run gave other [`run_flags`] than `args` do, naming the first that differs.
+/// when its run gave other [`run_flags`] than `args` do, naming the first that differs. A
+/// checkpoint that records none of them (written before they were recorded) is resumed with
+/// a warning that its flags could not be checked.
 fn check_run_flags(
     args: &Args,
     recorded: impl Fn(&str) -> Option<String>,
     path: &Path,
 ) -> Result<()> {
-    for (flag, mine) in run_flags(args) {
+    let flags = run_flags(args);
+    if flags
+        .iter()
+        .all(|(flag, _)| recorded(&format!("run.{flag}")).is_none())
+    {
+        eprintln!(
+            "warning: --resume {}: the checkpoint records none of the flags that choose the \
+             data (it predates them); they are not checked: give them as its run did",
+            path.display()
+        );
+        return Ok(());
+    }
+    for (flag, mine) in flags {
         let theirs = recorded(&format!("run.{flag}"));
         if theirs.as_ref() != Some(&mine) {
             return Err(Error::invalid(
@@ -538,7 +560,7 @@ fn check_run_flags(
                     path.display(),
                     match theirs {
                         Some(t) => format!("its run had {flag} {t}"),
-                        None => format!("it records no {flag} (not written by this example?)"),
+                        None => format!("it records no {flag}"),
                     }
                 ),
             ));
@@ -1270,7 +1292,9 @@ fn run(args: Args) -> Result<()> {
         progress.batch_in_epoch = 0;
     }
     bar.finish_and_clear();
-    if yielded == 0 && trainer.step() == 0 && args.steps != Some(0) {
+    // `--epochs 0` or `--steps 0` asks for no training: nothing to find empty.
+    let asked_to_train = args.epochs > 0 && args.steps != Some(0);
+    if yielded == 0 && trainer.step() == 0 && asked_to_train {
         return Err(Error::invalid(
             "dlrm",
             match &data {

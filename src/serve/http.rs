@@ -131,10 +131,16 @@ struct Metrics {
     reloads_failed: AtomicU64,
 }
 
+/// A finished reload: the version it swapped in, or its error's text.
+type ReloadResult = std::result::Result<u64, String>;
+
 struct Shared {
     config: ServerConfig,
     model: RwLock<Option<Arc<Loaded>>>,
     reloading: tokio::sync::Mutex<()>,
+    /// The reload waiting for `reloading` (none started yet): callers meanwhile join it
+    /// rather than queue one full load each. It is the sender's result once sent.
+    queued_reload: Mutex<Option<tokio::sync::watch::Receiver<Option<ReloadResult>>>>,
     versions: AtomicU64,
     draining: AtomicBool,
     inflight: tokio::sync::Semaphore,
@@ -254,6 +260,7 @@ impl Server {
             config,
             model: RwLock::new(None),
             reloading: tokio::sync::Mutex::new(()),
+            queued_reload: Mutex::new(None),
             versions: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             metrics: Metrics {
@@ -268,6 +275,7 @@ impl Server {
             },
         });
         let server = Server { shared };
+        // No reload can run yet: the server is not shared.
         server.load().await?;
         Ok(server)
     }
@@ -280,24 +288,49 @@ impl Server {
     /// Loads the checkpoint file again and swaps it in once it has loaded and scored a probe
     /// row; returns the new version. On error the old model keeps serving. The reload runs
     /// to its end even when the caller stops waiting (a client that hangs up on `:reload`):
-    /// the model it loaded is swapped in and counted, not thrown away.
+    /// the model it loaded is swapped in and counted, not thrown away. Reloads run one at a
+    /// time; calls made while one waits to start join it (each would read the same files),
+    /// so abandoned calls never pile up full loads.
     pub async fn reload(&self) -> Result<u64> {
-        let server = self.clone();
-        let task = tokio::spawn(async move {
-            let result = server.load().await;
-            let counter = match result {
-                Ok(_) => &server.shared.metrics.reloads_ok,
-                Err(_) => &server.shared.metrics.reloads_failed,
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-            result
-        });
-        task.await
-            .map_err(|e| Error::invalid("checkpoint", format!("the reload failed: {e}")))?
+        let mut result = {
+            let mut queued = (self.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner());
+            match &*queued {
+                Some(waiting) => waiting.clone(),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(None);
+                    *queued = Some(rx.clone());
+                    let server = self.clone();
+                    tokio::spawn(async move {
+                        let _one_at_a_time = server.shared.reloading.lock().await;
+                        // Started: a later call reloads again (the files may change meanwhile).
+                        *(server.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner()) =
+                            None;
+                        let result = server.load().await;
+                        let counter = match result {
+                            Ok(_) => &server.shared.metrics.reloads_ok,
+                            Err(_) => &server.shared.metrics.reloads_failed,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        let _ = tx.send(Some(result.map_err(|e| e.to_string())));
+                    });
+                    rx
+                }
+            }
+        };
+        let done = result.wait_for(Option::is_some).await;
+        match done.as_deref() {
+            Ok(Some(Ok(version))) => Ok(*version),
+            Ok(Some(Err(e))) => Err(Error::invalid("reload", e.clone())),
+            _ => Err(Error::invalid(
+                "reload",
+                "the reload task ended without a result",
+            )),
+        }
     }
 
+    /// Loads the checkpoint and swaps it in: at start, and in [`Server::reload`]'s task (which
+    /// holds `reloading`).
     async fn load(&self) -> Result<u64> {
-        let _one_at_a_time = self.shared.reloading.lock().await;
         let (path, quantize, tables) = (
             self.shared.config.checkpoint.clone(),
             self.shared.config.quantize,

@@ -490,6 +490,25 @@ impl TrainerFile {
         serde_json::from_str(json)
             .map_err(|e| self.bad(format!("metadata `{CONFIG_KEY}` is not {what}: {e}")))
     }
+
+    /// Refuses a checkpoint whose configuration `saved` is not `mine`, compared as both read
+    /// back from JSON: the saved one went through it, and a float need not come back from
+    /// its text bit for bit.
+    pub(crate) fn same_config<T>(&self, saved: &T, mine: &T) -> Result<()>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+    {
+        let json = serde_json::to_string(mine)
+            .map_err(|e| self.bad(format!("this configuration does not serialise: {e}")))?;
+        let mine: T = serde_json::from_str(&json)
+            .map_err(|e| self.bad(format!("this configuration does not read back: {e}")))?;
+        if *saved != mine {
+            return Err(self.bad(format!(
+                "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A checkpoint writer holding a trainer checkpoint's header: `format`, the step, the examples
@@ -876,11 +895,7 @@ impl DlrmTrainer {
                 seed: saved.seed,
                 ..mine.clone()
             };
-            if saved != mine {
-                return Err(f.bad(format!(
-                    "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
-                )));
-            }
+            f.same_config(&saved, &mine)?;
         }
         // Stage everything.
         let dense =

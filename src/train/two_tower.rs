@@ -361,11 +361,7 @@ impl TwoTowerTrainer {
         let saved: TwoTowerConfig = f.config("a TwoTowerConfig")?;
         let mut mine = self.config.clone();
         mine.device = saved.device;
-        if saved != mine {
-            return Err(f.bad(format!(
-                "written for another configuration:\n  saved: {saved:?}\n  this:  {mine:?}"
-            )));
-        }
+        f.same_config(&saved, &mine)?;
         let dense = DenseState::read(&f.r, &Mlps(&self.model), None).map_err(named)?;
         let query = self
             .model
