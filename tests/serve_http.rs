@@ -847,6 +847,7 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
 /// Clients that would hold the server's places or memory cannot:
 /// - a body that never arrives gets 408 after `body_timeout`, and its place among those in
 ///   flight comes free (with one place, the next request is answered);
+/// - a connection that sends half a request head is closed after `header_timeout`;
 /// - an Arrow stream of a few hundred bytes that claims 2^31 rows (a `dense` column of nulls
 ///   takes no bytes) is refused before any row is made;
 /// - a reload whose caller stops waiting still loads, swaps and counts the new model, and
@@ -872,6 +873,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         let mut cfg = ServerConfig::new("dlrm", &path);
         cfg.max_inflight_requests = 1;
         cfg.body_timeout = Duration::from_millis(300);
+        cfg.header_timeout = Duration::from_millis(400);
         let running = start(cfg).await;
         let addr = running.addr;
         // Headers promising 100 bytes, then nothing.
@@ -905,6 +907,29 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
         assert_eq!(status, 200);
         assert_eq!(json_predictions(&answer), want);
+
+        // Half a request head, then nothing: the connection is closed once the header
+        // timeout (400 ms here) has passed, not held.
+        let mut trickled = std::net::TcpStream::connect(addr).unwrap();
+        trickled
+            .write_all(b"POST /v1/models/dlrm:predict HTTP/1.1\r\nhost: x\r\n")
+            .unwrap();
+        trickled
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let closed_after = tokio::task::spawn_blocking(move || {
+            let opened = Instant::now();
+            let mut rest = Vec::new();
+            // A read timeout is an error here: the connection was held.
+            trickled.read_to_end(&mut rest).map(|_| opened.elapsed())
+        })
+        .await
+        .unwrap();
+        let closed_after = closed_after.expect("closed within the header timeout");
+        assert!(
+            closed_after >= Duration::from_millis(300) && closed_after < Duration::from_secs(5),
+            "closed after {closed_after:?}"
+        );
 
         // 2^31 rows of nothing.
         let claimed = 1usize << 31;

@@ -56,6 +56,10 @@ struct Args {
     /// Seconds a request's body may take to arrive (408 past it).
     #[arg(long, default_value_t = 30)]
     body_timeout_s: u64,
+    /// Seconds a connection may take to send a request's headers (closed past it; so also
+    /// how long an idle keep-alive connection is kept).
+    #[arg(long, default_value_t = 60)]
+    header_timeout_s: u64,
     /// Check the checkpoint's modification time every this many seconds and reload it when
     /// it changes (0: never; SIGHUP always reloads).
     #[arg(long, default_value_t = 0)]
@@ -144,6 +148,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_body_bytes: args.max_body_bytes,
         max_inflight_requests: args.max_inflight,
         body_timeout: Duration::from_secs(args.body_timeout_s),
+        header_timeout: Duration::from_secs(args.header_timeout_s),
         retrieval: args
             .retrieval_checkpoint
             .clone()

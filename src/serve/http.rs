@@ -55,6 +55,11 @@ pub struct ServerConfig {
     /// sending holds its place among those in flight no longer than this, and cannot keep
     /// a draining server from exiting.
     pub body_timeout: Duration,
+    /// The longest a connection may take to send a request's headers, counted from when the
+    /// server starts waiting for them (it is closed past it): a client that opens connections
+    /// and trickles or withholds headers holds each no longer, and an idle keep-alive
+    /// connection is closed after it.
+    pub header_timeout: Duration,
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
     pub retrieval: Option<RetrievalConfig>,
@@ -75,7 +80,7 @@ pub struct RetrievalConfig {
 
 impl ServerConfig {
     /// Serves `checkpoint` as `model_name` with FP32 tables, default batching, an 8 MiB body
-    /// limit, 1024 requests in flight and 30 s for a body to arrive.
+    /// limit, 1024 requests in flight, 30 s for a body to arrive and 60 s for headers.
     pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
         ServerConfig {
             model_name: model_name.into(),
@@ -86,6 +91,7 @@ impl ServerConfig {
             max_body_bytes: 8 << 20,
             max_inflight_requests: 1024,
             body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(60),
             retrieval: None,
         }
     }
@@ -249,10 +255,10 @@ impl Server {
                 "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
-        if config.body_timeout.is_zero() {
+        if config.body_timeout.is_zero() || config.header_timeout.is_zero() {
             return Err(Error::invalid(
                 "ServerConfig",
-                "body_timeout must be longer than zero",
+                "body_timeout and header_timeout must be longer than zero",
             ));
         }
         let shared = Arc::new(Shared {
@@ -402,21 +408,68 @@ impl Server {
             .with_state(self.clone())
     }
 
-    /// Serves HTTP on `listener` until `shutdown` completes, then stops accepting, reports not
-    /// ready, and returns once every in-flight request has been answered.
+    /// Serves HTTP/1.1 on `listener` until `shutdown` completes, then stops accepting,
+    /// reports not ready, and returns once every in-flight request has been answered. Each
+    /// connection must send a request's headers within the configured `header_timeout`.
     pub async fn serve(
         &self,
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let shared = self.shared.clone();
-        let shutdown = async move {
-            shutdown.await;
-            shared.draining.store(true, Ordering::Release);
-        };
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown)
-            .await
+        use hyper_util::rt::{TokioIo, TokioTimer};
+        let router = self.router();
+        let header_timeout = self.shared.config.header_timeout;
+        // Connections hold a receiver of `open`, and watch `stop` to finish their last
+        // request and close: the drain waits until every receiver is gone.
+        let (open, open_rx) = tokio::sync::watch::channel(());
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = &mut shutdown => break,
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                // A connection that failed before it was accepted: the next one may not.
+                Err(e) if is_connection_error(&e) => continue,
+                // Out of descriptors or memory: wait for connections to close, not spin.
+                Err(_) => {
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                        () = &mut shutdown => break,
+                    }
+                }
+            };
+            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            let (open_rx, mut stop_rx) = (open_rx.clone(), stop_rx.clone());
+            tokio::spawn(async move {
+                let mut http = hyper::server::conn::http1::Builder::new();
+                http.timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout);
+                let mut conn = std::pin::pin!(http.serve_connection(TokioIo::new(stream), service));
+                let mut stopping = false;
+                loop {
+                    tokio::select! {
+                        // A connection's failure (a reset, a header timeout) is its own.
+                        _ = conn.as_mut() => break,
+                        changed = stop_rx.changed(), if !stopping => {
+                            stopping = true;
+                            if changed.is_ok() {
+                                conn.as_mut().graceful_shutdown();
+                            }
+                        }
+                    }
+                }
+                drop(open_rx);
+            });
+        }
+        self.shared.draining.store(true, Ordering::Release);
+        drop(listener);
+        drop(open_rx);
+        let _ = stop.send(true);
+        open.closed().await;
+        Ok(())
     }
 
     fn count(&self, route: &'static str, status: StatusCode, kind: Option<&'static str>) {
@@ -557,6 +610,15 @@ async fn reload(server: &Server, name: &str) -> std::result::Result<Response, Ap
             format!("the old model keeps serving: {e}"),
         )),
     }
+}
+
+/// Whether an `accept` error is the failed connection's own (the listener is fine).
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset | Interrupted
+    )
 }
 
 /// A request's place among those in flight, or 503 when the limit is reached.
