@@ -441,6 +441,8 @@ impl Server {
                     }
                 }
             };
+            // Answers are small and whole: sent at once, not held back for more (Nagle).
+            let _ = stream.set_nodelay(true);
             let service = hyper_util::service::TowerToHyperService::new(router.clone());
             let (open_rx, mut stop_rx) = (open_rx.clone(), stop_rx.clone());
             tokio::spawn(async move {
