@@ -81,6 +81,9 @@ impl GpuRows {
         let scratch = grown_scratch(&self.scratch, need);
         let starts = starts_for(slots, &scratch, row_bytes, ALIGN)?;
         let d = self.dir.device().clone();
+        // The whole device settles before and after the copies: the old rows may be in use
+        // on another stream, and are freed (to their stream's pool) once replaced.
+        d.synchronize()?;
         let bytes = d.zeros::<u8>(starts[slots.len()].max(1))?;
         for (t, &n) in slots.iter().enumerate() {
             d.copy_bytes(
@@ -91,7 +94,9 @@ impl GpuRows {
                 n * row_bytes[t],
             )?;
         }
-        self.tables = Self::tables_over(&d, &self.shape, slots, &scratch, &starts, bytes)?;
+        let tables = Self::tables_over(&d, &self.shape, slots, &scratch, &starts, bytes)?;
+        d.synchronize()?;
+        self.tables = tables;
         (self.scratch, self.starts) = (scratch, starts);
         Ok(())
     }
