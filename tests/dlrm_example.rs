@@ -156,7 +156,7 @@ fn resume_on_synthetic_data_is_bit_identical() {
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(
-        log.contains("records none of the flags") && log.contains("at step 40"),
+        log.contains("does not record --data, --path") && log.contains("at step 40"),
         "{log}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

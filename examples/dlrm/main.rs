@@ -529,42 +529,39 @@ fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
 }
 
 /// Refuses to resume from the checkpoint `path`, whose `run.<flag>` metadata `recorded` gives,
-/// when its run gave other [`run_flags`] than `args` do, naming the first that differs. A
-/// checkpoint that records none of them (written before they were recorded) is resumed with
-/// a warning that its flags could not be checked.
+/// when its run gave other [`run_flags`] than `args` do, naming the first that differs. Flags
+/// it does not record (it was written before they were recorded) are not checked: a warning
+/// names them.
 fn check_run_flags(
     args: &Args,
     recorded: impl Fn(&str) -> Option<String>,
     path: &Path,
 ) -> Result<()> {
-    let flags = run_flags(args);
-    if flags
-        .iter()
-        .all(|(flag, _)| recorded(&format!("run.{flag}")).is_none())
-    {
-        eprintln!(
-            "warning: --resume {}: the checkpoint records none of the flags that choose the \
-             data (it predates them); they are not checked: give them as its run did",
-            path.display()
-        );
-        return Ok(());
-    }
-    for (flag, mine) in flags {
-        let theirs = recorded(&format!("run.{flag}"));
-        if theirs.as_ref() != Some(&mine) {
-            return Err(Error::invalid(
-                "dlrm",
-                format!(
-                    "--resume {}: {}; this run has {flag} {mine}: resume with the flags that \
-                     choose the data as the checkpoint's run gave them",
-                    path.display(),
-                    match theirs {
-                        Some(t) => format!("its run had {flag} {t}"),
-                        None => format!("it records no {flag}"),
-                    }
-                ),
-            ));
+    let mut unchecked = Vec::new();
+    for (flag, mine) in run_flags(args) {
+        match recorded(&format!("run.{flag}")) {
+            None => unchecked.push(flag),
+            Some(theirs) if theirs != mine => {
+                return Err(Error::invalid(
+                    "dlrm",
+                    format!(
+                        "--resume {}: its run had {flag} {theirs}; this run has {flag} {mine}: \
+                         resume with the flags that choose the data as the checkpoint's run \
+                         gave them",
+                        path.display()
+                    ),
+                ));
+            }
+            Some(_) => {}
         }
+    }
+    if !unchecked.is_empty() {
+        eprintln!(
+            "warning: --resume {}: the checkpoint does not record {} (written before they \
+             were recorded), so they are not checked: give them as its run did",
+            path.display(),
+            unchecked.join(", ")
+        );
     }
     Ok(())
 }
