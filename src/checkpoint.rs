@@ -559,15 +559,21 @@ fn replace_atomically_or(
     // looks at, before the file takes its findable one, so no live write is ever seen
     // unlocked (a writer killed in between leaves an empty staging file). Where the lock
     // cannot be taken the write goes on (the file is then only not told from a dead writer's).
+    // The clock tells apart writers that share a process id (other PID namespaces on one
+    // volume), and the staging file must be new: a collision is an error, not a shared file.
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+        .map_or(0, |d| d.as_nanos());
     let name = format!(
-        "{}{}-{write}",
+        "{}{}-{write}-{nanos}",
         temporary_prefix(file_name),
         std::process::id()
     );
     let (staging, tmp) = (dir.join(format!("{name}.new")), dir.join(name));
-    let held = std::fs::File::create(&staging).map_err(|e| before(io_err(&staging, e)))?;
+    let held = (std::fs::OpenOptions::new().write(true).create_new(true))
+        .open(&staging)
+        .map_err(|e| before(io_err(&staging, e)))?;
     let _ = try_lock(&held);
     if let Err(e) = std::fs::rename(&staging, &tmp) {
         let _ = std::fs::remove_file(&staging);
@@ -600,8 +606,8 @@ fn replace_atomically_or(
     })
 }
 
-/// The name of a temporary file of `file_name`'s writers, less the writer's process id and
-/// write number (`<pid>-<n>`).
+/// The name of a temporary file of `file_name`'s writers, less the writer's process id,
+/// write number and clock (`<pid>-<n>-<nanoseconds>`).
 fn temporary_prefix(file_name: &std::ffi::OsStr) -> String {
     format!(".{}.tmp.", file_name.to_string_lossy())
 }
@@ -619,12 +625,10 @@ fn remove_dead_temporaries(dir: &Path, file_name: &std::ffi::OsStr) {
         let Some(writer) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
             continue;
         };
-        // `<pid>-<n>`, or a bare `<pid>` as earlier versions named them.
+        // `<pid>-<n>-<clock>`, or `<pid>-<n>` and `<pid>` as earlier versions named them.
         let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        let ours = match writer.split_once('-') {
-            Some((pid, n)) => digits(pid) && digits(n),
-            None => digits(writer),
-        };
+        let parts: Vec<&str> = writer.split('-').collect();
+        let ours = parts.len() <= 3 && parts.iter().all(|p| digits(p));
         let dead = ours && e.file_type().is_ok_and(|t| t.is_file()) && !in_use(&e.path());
         if dead {
             let _ = std::fs::remove_file(e.path());
@@ -930,24 +934,29 @@ mod tests {
         let dir = temp("dead-temporaries");
         let path = dir.join("m.safetensors");
         let named = |n: &str| dir.join(n);
-        let dead = named(".m.safetensors.tmp.4194999-3");
+        let dead = named(".m.safetensors.tmp.4194999-3-1764000000000000000");
+        let dead_before = named(".m.safetensors.tmp.4194995-3");
         let dead_earlier = named(".m.safetensors.tmp.4194997");
         let live = named(".m.safetensors.tmp.4194998-0");
         let others = [
             named(".n.safetensors.tmp.5-0"),
             named(".m.safetensors.tmp.x1"),
             named(".m.safetensors.tmp.5-"),
+            named(".m.safetensors.tmp.5-1-2-3"),
             // A writer's staging name: locked before it takes its findable one.
             named(".m.safetensors.tmp.4194996-0.new"),
         ];
-        for p in [&dead, &dead_earlier, &live].into_iter().chain(&others) {
+        for p in [&dead, &dead_before, &dead_earlier, &live]
+            .into_iter()
+            .chain(&others)
+        {
             std::fs::write(p, b"a partial checkpoint").unwrap();
         }
         let writer = std::fs::File::open(&live).unwrap();
         try_lock(&writer).unwrap();
         write_atomically(&path, b"new").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
-        assert!(!dead.exists() && !dead_earlier.exists());
+        assert!(!dead.exists() && !dead_before.exists() && !dead_earlier.exists());
         assert!(live.exists() && others.iter().all(|p| p.exists()));
         drop(writer);
         write_atomically(&path, b"newer").unwrap();

@@ -318,6 +318,21 @@ fn resume_on_a_criteo_file_is_bit_identical_across_an_epoch() {
     let out = run(&args);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("at step 60"), "{}", text(&out));
+    // Another file, even with the same lines, is another run's data: refused naming --path.
+    let other = dir.join("day_1.tsv");
+    std::fs::copy(&path, &other).unwrap();
+    let args: Vec<&str> = (args.iter().copied())
+        .map(|a| {
+            if a == respelled.to_str().unwrap() {
+                other.to_str().unwrap()
+            } else {
+                a
+            }
+        })
+        .collect();
+    let out = run(&args);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("this run has --path"), "{}", text(&out));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

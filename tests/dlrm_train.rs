@@ -537,14 +537,14 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable() -> Result
     // Rounds go on until two kills have landed inside a write (a leftover temporary file
     // proves it) or 40 rounds have passed; two must have landed inside a write, and every
     // round's checkpoint must load (and the next save remove the killed writer's leftover).
-    // The writer's temporary file: `.ckpt.safetensors.tmp.<pid>-<write>`.
+    // The writer's temporary file: `.ckpt.safetensors.tmp.<pid>-<write>-<clock>`.
     let tmp = |pid: u32| {
         let prefix = format!(".ckpt.safetensors.tmp.{pid}-");
         (std::fs::read_dir(&dir).unwrap().flatten()).any(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
             name.strip_prefix(&prefix)
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit() || b == b'-'))
         })
     };
     let loaded = kill::kill_rounds(

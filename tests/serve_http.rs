@@ -970,9 +970,9 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         assert_eq!(metric(&metrics, "embers_reloads_total{result=\"ok\"}"), 1);
 
         // Thirty abandoned reloads in a row, then one waited for: the calls made while a
-        // reload waits to start join it, so a few loads run (the one running when they came,
-        // the one they joined, perhaps the last), not one per call. Reloads run in order, so
-        // the waited one ends after all of them.
+        // reload waits to start join it, so a few loads run (8 at most even on a busy machine
+        // where some end between the calls), not one per call (31 before). Reloads run in
+        // order, so the waited one ends after all of them.
         for _ in 0..30 {
             let mut call = std::pin::pin!(running.server.reload());
             let mut polled = std::task::Context::from_waker(std::task::Waker::noop());
@@ -983,7 +983,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         let metrics = String::from_utf8(metrics.to_vec()).unwrap();
         let loads = metric(&metrics, "embers_reloads_total{result=\"ok\"}") - 1;
         assert!(
-            (1..=3).contains(&loads),
+            (1..=8).contains(&loads),
             "31 reload calls ran {loads} loads"
         );
         running.stop.send(()).unwrap();

@@ -499,21 +499,14 @@ impl Progress {
 /// skip or repeat other examples than those trained on (another `--seed` moves examples
 /// between the splits, another `--batch-size` skips another number of them).
 fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
-    // Paths as the file system resolves them, so `./data/x` and `data/x` are one file.
-    let paths = |ps: &[PathBuf]| -> String {
-        let resolved: Vec<PathBuf> = ps
-            .iter()
-            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
-            .collect();
-        format!("{resolved:?}")
-    };
+    // Paths as given (a run moved with its data still matches); see [`same_files`].
     vec![
         ("--data", format!("{:?}", args.data)),
-        ("--path", paths(&args.path)),
-        ("--train", paths(&args.train)),
-        ("--valid", paths(&args.valid)),
-        ("--test", paths(&args.test)),
-        ("--items-path", paths(args.items_path.as_slice())),
+        ("--path", format!("{:?}", args.path)),
+        ("--train", format!("{:?}", args.train)),
+        ("--valid", format!("{:?}", args.valid)),
+        ("--test", format!("{:?}", args.test)),
+        ("--items-path", format!("{:?}", args.items_path)),
         ("--synthetic-train", args.synthetic_train.to_string()),
         ("--synthetic-rows", format!("{:?}", args.synthetic_rows)),
         ("--synthetic-eval", args.synthetic_eval.to_string()),
@@ -541,7 +534,7 @@ fn check_run_flags(
     for (flag, mine) in run_flags(args) {
         match recorded(&format!("run.{flag}")) {
             None => unchecked.push(flag),
-            Some(theirs) if theirs != mine => {
+            Some(theirs) if theirs != mine && !same_files(args, flag, &theirs) => {
                 return Err(Error::invalid(
                     "dlrm",
                     format!(
@@ -564,6 +557,36 @@ fn check_run_flags(
         );
     }
     Ok(())
+}
+
+/// Whether the path flag `flag`, recorded as `theirs` (its [`run_flags`] text), names the
+/// files `args` give it, spelled otherwise (`./data/x` and `data/x`): both sides resolved on
+/// this machine. False for other flags, and where a side does not resolve.
+fn same_files(args: &Args, flag: &str, theirs: &str) -> bool {
+    let mine: Vec<PathBuf> = match flag {
+        "--path" => args.path.clone(),
+        "--train" => args.train.clone(),
+        "--valid" => args.valid.clone(),
+        "--test" => args.test.clone(),
+        "--items-path" => args.items_path.iter().cloned().collect(),
+        _ => return false,
+    };
+    // `["a", "b"]`, `Some("a")` or `None`: JSON once the option is a list.
+    let listed = match theirs
+        .strip_prefix("Some(")
+        .and_then(|t| t.strip_suffix(')'))
+    {
+        Some(one) => format!("[{one}]"),
+        None if theirs == "None" => "[]".to_string(),
+        None => theirs.to_string(),
+    };
+    let Ok(theirs) = serde_json::from_str::<Vec<PathBuf>>(&listed) else {
+        return false;
+    };
+    let resolved = |p: &PathBuf| std::fs::canonicalize(p).ok();
+    theirs.len() == mine.len()
+        && (theirs.iter().zip(&mine))
+            .all(|(a, b)| resolved(a).is_some_and(|a| Some(a) == resolved(b)))
 }
 
 /// The step recorded in the trainer checkpoint at `path`, if it is one.

@@ -301,8 +301,9 @@ impl Server {
         let mut result = {
             let mut queued = (self.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner());
             match &*queued {
-                Some(waiting) => waiting.clone(),
-                None => {
+                // One whose task ended without starting (its runtime shut down) is replaced.
+                Some(waiting) if waiting.has_changed().is_ok() => waiting.clone(),
+                _ => {
                     let (tx, rx) = tokio::sync::watch::channel(None);
                     *queued = Some(rx.clone());
                     let server = self.clone();
