@@ -847,7 +847,8 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
 /// Clients that would hold the server's places or memory cannot:
 /// - a body that never arrives gets 408 after `body_timeout`, and its place among those in
 ///   flight comes free (with one place, the next request is answered);
-/// - a connection that sends half a request head is closed after `header_timeout`;
+/// - a connection that sends half a request head is closed after `header_timeout` (one past
+///   a day is refused at start);
 /// - an Arrow stream of a few hundred bytes that claims 2^31 rows (a `dense` column of nulls
 ///   takes no bytes) is refused before any row is made;
 /// - a reload whose caller stops waiting still loads, swaps and counts the new model, and
@@ -869,6 +870,11 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         too_slow.batcher.max_delay = embers::serve::MAX_DELAY + Duration::from_secs(1);
         let err = Server::start(too_slow).await.err().expect("refused");
         assert!(err.to_string().contains("max_delay"), "{err}");
+        // A header timeout past a day (one of 2^63 s would overflow the timer's deadline).
+        let mut forever = ServerConfig::new("dlrm", &path);
+        forever.header_timeout = Duration::from_secs(u64::MAX);
+        let err = Server::start(forever).await.err().expect("refused");
+        assert!(err.to_string().contains("header_timeout is"), "{err}");
 
         let mut cfg = ServerConfig::new("dlrm", &path);
         cfg.max_inflight_requests = 1;
@@ -910,6 +916,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
 
         // Half a request head, then nothing: the connection is closed once the header
         // timeout (400 ms here) has passed, not held.
+        let opened = Instant::now();
         let mut trickled = std::net::TcpStream::connect(addr).unwrap();
         trickled
             .write_all(b"POST /v1/models/dlrm:predict HTTP/1.1\r\nhost: x\r\n")
@@ -918,7 +925,6 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
         let closed_after = tokio::task::spawn_blocking(move || {
-            let opened = Instant::now();
             let mut rest = Vec::new();
             // A read timeout is an error here: the connection was held.
             trickled.read_to_end(&mut rest).map(|_| opened.elapsed())

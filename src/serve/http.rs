@@ -1,4 +1,5 @@
-//! The HTTP server: a trained DLRM behind [`DynamicBatcher`], on axum (see [`Server`]).
+//! The HTTP server: a trained DLRM behind [`DynamicBatcher`], routed by axum over its own
+//! hyper accept loop (see [`Server`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -255,11 +256,17 @@ impl Server {
                 "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
-        if config.body_timeout.is_zero() || config.header_timeout.is_zero() {
-            return Err(Error::invalid(
-                "ServerConfig",
-                "body_timeout and header_timeout must be longer than zero",
-            ));
+        let day = Duration::from_secs(24 * 3600);
+        for (name, t) in [
+            ("body_timeout", config.body_timeout),
+            ("header_timeout", config.header_timeout),
+        ] {
+            if t.is_zero() || t > day {
+                return Err(Error::invalid(
+                    "ServerConfig",
+                    format!("{name} is {t:?}: it must be longer than zero and at most a day"),
+                ));
+            }
         }
         let shared = Arc::new(Shared {
             inflight: tokio::sync::Semaphore::new(config.max_inflight_requests),
