@@ -261,9 +261,7 @@ impl<'a> CheckpointWriter<'a> {
             .ok_or_else(|| invalid(target, "not a file path"))?
             .to_string_lossy()
             .into_owned();
-        let nonce = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
+        let nonce = clock_nanos();
         let parent = parent_dir(target);
         std::fs::create_dir_all(parent).map_err(|e| io_err(parent, e))?;
         // A new directory, never one that exists (a live checkpoint's, were the clock to
@@ -462,6 +460,13 @@ pub(crate) struct ReplaceFailed {
     pub renamed: bool,
 }
 
+/// Nanoseconds since the Unix epoch (0 for a clock before it): what makes a name unique
+/// across processes that may share a pid (other PID namespaces, restarts).
+pub(crate) fn clock_nanos() -> u64 {
+    (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// `flock(LOCK_EX | LOCK_NB)` on `file`: the lock goes with its open file description. Off
 /// Unix, nothing (and success).
 pub(crate) fn try_lock(file: &std::fs::File) -> std::io::Result<()> {
@@ -563,12 +568,11 @@ fn replace_atomically_or(
     // volume), and the staging file must be new: a collision is an error, not a shared file.
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
-        .map_or(0, |d| d.as_nanos());
     let name = format!(
-        "{}{}-{write}-{nanos}",
+        "{}{}-{write}-{}",
         temporary_prefix(file_name),
-        std::process::id()
+        std::process::id(),
+        clock_nanos()
     );
     let (staging, tmp) = (dir.join(format!("{name}.new")), dir.join(name));
     let held = (std::fs::OpenOptions::new().write(true).create_new(true))

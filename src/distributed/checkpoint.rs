@@ -164,10 +164,7 @@ pub(crate) fn save(
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.size());
     // Rank 0 picks the checkpoint's id; every rank uses it.
-    let proposal = [std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ u64::from(std::process::id())];
+    let proposal = [crate::checkpoint::clock_nanos() ^ u64::from(std::process::id())];
     let id = comm.all_gather_v("checkpoint.id", &proposal, Some(&vec![1; world]))?[0][0];
     // TBEs whose tables are cached in files are saved as their own checkpoints (row file and
     // manifest) in the rank file's parts directory, never read whole into memory.

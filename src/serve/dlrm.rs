@@ -5,8 +5,9 @@ use std::sync::Mutex;
 use std::path::{Path, PathBuf};
 
 use super::BatchModel;
+use crate::checkpoint::clock_nanos;
 use crate::checkpoint::in_use;
-use crate::embedding::tbe::cache::store::{clock_nanos, hold_lock};
+use crate::embedding::tbe::cache::store::hold_lock;
 use crate::embedding::{CacheStats, Placement, QuantizedEmbeddingBagCollection, WeightType};
 use crate::train::{Batch, DlrmConfig, DlrmTrainer};
 use crate::{Error, Result};

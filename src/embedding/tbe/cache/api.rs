@@ -148,9 +148,7 @@ impl TableBatchedEmbedding {
         }
         c.flush()?;
         std::fs::create_dir_all(dir).map_err(|e| io_error(dir, "creating", e))?;
-        let nonce = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
+        let nonce = crate::checkpoint::clock_nanos();
         let name = format!("rows-{step}-{nonce:x}.bin");
         let tmp = dir.join(format!(".{name}.tmp"));
         let checksum = match c.store().copy_to(&tmp) {

@@ -242,7 +242,7 @@ impl WriteLog {
         let at = path.with_file_name(format!(
             "{name}.log-{}-{:x}.tmp",
             std::process::id(),
-            super::store::clock_nanos()
+            crate::checkpoint::clock_nanos()
         ));
         let file = OpenOptions::new()
             .read(true)

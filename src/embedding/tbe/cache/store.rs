@@ -22,7 +22,7 @@ use memmap2::MmapMut;
 
 use super::log::{TableFile, WriteLog};
 use super::memory::available_memory;
-use crate::checkpoint::try_lock;
+use crate::checkpoint::{clock_nanos, try_lock};
 use crate::{Error, Result};
 
 const OP: &str = "TBE row store";
@@ -283,13 +283,6 @@ thread_local! {
     pub(crate) static ROOM: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
     /// Makes the next [`RowStore::replace_with`] on this thread fail at its rename.
     pub(crate) static FAIL_REPLACE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Nanoseconds since the Unix epoch (0 for a clock before it): what makes a name unique
-/// across processes that may share a pid (other PID namespaces, restarts).
-pub(crate) fn clock_nanos() -> u64 {
-    (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Creates (or opens) the file `path` and takes an exclusive lock on it, held while the
