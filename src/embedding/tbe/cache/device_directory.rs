@@ -286,12 +286,18 @@ impl DeviceDirectory {
     /// Orders this operation (on the calling thread's stream) after the previous one on the
     /// buffers, whatever stream that was on.
     fn order(&mut self) -> Result<()> {
-        let current = self.device.at().stream;
+        self.last_stream = Some(self.after_last()?);
+        Ok(())
+    }
+
+    /// Makes the calling thread's stream (returned) wait for the previous operation on the
+    /// buffers, without ordering later operations after this one.
+    fn after_last(&self) -> Result<crate::cuda::allocator::StreamId> {
+        let current = self.device.current_stream_id();
         if let Some(last) = self.last_stream.filter(|&l| l != current) {
             self.device.stream_wait(current, last)?;
         }
-        self.last_stream = Some(current);
-        Ok(())
+        Ok(current)
     }
 
     /// Bytes of the device buffers.
@@ -353,12 +359,15 @@ impl DeviceDirectory {
     }
 
     /// The slot (of its table) holding each `(table, row)`, if cached: a lookup on the device
-    /// (the host directory stays as it is).
-    pub(crate) fn find(&mut self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
+    /// (the host directory stays as it is), after the last operation on the buffers. The
+    /// lookup has ended when this returns (its answer is read back), so later operations need
+    /// not wait for the calling thread's stream: a prefetch's admission on its own stream
+    /// still overlaps the batch queued there (`order` would make it wait for that batch).
+    pub(crate) fn find(&self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.order()?;
+        self.after_last()?;
         let d = &self.device;
         let tables: Vec<i64> = rows.iter().map(|&(t, _)| t as i64).collect();
         let ids: Vec<i64> = rows.iter().map(|&(_, r)| r as i64).collect();
@@ -632,10 +641,7 @@ impl DeviceDirectory {
             return Ok(());
         }
         // After the earlier operations on the buffers (an admission or unlock elsewhere).
-        let current = self.device.current_stream_id();
-        if let Some(last) = self.last_stream.filter(|&l| l != current) {
-            self.device.stream_wait(current, last)?;
-        }
+        let current = self.after_last()?;
         self.launch_over_slots("cache_dir_mark_dirty", slots, n, &self.dirty)?;
         let mark = self.device.record_marker()?;
         self.marks.retain(|(s, _)| *s != current);
@@ -841,5 +847,36 @@ pub(super) mod tests {
             let evictions: u64 = stats.iter().map(|s| s.evictions).sum();
             assert!(conflicts > 0 && evictions > 0, "{conflicts} {evictions}");
         }
+    }
+
+    /// A lookup runs after the last operation on the buffers (on another stream here) but
+    /// leaves that one the operation later ones order after: it has ended when it returns, and
+    /// were it the last, a prefetch's next admission on its stream would wait for the batch
+    /// queued on the caller's stream (the overlap lost after every batch with direct reads).
+    #[test]
+    fn a_lookup_leaves_the_last_operation_as_it_was() {
+        let Some(device) = emulated() else { return };
+        let policy = CachePolicy::Lru;
+        let mut host = vec![Directory::new(2, 300, policy).unwrap()];
+        let mut stats = CacheStats::empty(String::new(), 0);
+        let cached = host[0].admit(&[7, 9], 1, &mut stats);
+        assert!(cached.fallback.is_empty());
+        let mut dev = DeviceDirectory::new(&device, &host, &[300], &[0], policy).unwrap();
+        let side = device.new_stream().unwrap();
+        side.run(|| dev.push(&host)).unwrap();
+        let caller = device.current_stream_id();
+        assert_ne!(caller, side.id());
+        assert_eq!(dev.last_stream, Some(side.id()));
+        let want = vec![host[0].find(7), None, host[0].find(9)];
+        assert!(want[0].is_some() && want[2].is_some());
+        assert_eq!(dev.find(&[(0, 7), (0, 8), (0, 9)]).unwrap(), want);
+        assert_eq!(
+            dev.last_stream,
+            Some(side.id()),
+            "the lookup became the operation later ones wait for"
+        );
+        // An operation that changes the buffers becomes the last one.
+        dev.push(&host).unwrap();
+        assert_eq!(dev.last_stream, Some(caller));
     }
 }
