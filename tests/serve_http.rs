@@ -1037,6 +1037,76 @@ fn shutdown_answers_in_flight_requests_first() {
     });
 }
 
+/// A client that stops reading its answers cannot stall a drain: pipelined `/metrics`
+/// requests whose answers are far more than the loopback's buffers hold, never read, keep the
+/// connection's write waiting; shutdown begins while it waits, and `serve` returns once the
+/// write has waited `write_timeout` (1 s here), the connection closed. (Without the limit
+/// the drain waits for the client forever.) A zero limit is refused at start.
+#[test]
+fn a_client_that_stops_reading_cannot_stall_a_drain() {
+    use std::io::{Read, Write};
+    let g = data();
+    let dir = scratch("unread");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    runtime().block_on(async move {
+        let mut never = ServerConfig::new("dlrm", &path);
+        never.write_timeout = Duration::ZERO;
+        let err = Server::start(never).await.err().expect("refused");
+        assert!(err.to_string().contains("write_timeout is"), "{err}");
+
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.write_timeout = Duration::from_secs(1);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let (status, _, one) = send(addr, "GET", "/metrics", None, Vec::new()).await;
+        assert_eq!(status, 200);
+        let n = (64usize << 20) / one.len() + 1;
+        let requests = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
+        let mut unread = std::net::TcpStream::connect(addr).unwrap();
+        unread
+            .set_write_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        // Sends what the server takes (it stops reading while its write waits), keeps the
+        // connection open and reads nothing.
+        let writer = std::thread::spawn(move || {
+            let _ = unread.write_all(&requests);
+            unread
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let t = Instant::now();
+        running.stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), running.done)
+            .await
+            .expect("the drain waited for a client that reads nothing")
+            .unwrap()
+            .unwrap();
+        let drained = t.elapsed();
+        assert!(
+            drained < Duration::from_secs(20),
+            "drained after {drained:?}"
+        );
+        // The connection was closed by the server, not left open: what it sent, then the end.
+        let mut unread = tokio::task::spawn_blocking(move || writer.join().unwrap())
+            .await
+            .unwrap();
+        unread
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut got = Vec::new();
+        match unread.read_to_end(&mut got) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("the connection was left open: {e}"),
+        }
+        let answered = String::from_utf8_lossy(&got)
+            .matches("HTTP/1.1 200")
+            .count();
+        assert!(answered < n, "every one of {n} answers was taken");
+    });
+}
+
 /// The binary: starts on a free port, answers, reloads on SIGHUP, refuses a bad checkpoint
 /// with the old model serving, and exits 0 after draining on SIGTERM.
 #[cfg(unix)]

@@ -60,6 +60,10 @@ struct Args {
     /// how long an idle keep-alive connection is kept).
     #[arg(long, default_value_t = 60)]
     header_timeout_s: u64,
+    /// Seconds a write of an answer may wait without progress (a client that stops reading
+    /// is disconnected past it).
+    #[arg(long, default_value_t = 30)]
+    write_timeout_s: u64,
     /// Check the checkpoint's modification time every this many seconds and reload it when
     /// it changes (0: never; SIGHUP always reloads).
     #[arg(long, default_value_t = 0)]
@@ -149,6 +153,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_inflight_requests: args.max_inflight,
         body_timeout: Duration::from_secs(args.body_timeout_s),
         header_timeout: Duration::from_secs(args.header_timeout_s),
+        write_timeout: Duration::from_secs(args.write_timeout_s),
         retrieval: args
             .retrieval_checkpoint
             .clone()

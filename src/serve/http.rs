@@ -61,6 +61,10 @@ pub struct ServerConfig {
     /// and trickles or withholds headers holds each no longer, and an idle keep-alive
     /// connection is closed after it.
     pub header_timeout: Duration,
+    /// The longest a write of an answer may wait without progress (the connection is closed
+    /// past it): a client that stops reading its answer holds the connection, the answer's
+    /// memory and a draining server no longer. A slow reader that keeps reading is not cut.
+    pub write_timeout: Duration,
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
     pub retrieval: Option<RetrievalConfig>,
@@ -81,7 +85,8 @@ pub struct RetrievalConfig {
 
 impl ServerConfig {
     /// Serves `checkpoint` as `model_name` with FP32 tables, default batching, an 8 MiB body
-    /// limit, 1024 requests in flight, 30 s for a body to arrive and 60 s for headers.
+    /// limit, 1024 requests in flight, 30 s for a body to arrive, 60 s for headers and 30 s
+    /// for a stalled write of an answer.
     pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
         ServerConfig {
             model_name: model_name.into(),
@@ -93,6 +98,7 @@ impl ServerConfig {
             max_inflight_requests: 1024,
             body_timeout: Duration::from_secs(30),
             header_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(30),
             retrieval: None,
         }
     }
@@ -260,6 +266,7 @@ impl Server {
         for (name, t) in [
             ("body_timeout", config.body_timeout),
             ("header_timeout", config.header_timeout),
+            ("write_timeout", config.write_timeout),
         ] {
             if t.is_zero() || t > day {
                 return Err(Error::invalid(
@@ -418,7 +425,8 @@ impl Server {
 
     /// Serves HTTP/1.1 on `listener` until `shutdown` completes, then stops accepting,
     /// reports not ready, and returns once every in-flight request has been answered. Each
-    /// connection must send a request's headers within the configured `header_timeout`.
+    /// connection must send a request's headers within the configured `header_timeout`, and
+    /// is closed when a write of its answer waits longer than `write_timeout`.
     pub async fn serve(
         &self,
         listener: tokio::net::TcpListener,
@@ -427,6 +435,7 @@ impl Server {
         use hyper_util::rt::{TokioIo, TokioTimer};
         let router = self.router();
         let header_timeout = self.shared.config.header_timeout;
+        let write_timeout = self.shared.config.write_timeout;
         // Connections hold a receiver of `open`, and watch `stop` to finish their last
         // request and close: the drain waits until every receiver is gone.
         let (open, open_rx) = tokio::sync::watch::channel(());
@@ -451,6 +460,7 @@ impl Server {
             };
             // Answers are small and whole: sent at once, not held back for more (Nagle).
             let _ = stream.set_nodelay(true);
+            let stream = super::stall::WriteStallLimit::new(stream, write_timeout);
             let service = hyper_util::service::TowerToHyperService::new(router.clone());
             let (open_rx, mut stop_rx) = (open_rx.clone(), stop_rx.clone());
             tokio::spawn(async move {
@@ -461,7 +471,8 @@ impl Server {
                 let mut stopping = false;
                 loop {
                     tokio::select! {
-                        // A connection's failure (a reset, a header timeout) is its own.
+                        // A connection's failure (a reset, a header or write timeout) is its
+                        // own.
                         _ = conn.as_mut() => break,
                         changed = stop_rx.changed(), if !stopping => {
                             stopping = true;

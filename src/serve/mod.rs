@@ -15,6 +15,8 @@ mod histogram;
 #[cfg(feature = "server")]
 mod http;
 mod retrieval;
+#[cfg(feature = "server")]
+mod stall;
 
 pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeError, MAX_DELAY};
 pub use dlrm::{DlrmRow, DlrmServable};
