@@ -80,6 +80,12 @@ fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Insta
 
 /// Runs `program args` on `ranks` ranks under mpiexec.
 fn launch(ranks: usize, program: &str, args: &[&str]) -> Option<(Output, Instant)> {
+    launch_parts(&[(ranks, program, args)])
+}
+
+/// One MPI job of several parts (`mpiexec -n 1 a : -n 1 b`): each part's ranks run its program
+/// with its arguments, ranks numbered in part order. See [`launch`].
+fn launch_parts(parts: &[(usize, &str, &[&str])]) -> Option<(Output, Instant)> {
     let (exe, extra) = match launcher() {
         Ok(s) => s,
         Err(why) => {
@@ -93,11 +99,15 @@ fn launch(ranks: usize, program: &str, args: &[&str]) -> Option<(Output, Instant
     static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _job = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
     let mut cmd = Command::new(exe);
-    cmd.args(&extra)
-        .args(["-n", &ranks.to_string(), program])
-        .args(args)
-        // A backstop: no MPI job of this file may outlive it (MPICH's launcher timeout).
-        .env("MPIEXEC_TIMEOUT", "240");
+    cmd.args(&extra);
+    for (i, &(ranks, program, args)) in parts.iter().enumerate() {
+        if i > 0 {
+            cmd.arg(":");
+        }
+        cmd.args(["-n", &ranks.to_string(), program]).args(args);
+    }
+    // A backstop: no MPI job of this file may outlive it (MPICH's launcher timeout).
+    cmd.env("MPIEXEC_TIMEOUT", "240");
     let out = cmd.output().expect("mpiexec runs");
     Some((out, Instant::now()))
 }
@@ -352,6 +362,8 @@ fn a_world_other_than_the_expected_one_is_refused() {
 /// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks): 60 steps
 /// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
 /// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
+/// A resume one rank refuses (its flags choose other data) is refused by every rank at once,
+/// naming that rank.
 #[test]
 fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     let Some(example) = dlrm_example() else {
@@ -420,6 +432,31 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
         "{log}"
     );
     assert!(log.contains("trained 10 steps on 1 ranks"), "{log}");
+
+    // Rank 1 alone is given another --shuffle-buffer than the checkpoint's run had.
+    let c = dir.join("c");
+    let checkpoint = format!("{a}/checkpoint");
+    let resumed: Vec<&str> = (common.iter().copied())
+        .chain([
+            "--steps",
+            "70",
+            "--resume",
+            &checkpoint,
+            "--out",
+            c.to_str().unwrap(),
+        ])
+        .collect();
+    let mut other = resumed.clone();
+    other.extend(["--shuffle-buffer", "7"]);
+    let (out, _) = launch_parts(&[(1, example, &resumed[..]), (1, example, &other[..])])
+        .expect("mpiexec runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("its run had --shuffle-buffer"), "{log}");
+    assert!(
+        log.contains("rank 0: resume.run_flags failed on rank 1"),
+        "rank 0 did not learn of rank 1's refusal: {log}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -254,9 +254,11 @@ pub(crate) fn save(
     all_ok(comm, "checkpoint.committed", committed)
 }
 
-/// Every rank's verdict on a step of a collective save or load: this rank's error, an error
-/// naming the ranks that failed, or this rank's value when every rank succeeded.
-pub(crate) fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Result<T> {
+/// Every rank's verdict on a step of a collective save or load (or any step every rank takes,
+/// such as checking a resume's flags): this rank's error, an error naming the ranks that
+/// failed, or this rank's value when every rank succeeded. Collective: every rank calls it
+/// with the same `op`.
+pub fn all_ok<T>(comm: &Comm, op: &'static str, mine: Result<T>) -> Result<T> {
     all_ok_then(comm, op, mine, "nothing changed")
 }
 
