@@ -144,6 +144,80 @@ impl Error {
         }
     }
 
+    /// The same error again, for each of several callers waiting on one operation: every
+    /// variant and field as it is, an I/O error's source as its kind and text.
+    pub fn duplicate(&self) -> Self {
+        use Error::*;
+        match self {
+            ShapeMismatch {
+                op,
+                lhs,
+                rhs,
+                detail,
+            } => ShapeMismatch {
+                op,
+                lhs: lhs.clone(),
+                rhs: rhs.clone(),
+                detail: detail.clone(),
+            },
+            Invalid { op, msg } => Invalid {
+                op,
+                msg: msg.clone(),
+            },
+            DTypeMismatch { op, lhs, rhs } => DTypeMismatch {
+                op,
+                lhs: *lhs,
+                rhs: *rhs,
+            },
+            UnsupportedDType {
+                op,
+                dtype,
+                expected,
+            } => UnsupportedDType {
+                op,
+                dtype: *dtype,
+                expected,
+            },
+            DeviceMismatch { op, lhs, rhs } => DeviceMismatch {
+                op,
+                lhs: *lhs,
+                rhs: *rhs,
+            },
+            DeviceUnavailable { device, reason } => DeviceUnavailable {
+                device: *device,
+                reason: reason.clone(),
+            },
+            Device { device, op, msg } => Device {
+                device: *device,
+                op,
+                msg: msg.clone(),
+            },
+            DimOutOfRange { op, dim, rank } => DimOutOfRange {
+                op,
+                dim: *dim,
+                rank: *rank,
+            },
+            IndexOutOfRange {
+                op,
+                index,
+                position,
+                size,
+            } => IndexOutOfRange {
+                op,
+                index: *index,
+                position: *position,
+                size: *size,
+            },
+            BackwardTwice { op } => BackwardTwice { op },
+            Backward(msg) => Backward(msg.clone()),
+            Distributed(msg) => Distributed(msg.clone()),
+            Io { path, source } => Io {
+                path: path.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+        }
+    }
+
     /// Shorthand for [`Error::ShapeMismatch`] without detail.
     pub fn shape(op: &'static str, lhs: &[usize], rhs: &[usize]) -> Self {
         Error::ShapeMismatch {
@@ -158,5 +232,72 @@ impl Error {
 impl From<crate::device::ParseDeviceError> for Error {
     fn from(e: crate::device::ParseDeviceError) -> Self {
         Error::invalid("Device", e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::dtype::DType;
+
+    /// A duplicate says what the original says, as the same variant; an I/O error keeps its
+    /// kind.
+    #[test]
+    fn a_duplicate_is_the_same_error() {
+        let errors = [
+            Error::shape("matmul", &[2, 3], &[4, 5]),
+            Error::invalid("op", "bad"),
+            Error::DTypeMismatch {
+                op: "add",
+                lhs: DType::F32,
+                rhs: DType::I64,
+            },
+            Error::UnsupportedDType {
+                op: "sum",
+                dtype: DType::I64,
+                expected: "a float",
+            },
+            Error::DeviceMismatch {
+                op: "add",
+                lhs: Device::Cpu,
+                rhs: Device::Cuda(0),
+            },
+            Error::DeviceUnavailable {
+                device: Device::Cuda(1),
+                reason: "none".into(),
+            },
+            Error::Device {
+                device: Device::Cuda(0),
+                op: "copy",
+                msg: "fault".into(),
+            },
+            Error::DimOutOfRange {
+                op: "sum",
+                dim: -3,
+                rank: 2,
+            },
+            Error::IndexOutOfRange {
+                op: "gather",
+                index: 9,
+                position: 1,
+                size: 4,
+            },
+            Error::BackwardTwice { op: "mul" },
+            Error::Backward("no grad".into()),
+            Error::Distributed("rank 1".into()),
+            Error::Io {
+                path: "a/b".into(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "gone"),
+            },
+        ];
+        for e in &errors {
+            let d = e.duplicate();
+            assert_eq!(d.to_string(), e.to_string());
+            assert_eq!(std::mem::discriminant(&d), std::mem::discriminant(e));
+            if let (Error::Io { source: a, .. }, Error::Io { source: b, .. }) = (e, &d) {
+                assert_eq!(a.kind(), b.kind());
+            }
+        }
     }
 }

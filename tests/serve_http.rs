@@ -853,6 +853,7 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
 ///   takes no bytes) is refused before any row is made;
 /// - a reload whose caller stops waiting still loads, swaps and counts the new model, and
 ///   abandoned reload calls join the one waiting to start instead of each queueing a load;
+/// - reloads of a checkpoint that is gone each get the load's own I/O error;
 /// - a batching delay past `MAX_DELAY` is refused at start.
 #[test]
 fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
@@ -992,6 +993,30 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
             (1..=8).contains(&loads),
             "31 reload calls ran {loads} loads"
         );
+
+        // Reloads of a checkpoint that is gone: every caller, joined or not, gets the load's
+        // own error (an I/O error naming the file), and the old model keeps serving.
+        std::fs::remove_file(&path).unwrap();
+        let (a, b, c) = tokio::join!(
+            running.server.reload(),
+            running.server.reload(),
+            running.server.reload()
+        );
+        for err in [a, b, c] {
+            match err {
+                Err(embers::Error::Io {
+                    path: named,
+                    source,
+                }) => {
+                    assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+                    assert!(named.contains("model.safetensors"), "{named}");
+                }
+                other => panic!("not the load's I/O error: {other:?}"),
+            }
+        }
+        let body = json_body(&keys, &rows[..2]);
+        let (status, _, _) = send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
+        assert_eq!(status, 200);
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
     });

@@ -144,8 +144,9 @@ struct Metrics {
     reloads_failed: AtomicU64,
 }
 
-/// A finished reload: the version it swapped in, or its error's text.
-type ReloadResult = std::result::Result<u64, String>;
+/// A finished reload: the version it swapped in, or its error (every joined caller gets a
+/// [`duplicate`](Error::duplicate)).
+type ReloadResult = std::result::Result<u64, Arc<Error>>;
 
 struct Shared {
     config: ServerConfig,
@@ -332,7 +333,7 @@ impl Server {
                             Err(_) => &server.shared.metrics.reloads_failed,
                         };
                         counter.fetch_add(1, Ordering::Relaxed);
-                        let _ = tx.send(Some(result.map_err(|e| e.to_string())));
+                        let _ = tx.send(Some(result.map_err(Arc::new)));
                     });
                     rx
                 }
@@ -341,7 +342,7 @@ impl Server {
         let done = result.wait_for(Option::is_some).await;
         match done.as_deref() {
             Ok(Some(Ok(version))) => Ok(*version),
-            Ok(Some(Err(e))) => Err(Error::invalid("reload", e.clone())),
+            Ok(Some(Err(e))) => Err(e.duplicate()),
             _ => Err(Error::invalid(
                 "reload",
                 "the reload task ended without a result",
