@@ -499,25 +499,38 @@ impl Progress {
 /// skip or repeat other examples than those trained on (another `--seed` moves examples
 /// between the splits, another `--batch-size` skips another number of them).
 fn run_flags(args: &Args) -> Vec<(&'static str, String)> {
-    // Paths as given (a run moved with its data still matches); see [`same_files`].
+    (run_flag_values(args).into_iter())
+        .map(|(flag, text, _)| (flag, text))
+        .collect()
+}
+
+/// [`run_flags`], each path flag with its paths (see [`same_files`]).
+fn run_flag_values(args: &Args) -> Vec<(&'static str, String, Option<Vec<PathBuf>>)> {
+    // Paths as given (a run moved with its data still matches).
+    let paths = |flag, p: &[PathBuf], text| (flag, text, Some(p.to_vec()));
+    let plain = |flag, text| (flag, text, None);
     vec![
-        ("--data", format!("{:?}", args.data)),
-        ("--path", format!("{:?}", args.path)),
-        ("--train", format!("{:?}", args.train)),
-        ("--valid", format!("{:?}", args.valid)),
-        ("--test", format!("{:?}", args.test)),
-        ("--items-path", format!("{:?}", args.items_path)),
-        ("--synthetic-train", args.synthetic_train.to_string()),
-        ("--synthetic-rows", format!("{:?}", args.synthetic_rows)),
-        ("--synthetic-eval", args.synthetic_eval.to_string()),
-        ("--synthetic-tasks", args.synthetic_tasks.to_string()),
-        ("--label-columns", format!("{:?}", args.label_columns)),
-        ("--holdout", args.holdout.to_string()),
-        ("--movielens-split", format!("{:?}", args.movielens_split)),
-        ("--batch-size", args.batch_size.to_string()),
-        ("--table-cap", args.table_cap.to_string()),
-        ("--shuffle-buffer", args.shuffle_buffer.to_string()),
-        ("--seed", args.seed.to_string()),
+        plain("--data", format!("{:?}", args.data)),
+        paths("--path", &args.path, format!("{:?}", args.path)),
+        paths("--train", &args.train, format!("{:?}", args.train)),
+        paths("--valid", &args.valid, format!("{:?}", args.valid)),
+        paths("--test", &args.test, format!("{:?}", args.test)),
+        paths(
+            "--items-path",
+            args.items_path.as_slice(),
+            format!("{:?}", args.items_path),
+        ),
+        plain("--synthetic-train", args.synthetic_train.to_string()),
+        plain("--synthetic-rows", format!("{:?}", args.synthetic_rows)),
+        plain("--synthetic-eval", args.synthetic_eval.to_string()),
+        plain("--synthetic-tasks", args.synthetic_tasks.to_string()),
+        plain("--label-columns", format!("{:?}", args.label_columns)),
+        plain("--holdout", args.holdout.to_string()),
+        plain("--movielens-split", format!("{:?}", args.movielens_split)),
+        plain("--batch-size", args.batch_size.to_string()),
+        plain("--table-cap", args.table_cap.to_string()),
+        plain("--shuffle-buffer", args.shuffle_buffer.to_string()),
+        plain("--seed", args.seed.to_string()),
     ]
 }
 
@@ -531,10 +544,10 @@ fn check_run_flags(
     path: &Path,
 ) -> Result<()> {
     let mut unchecked = Vec::new();
-    for (flag, mine) in run_flags(args) {
+    for (flag, mine, paths) in run_flag_values(args) {
         match recorded(&format!("run.{flag}")) {
             None => unchecked.push(flag),
-            Some(theirs) if theirs != mine && !same_files(args, flag, &theirs) => {
+            Some(theirs) if theirs != mine && !paths.is_some_and(|p| same_files(&p, &theirs)) => {
                 return Err(Error::invalid(
                     "dlrm",
                     format!(
@@ -559,18 +572,10 @@ fn check_run_flags(
     Ok(())
 }
 
-/// Whether the path flag `flag`, recorded as `theirs` (its [`run_flags`] text), names the
-/// files `args` give it, spelled otherwise (`./data/x` and `data/x`): both sides resolved on
-/// this machine. False for other flags, and where a side does not resolve.
-fn same_files(args: &Args, flag: &str, theirs: &str) -> bool {
-    let mine: Vec<PathBuf> = match flag {
-        "--path" => args.path.clone(),
-        "--train" => args.train.clone(),
-        "--valid" => args.valid.clone(),
-        "--test" => args.test.clone(),
-        "--items-path" => args.items_path.iter().cloned().collect(),
-        _ => return false,
-    };
+/// Whether a path flag's paths `mine` are the files it names as recorded (`theirs`, its
+/// [`run_flags`] text), spelled otherwise (`./data/x` and `data/x`): both sides resolved on
+/// this machine. False where a side does not resolve.
+fn same_files(mine: &[PathBuf], theirs: &str) -> bool {
     // `["a", "b"]`, `Some("a")` or `None`: JSON once the option is a list.
     let listed = match theirs
         .strip_prefix("Some(")
@@ -585,7 +590,7 @@ fn same_files(args: &Args, flag: &str, theirs: &str) -> bool {
     };
     let resolved = |p: &PathBuf| std::fs::canonicalize(p).ok();
     theirs.len() == mine.len()
-        && (theirs.iter().zip(&mine))
+        && (theirs.iter().zip(mine))
             .all(|(a, b)| resolved(a).is_some_and(|a| Some(a) == resolved(b)))
 }
 
