@@ -195,33 +195,52 @@ fn main() {
         .unwrap();
     // Milliseconds of prepare (the cache's admission), lookup and fused backward.
     // With `next`, its rows are prefetched after the backward is queued (counted in the
-    // backward).
-    let step_with =
-        |tbe: &TableBatchedEmbedding, batch: &Batch, next: Option<&Batch>| -> [f64; 3] {
-            let t0 = Instant::now();
-            let input = TbeInput::new(&batch.ids[..], &batch.offsets[..]);
-            let prepared = tbe.prepare(input).unwrap();
-            let t1 = Instant::now();
-            let out = tbe.lookup_batch(&prepared).unwrap();
-            std::hint::black_box(&out);
-            sync();
-            let t2 = Instant::now();
-            tbe.backward_batch(&prepared, &grad).unwrap();
-            if let Some(n) = next {
-                tbe.prefetch(TbeInput::new(&n.ids[..], &n.offsets[..]))
-                    .unwrap();
+    // backward); on a GPU whose cache prefetches on its own stream, also the timeline of
+    // that backward and that admission (GPU timestamps, ms from the step's start: the
+    // backward's start and end on the caller's stream, the admission's on the prefetch
+    // stream).
+    let mark = || gpu.as_ref().map(|g| g.record_event().unwrap());
+    let step_with = |tbe: &TableBatchedEmbedding,
+                     batch: &Batch,
+                     next: Option<&Batch>|
+     -> ([f64; 3], Option<[f64; 4]>) {
+        let t0 = Instant::now();
+        let origin = mark();
+        let input = TbeInput::new(&batch.ids[..], &batch.offsets[..]);
+        let prepared = tbe.prepare(input).unwrap();
+        let t1 = Instant::now();
+        let out = tbe.lookup_batch(&prepared).unwrap();
+        std::hint::black_box(&out);
+        sync();
+        let t2 = Instant::now();
+        let backward_start = mark();
+        tbe.backward_batch(&prepared, &grad).unwrap();
+        let backward_end = mark();
+        if let Some(n) = next {
+            tbe.prefetch(TbeInput::new(&n.ids[..], &n.offsets[..]))
+                .unwrap();
+        }
+        let span = tbe.take_prefetch_span();
+        sync();
+        let t3 = Instant::now();
+        let timeline = match (origin, backward_start, backward_end, span) {
+            (Some(o), Some(b0), Some(b1), Some([p0, p1])) => {
+                Some([&b0, &b1, &p0, &p1].map(|e| o.elapsed_ms(e).unwrap()))
             }
-            sync();
-            let t3 = Instant::now();
-            [t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64() * 1e3)
+            _ => None,
         };
-    let step = |tbe: &TableBatchedEmbedding, batch: &Batch| step_with(tbe, batch, None);
+        (
+            [t1 - t0, t2 - t1, t3 - t2].map(|d| d.as_secs_f64() * 1e3),
+            timeline,
+        )
+    };
+    let step = |tbe: &TableBatchedEmbedding, batch: &Batch| step_with(tbe, batch, None).0;
     for (i, batch) in batches[..warm].iter().enumerate() {
         step(&in_ram, batch);
         step(&cached, batch);
-        step_with(&prefetching, batch, batches.get(i + 1));
+        let _ = step_with(&prefetching, batch, batches.get(i + 1));
         if let Some(p) = &serial {
-            step_with(p, batch, batches.get(i + 1));
+            let _ = step_with(p, batch, batches.get(i + 1));
         }
         if let Some(m) = &managed {
             step(m, batch);
@@ -229,13 +248,15 @@ fn main() {
     }
     cached.reset_cache_stats();
     let (mut ram_ms, mut cache_ms, mut prefetch_ms) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut managed_ms, mut serial_ms) = (Vec::new(), Vec::new());
+    let (mut managed_ms, mut serial_ms, mut timelines) = (Vec::new(), Vec::new(), Vec::new());
     for (i, batch) in batches.iter().enumerate().skip(warm) {
         ram_ms.push(step(&in_ram, batch));
         cache_ms.push(step(&cached, batch));
-        prefetch_ms.push(step_with(&prefetching, batch, batches.get(i + 1)));
+        let (ms, timeline) = step_with(&prefetching, batch, batches.get(i + 1));
+        prefetch_ms.push(ms);
+        timelines.extend(timeline);
         if let Some(p) = &serial {
-            serial_ms.push(step_with(p, batch, batches.get(i + 1)));
+            serial_ms.push(step_with(p, batch, batches.get(i + 1)).0);
         }
         if let Some(m) = &managed {
             managed_ms.push(step(m, batch));
@@ -297,6 +318,31 @@ fn main() {
         part(&prefetch_ms, 1),
         part(&prefetch_ms, 2),
     );
+    if !timelines.is_empty() {
+        // Per batch: the admission's time beside the backward, and its whole time.
+        let beside = |[b0, b1, p0, p1]: [f64; 4]| (b1.min(p1) - b0.max(p0)).max(0.0);
+        let at = |i: usize| median(timelines.iter().map(|t| t[i]).collect());
+        println!(
+            "  prefetch timeline (GPU timestamps, medians of {} batches, ms from the step's \
+             start): backward {:.2}–{:.2} on the caller's stream, the next batch's admission \
+             {:.2}–{:.2} on the prefetch stream; the admission ran beside the backward for \
+             {:.2} of its {:.2} ms (median {:.0}% a batch); first timed batch {:.2?}",
+            timelines.len(),
+            at(0),
+            at(1),
+            at(2),
+            at(3),
+            median(timelines.iter().map(|&t| beside(t)).collect()),
+            median(timelines.iter().map(|t| t[3] - t[2]).collect()),
+            100.0
+                * median(
+                    (timelines.iter())
+                        .map(|&t| beside(t) / (t[3] - t[2]).max(1e-9))
+                        .collect()
+                ),
+            timelines[0],
+        );
+    }
     if !serial_ms.is_empty() {
         let p = total(&serial_ms);
         println!(

@@ -113,6 +113,20 @@ impl TableBatchedEmbedding {
         c.prefetch(&self.inner.config, &batch)
     }
 
+    /// A GPU cache that prefetches on its device's prefetch stream: timed events recorded on
+    /// that stream at the start and the end of the last [`prefetch`](Self::prefetch)'s
+    /// admission, each span given once. Placed against events of the caller's own stream
+    /// ([`CudaDevice::record_event`](crate::cuda::CudaDevice::record_event),
+    /// [`DeviceEvent::elapsed_ms`](crate::cuda::DeviceEvent::elapsed_ms)) they show how much
+    /// of the admission ran beside the backward before it. `None` without a cache, on the
+    /// host, when prefetching on the caller's stream, or when the last span was taken.
+    pub fn take_prefetch_span(&self) -> Option<[crate::cuda::DeviceEvent; 2]> {
+        match &mut self.inner.state.write().tables {
+            Tables::Cached(c) => c.take_prefetch_span(),
+            _ => None,
+        }
+    }
+
     /// Saves the tables, optimizer state and step count to the directory `dir` (created if
     /// needed): a copy of the row file, synced and renamed into place, then `manifest.json`
     /// (its name, length, checksum, the tables, optimizer and step) replaced atomically, then

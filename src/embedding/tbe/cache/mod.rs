@@ -381,6 +381,9 @@ pub(crate) struct CachedTables {
     prefetch_stream: Option<Stream>,
     /// Whether a GPU cache prefetches on the prefetch stream (else on the caller's).
     prefetch_on_side_stream: bool,
+    /// Timed events on the prefetch stream at the start and end of the last prefetch's
+    /// admission there, until taken ([`take_prefetch_span`](Self::take_prefetch_span)).
+    prefetch_span: Option<[DeviceEvent; 2]>,
     /// Which cache this is: a new number whenever its slots are made anew (built, moved to
     /// another device, emptied by a load). A batch admitted by another generation is
     /// refused: its cache rows and direct reads are another cache's.
@@ -573,6 +576,7 @@ impl CachedTables {
             times: CacheTimes::default(),
             prefetched: Default::default(),
             prefetch_stream: None,
+            prefetch_span: None,
             prefetch_on_side_stream: true,
             generation: new_generation(),
         };
@@ -1792,8 +1796,11 @@ impl CachedTables {
                     None => self.prefetch_stream.insert(d.prefetch_stream()?).clone(),
                 };
                 stream.run(|| -> Result<CachedBatch> {
+                    self.prefetch_span = None;
+                    let start = d.record_event()?;
                     let mut admitted = self.admit(logical, batch)?;
                     admitted.ready = Some(d.record_marker()?);
+                    self.prefetch_span = Some([start, d.record_event()?]);
                     // Its work done (the staged moves' copies too) before it returns: no
                     // work of the prefetch stream is ever left in flight (the host waits for
                     // this stream only, the backward goes on).
@@ -1811,6 +1818,12 @@ impl CachedTables {
             self.prefetched.pop_front();
         }
         Ok(())
+    }
+
+    /// The timed events bracketing the last prefetch's admission on the prefetch stream, once
+    /// (see [`TableBatchedEmbedding::take_prefetch_span`]).
+    pub(crate) fn take_prefetch_span(&mut self) -> Option<[DeviceEvent; 2]> {
+        self.prefetch_span.take()
     }
 
     /// Refuses while batches admitted to the cache are alive (their rows are locked).

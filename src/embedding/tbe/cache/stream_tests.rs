@@ -29,10 +29,10 @@ fn batch(ids: Vec<i64>) -> Batch<'static> {
     }
 }
 
-/// A prefetch admits on its device's prefetch stream; the batch's lookup (on the caller's stream)
-/// waits for it and notes its buffers as used there; its lookup and backward leave the point
-/// its release waits for; an admission applies the releases of batches admitted before the
-/// last one, not that one's.
+/// A prefetch admits on its device's prefetch stream (its span there timed); the batch's
+/// lookup (on the caller's stream) waits for it and notes its buffers as used there; its
+/// lookup and backward leave the point its release waits for; an admission applies the
+/// releases of batches admitted before the last one, not that one's.
 #[test]
 fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backward() {
     let Some(device) = emulated() else {
@@ -47,6 +47,10 @@ fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backwar
     c.prefetch(&config, &first).unwrap();
     let stream = c.prefetch_stream.as_ref().expect("a prefetch stream").id();
     assert_ne!(stream, caller);
+    // Its admission's span, timed, given once.
+    let [start, end] = c.take_prefetch_span().expect("the prefetch's span");
+    assert!(start.elapsed_ms(&end).unwrap() >= 0.0);
+    assert!(c.take_prefetch_span().is_none(), "the span was given twice");
     {
         let (_, _, kept) = c.prefetched.front().expect("the prefetched admission");
         assert!(
@@ -126,7 +130,8 @@ fn a_gpu_prefetch_admits_on_its_own_stream_and_the_release_waits_for_the_backwar
     assert_eq!(c.locked_slots().unwrap()[0], 10);
 }
 
-/// A cache configured to prefetch on the caller's stream admits there.
+/// A cache configured to prefetch on the caller's stream admits there (and times no span
+/// of a prefetch stream).
 #[test]
 fn a_gpu_cache_can_prefetch_on_the_callers_stream() {
     let Some(device) = emulated() else {
@@ -138,6 +143,7 @@ fn a_gpu_cache_can_prefetch_on_the_callers_stream() {
     let mut c = CachedTables::create(&config, &cache, Some(device.clone())).unwrap();
     c.prefetch(&config, &batch((0..40).collect())).unwrap();
     assert!(c.prefetch_stream.is_none());
+    assert!(c.take_prefetch_span().is_none());
     let (_, _, kept) = c.prefetched.front().expect("the prefetched admission");
     let caller = device.current_stream_id();
     let ids = &kept.on_device.as_ref().unwrap().ids;
