@@ -362,8 +362,8 @@ fn a_world_other_than_the_expected_one_is_refused() {
 /// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks): 60 steps
 /// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
 /// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
-/// A resume one rank refuses (its flags choose other data) is refused by every rank at once,
-/// naming that rank.
+/// A resume one rank refuses (its flags choose other data, or it cannot read the checkpoint)
+/// is refused by every rank at once, naming that rank.
 #[test]
 fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     let Some(example) = dlrm_example() else {
@@ -456,6 +456,34 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     assert!(
         log.contains("rank 0: resume.run_flags failed on rank 1"),
         "rank 0 did not learn of rank 1's refusal: {log}"
+    );
+    // Rank 1 alone cannot read the checkpoint (its copy lacks rank 0's file, as on a host
+    // that does not share the directory).
+    let partial = dir.join("partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    for e in std::fs::read_dir(format!("{a}/checkpoint")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() && e.file_name() != "rank0.safetensors" {
+            std::fs::copy(e.path(), partial.join(e.file_name())).unwrap();
+        }
+    }
+    let other: Vec<&str> = (resumed.iter().copied())
+        .map(|x| {
+            if x == checkpoint {
+                partial.to_str().unwrap()
+            } else {
+                x
+            }
+        })
+        .collect();
+    let (out, _) = launch_parts(&[(1, example, &resumed[..]), (1, example, &other[..])])
+        .expect("mpiexec runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("rank0.safetensors"), "{log}");
+    assert!(
+        log.contains("rank 0: resume.run_flags failed on rank 1"),
+        "rank 0 did not learn that rank 1 could not read the checkpoint: {log}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }

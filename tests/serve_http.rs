@@ -1062,11 +1062,12 @@ fn shutdown_answers_in_flight_requests_first() {
     });
 }
 
-/// A client that stops reading its answers cannot stall a drain: pipelined `/metrics`
+/// A client that stops reading its answers cannot stall a drain: pipelined model-info
 /// requests whose answers are far more than the loopback's buffers hold, never read, keep the
-/// connection's write waiting; shutdown begins while it waits, and `serve` returns once the
-/// write has waited `write_timeout` (1 s here), the connection closed. (Without the limit
-/// the drain waits for the client forever.) A zero limit is refused at start.
+/// connection's write waiting (the server's count of answers stops growing); shutdown begins
+/// while it waits, and `serve` returns once the write has waited `write_timeout` (2 s here),
+/// the connection closed. (Without the limit the drain waits for the client forever.) A zero
+/// limit is refused at start.
 #[test]
 fn a_client_that_stops_reading_cannot_stall_a_drain() {
     use std::io::{Read, Write};
@@ -1082,13 +1083,24 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
         assert!(err.to_string().contains("write_timeout is"), "{err}");
 
         let mut cfg = ServerConfig::new("dlrm", &path);
-        cfg.write_timeout = Duration::from_secs(1);
+        cfg.write_timeout = Duration::from_secs(2);
         let running = start(cfg).await;
         let addr = running.addr;
-        let (status, _, one) = send(addr, "GET", "/metrics", None, Vec::new()).await;
+        // Model-info answers counted so far (each call's own answer is counted after it).
+        let answered = || async move {
+            let (_, _, text) = send(addr, "GET", "/metrics", None, Vec::new()).await;
+            let text = String::from_utf8(text.to_vec()).unwrap();
+            let key = "embers_responses_total{route=\"model\",code=\"200\"}";
+            if text.contains(key) {
+                metric(&text, key)
+            } else {
+                0
+            }
+        };
+        let (status, _, one) = send(addr, "GET", "/v1/models/dlrm", None, Vec::new()).await;
         assert_eq!(status, 200);
         let n = (64usize << 20) / one.len() + 1;
-        let requests = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
+        let requests = b"GET /v1/models/dlrm HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
         let mut unread = std::net::TcpStream::connect(addr).unwrap();
         unread
             .set_write_timeout(Some(Duration::from_secs(3)))
@@ -1099,7 +1111,17 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
             let _ = unread.write_all(&requests);
             unread
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Until the answers stop coming: the write waits.
+        let mut last = answered().await;
+        loop {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let now = answered().await;
+            if now == last && now > 1 {
+                break;
+            }
+            assert!(now < n as u64, "every one of {n} answers was taken");
+            last = now;
+        }
         let t = Instant::now();
         running.stop.send(()).unwrap();
         tokio::time::timeout(Duration::from_secs(30), running.done)
@@ -1125,10 +1147,10 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
             Err(e) => panic!("the connection was left open: {e}"),
         }
-        let answered = String::from_utf8_lossy(&got)
+        let taken = String::from_utf8_lossy(&got)
             .matches("HTTP/1.1 200")
             .count();
-        assert!(answered < n, "every one of {n} answers was taken");
+        assert!(taken < n, "every one of {n} answers was taken");
     });
 }
 

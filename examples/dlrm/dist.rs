@@ -235,10 +235,13 @@ mod with_mpi {
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
         let own = dir.join(format!("rank{rank}.safetensors"));
-        let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
-        // Every rank checks (paths resolve on its own host) and all refuse if one does.
-        let checked = crate::check_run_flags(args, |key| Some(r0.metadata(key)?.to_string()), dir);
-        embers::distributed::all_ok(comm, "resume.run_flags", checked)?;
+        // Every rank reads rank 0's file and checks the run's flags (paths resolve on its own
+        // host); all refuse if one cannot.
+        let checked = CheckpointReader::open(dir.join("rank0.safetensors")).and_then(|r0| {
+            crate::check_run_flags(args, |key| Some(r0.metadata(key)?.to_string()), dir)?;
+            Ok(r0)
+        });
+        let r0 = embers::distributed::all_ok(comm, "resume.run_flags", checked)?;
         let saved_world = r0.required_metadata("world")?.to_string();
         let same_world = saved_world == world.to_string();
         let r = if same_world {

@@ -63,7 +63,9 @@ pub struct ServerConfig {
     pub header_timeout: Duration,
     /// The longest a write of an answer may wait without progress (the connection is closed
     /// past it): a client that stops reading its answer holds the connection, the answer's
-    /// memory and a draining server no longer. A slow reader that keeps reading is not cut.
+    /// memory and a draining server no longer. A slow reader that keeps reading is not cut
+    /// (it must take about half of what the socket's send buffer holds, a few MiB at most,
+    /// within the limit).
     pub write_timeout: Duration,
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.

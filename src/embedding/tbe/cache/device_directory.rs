@@ -284,15 +284,16 @@ impl DeviceDirectory {
     }
 
     /// Orders this operation (on the calling thread's stream) after the previous one on the
-    /// buffers, whatever stream that was on.
-    fn order(&mut self) -> Result<()> {
-        self.last_stream = Some(self.after_last()?);
+    /// buffers, whatever stream that was on, and later ones after the calling stream's work
+    /// queued so far (a caller's own writes into slots it found, too).
+    pub(crate) fn order(&mut self) -> Result<()> {
+        self.last_stream = Some(self.wait_for_last()?);
         Ok(())
     }
 
     /// Makes the calling thread's stream (returned) wait for the previous operation on the
     /// buffers, without ordering later operations after this one.
-    fn after_last(&self) -> Result<crate::cuda::allocator::StreamId> {
+    pub(crate) fn wait_for_last(&self) -> Result<crate::cuda::allocator::StreamId> {
         let current = self.device.current_stream_id();
         if let Some(last) = self.last_stream.filter(|&l| l != current) {
             self.device.stream_wait(current, last)?;
@@ -363,11 +364,13 @@ impl DeviceDirectory {
     /// lookup has ended when this returns (its answer is read back), so later operations need
     /// not wait for the calling thread's stream: a prefetch's admission on its own stream
     /// still overlaps the batch queued there (`order` would make it wait for that batch).
+    /// A caller that then writes into the slots found orders later operations after its
+    /// writes itself ([`order`](Self::order), or a fence of the cache rows).
     pub(crate) fn find(&self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.after_last()?;
+        self.wait_for_last()?;
         let d = &self.device;
         let tables: Vec<i64> = rows.iter().map(|&(t, _)| t as i64).collect();
         let ids: Vec<i64> = rows.iter().map(|&(_, r)| r as i64).collect();
@@ -641,7 +644,7 @@ impl DeviceDirectory {
             return Ok(());
         }
         // After the earlier operations on the buffers (an admission or unlock elsewhere).
-        let current = self.after_last()?;
+        let current = self.wait_for_last()?;
         self.launch_over_slots("cache_dir_mark_dirty", slots, n, &self.dirty)?;
         let mark = self.device.record_marker()?;
         self.marks.retain(|(s, _)| *s != current);

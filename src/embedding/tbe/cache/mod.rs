@@ -384,6 +384,9 @@ pub(crate) struct CachedTables {
     /// Timed events on the prefetch stream at the start and end of the last prefetch's
     /// admission there, until taken ([`take_prefetch_span`](Self::take_prefetch_span)).
     prefetch_span: Option<[DeviceEvent; 2]>,
+    /// While a prefetch admits on the prefetch stream: its span's start, recorded once the
+    /// admission's waits for other streams are queued (`Some(None)` until then).
+    span_start: Option<Option<DeviceEvent>>,
     /// Which cache this is: a new number whenever its slots are made anew (built, moved to
     /// another device, emptied by a load). A batch admitted by another generation is
     /// refused: its cache rows and direct reads are another cache's.
@@ -577,6 +580,7 @@ impl CachedTables {
             prefetched: Default::default(),
             prefetch_stream: None,
             prefetch_span: None,
+            span_start: None,
             prefetch_on_side_stream: true,
             generation: new_generation(),
         };
@@ -1261,6 +1265,12 @@ impl CachedTables {
         self.tick += 1;
         let tick = self.tick;
         let device = self.gpu().expect("a device directory has a GPU").clone();
+        if let Some(start @ None) = &mut self.span_start {
+            // A prefetch's span starts where the stream has met every wait for other streams
+            // (the directory's too, queued here first), not where it began waiting.
+            (self.device_dir.as_ref().expect("admitting on the device")).wait_for_last()?;
+            *start = Some(device.record_event()?);
+        }
         let t0 = std::time::Instant::now();
         let mut on_device = DeviceBatch::upload(&device, batch)?;
         self.times.transfer += t0.elapsed();
@@ -1441,7 +1451,13 @@ impl CachedTables {
             }
             self.put(&cached, &to_slots)?;
             match (self.home, &mut self.device_dir) {
-                (Home::Device, Some(d)) => d.set_dirty(&cached),
+                (Home::Device, Some(d)) => {
+                    // These slots are not this batch's (rows cached since by a later
+                    // admission, perhaps released already): an eviction on another stream
+                    // must see their dirty marks, not only their data.
+                    d.set_dirty(&cached)?;
+                    self.fence()
+                }
                 _ => {
                     for &(t, s) in &cached {
                         self.dirs[t].set_dirty(s, true);
@@ -1797,10 +1813,14 @@ impl CachedTables {
                 };
                 stream.run(|| -> Result<CachedBatch> {
                     self.prefetch_span = None;
-                    let start = d.record_event()?;
-                    let mut admitted = self.admit(logical, batch)?;
+                    self.span_start = Some(None);
+                    let admitted = self.admit(logical, batch);
+                    let start = self.span_start.take().flatten();
+                    let mut admitted = admitted?;
                     admitted.ready = Some(d.record_marker()?);
-                    self.prefetch_span = Some([start, d.record_event()?]);
+                    if let Some(start) = start {
+                        self.prefetch_span = Some([start, d.record_event()?]);
+                    }
                     // Its work done (the staged moves' copies too) before it returns: no
                     // work of the prefetch stream is ever left in flight (the host waits for
                     // this stream only, the backward goes on).
