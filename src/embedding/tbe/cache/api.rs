@@ -118,8 +118,11 @@ impl TableBatchedEmbedding {
     /// admission, each span given once. Placed against events of the caller's own stream
     /// ([`CudaDevice::record_event`](crate::cuda::CudaDevice::record_event),
     /// [`DeviceEvent::elapsed_ms`](crate::cuda::DeviceEvent::elapsed_ms)) they show how much
-    /// of the admission ran beside the backward before it. `None` without a cache, on the
-    /// host, when prefetching on the caller's stream, or when the last span was taken.
+    /// of the admission ran beside the backward before it; the span starts once the
+    /// admission's waits for other streams are met. `None` without a cache, on the host,
+    /// when prefetching on the caller's stream, when the last prefetch was admitted by the
+    /// host (a batch too big for the device directory's keys), or when the last span was
+    /// taken.
     pub fn take_prefetch_span(&self) -> Option<[crate::cuda::DeviceEvent; 2]> {
         match &mut self.inner.state.write().tables {
             Tables::Cached(c) => c.take_prefetch_span(),

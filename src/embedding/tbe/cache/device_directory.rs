@@ -284,9 +284,8 @@ impl DeviceDirectory {
     }
 
     /// Orders this operation (on the calling thread's stream) after the previous one on the
-    /// buffers, whatever stream that was on, and later ones after the calling stream's work
-    /// queued so far (a caller's own writes into slots it found, too).
-    pub(crate) fn order(&mut self) -> Result<()> {
+    /// buffers, whatever stream that was on.
+    fn order(&mut self) -> Result<()> {
         self.last_stream = Some(self.wait_for_last()?);
         Ok(())
     }
@@ -360,17 +359,14 @@ impl DeviceDirectory {
     }
 
     /// The slot (of its table) holding each `(table, row)`, if cached: a lookup on the device
-    /// (the host directory stays as it is), after the last operation on the buffers. The
-    /// lookup has ended when this returns (its answer is read back), so later operations need
-    /// not wait for the calling thread's stream: a prefetch's admission on its own stream
-    /// still overlaps the batch queued there (`order` would make it wait for that batch).
-    /// A caller that then writes into the slots found orders later operations after its
-    /// writes itself ([`order`](Self::order), or a fence of the cache rows).
-    pub(crate) fn find(&self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
+    /// (the host directory stays as it is). It becomes the operation later ones order after,
+    /// so that they also wait for what the caller queues after it on its stream (its writes
+    /// into the slots found, their dirty marks).
+    pub(crate) fn find(&mut self, rows: &[(usize, u64)]) -> Result<Vec<Option<usize>>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.wait_for_last()?;
+        self.order()?;
         let d = &self.device;
         let tables: Vec<i64> = rows.iter().map(|&(t, _)| t as i64).collect();
         let ids: Vec<i64> = rows.iter().map(|&(_, r)| r as i64).collect();
@@ -850,36 +846,5 @@ pub(super) mod tests {
             let evictions: u64 = stats.iter().map(|s| s.evictions).sum();
             assert!(conflicts > 0 && evictions > 0, "{conflicts} {evictions}");
         }
-    }
-
-    /// A lookup runs after the last operation on the buffers (on another stream here) but
-    /// leaves that one the operation later ones order after: it has ended when it returns, and
-    /// were it the last, a prefetch's next admission on its stream would wait for the batch
-    /// queued on the caller's stream (the overlap lost after every batch with direct reads).
-    #[test]
-    fn a_lookup_leaves_the_last_operation_as_it_was() {
-        let Some(device) = emulated() else { return };
-        let policy = CachePolicy::Lru;
-        let mut host = vec![Directory::new(2, 300, policy).unwrap()];
-        let mut stats = CacheStats::empty(String::new(), 0);
-        let cached = host[0].admit(&[7, 9], 1, &mut stats);
-        assert!(cached.fallback.is_empty());
-        let mut dev = DeviceDirectory::new(&device, &host, &[300], &[0], policy).unwrap();
-        let side = device.new_stream().unwrap();
-        side.run(|| dev.push(&host)).unwrap();
-        let caller = device.current_stream_id();
-        assert_ne!(caller, side.id());
-        assert_eq!(dev.last_stream, Some(side.id()));
-        let want = vec![host[0].find(7), None, host[0].find(9)];
-        assert!(want[0].is_some() && want[2].is_some());
-        assert_eq!(dev.find(&[(0, 7), (0, 8), (0, 9)]).unwrap(), want);
-        assert_eq!(
-            dev.last_stream,
-            Some(side.id()),
-            "the lookup became the operation later ones wait for"
-        );
-        // An operation that changes the buffers becomes the last one.
-        dev.push(&host).unwrap();
-        assert_eq!(dev.last_stream, Some(caller));
     }
 }

@@ -384,8 +384,9 @@ pub(crate) struct CachedTables {
     /// Timed events on the prefetch stream at the start and end of the last prefetch's
     /// admission there, until taken ([`take_prefetch_span`](Self::take_prefetch_span)).
     prefetch_span: Option<[DeviceEvent; 2]>,
-    /// While a prefetch admits on the prefetch stream: its span's start, recorded once the
-    /// admission's waits for other streams are queued (`Some(None)` until then).
+    /// While a prefetch admits on the prefetch stream: its span's start, recorded by the
+    /// device directory's admission once its waits for other streams are queued (`Some(None)`
+    /// until then; it stays so when the host admits the batch: no span).
     span_start: Option<Option<DeviceEvent>>,
     /// Which cache this is: a new number whenever its slots are made anew (built, moved to
     /// another device, emptied by a load). A batch admitted by another generation is
@@ -1451,13 +1452,7 @@ impl CachedTables {
             }
             self.put(&cached, &to_slots)?;
             match (self.home, &mut self.device_dir) {
-                (Home::Device, Some(d)) => {
-                    // These slots are not this batch's (rows cached since by a later
-                    // admission, perhaps released already): an eviction on another stream
-                    // must see their dirty marks, not only their data.
-                    d.set_dirty(&cached)?;
-                    self.fence()
-                }
+                (Home::Device, Some(d)) => d.set_dirty(&cached),
                 _ => {
                     for &(t, s) in &cached {
                         self.dirs[t].set_dirty(s, true);

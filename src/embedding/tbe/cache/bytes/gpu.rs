@@ -322,9 +322,7 @@ impl ByteCache {
         let refreshed = gpu.dir.find(&rows).and_then(|slots| {
             let cached =
                 (rows.iter().zip(slots)).filter_map(|(&(t, row), slot)| Some((t, row, slot?)));
-            gpu.fill(&self.store, &self.row_bytes, cached)?;
-            // A later admission on another stream may evict these slots: after the writes.
-            gpu.dir.order()
+            gpu.fill(&self.store, &self.row_bytes, cached)
         });
         if refreshed.is_err() {
             // Some cached copies may be old: the next lookup empties the directory.
