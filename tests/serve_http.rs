@@ -1154,6 +1154,75 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
     });
 }
 
+/// A slow reader of a large answer is not cut by the write timeout: pipelined model-info
+/// requests whose answers are far more than the loopback's buffers hold, read 16 KiB every
+/// 50 ms (about 320 KB/s) for 3 s with a `write_timeout` of 1.5 s: the connection keeps
+/// delivering throughout (the server counts each time the socket takes bytes, not only when
+/// half its send buffer has drained).
+#[test]
+fn a_slow_reader_is_not_cut_by_the_write_timeout() {
+    use std::io::{Read, Write};
+    let g = data();
+    let dir = scratch("slow");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.write_timeout = Duration::from_millis(1500);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let (status, _, one) = send(addr, "GET", "/v1/models/dlrm", None, Vec::new()).await;
+        assert_eq!(status, 200);
+        let n = (64usize << 20) / one.len() + 1;
+        let requests = b"GET /v1/models/dlrm HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
+        let slow = std::net::TcpStream::connect(addr).unwrap();
+        let mut sender = slow.try_clone().unwrap();
+        sender
+            .set_write_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        std::thread::spawn(move || {
+            let _ = sender.write_all(&requests);
+        });
+        let read = tokio::task::spawn_blocking(move || {
+            let mut slow = slow;
+            slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let (mut total, mut chunk) = (0usize, vec![0u8; 16 << 10]);
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(3) {
+                std::thread::sleep(Duration::from_millis(50));
+                let mut got = 0;
+                while got < chunk.len() {
+                    match slow.read(&mut chunk[got..]) {
+                        Ok(0) => {
+                            return Err(format!(
+                                "closed after {:?}, {total} bytes",
+                                start.elapsed()
+                            ))
+                        }
+                        Ok(k) => got += k,
+                        Err(e) => {
+                            return Err(format!("{e} after {:?}, {total} bytes", start.elapsed()))
+                        }
+                    }
+                }
+                total += got;
+            }
+            Ok(total)
+        })
+        .await
+        .unwrap();
+        let total = read.expect("the slow reader was cut");
+        assert!(total >= 40 * (16 << 10), "{total} bytes");
+        running.stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), running.done)
+            .await
+            .expect("the drain ended")
+            .unwrap()
+            .unwrap();
+    });
+}
+
 /// The binary: starts on a free port, answers, reloads on SIGHUP, refuses a bad checkpoint
 /// with the old model serving, and exits 0 after draining on SIGTERM.
 #[cfg(unix)]

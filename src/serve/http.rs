@@ -64,8 +64,8 @@ pub struct ServerConfig {
     /// The longest a write of an answer may wait without progress (the connection is closed
     /// past it): a client that stops reading its answer holds the connection, the answer's
     /// memory and a draining server no longer. A slow reader that keeps reading is not cut
-    /// (it must take about half of what the socket's send buffer holds, a few MiB at most,
-    /// within the limit).
+    /// (on Linux the socket holds at most 128 KiB unsent, so each bit the reader takes is
+    /// progress; elsewhere it must take about half the socket's send buffer within the limit).
     pub write_timeout: Duration,
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
@@ -463,6 +463,7 @@ impl Server {
             };
             // Answers are small and whole: sent at once, not held back for more (Nagle).
             let _ = stream.set_nodelay(true);
+            super::stall::limit_unsent(&stream);
             let stream = super::stall::WriteStallLimit::new(stream, write_timeout);
             let service = hyper_util::service::TowerToHyperService::new(router.clone());
             let (open_rx, mut stop_rx) = (open_rx.clone(), stop_rx.clone());

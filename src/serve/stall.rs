@@ -2,9 +2,8 @@
 //! receive window and the server's send buffer full) fails the write after `write_timeout`
 //! without progress, so the connection closes instead of holding its task, its answer's
 //! memory and a draining server forever. Time counts only while a write waits: an answer
-//! taken slowly but steadily, however long, is not cut. (The kernel reports a full socket
-//! writable again only once a good part of its send buffer has drained, so a reader must
-//! take that much, a few MiB at most, within the limit.)
+//! taken slowly but steadily, however long, is not cut: the socket holds few unsent bytes
+//! ([`limit_unsent`]), so it reports progress each time the reader takes a little.
 
 use std::future::Future;
 use std::io;
@@ -14,6 +13,35 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
+
+/// Unsent bytes a connection's socket holds at most before writes wait (Linux's
+/// `TCP_NOTSENT_LOWAT`): the socket reports itself writable again as soon as it holds less,
+/// so a slow reader's progress is seen every time it takes a little, not only once half the
+/// send buffer (megabytes) has drained — the write timeout then cuts only readers that stop.
+pub(crate) const NOTSENT_LOWAT: usize = 128 << 10;
+
+/// Sets [`NOTSENT_LOWAT`] on `socket` (Linux; elsewhere nothing). Best effort: a kernel that
+/// refuses it leaves the default, under which a reader must take about half the send buffer
+/// within the write timeout.
+pub(crate) fn limit_unsent(socket: &tokio::net::TcpStream) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let value = NOTSENT_LOWAT as libc::c_int;
+        // SAFETY: a valid descriptor and a c_int option value of the size given.
+        unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = socket;
+}
 
 /// `inner` with a limit on how long a write, flush or shutdown may wait without progress.
 pub(crate) struct WriteStallLimit<S> {
