@@ -446,36 +446,44 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
         ])
         .collect();
     // Rank 1 alone is given another --shuffle-buffer than the checkpoint's run had, or
-    // cannot read the checkpoint (its copy lacks rank 0's file, as on a host that does not
-    // share the directory).
-    let partial = dir.join("partial");
-    std::fs::create_dir_all(&partial).unwrap();
-    for e in std::fs::read_dir(&checkpoint).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() && e.file_name() != "rank0.safetensors" {
-            std::fs::copy(e.path(), partial.join(e.file_name())).unwrap();
+    // cannot read the checkpoint (its copy lacks rank 0's file or its own, as on a host that
+    // does not share the directory).
+    let without = |file: &str| {
+        let partial = dir.join(format!("without-{file}"));
+        std::fs::create_dir_all(&partial).unwrap();
+        for e in std::fs::read_dir(&checkpoint).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_file() && e.file_name() != file {
+                std::fs::copy(e.path(), partial.join(e.file_name())).unwrap();
+            }
         }
-    }
-    let mut other_flags = resumed.clone();
-    other_flags.extend(["--shuffle-buffer", "7"]);
-    let no_rank0: Vec<&str> = (resumed.iter().copied())
-        .map(|x| match x == checkpoint {
-            true => partial.to_str().unwrap(),
-            false => x,
-        })
-        .collect();
+        partial.to_str().unwrap().to_string()
+    };
+    let (no_rank0, no_own) = (without("rank0.safetensors"), without("rank1.safetensors"));
+    let resuming = |from: &str| -> Vec<String> {
+        (resumed.iter())
+            .map(|&x| match x == checkpoint {
+                true => from.to_string(),
+                false => x.to_string(),
+            })
+            .collect()
+    };
+    let mut other_flags = resuming(&checkpoint);
+    other_flags.extend(["--shuffle-buffer".to_string(), "7".to_string()]);
     for (other, says) in [
-        (other_flags, "its run had --shuffle-buffer"),
-        (no_rank0, "partial/rank0.safetensors"),
+        (other_flags, "its run had --shuffle-buffer".to_string()),
+        (resuming(&no_rank0), format!("{no_rank0}/rank0.safetensors")),
+        (resuming(&no_own), format!("{no_own}/rank1.safetensors")),
     ] {
+        let other: Vec<&str> = other.iter().map(String::as_str).collect();
         let (out, _) = launch_parts(&[(1, example, &resumed[..]), (1, example, &other[..])])
             .expect("mpiexec runs");
         let log = text(&out);
         assert!(!out.status.success(), "{log}");
         // (The ranks' messages may interleave, piece by piece.)
-        assert!(log.contains(says), "{log}");
+        assert!(log.contains(&says), "{log}");
         assert!(
-            log.contains("rank 0: resume.run_flags failed on rank 1"),
+            log.contains("rank 0: resume.read failed on rank 1"),
             "rank 0 did not learn of rank 1's refusal: {log}"
         );
     }

@@ -235,25 +235,27 @@ mod with_mpi {
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
         let own = dir.join(format!("rank{rank}.safetensors"));
-        // Every rank reads rank 0's file and checks the run's flags (paths resolve on its own
-        // host); all refuse if one cannot.
-        let checked = CheckpointReader::open(dir.join("rank0.safetensors")).and_then(|r0| {
+        // Every rank reads its dense state and checks the run's flags (paths resolve on its
+        // own host) before the tables load: all refuse if one cannot.
+        let read = (|| {
+            let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
             crate::check_run_flags(args, |key| Some(r0.metadata(key)?.to_string()), dir)?;
-            Ok(r0)
-        });
-        let r0 = embers::distributed::all_ok(comm, "resume.run_flags", checked)?;
-        let saved_world = r0.required_metadata("world")?.to_string();
-        let same_world = saved_world == world.to_string();
-        let r = if same_world {
-            CheckpointReader::open(&own)?
-        } else {
-            r0
-        };
-        let step: u64 = r.required_metadata("step")?.parse().map_err(|_| {
-            Error::invalid("checkpoint", format!("{}: a bad step", r.path().display()))
-        })?;
-        // On another world size the metrics restart: other ranks saw other data.
-        let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
+            let saved_world = r0.required_metadata("world")?.to_string();
+            let same_world = saved_world == world.to_string();
+            let r = if same_world {
+                CheckpointReader::open(&own)?
+            } else {
+                r0
+            };
+            let step: u64 = r.required_metadata("step")?.parse().map_err(|_| {
+                Error::invalid("checkpoint", format!("{}: a bad step", r.path().display()))
+            })?;
+            // On another world size the metrics restart: other ranks saw other data.
+            let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
+            Ok((saved_world, same_world, step, dense))
+        })();
+        let (saved_world, same_world, step, dense) =
+            embers::distributed::all_ok(comm, "resume.read", read)?;
         model.sharded.load(dir.join("tables"))?;
         dense.apply(model.optimizer.as_mut(), Some(metrics))?;
         if rank == 0 && !same_world {
