@@ -1062,6 +1062,27 @@ fn shutdown_answers_in_flight_requests_first() {
     });
 }
 
+/// A connection to the server at `addr` on which a thread pipelines model-info requests
+/// whose answers come to about 64 MiB, far more than the loopback's buffers hold (it sends
+/// what the server takes, which stops reading while its writes wait, for up to 5 s), and how
+/// many requests that is.
+async fn flood(addr: SocketAddr) -> (std::net::TcpStream, usize) {
+    use std::io::Write;
+    let (status, _, one) = send(addr, "GET", "/v1/models/dlrm", None, Vec::new()).await;
+    assert_eq!(status, 200);
+    let n = (64usize << 20) / one.len() + 1;
+    let requests = b"GET /v1/models/dlrm HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
+    let connection = std::net::TcpStream::connect(addr).unwrap();
+    let mut sender = connection.try_clone().unwrap();
+    sender
+        .set_write_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    std::thread::spawn(move || {
+        let _ = sender.write_all(&requests);
+    });
+    (connection, n)
+}
+
 /// A client that stops reading its answers cannot stall a drain: pipelined model-info
 /// requests whose answers are far more than the loopback's buffers hold, never read, keep the
 /// connection's write waiting (the server's count of answers stops growing); shutdown begins
@@ -1070,7 +1091,7 @@ fn shutdown_answers_in_flight_requests_first() {
 /// limit is refused at start.
 #[test]
 fn a_client_that_stops_reading_cannot_stall_a_drain() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let g = data();
     let dir = scratch("unread");
     let path = dir.join("model.safetensors");
@@ -1097,20 +1118,8 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
                 0
             }
         };
-        let (status, _, one) = send(addr, "GET", "/v1/models/dlrm", None, Vec::new()).await;
-        assert_eq!(status, 200);
-        let n = (64usize << 20) / one.len() + 1;
-        let requests = b"GET /v1/models/dlrm HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
-        let mut unread = std::net::TcpStream::connect(addr).unwrap();
-        unread
-            .set_write_timeout(Some(Duration::from_secs(3)))
-            .unwrap();
-        // Sends what the server takes (it stops reading while its write waits), keeps the
-        // connection open and reads nothing.
-        let writer = std::thread::spawn(move || {
-            let _ = unread.write_all(&requests);
-            unread
-        });
+        // Nothing is read from it.
+        let (mut unread, n) = flood(addr).await;
         // Until the answers stop coming: the write waits.
         let mut last = answered().await;
         loop {
@@ -1135,9 +1144,6 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
             "drained after {drained:?}"
         );
         // The connection was closed by the server, not left open: what it sent, then the end.
-        let mut unread = tokio::task::spawn_blocking(move || writer.join().unwrap())
-            .await
-            .unwrap();
         unread
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
@@ -1161,7 +1167,7 @@ fn a_client_that_stops_reading_cannot_stall_a_drain() {
 /// half its send buffer has drained).
 #[test]
 fn a_slow_reader_is_not_cut_by_the_write_timeout() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let g = data();
     let dir = scratch("slow");
     let path = dir.join("model.safetensors");
@@ -1172,20 +1178,8 @@ fn a_slow_reader_is_not_cut_by_the_write_timeout() {
         cfg.write_timeout = Duration::from_millis(1500);
         let running = start(cfg).await;
         let addr = running.addr;
-        let (status, _, one) = send(addr, "GET", "/v1/models/dlrm", None, Vec::new()).await;
-        assert_eq!(status, 200);
-        let n = (64usize << 20) / one.len() + 1;
-        let requests = b"GET /v1/models/dlrm HTTP/1.1\r\nhost: x\r\n\r\n".repeat(n);
-        let slow = std::net::TcpStream::connect(addr).unwrap();
-        let mut sender = slow.try_clone().unwrap();
-        sender
-            .set_write_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        std::thread::spawn(move || {
-            let _ = sender.write_all(&requests);
-        });
+        let (mut slow, _) = flood(addr).await;
         let read = tokio::task::spawn_blocking(move || {
-            let mut slow = slow;
             slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
             let (mut total, mut chunk) = (0usize, vec![0u8; 16 << 10]);
             let start = Instant::now();
