@@ -227,7 +227,10 @@ pub(crate) struct DeviceDirectory {
     /// to the host has waited for yet. A mark touches only slots locked by its batch, which
     /// no admission reads or changes while the batch is alive, so an admission on another
     /// stream does not wait for it (it runs beside the backward); a batch's unlock waits for
-    /// its backward ([`super::CachedBatch`]), and [`pull`](Self::pull) for all of them.
+    /// its backward ([`super::CachedBatch`]), and [`pull`](Self::pull) for all of them. The
+    /// one mark outside a batch's locks, [`set_dirty`](Self::set_dirty) on the cached rows of
+    /// its direct reads, follows the [`find`](Self::find) that located them on the same
+    /// stream, which later admissions order after.
     marks: Vec<(crate::cuda::allocator::StreamId, DeviceEvent)>,
 }
 
@@ -405,7 +408,9 @@ impl DeviceDirectory {
         Ok(Some((self.device.htod(&global)?, global.len())))
     }
 
-    /// Marks slots `slots` ((table, slot of the table) pairs) dirty.
+    /// Marks slots `slots` ((table, slot of the table) pairs) dirty: slots found by a
+    /// [`find`](Self::find) just before on the calling thread's stream, which orders later
+    /// admissions after this mark too.
     pub(crate) fn set_dirty(&mut self, slots: &[(usize, usize)]) -> Result<()> {
         match self.upload_slots(slots.iter().copied())? {
             Some((global, n)) => self.mark_dirty(&global, n),
