@@ -1,7 +1,7 @@
 //! A connection whose writes must keep moving: a client that stops reading its answer (its
 //! receive window and the server's send buffer full) fails the write after `write_timeout`
 //! without progress, so the connection closes instead of holding its task, its answer's
-//! memory and a draining server forever. Time counts only while a write waits: an answer
+//! memory and a draining server forever. Time counts only while a write waits, so an answer
 //! taken slowly but steadily, however long, is not cut: the socket holds few unsent bytes
 //! ([`limit_unsent`]), so it reports progress each time the reader takes a little.
 
@@ -18,7 +18,7 @@ use tokio::time::Sleep;
 /// `TCP_NOTSENT_LOWAT`): the socket reports itself writable again as soon as it holds less,
 /// so a slow reader's progress is seen every time it takes a little, not only once half the
 /// send buffer (megabytes) has drained — the write timeout then cuts only readers that stop.
-pub(crate) const NOTSENT_LOWAT: usize = 128 << 10;
+const NOTSENT_LOWAT: usize = 128 << 10;
 
 /// Sets [`NOTSENT_LOWAT`] on `socket` (Linux; elsewhere nothing). Best effort: a kernel that
 /// refuses it leaves the default, under which a reader must take about half the send buffer
