@@ -1,6 +1,7 @@
 //! The readers of files a user hands embers, fuzzed (`tests/support/fuzz.rs`): checkpoints
 //! (the safetensors reader, and a DLRM trainer's full restore: header, metadata, every tensor's
-//! dtype, shape and bytes) and sharding plans (`embers-plan` JSON, checked against the tables).
+//! dtype, shape and bytes), sharding plans (`embers-plan` JSON, checked against the tables)
+//! and IVF-PQ index files (loaded, then searched).
 //! No input may panic, hang or allocate without bound; errors must say what is wrong.
 
 #[path = "support/fuzz.rs"]
@@ -110,4 +111,45 @@ fn sharding_plans() {
         let plan = ShardingPlan::from_json(text).map_err(|e| e.to_string())?;
         plan.check(&tables).map_err(|e| e.to_string())
     });
+}
+
+/// A small saved IVF-PQ index as the seed; each input is loaded and, when accepted, searched.
+#[test]
+fn ivfpq_indexes() {
+    use embers::retrieval::{IvfPqConfig, IvfPqIndex, Metric};
+    let dir = std::env::temp_dir().join(format!("embers-fuzz-ivfpq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (dim, n) = (8, 300);
+    let mut rng = fuzz::Rng::new(7);
+    let x: Vec<f32> = (0..n * dim)
+        .map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .collect();
+    let config = IvfPqConfig {
+        coarse_iters: 2,
+        pq_iters: 2,
+        ..IvfPqConfig::new(4, 2, Metric::L2)
+    };
+    let mut index = IvfPqIndex::train(config, &x, dim).unwrap();
+    index.add(&(0..n as i64).collect::<Vec<_>>(), &x).unwrap();
+    let seed_path = dir.join("seed.safetensors");
+    index.save(&seed_path).unwrap();
+    let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let path = dir.join("index.safetensors");
+    fuzz::run("ivfpq-index", &seeds, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        let loaded = IvfPqIndex::load(&path).map_err(|e| {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("index.safetensors"),
+                "the error does not name the file: {msg}"
+            );
+            msg
+        })?;
+        let queries = vec![0.25f32; loaded.dim() * 2];
+        loaded
+            .search(&queries, 5, 4)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -496,3 +496,47 @@ fn gpu_blocks_out_of_range_are_refused() {
         })
         .unwrap();
 }
+
+/// An index file whose list sizes are each valid counts but whose sum does not fit in a
+/// `usize` (here it wraps to the stored ids' length, 2^64 + 300 ≡ 300) is refused by name; it
+/// must not panic or slice past the ids.
+#[test]
+fn ivfpq_load_refuses_list_sizes_past_a_usize() {
+    let dim = 8;
+    let x = gaussian(300, dim, 15);
+    let mut index = IvfPqIndex::train(
+        IvfPqConfig {
+            coarse_iters: 2,
+            pq_iters: 2,
+            ..IvfPqConfig::new(4, 2, Metric::L2)
+        },
+        &x,
+        dim,
+    )
+    .unwrap();
+    index.add(&(0..300).collect::<Vec<i64>>(), &x).unwrap();
+    let dir = std::env::temp_dir().join(format!("embers-ivfpq-sizes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.safetensors");
+    index.save(&good).unwrap();
+    let r = embers::checkpoint::CheckpointReader::open(&good).unwrap();
+    let mut w = embers::checkpoint::CheckpointWriter::new();
+    for (k, v) in r.names_of_metadata() {
+        w.set_metadata(k, v);
+    }
+    for name in r.names() {
+        if name != "list_sizes" {
+            w.add_tensor(&name, &r.read_tensor(&name).unwrap()).unwrap();
+        }
+    }
+    let sizes = [i64::MAX, i64::MAX, 2, 300];
+    w.add("list_sizes", &[4], &sizes).unwrap();
+    let bad = dir.join("sizes.safetensors");
+    w.write(&bad).unwrap();
+    let e = IvfPqIndex::load(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("sizes.safetensors") && e.contains("list sizes"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -430,10 +430,10 @@ impl IvfPqIndex {
         let pq = ProductQuantizer::from_centroids(dim, m, r.read("pq", &[m, KSUB, dim / m])?)
             .map_err(|e| bad(e.to_string()))?;
         let sizes: Vec<i64> = r.read("list_sizes", &[nlist])?;
-        if sizes.iter().any(|&s| s < 0) {
-            return Err(bad("a negative list size".into()));
-        }
-        let total: usize = sizes.iter().map(|&s| s as usize).sum();
+        let total = sizes
+            .iter()
+            .try_fold(0usize, |sum, &s| sum.checked_add(usize::try_from(s).ok()?))
+            .ok_or_else(|| bad("list sizes are negative or sum past a usize".into()))?;
         let ids: Vec<i64> = r.read("ids", &[total])?;
         let codes: Vec<u8> = r.read("codes", &[total, m])?;
         let mut lists = Vec::with_capacity(nlist);
