@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+#[path = "support/config_edit.rs"]
+mod config_edit;
 #[path = "support/kill.rs"]
 mod kill;
 
@@ -500,6 +502,72 @@ fn bad_checkpoints_are_refused_and_change_nothing() -> Result<()> {
     assert!(msg.contains("not a trainer checkpoint"), "{msg}");
     assert!(state_bits(&other) == before);
     assert_eq!(other.step(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+    Ok(())
+}
+
+/// A checkpoint's configuration is the first thing a server builds from; one describing a
+/// model larger than the file (a few edited bytes of metadata) is refused before anything
+/// is built, naming the file, instead of allocating (or overflowing on) what it names. A
+/// checkpoint whose tables are row files in its parts directory still reads (the parts
+/// count), and a model built from an impossible configuration is an error, not a panic.
+#[test]
+fn a_configuration_larger_than_its_checkpoint_is_refused_before_building() -> Result<()> {
+    let g = data(4 * 64, 4, 100);
+    let dir = temp_dir("bigconfig");
+    let path = dir.join("ckpt.safetensors");
+    let cfg = config(&g, 4);
+    cfg.build()?.save_checkpoint(&path, &BTreeMap::new())?;
+    let saved = std::fs::read(&path).unwrap();
+    assert_eq!(DlrmConfig::from_checkpoint(&path)?, cfg);
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, Edit); 4] = [
+        ("rows", |j| j["sparse_features"][0][1] = (1u64 << 40).into()),
+        ("rows past a u64", |j| {
+            j["sparse_features"][0][1] = (1u64 << 62).into();
+            j["sparse_features"][1][1] = (1u64 << 62).into();
+        }),
+        ("dense width", |j| {
+            j["dense_arch"][0] = 1_000_000_000_000_000_000u64.into()
+        }),
+        ("over width", |j| {
+            j["over_arch"] = serde_json::json!([1u64 << 40, 1u64 << 40])
+        }),
+    ];
+    for (what, edit) in edits {
+        std::fs::write(&path, &saved).unwrap();
+        config_edit::rewrite(&path, edit);
+        let msg = DlrmConfig::from_checkpoint(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("ckpt.safetensors") && msg.contains("describes weights"),
+            "{what}: {msg}"
+        );
+        let served = embers::serve::DlrmServable::from_checkpoint(&path, None);
+        assert!(served.is_err(), "{what}");
+    }
+    // Tables in files: the checkpoint's rows are in its parts directory.
+    let placement = Placement::for_kernel(
+        "fused_uvm_caching",
+        Some(0.1),
+        dir.join("rows"),
+        CachePolicy::Lru,
+    )?;
+    let cached_path = dir.join("cached.safetensors");
+    cfg.build_with(&placement)?
+        .save_checkpoint(&cached_path, &BTreeMap::new())?;
+    let config = DlrmConfig::from_checkpoint(&cached_path)?;
+    config.build()?.load_checkpoint(&cached_path)?;
+    // Built directly, impossible sizes are errors.
+    let refusal = |c: &DlrmConfig| c.build().err().map(|e| e.to_string()).unwrap_or_default();
+    let mut wide = cfg.clone();
+    wide.dense_arch = vec![usize::MAX / 2];
+    let msg = refusal(&wide);
+    assert!(msg.contains("past any memory"), "{msg}");
+    let mut tables = cfg.clone();
+    tables.sparse_features[0].1 = usize::MAX / 4;
+    tables.sparse_features[1].1 = usize::MAX / 4;
+    let msg = refusal(&tables);
+    assert!(msg.contains("too large"), "{msg}");
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

@@ -4,6 +4,9 @@
 //! retrieved through the exact index.
 
 use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
+#[path = "support/config_edit.rs"]
+mod config_edit;
+
 use embers::models::two_tower::{
     in_batch_softmax, l2_normalize, pointwise_bce, FrequencyEstimator, Tower, TwoTower,
 };
@@ -511,6 +514,52 @@ fn the_trainer_resumes_from_a_checkpoint_exactly() {
         before
     );
     assert_eq!(b.step(), 40);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A checkpoint whose configuration names a model larger than the file (more estimator
+/// buckets, wider towers, larger tables) is refused before anything is built, naming the
+/// file; a configuration built directly with such sizes is an error, not a panic.
+#[test]
+fn a_configuration_larger_than_its_checkpoint_is_refused_before_building() {
+    use embers::train::{TwoTowerConfig, TwoTowerLoss};
+    let dir = std::env::temp_dir().join(format!("embers-two-tower-big-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tt.ckpt");
+    let config = trainer_config(TwoTowerLoss::Pointwise);
+    config
+        .build()
+        .unwrap()
+        .save_checkpoint(&path, &Default::default())
+        .unwrap();
+    let saved = std::fs::read(&path).unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, Edit); 3] = [
+        ("buckets", |j| j["estimator_buckets"] = (1u64 << 61).into()),
+        ("layers", |j| j["layers"] = serde_json::json!([1u64 << 40])),
+        ("rows", |j| {
+            j["candidate_features"][0][1] = (1u64 << 50).into()
+        }),
+    ];
+    for (what, edit) in edits {
+        std::fs::write(&path, &saved).unwrap();
+        config_edit::rewrite(&path, edit);
+        let msg = TwoTowerConfig::from_checkpoint(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("tt.ckpt") && msg.contains("describes weights"),
+            "{what}: {msg}"
+        );
+    }
+    let refusal = |c: &TwoTowerConfig| c.build().err().map(|e| e.to_string()).unwrap_or_default();
+    let mut buckets = config.clone();
+    buckets.estimator_buckets = 1 << 61;
+    assert!(refusal(&buckets).contains("past any memory"));
+    let mut wide = config.clone();
+    wide.embedding_dim = usize::MAX / 2;
+    let msg = refusal(&wide);
+    assert!(msg.contains("`t_user` is too large"), "{msg}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -324,6 +324,13 @@ impl FrequencyEstimator {
                 format!("need at least one bucket and alpha in (0, 1], got {buckets}, {alpha}"),
             ));
         }
+        // Two 8-byte values a bucket must be addressable.
+        if (buckets.checked_mul(16)).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::invalid(
+                "FrequencyEstimator",
+                format!("{buckets} buckets are past any memory"),
+            ));
+        }
         Ok(FrequencyEstimator {
             last: vec![0; buckets],
             interval: vec![0.0; buckets],

@@ -49,6 +49,14 @@ impl Init {
                 expected: "a float dtype",
             });
         }
+        // The values are drawn as f64 first: 8 bytes each must be addressable.
+        let bytes = (shape.iter()).try_fold(8usize, |n, &d| n.checked_mul(d));
+        if bytes.is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::invalid(
+                "init",
+                format!("a tensor of shape {shape:?} is past any memory"),
+            ));
+        }
         let (fi, fo) = (fan_in.max(1) as f64, fan_out.max(1) as f64);
         let uniform = |a: f64, rng: &mut Rng| Tensor::rand_uniform(shape, -a, a, dtype, rng);
         Ok(match self {

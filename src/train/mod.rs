@@ -286,12 +286,34 @@ impl DlrmConfig {
 
     /// The configuration a trainer checkpoint was written with (its `model.config` metadata;
     /// the device is the CPU): `from_checkpoint(p)?.build()?.load_checkpoint(p)` restores
-    /// the trainer from the file alone.
+    /// the trainer from the file alone. A configuration whose weights need more bytes than
+    /// the file and its parts hold is refused (see [`TrainerFile::could_hold`]).
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<DlrmConfig> {
         let f = TrainerFile::open(path, FORMAT, "a trainer checkpoint")?;
         let config: DlrmConfig = f.config("a DlrmConfig")?;
         check_tasks(&config.tasks).map_err(|e| f.bad(e))?;
+        f.could_hold(config.least_checkpoint_bytes())?;
         Ok(config)
+    }
+
+    /// A lower bound on the bytes of a checkpoint of this model: its tables' rows and the
+    /// weight matrices of its MLPs (but the top MLP's first), 4 bytes a value; `None` when
+    /// past a `u64`.
+    fn least_checkpoint_bytes(&self) -> Option<u64> {
+        let rows =
+            (self.sparse_features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
+        let tables = rows.checked_mul(self.embedding_dim as u64)?;
+        let bottom = [
+            &[self.num_dense][..],
+            &self.dense_arch,
+            &[self.embedding_dim],
+        ]
+        .concat();
+        let top = [&self.over_arch[..], &[self.tasks.len()]].concat();
+        let weights = tables
+            .checked_add(weights_between(&bottom)?)?
+            .checked_add(weights_between(&top)?)?;
+        weights.checked_mul(4)
     }
 
     /// The tables: one per sparse feature, `t_<feature>`, of `embedding_dim` columns.
@@ -466,6 +488,48 @@ impl TrainerFile {
         }
     }
 
+    /// Refuses a model configuration read from this file when its weights need more bytes
+    /// (`least`, a lower bound; `None`: past a `u64`) than the file and its parts directory
+    /// hold: a few hundred bytes of metadata cannot make a reader build, and allocate, a
+    /// model that no file of that size stores.
+    pub(crate) fn could_hold(&self, least: Option<u64>) -> Result<()> {
+        let held = self.stored_bytes()?;
+        match least {
+            Some(least) if least <= held => Ok(()),
+            _ => Err(self.bad(format!(
+                "its `{CONFIG_KEY}` describes weights of {} bytes or more; the file and its \
+                 parts hold {held}",
+                least.map_or("2^64".to_string(), |b| b.to_string())
+            ))),
+        }
+    }
+
+    /// The bytes of this file and of the files in its parts directory (tables cached in
+    /// files keep their rows there, a directory each).
+    fn stored_bytes(&self) -> Result<u64> {
+        fn walk(path: &Path, depth: usize, held: &mut u64) -> std::io::Result<()> {
+            let meta = std::fs::metadata(path)?;
+            if meta.is_dir() && depth > 0 {
+                for entry in std::fs::read_dir(path)? {
+                    walk(&entry?.path(), depth - 1, held)?;
+                }
+            } else {
+                *held = held.saturating_add(meta.len());
+            }
+            Ok(())
+        }
+        let io = |p: &Path| {
+            let path = p.display().to_string();
+            move |source| Error::Io { path, source }
+        };
+        let mut held = 0;
+        walk(self.r.path(), 0, &mut held).map_err(io(self.r.path()))?;
+        if let Some(parts) = self.r.parts_dir().map_err(|e| self.named(e))? {
+            walk(&parts, 2, &mut held).map_err(io(&parts))?;
+        }
+        Ok(held)
+    }
+
     /// Metadata `key` as a count.
     pub(crate) fn count(&self, key: &str) -> Result<u64> {
         let v = self.r.required_metadata(key).map_err(|e| self.named(e))?;
@@ -509,6 +573,13 @@ impl TrainerFile {
         }
         Ok(())
     }
+}
+
+/// The values of the weight matrices between consecutive `widths` (`None`: past a `u64`).
+pub(crate) fn weights_between(widths: &[usize]) -> Option<u64> {
+    (widths.windows(2)).try_fold(0u64, |n, w| {
+        n.checked_add((w[0] as u64).checked_mul(w[1] as u64)?)
+    })
 }
 
 /// A checkpoint writer holding a trainer checkpoint's header: `format`, the step, the examples

@@ -13,7 +13,9 @@ use std::path::Path;
 
 use rand::Rng as _;
 
-use super::{trainer_writer, write_dense_state, DenseOptimizer, DenseState, TrainerFile};
+use super::{
+    trainer_writer, weights_between, write_dense_state, DenseOptimizer, DenseState, TrainerFile,
+};
 use crate::embedding::checkpoint::StagedTables;
 use crate::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
 use crate::models::two_tower::{
@@ -109,6 +111,7 @@ impl TwoTowerConfig {
                 })
                 .collect();
             let tables = EmbeddingBagCollection::new(configs, self.sparse_optimizer, &mut rng)?;
+            // (No overflow: at most the tables' elements, which fit.)
             let width = features.len() * self.embedding_dim;
             let mlp =
                 Mlp::new(width, &self.layers, Activation::Relu, &mut rng)?.activate_last(false);
@@ -132,9 +135,32 @@ impl TwoTowerConfig {
         })
     }
 
-    /// The configuration a trainer checkpoint was written with (the device is the CPU).
+    /// The configuration a trainer checkpoint was written with (the device is the CPU). A
+    /// configuration whose weights need more bytes than the file and its parts hold is
+    /// refused.
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<TwoTowerConfig> {
-        open(path)?.config("a TwoTowerConfig")
+        let f = open(path)?;
+        let config: TwoTowerConfig = f.config("a TwoTowerConfig")?;
+        f.could_hold(config.least_checkpoint_bytes())?;
+        Ok(config)
+    }
+
+    /// A lower bound on the bytes of a checkpoint of this model: both towers' tables and
+    /// MLP weight matrices (4 bytes a value) and the frequency estimator's buckets (16 bytes
+    /// each); `None` when past a `u64`.
+    fn least_checkpoint_bytes(&self) -> Option<u64> {
+        let dim = self.embedding_dim as u64;
+        let tower = |features: &[(String, usize)]| -> Option<u64> {
+            let rows = (features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
+            let width = (features.len() as u64).checked_mul(dim)?;
+            let widths = [&[usize::try_from(width).ok()?][..], &self.layers].concat();
+            rows.checked_mul(dim)?
+                .checked_add(weights_between(&widths)?)
+        };
+        let weights = tower(&self.query_features)?.checked_add(tower(&self.candidate_features)?)?;
+        weights
+            .checked_mul(4)?
+            .checked_add((self.estimator_buckets as u64).checked_mul(16)?)
     }
 }
 

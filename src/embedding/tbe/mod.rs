@@ -119,25 +119,35 @@ impl TbeLayout {
             .map(|&t| config.tables[t].dim)
             .collect();
         let mut slots = Vec::with_capacity(dims.len());
-        let mut col = 0;
+        let mut col = 0usize;
         for &dim in &dims {
             slots.push(FeatureSlot { col, dim });
-            col += dim;
+            col = col
+                .checked_add(dim)
+                .ok_or_else(|| Error::invalid(OP, "the features' dimensions sum past a usize"))?;
         }
         let out_stride = if config.pooling == PoolingMode::None {
             dims[0]
         } else {
             col
         };
-        let mut weight_offsets = vec![0];
-        let mut row_offsets = vec![0];
+        let mut weight_offsets = vec![0usize];
+        let mut row_offsets = vec![0usize];
         for spec in &config.tables {
-            let elems = spec
-                .rows
-                .checked_mul(spec.dim)
-                .ok_or_else(|| Error::invalid(OP, format!("table `{}` is too large", spec.name)))?;
-            weight_offsets.push(weight_offsets.last().unwrap() + elems);
-            row_offsets.push(row_offsets.last().unwrap() + spec.rows);
+            let too_large = || {
+                let msg = format!(
+                    "table `{}` is too large to add to those before it",
+                    spec.name
+                );
+                Error::invalid(OP, msg)
+            };
+            let (elems, rows) = (weight_offsets.last().unwrap(), row_offsets.last().unwrap());
+            let elems = (spec.rows.checked_mul(spec.dim))
+                .and_then(|n| n.checked_add(*elems))
+                .ok_or_else(too_large)?;
+            let rows = spec.rows.checked_add(*rows).ok_or_else(too_large)?;
+            weight_offsets.push(elems);
+            row_offsets.push(rows);
         }
         Ok(TbeLayout {
             weight_offsets,
