@@ -2,6 +2,8 @@
 //! plan and world size, load under another or into one unsharded collection, and back; bad
 //! checkpoints change nothing.
 
+#[path = "support/config_edit.rs"]
+mod config_edit;
 #[path = "support/dist_scenarios.rs"]
 mod dist_scenarios;
 
@@ -208,9 +210,10 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// A missing manifest, a truncated rank file, another optimizer, other tables, a save into a
-/// file: each is an error on every rank that names it, and the tables stay as they were. Files
-/// of an unfinished save are ignored by loads and removed by the next save.
+/// A missing manifest, a truncated rank file, a step past 2^63, another optimizer, other
+/// tables, a save into a file: each is an error on every rank that names it, and the tables
+/// stay as they were. Files of an unfinished save are ignored by loads and removed by the
+/// next save.
 #[test]
 fn bad_checkpoints_change_nothing() {
     let dir = temp_dir("bad");
@@ -244,6 +247,10 @@ fn bad_checkpoints_change_nothing() {
         .unwrap()
         .set_len(len / 2)
         .unwrap();
+    let stepped = dir.join("stepped");
+    copy_dir(&good, &stepped);
+    let manifest = stepped.join("manifest.safetensors");
+    config_edit::rewrite_metadata(&manifest, "step", |_| u64::MAX.to_string());
     let empty = temp_dir("bad-empty");
     let a_file = dir.join("a-file");
     std::fs::write(&a_file, b"keep me").unwrap();
@@ -269,6 +276,9 @@ fn bad_checkpoints_change_nothing() {
             assert!(err.contains("rank 1"), "rank 0 names rank 1: {err}");
         }
         unchanged("truncated rank file");
+        let err = s.load(&stepped).unwrap_err().to_string();
+        assert!(err.contains("not a count below 2^63"), "{err}");
+        unchanged("a step past 2^63");
         let err = s.save(&a_file).unwrap_err().to_string();
         assert!(err.contains("a-file"), "{err}");
         Ok(())

@@ -496,6 +496,13 @@ fn bad_checkpoints_are_refused_and_change_nothing() -> Result<()> {
     );
     odd.build()?.save_checkpoint(&path, &BTreeMap::new())?;
     odd.build()?.load_checkpoint(&path)?;
+    // A step or a table group's step that cannot go on counting (past 2^63).
+    for key in ["step", "tables.group0.step"] {
+        a.save_checkpoint(&path, &BTreeMap::new())?;
+        config_edit::rewrite_metadata(&path, key, |_| u64::MAX.to_string());
+        let msg = other.load_checkpoint(&path).unwrap_err().to_string();
+        assert!(msg.contains("not a count below 2^63"), "{key}: {msg}");
+    }
     // Not a trainer checkpoint at all.
     a.model().sparse_arch.save(&path)?;
     let msg = other.load_checkpoint(&path).unwrap_err().to_string();

@@ -205,6 +205,29 @@ fn state_round_trip_continues_identically() {
     broken.get_mut("ne-t.lifetime").unwrap().pop();
     let err = b.load_state_dict(&broken).unwrap_err().to_string();
     assert!(err.contains("ne-t.lifetime"), "{err}");
+    // A batch size that is not a count (the first value of each batch's record), or sizes
+    // that sum past a usize, are refused with the entry named, and change nothing.
+    let state = a.state_dict();
+    let record = state["ne-t.lifetime"].len() + 1;
+    for bad in [1e300, -1.0, 0.5, f64::NAN, f64::INFINITY] {
+        let mut broken = state.clone();
+        broken.get_mut("ne-t.batches").unwrap()[0] = bad;
+        let err = b.load_state_dict(&broken).unwrap_err().to_string();
+        assert!(
+            err.contains("ne-t.batches") && err.contains("not a count"),
+            "{bad}: {err}"
+        );
+    }
+    let mut broken = state.clone();
+    let mut batch = state["ne-t.batches"][..record].to_vec();
+    batch[0] = 2f64.powi(53) - 1.0;
+    *broken.get_mut("ne-t.batches").unwrap() = batch.repeat(4096);
+    let err = b.load_state_dict(&broken).unwrap_err().to_string();
+    assert!(
+        err.contains("ne-t.batches") && err.contains("past a usize"),
+        "{err}"
+    );
+    assert_eq!(b.state_dict(), a.state_dict());
 }
 
 #[test]

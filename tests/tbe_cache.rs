@@ -665,6 +665,18 @@ fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Resul
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("ckpt/manifest.json")).unwrap())
             .unwrap();
+    // A step that cannot go on counting.
+    let mut stepped = manifest.clone();
+    stepped["step"] = u64::MAX.into();
+    let manifest_path = dir.join("ckpt/manifest.json");
+    let text = std::fs::read_to_string(&manifest_path).unwrap();
+    std::fs::write(&manifest_path, stepped.to_string()).unwrap();
+    let err = (resumed
+        .load_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err())
+    .to_string();
+    assert!(err.contains("not a count below 2^63"), "{err}");
+    std::fs::write(&manifest_path, text).unwrap();
     let rows = dir
         .join("ckpt")
         .join(manifest["rows_file"].as_str().unwrap());

@@ -38,7 +38,7 @@
 use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
-use crate::checkpoint::{CheckpointReader, CheckpointWriter};
+use crate::checkpoint::{parse_count, CheckpointReader, CheckpointWriter};
 use crate::embedding::checkpoint::{cached_group_dir, STAGE_CHUNK_BYTES};
 use crate::embedding::tbe::cache::api::{commit_cached_checkpoints, SavedRows, StagedRows};
 use crate::embedding::{
@@ -383,8 +383,8 @@ impl Saved {
         }
         let files = manifest.required_metadata("files")?;
         let optimizer = manifest.required_metadata("optimizer")?.to_string();
-        let step = (manifest.required_metadata("step")?.parse())
-            .map_err(|_| bad(&manifest_path, "the step is not a count"))?;
+        let step = parse_count(manifest.required_metadata("step")?)
+            .ok_or_else(|| bad(&manifest_path, "the step is not a count below 2^63"))?;
         let mut paths = Vec::new();
         let mut rects = Vec::new();
         let mut groups: Vec<SavedGroup> = Vec::new();
@@ -605,11 +605,8 @@ impl Saved {
             if reader.metadata(&format!("group{g}.optimizer")).is_none() {
                 break;
             }
-            let s: u64 = (reader
-                .metadata(&format!("group{g}.step"))
-                .unwrap_or("0")
-                .parse())
-            .map_err(|_| bad(path, format!("group {g}'s step is not a count")))?;
+            let s = parse_count(reader.metadata(&format!("group{g}.step")).unwrap_or("0"))
+                .ok_or_else(|| bad(path, format!("group {g}'s step is not a count below 2^63")))?;
             step = step.max(s);
         }
         let mut rects = Vec::new();

@@ -151,12 +151,14 @@ pub(crate) fn stage_tbes(
             ));
         }
         let step = r.metadata(&format!("{prefix}group{g}.step")).unwrap_or("0");
-        staged.steps.push(step.parse().map_err(|_| {
-            Error::invalid(
-                "checkpoint",
-                format!("{path}: group {g} step `{step}` is not a count"),
-            )
-        })?);
+        staged
+            .steps
+            .push(crate::checkpoint::parse_count(step).ok_or_else(|| {
+                Error::invalid(
+                    "checkpoint",
+                    format!("{path}: group {g} step `{step}` is not a count below 2^63"),
+                )
+            })?);
         if let Some(dir) = cached_group_dir(r, prefix, g)? {
             if tbe.is_cached() {
                 staged.cached.push((g, tbe.stage_cached_checkpoint(&dir)?));

@@ -328,11 +328,29 @@ impl RecMetrics {
                         format!("entry `{ns}-{task}.batches` is not a whole number of batches"),
                     ));
                 }
-                s.batches = flat
-                    .chunks(n + 1)
-                    .map(|c| (c[0] as usize, c[1..].to_vec()))
-                    .collect();
-                s.window_samples = s.batches.iter().map(|b| b.0).sum();
+                // Each batch's sample count: a whole number an f64 holds exactly.
+                let count = |c: f64| {
+                    (c >= 0.0 && c.fract() == 0.0 && c < 2f64.powi(53)).then_some(c as usize)
+                };
+                s.batches = (flat.chunks(n + 1))
+                    .map(|c| Some((count(c[0])?, c[1..].to_vec())))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "RecMetrics::load_state_dict",
+                            format!(
+                                "entry `{ns}-{task}.batches` has a batch size that is not a count"
+                            ),
+                        )
+                    })?;
+                s.window_samples = (s.batches.iter())
+                    .try_fold(0usize, |sum, b| sum.checked_add(b.0))
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "RecMetrics::load_state_dict",
+                            format!("entry `{ns}-{task}.batches` sums past a usize"),
+                        )
+                    })?;
             }
             let flat = get(format!("samples-{task}.recent"), None)?;
             if flat.len() % 3 != 0 {

@@ -533,8 +533,11 @@ impl TrainerFile {
     /// Metadata `key` as a count.
     pub(crate) fn count(&self, key: &str) -> Result<u64> {
         let v = self.r.required_metadata(key).map_err(|e| self.named(e))?;
-        v.parse()
-            .map_err(|_| self.bad(format!("metadata `{key}` = `{v}` is not a count")))
+        crate::checkpoint::parse_count(v).ok_or_else(|| {
+            self.bad(format!(
+                "metadata `{key}` = `{v}` is not a count below 2^63"
+            ))
+        })
     }
 
     /// The `user.*` metadata, prefix removed.

@@ -1,20 +1,17 @@
-//! Rewrites a trainer checkpoint with its model configuration edited (shared by the tests of
-//! checkpoints whose configuration does not fit them, `#[path]`-included).
+//! Rewrites a trainer checkpoint with one metadata entry edited, such as its model
+//! configuration (shared by the tests of checkpoints whose metadata does not fit them,
+//! `#[path]`-included).
+#![allow(dead_code)]
 
 use std::path::Path;
 
-/// `path` rewritten with its `model.config` metadata changed by `edit` (everything else kept).
-pub fn rewrite(path: &Path, edit: impl Fn(&mut serde_json::Value)) {
+/// `path` rewritten with its metadata `key` replaced by `edit` of it (everything else kept).
+pub fn rewrite_metadata(path: &Path, key: &str, edit: impl Fn(&str) -> String) {
     let r = embers::checkpoint::CheckpointReader::open(path).unwrap();
     let mut w = embers::checkpoint::CheckpointWriter::new();
     for (k, v) in r.names_of_metadata() {
-        if k == "model.config" {
-            let mut json: serde_json::Value = serde_json::from_str(&v).unwrap();
-            edit(&mut json);
-            w.set_metadata(k, json.to_string());
-        } else {
-            w.set_metadata(k, v);
-        }
+        let v = if k == key { edit(&v) } else { v };
+        w.set_metadata(k, v);
     }
     let tensors: Vec<_> = (r.names().into_iter())
         .map(|n| (r.read_tensor(&n).unwrap(), n))
@@ -23,4 +20,13 @@ pub fn rewrite(path: &Path, edit: impl Fn(&mut serde_json::Value)) {
         w.add_tensor(n, t).unwrap();
     }
     w.write(path).unwrap();
+}
+
+/// `path` rewritten with its `model.config` metadata (JSON) changed by `edit`.
+pub fn rewrite(path: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    rewrite_metadata(path, "model.config", |v| {
+        let mut json: serde_json::Value = serde_json::from_str(v).unwrap();
+        edit(&mut json);
+        json.to_string()
+    });
 }

@@ -554,9 +554,9 @@ impl Manifest {
                 "table `{name}` of {rows} rows of {dim}: impossible sizes"
             )));
         }
-        let step = field("step")?
-            .as_u64()
-            .ok_or_else(|| bad("`step` is not a number".into()))?;
+        let step = (field("step")?.as_u64())
+            .filter(|&n| n <= i64::MAX as u64)
+            .ok_or_else(|| bad("`step` is not a count below 2^63".into()))?;
         let bytes = field("bytes")?
             .as_u64()
             .ok_or_else(|| bad("`bytes` is not a number".into()))?;
