@@ -210,8 +210,8 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// A missing manifest, a truncated rank file, a step past 2^63, another optimizer, other
-/// tables, a save into a file: each is an error on every rank that names it, and the tables
+/// A missing manifest, a truncated rank file, a step past 2^63, a rank file outside the
+/// checkpoint, another optimizer, other tables, a save into a file: each is an error on every rank that names it, and the tables
 /// stay as they were. Files of an unfinished save are ignored by loads and removed by the
 /// next save.
 #[test]
@@ -251,6 +251,13 @@ fn bad_checkpoints_change_nothing() {
     copy_dir(&good, &stepped);
     let manifest = stepped.join("manifest.safetensors");
     config_edit::rewrite_metadata(&manifest, "step", |_| u64::MAX.to_string());
+    // A manifest naming a rank file outside its directory.
+    let outside = dir.join("outside");
+    copy_dir(&good, &outside);
+    let manifest = outside.join("manifest.safetensors");
+    config_edit::rewrite_metadata(&manifest, "files", |v| {
+        v.replacen("rank-0", "../good/rank-0", 1)
+    });
     let empty = temp_dir("bad-empty");
     let a_file = dir.join("a-file");
     std::fs::write(&a_file, b"keep me").unwrap();
@@ -279,6 +286,12 @@ fn bad_checkpoints_change_nothing() {
         let err = s.load(&stepped).unwrap_err().to_string();
         assert!(err.contains("not a count below 2^63"), "{err}");
         unchanged("a step past 2^63");
+        let err = s.load(&outside).unwrap_err().to_string();
+        assert!(
+            err.contains("`../good/rank-0") && err.contains("not a file name"),
+            "{err}"
+        );
+        unchanged("a rank file outside the checkpoint");
         let err = s.save(&a_file).unwrap_err().to_string();
         assert!(err.contains("a-file"), "{err}");
         Ok(())

@@ -35,6 +35,7 @@
 //! wider one is exact (the width-weighted mean); splitting a wider block is not (each part gets
 //! the wider block's value) and the load reports which tables it approximated.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
@@ -388,7 +389,15 @@ impl Saved {
         let mut paths = Vec::new();
         let mut rects = Vec::new();
         let mut groups: Vec<SavedGroup> = Vec::new();
+        // Each cached group's index, by file and name.
+        let mut group_of: HashMap<(usize, String), usize> = HashMap::new();
         for (file, name) in files.split(',').enumerate() {
+            if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+                return Err(bad(
+                    &manifest_path,
+                    format!("`{name}` of its files is not a file name in its directory"),
+                ));
+            }
             paths.push(dir.join(name));
             let listed = manifest.required_metadata(&format!("rects.{file}"))?;
             let parsed: Option<Vec<_>> = serde_json::from_str::<Vec<serde_json::Value>>(listed)
@@ -412,15 +421,15 @@ impl Saved {
                                 format!("`{group}` of file {name} is not a directory name"),
                             ));
                         }
-                        let known = (groups.iter()).position(|g| g.file == file && g.name == group);
-                        let group = known.unwrap_or_else(|| {
+                        let next = groups.len();
+                        let group = *group_of.entry((file, group.clone())).or_insert_with(|| {
                             groups.push(SavedGroup {
                                 file,
                                 name: group,
                                 rows: None,
                                 verified: false,
                             });
-                            groups.len() - 1
+                            next
                         });
                         Source::Rows { group, index }
                     }
@@ -553,20 +562,24 @@ impl Saved {
         let mut whole = Vec::new();
         let mut others = Vec::new();
         let mut rest = Vec::new();
+        // Each saved group's rectangles (indices into `rects`), with their tables' in it.
+        let mut of_group: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.groups.len()];
+        for (i, s) in self.rects.iter().enumerate() {
+            if let Source::Rows { group, index } = s.source {
+                of_group[group].push((index, i));
+            }
+        }
         for group in cached_groups(held) {
             let tbe = group.tbe;
             let mine = |h: &&Held<'_>| std::ptr::eq(h.tbe, tbe);
             let tables = tbe.config().tables.len();
             // The saved group whose table `i` is exactly this TBE's table `i`, for every `i`.
             let candidate = (0..self.groups.len()).find(|&g| {
-                let in_g =
-                    |s: &&SavedRect| matches!(s.source, Source::Rows { group, .. } if group == g);
-                self.rects.iter().filter(in_g).count() == tables
+                of_group[g].len() == tables
                     && held.iter().filter(mine).all(|h| {
-                        self.rects.iter().filter(in_g).any(|s| {
-                            matches!(s.source, Source::Rows { index, .. } if index == h.index)
-                                && s.table == h.table
-                                && s.rect == h.rect
+                        (of_group[g].iter()).any(|&(index, i)| {
+                            let s = &self.rects[i];
+                            index == h.index && s.table == h.table && s.rect == h.rect
                         })
                     })
             });
@@ -681,14 +694,15 @@ impl Saved {
     /// is read from: weights and optimizer state.
     fn row_bytes(&self, held: &Held<'_>) -> usize {
         let states = held.tbe.optimizer_state_names();
+        // (Saturating: a saved rectangle of no rows may list any width.)
         let bytes = |cols: usize| {
-            let state: usize = (states.iter())
-                .map(|(_, shape)| match shape {
+            let state = (states.iter()).fold(0usize, |n, (_, shape)| {
+                n.saturating_add(match shape {
                     StateShape::PerRow => 1,
                     StateShape::PerElement => cols,
                 })
-                .sum();
-            4 * (cols + state)
+            });
+            cols.saturating_add(state).saturating_mul(4)
         };
         (self.rects.iter())
             .filter(|s| s.table == held.table && s.rect.meets(&held.rect))

@@ -280,6 +280,7 @@ pub(crate) fn check_bag_configs(
     }
     check_unique_names(op, configs.iter().map(|c| c.name.as_str()))?;
     let mut output_keys = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     let mut output_dims = Vec::new();
     for c in configs {
         if c.feature_names.is_empty() {
@@ -309,7 +310,7 @@ pub(crate) fn check_bag_configs(
             ));
         }
         for f in &c.feature_names {
-            if output_keys.contains(f) {
+            if !seen.insert(f) {
                 return Err(Error::invalid(
                     op,
                     format!("feature `{f}` is listed by more than one table"),

@@ -387,7 +387,8 @@ pub fn check_tasks(tasks: &[String]) -> Result<()> {
     if tasks.is_empty() {
         return Err(Error::invalid("tasks", "a model needs at least one task"));
     }
-    for (i, task) in tasks.iter().enumerate() {
+    let mut seen = std::collections::HashSet::with_capacity(tasks.len());
+    for task in tasks {
         let word = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
         if task.is_empty() || !task.chars().all(word) {
             return Err(Error::invalid(
@@ -395,7 +396,7 @@ pub fn check_tasks(tasks: &[String]) -> Result<()> {
                 format!("task name `{task}` must be a non-empty word of letters, digits, `_`, `.`"),
             ));
         }
-        if tasks[..i].contains(task) {
+        if !seen.insert(task) {
             return Err(Error::invalid(
                 "tasks",
                 format!("task `{task}` is named twice"),

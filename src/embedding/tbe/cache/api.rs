@@ -535,8 +535,19 @@ impl Manifest {
     /// length, for whatever tables it lists.
     fn open(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, "reading", e))?;
         let bad = |why: String| Error::invalid(OP, format!("{}: {why}", path.display()));
+        // A manifest lists tables, a few KiB each; a larger file is none (read no further).
+        const LIMIT: u64 = 16 << 20;
+        let mut text = String::new();
+        std::fs::File::open(&path)
+            .and_then(|f| {
+                use std::io::Read;
+                f.take(LIMIT + 1).read_to_string(&mut text)
+            })
+            .map_err(|e| io_error(&path, "reading", e))?;
+        if text.len() as u64 > LIMIT {
+            return Err(bad(format!("over {LIMIT} bytes: not a manifest")));
+        }
         let m: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let field = |k: &str| m.get(k).ok_or_else(|| bad(format!("no `{k}`")));
