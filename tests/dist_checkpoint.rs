@@ -317,6 +317,52 @@ fn bad_checkpoints_change_nothing() {
     assert!(err.contains("`t2` row 30"), "{err}");
     assert_eq!(whole.table_weights("t2").unwrap(), before);
 
+    // A listed rectangle of no rows, of any width, holds nothing: loading past it into tables
+    // cached in files (which read a few rows at a time, by the widest rectangle met) reads
+    // what the others hold.
+    let zero = dir.join("zero");
+    copy_dir(&good, &zero);
+    let manifest = zero.join("manifest.safetensors");
+    let files = (embers::checkpoint::CheckpointReader::open(&manifest).unwrap())
+        .required_metadata("files")
+        .unwrap()
+        .to_string();
+    let first = files.split(',').next().unwrap();
+    config_edit::rewrite_adding(
+        &zero.join(first),
+        "",
+        |v| v.to_string(),
+        |w| {
+            w.add::<f32>("t0@5,0.weight", &[0, 1 << 62], &[]).unwrap();
+        },
+    );
+    config_edit::rewrite_metadata(&manifest, "rects.0", |v| {
+        let mut listed: Vec<serde_json::Value> = serde_json::from_str(v).unwrap();
+        listed.push(serde_json::json!(["t0", 5, 0, 0, 1u64 << 62]));
+        serde_json::to_string(&listed).unwrap()
+    });
+    let cached_from = |from: &Path, name: &str| {
+        let placement = embers::embedding::Placement::Cached {
+            dir: dir.join(name),
+            size: embers::embedding::CacheSize::LoadFactor(0.3),
+            policy: embers::embedding::CachePolicy::Lru,
+        };
+        let ebc = EmbeddingBagCollection::with_placement(
+            tables(),
+            mixed.optimizer,
+            &placement,
+            &mut seeded(7),
+        )
+        .unwrap();
+        load_into_unsharded(&ebc, from).map(|_| ebc)
+    };
+    let want = cached_from(&good, "cached-good").unwrap();
+    let got = cached_from(&zero, "cached-zero").unwrap();
+    for c in tables() {
+        let weights = |ebc: &EmbeddingBagCollection| ebc.table_weights(&c.name).unwrap();
+        assert_eq!(weights(&got), weights(&want), "{}", c.name);
+    }
+
     // An unfinished save's file is ignored, then removed by the next save.
     let stale = good.join("rank-0-of-2.00000000deadbeef.safetensors");
     std::fs::write(&stale, b"half written").unwrap();

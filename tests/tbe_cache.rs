@@ -678,7 +678,10 @@ fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Resul
     assert!(err.contains("not a count below 2^63"), "{err}");
     // A manifest past 16 MiB (here valid JSON, padded) is not read whole.
     std::fs::write(&manifest_path, format!("{text}{}", " ".repeat(17 << 20))).unwrap();
-    let err = (resumed.load_cached_checkpoint(dir.join("ckpt")).unwrap_err()).to_string();
+    let err = (resumed
+        .load_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err())
+    .to_string();
     assert!(err.contains("not a manifest"), "{err}");
     std::fs::write(&manifest_path, text).unwrap();
     let rows = dir

@@ -1,4 +1,4 @@
-//! Rewrites a trainer checkpoint with one metadata entry edited, such as its model
+//! Rewrites a checkpoint file with one metadata entry edited, such as a trainer's model
 //! configuration (shared by the tests of checkpoints whose metadata does not fit them,
 //! `#[path]`-included).
 #![allow(dead_code)]
@@ -7,6 +7,16 @@ use std::path::Path;
 
 /// `path` rewritten with its metadata `key` replaced by `edit` of it (everything else kept).
 pub fn rewrite_metadata(path: &Path, key: &str, edit: impl Fn(&str) -> String) {
+    rewrite_adding(path, key, edit, |_| {});
+}
+
+/// [`rewrite_metadata`], with what `add` writes added.
+pub fn rewrite_adding(
+    path: &Path,
+    key: &str,
+    edit: impl Fn(&str) -> String,
+    add: impl FnOnce(&mut embers::checkpoint::CheckpointWriter),
+) {
     let r = embers::checkpoint::CheckpointReader::open(path).unwrap();
     let mut w = embers::checkpoint::CheckpointWriter::new();
     for (k, v) in r.names_of_metadata() {
@@ -19,6 +29,7 @@ pub fn rewrite_metadata(path: &Path, key: &str, edit: impl Fn(&str) -> String) {
     for (t, n) in &tensors {
         w.add_tensor(n, t).unwrap();
     }
+    add(&mut w);
     w.write(path).unwrap();
 }
 
