@@ -528,7 +528,7 @@ fn a_configuration_larger_than_its_checkpoint_is_refused_before_building() -> Re
     let saved = std::fs::read(&path).unwrap();
     assert_eq!(DlrmConfig::from_checkpoint(&path)?, cfg);
     type Edit = fn(&mut serde_json::Value);
-    let edits: [(&str, Edit); 4] = [
+    let edits: [(&str, Edit); 6] = [
         ("rows", |j| j["sparse_features"][0][1] = (1u64 << 40).into()),
         ("rows past a u64", |j| {
             j["sparse_features"][0][1] = (1u64 << 62).into();
@@ -540,6 +540,12 @@ fn a_configuration_larger_than_its_checkpoint_is_refused_before_building() -> Re
         ("over width", |j| {
             j["over_arch"] = serde_json::json!([1u64 << 40, 1u64 << 40])
         }),
+        // (The file holds ~1.1 MB: within it but for the interaction's width, 14, feeding
+        // the first over layer, or the cross net's (4+1)·4 × 50000.)
+        ("first over layer", |j| {
+            j["over_arch"] = serde_json::json!([50000])
+        }),
+        ("cross layers", |j| j["dcn"] = serde_json::json!([1, 50000])),
     ];
     for (what, edit) in edits {
         std::fs::write(&path, &saved).unwrap();

@@ -1,6 +1,7 @@
 //! The readers of files a user hands embers, fuzzed (`tests/support/fuzz.rs`): checkpoints
-//! (the safetensors reader, and a DLRM trainer's full restore: header, metadata, every tensor's
-//! dtype, shape and bytes), sharding plans (`embers-plan` JSON, checked against the tables)
+//! (the safetensors reader; a DLRM trainer's full restore: header, metadata, every tensor's
+//! dtype, shape and bytes, into a trainer of its own or of the configuration the file
+//! carries, as a server loads it; a TwoTower trainer's, likewise), sharding plans (`embers-plan` JSON, checked against the tables)
 //! and IVF-PQ index files (loaded, then searched).
 //! No input may panic, hang or allocate without bound; errors must say what is wrong.
 
@@ -71,6 +72,13 @@ fn checkpoints() {
         let mut trainer = dlrm().build().unwrap();
         trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
     });
+    // As a server loads a model: built from the configuration the file carries.
+    fuzz::run("checkpoint-dlrm-own-config", &seeds, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        let config = DlrmConfig::from_checkpoint(&path).map_err(named)?;
+        let mut trainer = config.build().map_err(|e| e.to_string())?;
+        trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
+    });
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -111,6 +119,54 @@ fn sharding_plans() {
         let plan = ShardingPlan::from_json(text).map_err(|e| e.to_string())?;
         plan.check(&tables).map_err(|e| e.to_string())
     });
+}
+
+/// A TwoTower trainer checkpoint as the seed; each input's configuration is built and the
+/// checkpoint restored into it, as a retrieval server loads its model.
+#[test]
+fn two_tower_checkpoints() {
+    use embers::train::{DenseOptimizer, TwoTowerConfig, TwoTowerLoss};
+    let dir = std::env::temp_dir().join(format!("embers-fuzz-tt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = TwoTowerConfig {
+        query_features: vec![("user".into(), 30)],
+        candidate_features: vec![("item".into(), 20)],
+        embedding_dim: 4,
+        layers: vec![8, 4],
+        normalize: true,
+        temperature: 0.2,
+        loss: TwoTowerLoss::Pointwise,
+        estimator_buckets: 64,
+        estimator_alpha: 0.05,
+        sparse_optimizer: FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+        dense_optimizer: DenseOptimizer::Adam { lr: 0.01 },
+        seed: 5,
+        device: embers::Device::Cpu,
+    };
+    let seed_path = dir.join("seed.ckpt");
+    (config.build().unwrap())
+        .save_checkpoint(&seed_path, &BTreeMap::new())
+        .unwrap();
+    let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let path = dir.join("tt.ckpt");
+    fuzz::run("checkpoint-two-tower-own-config", &seeds, |bytes| {
+        std::fs::write(&path, bytes).unwrap();
+        let named = |e: embers::Error| {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("tt.ckpt"),
+                "the error does not name the file: {msg}"
+            );
+            msg
+        };
+        let config = TwoTowerConfig::from_checkpoint(&path).map_err(named)?;
+        let mut trainer = config.build().map_err(|e| e.to_string())?;
+        trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A small saved IVF-PQ index as the seed; each input is loaded and, when accepted, searched.

@@ -296,21 +296,38 @@ impl DlrmConfig {
         Ok(config)
     }
 
-    /// A lower bound on the bytes of a checkpoint of this model: its tables' rows and the
-    /// weight matrices of its MLPs (but the top MLP's first), 4 bytes a value; `None` when
-    /// past a `u64`.
+    /// A lower bound on the bytes of a checkpoint of this model: its tables' rows, the
+    /// weight matrices of its MLPs and (DCN) one of each cross layer's two, 4 bytes a value;
+    /// `None` when past a `u64`.
     fn least_checkpoint_bytes(&self) -> Option<u64> {
         let rows =
             (self.sparse_features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
-        let tables = rows.checked_mul(self.embedding_dim as u64)?;
+        let dim = self.embedding_dim as u64;
+        let f = self.sparse_features.len() as u64;
+        let tables = rows.checked_mul(dim)?;
+        // The over arch's input: the interaction's output.
+        let (over_in, cross) = match self.dcn {
+            None => (dim.checked_add(f.checked_mul(f + 1)? / 2)?, 0),
+            Some((layers, rank)) => {
+                let width = (f + 1).checked_mul(dim)?;
+                let cross = width.checked_mul(rank as u64)?.checked_mul(layers as u64)?;
+                (width, cross)
+            }
+        };
         let bottom = [
             &[self.num_dense][..],
             &self.dense_arch,
             &[self.embedding_dim],
         ]
         .concat();
-        let top = [&self.over_arch[..], &[self.tasks.len()]].concat();
+        let top = [
+            &[usize::try_from(over_in).ok()?][..],
+            &self.over_arch,
+            &[self.tasks.len()],
+        ]
+        .concat();
         let weights = tables
+            .checked_add(cross)?
             .checked_add(weights_between(&bottom)?)?
             .checked_add(weights_between(&top)?)?;
         weights.checked_mul(4)
