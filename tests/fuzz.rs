@@ -1,8 +1,9 @@
 //! The readers of files a user hands embers, fuzzed (`tests/support/fuzz.rs`): checkpoints
 //! (the safetensors reader; a DLRM trainer's full restore: header, metadata, every tensor's
 //! dtype, shape and bytes, into a trainer of its own or of the configuration the file
-//! carries, as a server loads it; a TwoTower trainer's, likewise), sharding plans (`embers-plan` JSON, checked against the tables)
-//! and IVF-PQ index files (loaded, then searched).
+//! carries, as a server loads it; a TwoTower trainer's, likewise), sharding plans
+//! (`embers-plan` JSON, checked against the tables), IVF-PQ index files (loaded, then
+//! searched) and cached tables' checkpoint manifests.
 //! No input may panic, hang or allocate without bound; errors must say what is wrong.
 
 #[path = "support/fuzz.rs"]
@@ -165,6 +166,48 @@ fn two_tower_checkpoints() {
         let config = TwoTowerConfig::from_checkpoint(&path).map_err(named)?;
         let mut trainer = config.build().map_err(|e| e.to_string())?;
         trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The manifest of a cached table's checkpoint (`manifest.json`: tables, step, row file,
+/// its length and checksum) as the seed; each input replaces it beside the saved row file
+/// and the checkpoint is loaded into a TBE of the same tables.
+#[test]
+fn cached_table_manifests() {
+    use embers::embedding::{
+        CacheConfig, CacheSize, PoolingMode, TableBatchedEmbedding, TableSpec, TbeConfig,
+    };
+    let dir = std::env::temp_dir().join(format!("embers-fuzz-cached-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = TbeConfig::new(
+        vec![TableSpec::new("a", 300, 8), TableSpec::new("b", 40, 4)],
+        vec![0, 1],
+        PoolingMode::Sum,
+        FusedOptimizer::RowWiseAdagrad {
+            lr: 0.05,
+            eps: 1e-8,
+        },
+    );
+    let cached = |name: &str| {
+        let cache = CacheConfig::new(dir.join(name), CacheSize::LoadFactor(0.2));
+        TableBatchedEmbedding::new_cached(config.clone(), cache).unwrap()
+    };
+    let ckpt = dir.join("ckpt");
+    cached("saved.bin").save_cached_checkpoint(&ckpt).unwrap();
+    let manifest = ckpt.join("manifest.json");
+    let seeds = vec![std::fs::read(&manifest).unwrap()];
+    let tbe = cached("loaded.bin");
+    fuzz::run("cached-table-manifest", &seeds, |bytes| {
+        std::fs::write(&manifest, bytes).unwrap();
+        tbe.load_cached_checkpoint(&ckpt).map_err(|e| {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("ckpt"),
+                "the error does not name the checkpoint: {msg}"
+            );
+            msg
+        })
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
