@@ -3,7 +3,7 @@
 //! dtype, shape and bytes, into a trainer of its own or of the configuration the file
 //! carries, as a server loads it; a TwoTower trainer's, likewise), sharding plans
 //! (`embers-plan` JSON, checked against the tables), IVF-PQ index files (loaded, then
-//! searched) and cached tables' checkpoint manifests.
+//! searched), and the manifests of cached tables' and of sharded checkpoints.
 //! No input may panic, hang or allocate without bound; errors must say what is wrong.
 
 #[path = "support/fuzz.rs"]
@@ -201,6 +201,64 @@ fn cached_table_manifests() {
     fuzz::run("cached-table-manifest", &seeds, |bytes| {
         std::fs::write(&manifest, bytes).unwrap();
         tbe.load_cached_checkpoint(&ckpt).map_err(|e| {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("ckpt"),
+                "the error does not name the checkpoint: {msg}"
+            );
+            msg
+        })
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The manifest of a sharded checkpoint (2 ranks: a row-wise and a table-wise table) as the
+/// seed; each input replaces it beside the rank files and the checkpoint is loaded into one
+/// unsharded collection.
+#[test]
+fn sharded_checkpoint_manifests() {
+    use embers::distributed::{
+        load_into_unsharded, LocalGroup, Placement, ShardedEmbeddingBagCollection,
+    };
+    use embers::embedding::{EmbeddingBagCollection, EmbeddingBagConfig};
+    let dir = std::env::temp_dir().join(format!("embers-fuzz-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tables = vec![
+        EmbeddingBagConfig::new("a", 40, 8, &["fa"]),
+        EmbeddingBagConfig::new("b", 30, 4, &["fb"]),
+    ];
+    let optimizer = FusedOptimizer::RowWiseAdagrad {
+        lr: 0.05,
+        eps: 1e-8,
+    };
+    let plan = ShardingPlan::construct(
+        &[TableShape::new("a", 40, 8), TableShape::new("b", 30, 4)],
+        &[
+            ("a", Placement::RowWise),
+            ("b", Placement::TableWise { rank: 1 }),
+        ],
+        2,
+        2,
+    )
+    .unwrap();
+    let ckpt = dir.join("ckpt");
+    std::thread::scope(|s| {
+        for comm in LocalGroup::comms(2) {
+            let (tables, plan, ckpt) = (tables.clone(), &plan, &ckpt);
+            s.spawn(move || {
+                let sharded =
+                    ShardedEmbeddingBagCollection::new(tables, plan, optimizer, comm, 3).unwrap();
+                sharded.save(ckpt).unwrap();
+            });
+        }
+    });
+    let manifest = ckpt.join("manifest.safetensors");
+    let seeds = vec![std::fs::read(&manifest).unwrap()];
+    let whole = EmbeddingBagCollection::new(tables, optimizer, &mut embers::tensor::rng::seeded(1))
+        .unwrap();
+    fuzz::run("sharded-checkpoint-manifest", &seeds, |bytes| {
+        std::fs::write(&manifest, bytes).unwrap();
+        load_into_unsharded(&whole, &ckpt).map(|_| ()).map_err(|e| {
             let msg = e.to_string();
             assert!(
                 msg.contains("ckpt"),
