@@ -33,6 +33,51 @@ fn kjt_negative_length_names_key_and_sample() {
     assert!(m.contains("key `b`, sample 1") && m.contains("-1"), "{m}");
 }
 
+/// Where a key's values would end before they start (a negative length, offsets that go
+/// down across a key boundary), lengths summing past an `i64` (wrapping to the values'
+/// count), or strides past a `usize`: named errors, not overflow panics.
+#[test]
+fn kjt_lengths_that_overflow_or_cross_keys_are_named() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "b"]),
+        f32s(&[1.0]),
+        i64s(&[1, -1]),
+        None,
+        None,
+    ));
+    assert!(m.contains("key `b`, sample 0") && m.contains("-1"), "{m}");
+    let m = message(KeyedJaggedTensor::from_offsets(
+        keys(&["a", "b"]),
+        f32s(&[1.0, 2.0]),
+        i64s(&[0, 2, 1]),
+        None,
+        None,
+    ));
+    assert!(
+        m.contains("key `b`, sample 0") && m.contains("decrease"),
+        "{m}"
+    );
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "z"]),
+        f32s(&[]),
+        i64s(&[i64::MAX, i64::MAX, 2, 0, 0, 0]),
+        None,
+        None,
+    ));
+    assert!(
+        m.contains("key `a`, sample 1") && m.contains("disagree"),
+        "{m}"
+    );
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a", "b"]),
+        f32s(&[1.0]),
+        i64s(&[1, 0]),
+        None,
+        Some(usize::MAX),
+    ));
+    assert!(m.contains("2 lengths are inconsistent with 2 keys"), "{m}");
+}
+
 #[test]
 fn kjt_lengths_must_sum_to_values() {
     let m = message(KeyedJaggedTensor::from_lengths(

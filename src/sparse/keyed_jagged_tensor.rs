@@ -48,14 +48,17 @@ struct KeyMeta {
 impl KeyMeta {
     fn build(stride_per_key: Vec<usize>, bag_offsets: Vec<i64>) -> Self {
         let mut lengths_offset_per_key = vec![0usize];
+        // (Saturating and wrapping: checked by the caller, which refuses what does not add up.)
         for &s in &stride_per_key {
-            lengths_offset_per_key.push(lengths_offset_per_key.last().unwrap() + s);
+            lengths_offset_per_key.push(lengths_offset_per_key.last().unwrap().saturating_add(s));
         }
         let offset_per_key: Vec<usize> = lengths_offset_per_key
             .iter()
             .map(|&i| bag_offsets.get(i).copied().unwrap_or(0) as usize)
             .collect();
-        let length_per_key = offset_per_key.windows(2).map(|w| w[1] - w[0]).collect();
+        let length_per_key = (offset_per_key.windows(2))
+            .map(|w| w[1].wrapping_sub(w[0]))
+            .collect();
         KeyMeta {
             stride_per_key,
             lengths_offset_per_key,
@@ -74,13 +77,14 @@ enum Strides {
     PerKeyPerRank(Vec<Vec<usize>>),
 }
 
-/// `[0, l0, l0 + l1, ...]` without validation (the caller checks the lengths).
+/// `[0, l0, l0 + l1, ...]` without validation (the caller checks the lengths), saturating:
+/// lengths that sum past an `i64` then disagree with these offsets and are refused.
 fn running_sum(lengths: &[i64]) -> Vec<i64> {
     let mut out = Vec::with_capacity(lengths.len() + 1);
-    let mut total = 0;
+    let mut total = 0i64;
     out.push(0);
     for &l in lengths {
-        total += l;
+        total = total.saturating_add(l);
         out.push(total);
     }
     out
@@ -166,14 +170,13 @@ impl KeyedJaggedTensor {
                     None if keys.is_empty() => 0,
                     None => lens.len() / keys.len(),
                 };
-                if check && lens.len() != stride * keys.len() {
+                if check && stride.checked_mul(keys.len()) != Some(lens.len()) {
                     return Err(Error::invalid(
                         op,
                         format!(
-                            "{} lengths are inconsistent with {} keys × stride {stride}; expected {}",
+                            "{} lengths are inconsistent with {} keys × stride {stride}",
                             lens.len(),
                             keys.len(),
-                            stride * keys.len()
                         ),
                     ));
                 }
@@ -204,8 +207,10 @@ impl KeyedJaggedTensor {
                         ));
                     }
                 }
-                let per_key: Vec<usize> = per_rank.iter().map(|r| r.iter().sum()).collect();
-                let total: usize = per_key.iter().sum();
+                // (Saturating: a sum past a usize cannot match the lengths' count.)
+                let sum = |v: &[usize]| v.iter().fold(0usize, |n, &s| n.saturating_add(s));
+                let per_key: Vec<usize> = per_rank.iter().map(|r| sum(r)).collect();
+                let total = sum(&per_key);
                 if check && total != lens.len() {
                     return Err(Error::invalid(
                         op,
@@ -246,7 +251,7 @@ impl KeyedJaggedTensor {
             if let Some(i) = lens
                 .iter()
                 .zip(meta.bag_offsets.windows(2))
-                .position(|(&l, w)| w[1] - w[0] != l)
+                .position(|(&l, w)| w[1].checked_sub(w[0]) != Some(l))
             {
                 return Err(Error::invalid(
                     op,
