@@ -224,6 +224,26 @@ fn ebc_pools_shared_and_mixed_tables_and_backward_runs_the_fused_optimizer() {
     }
 }
 
+/// A KJT with i32 lengths (`one_hot` makes them) whose keys are exactly a table's features
+/// (its offsets then go to the table as they are): each id's row, lengths 1.
+#[test]
+fn ec_takes_i32_lengths() {
+    let mut rng = seeded(4);
+    let configs = vec![EmbeddingConfig::new("items", 6, 3, &["item"])];
+    let ec = EmbeddingCollection::new(configs, FusedOptimizer::Sgd { lr: 0.5 }, &mut rng).unwrap();
+    let kjt = KeyedJaggedTensor::one_hot("item", &[4, 0, 4]).unwrap();
+    let out = ec.forward(&kjt).unwrap();
+    let table = ec.table_weights("items").unwrap();
+    let (name, jt) = &out[0];
+    assert_eq!(name, "item");
+    assert_eq!(jt.lengths_vec().unwrap(), vec![1, 1, 1]);
+    let rows: Vec<f32> = [4usize, 0, 4]
+        .iter()
+        .flat_map(|&i| table[i * 3..i * 3 + 3].to_vec())
+        .collect();
+    assert_eq!(jt.values().to_vec::<f32>().unwrap(), rows);
+}
+
 #[test]
 fn ec_returns_per_feature_rows_and_trains_through_them() {
     let mut rng = seeded(3);

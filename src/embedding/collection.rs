@@ -844,7 +844,8 @@ impl EmbeddingCollection {
         for g in &self.tables.groups {
             let (ids, offsets, weights) = tbe_input_from_kjt(EC, kjt, &g.features)?;
             let out = g.tbe.forward(&ids, &offsets, weights.as_ref())?;
-            let offs: Vec<i64> = offsets.to_vec::<i64>()?;
+            // (i32 when the KJT's offsets are: they are passed on as they are.)
+            let offs = crate::sparse::ops::read_ints(EC, "offsets", &offsets)?;
             let b = kjt.stride();
             for (k, f) in g.features.iter().enumerate() {
                 let (start, end) = (offs[k * b] as usize, offs[(k + 1) * b] as usize);
