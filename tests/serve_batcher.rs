@@ -108,7 +108,7 @@ fn concurrent_clients_get_their_own_rows_in_batches_of_at_most_max_rows() {
 }
 
 #[test]
-fn a_lone_request_waits_at_most_about_max_delay_and_a_large_one_runs_alone() {
+fn a_lone_request_waits_at_most_about_max_delay_and_a_large_one_runs_alone_up_to_the_queue() {
     runtime().block_on(async {
         let model = Toy::default();
         let batches = model.batches.clone();
@@ -130,6 +130,20 @@ fn a_lone_request_waits_at_most_about_max_delay_and_a_large_one_runs_alone() {
         // Larger than a batch: runs as one batch of its own, outputs in order.
         let rows: Vec<(u32, f32)> = (0..20).map(|i| (i, i as f32)).collect();
         assert_eq!(batcher.submit(rows.clone()).await.unwrap(), expected(&rows));
+        assert_eq!(*batches.lock().unwrap(), vec![1, 20]);
+        // One larger than the queue may hold is refused at once, and runs nothing.
+        let rows: Vec<(u32, f32)> = (0..1001).map(|i| (i, 0.0)).collect();
+        let refused = batcher.submit(rows).await.unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                ServeError::TooLarge {
+                    rows: 1001,
+                    limit: 1000
+                }
+            ),
+            "{refused}"
+        );
         assert_eq!(*batches.lock().unwrap(), vec![1, 20]);
         // An empty request is answered without a batch.
         assert_eq!(batcher.submit(vec![]).await.unwrap(), Vec::<f32>::new());
@@ -458,12 +472,20 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
     assert!(err.contains("cache load factor 0"), "{err}");
     assert_eq!(entries(), Vec::<String>::new());
     // A checkpoint that fails after its directory is made (weights that load but score the
-    // probe row to NaN): refused, and the directory goes with it.
+    // probe row to NaN: every f32 tensor NaN; the metrics' f64 state kept, which would be
+    // refused as it loads): refused, and the directory goes with it.
     let nan = dir.join("nan.safetensors");
     let mut bytes = std::fs::read(&path).unwrap();
-    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize + 8;
-    for chunk in bytes[header..].chunks_exact_mut(4) {
-        chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    for info in header.as_object().unwrap().values() {
+        if info["dtype"] != "F32" {
+            continue;
+        }
+        let at = |i: usize| 8 + n + info["data_offsets"][i].as_u64().unwrap() as usize;
+        for chunk in bytes[at(0)..at(1)].chunks_exact_mut(4) {
+            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+        }
     }
     std::fs::write(&nan, &bytes).unwrap();
     let placement = Placement::Cached {

@@ -69,6 +69,14 @@ pub enum ServeError {
         /// A hint: about the time the queue needs to drain one batch.
         retry_after: Duration,
     },
+    /// The request alone holds more rows than may queue: it would never fit.
+    #[error("the request holds {rows} rows; at most {limit} may queue")]
+    TooLarge {
+        /// The request's rows.
+        rows: usize,
+        /// The configured limit.
+        limit: usize,
+    },
     /// The model failed on the batch this request was part of.
     #[error("the model failed on the batch: {0}")]
     Model(String),
@@ -82,7 +90,7 @@ pub enum ServeError {
 pub struct BatchStats {
     /// Requests answered with outputs.
     pub requests: AtomicU64,
-    /// Requests refused as invalid.
+    /// Requests refused as invalid, or as too large to queue.
     pub invalid: AtomicU64,
     /// Requests refused because the queue was full.
     pub overloaded: AtomicU64,
@@ -216,9 +224,13 @@ impl<M: BatchModel> DynamicBatcher<M> {
         }
         let n = rows.len();
         let limit = self.config.max_queued_rows;
+        // The limit bounds one request too: what a batch of it holds (a retrieval's k
+        // neighbours a row) is bounded by it, not by the body's size.
+        if n > limit {
+            self.stats.invalid.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::TooLarge { rows: n, limit });
+        }
         let before = self.queued.fetch_add(n, Ordering::AcqRel);
-        // A request alone may exceed the limit only when nothing else waits (else it would
-        // never run): the limit bounds what piles up, not one request.
         if before > 0 && before + n > limit {
             self.queued.fetch_sub(n, Ordering::AcqRel);
             self.stats.overloaded.fetch_add(1, Ordering::Relaxed);

@@ -227,6 +227,11 @@ impl From<ServeError> for ApiError {
                 retry_after: Some(retry_after),
                 ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", e.to_string())
             },
+            ServeError::TooLarge { .. } => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_many_rows",
+                format!("{e} (--max-queued-rows)"),
+            ),
             ServeError::Model(m) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "model", m),
             ServeError::ShuttingDown => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
