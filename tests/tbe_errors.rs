@@ -176,6 +176,31 @@ fn bad_configs_are_errors() {
         }
     ))
     .is_err());
+    // Learning rates as torch.optim takes them: finite and not negative, for every optimizer.
+    for lr in [-0.05, f32::NAN, f32::INFINITY] {
+        for optimizer in [
+            FusedOptimizer::Sgd { lr },
+            FusedOptimizer::RowWiseAdagrad { lr, eps: 1e-8 },
+            FusedOptimizer::Adam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ] {
+            let config = TbeConfig::new(
+                vec![TableSpec::new("a", 3, 2)],
+                vec![0],
+                PoolingMode::Sum,
+                optimizer,
+            );
+            let msg = TableBatchedEmbedding::new(config).unwrap_err().to_string();
+            assert!(
+                msg.contains("invalid hyper-parameters"),
+                "{optimizer:?}: {msg}"
+            );
+        }
+    }
     assert!(QuantizedTableBatchedEmbedding::new(
         vec![TableSpec::new("a", 3, 2)],
         vec![],

@@ -204,16 +204,19 @@ impl FusedOptimizer {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
+        // Learning rates as torch.optim takes them: finite and not negative (a negative one
+        // would climb the loss).
         let finite = |x: f32| x.is_finite();
+        let rate = |x: f32| x.is_finite() && x >= 0.0;
         let ok = match *self {
             FusedOptimizer::None => true,
-            FusedOptimizer::Sgd { lr } => finite(lr),
+            FusedOptimizer::Sgd { lr } => rate(lr),
             FusedOptimizer::Adagrad { lr, eps } | FusedOptimizer::RowWiseAdagrad { lr, eps } => {
-                finite(lr) && finite(eps) && eps >= 0.0
+                rate(lr) && finite(eps) && eps >= 0.0
             }
             opt => {
                 let (beta1, beta2, eps) = opt.moments().expect("the Adam family");
-                finite(opt.lr())
+                rate(opt.lr())
                     && (0.0..1.0).contains(&beta1)
                     && (0.0..1.0).contains(&beta2)
                     && finite(eps)
