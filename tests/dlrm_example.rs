@@ -188,7 +188,7 @@ fn drop_run_flags(path: &Path) {
 /// any training: fewer synthetic examples than one batch, a holdout past half, MovieLens
 /// given several ratings files (only the first would be read).
 #[test]
-fn flags_that_leave_nothing_to_train_on_are_errors() {
+fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
     let dir = scratch("bad-flags");
     let out_dir = dir.join("out");
     let out_dir = out_dir.to_str().unwrap();
@@ -208,6 +208,12 @@ fn flags_that_leave_nothing_to_train_on_are_errors() {
         (
             vec!["--data", "movielens", "--path", ratings, ratings],
             "reads one ratings file, --path gives 2",
+        ),
+        // Files without `--data`: the default synthetic source would ignore them.
+        (vec!["--path", ratings], "--data is synthetic (the default)"),
+        (
+            vec!["--train", ratings, "--valid", ratings, "--test", ratings],
+            "are for Criteo files",
         ),
     ] {
         let args: Vec<&str> = (QUICK.iter().copied())

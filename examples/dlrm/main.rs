@@ -622,6 +622,17 @@ impl Data {
         };
         match args.data {
             DataSource::Synthetic => {
+                // The default source reads no files: files given without `--data` are a
+                // mistake, not something to train past on other data.
+                explicit_splits(args)?;
+                if !args.path.is_empty() || args.items_path.is_some() {
+                    return Err(Error::invalid(
+                        "dlrm",
+                        "--path/--items-path given, but --data is synthetic (the default), \
+                         which reads no files: add --data criteo-tsv, criteo-parquet or \
+                         movielens",
+                    ));
+                }
                 let defaults = SyntheticCriteoConfig::default();
                 let config = SyntheticCriteoConfig {
                     seed: args.seed,
