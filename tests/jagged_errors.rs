@@ -230,6 +230,53 @@ fn jagged_tensor_validation() {
     assert!(m.contains("sample 1") && m.contains("exceeds"), "{m}");
 }
 
+/// Arguments whose sizes overflow or that are missing: errors, not panics (overflow,
+/// "capacity overflow", an index into an empty list).
+#[test]
+fn sizes_past_memory_and_missing_arguments_are_errors() {
+    let values = f32s(&[1.0, 2.0, 3.0]);
+    let offsets = i64s(&[0, 2, 3]);
+    let m = message(jagged_to_padded_dense(&values, &[], &[], 0.0));
+    assert!(m.contains("no offsets"), "{m}");
+    let m = message(jagged_to_padded_dense(
+        &values,
+        &[&offsets],
+        &[usize::MAX],
+        0.0,
+    ));
+    assert!(m.contains("past any memory"), "{m}");
+    let dense = Tensor::zeros(&[2, 2], embers::DType::F32, embers::Device::Cpu);
+    let m = message(dense_to_jagged(&dense, &[], None));
+    assert!(m.contains("no offsets"), "{m}");
+    let m = message(dense_to_jagged(&dense, &[&offsets], Some(usize::MAX)));
+    assert!(m.contains("past any memory"), "{m}");
+    let m = message(permute_2d_sparse_data(
+        &i64s(&[0]),
+        &i64s(&[0]),
+        &Tensor::scalar(1f32),
+        None,
+        None,
+    ));
+    assert!(m.contains("at least one dimension"), "{m}");
+    let m = message(segment_sum_csr(usize::MAX, &i64s(&[0, 2]), &values));
+    assert!(m.contains("the last segment ends at 2"), "{m}");
+    let m = message(Tensor::from_vec(Vec::<f32>::new(), &[usize::MAX, 2]));
+    assert!(m.contains("past a usize"), "{m}");
+    let m = message(values.reshape(&[usize::MAX, 2]));
+    assert!(m.contains("more than a usize holds"), "{m}");
+    let m = message(Tensor::try_zeros(
+        &[1 << 62],
+        embers::DType::F32,
+        embers::Device::Cpu,
+    ));
+    assert!(m.contains("past any memory"), "{m}");
+    // A slice "to the end" (usize::MAX) is the rest of each bag.
+    let (sliced, lengths) =
+        jagged_slice(&values, &i64s(&[2, 1]), &i64s(&[1, 0]), usize::MAX).unwrap();
+    assert_eq!(sliced.to_vec::<f32>().unwrap(), vec![2.0, 3.0]);
+    assert_eq!(lengths.to_vec::<i64>().unwrap(), vec![1, 1]);
+}
+
 #[test]
 fn op_argument_errors() {
     let values = f32s(&[1.0, 2.0, 3.0]);

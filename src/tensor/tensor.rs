@@ -58,6 +58,11 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
+/// The elements of `shape`; `None` when past a `usize`.
+pub(crate) fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
 impl Tensor {
     // ----- construction -------------------------------------------------------------------
 
@@ -75,13 +80,14 @@ impl Tensor {
 
     /// A new contiguous tensor owning `storage`, with no autograd history.
     pub fn from_storage(storage: CpuStorage, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        if storage.len() != n {
+        let n = checked_numel(shape);
+        if n != Some(storage.len()) {
             return Err(Error::invalid(
                 "from_storage",
                 format!(
-                    "{} elements given for shape {shape:?} ({n} elements)",
-                    storage.len()
+                    "{} elements given for shape {shape:?} ({} elements)",
+                    storage.len(),
+                    n.map_or("past a usize".to_string(), |n| n.to_string())
                 ),
             ));
         }
@@ -136,8 +142,15 @@ impl Tensor {
             .unwrap_or_else(|e| panic!("Tensor::full on {device}: {e}"))
     }
 
-    /// [`Tensor::full`], with device errors returned.
+    /// [`Tensor::full`], with device errors returned (and shapes past any memory).
     pub fn try_full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let bytes = checked_numel(shape).and_then(|n| n.checked_mul(dtype.size_in_bytes()));
+        if bytes.is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::invalid(
+                "Tensor::full",
+                format!("shape {shape:?} of {dtype:?} is past any memory"),
+            ));
+        }
         with_backend!(device, B => B::full(value, shape, dtype, device))
     }
 

@@ -32,6 +32,12 @@ pub fn permute_2d_sparse_data(
 ) -> Result<PermutedSparseData> {
     const OP: &str = "permute_2D_sparse_data";
     expect_int(OP, "lengths", lengths)?;
+    if values.rank() == 0 || weights.is_some_and(|w| w.rank() == 0) {
+        return Err(Error::invalid(
+            OP,
+            "values and weights must have at least one dimension",
+        ));
+    }
     let (num_features, batch) = match lengths.shape() {
         [t, b] => (*t, *b),
         [n] => (*n, 1),

@@ -34,18 +34,18 @@ pub fn segment_sum_csr(batch_size: usize, csr_seg: &Tensor, values: &Tensor) -> 
     let seg = read_ints(OP, "csr_seg", csr_seg)?;
     validate_offsets(OP, &seg, |i| format!("segment {i}"))?;
     let len = values.numel();
+    // Offsets are monotone: the last bound is the largest, checked (overflow included) first.
+    let last = seg.last().copied().unwrap_or(0) as usize;
+    if last.checked_mul(batch_size).is_none_or(|end| end > len) {
+        return Err(Error::invalid(
+            OP,
+            format!("the last segment ends at {last} × {batch_size} but values has {len} elements"),
+        ));
+    }
     let bounds: Vec<(usize, usize)> = seg
         .windows(2)
         .map(|w| (w[0] as usize * batch_size, w[1] as usize * batch_size))
         .collect();
-    if let Some(&(_, end)) = bounds.last() {
-        if end > len {
-            return Err(Error::invalid(
-                OP,
-                format!("the last segment ends at {end} but values has {len} elements"),
-            ));
-        }
-    }
     let (ops, storage) = float_operands(OP, &[values])?;
     let out = with_float!(ops[0].dtype(), OP, T => {
         let v = ops[0].to_vec::<T>()?;

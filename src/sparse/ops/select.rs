@@ -182,7 +182,7 @@ pub fn jagged_slice(
     }
     let (rows, counts) = select_within_bags(&lens, &offsets, |b, p| {
         let s = starts[b] as usize;
-        p >= s && p < s + slice_length
+        p >= s && p - s < slice_length
     });
     let n = counts.len();
     Ok((

@@ -89,13 +89,17 @@ impl Tensor {
     /// Same elements in a new shape (see [`reshape_infer`](Tensor::reshape_infer) for an
     /// inferred dimension). A view when the tensor is contiguous, a copy otherwise.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        if n != self.numel() {
+        let n = crate::tensor::checked_numel(shape);
+        if n != Some(self.numel()) {
             return Err(Error::ShapeMismatch {
                 op: "reshape",
                 lhs: self.shape().to_vec(),
                 rhs: shape.to_vec(),
-                detail: format!("{} elements cannot take shape with {n}", self.numel()),
+                detail: format!(
+                    "{} elements cannot take a shape of {}",
+                    self.numel(),
+                    n.map_or("more than a usize holds".to_string(), |n| n.to_string())
+                ),
             });
         }
         if shape == self.shape() {

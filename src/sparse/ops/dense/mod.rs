@@ -224,7 +224,26 @@ fn slot_layout(
 }
 
 fn read_all_offsets(op: &'static str, offsets: &[&Tensor]) -> Result<Vec<Vec<i64>>> {
+    if offsets.is_empty() {
+        return Err(Error::invalid(
+            op,
+            "no offsets: one tensor per jagged dimension is needed",
+        ));
+    }
     offsets.iter().map(|o| read_offsets(op, o)).collect()
+}
+
+/// Refuses an output of `shape` and `dtype` that no memory holds (before it is laid out).
+fn check_output_size(op: &'static str, shape: &[usize], dtype: crate::DType) -> Result<()> {
+    let bytes =
+        crate::tensor::checked_numel(shape).and_then(|n| n.checked_mul(dtype.size_in_bytes()));
+    if bytes.is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::invalid(
+            op,
+            format!("the output's shape {shape:?} is past any memory"),
+        ));
+    }
+    Ok(())
 }
 
 /// Pads jagged `values` (`[total, D...]`, or 1-D) with `offsets` (one tensor per jagged
@@ -248,10 +267,11 @@ pub fn jagged_to_padded_dense(
     let offs = read_all_offsets(OP, offsets)?;
     let rows = values.shape()[0];
     let batch = offs[0].len() - 1;
-    let layout = slot_layout(OP, offs, max_lengths, rows)?;
     let mut shape = vec![batch];
     shape.extend_from_slice(max_lengths);
     shape.extend_from_slice(&values.shape()[1..]);
+    check_output_size(OP, &shape, values.dtype())?;
+    let layout = slot_layout(OP, offs, max_lengths, rows)?;
     let row_len = values.shape()[1..].iter().product();
     let out = pad_tensor(values, &layout, row_len, padding_value, &shape)?;
     if !values.dtype().is_float() {
@@ -310,9 +330,10 @@ pub fn dense_to_jagged(
         ));
     }
     let max_lengths = dense.shape()[1..=k].to_vec();
-    let layout = slot_layout(OP, offs, &max_lengths, rows)?;
     let mut shape = vec![rows];
     shape.extend_from_slice(&dense.shape()[k + 1..]);
+    check_output_size(OP, &shape, dense.dtype())?;
+    let layout = slot_layout(OP, offs, &max_lengths, rows)?;
     let row_len = dense.shape()[k + 1..].iter().product();
     let out = unpad_tensor(dense, &layout, row_len, rows, &shape)?;
     if !dense.dtype().is_float() {
