@@ -176,6 +176,31 @@ fn bad_configs_are_errors() {
         }
     ))
     .is_err());
+    // A uniform init whose width is not finite (it cannot be drawn from), for tables and
+    // for dense layers.
+    let t = TableBatchedEmbedding::new(TbeConfig::new(
+        vec![TableSpec::new("a", 3, 2)],
+        vec![0],
+        PoolingMode::Sum,
+        opt,
+    ))
+    .unwrap();
+    for (low, high) in [(f32::MIN, f32::MAX), (0.0, f32::INFINITY)] {
+        let init = embers::embedding::EmbeddingInit::Uniform { low, high };
+        let msg = t
+            .init_weights(init, &mut seeded(1))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("finite low ≤ high"), "{msg}");
+    }
+    let init = embers::nn::Init::Uniform {
+        low: f64::MIN,
+        high: f64::MAX,
+    };
+    let layer =
+        embers::nn::Linear::with_init(2, 2, true, init, init, embers::DType::F32, &mut seeded(1));
+    let msg = layer.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("not of a finite width"), "{msg}");
     // Learning rates as torch.optim takes them: finite and not negative, for every optimizer.
     for lr in [-0.05, f32::NAN, f32::INFINITY] {
         for optimizer in [

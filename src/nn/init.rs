@@ -67,10 +67,12 @@ impl Init {
             Init::KaimingNormal => Tensor::randn(shape, 0.0, (2.0 / fi).sqrt(), dtype, rng),
             Init::Normal { std } => Tensor::randn(shape, 0.0, std, dtype, rng),
             Init::Uniform { low, high } => {
-                if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less) {
+                if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less)
+                    || !(high - low).is_finite()
+                {
                     return Err(Error::invalid(
                         "init",
-                        format!("empty range [{low}, {high})"),
+                        format!("[{low}, {high}) is empty or not of a finite width"),
                     ));
                 }
                 Tensor::rand_uniform(shape, low, high, dtype, rng)

@@ -1429,14 +1429,15 @@ pub(crate) fn fill_init(
             }
         }
         EmbeddingInit::Uniform { low, high } => {
-            // Written so that NaN bounds are rejected too.
+            // Written so that NaN bounds are rejected too; the width must be finite to draw.
             if low
                 .partial_cmp(&high)
                 .is_none_or(|o| o == std::cmp::Ordering::Greater)
+                || !(high - low).is_finite()
             {
                 return Err(Error::invalid(
                     OP,
-                    format!("uniform init needs low ≤ high, got {low}..{high}"),
+                    format!("uniform init needs finite low ≤ high, got {low}..{high}"),
                 ));
             }
             for x in rows.iter_mut() {
