@@ -270,6 +270,19 @@ fn sizes_past_memory_and_missing_arguments_are_errors() {
         embers::Device::Cpu,
     ));
     assert!(m.contains("past any memory"), "{m}");
+    let bucketize = |block: i64, my_size: usize| {
+        message(block_bucketize_sparse_features(
+            &i64s(&[1]),
+            &i64s(&[3]),
+            &i64s(&[block]),
+            my_size,
+            &BlockBucketizeOptions::default(),
+        ))
+    };
+    let m = bucketize(i64::MAX, 4);
+    assert!(m.contains("pass a u64"), "{m}");
+    let m = bucketize(4, 1 << 61);
+    assert!(m.contains("past any memory"), "{m}");
     // A slice "to the end" (usize::MAX) is the rest of each bag.
     let (sliced, lengths) =
         jagged_slice(&values, &i64s(&[2, 1]), &i64s(&[1, 0]), usize::MAX).unwrap();

@@ -180,6 +180,17 @@ pub fn block_bucketize_sparse_features(
     let sizes = read_ints(OP, "block_sizes", block_sizes)?;
     let num_features = sizes.len();
     let lens = read_ints(OP, "lengths", lengths)?;
+    // The output lengths are [my_size, bags] of 8 bytes (and each task counts per bucket).
+    let bytes = (my_size.checked_mul(lens.len().max(1))).and_then(|n| n.checked_mul(8));
+    if bytes.is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "my_size {my_size} buckets of {} bags are past any memory",
+                lens.len()
+            ),
+        ));
+    }
     // Batch size of every feature.
     let batch_sizes: Vec<usize> = match options.batch_size_per_feature {
         Some(b) => {
@@ -275,11 +286,18 @@ pub fn block_bucketize_sparse_features(
                 ));
             }
             let per_bucket = blocks as u64 / my_size as u64;
+            // (Checked: the span of all blocks must be a u64.)
+            let range = (block as u64).checked_mul(blocks as u64).ok_or_else(|| {
+                Error::invalid(
+                    OP,
+                    format!("feature {f}: block size {block} × total_num_blocks {blocks} pass a u64"),
+                )
+            })?;
             Ok(Router::Uniform {
                 bucket_span: FastDivisor::new(block as u64 * per_bucket),
                 blocks_per_bucket: per_bucket,
                 total_blocks: blocks as u64,
-                range: block as u64 * blocks as u64,
+                range,
             })
         })
         .collect::<Result<_>>()?;
