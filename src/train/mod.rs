@@ -287,7 +287,8 @@ impl DlrmConfig {
     /// The configuration a trainer checkpoint was written with (its `model.config` metadata;
     /// the device is the CPU): `from_checkpoint(p)?.build()?.load_checkpoint(p)` restores
     /// the trainer from the file alone. A configuration whose weights need more bytes than
-    /// the file and its parts hold is refused (see [`TrainerFile::could_hold`]).
+    /// the file and its parts hold is refused before anything is built: a few edited bytes
+    /// of metadata cannot make a reader allocate a model no file of that size stores.
     pub fn from_checkpoint(path: impl AsRef<Path>) -> Result<DlrmConfig> {
         let f = TrainerFile::open(path, FORMAT, "a trainer checkpoint")?;
         let config: DlrmConfig = f.config("a DlrmConfig")?;
