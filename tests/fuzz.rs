@@ -18,6 +18,15 @@ use std::collections::BTreeMap;
 #[global_allocator]
 static ALLOC: fuzz::CountingAlloc = fuzz::CountingAlloc;
 
+/// An error as a fuzz target returns it, checked to name `what` (its file or directory).
+fn naming(what: &'static str) -> impl Fn(embers::Error) -> String + Copy {
+    move |e| {
+        let msg = e.to_string();
+        assert!(msg.contains(what), "the error does not name {what}: {msg}");
+        msg
+    }
+}
+
 fn dlrm() -> DlrmConfig {
     DlrmConfig {
         num_dense: 3,
@@ -52,14 +61,7 @@ fn checkpoints() {
         .unwrap();
     let seeds = vec![std::fs::read(&seed_path).unwrap()];
     let path = dir.join("ckpt.safetensors");
-    let named = |e: embers::Error| {
-        let msg = e.to_string();
-        assert!(
-            msg.contains("ckpt.safetensors"),
-            "the error does not name the file: {msg}"
-        );
-        msg
-    };
+    let named = naming("ckpt.safetensors");
     fuzz::run("checkpoint-reader", &seeds, |bytes| {
         std::fs::write(&path, bytes).unwrap();
         let r = CheckpointReader::open(&path).map_err(named)?;
@@ -155,14 +157,7 @@ fn two_tower_checkpoints() {
     let path = dir.join("tt.ckpt");
     fuzz::run("checkpoint-two-tower-own-config", &seeds, |bytes| {
         std::fs::write(&path, bytes).unwrap();
-        let named = |e: embers::Error| {
-            let msg = e.to_string();
-            assert!(
-                msg.contains("tt.ckpt"),
-                "the error does not name the file: {msg}"
-            );
-            msg
-        };
+        let named = naming("tt.ckpt");
         let config = TwoTowerConfig::from_checkpoint(&path).map_err(named)?;
         let mut trainer = config.build().map_err(|e| e.to_string())?;
         trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
@@ -200,14 +195,7 @@ fn cached_table_manifests() {
     let tbe = cached("loaded.bin");
     fuzz::run("cached-table-manifest", &seeds, |bytes| {
         std::fs::write(&manifest, bytes).unwrap();
-        tbe.load_cached_checkpoint(&ckpt).map_err(|e| {
-            let msg = e.to_string();
-            assert!(
-                msg.contains("ckpt"),
-                "the error does not name the checkpoint: {msg}"
-            );
-            msg
-        })
+        tbe.load_cached_checkpoint(&ckpt).map_err(naming("ckpt"))
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -258,14 +246,9 @@ fn sharded_checkpoint_manifests() {
         .unwrap();
     fuzz::run("sharded-checkpoint-manifest", &seeds, |bytes| {
         std::fs::write(&manifest, bytes).unwrap();
-        load_into_unsharded(&whole, &ckpt).map(|_| ()).map_err(|e| {
-            let msg = e.to_string();
-            assert!(
-                msg.contains("ckpt"),
-                "the error does not name the checkpoint: {msg}"
-            );
-            msg
-        })
+        load_into_unsharded(&whole, &ckpt)
+            .map(|_| ())
+            .map_err(naming("ckpt"))
     });
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -294,14 +277,7 @@ fn ivfpq_indexes() {
     let path = dir.join("index.safetensors");
     fuzz::run("ivfpq-index", &seeds, |bytes| {
         std::fs::write(&path, bytes).unwrap();
-        let loaded = IvfPqIndex::load(&path).map_err(|e| {
-            let msg = e.to_string();
-            assert!(
-                msg.contains("index.safetensors"),
-                "the error does not name the file: {msg}"
-            );
-            msg
-        })?;
+        let loaded = IvfPqIndex::load(&path).map_err(naming("index.safetensors"))?;
         let queries = vec![0.25f32; loaded.dim() * 2];
         loaded
             .search(&queries, 5, 4)
