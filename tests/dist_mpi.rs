@@ -359,6 +359,36 @@ fn a_world_other_than_the_expected_one_is_refused() {
     assert!(log.contains("expected a world of 3"), "{log}");
 }
 
+/// As in one process, `--plan` with no complete batch on the ranks is an error naming it,
+/// not a run of 0 steps with NaN metrics.
+#[test]
+fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
+    let Some(example) = dlrm_example() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("embers-mpi-empty-{}", std::process::id()));
+    let out_dir = dir.join("out");
+    let args = [
+        "--plan",
+        "auto",
+        "--synthetic-train",
+        "100",
+        "--synthetic-eval",
+        "1000",
+        "--no-progress",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ];
+    let (out, _) = launch(2, &example, &args).expect("mpiexec runs");
+    let log = text(&out);
+    assert!(
+        !out.status.success() && log.contains("the training set is empty"),
+        "{log}"
+    );
+    assert!(!out_dir.join("checkpoint").exists(), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks): 60 steps
 /// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
 /// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.

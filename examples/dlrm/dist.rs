@@ -487,6 +487,18 @@ mod with_mpi {
         bar.finish_and_clear();
         let elapsed = started.elapsed().as_secs_f64();
         let trained = step - start_step;
+        // As in one process: asked to train from the start, no step trained is an error, before
+        // anything is written (the ranks stop together, so all refuse).
+        if trained == 0 && start_step == 0 && args.epochs > 0 && args.steps != Some(0) {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "the training set is empty: the {world} ranks have no complete batch of {} \
+                     each; nothing was trained or written",
+                    args.batch_size
+                ),
+            ));
+        }
         save(&model, &metrics, args, step)?;
         let (val, val_n) = validation(&model)?;
         let test =
