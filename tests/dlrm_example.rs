@@ -209,6 +209,14 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
             vec!["--data", "movielens", "--path", ratings, ratings],
             "reads one ratings file, --path gives 2",
         ),
+        (
+            vec!["--shuffle-buffer", "0"],
+            "--shuffle-buffer 0 holds no example",
+        ),
+        (
+            vec!["--early-stop-patience", "2"],
+            "--validate-every 0 runs none",
+        ),
         // Files without `--data`: the default synthetic source would ignore them.
         (vec!["--path", ratings], "--data is synthetic (the default)"),
         (

@@ -800,7 +800,7 @@ impl Data {
                     batch_size,
                     drop_last: split == Split::Train,
                     shuffle: (split == Split::Train).then_some(ShuffleConfig {
-                        buffer_size: args.shuffle_buffer.max(1),
+                        buffer_size: args.shuffle_buffer,
                         seed: shuffle_seed,
                     }),
                     split_rule,
@@ -1056,6 +1056,13 @@ fn run(args: Args) -> Result<()> {
             ),
         ));
     }
+    // Flags that would do nothing, refused rather than ignored.
+    if args.shuffle_buffer == 0 {
+        return Err(Error::invalid(
+            "dlrm",
+            "--shuffle-buffer 0 holds no example: give at least 1 (1 reads the files in order)",
+        ));
+    }
     let io = |p: &Path, e: std::io::Error| Error::Io {
         path: p.display().to_string(),
         source: e,
@@ -1095,6 +1102,13 @@ fn run(args: Args) -> Result<()> {
             ));
         }
         return dist::run(&args, &data, &config);
+    }
+    if args.early_stop_patience > 0 && args.validate_every == 0 {
+        return Err(Error::invalid(
+            "dlrm",
+            "--early-stop-patience counts validations during training, and --validate-every 0 \
+             runs none",
+        ));
     }
     let mut trainer = config.build_with(&args.placement()?)?;
     let checkpoint = args.out.join("checkpoint.safetensors");
