@@ -77,10 +77,15 @@ macro_rules! checkpoint_elem {
 checkpoint_elem!(f32 => F32, f64 => F64, half::f16 => F16, half::bf16 => BF16, i64 => I64,
     i32 => I32, u8 => U8);
 
-/// A counter read from a file (a step, examples seen): a decimal below 2^63, so that what
-/// reads it can go on counting (and store it as an `i64`) without overflowing.
+/// A counter read from a file (a step, examples seen): `n` if below 2^63, so that what reads
+/// it can go on counting (and store it as an `i64`) without overflowing.
+pub(crate) fn as_count(n: u64) -> Option<u64> {
+    (n <= i64::MAX as u64).then_some(n)
+}
+
+/// A counter read from a file as decimal text ([`as_count`]).
 pub(crate) fn parse_count(text: &str) -> Option<u64> {
-    text.parse::<u64>().ok().filter(|&n| n <= i64::MAX as u64)
+    text.parse::<u64>().ok().and_then(as_count)
 }
 
 /// `values` as little-endian bytes (their memory, on a little-endian machine).

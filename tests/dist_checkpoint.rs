@@ -211,9 +211,9 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// A missing manifest, a truncated rank file, a step past 2^63, a rank file outside the
-/// checkpoint, another optimizer, other tables, a save into a file: each is an error on every rank that names it, and the tables
-/// stay as they were. Files of an unfinished save are ignored by loads and removed by the
-/// next save.
+/// checkpoint, another optimizer, other tables, a save into a file: each is an error on every
+/// rank that names it, and the tables stay as they were. Files of an unfinished save are
+/// ignored by loads and removed by the next save.
 #[test]
 fn bad_checkpoints_change_nothing() {
     let dir = temp_dir("bad");
@@ -328,14 +328,9 @@ fn bad_checkpoints_change_nothing() {
         .unwrap()
         .to_string();
     let first = files.split(',').next().unwrap();
-    config_edit::rewrite_adding(
-        &zero.join(first),
-        "",
-        |v| v.to_string(),
-        |w| {
-            w.add::<f32>("t0@5,0.weight", &[0, 1 << 62], &[]).unwrap();
-        },
-    );
+    config_edit::add_to(&zero.join(first), |w| {
+        w.add::<f32>("t0@5,0.weight", &[0, 1 << 62], &[]).unwrap();
+    });
     config_edit::rewrite_metadata(&manifest, "rects.0", |v| {
         let mut listed: Vec<serde_json::Value> = serde_json::from_str(v).unwrap();
         listed.push(serde_json::json!(["t0", 5, 0, 0, 1u64 << 62]));

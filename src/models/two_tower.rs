@@ -325,7 +325,7 @@ impl FrequencyEstimator {
             ));
         }
         // Two 8-byte values a bucket must be addressable.
-        if (buckets.checked_mul(16)).is_none_or(|b| b > isize::MAX as usize) {
+        if crate::tensor::addressable_bytes(&[buckets], 16).is_none() {
             return Err(Error::invalid(
                 "FrequencyEstimator",
                 format!("{buckets} buckets are past any memory"),

@@ -50,8 +50,7 @@ impl Init {
             });
         }
         // The values are drawn as f64 first: 8 bytes each must be addressable.
-        let bytes = (shape.iter()).try_fold(8usize, |n, &d| n.checked_mul(d));
-        if bytes.is_none_or(|b| b > isize::MAX as usize) {
+        if crate::tensor::addressable_bytes(shape, 8).is_none() {
             return Err(Error::invalid(
                 "init",
                 format!("a tensor of shape {shape:?} is past any memory"),

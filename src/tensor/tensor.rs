@@ -63,6 +63,12 @@ pub(crate) fn checked_numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
+/// The bytes of `shape` elements of `elem_bytes` each; `None` when no memory can address
+/// them (past `isize::MAX`), so that allocating them would panic rather than fail.
+pub(crate) fn addressable_bytes(shape: &[usize], elem_bytes: usize) -> Option<usize> {
+    (checked_numel(shape)?.checked_mul(elem_bytes)).filter(|&b| b <= isize::MAX as usize)
+}
+
 impl Tensor {
     // ----- construction -------------------------------------------------------------------
 
@@ -144,8 +150,7 @@ impl Tensor {
 
     /// [`Tensor::full`], with device errors returned (and shapes past any memory).
     pub fn try_full(value: f64, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-        let bytes = checked_numel(shape).and_then(|n| n.checked_mul(dtype.size_in_bytes()));
-        if bytes.is_none_or(|b| b > isize::MAX as usize) {
+        if addressable_bytes(shape, dtype.size_in_bytes()).is_none() {
             return Err(Error::invalid(
                 "Tensor::full",
                 format!("shape {shape:?} of {dtype:?} is past any memory"),

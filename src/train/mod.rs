@@ -301,11 +301,9 @@ impl DlrmConfig {
     /// weight matrices of its MLPs and (DCN) one of each cross layer's two, 4 bytes a value;
     /// `None` when past a `u64`.
     fn least_checkpoint_bytes(&self) -> Option<u64> {
-        let rows =
-            (self.sparse_features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
         let dim = self.embedding_dim as u64;
         let f = self.sparse_features.len() as u64;
-        let tables = rows.checked_mul(dim)?;
+        let tables = table_values(&self.sparse_features, self.embedding_dim)?;
         // The over arch's input: the interaction's output.
         let (over_in, cross) = match self.dcn {
             None => (dim.checked_add(f.checked_mul(f + 1)? / 2)?, 0),
@@ -595,6 +593,13 @@ impl TrainerFile {
         }
         Ok(())
     }
+}
+
+/// The values of tables of `dim` columns, one per feature, `(name, rows)` (`None`: past a
+/// `u64`).
+pub(crate) fn table_values(features: &[(String, usize)], dim: usize) -> Option<u64> {
+    let rows = (features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
+    rows.checked_mul(dim as u64)
 }
 
 /// The values of the weight matrices between consecutive `widths` (`None`: past a `u64`).

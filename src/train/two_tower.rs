@@ -14,7 +14,8 @@ use std::path::Path;
 use rand::Rng as _;
 
 use super::{
-    trainer_writer, weights_between, write_dense_state, DenseOptimizer, DenseState, TrainerFile,
+    table_values, trainer_writer, weights_between, write_dense_state, DenseOptimizer, DenseState,
+    TrainerFile,
 };
 use crate::embedding::checkpoint::StagedTables;
 use crate::embedding::{EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizer};
@@ -151,11 +152,9 @@ impl TwoTowerConfig {
     fn least_checkpoint_bytes(&self) -> Option<u64> {
         let dim = self.embedding_dim as u64;
         let tower = |features: &[(String, usize)]| -> Option<u64> {
-            let rows = (features.iter()).try_fold(0u64, |n, (_, r)| n.checked_add(*r as u64))?;
             let width = (features.len() as u64).checked_mul(dim)?;
             let widths = [&[usize::try_from(width).ok()?][..], &self.layers].concat();
-            rows.checked_mul(dim)?
-                .checked_add(weights_between(&widths)?)
+            table_values(features, self.embedding_dim)?.checked_add(weights_between(&widths)?)
         };
         let weights = tower(&self.query_features)?.checked_add(tower(&self.candidate_features)?)?;
         weights

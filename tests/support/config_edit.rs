@@ -1,5 +1,5 @@
 //! Rewrites a checkpoint file with one metadata entry edited, such as a trainer's model
-//! configuration (shared by the tests of checkpoints whose metadata does not fit them,
+//! configuration, or with tensors added (shared by the tests of checkpoints whose metadata does not fit them,
 //! `#[path]`-included).
 #![allow(dead_code)]
 
@@ -7,20 +7,25 @@ use std::path::Path;
 
 /// `path` rewritten with its metadata `key` replaced by `edit` of it (everything else kept).
 pub fn rewrite_metadata(path: &Path, key: &str, edit: impl Fn(&str) -> String) {
-    rewrite_adding(path, key, edit, |_| {});
+    rewrite_file(path, |k, v| if k == key { edit(&v) } else { v }, |_| {});
 }
 
-/// [`rewrite_metadata`], with what `add` writes added.
-pub fn rewrite_adding(
+/// `path` rewritten with what `add` writes added (everything else kept).
+pub fn add_to(path: &Path, add: impl FnOnce(&mut embers::checkpoint::CheckpointWriter)) {
+    rewrite_file(path, |_, v| v, add);
+}
+
+/// `path` rewritten: each metadata value through `edit(key, value)`, every tensor kept, then
+/// what `add` writes.
+fn rewrite_file(
     path: &Path,
-    key: &str,
-    edit: impl Fn(&str) -> String,
+    edit: impl Fn(&str, String) -> String,
     add: impl FnOnce(&mut embers::checkpoint::CheckpointWriter),
 ) {
     let r = embers::checkpoint::CheckpointReader::open(path).unwrap();
     let mut w = embers::checkpoint::CheckpointWriter::new();
     for (k, v) in r.names_of_metadata() {
-        let v = if k == key { edit(&v) } else { v };
+        let v = edit(&k, v);
         w.set_metadata(k, v);
     }
     let tensors: Vec<_> = (r.names().into_iter())

@@ -566,7 +566,7 @@ impl Manifest {
             )));
         }
         let step = (field("step")?.as_u64())
-            .filter(|&n| n <= i64::MAX as u64)
+            .and_then(crate::checkpoint::as_count)
             .ok_or_else(|| bad("`step` is not a count below 2^63".into()))?;
         let bytes = field("bytes")?
             .as_u64()

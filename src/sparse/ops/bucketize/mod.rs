@@ -181,8 +181,7 @@ pub fn block_bucketize_sparse_features(
     let num_features = sizes.len();
     let lens = read_ints(OP, "lengths", lengths)?;
     // The output lengths are [my_size, bags] of 8 bytes (and each task counts per bucket).
-    let bytes = (my_size.checked_mul(lens.len().max(1))).and_then(|n| n.checked_mul(8));
-    if bytes.is_none_or(|b| b > isize::MAX as usize) {
+    if crate::tensor::addressable_bytes(&[my_size, lens.len().max(1)], 8).is_none() {
         return Err(Error::invalid(
             OP,
             format!(

@@ -235,9 +235,7 @@ fn read_all_offsets(op: &'static str, offsets: &[&Tensor]) -> Result<Vec<Vec<i64
 
 /// Refuses an output of `shape` and `dtype` that no memory holds (before it is laid out).
 fn check_output_size(op: &'static str, shape: &[usize], dtype: crate::DType) -> Result<()> {
-    let bytes =
-        crate::tensor::checked_numel(shape).and_then(|n| n.checked_mul(dtype.size_in_bytes()));
-    if bytes.is_none_or(|b| b > isize::MAX as usize) {
+    if crate::tensor::addressable_bytes(shape, dtype.size_in_bytes()).is_none() {
         return Err(Error::invalid(
             op,
             format!("the output's shape {shape:?} is past any memory"),
