@@ -28,7 +28,7 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// Runs `f` on every rank of a `world`-rank group; panics with every rank's error.
 fn on_ranks<T: Send>(world: usize, f: impl Fn(Comm) -> Result<T, String> + Sync) -> Vec<T> {
-    let comms = LocalGroup::comms(world);
+    let comms = LocalGroup::comms(world).expect("a local group");
     let results: Vec<Result<T, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (comms.into_iter())
             .map(|comm| comm.with_timeout(Duration::from_secs(20)))

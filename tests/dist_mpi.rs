@@ -61,6 +61,16 @@ fn mpirun(world: usize, args: &[&str]) -> Option<(Output, Instant)> {
 
 /// Runs `ranks` workers told to expect a world of `world`.
 fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Instant)> {
+    mpirun_env(ranks, world, args, &[])
+}
+
+/// [`mpirun_as`] with `env` set for every rank.
+fn mpirun_env(
+    ranks: usize,
+    world: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Option<(Output, Instant)> {
     let worker = match worker() {
         Ok(w) => w,
         Err(why) => {
@@ -75,17 +85,21 @@ fn mpirun_as(ranks: usize, world: usize, args: &[&str]) -> Option<(Output, Insta
         .into_iter()
         .chain(args.iter().copied())
         .collect();
-    launch(ranks, worker, &all)
+    launch_parts(&[(ranks, worker, &all)], env)
 }
 
 /// Runs `program args` on `ranks` ranks under mpiexec.
 fn launch(ranks: usize, program: &str, args: &[&str]) -> Option<(Output, Instant)> {
-    launch_parts(&[(ranks, program, args)])
+    launch_parts(&[(ranks, program, args)], &[])
 }
 
 /// One MPI job of several parts (`mpiexec -n 1 a : -n 1 b`): each part's ranks run its program
 /// with its arguments, ranks numbered in part order. See [`launch`].
-fn launch_parts(parts: &[(usize, &str, &[&str])]) -> Option<(Output, Instant)> {
+/// `env` is set for every rank.
+fn launch_parts(
+    parts: &[(usize, &str, &[&str])],
+    env: &[(&str, &str)],
+) -> Option<(Output, Instant)> {
     let (exe, extra) = match launcher() {
         Ok(s) => s,
         Err(why) => {
@@ -107,7 +121,7 @@ fn launch_parts(parts: &[(usize, &str, &[&str])]) -> Option<(Output, Instant)> {
         cmd.args(["-n", &ranks.to_string(), program]).args(args);
     }
     // A backstop: no MPI job of this file may outlive it (MPICH's launcher timeout).
-    cmd.env("MPIEXEC_TIMEOUT", "240");
+    cmd.env("MPIEXEC_TIMEOUT", "240").envs(env.iter().copied());
     let out = cmd.output().expect("mpiexec runs");
     Some((out, Instant::now()))
 }
@@ -347,6 +361,22 @@ fn a_plan_for_another_world_size_fails_on_every_rank() {
     }
 }
 
+/// An `EMBERS_DIST_TIMEOUT_S` that is no deadline ends every rank naming it (`1e20` s
+/// panicked making the `Duration`; a value that did not parse quietly meant 300 s).
+#[test]
+fn a_deadline_variable_that_is_no_deadline_is_refused_on_every_rank() {
+    for bad in ["1e20", "5m"] {
+        let env = [("EMBERS_DIST_TIMEOUT_S", bad)];
+        let Some((out, _)) = mpirun_env(2, 2, &["kjt-all-to-all"], &env) else {
+            return;
+        };
+        let log = text(&out);
+        assert!(!out.status.success(), "{log}");
+        let named = format!("EMBERS_DIST_TIMEOUT_S={bad:?} is not a positive number");
+        assert_eq!(log.matches(&named).count(), 2, "{log}");
+    }
+}
+
 #[test]
 fn a_world_other_than_the_expected_one_is_refused() {
     // `mpiexec` from another MPI than the one embers was built against starts W singletons
@@ -506,7 +536,7 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
         (resuming(&no_own), format!("{no_own}/rank1.safetensors")),
     ] {
         let other: Vec<&str> = other.iter().map(String::as_str).collect();
-        let (out, _) = launch_parts(&[(1, example, &resumed[..]), (1, example, &other[..])])
+        let (out, _) = launch_parts(&[(1, example, &resumed[..]), (1, example, &other[..])], &[])
             .expect("mpiexec runs");
         let log = text(&out);
         assert!(!out.status.success(), "{log}");

@@ -180,7 +180,7 @@ fn the_input_distribution_refuses_a_communicator_of_another_group() {
     let errors = on_ranks(2, DEADLINE, |comm| {
         let c = case(2, "mixed_adagrad").unwrap();
         let sharded = sharded_of(comm, &c).unwrap();
-        let alone = LocalGroup::comms(1).pop().unwrap();
+        let alone = LocalGroup::comms(1).unwrap().pop().unwrap();
         let batch = step(sharded.comm().rank(), 0).unwrap();
         sharded
             .distribute_input(&batch.kjt, &alone)

@@ -219,6 +219,33 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
         ),
         // Files without `--data`: the default synthetic source would ignore them.
         (vec!["--path", ratings], "--data is synthetic (the default)"),
+        // Flags of the distributed run, the planner config and the caches that nothing here
+        // would use (they were ignored).
+        (vec!["--comm-precision", "fp16"], "--plan"),
+        (vec!["--no-pipeline"], "--plan"),
+        (vec!["--ranks", "4"], "--write-planner-config"),
+        (
+            vec!["--cache-stats-batches", "10"],
+            "--write-planner-config",
+        ),
+        (
+            vec!["--cache-dir", out_dir],
+            "--cache-dir would do nothing: --placement fused",
+        ),
+        (
+            vec!["--placement", "fused-uvm", "--cache-load-factor", "0.5"],
+            "--cache-load-factor would do nothing: --placement fused-uvm",
+        ),
+        // Sizes past any memory (a petabyte of weights, beyond any address space, too):
+        // errors naming the allocation, where the process aborted.
+        (
+            vec!["--dense-arch", "10000000000000"],
+            "out of memory allocating 1040000000000000 bytes",
+        ),
+        (
+            vec!["--batch-size", "18446744073709551615"],
+            "is less than one batch of 18446744073709551615",
+        ),
         (
             vec!["--train", ratings, "--valid", ratings, "--test", ratings],
             "are for Criteo files",
@@ -667,21 +694,34 @@ fn a_time_split_without_timestamps_is_an_error_naming_the_file() {
 fn tables_in_files_behind_a_cache_train_the_same_model() {
     let dir = scratch("cached");
     let mut logs = Vec::new();
+    let cache = [
+        "--cache-load-factor",
+        "0.05",
+        "--cache-policy",
+        "lfu",
+        "--cache-prefetch",
+    ];
+    // The cache's flags with tables in memory would do nothing: refused, each named.
+    let out = run(&synthetic(
+        "1000",
+        &[&["--placement", "fused"], &cache[..]].concat(),
+    ));
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains(
+            "--cache-load-factor, --cache-policy, --cache-prefetch would do nothing: \
+             --placement fused"
+        ),
+        "{}",
+        text(&out)
+    );
     for (name, placement) in [("mem", "fused"), ("file", "fused-uvm-caching")] {
         let out_dir = dir.join(name);
-        let extra = [
-            "--steps",
-            "30",
-            "--placement",
-            placement,
-            "--cache-load-factor",
-            "0.05",
-            "--cache-policy",
-            "lfu",
-            "--cache-prefetch",
-            "--out",
-            out_dir.to_str().unwrap(),
-        ];
+        let mut extra = vec!["--steps", "30", "--placement", placement];
+        if placement != "fused" {
+            extra.extend(cache);
+        }
+        extra.extend(["--out", out_dir.to_str().unwrap()]);
         let out = run(&synthetic("1000", &extra));
         assert!(out.status.success(), "{}", text(&out));
         logs.push(text(&out));

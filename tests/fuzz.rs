@@ -231,7 +231,7 @@ fn sharded_checkpoint_manifests() {
     .unwrap();
     let ckpt = dir.join("ckpt");
     std::thread::scope(|s| {
-        for comm in LocalGroup::comms(2) {
+        for comm in LocalGroup::comms(2).unwrap() {
             let (tables, plan, ckpt) = (tables.clone(), &plan, &ckpt);
             s.spawn(move || {
                 let sharded =

@@ -876,6 +876,11 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         forever.header_timeout = Duration::from_secs(u64::MAX);
         let err = Server::start(forever).await.err().expect("refused");
         assert!(err.to_string().contains("header_timeout is"), "{err}");
+        // More requests in flight than tokio's semaphore counts (it panicked).
+        let mut countless = ServerConfig::new("dlrm", &path);
+        countless.max_inflight_requests = usize::MAX;
+        let err = Server::start(countless).await.err().expect("refused");
+        assert!(err.to_string().contains("max_inflight_requests"), "{err}");
 
         let mut cfg = ServerConfig::new("dlrm", &path);
         cfg.max_inflight_requests = 1;
@@ -1215,6 +1220,28 @@ fn a_slow_reader_is_not_cut_by_the_write_timeout() {
             .unwrap()
             .unwrap();
     });
+}
+
+/// The binary refuses flags it would ignore or could not honour, naming them, before it
+/// loads anything (the checkpoint here does not exist).
+#[test]
+fn the_embers_serve_binary_refuses_flags_it_cannot_honour() {
+    let refused = |args: &[&str], names: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_embers-serve"))
+            .args(["--checkpoint", "absent.safetensors"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(names), "{args:?}: {stderr}");
+    };
+    // Retrieval settings without a retrieval stage were ignored without a word.
+    refused(&["--nprobe", "4"], "--retrieval-checkpoint");
+    refused(&["--max-k", "10"], "--retrieval-checkpoint");
+    // A watch period of 2^63 s panicked in the timer.
+    refused(&["--watch", "9223372036854775807"], "--watch");
+    refused(&["--cache-load-factor", "0.5"], "--cache-dir");
 }
 
 /// The binary: starts on a free port, answers, reloads on SIGHUP, refuses a bad checkpoint

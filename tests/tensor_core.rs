@@ -778,3 +778,35 @@ fn on_worker_carries_the_callers_modes() {
         }
     });
 }
+
+/// Memory the allocator refuses is an error naming the allocation, not an abort: tensors of
+/// 2^62 bytes (addressable, so past the shape checks, but beyond any machine) from
+/// `try_full`/`try_zeros` and from an initialiser.
+#[test]
+fn allocations_the_allocator_refuses_are_errors() {
+    use embers::nn::Init;
+    let huge = [1usize << 60];
+    for value in [0.0, 1.5] {
+        let e = Tensor::try_full(value, &huge, DType::F32, Device::Cpu).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("out of memory allocating 4611686018427387904 bytes"),
+            "{value}: {e}"
+        );
+    }
+    let mut rng = seeded(1);
+    for init in [Init::KaimingUniform, Init::Normal { std: 1.0 }, Init::Zeros] {
+        let e = init
+            .tensor(&[1 << 40, 1 << 19], 1 << 19, 1 << 40, DType::F32, &mut rng)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("out of memory allocating"),
+            "{init:?}: {e}"
+        );
+    }
+    // The same calls at a size that fits still make their tensors.
+    let ok = Init::KaimingUniform
+        .tensor(&[3, 4], 4, 3, DType::F32, &mut rng)
+        .unwrap();
+    assert_eq!(ok.shape(), &[3, 4]);
+}

@@ -115,3 +115,35 @@ fn more_hard_negatives_than_negatives_is_a_named_error() {
         "{err}"
     );
 }
+
+/// Flags the run cannot honour are refused before it trains: an index that cannot be built
+/// from the model's embeddings (it failed after every epoch had run), negatives past any
+/// memory (an abort), re-ranking settings without --rerank (ignored).
+#[test]
+fn flags_it_cannot_honour_are_refused_before_training() {
+    for (args, says) in [
+        (vec!["--pq-m", "5"], "--nlist 16 --pq-m 5"),
+        (vec!["--nprobe", "17"], "--nprobe 17: must be 1..=16"),
+        (
+            vec!["--nlist", "100000"],
+            "at least 100000 training vectors",
+        ),
+        (vec!["--rerank-epochs", "2"], "--rerank"),
+        (
+            vec!["--random-negatives", "10000000000000000"],
+            "out of memory allocating",
+        ),
+    ] {
+        let args: Vec<&str> = ["--data", "synthetic", "--epochs", "1", "--no-progress"]
+            .into_iter()
+            .chain(args)
+            .collect();
+        let out = run(&args);
+        let log = text(&out);
+        assert!(
+            !out.status.success() && log.contains(says),
+            "{args:?}: {log}"
+        );
+        assert!(!log.contains("epoch 1:"), "{args:?} trained first: {log}");
+    }
+}

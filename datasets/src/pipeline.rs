@@ -179,6 +179,9 @@ pub struct Batcher<S: ExampleSource> {
     finished: bool,
 }
 
+/// The most examples a batcher reserves room for ahead of reading them.
+const MAX_RESERVED: usize = 1 << 16;
+
 impl<S: ExampleSource> Batcher<S> {
     /// Wraps `source`; fails on an invalid configuration.
     pub fn new(source: S, config: BatchConfig) -> Result<Self> {
@@ -197,7 +200,11 @@ impl<S: ExampleSource> Batcher<S> {
         config.split_rule.validate()?;
         let schema = source.schema().clone();
         let seed = config.shuffle.map_or(0, |s| s.seed);
-        let capacity = config.shuffle.map_or(0, |s| s.buffer_size);
+        // Reserved up to a bound, grown past it as examples arrive: a buffer or batch bigger
+        // than the data is allowed, and must not allocate for examples that never come.
+        let capacity = config
+            .shuffle
+            .map_or(0, |s| s.buffer_size.min(MAX_RESERVED));
         Ok(Batcher {
             source,
             schema,
@@ -244,7 +251,7 @@ impl<S: ExampleSource> Batcher<S> {
 
     fn next_batch(&mut self) -> Result<Option<RawBatch>> {
         let batch_size = self.config.batch_size;
-        let mut examples = Vec::with_capacity(batch_size);
+        let mut examples = Vec::with_capacity(batch_size.min(MAX_RESERVED));
         match self.config.shuffle {
             None => {
                 while examples.len() < batch_size {

@@ -153,6 +153,35 @@ fn shuffle_is_seeded_local_and_a_permutation() {
     }
 }
 
+/// A batch or shuffle buffer far bigger than the data holds the data: nothing is reserved
+/// for examples that never come (room for `usize::MAX` examples aborted the process).
+#[test]
+fn batches_and_buffers_bigger_than_the_data_hold_the_data() {
+    for shuffle in [
+        None,
+        Some(ShuffleConfig {
+            buffer_size: usize::MAX,
+            seed: 3,
+        }),
+    ] {
+        let batches = run(
+            100,
+            BatchConfig {
+                batch_size: usize::MAX,
+                shuffle,
+                ..BatchConfig::default()
+            },
+        );
+        assert_eq!(batches.len(), 1);
+        let mut got = indices(&batches);
+        if shuffle.is_some() {
+            assert_ne!(got, (0..100).collect::<Vec<_>>(), "shuffled");
+        }
+        got.sort_unstable();
+        assert_eq!(got, (0..100).collect::<Vec<_>>());
+    }
+}
+
 #[test]
 fn split_rules_partition_indices() {
     let rule = SplitRule::Fractions {

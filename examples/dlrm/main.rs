@@ -258,25 +258,31 @@ struct Args {
     write_planner_config: Option<PathBuf>,
     /// With `--write-planner-config`: measure each table's cache statistics (the planner's
     /// `constraints.cache_stats`, for `fused_uvm_caching` costs) on this many training batches.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, requires = "write_planner_config")]
     cache_stats_batches: usize,
     /// Ranks for `--write-planner-config`.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, requires = "write_planner_config")]
     ranks: usize,
     /// With `--plan`: the precision of the pooled embeddings' all-to-alls, one for both
     /// directions or `forward,backward` (TorchRec's QCommsConfig).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "fp32",
+        requires = "plan"
+    )]
     comm_precision: Vec<CommPrec>,
     /// With `--plan`: input distribution and training one after the other (no pipeline).
-    #[arg(long)]
+    #[arg(long, requires = "plan")]
     no_pipeline: bool,
     /// Where the tables live (the planner's kernel names): in memory, or in files behind a
     /// DRAM cache, for tables larger than memory. Training is the same, bit for bit.
     #[arg(long, value_enum, default_value_t = PlacementArg::Fused)]
     placement: PlacementArg,
     /// With `--placement fused-uvm-caching`: the cached fraction of each table's rows, in
-    /// (0, 1].
-    #[arg(long, default_value_t = 0.2)]
+    /// (0, 1] (with `--plan`, the plan's own sizes the caches).
+    #[arg(long, default_value_t = DEFAULT_CACHE_LOAD_FACTOR)]
     cache_load_factor: f64,
     /// With a file placement: the cache's replacement policy.
     #[arg(long, value_enum, default_value_t = CachePolicyArg::Lru)]
@@ -298,7 +304,52 @@ struct Args {
     cache_prefetch: bool,
 }
 
+/// `--cache-load-factor`'s default.
+const DEFAULT_CACHE_LOAD_FACTOR: f64 = 0.2;
+
 impl Args {
+    /// Refuses cache flags that no cached table would use: without `--plan`, all of them
+    /// with `--placement fused` and the load factor unless `fused-uvm-caching`; with `--plan`,
+    /// whose kernels and cache sizes place the tables, the load factor.
+    fn check_cache_flags(&self) -> Result<()> {
+        let given = [
+            (
+                "--cache-load-factor",
+                self.cache_load_factor != DEFAULT_CACHE_LOAD_FACTOR,
+            ),
+            ("--cache-policy", self.cache_policy != CachePolicyArg::Lru),
+            ("--cache-dir", self.cache_dir.is_some()),
+            ("--cache-host-memory", self.cache_host_memory),
+            ("--cache-prefetch", self.cache_prefetch),
+        ];
+        let (unused, why) = match (&self.plan, self.placement) {
+            (Some(_), _) => (
+                &given[..1],
+                "with --plan, the plan's cache_load_factor sizes each cached table's cache",
+            ),
+            (None, PlacementArg::Fused) => (
+                &given[..],
+                "--placement fused keeps every table in memory, with no cache",
+            ),
+            (None, PlacementArg::FusedUvm) => (
+                &given[..1],
+                "--placement fused-uvm caches no fraction of the rows (fused-uvm-caching does)",
+            ),
+            (None, PlacementArg::FusedUvmCaching) => (&given[..0], ""),
+        };
+        let unused: Vec<&str> = (unused.iter())
+            .filter(|(_, set)| *set)
+            .map(|(flag, _)| *flag)
+            .collect();
+        if unused.is_empty() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "dlrm",
+            format!("{} would do nothing: {why}", unused.join(", ")),
+        ))
+    }
+
     /// The tables' placement the flags ask for.
     fn placement(&self) -> Result<Placement> {
         let kernel = match self.placement {
@@ -934,7 +985,7 @@ fn model_config(
             },
         },
         seed: args.seed,
-        metrics_window: 100 * args.batch_size,
+        metrics_window: args.batch_size.saturating_mul(100),
         device: args.device,
     }
 }
@@ -1057,6 +1108,7 @@ fn run(args: Args) -> Result<()> {
         ));
     }
     // Flags that would do nothing, refused rather than ignored.
+    args.check_cache_flags()?;
     if args.shuffle_buffer == 0 {
         return Err(Error::invalid(
             "dlrm",

@@ -105,15 +105,15 @@ struct Args {
     /// Re-rank the top 100 with a DLRM trained on the same interactions (two-stage).
     #[arg(long)]
     rerank: bool,
-    /// Passes of the re-ranking DLRM over its training pairs.
-    #[arg(long, default_value_t = 3)]
+    /// With --rerank: passes of the re-ranking DLRM over its training pairs.
+    #[arg(long, default_value_t = 3, requires = "rerank")]
     rerank_epochs: usize,
-    /// Of the re-ranker's 4 negatives per training interaction, how many are drawn from the
-    /// user's retrieved top 100 (hard negatives: items the retriever ranks high that the user
-    /// did not interact with in the training period) instead of uniformly from unseen items
-    /// (3: the best of 0–4 on MovieLens-100K's held-out set; there is no separate validation
-    /// split to choose it on).
-    #[arg(long, default_value_t = 3)]
+    /// With --rerank: of the re-ranker's 4 negatives per training interaction, how many are
+    /// drawn from the user's retrieved top 100 (hard negatives: items the retriever ranks high
+    /// that the user did not interact with in the training period) instead of uniformly from
+    /// unseen items (3: the best of 0–4 on MovieLens-100K's held-out set; there is no separate
+    /// validation split to choose it on).
+    #[arg(long, default_value_t = 3, requires = "rerank")]
     rerank_hard_negatives: usize,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
@@ -637,6 +637,27 @@ fn run(args: Args) -> Result<()> {
             ),
         ));
     }
+    // The index's flags, checked before the training whose model they index.
+    let ivf_config = IvfPqConfig {
+        seed: args.seed,
+        ..IvfPqConfig::new(args.nlist, args.pq_m, Metric::InnerProduct)
+    };
+    let width = args.layers.last().copied().unwrap_or(0);
+    (ivf_config.check(width, data.items)).map_err(|e| {
+        Error::invalid(
+            "two_tower",
+            format!("--nlist {} --pq-m {}: {e}", args.nlist, args.pq_m),
+        )
+    })?;
+    if args.nprobe == 0 || args.nprobe > args.nlist {
+        return Err(Error::invalid(
+            "two_tower",
+            format!(
+                "--nprobe {}: must be 1..={} (--nlist)",
+                args.nprobe, args.nlist
+            ),
+        ));
+    }
     let split = split(&data, args.test_fraction);
     println!(
         "{}: {} users, {} items, {} interactions; time split: {} train, {} held-out items over {} users",
@@ -688,7 +709,7 @@ fn run(args: Args) -> Result<()> {
     let bar = if args.no_progress {
         ProgressBar::hidden()
     } else {
-        let bar = ProgressBar::new((steps_per_epoch * args.epochs) as u64);
+        let bar = ProgressBar::new(steps_per_epoch.saturating_mul(args.epochs) as u64);
         bar.set_style(
             ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
                 .expect("valid template")
@@ -766,7 +787,7 @@ fn run(args: Args) -> Result<()> {
         trainer.save_checkpoint(&checkpoint, &meta)?;
     }
     bar.finish_and_clear();
-    let pairs_per_s = (split.train.len() * args.epochs) as f64 / train_seconds;
+    let pairs_per_s = split.train.len() as f64 * args.epochs as f64 / train_seconds;
 
     // The final model (the last epoch's evaluation): exact search, IVF-PQ, popularity, and
     // optionally the re-ranked top 100.
@@ -781,14 +802,7 @@ fn run(args: Args) -> Result<()> {
     };
     let dim = emb.len() / data.items;
     let t = Instant::now();
-    let mut ivf = IvfPqIndex::train(
-        IvfPqConfig {
-            seed: args.seed,
-            ..IvfPqConfig::new(args.nlist, args.pq_m, Metric::InnerProduct)
-        },
-        &emb,
-        dim,
-    )?;
+    let mut ivf = IvfPqIndex::train(ivf_config, &emb, dim)?;
     ivf.add(&(0..data.items as i64).collect::<Vec<_>>(), &emb)?;
     let build_s = t.elapsed().as_secs_f64();
     // What `embers-serve --retrieval-checkpoint … --retrieval-index …` serves.

@@ -65,8 +65,8 @@ struct Args {
     #[arg(long, default_value_t = 30)]
     write_timeout_s: u64,
     /// Check the checkpoint's modification time every this many seconds and reload it when
-    /// it changes (0: never; SIGHUP always reloads).
-    #[arg(long, default_value_t = 0)]
+    /// it changes (0: never; at most a day, 86400; SIGHUP always reloads).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     watch: u64,
     /// Compute threads (rayon) for the model (0: one per core).
     #[arg(long, default_value_t = 0)]
@@ -78,11 +78,11 @@ struct Args {
     /// The IVF-PQ index of its candidates (`examples/two_tower --index-out`).
     #[arg(long, requires = "retrieval_checkpoint")]
     retrieval_index: Option<PathBuf>,
-    /// Index lists probed per retrieval query.
-    #[arg(long, default_value_t = 8)]
+    /// With --retrieval-checkpoint: index lists probed per retrieval query.
+    #[arg(long, default_value_t = 8, requires = "retrieval_checkpoint")]
     nprobe: usize,
-    /// The most candidates one retrieval query may ask for.
-    #[arg(long, default_value_t = 1000)]
+    /// With --retrieval-checkpoint: the most candidates one retrieval query may ask for.
+    #[arg(long, default_value_t = 1000, requires = "retrieval_checkpoint")]
     max_k: usize,
 }
 

@@ -57,14 +57,16 @@ impl Init {
             ));
         }
         let (fi, fo) = (fan_in.max(1) as f64, fan_out.max(1) as f64);
-        let uniform = |a: f64, rng: &mut Rng| Tensor::rand_uniform(shape, -a, a, dtype, rng);
-        Ok(match self {
+        let uniform = |a: f64, rng: &mut Rng| Tensor::try_rand_uniform(shape, -a, a, dtype, rng);
+        match self {
             Init::LinearDefault => uniform(1.0 / fi.sqrt(), rng),
             Init::XavierUniform => uniform((6.0 / (fi + fo)).sqrt(), rng),
-            Init::XavierNormal => Tensor::randn(shape, 0.0, (2.0 / (fi + fo)).sqrt(), dtype, rng),
+            Init::XavierNormal => {
+                Tensor::try_randn(shape, 0.0, (2.0 / (fi + fo)).sqrt(), dtype, rng)
+            }
             Init::KaimingUniform => uniform((6.0 / fi).sqrt(), rng),
-            Init::KaimingNormal => Tensor::randn(shape, 0.0, (2.0 / fi).sqrt(), dtype, rng),
-            Init::Normal { std } => Tensor::randn(shape, 0.0, std, dtype, rng),
+            Init::KaimingNormal => Tensor::try_randn(shape, 0.0, (2.0 / fi).sqrt(), dtype, rng),
+            Init::Normal { std } => Tensor::try_randn(shape, 0.0, std, dtype, rng),
             Init::Uniform { low, high } => {
                 if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less)
                     || !(high - low).is_finite()
@@ -74,9 +76,9 @@ impl Init {
                         format!("[{low}, {high}) is empty or not of a finite width"),
                     ));
                 }
-                Tensor::rand_uniform(shape, low, high, dtype, rng)
+                Tensor::try_rand_uniform(shape, low, high, dtype, rng)
             }
-            Init::Zeros => Tensor::zeros(shape, dtype, crate::Device::Cpu),
-        })
+            Init::Zeros => Tensor::try_zeros(shape, dtype, crate::Device::Cpu),
+        }
     }
 }

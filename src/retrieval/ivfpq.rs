@@ -43,6 +43,38 @@ impl IvfPqConfig {
             seed: 0,
         }
     }
+
+    /// Checks that an index of this configuration can be trained on `n` vectors of `dim`:
+    /// at least one list, `dim` divisible into `m` sub-vectors, and at least `nlist` and 256
+    /// vectors (what [`IvfPqIndex::train`] needs; a caller can check before computing them).
+    pub fn check(&self, dim: usize, n: usize) -> Result<()> {
+        if self.nlist == 0 {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                "nlist must be at least 1",
+            ));
+        }
+        if self.m == 0 || dim % self.m != 0 {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                format!(
+                    "dimension {dim} is not divisible into m = {} sub-vectors",
+                    self.m
+                ),
+            ));
+        }
+        if n < self.nlist.max(KSUB) {
+            return Err(Error::invalid(
+                "IvfPqIndex::train",
+                format!(
+                    "{} lists and 256 PQ centroids need at least {} training vectors, got {n}",
+                    self.nlist,
+                    self.nlist.max(KSUB)
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// One inverted list: ids and their `m`-byte codes, in the same order.
@@ -83,31 +115,7 @@ impl IvfPqIndex {
     /// [`add`]: Self::add
     pub fn train(config: IvfPqConfig, vectors: &[f32], dim: usize) -> Result<Self> {
         let n = check_vectors("IvfPqIndex::train", vectors, dim)?;
-        if config.nlist == 0 {
-            return Err(Error::invalid(
-                "IvfPqIndex::train",
-                "nlist must be at least 1",
-            ));
-        }
-        if config.m == 0 || dim % config.m != 0 {
-            return Err(Error::invalid(
-                "IvfPqIndex::train",
-                format!(
-                    "dimension {dim} is not divisible into m = {} sub-vectors",
-                    config.m
-                ),
-            ));
-        }
-        if n < config.nlist.max(KSUB) {
-            return Err(Error::invalid(
-                "IvfPqIndex::train",
-                format!(
-                    "{} lists and 256 PQ centroids need at least {} training vectors, got {n}",
-                    config.nlist,
-                    config.nlist.max(KSUB)
-                ),
-            ));
-        }
+        config.check(dim, n)?;
         let coarse = kmeans(vectors, dim, config.nlist, config.coarse_iters, config.seed)?;
         let coarse_norms = squared_norms(&coarse, dim);
         let mut index = IvfPqIndex {

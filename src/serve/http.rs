@@ -270,6 +270,16 @@ impl Server {
                 "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
+        if config.max_inflight_requests > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(Error::invalid(
+                "ServerConfig",
+                format!(
+                    "max_inflight_requests {} is past the most a semaphore counts ({})",
+                    config.max_inflight_requests,
+                    tokio::sync::Semaphore::MAX_PERMITS
+                ),
+            ));
+        }
         let day = Duration::from_secs(24 * 3600);
         for (name, t) in [
             ("body_timeout", config.body_timeout),

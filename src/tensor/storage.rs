@@ -2,7 +2,7 @@
 
 use half::{bf16, f16};
 
-use super::dtype::DType;
+use super::dtype::{DType, WithDType};
 use crate::{Device, Error, Result};
 
 /// A host buffer of one dtype.
@@ -64,6 +64,25 @@ impl CpuStorage {
         self.len() == 0
     }
 
+    /// `n` elements of `value` (cast to `dtype` as [`Tensor::full`](super::Tensor::full)
+    /// casts), or an error naming `what` when the memory cannot be had: a failed allocation
+    /// is an error here, not an abort.
+    pub(crate) fn try_full(what: &'static str, dtype: DType, value: f64, n: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(try_filled(what, value as f32, n)?),
+            DType::F64 => CpuStorage::F64(try_filled(what, value, n)?),
+            DType::F16 => {
+                CpuStorage::F16(try_filled(what, <f16 as WithDType>::from_f64(value), n)?)
+            }
+            DType::BF16 => {
+                CpuStorage::BF16(try_filled(what, <bf16 as WithDType>::from_f64(value), n)?)
+            }
+            DType::I64 => CpuStorage::I64(try_filled(what, value as i64, n)?),
+            DType::I32 => CpuStorage::I32(try_filled(what, value as i32, n)?),
+            DType::U8 => CpuStorage::U8(try_filled(what, value as u8, n)?),
+        })
+    }
+
     /// A zero-filled buffer.
     pub fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
@@ -76,6 +95,37 @@ impl CpuStorage {
             DType::U8 => CpuStorage::U8(vec![0; n]),
         }
     }
+}
+
+/// `n` copies of `value` in a new vector, or an error naming `what` when the allocator
+/// refuses the bytes. Zeros come from the allocator's zeroed pages, as `vec![0; n]`'s do.
+pub(crate) fn try_filled<T: bytemuck::NoUninit + bytemuck::Zeroable>(
+    what: &'static str,
+    value: T,
+    n: usize,
+) -> Result<Vec<T>> {
+    let refused = || out_of_memory(what, n.saturating_mul(std::mem::size_of::<T>()));
+    if bytemuck::bytes_of(&value).iter().all(|&b| b == 0) {
+        return bytemuck::allocation::try_zeroed_vec(n).map_err(|()| refused());
+    }
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| refused())?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// An empty vector with room for `n` elements, or an error naming `what` when the allocator
+/// refuses the bytes.
+pub(crate) fn try_with_capacity<T>(what: &'static str, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| out_of_memory(what, n.saturating_mul(std::mem::size_of::<T>())))?;
+    Ok(v)
+}
+
+/// The error of an allocation of `bytes` for `what` that the allocator refused.
+pub(crate) fn out_of_memory(what: &'static str, bytes: usize) -> Error {
+    Error::invalid(what, format!("out of memory allocating {bytes} bytes"))
 }
 
 /// Storage on some device.

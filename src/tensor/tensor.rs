@@ -208,21 +208,28 @@ impl Tensor {
             .expect("arange: casting from f64 cannot fail")
     }
 
-    /// Samples from N(mean, std²), drawn in f64 and stored as `dtype` (a float dtype).
+    /// Samples from N(mean, std²), drawn in f64 and stored as `dtype` (a float dtype); panics
+    /// when the memory cannot be had ([`Init`](crate::nn::Init) returns that as an error).
     pub fn randn(shape: &[usize], mean: f64, std: f64, dtype: DType, rng: &mut impl Rng) -> Tensor {
-        let n = shape.iter().product();
-        let v: Vec<f64> = (0..n)
-            .map(|_| {
-                let z: f64 = StandardNormal.sample(rng);
-                mean + std * z
-            })
-            .collect();
-        Tensor::from_cpu(CpuStorage::F64(v), shape)
-            .cast_values(dtype)
-            .expect("randn: casting from f64 cannot fail")
+        Tensor::try_randn(shape, mean, std, dtype, rng).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Samples uniformly from `[low, high)`, stored as `dtype` (a float dtype).
+    /// [`Tensor::randn`], with a refused allocation returned as an error.
+    pub(crate) fn try_randn(
+        shape: &[usize],
+        mean: f64,
+        std: f64,
+        dtype: DType,
+        rng: &mut impl Rng,
+    ) -> Result<Tensor> {
+        Tensor::sampled("Tensor::randn", shape, dtype, || {
+            let z: f64 = StandardNormal.sample(rng);
+            mean + std * z
+        })
+    }
+
+    /// Samples uniformly from `[low, high)`, stored as `dtype` (a float dtype); panics when the
+    /// memory cannot be had ([`Init`](crate::nn::Init) returns that as an error).
     pub fn rand_uniform(
         shape: &[usize],
         low: f64,
@@ -230,11 +237,35 @@ impl Tensor {
         dtype: DType,
         rng: &mut impl Rng,
     ) -> Tensor {
-        let n = shape.iter().product();
-        let v: Vec<f64> = (0..n).map(|_| rng.random_range(low..high)).collect();
-        Tensor::from_cpu(CpuStorage::F64(v), shape)
-            .cast_values(dtype)
-            .expect("rand_uniform: casting from f64 cannot fail")
+        Tensor::try_rand_uniform(shape, low, high, dtype, rng).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Tensor::rand_uniform`], with a refused allocation returned as an error.
+    pub(crate) fn try_rand_uniform(
+        shape: &[usize],
+        low: f64,
+        high: f64,
+        dtype: DType,
+        rng: &mut impl Rng,
+    ) -> Result<Tensor> {
+        Tensor::sampled("Tensor::rand_uniform", shape, dtype, || {
+            rng.random_range(low..high)
+        })
+    }
+
+    /// `shape`'s elements drawn by `draw` in f64, stored as `dtype`; an allocation the
+    /// allocator refuses is an error naming `what`.
+    fn sampled(
+        what: &'static str,
+        shape: &[usize],
+        dtype: DType,
+        mut draw: impl FnMut() -> f64,
+    ) -> Result<Tensor> {
+        let n = checked_numel(shape)
+            .ok_or_else(|| Error::invalid(what, format!("shape {shape:?} is past any memory")))?;
+        let mut v = super::storage::try_with_capacity::<f64>(what, n)?;
+        v.extend((0..n).map(|_| draw()));
+        Tensor::from_cpu(CpuStorage::F64(v), shape).cast_values(dtype)
     }
 
     // ----- metadata -----------------------------------------------------------------------

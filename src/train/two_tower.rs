@@ -279,6 +279,16 @@ impl TwoTowerTrainer {
                 log_q,
                 random_negatives,
             } => {
+                // The `b × n` logits' mask, allocated before anything else of the negatives'
+                // size: a count past any memory is an error here, not an abort later.
+                let n = b.checked_add(random_negatives);
+                let mask = n.and_then(|n| b.checked_mul(n)).ok_or_else(|| {
+                    Error::invalid(
+                        OP,
+                        format!("{random_negatives} random negatives for {b} rows overflow"),
+                    )
+                })?;
+                let mut mask = crate::tensor::storage::try_filled(OP, 0f32, mask)?;
                 self.estimator.update(&batch.candidate_ids);
                 let mut ids = batch.candidate_ids.clone();
                 let mut lq: Vec<f32> = (ids.iter())
@@ -309,7 +319,6 @@ impl TwoTowerTrainer {
                 }
                 let n = ids.len();
                 // Accidental hits: another column holding row i's own positive item.
-                let mut mask = vec![0f32; b * n];
                 for i in 0..b {
                     for (j, &id) in ids.iter().enumerate() {
                         if j != i && id == ids[i] {

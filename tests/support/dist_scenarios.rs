@@ -816,7 +816,7 @@ pub fn on_ranks<T: Send>(
     timeout: std::time::Duration,
     f: impl Fn(Comm) -> T + Sync,
 ) -> Vec<T> {
-    let comms = embers::distributed::LocalGroup::comms(world);
+    let comms = embers::distributed::LocalGroup::comms(world).expect("a local group");
     std::thread::scope(|s| {
         let handles: Vec<_> = (comms.into_iter())
             .map(|c| c.with_timeout(timeout))

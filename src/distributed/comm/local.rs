@@ -9,6 +9,7 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex};
 
 use super::{Comm, Transport, TransportError};
+use crate::error::Result;
 
 /// One round of an exchange: every rank deposits a block per destination, then every rank
 /// takes its column.
@@ -58,8 +59,9 @@ pub struct LocalGroup;
 
 impl LocalGroup {
     /// The communicators of a group of `size` ranks (hand rank `r` its element `r` in its own
-    /// thread).
-    pub fn comms(size: usize) -> Vec<Comm> {
+    /// thread); an error when `EMBERS_DIST_TIMEOUT_S` is set to something that is not a
+    /// deadline ([`default_timeout`](super::default_timeout)).
+    pub fn comms(size: usize) -> Result<Vec<Comm>> {
         let shared = Shared::new(size.max(1));
         (0..size.max(1))
             .map(|rank| {

@@ -177,14 +177,29 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-/// The deadline of every collective: `EMBERS_DIST_TIMEOUT_S` seconds, else 300.
-pub fn default_timeout() -> Duration {
-    let secs = std::env::var("EMBERS_DIST_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .unwrap_or(300.0);
-    Duration::from_secs_f64(secs)
+/// The deadline of every collective: `EMBERS_DIST_TIMEOUT_S` seconds (a positive number of
+/// seconds a [`Duration`] holds), else 300. A value that is not one is an error naming it, not
+/// a quiet fallback to 300.
+pub fn default_timeout() -> Result<Duration> {
+    timeout_of(std::env::var_os("EMBERS_DIST_TIMEOUT_S").as_deref())
+}
+
+/// [`default_timeout`] of the variable's value (`None`: unset).
+fn timeout_of(value: Option<&std::ffi::OsStr>) -> Result<Duration> {
+    let Some(raw) = value else {
+        return Ok(Duration::from_secs(300));
+    };
+    let raw = raw.to_string_lossy();
+    (raw.trim().parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            Error::Distributed(format!(
+                "EMBERS_DIST_TIMEOUT_S={raw:?} is not a positive number of seconds \
+                 (at most {} s)",
+                Duration::MAX.as_secs()
+            ))
+        })
 }
 
 /// `blocks` back to back, and their lengths.
@@ -225,8 +240,9 @@ fn zeroed<T: Pod>(n: usize) -> Vec<T> {
 }
 
 impl Comm {
-    pub(crate) fn new(transport: Arc<dyn Transport>) -> Comm {
-        Comm::with_transport_timeout(transport, default_timeout())
+    /// A communicator over `transport` with the [`default_timeout`].
+    pub(crate) fn new(transport: Arc<dyn Transport>) -> Result<Comm> {
+        Ok(Comm::with_transport_timeout(transport, default_timeout()?))
     }
 
     fn with_transport_timeout(transport: Arc<dyn Transport>, timeout: Duration) -> Comm {
@@ -517,5 +533,29 @@ impl Comm {
             (0, 0),
         )?;
         Ok(Comm::build(transport, self.timeout, self.bytes.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::time::Duration;
+
+    use super::timeout_of;
+
+    #[test]
+    fn the_timeout_variable_is_a_deadline_or_an_error_naming_it() {
+        assert_eq!(timeout_of(None).unwrap(), Duration::from_secs(300));
+        let at = |s: &str| timeout_of(Some(OsStr::new(s)));
+        assert_eq!(at(" 2.5 ").unwrap(), Duration::from_millis(2500));
+        // Past a `Duration` (it panicked), not a number, zero, negative, NaN, infinite: named,
+        // where they used to fall back to 300 s without a word.
+        for bad in ["1e20", "5m", "", "0", "-3", "NaN", "inf"] {
+            let e = at(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("EMBERS_DIST_TIMEOUT_S={bad:?}")),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -28,16 +28,7 @@ fn cat_typed<T: WithDType>(parts: &[Tensor], dim: usize, shape: &[usize]) -> Res
 impl CopyOps for Cpu {
     fn full(value: f64, shape: &[usize], dtype: DType, _device: Device) -> Result<Tensor> {
         let n = shape.iter().product();
-        let storage = match dtype {
-            _ if value == 0.0 => CpuStorage::zeros(dtype, n),
-            DType::F32 => CpuStorage::F32(vec![value as f32; n]),
-            DType::F64 => CpuStorage::F64(vec![value; n]),
-            DType::F16 => CpuStorage::F16(vec![<half::f16 as WithDType>::from_f64(value); n]),
-            DType::BF16 => CpuStorage::BF16(vec![<half::bf16 as WithDType>::from_f64(value); n]),
-            DType::I64 => CpuStorage::I64(vec![value as i64; n]),
-            DType::I32 => CpuStorage::I32(vec![value as i32; n]),
-            DType::U8 => CpuStorage::U8(vec![value as u8; n]),
-        };
+        let storage = CpuStorage::try_full("Tensor::full", dtype, value, n)?;
         Ok(Tensor::from_cpu(storage, shape))
     }
 
