@@ -130,6 +130,32 @@ fn counts_that_do_not_match_are_errors() {
     });
     let e = disagree[0].as_ref().unwrap_err();
     assert!(e.contains("test.disagree #1"), "{e}");
+    // Counts past any memory are an error on the rank given them (an overflow or an abort).
+    let huge = on_ranks(2, 1000, |comm| {
+        let a2a = comm
+            .all_to_all_v(
+                "test.huge",
+                vec![vec![1u32], vec![1u32]],
+                Some(&[1, usize::MAX]),
+            )
+            .unwrap_err()
+            .to_string();
+        let gather = comm
+            .all_gather_v("test.huge", &[1u32], Some(&[1, 1 << 62]))
+            .map_err(|e| e.to_string());
+        (a2a, gather)
+    });
+    for (r, (a2a, gather)) in huge.into_iter().enumerate() {
+        assert!(
+            a2a.contains("test.huge") && a2a.contains("past any memory"),
+            "{a2a}"
+        );
+        // Rank 1's own count is 1, not 2^62: refused as not its own; rank 0 is refused the
+        // 2^62 values of 4 bytes.
+        let e = gather.unwrap_err();
+        let says = ["past any memory", "this rank's its own"][r];
+        assert!(e.contains(says), "rank {r}: {e}");
+    }
 }
 
 #[test]
@@ -165,5 +191,27 @@ fn a_rank_that_never_joins_ends_the_others_at_the_deadline() {
 fn kjt_all_to_all_matches_torchrecs_docstring_example() {
     for result in on_ranks(2, 2000, |comm| kjt_docstring::check(&comm)) {
         result.unwrap();
+    }
+}
+
+/// Splits whose sum wraps a usize to the key count are refused on every rank (they indexed
+/// past the keys).
+#[test]
+fn kjt_all_to_all_refuses_splits_past_a_usize() {
+    let errors = on_ranks(2, 2000, |comm| {
+        let kjt = embers::sparse::KeyedJaggedTensor::from_lengths(
+            vec!["a".into()],
+            embers::Tensor::from_vec(vec![1i64, 2], &[2]).unwrap(),
+            embers::Tensor::from_vec(vec![1i64, 1], &[2]).unwrap(),
+            None,
+            None,
+        )
+        .unwrap();
+        embers::distributed::kjt_all_to_all(&comm, &kjt, &[usize::MAX, 2])
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("must give each of the 2 ranks its keys"), "{e}");
     }
 }

@@ -419,11 +419,12 @@ fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks): 60 steps
-/// straight and 30 + 30 resumed from the checkpoint end with the same dense half, optimizer
-/// state, metrics state and tables, bit for bit; the checkpoint of 2 processes resumes on 1.
-/// A resume one rank refuses (its flags choose other data, or it cannot read the checkpoint)
-/// is refused by every rank at once, naming that rank.
+/// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks):
+/// 60 steps straight (three epochs) and 30 + 30 resumed from the checkpoint (in the second
+/// epoch; each epoch's reader is opened as the one before ends) end with the same dense half,
+/// optimizer state, metrics state and tables, bit for bit; the checkpoint of 2 processes
+/// resumes on 1. A resume one rank refuses (its flags choose other data, or it cannot read the
+/// checkpoint) is refused by every rank at once, naming that rank.
 #[test]
 fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     let Some(example) = dlrm_example() else {
@@ -434,11 +435,14 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     let _ = std::fs::remove_dir_all(&dir);
     let (a, b) = (dir.join("a"), dir.join("b"));
     let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    // 20 steps an epoch on 2 ranks: the runs and the resume cross epochs.
     let common = [
         "--plan",
         "auto",
         "--synthetic-train",
-        "200000",
+        "10240",
+        "--epochs",
+        "4",
         "--synthetic-eval",
         "2000",
         "--validate-every",

@@ -171,6 +171,10 @@ fn kjt_out_of_range_permute_and_unknown_key() {
     assert!(m.contains("unknown key `c`"), "{m}");
     let m = message(kjt.split(&[1, 2]));
     assert!(m.contains("add up to 3"), "{m}");
+    // Segments whose sum wraps a usize to the key count (a panic in debug builds, an index
+    // past the keys in release).
+    let m = message(kjt.split(&[usize::MAX, 3]));
+    assert!(m.contains("add up to more than a usize holds"), "{m}");
 }
 
 #[test]
@@ -363,4 +367,15 @@ fn op_argument_errors() {
         m.contains("group 0, position 1") && m.contains("`z`"),
         "{m}"
     );
+    // Widths (and a tensor's split sizes) whose sum wraps a usize to the real width: an
+    // overflow panic in debug builds, where now an error names them.
+    let values = Tensor::zeros(&[2, 3], embers::DType::F32, embers::Device::Cpu);
+    let m = message(KeyedTensor::new(
+        keys(&["a", "b"]),
+        vec![usize::MAX, 4],
+        values.clone(),
+    ));
+    assert!(m.contains("sum past a usize"), "{m}");
+    let m = message(values.split(&[usize::MAX, 4], 1));
+    assert!(m.contains("sum to more than a usize holds"), "{m}");
 }

@@ -387,28 +387,25 @@ mod with_mpi {
         // checkpoint was taken at.
         let steps_per_epoch = match data {
             Data::Synthetic(_) => {
-                Some(args.synthetic_train / (args.batch_size as u64 * world as u64))
+                Some(args.synthetic_train / (args.batch_size as u64).saturating_mul(world as u64))
             }
             Data::Files { .. } => None,
         };
         let total = match (args.steps, steps_per_epoch) {
             (Some(s), _) => Some(s),
-            (None, Some(per)) => Some(per * args.epochs),
+            (None, Some(per)) => Some(per.saturating_mul(args.epochs)),
             (None, None) => None,
         };
-        let mut epochs: Vec<crate::Batches> = Vec::new();
-        for epoch in 0..args.epochs {
-            let part = (rank, world);
-            epochs.push(data.batches_of_part(
-                Split::Train,
-                epoch,
-                args.batch_size,
-                args.seed,
-                part,
-            )?);
-        }
-        let mine = epochs.into_iter().flatten().skip(start_step as usize);
-        let mine: Batches = match total {
+        // Each epoch's reader is opened when the epoch before it ends (opened all at once,
+        // `--epochs N` held N readers, their shuffle buffers and prefetch threads).
+        let part = (rank, world);
+        let mine = (0..args.epochs)
+            .flat_map(move |epoch| {
+                (data.batches_of_part(Split::Train, epoch, args.batch_size, args.seed, part))
+                    .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))))
+            })
+            .skip(start_step as usize);
+        let mine: Box<dyn Iterator<Item = Result<crate::Batch>> + Send> = match total {
             Some(t) => Box::new(mine.take(t.saturating_sub(start_step) as usize)),
             None => Box::new(mine),
         };
@@ -430,7 +427,7 @@ mod with_mpi {
             let limit = if args.validation_examples == 0 {
                 usize::MAX
             } else {
-                (args.validation_examples as usize).div_ceil(args.batch_size * world)
+                (args.validation_examples as usize).div_ceil(args.batch_size.saturating_mul(world))
             };
             let batches = data.batches_of_part(
                 Split::Validation,

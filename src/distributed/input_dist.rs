@@ -272,7 +272,7 @@ pub fn kjt_all_to_all(
     const OP: &str = "kjt_all_to_all";
     let (rank, w) = (comm.rank(), comm.size());
     let checked = (|| {
-        if splits.len() != w || splits.iter().sum::<usize>() != kjt.keys().len() {
+        if splits.len() != w || crate::tensor::checked_sum(splits) != Some(kjt.keys().len()) {
             return Err(Error::invalid(
                 OP,
                 format!(

@@ -580,12 +580,13 @@ impl KeyedJaggedTensor {
     /// keep the stride.
     pub fn split(&self, segments: &[usize]) -> Result<Vec<KeyedJaggedTensor>> {
         const OP: &str = "KeyedJaggedTensor::split";
-        let total: usize = segments.iter().sum();
-        if total != self.keys.len() {
+        let total = crate::tensor::checked_sum(segments);
+        if total != Some(self.keys.len()) {
             return Err(Error::invalid(
                 OP,
                 format!(
-                    "segments {segments:?} add up to {total}, not to the {} keys",
+                    "segments {segments:?} add up to {}, not to the {} keys",
+                    total.map_or("more than a usize holds".to_string(), |t| t.to_string()),
                     self.keys.len()
                 ),
             ));

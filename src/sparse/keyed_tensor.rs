@@ -41,7 +41,12 @@ impl KeyedTensor {
                 format!("{} keys but {} widths", keys.len(), length_per_key.len()),
             ));
         }
-        let total: usize = length_per_key.iter().sum();
+        let Some(total) = crate::tensor::checked_sum(&length_per_key) else {
+            return Err(Error::invalid(
+                OP,
+                format!("the key widths {length_per_key:?} sum past a usize"),
+            ));
+        };
         if values.rank() != 2 || values.shape()[1] != total {
             return Err(Error::invalid(
                 OP,

@@ -12,7 +12,7 @@ pub mod rng;
 pub mod storage;
 #[allow(clippy::module_inception)]
 mod tensor;
-pub(crate) use tensor::{addressable_bytes, checked_numel};
+pub(crate) use tensor::{addressable_bytes, checked_numel, checked_sum};
 pub mod testing;
 
 pub use autograd::{

@@ -63,6 +63,11 @@ pub(crate) fn checked_numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
+/// The sum of `sizes`; `None` when past a `usize`.
+pub(crate) fn checked_sum(sizes: &[usize]) -> Option<usize> {
+    sizes.iter().try_fold(0usize, |n, &s| n.checked_add(s))
+}
+
 /// The bytes of `shape` elements of `elem_bytes` each; `None` when no memory can address
 /// them (past `isize::MAX`), so that allocating them would panic rather than fail.
 pub(crate) fn addressable_bytes(shape: &[usize], elem_bytes: usize) -> Option<usize> {

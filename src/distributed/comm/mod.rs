@@ -235,8 +235,19 @@ pub(crate) fn sum_in_rank_order(parts: &[Vec<f32>], len: usize) -> Vec<f32> {
     sum
 }
 
-fn zeroed<T: Pod>(n: usize) -> Vec<T> {
-    vec![T::zeroed(); n]
+/// The receive buffer of blocks of `counts` values: zeros, or an error naming `op` when the
+/// counts (given by the caller or by the peers) sum past a `usize` or past the memory.
+fn receive_buffer<T: Pod>(op: &'static str, counts: &[usize]) -> Result<Vec<T>> {
+    let size = std::mem::size_of::<T>();
+    let n = (crate::tensor::checked_sum(counts))
+        .filter(|&n| crate::tensor::addressable_bytes(&[n], size).is_some())
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!("blocks of {counts:?} values of {size} bytes are past any memory"),
+            )
+        })?;
+    crate::tensor::storage::try_filled(op, T::zeroed(), n)
 }
 
 impl Comm {
@@ -365,17 +376,6 @@ impl Comm {
                 &exchanged
             }
         };
-        let rank = self.rank();
-        let size = std::mem::size_of::<T>();
-        let off_rank = |sizes: &mut dyn Iterator<Item = usize>| -> u64 {
-            sizes
-                .enumerate()
-                .filter(|&(r, _)| r != rank)
-                .map(|(_, n)| (n * size) as u64)
-                .sum()
-        };
-        let sent = off_rank(&mut send.iter().map(Vec::len));
-        let received = off_rank(&mut recv_counts.iter().copied());
         if w == 1 {
             // One rank: the block to itself is the result (no transport, no copy).
             if recv_counts[0] != send[0].len() {
@@ -391,11 +391,22 @@ impl Comm {
             self.run(op, |_| Ok(()), (0, 0))?;
             return Ok(send);
         }
+        let mut recv: Vec<T> = receive_buffer(op, recv_counts)?;
+        let rank = self.rank();
+        let size = std::mem::size_of::<T>();
+        let off_rank = |sizes: &mut dyn Iterator<Item = usize>| -> u64 {
+            sizes
+                .enumerate()
+                .filter(|&(r, _)| r != rank)
+                .map(|(_, n)| (n * size) as u64)
+                .sum()
+        };
+        let sent = off_rank(&mut send.iter().map(Vec::len));
+        let received = off_rank(&mut recv_counts.iter().copied());
         let (flat, send_counts) = concat(&send);
         drop(send);
         let send_sizes: Vec<usize> = send_counts.iter().map(|&n| n * size).collect();
         let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
-        let mut recv: Vec<T> = zeroed(recv_counts.iter().sum());
         self.run(
             op,
             |deadline| {
@@ -436,18 +447,18 @@ impl Comm {
                 &exchanged
             }
         };
+        if w == 1 {
+            self.run(op, |_| Ok(()), (0, 0))?;
+            return Ok(vec![send.to_vec()]);
+        }
+        let mut recv: Vec<T> = receive_buffer(op, recv_counts)?;
         let size = std::mem::size_of::<T>();
         let bytes: &[u8] = bytemuck::cast_slice(send);
         let received: u64 = (recv_counts.iter().enumerate())
             .filter(|&(r, _)| r != rank)
             .map(|(_, &n)| (n * size) as u64)
             .sum();
-        if w == 1 {
-            self.run(op, |_| Ok(()), (0, 0))?;
-            return Ok(vec![send.to_vec()]);
-        }
         let recv_sizes: Vec<usize> = recv_counts.iter().map(|&n| n * size).collect();
-        let mut recv: Vec<T> = zeroed(recv_counts.iter().sum());
         self.run(
             op,
             |deadline| {

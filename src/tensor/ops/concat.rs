@@ -96,12 +96,13 @@ impl Tensor {
     /// Splits along `dim` into pieces of the given sizes (views), which must sum to the size.
     pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let d = resolve_dim("split", dim, self.rank())?;
-        let total: usize = sizes.iter().sum();
-        if total != self.shape()[d] {
+        let total = crate::tensor::checked_sum(sizes);
+        if total != Some(self.shape()[d]) {
             return Err(Error::invalid(
                 "split",
                 format!(
-                    "sizes {sizes:?} sum to {total}, dimension {d} has size {}",
+                    "sizes {sizes:?} sum to {}, dimension {d} has size {}",
+                    total.map_or("more than a usize holds".to_string(), |t| t.to_string()),
                     self.shape()[d]
                 ),
             ));
