@@ -418,6 +418,20 @@ fn bad_inputs_are_named_errors() {
         .unwrap_err()
         .to_string()
         .contains("vector 0 has NaN at element 3"));
+    // Finite values whose squared norm overflows f32's distances (every score was NaN or ±∞;
+    // an index trained on them searched garbage).
+    let mut huge = x[..dim].to_vec();
+    huge[2] = 1e19;
+    assert!(flat
+        .add(&[0], &huge)
+        .unwrap_err()
+        .to_string()
+        .contains("vector 0 has squared norm 1.000e38"));
+    assert!(flat
+        .search(&huge, 1)
+        .unwrap_err()
+        .to_string()
+        .contains("FlatIndex::search"));
     assert!(flat
         .add(&[-5], &x[..dim])
         .unwrap_err()

@@ -166,6 +166,21 @@ pub(crate) fn check_vectors(what: &'static str, vectors: &[f32], dim: usize) -> 
             ),
         ));
     }
+    // Distances and products of two vectors within this norm stay finite in f32
+    // (‖a − b‖² ≤ 2‖a‖² + 2‖b‖²); past it they overflow, and every score is NaN or ±∞.
+    let limit = f32::MAX as f64 / 4.0;
+    for (i, v) in vectors.chunks_exact(dim).enumerate() {
+        let norm: f64 = v.iter().map(|&x| x as f64 * x as f64).sum();
+        if norm > limit {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "vector {i} has squared norm {norm:.3e}, past the {limit:.3e} whose \
+                     distances f32 holds"
+                ),
+            ));
+        }
+    }
     Ok(vectors.len() / dim)
 }
 
