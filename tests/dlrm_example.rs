@@ -808,10 +808,15 @@ fn cached_tables(
     tables
 }
 
-/// `--write-planner-config --cache-stats-batches N` measures each table's cache statistics on
-/// N training batches: the file is a valid planner input whose tables carry them.
+/// `--device cuda --write-planner-config --cache-stats-batches N` measures each table's cache
+/// statistics on N training batches: the file is a valid planner input for GPU ranks whose
+/// tables carry them and the load factor they are priced at, and the planner's
+/// `fused_uvm_caching` costs move with them. On CPU ranks, where the planner offers no cached
+/// kernel, the statistics would change nothing: refused.
 #[test]
 fn the_planner_config_carries_cache_statistics_measured_on_batches() {
+    use embers_planner::estimator::perf::shard_perfs;
+    use embers_planner::types::{ComputeKernel, ShardingType};
     let dir = scratch("planner");
     let path = dir.join("planner.json");
     let extra = [
@@ -821,12 +826,45 @@ fn the_planner_config_carries_cache_statistics_measured_on_batches() {
         "20",
     ];
     let out = run(&synthetic("1000", &extra));
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("the planner offers CPU ranks no cached kernel"),
+        "{}",
+        text(&out)
+    );
+    let on_gpus = [
+        &extra[..],
+        &["--device", "cuda", "--cache-load-factor", "0.3"],
+    ]
+    .concat();
+    let out = run(&synthetic("1000", &on_gpus));
     assert!(out.status.success(), "{}", text(&out));
     let text = std::fs::read_to_string(&path).unwrap();
     let config = embers_planner::Config::from_json(&text).unwrap();
-    config.resolve().unwrap();
+    let problem = config.resolve().unwrap();
+    assert_eq!(
+        problem.topology.compute_device,
+        embers_planner::types::ComputeDevice::Cuda
+    );
     assert_eq!(config.tables.len(), 26);
-    for t in &config.tables {
+    for (t, resolved) in config.tables.iter().zip(&problem.tables) {
+        assert_eq!(t.constraints.cache_load_factor, Some(0.3));
+        // The statistics reach the cost: without them the same table prices differently.
+        let perf = |table: &embers_planner::config::Table| {
+            let sizes = [[table.rows, table.dim]];
+            let p = shard_perfs(
+                &problem.topology,
+                table,
+                ShardingType::TableWise,
+                ComputeKernel::FusedUvmCaching,
+                &sizes,
+            )
+            .unwrap();
+            p[0].total()
+        };
+        let mut without = resolved.clone();
+        without.constraints.cache_stats = None;
+        assert_ne!(perf(resolved), perf(&without), "{}", t.name);
         let stats = t.constraints.cache_stats.as_ref().expect("cache stats");
         assert_eq!(stats.height, t.rows);
         assert_eq!(stats.mrc_hist_counts.len(), 100);

@@ -118,7 +118,8 @@ fn more_hard_negatives_than_negatives_is_a_named_error() {
 
 /// Flags the run cannot honour are refused before it trains: an index that cannot be built
 /// from the model's embeddings (it failed after every epoch had run), negatives past any
-/// memory (an abort), re-ranking settings without --rerank (ignored).
+/// memory (an abort), re-ranking settings without --rerank, files with synthetic data and
+/// softmax settings with the pointwise loss (all ignored).
 #[test]
 fn flags_it_cannot_honour_are_refused_before_training() {
     for (args, says) in [
@@ -132,6 +133,16 @@ fn flags_it_cannot_honour_are_refused_before_training() {
         (
             vec!["--random-negatives", "10000000000000000"],
             "out of memory allocating",
+        ),
+        // Flags the data or the loss would have ignored.
+        (vec!["--path", "ml"], "--data synthetic reads none"),
+        (
+            vec!["--loss", "pointwise", "--random-negatives", "8"],
+            "--loss pointwise draws one random negative",
+        ),
+        (
+            vec!["--loss", "pointwise", "--no-log-q"],
+            "--loss pointwise draws one random negative",
         ),
     ] {
         let args: Vec<&str> = ["--data", "synthetic", "--epochs", "1", "--no-progress"]

@@ -49,7 +49,11 @@ pub fn planner_config(
                 "features": [{ "name": f, "pooling_factor": 1.0 }],
             });
             if let Some(stats) = cache_stats.get(&name) {
-                table["constraints"] = json!({ "cache_stats": stats });
+                // The planner prices a cache from its statistics only at a given load factor.
+                table["constraints"] = json!({
+                    "cache_stats": stats,
+                    "cache_load_factor": args.cache_load_factor,
+                });
             }
             table
         })
@@ -59,7 +63,7 @@ pub fn planner_config(
         "topology": {
             "world_size": ranks,
             "local_world_size": ranks,
-            "compute_device": "cpu",
+            "compute_device": if args.device == embers::Device::Cpu { "cpu" } else { "cuda" },
         },
         "optimizer": { "kind": kind },
         "tables": tables,

@@ -252,12 +252,14 @@ struct Args {
     /// `auto` to plan here for W CPU ranks. `--batch-size` is then per rank.
     #[arg(long)]
     plan: Option<String>,
-    /// Write this model's planner config (tables, batch size, `--ranks` CPU ranks) to this
-    /// file and exit: the input of `embers-plan plan`.
+    /// Write this model's planner config (tables, batch size, `--ranks` ranks of `--device`'s
+    /// kind) to this file and exit: the input of `embers-plan plan`.
     #[arg(long)]
     write_planner_config: Option<PathBuf>,
-    /// With `--write-planner-config`: measure each table's cache statistics (the planner's
-    /// `constraints.cache_stats`, for `fused_uvm_caching` costs) on this many training batches.
+    /// With `--write-planner-config` and `--device cuda` (the planner offers `fused_uvm_caching`
+    /// on GPU ranks only): measure each table's cache statistics (the planner's
+    /// `constraints.cache_stats`, which price that kernel at `--cache-load-factor`) on this
+    /// many training batches.
     #[arg(long, default_value_t = 0, requires = "write_planner_config")]
     cache_stats_batches: usize,
     /// Ranks for `--write-planner-config`.
@@ -310,7 +312,8 @@ const DEFAULT_CACHE_LOAD_FACTOR: f64 = 0.2;
 impl Args {
     /// Refuses cache flags that no cached table would use: without `--plan`, all of them
     /// with `--placement fused` and the load factor unless `fused-uvm-caching`; with `--plan`,
-    /// whose kernels and cache sizes place the tables, the load factor.
+    /// whose kernels and cache sizes place the tables, the load factor; with
+    /// `--write-planner-config`, all but the load factor its cache statistics are priced at.
     fn check_cache_flags(&self) -> Result<()> {
         let given = [
             (
@@ -323,6 +326,11 @@ impl Args {
             ("--cache-prefetch", self.cache_prefetch),
         ];
         let (unused, why) = match (&self.plan, self.placement) {
+            _ if self.write_planner_config.is_some() => (
+                &given[(self.cache_stats_batches > 0) as usize..],
+                "--write-planner-config writes no cache but the tables' cache statistics and \
+                 load factor (with --cache-stats-batches)",
+            ),
             (Some(_), _) => (
                 &given[..1],
                 "with --plan, the plan's cache_load_factor sizes each cached table's cache",
@@ -1135,6 +1143,15 @@ fn run(args: Args) -> Result<()> {
     let (data, features) = Data::open(&args)?;
     let config = model_config(&args, data.num_dense(), features, data.tasks());
     if let Some(path) = &args.write_planner_config {
+        if args.cache_stats_batches > 0 && args.device == embers::Device::Cpu {
+            return Err(Error::invalid(
+                "dlrm",
+                "--cache-stats-batches: the planner offers CPU ranks no cached kernel \
+                 (TorchRec's: fused and quant), so the statistics would change nothing; \
+                 with --device cuda the config is for GPU ranks, where they price \
+                 fused_uvm_caching",
+            ));
+        }
         let stats = measured_cache_stats(&args, &data, &config)?;
         return dist::write_planner_config(&args, &config, &stats, path);
     }

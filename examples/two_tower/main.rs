@@ -79,7 +79,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LossKind::Softmax)]
     loss: LossKind,
     /// Uniform random negatives per batch mixed into the softmax.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = DEFAULT_RANDOM_NEGATIVES)]
     random_negatives: usize,
     /// Train without the log-Q correction.
     #[arg(long)]
@@ -128,6 +128,9 @@ struct Args {
     #[arg(long)]
     no_progress: bool,
 }
+
+/// `--random-negatives`' default.
+const DEFAULT_RANDOM_NEGATIVES: usize = 256;
 
 /// Interactions in time order per user, and the items' genres.
 struct Data {
@@ -618,6 +621,22 @@ fn rerank(
 }
 
 fn run(args: Args) -> Result<()> {
+    // Flags the chosen data or loss would ignore, refused rather than ignored.
+    if args.path.is_some() && args.data == DataKind::Synthetic {
+        return Err(Error::invalid(
+            "two_tower",
+            "--path names MovieLens files, and --data synthetic reads none",
+        ));
+    }
+    if args.loss == LossKind::Pointwise
+        && (args.no_log_q || args.random_negatives != DEFAULT_RANDOM_NEGATIVES)
+    {
+        return Err(Error::invalid(
+            "two_tower",
+            "--no-log-q and --random-negatives shape the softmax loss; --loss pointwise \
+             draws one random negative per positive and has no log-Q correction",
+        ));
+    }
     let data = match args.data {
         DataKind::Movielens => movielens(&args)?,
         DataKind::Synthetic => synthetic(args.seed),

@@ -85,7 +85,7 @@ fn parse_bytes(s: &str) -> Option<u64> {
 pub struct TopologyConfig {
     /// A preset name, see [`Topology::PRESETS`]; default: TorchRec's defaults.
     pub preset: Option<String>,
-    /// Number of ranks (default: the preset's, 8; TorchRec defaults need it given).
+    /// Number of ranks (default: the preset's; without a preset it must be given).
     pub world_size: Option<usize>,
     /// Ranks per host (default: the preset's host size, capped at world_size).
     pub local_world_size: Option<usize>,
@@ -468,7 +468,19 @@ impl Config {
                     ),
                 )
             })?,
-            None => Topology::torchrec_default(8, device),
+            // No preset: the ranks must be given (a quiet 8 planned for a world the job does
+            // not have, found only when the plan was loaded).
+            None => Topology::torchrec_default(
+                c.world_size.ok_or_else(|| {
+                    cfg(
+                        "topology.world_size",
+                        "give the number of ranks, or a preset (`torchrec-default` is \
+                         TorchRec's defaults: one host of 8)"
+                            .into(),
+                    )
+                })?,
+                device,
+            ),
         };
         let host = t.local_world_size;
         t.compute_device = device;
@@ -484,7 +496,13 @@ impl Config {
             t.hbm_cap = 0;
         }
         if let Some(v) = c.hbm_cap {
-            t.hbm_cap = if device == ComputeDevice::Cpu { 0 } else { v.0 };
+            if device == ComputeDevice::Cpu && v.0 > 0 {
+                return Err(cfg(
+                    "topology.hbm_cap",
+                    "CPU ranks have no HBM: give ddr_cap, or compute_device = \"cuda\"".into(),
+                ));
+            }
+            t.hbm_cap = v.0;
         }
         if let Some(v) = c.ddr_cap {
             t.ddr_cap = v.0;
@@ -559,6 +577,12 @@ impl Config {
         };
         if input_lengths.is_empty() {
             return Err(cfg(&f("pooling_factors"), "must not be empty".into()));
+        }
+        if let Some(k) = batch_sizes.iter().position(|&b| b == 0) {
+            return Err(cfg(
+                &f(&format!("features[{k}].batch_size")),
+                "must be at least 1".into(),
+            ));
         }
         for (k, v) in input_lengths.iter().chain(num_poolings.iter()).enumerate() {
             if !(v.is_finite() && *v >= 0.0 && *v <= MAX_POOLING) {

@@ -4,7 +4,7 @@
 use crate::config::{Problem, Table};
 use crate::error::PlannerError;
 use crate::estimator::{perf, storage};
-use crate::shard_sizes::shard_rects;
+use crate::shard_sizes::{shard_count, shard_rects};
 use crate::types::{ComputeDevice, ComputeKernel, Shard, ShardingOption, ShardingType};
 
 /// Sharding types the embedding-bag sharder supports on a device.
@@ -19,6 +19,9 @@ pub fn supported_sharding_types(device: ComputeDevice) -> Vec<ShardingType> {
         ],
     }
 }
+
+/// The most shards [`enumerate`] makes over all tables' sharding options.
+pub const MAX_SHARD_OPTIONS: u64 = 1 << 25;
 
 /// Kernels the sharder supports for a sharding type on a device. `quant` is offered only when
 /// a constraint names it (it is an inference kernel).
@@ -145,6 +148,33 @@ pub fn enumerate_table(
 
 /// All options of all tables, table by table.
 pub fn enumerate(problem: &Problem) -> Result<Vec<Vec<ShardingOption>>, PlannerError> {
+    // Counted before any is made: tables × options × shards can be past any memory (a
+    // thousand tables on 65536 ranks, or grid shards of a wide table, aborted the process).
+    let topo = &problem.topology;
+    let mut shards = 0u64;
+    for table in &problem.tables {
+        for st in allowed_types(topo.compute_device, table) {
+            let kernels = allowed_kernels(topo.compute_device, table, st).len() as u64;
+            let count = shard_count(
+                table.dim,
+                st,
+                topo.world_size,
+                topo.local_world_size,
+                table.constraints.min_partition,
+            );
+            shards = shards.saturating_add(count.saturating_mul(kernels));
+        }
+    }
+    if shards > MAX_SHARD_OPTIONS {
+        return Err(PlannerError::Config {
+            field: "tables".into(),
+            message: format!(
+                "the search would weigh {shards} shards over the tables' sharding options (at \
+                 most {MAX_SHARD_OPTIONS}, about 100 bytes each): constrain sharding_types, \
+                 raise min_partition, or plan fewer tables or ranks at once"
+            ),
+        });
+    }
     (0..problem.tables.len())
         .map(|i| enumerate_table(problem, i))
         .collect()

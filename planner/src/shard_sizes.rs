@@ -77,9 +77,54 @@ pub fn shard_rects(
     }
 }
 
+/// How many shards [`shard_rects`] makes, without making them.
+pub fn shard_count(
+    dim: u64,
+    sharding_type: ShardingType,
+    world_size: usize,
+    local_world_size: usize,
+    min_partition: Option<u64>,
+) -> u64 {
+    let columns = || dim / column_block(dim, min_partition);
+    match sharding_type {
+        ShardingType::DataParallel | ShardingType::RowWise => world_size as u64,
+        ShardingType::TableWise => 1,
+        ShardingType::TableRowWise => local_world_size as u64,
+        ShardingType::ColumnWise | ShardingType::TableColumnWise => columns(),
+        ShardingType::GridShard => columns().saturating_mul(local_world_size as u64),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_counts_are_the_shards_made() {
+        use ShardingType::*;
+        for st in [
+            DataParallel,
+            TableWise,
+            RowWise,
+            TableRowWise,
+            ColumnWise,
+            TableColumnWise,
+            GridShard,
+        ] {
+            for (rows, dim, w, lw, mp) in [
+                (10, 512, 4, 2, None),
+                (3, 200, 8, 8, Some(64)),
+                (1, 8, 1, 1, Some(4)),
+            ] {
+                let made = shard_rects(rows, dim, st, w, lw, mp).len() as u64;
+                assert_eq!(
+                    shard_count(dim, st, w, lw, mp),
+                    made,
+                    "{st:?} {rows} {dim} {w} {lw} {mp:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn rows_fill_prefix_ranks() {

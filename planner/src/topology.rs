@@ -178,8 +178,10 @@ impl Topology {
             ("intra_host_bw", self.intra_host_bw),
             ("inter_host_bw", self.inter_host_bw),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(bad(name, format!("must be a positive number, got {v}")));
+            // At least a byte per millisecond: a subnormal one priced every shard at infinity
+            // and wrote a plan whose imbalance was NaN (`null`, unreadable).
+            if !(v.is_finite() && v >= 1.0) {
+                return Err(bad(name, format!("must be at least 1 byte/ms, got {v}")));
             }
         }
         for (name, v) in [

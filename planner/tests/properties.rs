@@ -180,12 +180,25 @@ fn malformed_config_points_at_line_and_field() {
         err.contains("column 8") && err.contains("expected u64"),
         "{err}"
     );
-    let err = Config::from_toml("batch_size = 512\n[[tables]]\nname = \"a\"\nrows = 10\ndim = 0\n")
+    let err = Config::from_toml(
+        "batch_size = 512\n[topology]\nworld_size = 2\n[[tables]]\nname = \"a\"\nrows = 10\ndim = 0\n",
+    )
+    .unwrap()
+    .resolve()
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("tables[0].dim"), "{err}");
+    // No preset and no world size: the ranks are not guessed (8 were, a plan for a world the
+    // job might not have).
+    let err = Config::from_toml("batch_size = 512\n[[tables]]\nname = \"a\"\nrows = 10\ndim = 8\n")
         .unwrap()
         .resolve()
         .unwrap_err()
         .to_string();
-    assert!(err.contains("tables[0].dim"), "{err}");
+    assert!(
+        err.contains("topology.world_size") && err.contains("torchrec-default"),
+        "{err}"
+    );
     let err = Config::from_json(
         "{\"batch_size\": 1,\n \"tables\": [{\"name\": \"a\", \"rows\": 1, \"dimm\": 2}]}",
     )
@@ -200,7 +213,8 @@ fn malformed_config_points_at_line_and_field() {
 fn impossible_cache_stats_are_refused_naming_the_field() {
     let resolved = |stats: &str| {
         let toml = format!(
-            "batch_size = 512\n[[tables]]\nname = \"a\"\nrows = 1000\ndim = 8\n\
+            "batch_size = 512\n[topology]\npreset = \"torchrec-default\"\n\
+             [[tables]]\nname = \"a\"\nrows = 1000\ndim = 8\n\
              [tables.constraints]\ncompute_kernels = [\"fused_uvm_caching\"]\n\
              cache_load_factor = 0.2\n[tables.constraints.cache_stats]\n{stats}\n"
         );
@@ -266,6 +280,10 @@ fn impossible_cache_stats_are_refused_naming_the_field() {
 #[test]
 fn impossible_multipliers_are_refused_naming_the_field() {
     let resolved = |extra: &str| {
+        let extra = match extra.contains("[topology]") {
+            true => extra.replace("[topology]", "[topology]\nworld_size = 8"),
+            false => format!("[topology]\nworld_size = 8\n{extra}"),
+        };
         let toml =
             format!("batch_size = 512\n{extra}\n[[tables]]\nname = \"a\"\nrows = 1000\ndim = 8\n");
         Config::from_toml(&toml).unwrap().resolve()
@@ -343,5 +361,80 @@ fn optimizer_kinds_parse_and_size_their_state() {
     for (name, expected) in cases {
         let cfg: OptimizerConfig = toml::from_str(&format!("kind = \"{name}\"")).unwrap();
         assert_eq!(cfg.multiplier(128), expected, "{name}");
+    }
+}
+
+/// Values that were quietly replaced or planned into a plan no one could read are refused
+/// naming the field: an HBM cap on CPU ranks (zeroed), a feature batch of 0 (a feature that
+/// cost nothing), a bandwidth below a byte per millisecond (infinite costs, a NaN imbalance
+/// written as `null`).
+#[test]
+fn values_that_were_replaced_or_unplannable_are_refused_naming_the_field() {
+    let resolved = |topology: &str, feature: &str| {
+        let toml = format!(
+            "batch_size = 512\n[topology]\nworld_size = 2\n{topology}\n[[tables]]\nname = \"a\"\n\
+             rows = 1000\ndim = 8\n[[tables.features]]\nname = \"f\"\npooling_factor = 1.0\n\
+             {feature}\n"
+        );
+        Config::from_toml(&toml).unwrap().resolve()
+    };
+    resolved("compute_device = \"cpu\"\nhbm_cap = 0", "batch_size = 3").unwrap();
+    resolved("hbm_to_ddr_mem_bw = 1.0", "").unwrap();
+    for (topology, feature, field, says) in [
+        (
+            "compute_device = \"cpu\"\nhbm_cap = \"80GiB\"",
+            "",
+            "topology.hbm_cap",
+            "CPU ranks have no HBM",
+        ),
+        (
+            "",
+            "batch_size = 0",
+            "tables[0].features[0].batch_size",
+            "at least 1",
+        ),
+        (
+            "hbm_to_ddr_mem_bw = 1e-310",
+            "",
+            "hbm_to_ddr_mem_bw",
+            "at least 1 byte/ms",
+        ),
+    ] {
+        let e = resolved(topology, feature).unwrap_err().to_string();
+        assert!(
+            e.contains(field) && e.contains(says),
+            "{topology} {feature}: {e}"
+        );
+    }
+}
+
+/// A search past any memory is refused before any shard is made, naming what to constrain:
+/// a thousand tables on 65536 ranks (7 × 65536 shards each), or one wide table grid-sharded
+/// into 2^30 shards, used to allocate until the process aborted.
+#[test]
+fn searches_past_any_memory_are_refused_before_they_start() {
+    let tables = |n: usize, extra: &str| {
+        (0..n)
+            .map(|i| format!("[[tables]]\nname = \"t{i}\"\nrows = 100000\ndim = 65536\n{extra}\n"))
+            .collect::<String>()
+    };
+    for body in [
+        tables(1000, ""),
+        tables(
+            1,
+            "[tables.constraints]\nsharding_types = [\"grid_shard\"]\nmin_partition = 4",
+        ),
+    ] {
+        let toml = format!("batch_size = 512\n[topology]\nworld_size = 65536\n{body}");
+        let started = std::time::Instant::now();
+        let problem = Config::from_toml(&toml).unwrap().resolve().unwrap();
+        let e = embers_planner::plan_problem(&problem, Default::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the search would weigh") && e.contains("constrain sharding_types"),
+            "{e}"
+        );
+        assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
     }
 }

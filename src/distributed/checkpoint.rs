@@ -233,15 +233,17 @@ pub(crate) fn save(
             w.write(dir.join(MANIFEST))?;
             // The previous checkpoints' files and their parts directories (and any unfinished
             // one's) are garbage now.
+            let current: std::collections::HashSet<&str> =
+                files.iter().map(String::as_str).collect();
             if let Ok(entries) = std::fs::read_dir(dir) {
                 for e in entries.flatten() {
                     let name = e.file_name().to_string_lossy().to_string();
-                    if is_rank_file(&name) && !files.contains(&name) {
+                    if is_rank_file(&name) && !current.contains(name.as_str()) {
                         let _ = std::fs::remove_file(e.path());
                     }
                     if let Some((file, _)) = name.split_once(".parts-") {
                         let dir = e.file_type().is_ok_and(|t| t.is_dir());
-                        if dir && is_rank_file(file) && !files.iter().any(|f| f == file) {
+                        if dir && is_rank_file(file) && !current.contains(file) {
                             let _ = std::fs::remove_dir_all(e.path());
                         }
                     }

@@ -277,6 +277,19 @@ impl ShardingPlan {
         };
         let tables = (plan.tables.iter())
             .map(|t| {
+                // Two lists of the same ranks: one edited without the other is refused (the
+                // shards' ranks placed the table, `ranks` was ignored).
+                if !t.ranks.iter().eq(t.shards.iter().map(|s| &s.rank)) {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "table `{}`: its ranks {:?} are not its shards' ranks {:?}",
+                            t.name,
+                            t.ranks,
+                            t.shards.iter().map(|s| s.rank).collect::<Vec<_>>()
+                        ),
+                    ));
+                }
                 let shards = (t.shards.iter())
                     .map(|s| {
                         Ok(Shard {
@@ -449,6 +462,15 @@ impl ShardingPlan {
                 }
                 if t.sharding_type == ShardingType::TableWise && t.shards.len() != 1 {
                     return fail(format!("{} shards, table-wise needs one", t.shards.len()));
+                }
+                if t.sharding_type == ShardingType::DataParallel
+                    && (t.shards.len() != self.world_size || !distinct_ranks(t))
+                {
+                    return fail(format!(
+                        "data-parallel needs one shard on each of the {} ranks, got ranks {:?}",
+                        self.world_size,
+                        t.shards.iter().map(|s| s.rank).collect::<Vec<_>>()
+                    ));
                 }
             }
             ShardingType::ColumnWise | ShardingType::TableColumnWise => {
@@ -698,6 +720,33 @@ mod tests {
         sharding.check(&shapes).unwrap();
         assert_eq!(sharding, ShardingPlan::from_planner(&plan).unwrap());
         assert!(ShardingPlan::from_json("{\"tables\": 3}").is_err());
+
+        // A table's `ranks` edited without its shards' (it was ignored).
+        let mut edited = plan.clone();
+        let t = &mut edited.tables[0];
+        t.ranks[0] = (t.ranks[0] + 1) % 4;
+        let e = ShardingPlan::from_planner(&edited).unwrap_err().to_string();
+        assert!(e.contains("are not its shards' ranks"), "{e}");
+        // A data-parallel table on some ranks only, or twice on one (it was replicated on
+        // every rank all the same).
+        let dp = ShardingPlan::construct(&shapes[..1], &[("a", Placement::DataParallel)], 4, 2);
+        let dp = dp.unwrap();
+        for ranks in [vec![0], vec![0, 1, 2, 2]] {
+            let mut bad = dp.clone();
+            let whole = bad.tables[0].shards[0].clone();
+            bad.tables[0].shards = (ranks.iter())
+                .map(|&rank| Shard {
+                    rank,
+                    ..whole.clone()
+                })
+                .collect();
+            let e = bad.check(&shapes[..1]).unwrap_err().to_string();
+            assert!(
+                e.contains("one shard on each of the 4 ranks"),
+                "{ranks:?}: {e}"
+            );
+        }
+        dp.check(&shapes[..1]).unwrap();
     }
 
     #[test]
