@@ -202,7 +202,25 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
         ),
         (
             vec!["--holdout", "0.7"],
-            "--holdout 0.7 is not a fraction within [0, 0.5]",
+            "--holdout 0.7 is not a fraction within [0, 0.5)",
+        ),
+        // Half for validation and half for test: none to train on.
+        (
+            vec!["--holdout", "0.5"],
+            "--holdout 0.5 is not a fraction within [0, 0.5)",
+        ),
+        // Data without a complete batch is found so in the first epoch, not after reading it
+        // again in each of a billion.
+        (
+            vec![
+                "--data",
+                "movielens",
+                "--path",
+                ratings,
+                "--epochs",
+                "1000000000",
+            ],
+            "holds no complete batch",
         ),
         (vec!["--holdout", "NaN"], "--holdout NaN"),
         (
@@ -236,6 +254,43 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
             vec!["--placement", "fused-uvm", "--cache-load-factor", "0.5"],
             "--cache-load-factor would do nothing: --placement fused-uvm",
         ),
+        // Flags of another data source (each was ignored), and synthetic rows past the table
+        // cap (they were quietly capped: 200000 made tables of 100000 rows).
+        (
+            vec!["--synthetic-rows", "200000"],
+            "--synthetic-rows 200000 is more than --table-cap 100000",
+        ),
+        (
+            vec!["--shuffle-buffer", "10"],
+            "--shuffle-buffer applies to file data",
+        ),
+        (vec!["--holdout", "0.2"], "--holdout applies to file data"),
+        (
+            vec!["--movielens-split", "time"],
+            "--movielens-split applies to --data movielens",
+        ),
+        (
+            vec![
+                "--data",
+                "criteo-tsv",
+                "--path",
+                ratings,
+                "--synthetic-eval",
+                "5",
+            ],
+            "--synthetic-eval applies to --data synthetic; with --data criteo-tsv",
+        ),
+        (
+            vec![
+                "--data",
+                "criteo-tsv",
+                "--path",
+                ratings,
+                "--items-path",
+                ratings,
+            ],
+            "--items-path applies to --data movielens",
+        ),
         // Sizes past any memory (a petabyte of weights, beyond any address space, too):
         // errors naming the allocation, where the process aborted.
         (
@@ -262,6 +317,32 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
             "{args:?}: {log}"
         );
     }
+    // Validating an empty validation split: an error, where it reported AUC 0.5 and NE NaN of
+    // no example and early stopping stopped on them.
+    let out = run(&[
+        "--no-progress",
+        "--no-quantized-eval",
+        "--synthetic-train",
+        "20000",
+        "--synthetic-eval",
+        "0",
+        "--batch-size",
+        "256",
+        "--validate-every",
+        "5",
+        "--early-stop-patience",
+        "2",
+        "--steps",
+        "30",
+        "--out",
+        out_dir,
+    ]);
+    assert!(
+        !out.status.success()
+            && text(&out).contains("the validation split holds no example (step 5)"),
+        "{}",
+        text(&out)
+    );
     // `--epochs 0` asks for no training: that is not an empty training set.
     let args: Vec<&str> = (QUICK.iter().copied())
         .chain([

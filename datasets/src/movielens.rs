@@ -123,13 +123,20 @@ struct Ratings {
     last_seconds: std::cell::Cell<Option<f64>>,
 }
 
-fn token_id(raw: &[u8]) -> Option<i64> {
+/// A user or item id: in RecBole's files any token (a non-negative integer as itself, any
+/// other token hashed), in MovieLens' own files a non-negative integer (`196 ` or `-1` there
+/// is a malformed id, not another user).
+fn id_of(raw: &[u8], format: MovieLensFormat) -> std::result::Result<i64, String> {
     if raw.is_empty() {
-        return None;
+        return Err("empty".to_string());
     }
-    match parse_i64(raw) {
-        Some(value) if value >= 0 => Some(value),
-        _ => Some((fnv1a64(raw) & (i64::MAX as u64)) as i64),
+    match (parse_i64(raw), format) {
+        (Some(value), _) if value >= 0 => Ok(value),
+        (_, MovieLensFormat::RecBoleInter) => Ok((fnv1a64(raw) & (i64::MAX as u64)) as i64),
+        _ => Err(format!(
+            "expected a non-negative integer, found `{}`",
+            show_field(raw)
+        )),
     }
 }
 
@@ -256,8 +263,9 @@ impl Ratings {
                 (fields[0], fields[1], fields[2], Some(fields[3]))
             }
         };
-        let user = token_id(user).ok_or_else(|| malformed("user_id", "empty".to_string()))?;
-        let item = token_id(item).ok_or_else(|| malformed("item_id", "empty".to_string()))?;
+        let format = self.config.format;
+        let user = id_of(user, format).map_err(|m| malformed("user_id", m))?;
+        let item = id_of(item, format).map_err(|m| malformed("item_id", m))?;
         let rating = parse_f64(rating).ok_or_else(|| {
             malformed(
                 "rating",
@@ -281,11 +289,18 @@ impl Ratings {
                 let hour = ((t - days * 86_400.0) / 3600.0).floor();
                 // 1970-01-01 was a Thursday (Monday = 0 → Thursday = 3).
                 let weekday = (days + 3.0).rem_euclid(7.0);
-                vec![
+                let dense = vec![
                     ((t - EPOCH_1995) / SECONDS_PER_DECADE) as f32,
                     (hour / 24.0) as f32,
                     (weekday / 7.0) as f32,
-                ]
+                ];
+                if dense.iter().any(|x| !x.is_finite()) {
+                    return Err(malformed(
+                        "timestamp",
+                        format!("{t} s is past the features' f32 range"),
+                    ));
+                }
+                dense
             }
         };
         let reduce = |id: i64, size: Option<u64>| match size {
@@ -454,8 +469,7 @@ fn read_items(format: MovieLensFormat, path: &Path) -> Result<HashMap<i64, Vec<i
                 (fields[item_column], ids)
             }
         };
-        let item =
-            token_id(item).ok_or_else(|| malformed(line_number, "item_id", "empty".to_string()))?;
+        let item = id_of(item, format).map_err(|m| malformed(line_number, "item_id", m))?;
         genres.insert(item, item_genres);
     }
     Ok(genres)

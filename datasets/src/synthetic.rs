@@ -382,8 +382,11 @@ impl SyntheticCriteo {
             Some(n) => range.start + n.min(range.end - range.start),
             None => range.end,
         };
-        let mut probabilities = Vec::with_capacity((end - range.start) as usize);
-        let mut labels = Vec::with_capacity(probabilities.capacity());
+        // Reserved up to a bound, grown past it: a split past any memory is computed as far
+        // as memory goes rather than aborting on the reservation.
+        let reserve = (end - range.start).min(1 << 20) as usize;
+        let mut probabilities = Vec::with_capacity(reserve);
+        let mut labels = Vec::with_capacity(reserve);
         for index in range.start..end {
             let (example, p) = self.example_with_probabilities(index);
             probabilities.push(p[task] as f32);

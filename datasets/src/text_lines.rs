@@ -1,10 +1,14 @@
 //! Line-by-line reading of one or more text files as bytes, tracking file and line number.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use crate::{BadRecordPolicy, DatasetError, Example, Result, SkippedRecords};
+
+/// The longest line read (bytes, its end included): records are lines of at most a few
+/// kilobytes.
+pub(crate) const MAX_LINE_BYTES: usize = 16 << 20;
 
 /// Reads lines from a sequence of files without requiring UTF-8 (MovieLens item files are
 /// Latin-1) and without allocating per line.
@@ -47,7 +51,9 @@ impl TextLines {
                 continue;
             };
             self.buffer.clear();
-            let read = reader
+            // Bounded: a file with no `\n` (CR line ends, or not text) was read whole into
+            // one line, as big as the file.
+            let read = (reader.by_ref().take(MAX_LINE_BYTES as u64 + 1))
                 .read_until(b'\n', &mut self.buffer)
                 .map_err(|source| DatasetError::Io {
                     path: path.clone(),
@@ -58,6 +64,16 @@ impl TextLines {
                 continue;
             }
             self.line_number += 1;
+            if read > MAX_LINE_BYTES && self.buffer.last() != Some(&b'\n') {
+                return Err(DatasetError::Malformed {
+                    path: path.clone(),
+                    line: self.line_number,
+                    field: "line".to_string(),
+                    message: format!(
+                        "longer than {MAX_LINE_BYTES} bytes without a line end (`\\n`)"
+                    ),
+                });
+            }
             while matches!(self.buffer.last(), Some(b'\n' | b'\r')) {
                 self.buffer.pop();
             }

@@ -302,3 +302,28 @@ fn test_set_without_label_and_config_validation() {
     };
     assert!(CriteoTsvReader::open([&path], bad_missing).is_err());
 }
+
+/// A file with no line end in its first 16 MiB (CR line ends, or not text at all) is a named
+/// error at line 1, not one line read into memory as big as the file.
+#[test]
+fn a_line_past_16_mib_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cr_only: String = (0..400_000)
+        .map(|i| good_line("0", &i.to_string(), "68fd1e64") + "\r")
+        .collect();
+    assert!(cr_only.len() > 16 << 20);
+    let path = dir.path().join("cr.tsv");
+    std::fs::write(&path, cr_only).unwrap();
+    match first_error(&path) {
+        DatasetError::Malformed {
+            line,
+            field,
+            message,
+            ..
+        } => {
+            assert_eq!((line, field.as_str()), (1, "line"));
+            assert!(message.contains("longer than 16777216 bytes"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}

@@ -202,6 +202,51 @@ fn malformed_lines_name_file_line_field() {
         error.contains("movies.dat:1: field `genres`") && error.contains("Cartoon"),
         "{error}"
     );
+
+    // MovieLens' own files hold integer ids: a padded, negative or fractional id is malformed
+    // (it was hashed into another user or item), and so is a timestamp past f32's features
+    // (an infinite dense value, reported later without a file or line). RecBole tokens may be
+    // anything and still hash.
+    for (line, field, says) in [
+        (&b"196 \t242\t3\t881250949\n"[..], "user_id", "found `196 `"),
+        (b"196\t-1\t3\t881250949\n", "item_id", "found `-1`"),
+        (b"1.5\t2\t3\t4\n", "user_id", "found `1.5`"),
+        (
+            b"1\t2\t3\t1e50\n",
+            "timestamp",
+            "past the features' f32 range",
+        ),
+    ] {
+        let path = write(dir.path(), "bad.data", line);
+        let error = MovieLensReader::open(MovieLensConfig::new(MovieLensFormat::Ml100k, &path))
+            .unwrap()
+            .find_map(Result::err)
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains(&format!("bad.data:1: field `{field}`")) && error.contains(says),
+            "{error}"
+        );
+    }
+    let item_line = format!("x1|Toy Story|01-Jan-1995||url{}\n", "|0".repeat(19));
+    let item = write(dir.path(), "u.item", item_line.as_bytes());
+    let ratings = write(dir.path(), "u.data", b"1\t2\t3\t4\n");
+    let mut config = MovieLensConfig::new(MovieLensFormat::Ml100k, &ratings);
+    config.items_path = Some(item);
+    let error = MovieLensReader::open(config).err().unwrap().to_string();
+    assert!(error.contains("u.item:1: field `item_id`"), "{error}");
+    let tokens = write(
+        dir.path(),
+        "t.inter",
+        b"user_id:token\titem_id:token\trating:float\nalice\tx-9\t4\n",
+    );
+    let example =
+        MovieLensReader::open(MovieLensConfig::new(MovieLensFormat::RecBoleInter, &tokens))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap();
+    assert_eq!(example.ids.len(), 2);
 }
 
 /// Real data, when `EMBERS_ML100K_INTER` points at a local `ml-100k.inter`

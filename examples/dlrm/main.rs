@@ -10,11 +10,12 @@
 mod dist;
 mod plot;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use embers::embedding::{CachePolicy, CacheStats, FusedOptimizer, Placement, WeightType};
 use embers::metrics::Throughput;
 use embers::nn::Module;
@@ -284,7 +285,7 @@ struct Args {
     placement: PlacementArg,
     /// With `--placement fused-uvm-caching`: the cached fraction of each table's rows, in
     /// (0, 1] (with `--plan`, the plan's own sizes the caches).
-    #[arg(long, default_value_t = DEFAULT_CACHE_LOAD_FACTOR)]
+    #[arg(long, default_value_t = 0.2)]
     cache_load_factor: f64,
     /// With a file placement: the cache's replacement policy.
     #[arg(long, value_enum, default_value_t = CachePolicyArg::Lru)]
@@ -304,10 +305,10 @@ struct Args {
     /// overlap hides).
     #[arg(long)]
     cache_prefetch: bool,
+    /// The flags given on the command line (clap's ids), defaults not included.
+    #[arg(skip)]
+    given: BTreeSet<String>,
 }
-
-/// `--cache-load-factor`'s default.
-const DEFAULT_CACHE_LOAD_FACTOR: f64 = 0.2;
 
 impl Args {
     /// Refuses cache flags that no cached table would use: without `--plan`, all of them
@@ -316,15 +317,13 @@ impl Args {
     /// `--write-planner-config`, all but the load factor its cache statistics are priced at.
     fn check_cache_flags(&self) -> Result<()> {
         let given = [
-            (
-                "--cache-load-factor",
-                self.cache_load_factor != DEFAULT_CACHE_LOAD_FACTOR,
-            ),
-            ("--cache-policy", self.cache_policy != CachePolicyArg::Lru),
-            ("--cache-dir", self.cache_dir.is_some()),
-            ("--cache-host-memory", self.cache_host_memory),
-            ("--cache-prefetch", self.cache_prefetch),
-        ];
+            "cache_load_factor",
+            "cache_policy",
+            "cache_dir",
+            "cache_host_memory",
+            "cache_prefetch",
+        ]
+        .map(|id| (id, self.given(id)));
         let (unused, why) = match (&self.plan, self.placement) {
             _ if self.write_planner_config.is_some() => (
                 &given[(self.cache_stats_batches > 0) as usize..],
@@ -345,9 +344,9 @@ impl Args {
             ),
             (None, PlacementArg::FusedUvmCaching) => (&given[..0], ""),
         };
-        let unused: Vec<&str> = (unused.iter())
+        let unused: Vec<String> = (unused.iter())
             .filter(|(_, set)| *set)
-            .map(|(flag, _)| *flag)
+            .map(|(id, _)| flag(id))
             .collect();
         if unused.is_empty() {
             return Ok(());
@@ -356,6 +355,67 @@ impl Args {
             "dlrm",
             format!("{} would do nothing: {why}", unused.join(", ")),
         ))
+    }
+
+    /// Whether the flag of clap id `id` was given on the command line.
+    fn given(&self, id: &str) -> bool {
+        self.given.contains(id)
+    }
+
+    /// Refuses flags of another data source than `--data`'s: each was ignored.
+    fn check_source_flags(&self) -> Result<()> {
+        use DataSource::*;
+        let files = self.data != Synthetic;
+        let split_by_hash = files && self.train.is_empty();
+        for (id, applies, to) in [
+            ("synthetic_train", !files, "--data synthetic"),
+            ("synthetic_eval", !files, "--data synthetic"),
+            ("synthetic_rows", !files, "--data synthetic"),
+            ("synthetic_tasks", !files, "--data synthetic"),
+            (
+                "shuffle_buffer",
+                files,
+                "file data (--data criteo-tsv, criteo-parquet, movielens)",
+            ),
+            (
+                "holdout",
+                split_by_hash,
+                "file data split by --holdout (not --train/--valid/--test)",
+            ),
+            (
+                "label_columns",
+                self.data == CriteoParquet,
+                "--data criteo-parquet",
+            ),
+            (
+                "movielens_split",
+                self.data == Movielens,
+                "--data movielens",
+            ),
+            ("items_path", self.data == Movielens, "--data movielens"),
+        ] {
+            if self.given(id) && !applies {
+                return Err(Error::invalid(
+                    "dlrm",
+                    format!(
+                        "{} applies to {to}; with --data {} it would do nothing",
+                        flag(id),
+                        self.data.to_possible_value().expect("a value").get_name()
+                    ),
+                ));
+            }
+        }
+        if let Some(rows) = self.synthetic_rows.filter(|&r| r > self.table_cap) {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "--synthetic-rows {rows} is more than --table-cap {} rows a table: raise \
+                     --table-cap too",
+                    self.table_cap
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The tables' placement the flags ask for.
@@ -384,6 +444,11 @@ impl Args {
         };
         (dir, policy)
     }
+}
+
+/// The command-line spelling of clap id `id` (`cache_dir` → `--cache-dir`).
+fn flag(id: &str) -> String {
+    format!("--{}", id.replace('_', "-"))
 }
 
 /// The dataset chosen on the command line, able to produce batches of any split.
@@ -698,7 +763,7 @@ impl Data {
                     table_sizes: defaults
                         .table_sizes
                         .iter()
-                        .map(|&s| args.synthetic_rows.unwrap_or(s).min(args.table_cap))
+                        .map(|&s| args.synthetic_rows.unwrap_or(s.min(args.table_cap)))
                         .collect(),
                     num_train: args.synthetic_train,
                     num_validation: args.synthetic_eval,
@@ -819,7 +884,9 @@ impl Data {
                 };
                 let all = g.split_range(split);
                 let len = all.end - all.start;
-                let mine = all.start + len * index / parts..all.start + len * (index + 1) / parts;
+                // In u128: `len × (index + 1)` passes a u64 for splits past 2^64 / parts.
+                let at = |i: u64| all.start + (len as u128 * i as u128 / parts as u128) as u64;
+                let mine = at(index)..at(index + 1);
                 to_batches(g.examples(mine), config)
             }
             Data::Files {
@@ -1059,7 +1126,12 @@ fn peak_rss_mib() -> Option<f64> {
 }
 
 fn main() {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let mut args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    args.given = (matches.ids())
+        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect();
     if let Err(e) = run(args) {
         eprintln!("error: {e}");
         std::process::exit(1);
@@ -1105,41 +1177,30 @@ fn run(args: Args) -> Result<()> {
             "--batch-size and --emb-dim must be at least 1",
         ));
     }
-    if !(0.0..=0.5).contains(&args.holdout) {
+    if !(0.0..0.5).contains(&args.holdout) {
         return Err(Error::invalid(
             "dlrm",
             format!(
-                "--holdout {} is not a fraction within [0, 0.5] (held out for validation and \
-                 for test, each)",
+                "--holdout {} is not a fraction within [0, 0.5) (held out for validation and \
+                 for test, each; 0.5 leaves no example to train on)",
                 args.holdout
             ),
         ));
     }
     // Flags that would do nothing, refused rather than ignored.
-    args.check_cache_flags()?;
     if args.shuffle_buffer == 0 {
         return Err(Error::invalid(
             "dlrm",
             "--shuffle-buffer 0 holds no example: give at least 1 (1 reads the files in order)",
         ));
     }
+    args.check_cache_flags()?;
+    args.check_source_flags()?;
     let io = |p: &Path, e: std::io::Error| Error::Io {
         path: p.display().to_string(),
         source: e,
     };
     std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
-    if args.label_columns != ["label"] && args.data != DataSource::CriteoParquet {
-        return Err(Error::invalid(
-            "dlrm",
-            "--label-columns names the label columns of --data criteo-parquet only",
-        ));
-    }
-    if args.synthetic_tasks != 1 && args.data != DataSource::Synthetic {
-        return Err(Error::invalid(
-            "dlrm",
-            "--synthetic-tasks applies to --data synthetic only",
-        ));
-    }
     let (data, features) = Data::open(&args)?;
     let config = model_config(&args, data.num_dense(), features, data.tasks());
     if let Some(path) = &args.write_planner_config {
@@ -1223,7 +1284,14 @@ fn run(args: Args) -> Result<()> {
         params,
         config.sparse_features.iter().map(|f| f.1).sum::<usize>()
     );
-    let best_val = data.best_auc(Split::Validation, Some(args.validation_examples));
+    // Over the examples validation reads: whole batches, all of them for 0.
+    let best_val = data.best_auc(
+        Split::Validation,
+        (args.validation_examples > 0).then(|| {
+            (args.validation_examples.div_ceil(args.batch_size as u64))
+                .saturating_mul(args.batch_size as u64)
+        }),
+    );
     let best_test = data.best_auc(Split::Test, None);
     if let Some(b) = best_test {
         println!(
@@ -1237,7 +1305,7 @@ fn run(args: Args) -> Result<()> {
     };
     let total_steps = match (args.steps, steps_per_epoch) {
         (Some(s), _) => Some(s),
-        (None, Some(per)) => Some(per * args.epochs),
+        (None, Some(per)) => Some(per.saturating_mul(args.epochs)),
         (None, None) => None,
     };
     let bar = if args.no_progress {
@@ -1330,6 +1398,18 @@ fn run(args: Args) -> Result<()> {
                 let mut stop = false;
                 let validation = if validating {
                     let report = validate(&trainer)?;
+                    if report.examples == 0 {
+                        // It reported AUC 0.5 and NE NaN of no example, and early stopping
+                        // stopped on them.
+                        return Err(Error::invalid(
+                            "dlrm",
+                            format!(
+                                "the validation split holds no example (step {step}): \
+                                 --validate-every has nothing to validate; give data with \
+                                 validation examples, or --validate-every 0"
+                            ),
+                        ));
+                    }
                     let auc = report.get("auc");
                     if progress.best.is_none_or(|(b, _)| auc > b) {
                         progress.best = Some((auc, step));
@@ -1406,6 +1486,11 @@ fn run(args: Args) -> Result<()> {
                     break 'epochs;
                 }
             }
+        }
+        if yielded == 0 {
+            // The data has no complete batch: every epoch would read it all again to find
+            // none (reported below).
+            break;
         }
         progress.epoch += 1;
         progress.batch_in_epoch = 0;
