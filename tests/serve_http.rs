@@ -5,6 +5,7 @@
 //! `embers-serve` binary starts, reloads on SIGHUP and drains on SIGTERM.
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -188,6 +189,35 @@ async fn start(config: ServerConfig) -> Running {
     }
 }
 
+/// Sets to NaN the f32 values of the safetensors file at `path` that `pick` chooses: given a
+/// tensor's name and shape, the range of its elements (the header and other dtypes stay).
+fn nan_tensor_data(path: &Path, pick: impl Fn(&str, &[usize]) -> Option<Range<usize>>) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    for (name, t) in header.as_object().unwrap() {
+        if name == "__metadata__" || t["dtype"] != "F32" {
+            continue;
+        }
+        let shape: Vec<usize> = (t["shape"].as_array().unwrap().iter())
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect();
+        let Some(elements) = pick(name, &shape) else {
+            continue;
+        };
+        let at = t["data_offsets"][0].as_u64().unwrap() as usize + 8 + n;
+        for chunk in bytes[at + 4 * elements.start..at + 4 * elements.end].chunks_exact_mut(4) {
+            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    }
+    std::fs::write(path, &bytes).unwrap();
+}
+
+/// Every element of a tensor, for [`nan_tensor_data`].
+fn every_element(_: &str, shape: &[usize]) -> Option<Range<usize>> {
+    Some(0..shape.iter().product())
+}
+
 fn write_checkpoint(trainer: &DlrmTrainer, path: &Path) {
     trainer.save_checkpoint(path, &Default::default()).unwrap();
 }
@@ -366,16 +396,8 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
         assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
         assert!(String::from_utf8_lossy(&answer).contains("old model keeps serving"));
         // Weights that load but hold NaN: refused by the probe row.
-        let nan_path = dir.join("nan.safetensors");
-        write_checkpoint(&trainer, &nan_path);
-        let mut bytes = std::fs::read(&nan_path).unwrap();
-        // Every f32 of the tensor data becomes NaN (the header, an 8-byte length and JSON,
-        // stays).
-        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize + 8;
-        for chunk in bytes[header..].chunks_exact_mut(4) {
-            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
-        }
-        std::fs::write(&path, &bytes).unwrap();
+        write_checkpoint(&trainer, &path);
+        nan_tensor_data(&path, every_element);
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
         assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
         assert_eq!(running.server.version(), 2);
@@ -405,6 +427,11 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
         );
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
+        // Drained: a reload (a SIGHUP or a --watch tick late in the drain) loads nothing (a
+        // load begun then held the process past its drain).
+        write_checkpoint(&trainer, &path);
+        let e = running.server.reload().await.unwrap_err().to_string();
+        assert!(e.contains("draining"), "{e}");
     });
 }
 
@@ -781,6 +808,16 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
             assert_eq!(got, 400, "{text}");
             assert!(text.contains(needle), "`{text}` does not say `{needle}`");
         }
+        // A top-level field the request does not take (it was ignored).
+        let mut extra = json!({ "instances": [{"dense": dense13.clone()}] });
+        extra["instance"] = json!([]);
+        let body = serde_json::to_vec(&extra).unwrap();
+        let (got, _, answer) = send(addr, "POST", "/v1/models/dlrm:predict", json_t, body).await;
+        let v: Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(
+            (got, v["error"]["kind"].as_str()),
+            (400, Some("unknown_field"))
+        );
         // Random mutations: flipped, dropped and inserted bytes of valid bodies.
         let valid = [
             (json_t, json_body(&keys, &rows[..3])),
@@ -841,6 +878,40 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
         assert!(!metrics.contains("code=\"5"), "no 5xx: {metrics}");
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
+
+        // A model whose table rows past the first are NaN loads (its probe row reads row 0);
+        // a request reading row 1 gets 422 naming the row, not 200 with `null`.
+        let nan_rows = dir.join("nan-rows.safetensors");
+        std::fs::copy(&path, &nan_rows).unwrap();
+        nan_tensor_data(&nan_rows, |name, shape| {
+            (name.starts_with("tables.") && name.ends_with(".weight"))
+                .then(|| shape[1]..shape.iter().product())
+        });
+        let running = start(ServerConfig::new("dlrm", &nan_rows)).await;
+        for (id, status) in [(0, 200), (1, 422)] {
+            let mut o = json!({ "dense": dense13.clone() });
+            o[&k0] = json!([id]);
+            let body = serde_json::to_vec(&json!({ "instances": [o] })).unwrap();
+            let (got, _, answer) = send(
+                running.addr,
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                body,
+            )
+            .await;
+            assert_eq!(got, status, "{}", String::from_utf8_lossy(&answer));
+            if status == 422 {
+                let v: Value = serde_json::from_slice(&answer).unwrap();
+                assert_eq!(v["error"]["kind"], "non_finite", "{v}");
+                assert!(v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("instances[0]"));
+            }
+        }
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
     });
 }
 
@@ -876,6 +947,15 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
         forever.header_timeout = Duration::from_secs(u64::MAX);
         let err = Server::start(forever).await.err().expect("refused");
         assert!(err.to_string().contains("header_timeout is"), "{err}");
+        // A model name that is not one URL segment (every route was unreachable).
+        let err = Server::start(ServerConfig::new("ranking/v2", &path))
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("model name \"ranking/v2\""),
+            "{err}"
+        );
         // More requests in flight than tokio's semaphore counts (it panicked).
         let mut countless = ServerConfig::new("dlrm", &path);
         countless.max_inflight_requests = usize::MAX;
@@ -1536,6 +1616,11 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
             (json!({"instances": [{"user": "x"}]}), "wrong_type"),
             (json!({"instances": []}), "invalid"),
             (json!({"k": 3}), "invalid"),
+            // A misspelt `k` was ignored, and 10 answered.
+            (
+                json!({"instances": [{"user": 1}], "top_k": 3}),
+                "unknown_field",
+            ),
         ] {
             let (status, _, answer) = send(
                 addr,
@@ -1570,6 +1655,27 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         assert_eq!(v["retrieval"]["features"], json!(["user"]));
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
+
+        // More results than an answer holds (queries × k past 2^20): 413 before any search.
+        let mut cfg = ServerConfig::new("recs", &dlrm_path);
+        cfg.retrieval = Some(RetrievalConfig {
+            checkpoint: tt_path.clone(),
+            index: index_path.clone(),
+            nprobe,
+            max_k: 1000,
+        });
+        let wide = start(cfg).await;
+        let many = vec![json!({}); (1 << 20) / 1000 + 1];
+        let body = serde_json::to_vec(&json!({"instances": many, "k": 1000})).unwrap();
+        let (status, _, answer) =
+            send(wide.addr, "POST", "/v1/models/recs:retrieve", None, body).await;
+        let v: Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(
+            (status, v["error"]["kind"].as_str()),
+            (413, Some("too_many_results"))
+        );
+        wide.stop.send(()).unwrap();
+        wide.done.await.unwrap().unwrap();
 
         // Without a retrieval stage the route is a 404; a mismatched index refuses to load.
         let plain = start(ServerConfig::new("recs", &dlrm_path)).await;
@@ -1609,6 +1715,16 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         assert!(load_err(&index_path, 0, 10).contains("nprobe 0"));
         assert!(load_err(&index_path, 9, 10).contains("nprobe 9 (1..=8)"));
         assert!(load_err(&index_path, 3, 0).contains("max_k 0"));
+        assert!(load_err(&index_path, 3, 100_001).contains("max_k 100001 (1..=100000)"));
+        // A query tower of NaN weights: refused at load (it loaded, and every query failed).
+        let nan_tt = dir.join("nan-tt.safetensors");
+        std::fs::copy(&tt_path, &nan_tt).unwrap();
+        nan_tensor_data(&nan_tt, every_element);
+        let e = RetrievalServable::from_files(&nan_tt, &index_path, 3, 10)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("cannot answer a probe query"), "{e}");
         let mut empty = IvfPqIndex::load(&index_path).unwrap();
         assert_eq!(empty.remove(&all), items);
         let empty_path = dir.join("empty.ivfpq");

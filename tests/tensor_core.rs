@@ -810,3 +810,19 @@ fn allocations_the_allocator_refuses_are_errors() {
         .unwrap();
     assert_eq!(ok.shape(), &[3, 4]);
 }
+
+/// ReLU keeps NaN, as PyTorch's does (a `max` with 0 turned it into 0, so a model whose weights
+/// or inputs went NaN predicted ordinary numbers); its gradient there is 0, as PyTorch's.
+#[test]
+fn relu_keeps_nan_as_pytorch_does() {
+    let x = Tensor::from_vec(vec![-1.0f32, 0.0, 2.0, f32::NAN], &[4])
+        .unwrap()
+        .with_requires_grad(true);
+    let y = x.relu().unwrap();
+    let got = y.to_vec::<f32>().unwrap();
+    assert_eq!(&got[..3], &[0.0, 0.0, 2.0]);
+    assert!(got[3].is_nan());
+    y.sum_all().unwrap().backward().unwrap();
+    let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(g, vec![0.0, 0.0, 1.0, 0.0]);
+}

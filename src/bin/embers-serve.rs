@@ -81,7 +81,8 @@ struct Args {
     /// With --retrieval-checkpoint: index lists probed per retrieval query.
     #[arg(long, default_value_t = 8, requires = "retrieval_checkpoint")]
     nprobe: usize,
-    /// With --retrieval-checkpoint: the most candidates one retrieval query may ask for.
+    /// With --retrieval-checkpoint: the most candidates one retrieval query may ask for (at
+    /// most 100000; an answer holds at most 2^20 results, queries × k).
     #[arg(long, default_value_t = 1000, requires = "retrieval_checkpoint")]
     max_k: usize,
 }
@@ -168,7 +169,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         // Taken before the first load, which can be long: a SIGHUP meanwhile reloads once it
         // has loaded, instead of ending the process (the signal's default action).
         let hangups = hangups();
@@ -188,7 +189,11 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         server.serve(listener, shutdown_signal()).await?;
         println!("embers-serve: drained, exiting");
         Ok(())
-    })
+    });
+    // A load still running on the blocking pool (a reload begun before the drain) is not
+    // waited for without end: dropping the runtime would.
+    runtime.shutdown_timeout(Duration::from_secs(10));
+    served
 }
 
 /// Completes on SIGINT or SIGTERM.
@@ -252,16 +257,19 @@ async fn watch(server: Server, path: PathBuf, every: u64) {
     loop {
         tick.tick().await;
         let now = stamp(&path);
-        if now.is_some() && now != last {
+        // Seen only once it has loaded: a reload that failed (a file still being copied, a
+        // full disk) is tried again at the next tick, not skipped until the file changes.
+        if now.is_some() && now != last && report(server.reload().await) {
             last = now;
-            report(server.reload().await);
         }
     }
 }
 
-fn report(result: embers::Result<u64>) {
-    match result {
+/// Prints a reload's outcome; whether it loaded.
+fn report(result: embers::Result<u64>) -> bool {
+    match &result {
         Ok(v) => println!("embers-serve: reloaded, now serving version {v}"),
         Err(e) => eprintln!("embers-serve: reload refused, the old model keeps serving: {e}"),
     }
+    result.is_ok()
 }

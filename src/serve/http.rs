@@ -270,6 +270,18 @@ impl Server {
                 "max_body_bytes and max_inflight_requests must be at least 1",
             ));
         }
+        let name = &config.model_name;
+        if name.is_empty()
+            || !(name.bytes()).all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(Error::invalid(
+                "ServerConfig",
+                format!(
+                    "model name {name:?}: letters, digits, `.`, `_` and `-` only (it is a \
+                     segment of every URL: `/` made every route unreachable)"
+                ),
+            ));
+        }
         if config.max_inflight_requests > tokio::sync::Semaphore::MAX_PERMITS {
             return Err(Error::invalid(
                 "ServerConfig",
@@ -328,8 +340,15 @@ impl Server {
     /// to its end even when the caller stops waiting (a client that hangs up on `:reload`):
     /// the model it loaded is swapped in and counted, not thrown away. Reloads run one at a
     /// time; calls made while one waits to start join it (each would read the same files),
-    /// so abandoned calls never pile up full loads.
+    /// so abandoned calls never pile up full loads. A draining server reloads nothing (a load
+    /// begun then held the process past its drain).
     pub async fn reload(&self) -> Result<u64> {
+        if self.shared.draining.load(Ordering::Acquire) {
+            return Err(Error::invalid(
+                "reload",
+                "the server is draining to exit: nothing is reloaded",
+            ));
+        }
         let mut result = {
             let mut queued = (self.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner());
             match &*queued {
@@ -752,6 +771,7 @@ async fn retrieve(
     let _permit = admit(server)?;
     let bytes = read_body(server, headers, body).await?;
     let value = parse_json(&bytes)?;
+    only_fields(&value, &["instances", "k"])?;
     let k = match value.get("k") {
         None => 10.min(stage.max_k),
         Some(v) => v
@@ -765,6 +785,17 @@ async fn retrieve(
             })? as usize,
     };
     let instances = instances(&value)?;
+    if instances.len().saturating_mul(k) > MAX_RETRIEVE_RESULTS {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_results",
+            format!(
+                "{} queries × k = {k} ask for more than {MAX_RETRIEVE_RESULTS} results in one \
+                 answer: send fewer queries a request, or a smaller k",
+                instances.len()
+            ),
+        ));
+    }
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
         let object = object_at(i, instance)?;
@@ -809,6 +840,24 @@ async fn retrieve(
 fn parse_json(bytes: &[u8]) -> std::result::Result<Value, ApiError> {
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))
+}
+
+/// The most `(id, score)` results one retrieve answer holds (queries × k): past it, 413.
+pub const MAX_RETRIEVE_RESULTS: usize = 1 << 20;
+
+/// 400 `unknown_field` for a top-level field of a JSON request other than `known` (a
+/// misspelt `top_k` was ignored, and the default answered).
+fn only_fields(value: &Value, known: &[&str]) -> std::result::Result<(), ApiError> {
+    let Some(object) = value.as_object() else {
+        return Ok(());
+    };
+    match object.keys().find(|key| !known.contains(&key.as_str())) {
+        None => Ok(()),
+        Some(key) => Err(ApiError::bad(
+            "unknown_field",
+            format!("unknown field `{key}` (the request takes {known:?})"),
+        )),
+    }
 }
 
 /// `instances[i]` as an object (400 `invalid` otherwise).
@@ -899,6 +948,20 @@ async fn predict(
     };
     let outputs = run_rows(&model.batcher, rows, &server.shared.metrics.rows).await?;
     let tasks = &model.tasks;
+    // A prediction that is not a number is no answer (JSON wrote it as `null`, with 200).
+    for (i, out) in outputs.iter().enumerate() {
+        if let Some((t, p)) = out.iter().enumerate().find(|(_, p)| !p.is_finite()) {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "non_finite",
+                format!(
+                    "instances[{i}]: the model predicts {p} for task `{}` (inputs past what \
+                     it computes in f32?)",
+                    tasks[t]
+                ),
+            ));
+        }
+    }
     let column = |t: usize| outputs.iter().map(|o| o[t]).collect::<Vec<f32>>();
     Ok(match format {
         Format::Json => {
@@ -942,6 +1005,7 @@ async fn predict(
 /// `{"instances": [...]}` → rows (see [`Server`]).
 fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let value = parse_json(bytes)?;
+    only_fields(&value, &["instances"])?;
     let instances = instances(&value)?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {

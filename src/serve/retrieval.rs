@@ -20,6 +20,9 @@ pub struct RetrievalRow {
     pub k: usize,
 }
 
+/// The most candidates a server may let one query ask for (`max_k`).
+pub const MAX_RETRIEVAL_K: usize = 100_000;
+
 /// A TwoTower's query tower in front of an IVF-PQ index of its candidate embeddings
 /// ([`IvfPqIndex::save`]): each row yields up to `k` `(candidate id, score)` pairs, best first
 /// (fewer when the probed lists hold fewer). The products run row-invariant, so a query's
@@ -63,21 +66,38 @@ impl RetrievalServable {
         if index.is_empty() {
             return Err(bad(format!("{}: holds no vector", index_path.display())));
         }
-        if nprobe == 0 || nprobe > index.config().nlist || max_k == 0 {
+        if nprobe == 0 || nprobe > index.config().nlist || !(1..=MAX_RETRIEVAL_K).contains(&max_k) {
             return Err(bad(format!(
-                "nprobe {nprobe} (1..={}) and max_k {max_k} (at least 1)",
+                "nprobe {nprobe} (1..={}) and max_k {max_k} (1..={MAX_RETRIEVAL_K})",
                 index.config().nlist
             )));
         }
         let (keys, rows) = config.query_features.iter().cloned().unzip();
-        Ok(RetrievalServable {
+        let servable = RetrievalServable {
             trainer: Mutex::new(trainer),
             index,
             nprobe,
             max_k,
             keys,
             rows,
-        })
+        };
+        // A query tower that cannot answer (non-finite weights) is refused at load, as a
+        // DLRM that cannot score is: it loaded, and every query then failed with a 500.
+        let probe = RetrievalRow {
+            ids: vec![vec![0]; servable.keys.len()],
+            k: 1,
+        };
+        servable.run(vec![probe]).map_err(|e| {
+            Error::invalid(
+                "retrieval checkpoint",
+                format!(
+                    "{}: the loaded query tower cannot answer a probe query (id 0 of every \
+                     feature): {e}",
+                    checkpoint.display()
+                ),
+            )
+        })?;
+        Ok(servable)
     }
 
     /// The query features, in the order of [`RetrievalRow::ids`].

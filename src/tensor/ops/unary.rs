@@ -56,7 +56,9 @@ unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) {
 unary_fn!(
     Relu,
     "relu",
-    |s, x| if x > c(0.0) { x } else { c(0.0) },
+    // NaN stays NaN, as PyTorch's relu keeps it (a `max` with 0 made it 0: a model whose
+    // weights or inputs went NaN predicted numbers).
+    |s, x| if x > c(0.0) || x.is_nan() { x } else { c(0.0) },
     |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
 );
 unary_fn!(Tanh, "tanh", |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
@@ -212,7 +214,7 @@ impl Tensor {
     pub fn abs(&self) -> Result<Tensor> {
         unary(self, Abs)
     }
-    /// `max(x, 0)` (gradient 0 at 0, as PyTorch).
+    /// `max(x, 0)`, NaN kept (gradient 0 at 0 and at NaN, as PyTorch).
     pub fn relu(&self) -> Result<Tensor> {
         unary(self, Relu)
     }
