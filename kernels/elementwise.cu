@@ -61,7 +61,7 @@ __device__ __forceinline__ float unary_value(int op, float x, float p0, float p1
     case 2: return logf(x);
     case 3: return sqrtf(x);
     case 4: return fabsf(x);
-    case 5: return (x > 0.0f || x != x) ? x : 0.0f;  // NaN kept, as PyTorch
+    case 5: return x <= 0.0f ? 0.0f : x;  // NaN kept, as PyTorch
     case 6: return tanhf(x);
     case 7: {
         if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));

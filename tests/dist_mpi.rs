@@ -509,7 +509,7 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
             c.to_str().unwrap(),
         ])
         .collect();
-    // Rank 1 alone is given another --shuffle-buffer than the checkpoint's run had, or
+    // Rank 1 alone is given another --seed than the checkpoint's run had (other data), or
     // cannot read the checkpoint (its copy lacks rank 0's file or its own, as on a host that
     // does not share the directory).
     let without = |file: &str| {
@@ -533,9 +533,9 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
             .collect()
     };
     let mut other_flags = resuming(&checkpoint);
-    other_flags.extend(["--shuffle-buffer".to_string(), "7".to_string()]);
+    other_flags.extend(["--seed".to_string(), "7".to_string()]);
     for (other, says) in [
-        (other_flags, "its run had --shuffle-buffer".to_string()),
+        (other_flags, "its run had --seed 0".to_string()),
         (resuming(&no_rank0), format!("{no_rank0}/rank0.safetensors")),
         (resuming(&no_own), format!("{no_own}/rank1.safetensors")),
     ] {

@@ -58,7 +58,7 @@ unary_fn!(
     "relu",
     // NaN stays NaN, as PyTorch's relu keeps it (a `max` with 0 made it 0: a model whose
     // weights or inputs went NaN predicted numbers).
-    |s, x| if x > c(0.0) || x.is_nan() { x } else { c(0.0) },
+    |s, x| if x <= c(0.0) { c(0.0) } else { x },
     |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
 );
 unary_fn!(Tanh, "tanh", |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
