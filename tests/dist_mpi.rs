@@ -390,7 +390,7 @@ fn a_world_other_than_the_expected_one_is_refused() {
 }
 
 /// As in one process, `--plan` with no complete batch on the ranks is an error naming it,
-/// not a run of 0 steps with NaN metrics.
+/// not a run of 0 steps with NaN metrics; so is validating an empty validation split.
 #[test]
 fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
     let Some(example) = dlrm_example() else {
@@ -416,6 +416,32 @@ fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
         "{log}"
     );
     assert!(!out_dir.join("checkpoint").exists(), "{log}");
+    // Validating an empty validation split: an error on every rank at the first validation
+    // (it reported AUC 0.5 and NE NaN of no example).
+    let args = [
+        "--plan",
+        "auto",
+        "--synthetic-train",
+        "20000",
+        "--synthetic-eval",
+        "0",
+        "--validate-every",
+        "5",
+        "--steps",
+        "20",
+        "--no-progress",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ];
+    let (out, _) = launch(2, &example, &args).expect("mpiexec runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert_eq!(
+        log.matches("the validation split holds no example (step 5)")
+            .count(),
+        2,
+        "{log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -469,6 +469,17 @@ mod with_mpi {
             bar.set_position(step);
             if args.validate_every > 0 && step % args.validate_every == 0 {
                 let (val, n) = validation(model)?;
+                if n == 0 {
+                    // Every rank sees the same total: all stop here together.
+                    return Err(Error::invalid(
+                        "dlrm",
+                        format!(
+                            "the validation split holds no example (step {step}): \
+                             --validate-every has nothing to validate; give data with \
+                             validation examples, or --validate-every 0"
+                        ),
+                    ));
+                }
                 let train = lifetime_metrics(&model.tasks, global_metrics(model.sharded.comm(), &metrics)?);
                 if lead {
                     say(&bar, format!(

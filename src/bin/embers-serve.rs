@@ -24,12 +24,13 @@ struct Args {
     /// Address to listen on (port 0: any free port; the chosen one is printed).
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: SocketAddr,
-    /// Serve the tables in this format (quantized at load) instead of FP32.
+    /// Serve the DLRM's tables in this format (quantized at load) instead of FP32 (the
+    /// retrieval stage's query tower stays FP32 in memory).
     #[arg(long, value_enum)]
     quantize: Option<Quantize>,
-    /// Serve the tables from row files in this directory behind a DRAM cache (tables bigger
-    /// than memory; FBGEMM's MANAGED_CACHING): each load's files go in a directory of its
-    /// own there, removed when that model is dropped.
+    /// Serve the DLRM's tables from row files in this directory behind a DRAM cache (tables
+    /// bigger than memory; FBGEMM's MANAGED_CACHING): each load's files go in a directory of
+    /// its own there, removed when that model is dropped.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// With --cache-dir: the cache holds this fraction of each table group's rows, in (0, 1].
@@ -64,8 +65,9 @@ struct Args {
     /// is disconnected past it).
     #[arg(long, default_value_t = 30)]
     write_timeout_s: u64,
-    /// Check the checkpoint's modification time every this many seconds and reload it when
-    /// it changes (0: never; at most a day, 86400; SIGHUP always reloads).
+    /// Check the DLRM checkpoint's modification time every this many seconds and reload it
+    /// (with the retrieval stage's files) when it changes (0: never; at most a day, 86400;
+    /// SIGHUP always reloads).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     watch: u64,
     /// Compute threads (rayon) for the model (0: one per core).
