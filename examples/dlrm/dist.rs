@@ -428,11 +428,7 @@ mod with_mpi {
             ProgressBar::hidden()
         };
         let validation = |model: &Model| -> Result<(BTreeMap<String, f64>, u64)> {
-            let limit = if args.validation_examples == 0 {
-                usize::MAX
-            } else {
-                (args.validation_examples as usize).div_ceil(args.batch_size.saturating_mul(world))
-            };
+            let limit = crate::validation_batches(args, world).unwrap_or(usize::MAX);
             let batches = data.batches_of_part(
                 Split::Validation,
                 0,
@@ -471,14 +467,7 @@ mod with_mpi {
                 let (val, n) = validation(model)?;
                 if n == 0 {
                     // Every rank sees the same total: all stop here together.
-                    return Err(Error::invalid(
-                        "dlrm",
-                        format!(
-                            "the validation split holds no example (step {step}): \
-                             --validate-every has nothing to validate; give data with \
-                             validation examples, or --validate-every 0"
-                        ),
-                    ));
+                    return Err(crate::empty_validation(step));
                 }
                 let train = lifetime_metrics(&model.tasks, global_metrics(model.sharded.comm(), &metrics)?);
                 if lead {

@@ -446,6 +446,25 @@ impl Args {
     }
 }
 
+/// The error of a validation at `step` that found no example in the validation split.
+fn empty_validation(step: u64) -> Error {
+    Error::invalid(
+        "dlrm",
+        format!(
+            "the validation split holds no example (step {step}): --validate-every has \
+             nothing to validate; give data with validation examples, or --validate-every 0"
+        ),
+    )
+}
+
+/// Batches of `batch_size` examples on each of `world` ranks a validation reads:
+/// `--validation-examples` rounded up to whole batches, `None` (all) for 0.
+fn validation_batches(args: &Args, world: usize) -> Option<usize> {
+    (args.validation_examples > 0).then(|| {
+        (args.validation_examples as usize).div_ceil(args.batch_size.saturating_mul(world))
+    })
+}
+
 /// The command-line spelling of clap id `id` (`cache_dir` → `--cache-dir`).
 fn flag(id: &str) -> String {
     format!("--{}", id.replace('_', "-"))
@@ -1287,10 +1306,7 @@ fn run(args: Args) -> Result<()> {
     // Over the examples validation reads: whole batches, all of them for 0.
     let best_val = data.best_auc(
         Split::Validation,
-        (args.validation_examples > 0).then(|| {
-            (args.validation_examples.div_ceil(args.batch_size as u64))
-                .saturating_mul(args.batch_size as u64)
-        }),
+        validation_batches(&args, 1).map(|b| b.saturating_mul(args.batch_size) as u64),
     );
     let best_test = data.best_auc(Split::Test, None);
     if let Some(b) = best_test {
@@ -1322,11 +1338,7 @@ fn run(args: Args) -> Result<()> {
     };
 
     let validate = |trainer: &DlrmTrainer| -> Result<EvalReport> {
-        let limit = if args.validation_examples == 0 {
-            usize::MAX
-        } else {
-            (args.validation_examples as usize).div_ceil(args.batch_size)
-        };
+        let limit = validation_batches(&args, 1).unwrap_or(usize::MAX);
         let batches = data.batches(Split::Validation, 0, args.batch_size, args.seed)?;
         trainer.evaluate(batches.take(limit), None)
     };
@@ -1401,14 +1413,7 @@ fn run(args: Args) -> Result<()> {
                     if report.examples == 0 {
                         // It reported AUC 0.5 and NE NaN of no example, and early stopping
                         // stopped on them.
-                        return Err(Error::invalid(
-                            "dlrm",
-                            format!(
-                                "the validation split holds no example (step {step}): \
-                                 --validate-every has nothing to validate; give data with \
-                                 validation examples, or --validate-every 0"
-                            ),
-                        ));
+                        return Err(empty_validation(step));
                     }
                     let auc = report.get("auc");
                     if progress.best.is_none_or(|(b, _)| auc > b) {

@@ -155,31 +155,35 @@ pub(crate) fn check_vectors(what: &'static str, vectors: &[f32], dim: usize) -> 
             ),
         ));
     }
-    if let Some(i) = vectors.iter().position(|x| !x.is_finite()) {
-        return Err(Error::invalid(
-            what,
-            format!(
-                "vector {} has {} at element {}",
-                i / dim,
-                vectors[i],
-                i % dim
-            ),
-        ));
-    }
     // Distances and products of two vectors within this norm stay finite in f32
     // (‖a − b‖² ≤ 2‖a‖² + 2‖b‖²); past it they overflow, and every score is NaN or ±∞.
     let limit = f32::MAX as f64 / 4.0;
+    // One pass: a non-finite value anywhere is reported before a norm past the limit.
+    let mut too_long = None;
     for (i, v) in vectors.chunks_exact(dim).enumerate() {
         let norm: f64 = v.iter().map(|&x| x as f64 * x as f64).sum();
-        if norm > limit {
+        if !norm.is_finite() {
+            let j = v
+                .iter()
+                .position(|x| !x.is_finite())
+                .expect("a non-finite value");
             return Err(Error::invalid(
                 what,
-                format!(
-                    "vector {i} has squared norm {norm:.3e}, past the {limit:.3e} whose \
-                     distances f32 holds"
-                ),
+                format!("vector {i} has {} at element {j}", v[j]),
             ));
         }
+        if norm > limit && too_long.is_none() {
+            too_long = Some((i, norm));
+        }
+    }
+    if let Some((i, norm)) = too_long {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "vector {i} has squared norm {norm:.3e}, past the {limit:.3e} whose distances \
+                 f32 holds"
+            ),
+        ));
     }
     Ok(vectors.len() / dim)
 }
