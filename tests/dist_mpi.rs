@@ -445,6 +445,106 @@ fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A rank of the DLRM example that refuses its command line (a flag for other data, a flag
+/// that does not parse, a plan file it cannot read, another --plan than rank 0's) ends every
+/// rank at once, each naming it;
+/// without `--plan` the launched ranks all refuse to train alone into one `--out`. (A rank
+/// refusing its flags before meeting the others left them waiting in MPI's initialisation
+/// until the launcher's timeout.)
+#[test]
+fn one_rank_refusing_its_command_line_ends_every_rank_at_once() {
+    let Some(example) = dlrm_example() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("embers-mpi-flags-{}", std::process::id()));
+    let out_dir = dir.join("out");
+    let common = [
+        "--synthetic-train",
+        "2000",
+        "--synthetic-eval",
+        "500",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        (extra.iter().copied())
+            .chain(common.iter().copied())
+            .map(String::from)
+            .collect()
+    };
+    let missing_plan = dir.join("no-such-plan.json");
+    let cases: [(Vec<String>, Vec<String>, &[&str]); 4] = [
+        (
+            with(&["--plan", "auto"]),
+            with(&["--plan", "auto", "--shuffle-buffer", "4"]),
+            &[
+                "dlrm.flags failed on rank 1",
+                "--shuffle-buffer applies to file data",
+            ],
+        ),
+        (
+            with(&["--plan", "auto"]),
+            with(&["--plan", "auto", "--no-such-flag"]),
+            &[
+                "dlrm.flags failed on rank 1",
+                "unexpected argument '--no-such-flag'",
+            ],
+        ),
+        (
+            with(&["--plan", "auto"]),
+            [
+                vec!["--plan".to_string(), missing_plan.display().to_string()],
+                with(&[]),
+            ]
+            .concat(),
+            &["plan.load failed on rank 1", "no-such-plan.json"],
+        ),
+        (
+            [
+                vec!["--plan".to_string(), missing_plan.display().to_string()],
+                with(&[]),
+            ]
+            .concat(),
+            with(&["--plan", "auto"]),
+            &["no-such-plan.json", "rank 0 was given a plan file"],
+        ),
+    ];
+    for (rank0, rank1, expected) in &cases {
+        let a: Vec<&str> = rank0.iter().map(String::as_str).collect();
+        let b: Vec<&str> = rank1.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let (out, _) =
+            launch_parts(&[(1, &example, &a), (1, &example, &b)], &[]).expect("mpiexec runs");
+        let took = started.elapsed().as_secs_f64();
+        let log = text(&out);
+        assert!(!out.status.success(), "{log}");
+        for e in *expected {
+            assert!(log.contains(e), "{e:?} missing:\n{log}");
+        }
+        assert!(took < 60.0, "{took:.0} s: a rank waited\n{log}");
+        assert!(!out_dir.join("checkpoint").exists(), "{log}");
+    }
+    let started = Instant::now();
+    let (out, _) = launch(
+        2,
+        &example,
+        &with(&[]).iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .expect("mpiexec runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert_eq!(
+        log.matches("without --plan each would train").count(),
+        2,
+        "{log}"
+    );
+    assert!(started.elapsed().as_secs_f64() < 60.0, "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks):
 /// 60 steps straight (three epochs) and 30 + 30 resumed from the checkpoint (in the second
 /// epoch; each epoch's reader is opened as the one before ends) end with the same dense half,

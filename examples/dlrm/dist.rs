@@ -89,8 +89,69 @@ pub fn write_planner_config(
     Ok(())
 }
 
+/// The ranks an MPI launcher started this process among, when more than one (MPICH's and
+/// Slurm's `PMI_SIZE`, Open MPI's `OMPI_COMM_WORLD_SIZE`).
+pub fn launched_ranks() -> Option<usize> {
+    ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+        .filter(|&w| w > 1)
+}
+
+/// Why a rank of `ranks` without `--plan` does not train.
+fn unplanned(ranks: usize) -> Error {
+    Error::invalid(
+        "dlrm",
+        format!(
+            "this process is one of {ranks} that an MPI launcher started: without --plan each \
+             would train the same model alone, into the same --out; give --plan auto (or a \
+             plan file) to train across them, or run without the launcher"
+        ),
+    )
+}
+
+/// Shows `--help` or `--version` (on `rank`s 0 only); the message of any other parse error.
+fn parse_error(e: clap::Error, rank: usize) -> Option<Error> {
+    if e.use_stderr() {
+        let text = e.render().to_string();
+        let text = text.trim().trim_start_matches("error: ");
+        return Some(Error::invalid("dlrm", text.to_string()));
+    }
+    if rank == 0 {
+        let _ = e.print();
+    }
+    None
+}
+
+/// The message and exit code of a run's outcome.
+fn exit_code(outcome: Result<()>) -> i32 {
+    match outcome {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+/// The example as one of `ranks` processes an MPI launcher started (built without the mpi
+/// feature: no rank meets the others, each refuses alone).
 #[cfg(not(feature = "mpi"))]
-pub fn run(_args: &Args, _data: &crate::Data, _config: &DlrmConfig) -> Result<()> {
+pub fn main_launched(ranks: usize) -> i32 {
+    let outcome = match crate::parse_args() {
+        Err(e) => match parse_error(e, 0) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        },
+        Ok(args) if args.plan.is_none() => Err(unplanned(ranks)),
+        Ok(args) => run_alone(&args),
+    };
+    exit_code(outcome)
+}
+
+/// `--plan` without the mpi feature: an error saying how to build it.
+#[cfg(not(feature = "mpi"))]
+pub fn run_alone(_args: &Args) -> Result<()> {
     Err(Error::Distributed(
         "--plan trains across MPI processes: build with the mpi feature (cargo build --release \
          --example dlrm --features mpi) and launch with mpiexec -n W"
@@ -99,7 +160,7 @@ pub fn run(_args: &Args, _data: &crate::Data, _config: &DlrmConfig) -> Result<()
 }
 
 #[cfg(feature = "mpi")]
-pub use with_mpi::run;
+pub use with_mpi::{main_launched, run_alone};
 
 #[cfg(feature = "mpi")]
 mod with_mpi {
@@ -111,8 +172,8 @@ mod with_mpi {
 
     use embers::checkpoint::{CheckpointReader, CheckpointWriter};
     use embers::distributed::{
-        all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig, ShardCaches,
-        ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
+        all_ok, all_reduce_mean_gradients, global_metrics, mpi_world, Comm, QCommsConfig,
+        ShardCaches, ShardedEmbeddingBagCollection, ShardingPlan, TrainPipeline,
     };
     use embers::embedding::WeightDecay;
     use embers::metrics::RecMetrics;
@@ -258,8 +319,7 @@ mod with_mpi {
             let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
             Ok((saved_world, same_world, step, dense))
         })();
-        let (saved_world, same_world, step, dense) =
-            embers::distributed::all_ok(comm, "resume.read", read)?;
+        let (saved_world, same_world, step, dense) = all_ok(comm, "resume.read", read)?;
         model.sharded.load(dir.join("tables"))?;
         dense.apply(model.optimizer.as_mut(), Some(metrics))?;
         if rank == 0 && !same_world {
@@ -276,12 +336,11 @@ mod with_mpi {
     /// The sharding plan: `embers-plan`'s JSON file, or `auto`.
     fn plan_of(args: &Args, config: &DlrmConfig, comm: &Comm) -> Result<ShardingPlan> {
         let spec = args.plan.as_deref().unwrap_or("auto");
-        if spec != "auto" {
-            return ShardingPlan::load(spec);
-        }
+        let auto = spec == "auto";
         // Planned on rank 0 alone and sent to every rank: the planner's search stops on a
-        // clock, so ranks planning on their own could reach different plans.
-        let planned = (comm.rank() == 0).then(|| {
+        // clock, so ranks planning on their own could reach different plans. Every rank
+        // takes part, whatever its own --plan, so that ranks given different ones all fail.
+        let planned = (comm.rank() == 0 && auto).then(|| {
             let text = planner_config(args, config, comm.size(), &BTreeMap::new()).to_string();
             embers_planner::Config::from_json(&text)
                 .and_then(|c| c.resolve())
@@ -291,28 +350,67 @@ mod with_mpi {
                 .map(|plan| plan.to_json())
                 .map_err(|e| e.to_string())
         });
-        // One byte (1: a plan, 0: why there is none), then the text.
+        // One byte (1: a plan, 0: why there is none, 2: rank 0 reads a plan file), then the
+        // text; nothing from the other ranks.
         let sent = match &planned {
-            None => Vec::new(),
+            _ if comm.rank() != 0 => Vec::new(),
+            None => vec![2u8],
             Some(Ok(json)) => [&[1u8][..], json.as_bytes()].concat(),
             Some(Err(why)) => [&[0u8][..], why.as_bytes()].concat(),
         };
         let got = comm.all_gather_v("plan.auto", &sent, None)?;
+        if !auto {
+            return ShardingPlan::load(spec);
+        }
         let text = String::from_utf8_lossy(got[0].get(1..).unwrap_or_default());
         match got[0].first() {
             Some(1) => ShardingPlan::from_json(&text),
+            Some(2) => Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "rank {}: --plan auto, but rank 0 was given a plan file: give every rank \
+                     the same --plan",
+                    comm.rank()
+                ),
+            )),
             _ => Err(Error::invalid("embers-plan", format!("rank 0: {text}"))),
         }
     }
 
-    pub fn run(args: &Args, data: &Data, config: &DlrmConfig) -> Result<()> {
+    /// The example as one of `ranks` processes an MPI launcher started: the ranks meet
+    /// first, then each parses and checks its flags and opens its data, and all go on only if
+    /// every rank could (a rank refusing its flags before meeting the others left them
+    /// waiting in MPI's initialisation for good).
+    pub fn main_launched(ranks: usize) -> i32 {
+        let comm = match mpi_world() {
+            Ok(comm) => comm,
+            Err(e) => return exit_code(Err(e)),
+        };
+        let rank = comm.rank();
+        let prepared = match crate::parse_args() {
+            Err(e) => parse_error(e, rank).map_or(Ok(None), Err),
+            Ok(args) if args.plan.is_none() => Err(unplanned(ranks)),
+            Ok(args) => crate::prepare(&args).map(|(data, config)| Some((args, data, config))),
+        };
+        let outcome = embers::distributed::all_ok(&comm, "dlrm.flags", prepared);
+        exit_code(outcome.and_then(|prepared| match prepared {
+            Some((args, data, config)) => run(&args, &data, &config, comm),
+            None => Ok(()),
+        }))
+    }
+
+    /// `--plan` in a process started without a launcher: a world of one rank.
+    pub fn run_alone(args: &Args) -> Result<()> {
         let comm = mpi_world()?;
+        let (data, config) = crate::prepare(args)?;
+        run(args, &data, &config, comm)
+    }
+
+    fn run(args: &Args, data: &Data, config: &DlrmConfig, comm: Comm) -> Result<()> {
         let (rank, world) = (comm.rank(), comm.size());
         let lead = rank == 0;
-        if lead {
-            std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
-        }
-        let plan = plan_of(args, config, &comm)?;
+        // A plan file one rank cannot read ends every rank here.
+        let plan = all_ok(&comm, "plan.load", plan_of(args, config, &comm))?;
         // Tables the plan gives a cached kernel keep their rows in --cache-dir (each rank its
         // own files) behind caches of the plan's size.
         let (dir, policy) = args.cache_files();
@@ -330,16 +428,7 @@ mod with_mpi {
             comm,
             config.seed,
         )?;
-        let (fwd, bwd) = match args.comm_precision[..] {
-            [f] => (f, f),
-            [f, b] => (f, b),
-            _ => {
-                return Err(Error::invalid(
-                    "dlrm",
-                    "--comm-precision takes one precision or forward,backward",
-                ))
-            }
-        };
+        let (fwd, bwd) = args.comm_precisions()?;
         sharded.set_qcomms(QCommsConfig::new(precision(fwd), precision(bwd)))?;
         let features = config.sparse_features.len();
         let dense = config.dense_half(&mut seeded(config.seed))?;

@@ -255,7 +255,7 @@ struct Args {
     plan: Option<String>,
     /// Write this model's planner config (tables, batch size, `--ranks` ranks of `--device`'s
     /// kind) to this file and exit: the input of `embers-plan plan`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "plan")]
     write_planner_config: Option<PathBuf>,
     /// With `--write-planner-config` and `--device cuda` (the planner offers `fused_uvm_caching`
     /// on GPU ranks only): measure each table's cache statistics (the planner's
@@ -355,6 +355,18 @@ impl Args {
             "dlrm",
             format!("{} would do nothing: {why}", unused.join(", ")),
         ))
+    }
+
+    /// `--comm-precision`'s forward and backward precisions.
+    fn comm_precisions(&self) -> Result<(CommPrec, CommPrec)> {
+        match self.comm_precision[..] {
+            [f] => Ok((f, f)),
+            [f, b] => Ok((f, b)),
+            _ => Err(Error::invalid(
+                "dlrm",
+                "--comm-precision takes one precision or forward,backward",
+            )),
+        }
     }
 
     /// Whether the flag of clap id `id` was given on the command line.
@@ -1145,16 +1157,27 @@ fn peak_rss_mib() -> Option<f64> {
 }
 
 fn main() {
-    let matches = Args::command().get_matches();
-    let mut args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    args.given = (matches.ids())
-        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
-        .map(|id| id.to_string())
-        .collect();
+    // Under an MPI launcher every rank meets the others before it checks its flags, so that
+    // a rank refusing them ends all (see `dist::main_launched`).
+    if let Some(ranks) = dist::launched_ranks() {
+        std::process::exit(dist::main_launched(ranks));
+    }
+    let args = parse_args().unwrap_or_else(|e| e.exit());
     if let Err(e) = run(args) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+}
+
+/// The command line's flags, with the ones given on it recorded.
+fn parse_args() -> std::result::Result<Args, clap::Error> {
+    let matches = Args::command().try_get_matches()?;
+    let mut args = Args::from_arg_matches(&matches)?;
+    args.given = (matches.ids())
+        .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+        .map(|id| id.to_string())
+        .collect();
+    Ok(args)
 }
 
 /// Each table's cache statistics on the first `--cache-stats-batches` training batches (none
@@ -1189,7 +1212,9 @@ fn measured_cache_stats(
     Ok(out)
 }
 
-fn run(args: Args) -> Result<()> {
+/// The data and the model of a run whose flags pass every check: the checks that need no
+/// data first, then the data opened (and `--out` made).
+fn prepare(args: &Args) -> Result<(Data, DlrmConfig)> {
     if args.batch_size == 0 || args.emb_dim == 0 {
         return Err(Error::invalid(
             "dlrm",
@@ -1215,26 +1240,6 @@ fn run(args: Args) -> Result<()> {
     }
     args.check_cache_flags()?;
     args.check_source_flags()?;
-    let io = |p: &Path, e: std::io::Error| Error::Io {
-        path: p.display().to_string(),
-        source: e,
-    };
-    std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
-    let (data, features) = Data::open(&args)?;
-    let config = model_config(&args, data.num_dense(), features, data.tasks());
-    if let Some(path) = &args.write_planner_config {
-        if args.cache_stats_batches > 0 && args.device == embers::Device::Cpu {
-            return Err(Error::invalid(
-                "dlrm",
-                "--cache-stats-batches: the planner offers CPU ranks no cached kernel \
-                 (TorchRec's: fused and quant), so the statistics would change nothing; \
-                 with --device cuda the config is for GPU ranks, where they price \
-                 fused_uvm_caching",
-            ));
-        }
-        let stats = measured_cache_stats(&args, &data, &config)?;
-        return dist::write_planner_config(&args, &config, &stats, path);
-    }
     if args.plan.is_some() {
         if args.early_stop_patience > 0 {
             return Err(Error::invalid(
@@ -1250,7 +1255,36 @@ fn run(args: Args) -> Result<()> {
                  is for runs without --plan",
             ));
         }
-        return dist::run(&args, &data, &config);
+        args.comm_precisions()?;
+    }
+    let io = |p: &Path, e: std::io::Error| Error::Io {
+        path: p.display().to_string(),
+        source: e,
+    };
+    std::fs::create_dir_all(&args.out).map_err(|e| io(&args.out, e))?;
+    let (data, features) = Data::open(args)?;
+    let config = model_config(args, data.num_dense(), features, data.tasks());
+    Ok((data, config))
+}
+
+fn run(args: Args) -> Result<()> {
+    if args.plan.is_some() {
+        // Started without a launcher: a world of one rank.
+        return dist::run_alone(&args);
+    }
+    let (data, config) = prepare(&args)?;
+    if let Some(path) = &args.write_planner_config {
+        if args.cache_stats_batches > 0 && args.device == embers::Device::Cpu {
+            return Err(Error::invalid(
+                "dlrm",
+                "--cache-stats-batches: the planner offers CPU ranks no cached kernel \
+                 (TorchRec's: fused and quant), so the statistics would change nothing; \
+                 with --device cuda the config is for GPU ranks, where they price \
+                 fused_uvm_caching",
+            ));
+        }
+        let stats = measured_cache_stats(&args, &data, &config)?;
+        return dist::write_planner_config(&args, &config, &stats, path);
     }
     if args.early_stop_patience > 0 && args.validate_every == 0 {
         return Err(Error::invalid(
