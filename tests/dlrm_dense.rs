@@ -5,7 +5,7 @@ use embers::models::{DlrmDense, InteractionArch};
 use embers::nn::Module;
 use embers::tensor::rng::seeded;
 use embers::tensor::testing::check_gradients;
-use embers::{no_grad, DType, Result, Tensor};
+use embers::{no_grad, DType, Device, Result, Tensor};
 
 #[test]
 fn dot_interaction_matches_naive_and_torchrec_layout() -> Result<()> {
@@ -274,5 +274,47 @@ fn f32_interaction_matches_f64_forward_and_backward() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The public fused op checks its shapes itself (a batch or dim that disagrees read past the
+/// smaller input on CUDA and dropped samples on the CPU), and with no sparse feature its output
+/// is the dense input, gradient included (rayon refused a zero-sized work split).
+#[test]
+fn dot_interaction_checks_shapes_and_takes_no_sparse_feature() -> Result<()> {
+    use embers::models::interaction::dot_interaction;
+    let mut rng = seeded(3);
+    let dense = Tensor::randn(&[4, 8], 0.0, 1.0, DType::F32, &mut rng);
+    for shape in [&[2, 3, 8][..], &[4, 3, 4], &[4, 8], &[4, 3, 8, 1]] {
+        let sparse = Tensor::zeros(shape, DType::F32, Device::Cpu);
+        let e = dot_interaction(&dense, &sparse).unwrap_err().to_string();
+        assert!(
+            e.contains("dot_interaction") && e.contains("[B, F, D]"),
+            "{e}"
+        );
+    }
+    let e = dot_interaction(
+        &Tensor::zeros(&[4], DType::F32, Device::Cpu),
+        &Tensor::zeros(&[4, 3, 8], DType::F32, Device::Cpu),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("[B, D]"), "{e}");
+
+    let dense = dense.with_requires_grad(true);
+    let out = dot_interaction(&dense, &Tensor::zeros(&[4, 0, 8], DType::F32, Device::Cpu))?;
+    assert_eq!(out.shape(), &[4, 8]);
+    assert_eq!(out.to_vec::<f32>()?, dense.to_vec::<f32>()?);
+    out.sum_all()?.backward()?;
+    assert_eq!(
+        dense.grad().expect("a gradient").to_vec::<f32>()?,
+        vec![1.0; 32]
+    );
+    let model = DlrmDense::dot(4, &[8], 0, &[1], DType::F32, &mut rng)?;
+    let logits = model.forward(
+        &Tensor::randn(&[2, 4], 0.0, 1.0, DType::F32, &mut rng),
+        &Tensor::zeros(&[2, 0, 8], DType::F32, Device::Cpu),
+    )?;
+    assert_eq!(logits.shape(), &[2, 1]);
     Ok(())
 }

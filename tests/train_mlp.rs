@@ -50,3 +50,33 @@ fn mlp_learns_spirals_a_linear_model_cannot() -> Result<()> {
     );
     Ok(())
 }
+
+/// Adam's step count past 2^31 (a long run, or a loaded state) keeps bias correction 1 as the
+/// count grows: the step is the one of any large count, and finite (the count was cast to an
+/// `i32`, which wrapped negative and made every parameter NaN).
+#[test]
+fn adam_past_two_to_the_31_steps_stays_finite() -> Result<()> {
+    use embers::{DType, Device};
+    let after = |step: i64| -> Result<Vec<f32>> {
+        let p = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], &[3])?.with_requires_grad(true);
+        let mut opt = Adam::new(vec![p.clone()], AdamConfig::default())?;
+        let mut state = opt.state_dict()?;
+        for (name, t) in state.iter_mut() {
+            if name.starts_with("step") {
+                *t = Tensor::from_vec(vec![step], &[1])?;
+            } else {
+                // Moments as after a long run.
+                *t = Tensor::full(0.5, t.shape(), DType::F32, Device::Cpu);
+            }
+        }
+        opt.load_state_dict(&state)?;
+        p.mul_scalar(2.0)?.sum_all()?.backward()?;
+        opt.step()?;
+        p.to_vec::<f32>()
+    };
+    let big = after(i64::from(i32::MAX) + 1)?;
+    assert!(big.iter().all(|v| v.is_finite()), "{big:?}");
+    assert_eq!(big, after(1_000_000)?);
+    assert_eq!(after(i64::MAX - 1)?, big);
+    Ok(())
+}

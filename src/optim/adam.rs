@@ -139,12 +139,14 @@ impl Adam {
         let Some(grad) = p.gradient() else {
             return Ok(());
         };
-        self.steps[i] += 1;
+        self.steps[i] = self.steps[i].saturating_add(1);
         let step = AdamStep {
             adam: self,
             i,
             grad: &grad,
-            t: self.steps[i] as i32,
+            // Past 2^31 steps β^t is 0 in any float: the count saturates (a cast wrapped it
+            // negative, and the bias correction to NaN).
+            t: self.steps[i].min(i32::MAX as u64) as i32,
         };
         run_on(self.params[i].device(), &step)
     }

@@ -122,8 +122,21 @@ impl BackwardOp for DotInteractionBackward {
 }
 
 /// The fused dot interaction: `dense [B, D]`, `sparse [B, F, D]` (same float dtype) →
-/// `[B, D + F(F+1)/2]`, differentiable in both inputs.
+/// `[B, D + F(F+1)/2]`, differentiable in both inputs. With no sparse feature (`F = 0`) the
+/// output is the dense input's values, as TorchRec's.
 pub fn dot_interaction(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
+    if dense.rank() != 2
+        || sparse.rank() != 3
+        || sparse.shape()[0] != dense.shape()[0]
+        || sparse.shape()[2] != dense.shape()[1]
+    {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: dense.shape().to_vec(),
+            rhs: sparse.shape().to_vec(),
+            detail: "expected dense [B, D] and sparse [B, F, D]".into(),
+        });
+    }
     let d = dense.shape()[1];
     let n = sparse.shape()[1] + 1;
     if dense.dtype() != sparse.dtype() {
@@ -137,6 +150,10 @@ pub fn dot_interaction(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
         return Err(Error::invalid(OP, "the embedding dim must be at least 1"));
     }
     crate::tensor::device::same_device(OP, dense, sparse)?;
+    if n == 1 {
+        // No pair to take a product of (the kernels' work splits assume one).
+        return dense.mul_scalar(1.0);
+    }
     let out = run_on(dense.device(), &DotInteraction { dense, sparse })?;
     Ok(record_op(
         out,
