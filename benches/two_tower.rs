@@ -87,7 +87,8 @@ fn main() {
         let mut trainer = config
             .build()
             .unwrap()
-            .with_negative_sampler(ITEMS, Box::new(|ids| Ok(one_hot("item", ids))));
+            .with_negative_sampler(ITEMS, Box::new(|ids| Ok(one_hot("item", ids))))
+            .unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let labels = loss == TwoTowerLoss::Pointwise;
         let batches: Vec<PairBatch> = (0..16).map(|_| batch(&mut rng, labels)).collect();

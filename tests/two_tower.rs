@@ -466,7 +466,8 @@ fn the_trainer_resumes_from_a_checkpoint_exactly() {
     let mut a = trainer_config(loss)
         .build()
         .unwrap()
-        .with_negative_sampler(60, sampler());
+        .with_negative_sampler(60, sampler())
+        .unwrap();
     let first: Vec<f64> = (0..30)
         .map(|s| a.train_step(&pair_batch(s, false)).unwrap())
         .collect();
@@ -477,7 +478,11 @@ fn the_trainer_resumes_from_a_checkpoint_exactly() {
     a.save_checkpoint(&path, &user).unwrap();
     let config = embers::train::TwoTowerConfig::from_checkpoint(&path).unwrap();
     assert_eq!(config, trainer_config(loss));
-    let mut b = config.build().unwrap().with_negative_sampler(60, sampler());
+    let mut b = config
+        .build()
+        .unwrap()
+        .with_negative_sampler(60, sampler())
+        .unwrap();
     assert_eq!(b.load_checkpoint(&path).unwrap(), user);
     assert_eq!((b.step(), b.examples_seen()), (30, 30 * 16));
     for s in 30..40 {
@@ -589,4 +594,47 @@ fn trainer_misuse_is_a_named_error() {
     let mut c = trainer_config(TwoTowerLoss::Pointwise);
     c.query_features.clear();
     assert!(c.build().is_err());
+    // Labels outside [0, 1] (NaN included) are refused before anything changes: the next
+    // steps are those of a trainer that never saw them (a NaN label trained NaN into the
+    // tables, then reported the loss).
+    let build = || trainer_config(TwoTowerLoss::Pointwise).build().unwrap();
+    let (mut bad, mut good) = (build(), build());
+    for y in [f32::NAN, 2.0, -0.5] {
+        let mut batch = pair_batch(2, true);
+        let mut labels = vec![1.0f32; 16];
+        labels[5] = y;
+        batch.labels = Some(Tensor::from_vec(labels, &[16]).unwrap());
+        let e = bad.train_step(&batch).unwrap_err().to_string();
+        assert!(e.contains("label 5 is") && e.contains("[0, 1]"), "{e}");
+    }
+    for s in 3..6 {
+        let batch = pair_batch(s, true);
+        assert_eq!(
+            bad.train_step(&batch).unwrap(),
+            good.train_step(&batch).unwrap()
+        );
+    }
+    // No catalogue to draw negatives from, or one past the ids.
+    for catalogue in [0, usize::MAX] {
+        let e = build()
+            .with_negative_sampler(catalogue, sampler())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains(&format!("a catalogue of {catalogue} items")),
+            "{e}"
+        );
+    }
+    // The public losses refuse a temperature the logits cannot be divided by.
+    let q = Tensor::from_vec(vec![1.0f32; 8], &[2, 4]).unwrap();
+    let y = Tensor::from_vec(vec![1.0f32, 0.0], &[2]).unwrap();
+    for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        for e in [
+            in_batch_softmax(&q, &q, None, t).unwrap_err().to_string(),
+            pointwise_bce(&q, &q, &y, t).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("must be positive and finite"), "{e}");
+        }
+    }
 }

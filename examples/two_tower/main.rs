@@ -723,7 +723,7 @@ fn run(args: Args) -> Result<()> {
     let genres = data.genres.clone();
     let mut trainer = config
         .build()?
-        .with_negative_sampler(data.items, Box::new(move |ids| item_features(ids, &genres)));
+        .with_negative_sampler(data.items, Box::new(move |ids| item_features(ids, &genres)))?;
     let steps_per_epoch = split.train.len().div_ceil(args.batch_size);
     let bar = if args.no_progress {
         ProgressBar::hidden()

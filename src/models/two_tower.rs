@@ -77,12 +77,7 @@ impl TwoTower {
                 ),
             ));
         }
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(Error::invalid(
-                "TwoTower::new",
-                format!("temperature {temperature} must be positive and finite"),
-            ));
-        }
+        check_temperature("TwoTower::new", temperature)?;
         Ok(TwoTower {
             query,
             candidate,
@@ -203,16 +198,38 @@ fn check_pair(op: &'static str, q: &Tensor, c: &Tensor) -> Result<(usize, usize)
     Ok((q.shape()[0], q.shape()[1]))
 }
 
-/// Pointwise BCE: logit `⟨q_i, c_i⟩ / τ` against `labels[i]`, mean over the batch.
+/// A temperature the logits can be divided by: positive and finite.
+fn check_temperature(op: &'static str, temperature: f64) -> Result<()> {
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(Error::invalid(
+            op,
+            format!("temperature {temperature} must be positive and finite"),
+        ));
+    }
+    Ok(())
+}
+
+/// Pointwise BCE: logit `⟨q_i, c_i⟩ / τ` against `labels[i]` (each within [0, 1]), mean over
+/// the batch. Bad labels are an error before anything is computed (a backward through a NaN
+/// label wrote NaN into the tables).
 pub fn pointwise_bce(q: &Tensor, c: &Tensor, labels: &Tensor, temperature: f64) -> Result<Tensor> {
-    let (b, _) = check_pair("pointwise_bce", q, c)?;
+    const OP: &str = "pointwise_bce";
+    let (b, _) = check_pair(OP, q, c)?;
+    check_temperature(OP, temperature)?;
     if labels.shape() != [b] {
         return Err(Error::ShapeMismatch {
-            op: "pointwise_bce",
+            op: OP,
             lhs: labels.shape().to_vec(),
             rhs: vec![b],
             detail: "one label per pair".into(),
         });
+    }
+    let values = labels.to_dtype(crate::DType::F64)?.to_vec::<f64>()?;
+    if let Some((i, y)) = (values.iter().enumerate()).find(|(_, y)| !(0.0..=1.0).contains(*y)) {
+        return Err(Error::invalid(
+            OP,
+            format!("label {i} is {y}: labels are within [0, 1]"),
+        ));
     }
     let logits = q.mul(c)?.sum(&[1], false)?.div_scalar(temperature)?;
     let labels = labels
@@ -261,6 +278,7 @@ pub fn sampled_softmax(
             detail: "expected queries [B, D] and at least B candidates [n, D]".into(),
         });
     }
+    check_temperature(OP, temperature)?;
     let (b, n) = (q.shape()[0], c.shape()[0]);
     // The temperature scales the [B, D] queries rather than the [B, n] logits (fewer elements).
     let mut logits = q.mul_scalar(1.0 / temperature)?.matmul(&c.t()?)?;

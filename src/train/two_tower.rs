@@ -234,11 +234,24 @@ impl TwoTowerTrainer {
         &self.estimator
     }
 
-    /// Random negatives are drawn uniformly from item ids `0..catalogue`; `features` builds
-    /// their candidate features.
-    pub fn with_negative_sampler(mut self, catalogue: usize, features: NegativeSampler) -> Self {
+    /// Random negatives are drawn uniformly from item ids `0..catalogue` (at least 1, at most
+    /// `i64::MAX`); `features` builds their candidate features.
+    pub fn with_negative_sampler(
+        mut self,
+        catalogue: usize,
+        features: NegativeSampler,
+    ) -> Result<Self> {
+        if catalogue == 0 || i64::try_from(catalogue).is_err() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "a catalogue of {catalogue} items to draw negatives from: give 1 to {}",
+                    i64::MAX
+                ),
+            ));
+        }
         self.negatives = Some((catalogue, features));
-        self
+        Ok(self)
     }
 
     /// One step on a batch of positive pairs: forward through both towers, the loss,
