@@ -194,3 +194,37 @@ fn the_input_distribution_refuses_a_communicator_of_another_group() {
         );
     }
 }
+
+/// Two pipelines' input distributions at once (validation inside a training step while the
+/// training pipeline distributes the next batch), reaching the collection in another order on
+/// each rank: each communicator counts its own batches (one count per collection made the
+/// ranks disagree on the batch number and fail "a rank skipped or repeated a batch").
+#[test]
+fn two_communicators_distribute_inputs_at_once_in_any_order() {
+    let errors = on_ranks(2, DEADLINE, |comm| {
+        let c = case(2, "mixed_adagrad").unwrap();
+        let sharded = sharded_of(comm, &c).unwrap();
+        let rank = sharded.comm().rank();
+        let (a, b) = (sharded.comm().split(0)?, sharded.comm().split(0)?);
+        let batch = step(rank, 0)?;
+        let order = if rank == 0 { [&a, &b] } else { [&b, &a] };
+        std::thread::scope(|s| {
+            let threads: Vec<_> = (order.iter().enumerate())
+                .map(|(i, &comm)| {
+                    let (sharded, batch) = (&sharded, &batch);
+                    s.spawn(move || {
+                        // The second starts well after the first has taken its number.
+                        std::thread::sleep(Duration::from_millis(300 * i as u64));
+                        sharded.distribute_input(&batch.kjt, comm).map(|_| ())
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .try_for_each(|t| t.join().expect("no panic"))
+        })
+    });
+    for e in errors {
+        e.unwrap();
+    }
+}

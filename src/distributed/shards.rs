@@ -7,7 +7,6 @@
 //! [`ShardedEmbeddingCollection`](super::ShardedEmbeddingCollection) (unpooled) each hold one
 //! [`Shards`] and add their output distribution and backward.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use rand::SeedableRng;
 
@@ -242,8 +241,6 @@ pub(crate) struct Shards {
     /// Output keys: every table's features, in config order.
     pub keys: Vec<String>,
     pub optimizer: FusedOptimizer,
-    /// Forward calls so far: the batch number every rank must agree on.
-    batches: AtomicU64,
 }
 
 /// The digest every rank compares before building: plan, tables and this rank's verdict on
@@ -480,7 +477,6 @@ impl Shards {
             replicated,
             keys,
             optimizer: b.optimizer,
-            batches: AtomicU64::new(0),
         };
         let initialised = shards.init_tables(b.seed);
         let initialised = checkpoint::all_ok_then(
@@ -762,7 +758,7 @@ impl Shards {
                 ),
             ));
         }
-        let batch = self.batches.fetch_add(1, Ordering::Relaxed);
+        let batch = comm.next_batch();
         let input = self.read_input(kjt);
         if !self.routing.has_slots() {
             return Ok((input?, None));

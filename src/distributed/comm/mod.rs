@@ -165,6 +165,10 @@ impl Watchdog {
 pub struct Comm {
     transport: Arc<dyn Transport>,
     seq: AtomicU64,
+    /// Input distributions on this communicator so far: the batch number every rank must
+    /// agree on (one count per communicator, so two pipelines' threads on their own
+    /// communicators cannot interleave theirs differently on different ranks).
+    batches: AtomicU64,
     timeout: Duration,
     /// Shared with the groups split from this one: a rank's counts cover all its groups.
     bytes: Arc<Mutex<BTreeMap<&'static str, OpBytes>>>,
@@ -271,10 +275,16 @@ impl Comm {
         Comm {
             transport,
             seq: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
             timeout,
             bytes,
             watchdog,
         }
+    }
+
+    /// The number of this input distribution on this communicator (0, 1, …).
+    pub(crate) fn next_batch(&self) -> u64 {
+        self.batches.fetch_add(1, Ordering::Relaxed)
     }
 
     /// The same group with another deadline per collective (seconds in tests, minutes in
