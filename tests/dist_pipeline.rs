@@ -228,3 +228,32 @@ fn two_communicators_distribute_inputs_at_once_in_any_order() {
         e.unwrap();
     }
 }
+
+/// A plan of data-parallel tables only sends no bags, yet a batch one rank rejects still ends
+/// every rank at its input distribution (the others went on to the backward's all-gather and
+/// waited there until the deadline).
+#[test]
+fn a_bad_batch_under_a_data_parallel_plan_is_refused_on_every_rank() {
+    let errors = on_ranks(2, DEADLINE, |comm| {
+        let c = case(2, "data_parallel").unwrap();
+        let sharded = sharded_of(comm, &c).unwrap();
+        let rank = sharded.comm().rank();
+        let mut batch = raw_step(rank, 0);
+        if rank == 0 {
+            batch.ids[0][0] = vec![999];
+        }
+        let batch = step_of(batch);
+        let comm = sharded.comm();
+        let refused = sharded.distribute_input(&batch.kjt, comm).err();
+        // The next batch goes through on every rank.
+        let next = step(rank, 1).unwrap();
+        sharded.distribute_input(&next.kjt, comm).unwrap();
+        refused.map(|e| e.to_string())
+    });
+    let [e0, e1] = [&errors[0], &errors[1]].map(|e| e.clone().expect("refused"));
+    assert!(e0.contains("feature `f0`") && e0.contains("id 999"), "{e0}");
+    assert!(
+        e1.contains("rank(s) [0] rejected their input batch"),
+        "{e1}"
+    );
+}

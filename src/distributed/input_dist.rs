@@ -57,6 +57,49 @@ impl Gathered {
 const WEIGHTED: i64 = 1;
 const REJECTED: i64 = 2;
 
+/// Every rank's verdict on its batch without bags to send (a plan of data-parallel tables
+/// only): one all-gather of the flags word of [`all_to_all_bags`], so that a batch one rank
+/// rejects, or a skipped batch, ends every rank here rather than in the backward's collectives.
+pub(crate) fn agree_on_batch(comm: &Comm, rejected: Option<Error>, batch: u64) -> Result<()> {
+    let (rank, w) = (comm.rank(), comm.size());
+    let bits = if rejected.is_some() { REJECTED } else { 0 };
+    let flags = ((batch as i64) << 2) | bits;
+    let got = comm.all_gather_v("input_dist.agree", &[flags], Some(&vec![1; w]))?;
+    check_flags(rank, rejected, batch, |s| got[s][0], w)
+}
+
+/// This rank's error if it rejected its batch; else an error naming the ranks that rejected
+/// theirs, or that are at another batch number than `batch`, from every rank's flags word.
+fn check_flags(
+    rank: usize,
+    rejected: Option<Error>,
+    batch: u64,
+    flags: impl Fn(usize) -> i64,
+    w: usize,
+) -> Result<()> {
+    if let Some(e) = rejected {
+        return Err(e);
+    }
+    let refused: Vec<usize> = (0..w).filter(|&s| flags(s) & REJECTED != 0).collect();
+    if !refused.is_empty() {
+        return Err(Error::Distributed(format!(
+            "rank {rank}: rank(s) {refused:?} rejected their input batch (see their error); \
+             every rank skips this batch"
+        )));
+    }
+    let behind: Vec<(usize, i64)> = (0..w)
+        .map(|s| (s, flags(s) >> 2))
+        .filter(|&(_, b)| b != batch as i64)
+        .collect();
+    if !behind.is_empty() {
+        return Err(Error::Distributed(format!(
+            "rank {rank}: at batch #{batch}, but (rank, batch) {behind:?} — a rank skipped or \
+             repeated a batch"
+        )));
+    }
+    Ok(())
+}
+
 /// Sends `send[d]` (bags of this rank's `stride` samples for rank `d`'s slots) to every rank
 /// and gathers the bags of this rank's `slots` slots from every rank. `rejected`: this rank's
 /// batch failed its checks — it still takes part, sends nothing, and gets its error back;
@@ -92,26 +135,7 @@ pub(crate) fn all_to_all_bags(
         })
         .collect();
     let got = comm.all_to_all_v("input_dist.splits", splits, Some(&vec![4; w]))?;
-    if let Some(e) = rejected {
-        return Err(e);
-    }
-    let refused: Vec<usize> = (0..w).filter(|&s| got[s][2] & REJECTED != 0).collect();
-    if !refused.is_empty() {
-        return Err(Error::Distributed(format!(
-            "rank {rank}: rank(s) {refused:?} rejected their input batch (see their error); \
-             every rank skips this batch"
-        )));
-    }
-    let behind: Vec<(usize, i64)> = (0..w)
-        .map(|s| (s, got[s][2] >> 2))
-        .filter(|&(_, b)| b != batch as i64)
-        .collect();
-    if !behind.is_empty() {
-        return Err(Error::Distributed(format!(
-            "rank {rank}: at batch #{batch}, but (rank, batch) {behind:?} — a rank skipped or \
-             repeated a batch"
-        )));
-    }
+    check_flags(rank, rejected, batch, |s| got[s][2], w)?;
     let weighted_ranks: Vec<usize> = (0..w).filter(|&s| got[s][2] & WEIGHTED != 0).collect();
     if !weighted_ranks.is_empty() && weighted_ranks.len() != w {
         return Err(Error::Distributed(format!(

@@ -7,12 +7,11 @@
 //! [`ShardedEmbeddingCollection`](super::ShardedEmbeddingCollection) (unpooled) each hold one
 //! [`Shards`] and add their output distribution and backward.
 
-
 use rand::SeedableRng;
 
 use super::checkpoint::{self, Held, LoadReport, Rect};
 use super::comm::Comm;
-use super::input_dist::{all_to_all_bags, Bags, Gathered, HostKjt};
+use super::input_dist::{agree_on_batch, all_to_all_bags, Bags, Gathered, HostKjt};
 use super::plan::{fnv1a, ComputeKernel, ShardCaches, ShardingPlan, TableShape};
 use super::routing::{Route, Routing, Slot};
 use crate::embedding::{
@@ -761,6 +760,8 @@ impl Shards {
         let batch = comm.next_batch();
         let input = self.read_input(kjt);
         if !self.routing.has_slots() {
+            let rejected = (input.as_ref().err()).map(|e| Error::invalid(self.op, e.to_string()));
+            agree_on_batch(comm, rejected, batch)?;
             return Ok((input?, None));
         }
         let (send, stride, rejected) = match &input {
