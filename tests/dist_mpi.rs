@@ -545,6 +545,44 @@ fn one_rank_refusing_its_command_line_ends_every_rank_at_once() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A loss that is not finite on one rank (here its dense learning rate alone is absurd) ends
+/// every rank at that step, before any backward spreads it (the rank that saw it stopped
+/// after its step; the others waited in the next batch's collectives until the deadline).
+#[test]
+fn a_rank_whose_loss_diverges_ends_every_rank_at_that_step() {
+    let Some(example) = dlrm_example() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("embers-mpi-diverge-{}", std::process::id()));
+    let out_dir = dir.join("out");
+    let common = [
+        "--plan",
+        "auto",
+        "--synthetic-train",
+        "20000",
+        "--synthetic-eval",
+        "500",
+        "--no-progress",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ];
+    let wild: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--dense-lr", "1e30"])
+        .collect();
+    let started = Instant::now();
+    let (out, _) =
+        launch_parts(&[(1, &example, &common), (1, &example, &wild)], &[]).expect("mpiexec runs");
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("train.loss failed on rank 1"), "{log}");
+    assert!(log.contains("rank 1: the loss of step"), "{log}");
+    assert!(started.elapsed().as_secs_f64() < 60.0, "{log}");
+    assert!(!out_dir.join("checkpoint").exists(), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The DLRM example across processes (`--plan auto`, FP16/BF16 comms, pipelined, two tasks):
 /// 60 steps straight (three epochs) and 30 + 30 resumed from the checkpoint (in the second
 /// epoch; each epoch's reader is opened as the one before ends) end with the same dense half,

@@ -240,15 +240,28 @@ mod with_mpi {
     ) -> Result<(BTreeMap<String, f64>, u64)> {
         let mut metrics = task_metrics(&model.tasks, 1)?;
         let mut examples = 0u64;
+        // A batch this rank cannot score (non-finite predictions) is kept until every rank
+        // has run its batches, then every rank stops on it: an error returned at once left
+        // the others waiting in the next batch's collectives.
+        let mut failed: Option<Error> = None;
         no_grad(|| {
             pipeline.run(batches, |batch: &Batch, pooled| {
-                let probs = model.logits(batch, pooled.values())?.sigmoid()?;
-                update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
-                examples += batch.batch_size() as u64;
+                if failed.is_some() {
+                    return Ok(());
+                }
+                let scored = (|| {
+                    let probs = model.logits(batch, pooled.values())?.sigmoid()?;
+                    update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)
+                })();
+                match scored {
+                    Ok(()) => examples += batch.batch_size() as u64,
+                    Err(e) => failed = Some(e),
+                }
                 Ok(())
             })
         })?;
         let comm = model.sharded.comm();
+        all_ok(comm, "eval.scored", failed.map_or(Ok(()), Err))?;
         let total = comm.all_gather_v("eval.examples", &[examples], None)?;
         let examples = total.iter().map(|v| v[0]).sum();
         let all = global_metrics(comm, &metrics)?;
@@ -262,36 +275,51 @@ mod with_mpi {
         let (rank, world) = (comm.rank(), comm.size());
         let partial = out.join("checkpoint.partial");
         let last = out.join("checkpoint");
-        if rank == 0 {
+        // Each step's file operations can fail on one rank (a full disk): all ranks agree on
+        // each before the next, so that all stop together, naming it.
+        let begun = if rank == 0 {
             let _ = std::fs::remove_dir_all(&partial);
-            std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
-        }
-        comm.barrier("checkpoint.begin")?;
+            std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))
+        } else {
+            Ok(())
+        };
+        all_ok(comm, "checkpoint.begin", begun)?;
         model.sharded.save(partial.join("tables"))?;
-        let mut w = CheckpointWriter::new();
-        w.set_metadata("step", step.to_string());
-        w.set_metadata("world", world.to_string());
-        for (flag, v) in crate::run_flags(args) {
-            w.set_metadata(format!("run.{flag}"), v);
-        }
-        write_dense_state(
-            &mut w,
-            &model.dense,
-            model.optimizer.as_ref(),
-            Some(metrics),
-        )?;
-        w.write(partial.join(format!("rank{rank}.safetensors")))?;
-        comm.barrier("checkpoint.written")?;
-        if rank == 0 {
+        let written = (|| {
+            let mut w = CheckpointWriter::new();
+            w.set_metadata("step", step.to_string());
+            w.set_metadata("world", world.to_string());
+            for (flag, v) in crate::run_flags(args) {
+                w.set_metadata(format!("run.{flag}"), v);
+            }
+            write_dense_state(
+                &mut w,
+                &model.dense,
+                model.optimizer.as_ref(),
+                Some(metrics),
+            )?;
+            w.write(partial.join(format!("rank{rank}.safetensors")))
+        })();
+        all_ok(comm, "checkpoint.written", written)?;
+        let renamed = if rank == 0 {
             let old = out.join("checkpoint.old");
             let _ = std::fs::remove_dir_all(&old);
-            if last.exists() {
-                std::fs::rename(&last, &old).map_err(|e| io(&last, e))?;
-            }
-            std::fs::rename(&partial, &last).map_err(|e| io(&partial, e))?;
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        comm.barrier("checkpoint.end")
+            (|| {
+                if last.exists() {
+                    std::fs::rename(&last, &old).map_err(|e| io(&last, e))?;
+                }
+                std::fs::rename(&partial, &last).map_err(|e| {
+                    // The previous checkpoint back where it was.
+                    let _ = std::fs::rename(&old, &last);
+                    io(&partial, e)
+                })?;
+                let _ = std::fs::remove_dir_all(&old);
+                Ok(())
+            })()
+        } else {
+            Ok(())
+        };
+        all_ok(comm, "checkpoint.end", renamed)
     }
 
     /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at. This rank's dense
@@ -518,13 +546,17 @@ mod with_mpi {
         };
         let validation = |model: &Model| -> Result<(BTreeMap<String, f64>, u64)> {
             let limit = crate::validation_batches(args, world).unwrap_or(usize::MAX);
-            let batches = data.batches_of_part(
-                Split::Validation,
-                0,
-                args.batch_size,
-                args.seed,
-                (rank, world),
-            )?;
+            // A stream that cannot open is a batch that fails to load: the pipeline's
+            // agreement ends every rank on it.
+            let batches = data
+                .batches_of_part(
+                    Split::Validation,
+                    0,
+                    args.batch_size,
+                    args.seed,
+                    (rank, world),
+                )
+                .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))));
             let batches: Batches = Box::new(batches.take(limit));
             evaluate(model, &eval_pipeline, batches)
         };
@@ -538,16 +570,22 @@ mod with_mpi {
             let logits = model.logits(batch, pooled.values())?;
             let loss = logits.bce_with_logits(&batch.labels, None, Reduction::Mean)?;
             let probs = no_grad(|| logits.detach().sigmoid())?;
+            // A non-finite loss on any rank stops every rank before the backward (whose
+            // fused table updates, and the gradients' all-reduce, would spread it).
+            let value = loss.item()?;
+            let finite = if value.is_finite() {
+                Ok(())
+            } else {
+                Err(Error::invalid(
+                    "dlrm",
+                    format!("rank {rank}: the loss of step {step} is {value}: training diverged"),
+                ))
+            };
+            all_ok(model.sharded.comm(), "train.loss", finite)?;
             loss.backward()?;
             all_reduce_mean_gradients(model.sharded.comm(), &model.dense.parameters())?;
             model.optimizer.step()?;
-            let loss = loss.item()?;
-            if !loss.is_finite() {
-                return Err(Error::invalid(
-                    "dlrm",
-                    format!("rank {rank}: the loss of step {step} is {loss}: training diverged"),
-                ));
-            }
+            let loss = value;
             update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
             (loss_sum, loss_count) = (loss_sum + loss, loss_count + 1);
             step += 1;
@@ -591,8 +629,9 @@ mod with_mpi {
         }
         save(&model, &metrics, args, step)?;
         let (val, val_n) = validation(&model)?;
-        let test =
-            data.batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))?;
+        let test = data
+            .batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))
+            .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))));
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
         let train = lifetime_metrics(
             &model.tasks,

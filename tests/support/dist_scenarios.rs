@@ -756,6 +756,9 @@ pub fn expected_sent(
     let others: u64 = (0..w).filter(|&d| d != rank).map(bsz).sum();
     if any_slots {
         add("input_dist.splits", (w as u64 - 1) * 4 * 8);
+    } else {
+        // Without bags to send, the flags word alone (every rank's verdict on its batch).
+        add("input_dist.agree", (w as u64 - 1) * 8);
     }
     if rw_width > 0 {
         // Reduce-scatter of partial sums; all-gather of the gradient.

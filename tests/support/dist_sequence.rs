@@ -278,6 +278,9 @@ pub fn expected_sent_ec(
     }
     if any_slots {
         add("input_dist.splits", (w as u64 - 1) * 4 * 8);
+    } else {
+        // Without bags to send, the flags word alone (every rank's verdict on its batch).
+        add("input_dist.agree", (w as u64 - 1) * 8);
     }
     let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
     replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
