@@ -314,8 +314,33 @@ fn bad_checkpoints_change_nothing() {
             .unwrap();
     let before = whole.table_weights("t2").unwrap();
     let err = load_into_unsharded(&whole, &good).unwrap_err().to_string();
-    assert!(err.contains("`t2` row 30"), "{err}");
+    assert!(err.contains("`t2` was saved as 30 × "), "{err}");
     assert_eq!(whole.table_weights("t2").unwrap(), before);
+    // Fewer rows than saved: refused too (the rows past the target's were
+    // left unread, and the load reported success).
+    let mut smaller = tables();
+    smaller[2].num_embeddings = 25;
+    let whole =
+        EmbeddingBagCollection::new(smaller, FusedOptimizer::Sgd { lr: 0.1 }, &mut seeded(3))
+            .unwrap();
+    let before = whole.table_weights("t2").unwrap();
+    let err = load_into_unsharded(&whole, &good).unwrap_err().to_string();
+    assert!(
+        err.contains("`t2` was saved as 30 × ") && err.contains("is 25 × "),
+        "{err}"
+    );
+    assert_eq!(whole.table_weights("t2").unwrap(), before);
+    // A rectangle listed twice (its overlap could hide a gap elsewhere): refused.
+    let twice = dir.join("twice");
+    copy_dir(&good, &twice);
+    config_edit::rewrite_metadata(&twice.join("manifest.safetensors"), "rects.0", |v| {
+        let mut listed: Vec<serde_json::Value> = serde_json::from_str(v).unwrap();
+        listed.push(listed[0].clone());
+        serde_json::to_string(&listed).unwrap()
+    });
+    let whole = EmbeddingBagCollection::new(tables(), mixed.optimizer, &mut seeded(3)).unwrap();
+    let err = load_into_unsharded(&whole, &twice).unwrap_err().to_string();
+    assert!(err.contains("overlap"), "{err}");
 
     // A listed rectangle of no rows, of any width, holds nothing: loading past it into tables
     // cached in files (which read a few rows at a time, by the widest rectangle met) reads

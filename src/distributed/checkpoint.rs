@@ -827,9 +827,65 @@ impl Saved {
         Ok((weights, state_values, approximate))
     }
 
-    /// Reads every rectangle of `held` and checks the optimizer, changing nothing: the values
-    /// to apply with [`Staged::apply`].
-    pub fn stage<'a>(&mut self, held: &'a [Held<'a>], optimizer: &str) -> Result<Staged<'a>> {
+    /// Checks that each table of `shapes` (name, rows, columns: the whole tables loaded into)
+    /// was saved as rectangles that do not overlap and span exactly its shape: a table saved
+    /// larger (its rows past the target's were left unread) or smaller is refused, naming both
+    /// shapes, and so is a listing whose overlaps would hide a gap.
+    fn check_tables(&self, shapes: &[(&str, usize, usize)]) -> Result<()> {
+        for &(table, rows, cols) in shapes {
+            let mut rects: Vec<Rect> = (self.rects.iter())
+                .filter(|s| s.table == table && s.rect.rows > 0 && s.rect.cols > 0)
+                .map(|s| s.rect)
+                .collect();
+            if rects.is_empty() {
+                continue;
+            }
+            let extent = |f: fn(&Rect) -> usize| rects.iter().map(f).max().unwrap_or(0);
+            let saved = (
+                extent(|r| r.row_offset + r.rows),
+                extent(|r| r.col_offset + r.cols),
+            );
+            if saved != (rows, cols) {
+                return Err(bad(
+                    &self.path,
+                    format!(
+                        "table `{table}` was saved as {} × {}, this collection's is {rows} × \
+                         {cols} (resize a table by loading into its old shape and copying)",
+                        saved.0, saved.1
+                    ),
+                ));
+            }
+            // Overlaps: each rectangle against those after it that start within its rows
+            // (sorted by first row: a few comparisons each for row- and column-wise shards).
+            rects.sort_by_key(|r| (r.row_offset, r.col_offset));
+            for (i, a) in rects.iter().enumerate() {
+                let end = a.row_offset + a.rows;
+                for b in rects[i + 1..].iter().take_while(|b| b.row_offset < end) {
+                    if a.meets(b) {
+                        return Err(bad(
+                            &self.path,
+                            format!(
+                                "table `{table}`: the saved rectangles at row {}, column {} and \
+                                 row {}, column {} overlap",
+                                a.row_offset, a.col_offset, b.row_offset, b.col_offset
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every rectangle of `held` and checks the optimizer and the tables' shapes
+    /// (`shapes`: each table's name, rows and columns), changing nothing: the values to apply
+    /// with [`Staged::apply`].
+    pub fn stage<'a>(
+        &mut self,
+        held: &'a [Held<'a>],
+        optimizer: &str,
+        shapes: &[(&str, usize, usize)],
+    ) -> Result<Staged<'a>> {
         if self.optimizer != optimizer {
             return Err(bad(
                 &self.path,
@@ -839,6 +895,7 @@ impl Saved {
                 ),
             ));
         }
+        self.check_tables(shapes)?;
         let (mut whole, chunked, rest) = self.stage_whole_groups(held)?;
         self.open_files_for(&rest)?;
         let mut values = Vec::with_capacity(rest.len());
@@ -965,7 +1022,10 @@ pub fn load_into_unsharded(
     let tbes = collection.tables();
     let held = whole_tables(&tbes);
     let optimizer = tbes.first().map_or("none", |t| t.config().optimizer.name());
-    saved.stage(&held, optimizer)?.apply()
+    let shapes: Vec<(&str, usize, usize)> = (held.iter())
+        .map(|h| (h.table, h.rect.rows, h.rect.cols))
+        .collect();
+    saved.stage(&held, optimizer, &shapes)?.apply()
 }
 
 #[cfg(test)]

@@ -679,8 +679,11 @@ impl Shards {
     /// cannot read its part, no rank changes anything).
     pub fn load(&self, path: &std::path::Path) -> Result<LoadReport> {
         let held = self.held(false);
+        let shapes: Vec<(&str, usize, usize)> = (self.tables.iter())
+            .map(|t| (t.name.as_str(), t.rows, t.dim))
+            .collect();
         let staged = checkpoint::Saved::open(path)
-            .and_then(|mut saved| saved.stage(&held, self.optimizer.name()));
+            .and_then(|mut saved| saved.stage(&held, self.optimizer.name(), &shapes));
         let staged = checkpoint::all_ok(&self.comm, "checkpoint.loaded", staged)?;
         // Writing what every rank read can still fail on I/O (a staged row file's rename):
         // every rank then says so.
