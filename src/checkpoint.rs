@@ -887,6 +887,26 @@ impl CheckpointReader {
                 *v = T::get(bytemuck::bytes_of(v));
             }
         }
+        // Tables, optimizer state and dense weights are finite: a NaN or infinity read back
+        // would spread through every later step before anything noticed.
+        let non_finite = match T::DTYPE {
+            Dtype::F32 => (bytemuck::cast_slice::<T, f32>(&out).iter())
+                .position(|v| !v.is_finite())
+                .map(|i| (i, f64::from(bytemuck::cast_slice::<T, f32>(&out)[i]))),
+            Dtype::F64 => (bytemuck::cast_slice::<T, f64>(&out).iter())
+                .position(|v| !v.is_finite())
+                .map(|i| (i, bytemuck::cast_slice::<T, f64>(&out)[i])),
+            _ => None,
+        };
+        if let Some((i, v)) = non_finite {
+            return Err(invalid(
+                &self.path,
+                format!(
+                    "`{name}` element {} is {v}: a checkpoint's values are finite",
+                    elems.start + i
+                ),
+            ));
+        }
         Ok(out)
     }
 

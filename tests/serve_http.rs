@@ -189,9 +189,13 @@ async fn start(config: ServerConfig) -> Running {
     }
 }
 
-/// Sets to NaN the f32 values of the safetensors file at `path` that `pick` chooses: given a
-/// tensor's name and shape, the range of its elements (the header and other dtypes stay).
-fn nan_tensor_data(path: &Path, pick: impl Fn(&str, &[usize]) -> Option<Range<usize>>) {
+/// Sets to `value` the f32 values of the safetensors file at `path` that `pick` chooses: given
+/// a tensor's name and shape, the range of its elements (the header and other dtypes stay).
+fn fill_tensor_data(
+    path: &Path,
+    value: f32,
+    pick: impl Fn(&str, &[usize]) -> Option<Range<usize>>,
+) {
     let mut bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -207,13 +211,13 @@ fn nan_tensor_data(path: &Path, pick: impl Fn(&str, &[usize]) -> Option<Range<us
         };
         let at = t["data_offsets"][0].as_u64().unwrap() as usize + 8 + n;
         for chunk in bytes[at + 4 * elements.start..at + 4 * elements.end].chunks_exact_mut(4) {
-            chunk.copy_from_slice(&f32::NAN.to_le_bytes());
+            chunk.copy_from_slice(&value.to_le_bytes());
         }
     }
     std::fs::write(path, &bytes).unwrap();
 }
 
-/// Every element of a tensor, for [`nan_tensor_data`].
+/// Every element of a tensor, for [`fill_tensor_data`].
 fn every_element(_: &str, shape: &[usize]) -> Option<Range<usize>> {
     Some(0..shape.iter().product())
 }
@@ -395,9 +399,9 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
         assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
         assert!(String::from_utf8_lossy(&answer).contains("old model keeps serving"));
-        // Weights that load but hold NaN: refused by the probe row.
+        // Weights that hold NaN: refused as the checkpoint is read.
         write_checkpoint(&trainer, &path);
-        nan_tensor_data(&path, every_element);
+        fill_tensor_data(&path, f32::NAN, every_element);
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
         assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
         assert_eq!(running.server.version(), 2);
@@ -879,11 +883,12 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
 
-        // A model whose table rows past the first are NaN loads (its probe row reads row 0);
-        // a request reading row 1 gets 422 naming the row, not 200 with `null`.
-        let nan_rows = dir.join("nan-rows.safetensors");
+        // A model whose table rows past the first are the largest f32 loads (its probe row
+        // reads row 0); a request reading row 1, whose prediction overflows to a non-number,
+        // gets 422 naming the row, not 200 with `null`.
+        let nan_rows = dir.join("huge-rows.safetensors");
         std::fs::copy(&path, &nan_rows).unwrap();
-        nan_tensor_data(&nan_rows, |name, shape| {
+        fill_tensor_data(&nan_rows, f32::MAX, |name, shape| {
             (name.starts_with("tables.") && name.ends_with(".weight"))
                 .then(|| shape[1]..shape.iter().product())
         });
@@ -1716,10 +1721,11 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         assert!(load_err(&index_path, 9, 10).contains("nprobe 9 (1..=8)"));
         assert!(load_err(&index_path, 3, 0).contains("max_k 0"));
         assert!(load_err(&index_path, 3, 100_001).contains("max_k 100001 (1..=100000)"));
-        // A query tower of NaN weights: refused at load (it loaded, and every query failed).
-        let nan_tt = dir.join("nan-tt.safetensors");
+        // A query tower whose weights overflow every query to a non-number: refused at load
+        // by its probe query (it loaded, and every query failed).
+        let nan_tt = dir.join("huge-tt.safetensors");
         std::fs::copy(&tt_path, &nan_tt).unwrap();
-        nan_tensor_data(&nan_tt, every_element);
+        fill_tensor_data(&nan_tt, f32::MAX, every_element);
         let e = RetrievalServable::from_files(&nan_tt, &index_path, 3, 10)
             .err()
             .expect("refused")

@@ -199,6 +199,34 @@ fn collections_save_all_their_tables_in_one_file() {
         b.table_weights("t0").unwrap()
     );
     a.save(&path).unwrap();
+    // Tables under a prefix (a trainer's checkpoint), or a file without a group's step: named
+    // errors that change nothing (the first said "saved with optimizer ``", the second loaded
+    // with step 0, restarting bias correction over the loaded moments).
+    use embers::checkpoint::{CheckpointReader, CheckpointWriter};
+    let before = b.table_weights("t0").unwrap();
+    let prefixed = dir.join("prefixed.safetensors");
+    let mut w = CheckpointWriter::new();
+    a.checkpoint_into(&mut w, "tables.").unwrap();
+    w.write(&prefixed).unwrap();
+    let err = b.load(&prefixed).unwrap_err().to_string();
+    assert!(err.contains("no embedding tables under ``"), "{err}");
+    let r = CheckpointReader::open(&path).unwrap();
+    let mut no_step = CheckpointWriter::new();
+    for name in r.names() {
+        no_step
+            .add_tensor(name.clone(), &r.read_tensor(&name).unwrap())
+            .unwrap();
+    }
+    for (k, v) in r.names_of_metadata() {
+        if k != "group0.step" {
+            no_step.set_metadata(k, v);
+        }
+    }
+    let no_step_path = dir.join("no-step.safetensors");
+    no_step.write(&no_step_path).unwrap();
+    let err = b.load(&no_step_path).unwrap_err().to_string();
+    assert!(err.contains("`group0.step` is missing"), "{err}");
+    assert_eq!(b.table_weights("t0").unwrap(), before);
     b.load(&path).unwrap();
     for t in ["t0", "t1"] {
         assert_eq!(a.table_weights(t).unwrap(), b.table_weights(t).unwrap());
@@ -357,6 +385,18 @@ fn parts_directories_are_checked_on_write_and_on_load() {
     );
     let err = w.write(dir.join("c.safetensors")).unwrap_err().to_string();
     assert!(err.contains("parts were made for"), "{err}");
+    // A prefix that would put a cached group's rows outside the parts directory, or in a
+    // directory no load accepts: refused as it is written (it saved, and never loaded).
+    for prefix in ["../", "sparse/", ".x"] {
+        let mut w = CheckpointWriter::new();
+        w.parts_beside(dir.join("d.safetensors"));
+        let err = ebc.checkpoint_into(&mut w, prefix).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("the name prefix `{prefix}`")),
+            "{err}"
+        );
+    }
+    assert!(!dir.join("group0").exists());
     assert!(
         parts("b.safetensors").is_empty(),
         "the unwritten checkpoint's parts stay"

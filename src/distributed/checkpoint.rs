@@ -620,7 +620,10 @@ impl Saved {
             if reader.metadata(&format!("group{g}.optimizer")).is_none() {
                 break;
             }
-            let s = parse_count(reader.metadata(&format!("group{g}.step")).unwrap_or("0"))
+            let key = format!("group{g}.step");
+            let text =
+                (reader.metadata(&key)).ok_or_else(|| bad(path, format!("`{key}` is missing")))?;
+            let s = parse_count(text)
                 .ok_or_else(|| bad(path, format!("group {g}'s step is not a count below 2^63")))?;
             step = step.max(s);
         }

@@ -45,6 +45,18 @@ pub(crate) fn add_tbes<'a>(
                 // Tables cached in a file: their own checkpoint (the row file copied whole,
                 // and a manifest) in the parts directory, never all in memory.
                 let name = format!("{prefix}group{g}");
+                // The directory name a load accepts (see `cached_group_dir`): inside the
+                // parts directory, never a hidden or parent path.
+                if name.contains(['/', '\\']) || name.starts_with('.') {
+                    return Err(Error::invalid(
+                        "checkpoint",
+                        format!(
+                            "the name prefix `{prefix}` would put tables cached in files in \
+                             `{name}`, not a directory name of the parts directory: give a \
+                             prefix without `/`, `\\` or a leading `.`"
+                        ),
+                    ));
+                }
                 tbe.save_cached_checkpoint(parts.join(&name))?;
                 w.set_metadata(format!("{prefix}group{g}.rows"), name);
                 continue;
@@ -137,10 +149,34 @@ pub(crate) fn stage_tbes(
         cached: Vec::new(),
         steps: Vec::new(),
     };
+    let format = r.metadata(&format!("{prefix}format"));
+    if format != Some(FORMAT) {
+        return Err(Error::invalid(
+            "checkpoint",
+            match format {
+                None => format!(
+                    "{path}: no embedding tables under `{prefix}` (no `{prefix}format`; a \
+                     trainer's checkpoint keeps them under `tables.`)"
+                ),
+                Some(other) => format!(
+                    "{path}: `{prefix}format` is `{other}`, embers writes `{FORMAT}` for tables"
+                ),
+            },
+        ));
+    }
     for (g, tbe) in tbes.iter().enumerate() {
-        let saved_opt = r
-            .metadata(&format!("{prefix}group{g}.optimizer"))
-            .unwrap_or("");
+        let required = |key: String| {
+            r.metadata(&key).ok_or_else(|| {
+                Error::invalid(
+                    "checkpoint",
+                    format!(
+                        "{path}: `{key}` is missing (the file holds fewer table groups, or \
+                         other tables)"
+                    ),
+                )
+            })
+        };
+        let saved_opt = required(format!("{prefix}group{g}.optimizer"))?;
         if saved_opt != tbe.config().optimizer.name() {
             return Err(Error::invalid(
                 "checkpoint",
@@ -150,7 +186,7 @@ pub(crate) fn stage_tbes(
                 ),
             ));
         }
-        let step = r.metadata(&format!("{prefix}group{g}.step")).unwrap_or("0");
+        let step = required(format!("{prefix}group{g}.step"))?;
         staged
             .steps
             .push(crate::checkpoint::parse_count(step).ok_or_else(|| {
