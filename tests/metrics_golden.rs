@@ -253,11 +253,54 @@ fn bad_inputs_are_errors() {
         err.contains("like") && err.contains("predictions[1]"),
         "{err}"
     );
+    // Out of range for probability metrics: a logit, a label of 2, a negative weight (they
+    // were clamped into the histograms' end bins, or made NE negative).
+    for (pred, label, weight, expected) in [
+        (
+            1.5f32,
+            1.0f32,
+            1.0f32,
+            "predictions[1] is 1.5 (must be a probability)",
+        ),
+        (0.5, 2.0, 1.0, "labels[1] is 2 (must be within [0, 1])"),
+        (0.5, 1.0, -1.0, "weights[1] is -1 (must be not negative)"),
+    ] {
+        let (bp, by, bw) = ([0.5f32, pred], [1.0f32, label], [1.0f32, weight]);
+        let err = m
+            .update(&[&p, &bp], &[&y, &by], Some(&[&[1.0, 1.0], &bw]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("like") && err.contains(expected), "{err}");
+    }
     // Nothing was recorded by the failed updates.
     m.update(&[&p, &p], &[&y, &y], None).unwrap();
     let v = m.compute();
     assert_eq!(v["ctr-click|lifetime_ctr"], 0.5);
     assert_eq!(v["ctr-like|window_ctr"], 0.5);
+    // Regression metrics alone take any real predictions and labels.
+    use embers::metrics::SumKind;
+    let mut r = RecMetrics::new(
+        &["t"],
+        &[MetricKind::Sum(SumKind::Mse), MetricKind::Sum(SumKind::Mae)],
+        10,
+    )
+    .unwrap();
+    r.update(&[&[3.5, -2.0]], &[&[4.0, -1.0]], None).unwrap();
+    assert_eq!(r.compute()["mae-t|lifetime_mae"], 0.75);
+}
+
+/// R² of labels that differ by 1 in 1e6 is computed, not taken for constant labels' 1 (a
+/// tolerance of 1e-12 of the squares' sum took it for constant labels).
+#[test]
+fn r_squared_of_large_labels() {
+    use embers::metrics::SumKind;
+    let mut m = RecMetrics::new(&["t"], &[MetricKind::Sum(SumKind::Mse)], 10).unwrap();
+    m.update(&[&[0.0, 0.0]], &[&[1e6, 1e6 + 1.0]], None)
+        .unwrap();
+    let r2 = m.compute()["mse-t|lifetime_r_squared"];
+    // Σ(y−ȳ)² = 0.5, Σ(p−y)² ≈ 2e12.
+    let want = 1.0 - (1e12 + (1e6f64 + 1.0).powi(2)) / 0.5;
+    assert!((r2 - want).abs() <= 1e-9 * want.abs(), "{r2} vs {want}");
 }
 
 #[test]

@@ -173,7 +173,9 @@ impl ScoreHistogram {
         self.positives.iter().sum::<f64>() == 0.0 || self.negatives.iter().sum::<f64>() == 0.0
     }
 
-    /// AUPRC over bins (0.5 without positives or negatives), TorchRec's lifetime AUPRC.
+    /// AUPRC over bins (0.5 without positives or negatives), TorchRec's lifetime AUPRC (its
+    /// module reports 0.5 there, checked against the golden values, where its window AUPRC
+    /// is 0 or 1).
     pub fn auprc(&self) -> f64 {
         if self.degenerate() {
             0.5

@@ -116,7 +116,30 @@ fn check_finite(task: &str, what: &str, v: &[f32]) -> Result<()> {
     }
 }
 
+/// An error naming the first of `v` outside `range` (`what` it must be).
+fn check_range(
+    task: &str,
+    name: &str,
+    v: &[f32],
+    range: std::ops::RangeInclusive<f32>,
+    what: &str,
+) -> Result<()> {
+    match v.iter().position(|x| !range.contains(x)) {
+        Some(i) => Err(Error::invalid(
+            "RecMetrics::update",
+            format!("task `{task}`: {name}[{i}] is {} (must be {what})", v[i]),
+        )),
+        None => Ok(()),
+    }
+}
+
 impl RecMetrics {
+    /// Whether some metric reads the predictions as probabilities of labels in [0, 1] (all
+    /// but MSE and MAE, which take any real predictions and labels).
+    fn probabilities(&self) -> bool {
+        (self.kinds.iter()).any(|k| !matches!(k, MetricKind::Sum(SumKind::Mse | SumKind::Mae)))
+    }
+
     /// Metrics `kinds` for `tasks`, with windows of `window_size` samples.
     pub fn new(tasks: &[&str], kinds: &[MetricKind], window_size: usize) -> Result<Self> {
         if tasks.is_empty() || window_size == 0 {
@@ -157,7 +180,9 @@ impl RecMetrics {
     }
 
     /// Adds a batch: per task, predictions (probabilities), labels and optional weights (1 if
-    /// absent), all of one length. Non-finite values are an error naming task and position.
+    /// absent), all of one length. Non-finite values, negative weights and (unless every
+    /// metric is MSE or MAE) predictions or labels outside [0, 1] are an error naming task
+    /// and position; nothing is added then.
     pub fn update(
         &mut self,
         predictions: &[&[f32]],
@@ -187,6 +212,19 @@ impl RecMetrics {
             check_finite(task, "labels", labels[i])?;
             if let Some(w) = weights {
                 check_finite(task, "weights", w[i])?;
+                check_range(task, "weights", w[i], 0.0..=f32::MAX, "not negative")?;
+            }
+            if self.probabilities() {
+                // Logits for probabilities clamped silently into the histograms' end bins,
+                // and a label of 2 made NE negative.
+                check_range(
+                    task,
+                    "predictions",
+                    predictions[i],
+                    0.0..=1.0,
+                    "a probability",
+                )?;
+                check_range(task, "labels", labels[i], 0.0..=1.0, "within [0, 1]")?;
             }
         }
         for i in 0..t {

@@ -120,11 +120,13 @@ impl SumKind {
             SumKind::Mse => {
                 let (err, weight, label, label_sq) = (s[0], s[1], s[2], s[3]);
                 let mse = ratio(err, weight);
-                // Total sum of squares; labels that are all equal leave only rounding noise,
-                // which counts as zero (R² = 1, TorchRec's convention for a zero denominator). With no
-                // weight at all the value is undefined (NaN), as in TorchRec.
+                // Total sum of squares; labels that are all equal leave only rounding noise
+                // (about 1e-16 of the squares' sum per operation), which counts as zero: R² = 1,
+                // as TorchRec's module reports for a zero denominator. With no weight at all
+                // the value is undefined (NaN), as in TorchRec. (A tolerance of 1e-12 of the
+                // squares called labels 1e6 and 1e6+1 equal, and any error on them R² = 1.)
                 let total = label_sq - label * label / weight;
-                let r2 = if total.abs() <= 1e-12 * label_sq.abs() {
+                let r2 = if total.abs() <= 1e-13 * label_sq.abs() {
                     1.0
                 } else {
                     1.0 - err / total
