@@ -80,3 +80,55 @@ fn adam_past_two_to_the_31_steps_stays_finite() -> Result<()> {
     assert_eq!(after(i64::MAX - 1)?, big);
     Ok(())
 }
+
+/// Settings changed after construction (public fields, `set_learning_rate`) are checked at
+/// the step, before any parameter changes (a NaN momentum or learning rate made every
+/// parameter NaN; Nesterov without momentum ran as plain SGD).
+#[test]
+fn optimizer_settings_are_checked_at_every_step() -> Result<()> {
+    use embers::optim::{Adagrad, Sgd};
+    let param = || -> Result<Tensor> {
+        Ok(Tensor::from_vec(vec![1.0f32, -2.0], &[2])?.with_requires_grad(true))
+    };
+    let cases: Vec<(Box<dyn Optimizer>, Tensor, &str)> = {
+        let mut v: Vec<(Box<dyn Optimizer>, Tensor, &str)> = Vec::new();
+        let p = param()?;
+        v.push((
+            Box::new(Sgd::new(vec![p.clone()], 0.1)?.momentum(f64::NAN)),
+            p,
+            "momentum is NaN",
+        ));
+        let p = param()?;
+        v.push((
+            Box::new(Sgd::new(vec![p.clone()], 0.1)?.weight_decay(-1.0)),
+            p,
+            "weight_decay is -1",
+        ));
+        let p = param()?;
+        v.push((
+            Box::new(Sgd::new(vec![p.clone()], 0.1)?.nesterov(true)),
+            p,
+            "Nesterov momentum takes",
+        ));
+        let p = param()?;
+        let mut adagrad = Adagrad::new(vec![p.clone()], 0.1, 0.0)?;
+        adagrad.lr_decay = -1.0;
+        v.push((Box::new(adagrad), p, "lr_decay is -1"));
+        let p = param()?;
+        let mut adam = Adam::new(vec![p.clone()], AdamConfig::default())?;
+        adam.config.betas.0 = 1.0;
+        v.push((Box::new(adam), p, "betas (1.0, 0.999)"));
+        let p = param()?;
+        let mut adam = Adam::new(vec![p.clone()], AdamConfig::default())?;
+        adam.set_learning_rate(f64::NAN);
+        v.push((Box::new(adam), p, "lr is NaN"));
+        v
+    };
+    for (mut opt, p, expected) in cases {
+        p.mul_scalar(3.0)?.sum_all()?.backward()?;
+        let e = opt.step().unwrap_err().to_string();
+        assert!(e.contains(expected), "{e}");
+        assert_eq!(p.to_vec::<f32>()?, vec![1.0, -2.0]);
+    }
+    Ok(())
+}

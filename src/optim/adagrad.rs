@@ -56,6 +56,20 @@ impl Adagrad {
         })
     }
 
+    /// Learning rate, its decay, weight decay and eps: finite and not negative (checked at
+    /// every step, as they are public fields).
+    fn check_settings(&self) -> Result<()> {
+        for (name, v) in [
+            ("lr", self.lr),
+            ("lr_decay", self.lr_decay),
+            ("weight_decay", self.weight_decay),
+            ("eps", self.eps),
+        ] {
+            super::check_hyper("Adagrad", name, v)?;
+        }
+        Ok(())
+    }
+
     /// The accumulated squared gradients, one per parameter (checkpointable state).
     pub fn state(&self) -> &[Tensor] {
         &self.sums

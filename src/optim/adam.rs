@@ -63,18 +63,29 @@ pub struct Adam {
     pub config: AdamConfig,
 }
 
+/// Learning rate, eps and weight decay finite and not negative; betas in [0, 1).
+fn check_config(config: &AdamConfig) -> Result<()> {
+    super::check_hyper("Adam", "lr", config.lr)?;
+    super::check_hyper("Adam", "eps", config.eps)?;
+    super::check_hyper("Adam", "weight_decay", config.weight_decay)?;
+    if !(0.0..1.0).contains(&config.betas.0) || !(0.0..1.0).contains(&config.betas.1) {
+        return Err(crate::Error::invalid(
+            "Adam",
+            format!("betas {:?} must lie in [0, 1)", config.betas),
+        ));
+    }
+    Ok(())
+}
+
 impl Adam {
+    /// The settings, checked again at every step: see [`check_config`].
+    fn check_settings(&self) -> Result<()> {
+        check_config(&self.config)
+    }
+
     /// A new optimizer over `params`.
     pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<Self> {
-        super::check_hyper("Adam", "lr", config.lr)?;
-        super::check_hyper("Adam", "eps", config.eps)?;
-        super::check_hyper("Adam", "weight_decay", config.weight_decay)?;
-        if !(0.0..1.0).contains(&config.betas.0) || !(0.0..1.0).contains(&config.betas.1) {
-            return Err(crate::Error::invalid(
-                "Adam",
-                format!("betas {:?} must lie in [0, 1)", config.betas),
-            ));
-        }
+        check_config(&config)?;
         for p in &params {
             check_param("Adam", p)?;
         }

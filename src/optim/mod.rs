@@ -42,6 +42,9 @@ macro_rules! impl_optimizer {
     ($ty:ident, $name:literal, $($lr:ident).+) => {
         impl $crate::optim::Optimizer for $ty {
             fn step(&mut self) -> $crate::Result<()> {
+                // Settings are public fields and `set_learning_rate`: checked before any update
+                // (a NaN learning rate or momentum made every parameter NaN).
+                self.check_settings()?;
                 for i in 0..self.params.len() {
                     self.step_param(i)?;
                 }

@@ -44,6 +44,31 @@ impl Sgd {
         })
     }
 
+    /// Learning rate, momentum, dampening and weight decay finite and not negative; Nesterov
+    /// momentum with a momentum and no dampening (it would run as plain SGD). Checked at every
+    /// step, as the settings are public fields.
+    fn check_settings(&self) -> Result<()> {
+        for (name, v) in [
+            ("lr", self.lr),
+            ("momentum", self.momentum),
+            ("dampening", self.dampening),
+            ("weight_decay", self.weight_decay),
+        ] {
+            super::check_hyper("Sgd", name, v)?;
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(crate::Error::invalid(
+                "Sgd",
+                format!(
+                    "Nesterov momentum takes a momentum above 0 and dampening 0 (momentum {}, \
+                     dampening {})",
+                    self.momentum, self.dampening
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Sets momentum.
     pub fn momentum(mut self, momentum: f64) -> Self {
         self.momentum = momentum;
