@@ -681,3 +681,44 @@ fn a_diverging_run_is_an_error_naming_the_step() -> Result<()> {
     );
     Ok(())
 }
+
+/// An empty batch is refused before anything changes (its mean loss is 0/0, reported as
+/// divergence after the optimizer had stepped); pooled embeddings of another shape than
+/// `[B, F·D]` are refused by `forward_pooled` (a reshape took any tensor of B·F·D elements).
+#[test]
+fn an_empty_batch_and_misshapen_pooled_embeddings_are_refused() -> Result<()> {
+    use embers::sparse::KeyedJaggedTensor;
+    use embers::{DType, Device, Tensor};
+    let g = data(1_000, 3, 20);
+    let cfg = config(&g, 4);
+    let mut trainer = cfg.build()?;
+    let before = state_bits(&trainer);
+    let keys: Vec<String> = cfg.sparse_features.iter().map(|(k, _)| k.clone()).collect();
+    let empty = Batch::new(
+        Tensor::zeros(&[0, cfg.num_dense], DType::F32, Device::Cpu),
+        KeyedJaggedTensor::from_lengths(
+            keys,
+            Tensor::zeros(&[0], DType::I64, Device::Cpu),
+            Tensor::zeros(&[0], DType::I32, Device::Cpu),
+            None,
+            Some(0),
+        )?,
+        Tensor::zeros(&[0, 1], DType::F32, Device::Cpu),
+    )?;
+    let e = trainer.train_step(&empty).unwrap_err().to_string();
+    assert!(e.contains("an empty batch"), "{e}");
+    assert_eq!(state_bits(&trainer), before);
+    let model = trainer.model();
+    let dense = Tensor::zeros(&[2, cfg.num_dense], DType::F32, Device::Cpu);
+    let fd = 3 * 4;
+    model.forward_pooled(&dense, &Tensor::zeros(&[2, fd], DType::F32, Device::Cpu))?;
+    for shape in [&[1, 2 * fd][..], &[fd, 2], &[2 * fd]] {
+        let pooled = Tensor::zeros(shape, DType::F32, Device::Cpu);
+        let e = model
+            .forward_pooled(&dense, &pooled)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("[B, {fd}]")), "{e}");
+    }
+    Ok(())
+}

@@ -340,7 +340,8 @@ fn throughput_excludes_warmup_and_windows_recent_steps() {
     use embers::metrics::Throughput;
     use std::time::{Duration, Instant};
     let t0 = Instant::now();
-    let mut t = Throughput::new(2, 2);
+    let mut t = Throughput::new(2, 2).unwrap();
+    assert!(Throughput::new(2, 0).is_err());
     // Two slow warm-up steps are ignored; then 100 examples every 10 ms, then every 20 ms.
     t.step_at(100, t0 + Duration::from_millis(500));
     t.step_at(100, t0 + Duration::from_millis(1000));

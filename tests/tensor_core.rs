@@ -826,3 +826,29 @@ fn relu_keeps_nan_as_pytorch_does() {
     let g = x.grad().unwrap().to_vec::<f32>().unwrap();
     assert_eq!(g, vec![0.0, 0.0, 1.0, 0.0]);
 }
+
+/// Random constructors refuse what they cannot sample: a NaN or negative standard deviation
+/// (NaN filled the tensor), an empty or infinite uniform range (the sampler panicked).
+#[test]
+fn random_constructors_refuse_bad_parameters() {
+    let mut rng = seeded(5);
+    for (mean, std) in [(0.0, f64::NAN), (0.0, -1.0), (f64::INFINITY, 1.0)] {
+        let e = Tensor::try_randn(&[3], mean, std, DType::F32, &mut rng)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Tensor::randn"), "{e}");
+    }
+    for (low, high) in [
+        (1.0, 1.0),
+        (2.0, 1.0),
+        (f64::NAN, 1.0),
+        (f64::NEG_INFINITY, f64::INFINITY),
+    ] {
+        let e = Tensor::try_rand_uniform(&[3], low, high, DType::F32, &mut rng)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is empty or not of a finite width"), "{e}");
+    }
+    let ok = Tensor::try_randn(&[3], 0.0, 0.0, DType::F32, &mut rng).unwrap();
+    assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0; 3]);
+}

@@ -614,6 +614,15 @@ fn trainer_misuse_is_a_named_error() {
             good.train_step(&batch).unwrap()
         );
     }
+    // An empty batch: nothing to train on (its mean loss was 0/0).
+    let empty = embers::train::PairBatch {
+        queries: one_hot("user", &[]),
+        candidates: one_hot("item", &[]),
+        candidate_ids: Vec::new(),
+        labels: Some(Tensor::from_vec(Vec::<f32>::new(), &[0]).unwrap()),
+    };
+    let e = bad.train_step(&empty).unwrap_err().to_string();
+    assert!(e.contains("an empty batch"), "{e}");
     // No catalogue to draw negatives from, or one past the ids.
     for catalogue in [0, usize::MAX] {
         let e = build()

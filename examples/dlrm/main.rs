@@ -1378,7 +1378,7 @@ fn run(args: Args) -> Result<()> {
     };
 
     let mut history: Vec<Record> = Vec::new();
-    let mut throughput = Throughput::new(5, 50);
+    let mut throughput = Throughput::new(5, 50)?;
     let started = Instant::now();
     let mut loss_sum = 0.0;
     let mut loss_count = 0u64;

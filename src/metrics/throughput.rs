@@ -15,16 +15,23 @@ pub struct Throughput {
 }
 
 impl Throughput {
-    /// Ignores the first `warmup_steps` steps; the window covers the last `window_steps`.
-    pub fn new(warmup_steps: usize, window_steps: usize) -> Self {
-        Throughput {
+    /// Ignores the first `warmup_steps` steps; the window covers the last `window_steps` (at
+    /// least 1: a window of none is an error, as in TorchRec).
+    pub fn new(warmup_steps: usize, window_steps: usize) -> crate::Result<Self> {
+        if window_steps == 0 {
+            return Err(crate::Error::invalid(
+                "Throughput::new",
+                "a window of 0 steps measures nothing: give at least 1",
+            ));
+        }
+        Ok(Throughput {
             warmup_steps,
-            window_steps: window_steps.max(1),
+            window_steps,
             steps: 0,
             start: None,
             examples_since_start: 0,
             recent: VecDeque::new(),
-        }
+        })
     }
 
     /// Records that a step that processed `examples` examples just finished.

@@ -376,6 +376,19 @@ impl Dlrm {
     pub fn forward_pooled(&self, dense_features: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         let b = dense_features.shape().first().copied().unwrap_or(0);
         let d = self.dense.dense_arch.out_features();
+        let width = self.dense.num_sparse_features * d;
+        // Checked before the reshape, which took any tensor of B·F·D elements (a feature-major
+        // buffer, or one sample's row holding two).
+        if dense_features.rank() != 2 || pooled.shape() != [b, width] {
+            return Err(Error::ShapeMismatch {
+                op: "Dlrm::forward_pooled",
+                lhs: dense_features.shape().to_vec(),
+                rhs: pooled.shape().to_vec(),
+                detail: format!(
+                    "expected dense features [B, in] and pooled embeddings [B, {width}]"
+                ),
+            });
+        }
         let device = self.device();
         let embedded =
             (pooled.to_device(device)?).reshape(&[b, self.dense.num_sparse_features, d])?;

@@ -67,17 +67,7 @@ impl Init {
             Init::KaimingUniform => uniform((6.0 / fi).sqrt(), rng),
             Init::KaimingNormal => Tensor::try_randn(shape, 0.0, (2.0 / fi).sqrt(), dtype, rng),
             Init::Normal { std } => Tensor::try_randn(shape, 0.0, std, dtype, rng),
-            Init::Uniform { low, high } => {
-                if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less)
-                    || !(high - low).is_finite()
-                {
-                    return Err(Error::invalid(
-                        "init",
-                        format!("[{low}, {high}) is empty or not of a finite width"),
-                    ));
-                }
-                Tensor::try_rand_uniform(shape, low, high, dtype, rng)
-            }
+            Init::Uniform { low, high } => Tensor::try_rand_uniform(shape, low, high, dtype, rng),
             Init::Zeros => Tensor::try_zeros(shape, dtype, crate::Device::Cpu),
         }
     }

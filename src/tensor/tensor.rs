@@ -214,27 +214,35 @@ impl Tensor {
     }
 
     /// Samples from N(mean, std²), drawn in f64 and stored as `dtype` (a float dtype); panics
-    /// when the memory cannot be had ([`Init`](crate::nn::Init) returns that as an error).
+    /// where [`Tensor::try_randn`] returns an error.
     pub fn randn(shape: &[usize], mean: f64, std: f64, dtype: DType, rng: &mut impl Rng) -> Tensor {
         Tensor::try_randn(shape, mean, std, dtype, rng).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`Tensor::randn`], with a refused allocation returned as an error.
-    pub(crate) fn try_randn(
+    /// [`Tensor::randn`], with an error for a mean that is not finite, a standard deviation
+    /// that is not finite and at least 0 (a NaN one filled the tensor with NaN), or an
+    /// allocation the allocator refuses.
+    pub fn try_randn(
         shape: &[usize],
         mean: f64,
         std: f64,
         dtype: DType,
         rng: &mut impl Rng,
     ) -> Result<Tensor> {
+        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+            return Err(Error::invalid(
+                "Tensor::randn",
+                format!("N({mean}, {std}²): the mean must be finite, the std finite and ≥ 0"),
+            ));
+        }
         Tensor::sampled("Tensor::randn", shape, dtype, || {
             let z: f64 = StandardNormal.sample(rng);
             mean + std * z
         })
     }
 
-    /// Samples uniformly from `[low, high)`, stored as `dtype` (a float dtype); panics when the
-    /// memory cannot be had ([`Init`](crate::nn::Init) returns that as an error).
+    /// Samples uniformly from `[low, high)`, stored as `dtype` (a float dtype); panics where
+    /// [`Tensor::try_rand_uniform`] returns an error.
     pub fn rand_uniform(
         shape: &[usize],
         low: f64,
@@ -245,14 +253,21 @@ impl Tensor {
         Tensor::try_rand_uniform(shape, low, high, dtype, rng).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`Tensor::rand_uniform`], with a refused allocation returned as an error.
-    pub(crate) fn try_rand_uniform(
+    /// [`Tensor::rand_uniform`], with an error for a range that is empty or not of a finite
+    /// width (the sampler panicked), or an allocation the allocator refuses.
+    pub fn try_rand_uniform(
         shape: &[usize],
         low: f64,
         high: f64,
         dtype: DType,
         rng: &mut impl Rng,
     ) -> Result<Tensor> {
+        if low.partial_cmp(&high) != Some(std::cmp::Ordering::Less) || !(high - low).is_finite() {
+            return Err(Error::invalid(
+                "Tensor::rand_uniform",
+                format!("[{low}, {high}) is empty or not of a finite width"),
+            ));
+        }
         Tensor::sampled("Tensor::rand_uniform", shape, dtype, || {
             rng.random_range(low..high)
         })

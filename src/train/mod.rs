@@ -870,6 +870,13 @@ impl DlrmTrainer {
         after_backward: impl FnOnce() -> Result<()>,
     ) -> Result<StepOutput> {
         let b = batch.batch_size();
+        if b == 0 {
+            // Its mean loss is 0/0, reported as divergence after the optimizer had stepped.
+            return Err(Error::invalid(
+                "DlrmTrainer::train_step",
+                "an empty batch (no example) has nothing to train on",
+            ));
+        }
         self.optimizer.zero_grad();
         let logits = self.model.forward(&batch.dense, &batch.sparse)?;
         check_logits(&self.tasks, batch, &logits)?;

@@ -267,6 +267,12 @@ impl TwoTowerTrainer {
 
     fn step_inner(&mut self, batch: &PairBatch) -> Result<f64> {
         let b = batch.candidate_ids.len();
+        if b == 0 {
+            return Err(Error::invalid(
+                OP,
+                "an empty batch (no pair) has nothing to train on",
+            ));
+        }
         for (what, kjt) in [
             ("queries", &batch.queries),
             ("candidates", &batch.candidates),
