@@ -446,8 +446,8 @@ fn the_dlrm_example_refuses_an_empty_training_set_across_processes() {
 }
 
 /// A rank of the DLRM example that refuses its command line (a flag for other data, a flag
-/// that does not parse, a plan file it cannot read, another --plan than rank 0's) ends every
-/// rank at once, each naming it;
+/// that does not parse, a plan file it cannot read, another --plan than rank 0's, data it
+/// cannot open: here no --path) ends every rank at once, each naming it;
 /// without `--plan` the launched ranks all refuse to train alone into one `--out`. (A rank
 /// refusing its flags before meeting the others left them waiting in MPI's initialisation
 /// until the launcher's timeout.)
@@ -476,7 +476,7 @@ fn one_rank_refusing_its_command_line_ends_every_rank_at_once() {
             .collect()
     };
     let missing_plan = dir.join("no-such-plan.json");
-    let cases: [(Vec<String>, Vec<String>, &[&str]); 4] = [
+    let cases: [(Vec<String>, Vec<String>, &[&str]); 5] = [
         (
             with(&["--plan", "auto"]),
             with(&["--plan", "auto", "--shuffle-buffer", "4"]),
@@ -510,6 +510,21 @@ fn one_rank_refusing_its_command_line_ends_every_rank_at_once() {
             .concat(),
             with(&["--plan", "auto"]),
             &["no-such-plan.json", "rank 0 was given a plan file"],
+        ),
+        (
+            with(&["--plan", "auto"]),
+            [
+                "--plan",
+                "auto",
+                "--data",
+                "criteo-tsv",
+                "--no-progress",
+                "--out",
+                out_dir.to_str().unwrap(),
+            ]
+            .map(String::from)
+            .to_vec(),
+            &["dlrm.data failed on rank 1", "needs --path"],
         ),
     ];
     for (rank0, rank1, expected) in &cases {

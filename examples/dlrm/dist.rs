@@ -89,10 +89,11 @@ pub fn write_planner_config(
     Ok(())
 }
 
-/// The ranks an MPI launcher started this process among, when more than one (MPICH's and
-/// Slurm's `PMI_SIZE`, Open MPI's `OMPI_COMM_WORLD_SIZE`).
+/// The ranks an MPI launcher started this process among, when more than one (MPICH's, Intel
+/// MPI's and Slurm's `PMI_SIZE`, Open MPI's `OMPI_COMM_WORLD_SIZE`, MVAPICH's
+/// `MV2_COMM_WORLD_SIZE`).
 pub fn launched_ranks() -> Option<usize> {
-    ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"]
+    ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
         .filter(|&w| w > 1)
@@ -415,12 +416,27 @@ mod with_mpi {
             Err(e) => return exit_code(Err(e)),
         };
         let rank = comm.rank();
-        let prepared = match crate::parse_args() {
+        // Opening the data can take long on one rank (counting a large file's lines on a cold
+        // disk): the ranks wait for each other there on a duplicate with a deadline of a day.
+        let patient = match comm.split(0) {
+            Ok(c) => c.with_timeout(std::time::Duration::from_secs(24 * 3600)),
+            Err(e) => return exit_code(Err(e)),
+        };
+        let checked = match crate::parse_args() {
             Err(e) => parse_error(e, rank).map_or(Ok(None), Err),
             Ok(args) if args.plan.is_none() => Err(unplanned(ranks)),
-            Ok(args) => crate::prepare(&args).map(|(data, config)| Some((args, data, config))),
+            Ok(args) => crate::check_args(&args).map(|()| Some(args)),
         };
-        let outcome = embers::distributed::all_ok(&comm, "dlrm.flags", prepared);
+        let outcome = all_ok(&comm, "dlrm.flags", checked).and_then(|checked| {
+            let opened = match checked {
+                Some(args) => {
+                    crate::open_data(&args).map(|(data, config)| Some((args, data, config)))
+                }
+                None => Ok(None),
+            };
+            all_ok(&patient, "dlrm.data", opened)
+        });
+        drop(patient);
         exit_code(outcome.and_then(|prepared| match prepared {
             Some((args, data, config)) => run(&args, &data, &config, comm),
             None => Ok(()),

@@ -1212,9 +1212,15 @@ fn measured_cache_stats(
     Ok(out)
 }
 
-/// The data and the model of a run whose flags pass every check: the checks that need no
-/// data first, then the data opened (and `--out` made).
+/// The data and the model of a run whose flags pass every check ([`check_args`], then
+/// [`open_data`]).
 fn prepare(args: &Args) -> Result<(Data, DlrmConfig)> {
+    check_args(args)?;
+    open_data(args)
+}
+
+/// The checks of the flags that need no data.
+fn check_args(args: &Args) -> Result<()> {
     if args.batch_size == 0 || args.emb_dim == 0 {
         return Err(Error::invalid(
             "dlrm",
@@ -1257,6 +1263,11 @@ fn prepare(args: &Args) -> Result<(Data, DlrmConfig)> {
         }
         args.comm_precisions()?;
     }
+    Ok(())
+}
+
+/// `--out` made, the data opened, the model's configuration for it.
+fn open_data(args: &Args) -> Result<(Data, DlrmConfig)> {
     let io = |p: &Path, e: std::io::Error| Error::Io {
         path: p.display().to_string(),
         source: e,
