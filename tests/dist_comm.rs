@@ -215,3 +215,61 @@ fn kjt_all_to_all_refuses_splits_past_a_usize() {
         assert!(e.contains("must give each of the 2 ranks its keys"), "{e}");
     }
 }
+
+/// Ranks passing their keys in another order, or other splits, are refused on every rank (key
+/// names never travel: rank 0 received rank 1's `b` ids as its `a`); a KJT whose lengths and
+/// offsets disagree (built unchecked) is refused on its rank and named on the others (the
+/// receivers' checks failed on some ranks only).
+#[test]
+fn kjt_all_to_all_refuses_ranks_that_disagree() {
+    use embers::sparse::KeyedJaggedTensor;
+    use embers::Tensor;
+    let kjt = |keys: [&str; 2]| {
+        KeyedJaggedTensor::from_lengths(
+            keys.iter().map(|k| k.to_string()).collect(),
+            Tensor::from_vec(vec![1i64, 2], &[2]).unwrap(),
+            Tensor::from_vec(vec![1i64, 1], &[2]).unwrap(),
+            None,
+            None,
+        )
+        .unwrap()
+    };
+    for splits_of_1 in [[1usize, 1], [2, 0]] {
+        let errors = on_ranks(2, 2000, |comm| {
+            let (keys, splits) = if comm.rank() == 0 {
+                (["a", "b"], [1, 1])
+            } else if splits_of_1 == [1, 1] {
+                (["b", "a"], splits_of_1)
+            } else {
+                (["a", "b"], splits_of_1)
+            };
+            embers::distributed::kjt_all_to_all(&comm, &kjt(keys), &splits)
+                .unwrap_err()
+                .to_string()
+        });
+        for e in errors {
+            assert!(e.contains("rank(s) [1] pass other keys or splits"), "{e}");
+        }
+    }
+    let errors = on_ranks(2, 2000, |comm| {
+        let k = if comm.rank() == 1 {
+            KeyedJaggedTensor::from_lengths_unchecked(
+                vec!["a".into(), "b".into()],
+                Tensor::from_vec(vec![1i64, 2], &[2]).unwrap(),
+                Tensor::from_vec(vec![1i64, 1], &[2]).unwrap(),
+                Some(Tensor::from_vec(vec![0i64, 5, 2], &[3]).unwrap()),
+                None,
+                1,
+                None,
+            )
+            .unwrap()
+        } else {
+            kjt(["a", "b"])
+        };
+        embers::distributed::kjt_all_to_all(&comm, &k, &[1, 1])
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(errors[0].contains("rank(s) [1] rejected"), "{}", errors[0]);
+    assert!(errors[1].contains("lengths, 3 offsets"), "{}", errors[1]);
+}

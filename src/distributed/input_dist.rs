@@ -259,6 +259,32 @@ impl HostKjt {
             .weights()
             .map(|w| w.cast_values(DType::F32)?.to_vec::<f32>())
             .transpose()?;
+        // A KJT built unchecked may hold lengths and offsets that disagree: refused here, so
+        // the batch travels as rejected (read as it was, the receivers' checks failed on some
+        // ranks only, or a slice past the values panicked).
+        let bags = kjt.keys().len().checked_mul(kjt.stride());
+        let consistent = bags == Some(lengths.len())
+            && offsets.len() == lengths.len() + 1
+            && offsets.first() == Some(&0)
+            && offsets.last() == Some(&(values.len() as i64))
+            && (offsets.windows(2).zip(&lengths)).all(|(o, &l)| l >= 0 && o[1] - o[0] == l)
+            && weights.as_ref().is_none_or(|w| w.len() == values.len());
+        if !consistent {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the KJT's {} lengths, {} offsets, {} values and {} weights disagree \
+                     ({} keys × batch {}): lengths ≥ 0, offsets their running sum from 0 to the \
+                     values' count",
+                    lengths.len(),
+                    offsets.len(),
+                    values.len(),
+                    weights.as_ref().map_or(0, Vec::len),
+                    kjt.keys().len(),
+                    kjt.stride()
+                ),
+            ));
+        }
         Ok(HostKjt {
             keys: kjt.keys().to_vec(),
             stride: kjt.stride(),
@@ -335,6 +361,22 @@ pub fn kjt_all_to_all(
         }
         Err(e) => (Vec::new(), 0, Some(e), Vec::new()),
     };
+    // Every rank must pass the same keys and splits (key names never travel: keys in another
+    // order were filled with another key's ids): a digest of both, agreed on first.
+    let mut text = format!("{splits:?}");
+    for k in kjt.keys() {
+        text.push('\0');
+        text.push_str(k);
+    }
+    let digest = (super::plan::fnv1a(text.as_bytes()) >> 1) as i64;
+    let digests = comm.all_gather_v("kjt_all_to_all.keys", &[digest], Some(&vec![1; w]))?;
+    let differ: Vec<usize> = (0..w).filter(|&r| digests[r][0] != digests[0][0]).collect();
+    if !differ.is_empty() {
+        return Err(Error::Distributed(format!(
+            "rank {rank}: {OP}: rank(s) {differ:?} pass other keys or splits than rank 0 (every \
+             rank passes the same keys, in the same order, and the same splits)"
+        )));
+    }
     let slots = keys.len();
     let got = all_to_all_bags(comm, send, stride, slots, rejected, 0)?;
     let n = got.values.len();
