@@ -273,3 +273,37 @@ fn kjt_all_to_all_refuses_ranks_that_disagree() {
     assert!(errors[0].contains("rank(s) [1] rejected"), "{}", errors[0]);
     assert!(errors[1].contains("lengths, 3 offsets"), "{}", errors[1]);
 }
+
+/// Ranks summing different numbers of values (dense halves of different shapes) all stop at
+/// the op's first call, naming the lengths (the ranks' messages mismatched: MPI aborted on a
+/// truncated message, or a tail stayed unsummed); a length one rank changes later is an error
+/// there.
+#[test]
+fn all_reduce_sum_refuses_ranks_with_other_lengths() {
+    let errors = on_ranks(2, 2000, |comm| {
+        let mut v = vec![1.0f32; 5 + comm.rank()];
+        comm.all_reduce_sum("test.sum", &mut v)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("different numbers of values [5, 6]"), "{e}");
+    }
+    let results = on_ranks(2, 2000, |comm| {
+        let mut v = vec![1.0f32; 4];
+        comm.all_reduce_sum("test.sum", &mut v).unwrap();
+        assert_eq!(v, vec![2.0; 4]);
+        comm.all_reduce_sum("test.sum", &mut v).unwrap();
+        assert_eq!(v, vec![4.0; 4]);
+        let mut w = vec![1.0f32; 3];
+        comm.all_reduce_sum("test.sum", &mut w)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in results {
+        assert!(
+            e.contains("3 values to sum, where every rank agreed on 4"),
+            "{e}"
+        );
+    }
+}

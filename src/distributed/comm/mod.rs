@@ -169,6 +169,8 @@ pub struct Comm {
     /// agree on (one count per communicator, so two pipelines' threads on their own
     /// communicators cannot interleave theirs differently on different ranks).
     batches: AtomicU64,
+    /// The lengths every rank agreed on for each [`Comm::all_reduce_sum`] op, at its first call.
+    reduce_lengths: Mutex<BTreeMap<&'static str, usize>>,
     timeout: Duration,
     /// Shared with the groups split from this one: a rank's counts cover all its groups.
     bytes: Arc<Mutex<BTreeMap<&'static str, OpBytes>>>,
@@ -276,6 +278,7 @@ impl Comm {
             transport,
             seq: AtomicU64::new(0),
             batches: AtomicU64::new(0),
+            reduce_lengths: Mutex::new(BTreeMap::new()),
             timeout,
             bytes,
             watchdog,
@@ -496,10 +499,45 @@ impl Comm {
 
     /// Sums `values` over every rank, in place (the same bits on every rank: chunk `r` is
     /// summed by rank `r` in rank order, then gathered).
+    ///
+    /// Every rank passes as many values: checked at each op's first call (ranks whose lengths
+    /// differ, such as dense halves of different shapes, all stop there naming the lengths);
+    /// a length that changes later is an error on the rank that changed it.
     pub fn all_reduce_sum(&self, op: &'static str, values: &mut [f32]) -> Result<()> {
         let w = self.size();
         if w == 1 {
             return self.run(op, |_| Ok(()), (0, 0));
+        }
+        let agreed = self.reduce_lengths.lock().get(op).copied();
+        match agreed {
+            Some(n) if n == values.len() => {}
+            Some(n) => {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "rank {}: {} values to sum, where every rank agreed on {n} at the first \
+                         call",
+                        self.rank(),
+                        values.len()
+                    ),
+                ))
+            }
+            None => {
+                let all = self.all_gather_v(
+                    "all_reduce.lengths",
+                    &[values.len() as u64],
+                    Some(&vec![1; w]),
+                )?;
+                let lengths: Vec<u64> = all.iter().map(|v| v[0]).collect();
+                if lengths.iter().any(|&n| n != lengths[0]) {
+                    return Err(Error::Distributed(format!(
+                        "rank {}: {op}: the ranks sum different numbers of values {lengths:?} \
+                         (do they build the same model?)",
+                        self.rank()
+                    )));
+                }
+                self.reduce_lengths.lock().insert(op, values.len());
+            }
         }
         let chunk = values.len().div_ceil(w.max(1));
         let send: Vec<Vec<f32>> = (0..w)
