@@ -816,7 +816,15 @@ impl Shards {
         }
         let all_rows = comm.all_gather_v("backward.replicated_rows", &rows, None)?;
         let value_counts: Vec<usize> = (all_rows.iter())
-            .map(|r| count_values(r, &tables))
+            .enumerate()
+            .map(|(s, r)| {
+                count_values(r, &tables).map_err(|why| {
+                    Error::Distributed(format!(
+                        "rank {}: backward.replicated_rows: rank {s} sent a block that {why}",
+                        comm.rank()
+                    ))
+                })
+            })
             .collect::<Result<_>>()?;
         let all_values =
             comm.all_gather_v("backward.replicated_values", &values, Some(&value_counts))?;
@@ -869,15 +877,30 @@ fn names_of<'a>(tables: &'a [TableInfo], t: &LocalTable) -> &'a str {
     &tables[t.table].name
 }
 
-/// Values in a gathered replicated-gradient block whose row lists are `rows`.
-fn count_values(rows: &[i64], tables: &[&LocalTable]) -> Result<usize> {
+/// Values in a gathered replicated-gradient block whose row lists are `rows` (per table, its
+/// row count and then its rows), or what is wrong with the block: a count past its end, a row
+/// outside its table, words left over, a size past a `usize`.
+fn count_values(rows: &[i64], tables: &[&LocalTable]) -> std::result::Result<usize, String> {
     let (mut at, mut n) = (0usize, 0usize);
     for t in tables {
-        let k = rows.get(at).copied().filter(|&k| k >= 0).ok_or_else(|| {
-            Error::Distributed("a data-parallel gradient block is cut short".into())
-        })? as usize;
-        n += k * t.cols;
+        let k = (rows.get(at).copied())
+            .and_then(|k| usize::try_from(k).ok())
+            .filter(|&k| k < rows.len() - at)
+            .ok_or_else(|| format!("is cut short at word {at}"))?;
+        let listed = &rows[at + 1..at + 1 + k];
+        if let Some(r) = listed.iter().find(|&&r| r < 0 || r as u64 >= t.rows as u64) {
+            return Err(format!("lists row {r} of a table of {} rows", t.rows));
+        }
+        n = (k.checked_mul(t.cols))
+            .and_then(|v| n.checked_add(v))
+            .ok_or("holds more values than a usize counts")?;
         at += 1 + k;
+    }
+    if at != rows.len() {
+        return Err(format!(
+            "has {} words past its tables' rows",
+            rows.len() - at
+        ));
     }
     Ok(n)
 }
@@ -983,4 +1006,38 @@ pub fn init_table(config: &impl ShardableTable, seed: u64) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; table.rows * table.dim];
     init_rows(&table, seed, 0, table.rows, 0, table.dim, &mut out)?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{count_values, LocalTable};
+
+    /// A peer's replicated-gradient row lists are read only as far as they hold: a count past
+    /// the block, a row outside its table or words left over are named (the block was indexed
+    /// unchecked, and a short one panicked).
+    #[test]
+    fn a_peers_gradient_block_is_checked_before_it_is_read() {
+        let table = |rows, cols| LocalTable {
+            table: 0,
+            row_offset: 0,
+            rows,
+            col_offset: 0,
+            cols,
+        };
+        let (a, b) = (table(10, 4), table(5, 2));
+        let tables = [&a, &b];
+        // Table a: rows 3 and 7; table b: row 0.
+        assert_eq!(count_values(&[2, 3, 7, 1, 0], &tables), Ok(2 * 4 + 2));
+        for (block, why) in [
+            (&[2, 3, 7, 2, 0][..], "cut short at word 3"),
+            (&[2, 3][..], "cut short at word 0"),
+            (&[-1][..], "cut short at word 0"),
+            (&[1, 10, 0][..], "lists row 10 of a table of 10 rows"),
+            (&[1, 3, 1, -2][..], "lists row -2"),
+            (&[0, 0, 9][..], "has 1 words past"),
+        ] {
+            let e = count_values(block, &tables).unwrap_err();
+            assert!(e.contains(why), "{block:?}: {e}");
+        }
+    }
 }
