@@ -148,7 +148,8 @@ pub(crate) fn all_to_all_bags(
     let mut value_counts = Vec::with_capacity(w);
     for (s, split) in got.iter().enumerate() {
         let (lengths, values, b) = (split[0], split[1], split[3]);
-        if lengths < 0 || values < 0 || b < 0 || lengths as usize != slots * b as usize {
+        let expected = usize::try_from(b).ok().and_then(|b| slots.checked_mul(b));
+        if lengths < 0 || values < 0 || expected != usize::try_from(lengths).ok() {
             return Err(Error::Distributed(format!(
                 "rank {rank}: rank {s} announced {lengths} lengths of a batch of {b} for \
                  {slots} slots (do the ranks run the same plan?)"

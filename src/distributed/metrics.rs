@@ -65,9 +65,18 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
         &lengths,
         Some(&vec![state.len(); comm.size()]),
     )?;
-    let counts: Vec<usize> = (all_lengths.iter())
-        .map(|l| l.iter().sum::<u64>() as usize)
-        .collect();
+    // Counts from the peers, checked: a sum past a usize is a malformed message.
+    let counts: Vec<usize> = (all_lengths.iter().enumerate())
+        .map(|(r, l)| {
+            (l.iter()
+                .try_fold(0usize, |n, &k| n.checked_add(usize::try_from(k).ok()?)))
+            .ok_or_else(|| {
+                Error::Distributed(format!(
+                    "rank {rank}: metrics.lengths: rank {r} announced lengths past a usize"
+                ))
+            })
+        })
+        .collect::<Result<_>>()?;
     let all_values = comm.all_gather_v("metrics.values", &values, Some(&counts))?;
     let mut merged: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut at = vec![0usize; comm.size()];

@@ -598,10 +598,24 @@ impl Shards {
         let headers = self.comm.all_gather_v("gather_table", &header, None)?;
         let blocks = self.comm.all_gather_v("gather_table", &values, None)?;
         let mut full = vec![0.0f32; rows * dim];
-        for (header, block) in headers.iter().zip(&blocks) {
-            let mut at = 0;
+        let (table_rows, table_dim) = (rows, dim);
+        for (s, (header, block)) in headers.iter().zip(&blocks).enumerate() {
+            let mut at = 0usize;
             for rect in header.chunks_exact(4) {
                 let [r0, c0, rows, cols] = [rect[0], rect[1], rect[2], rect[3]].map(|x| x as usize);
+                // A peer's rectangle inside the table, its values inside its block.
+                let fits = (r0.checked_add(rows)).is_some_and(|e| e <= table_rows)
+                    && (c0.checked_add(cols)).is_some_and(|e| e <= table_dim)
+                    && (rows.checked_mul(cols))
+                        .and_then(|n| n.checked_add(at))
+                        .is_some_and(|e| e <= block.len());
+                if !fits || header.len() % 4 != 0 {
+                    return Err(Error::Distributed(format!(
+                        "rank {}: gather_table: rank {s} sent a rectangle {rect:?} of `{table}` \
+                         outside its {table_rows}×{table_dim} values or its own block",
+                        self.comm.rank()
+                    )));
+                }
                 for r in 0..rows {
                     full[(r0 + r) * dim + c0..(r0 + r) * dim + c0 + cols]
                         .copy_from_slice(&block[at + r * cols..at + (r + 1) * cols]);
