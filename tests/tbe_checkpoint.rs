@@ -8,6 +8,9 @@ use embers::embedding::{
 };
 use embers::tensor::rng::seeded;
 
+#[path = "support/config_edit.rs"]
+mod config_edit;
+
 fn tmp_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("embers-tbe-ckpt-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -180,6 +183,18 @@ fn quantized_tables_round_trip_byte_for_byte() {
     )
     .unwrap();
     assert!(wrong.load(&path).unwrap_err().to_string().contains("INT4"));
+    // A weight type embers does not know: named with the file and table.
+    let odd = dir.join("odd.safetensors");
+    std::fs::copy(&path, &odd).unwrap();
+    let name = "b".to_string();
+    config_edit::rewrite_metadata(&odd, &format!("{name}.weight_type"), |_| "INT3".into());
+    let err = r.load(&odd).unwrap_err().to_string();
+    assert!(
+        err.contains("odd.safetensors")
+            && err.contains(&format!("table `{name}`"))
+            && err.contains("INT3"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

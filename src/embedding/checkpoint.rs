@@ -373,7 +373,13 @@ impl QuantizedTableBatchedEmbedding {
             let saved = r
                 .metadata(&format!("{}.weight_type", spec.name))
                 .map(WeightType::from_fbgemm_name)
-                .transpose()?;
+                .transpose()
+                .map_err(|e| {
+                    Error::invalid(
+                        "checkpoint",
+                        format!("{}: table `{}`: {e}", r.path().display(), spec.name),
+                    )
+                })?;
             if saved != Some(ty) {
                 return Err(Error::invalid(
                     "checkpoint",

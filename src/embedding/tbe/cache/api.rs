@@ -143,9 +143,10 @@ impl TableBatchedEmbedding {
             return Err(Error::invalid(OP, "the tables are not cached in a file"));
         };
         let ours = tables_of(cfg);
-        if let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST)) {
-            let theirs = serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
+        if let Ok(text) = read_manifest(&dir.join(MANIFEST)) {
+            let theirs = (text.len() as u64 <= MANIFEST_LIMIT)
+                .then(|| serde_json::from_str::<serde_json::Value>(&text).ok())
+                .flatten()
                 .and_then(|m| manifest_tables(&m));
             let held = match &theirs {
                 Some(theirs) if *theirs == ours => None,
@@ -509,6 +510,20 @@ struct Manifest {
     tables: Vec<(String, u64, u64)>,
 }
 
+/// A manifest lists tables, a few KiB each: a file past this is none.
+const MANIFEST_LIMIT: u64 = 16 << 20;
+
+/// The text of the manifest at `path`, read no further than one byte past
+/// [`MANIFEST_LIMIT`] (a longer result is none).
+fn read_manifest(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MANIFEST_LIMIT + 1)
+        .read_to_string(&mut text)?;
+    Ok(text)
+}
+
 impl Manifest {
     /// Reads `dir`'s manifest and checks it against `cfg` (format, optimizer, tables) and the
     /// row file it names against its length.
@@ -536,17 +551,9 @@ impl Manifest {
     fn open(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST);
         let bad = |why: String| Error::invalid(OP, format!("{}: {why}", path.display()));
-        // A manifest lists tables, a few KiB each; a larger file is none (read no further).
-        const LIMIT: u64 = 16 << 20;
-        let mut text = String::new();
-        std::fs::File::open(&path)
-            .and_then(|f| {
-                use std::io::Read;
-                f.take(LIMIT + 1).read_to_string(&mut text)
-            })
-            .map_err(|e| io_error(&path, "reading", e))?;
-        if text.len() as u64 > LIMIT {
-            return Err(bad(format!("over {LIMIT} bytes: not a manifest")));
+        let text = read_manifest(&path).map_err(|e| io_error(&path, "reading", e))?;
+        if text.len() as u64 > MANIFEST_LIMIT {
+            return Err(bad(format!("over {MANIFEST_LIMIT} bytes: not a manifest")));
         }
         let m: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
