@@ -202,12 +202,17 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
         ),
         (
             vec!["--holdout", "0.7"],
-            "--holdout 0.7 is not a fraction within [0, 0.5)",
+            "--holdout 0.7 is not a fraction within (0, 0.5)",
         ),
         // Half for validation and half for test: none to train on.
         (
             vec!["--holdout", "0.5"],
-            "--holdout 0.5 is not a fraction within [0, 0.5)",
+            "--holdout 0.5 is not a fraction within (0, 0.5)",
+        ),
+        // Nothing held out: no example to validate or test on (the metrics were NaN).
+        (
+            vec!["--data", "movielens", "--path", ratings, "--holdout", "0"],
+            "--holdout 0 is not a fraction within (0, 0.5)",
         ),
         // Data without a complete batch is found so in the first epoch, not after reading it
         // again in each of a billion.

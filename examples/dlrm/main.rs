@@ -163,7 +163,7 @@ struct Args {
     /// there are several; one column is the task `click`).
     #[arg(long, value_delimiter = ',', default_value = "label")]
     label_columns: Vec<String>,
-    /// Fraction of file examples held out for validation and for test (each).
+    /// Fraction of file examples held out for validation and for test (each; within (0, 0.5)).
     #[arg(long, default_value_t = 0.1)]
     holdout: f64,
     /// How MovieLens ratings are split: by a seeded hash, or by time (the latest `--holdout`
@@ -1227,12 +1227,13 @@ fn check_args(args: &Args) -> Result<()> {
             "--batch-size and --emb-dim must be at least 1",
         ));
     }
-    if !(0.0..0.5).contains(&args.holdout) {
+    if !(args.holdout > 0.0 && args.holdout < 0.5) {
         return Err(Error::invalid(
             "dlrm",
             format!(
-                "--holdout {} is not a fraction within [0, 0.5) (held out for validation and \
-                 for test, each; 0.5 leaves no example to train on)",
+                "--holdout {} is not a fraction within (0, 0.5) (held out for validation and \
+                 for test, each: 0 leaves no example to validate or test on, and the run \
+                 reported NaN metrics; 0.5 leaves none to train on)",
                 args.holdout
             ),
         ));
