@@ -852,3 +852,15 @@ fn random_constructors_refuse_bad_parameters() {
     let ok = Tensor::try_randn(&[3], 0.0, 0.0, DType::F32, &mut rng).unwrap();
     assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0; 3]);
 }
+
+/// `reshape_infer` refuses known dimensions whose product overflows (a panic in debug builds)
+/// and negative ones, naming the shape.
+#[test]
+fn reshape_infer_refuses_overflowing_and_negative_shapes() {
+    let t = Tensor::zeros(&[6], DType::F32, Device::Cpu);
+    for shape in [&[isize::MAX, 2, -1][..], &[-2, -3], &[-1, -1], &[0, -1]] {
+        let e = t.reshape_infer(shape).unwrap_err().to_string();
+        assert!(e.contains("invalid target shape"), "{shape:?}: {e}");
+    }
+    assert_eq!(t.reshape_infer(&[2, -1]).unwrap().shape(), &[2, 3]);
+}

@@ -126,9 +126,12 @@ impl Tensor {
 
     /// Reshape where one dimension may be `-1` (inferred from the element count).
     pub fn reshape_infer(&self, shape: &[isize]) -> Result<Tensor> {
-        let known: isize = shape.iter().filter(|&&d| d != -1).product();
+        // The known dimensions' product, checked (an overflow panicked in debug builds).
+        let known = (shape.iter().filter(|&&d| d != -1))
+            .try_fold(1isize, |n, &d| n.checked_mul(d))
+            .unwrap_or(-1);
         let holes = shape.iter().filter(|&&d| d == -1).count();
-        if holes > 1 || shape.iter().any(|&d| d < -1) || (holes == 1 && known == 0) {
+        if holes > 1 || shape.iter().any(|&d| d < -1) || known < 0 || (holes == 1 && known == 0) {
             return Err(Error::invalid(
                 "reshape",
                 format!("invalid target shape {shape:?}"),
