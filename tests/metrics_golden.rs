@@ -213,8 +213,10 @@ fn state_round_trip_continues_identically() {
         let mut broken = state.clone();
         broken.get_mut("ne-t.batches").unwrap()[0] = bad;
         let err = b.load_state_dict(&broken).unwrap_err().to_string();
+        // (A NaN or infinity is refused first as not finite.)
         assert!(
-            err.contains("ne-t.batches") && err.contains("not a count"),
+            err.contains("ne-t.batches")
+                && (err.contains("not a count") || err.contains("must be finite")),
             "{bad}: {err}"
         );
     }
@@ -358,4 +360,40 @@ fn throughput_excludes_warmup_and_windows_recent_steps() {
         "{}",
         t.lifetime()
     );
+}
+
+/// A state saved with a wider window, loaded into metrics of a narrower one, reports over the
+/// narrower window at once, as metrics that saw the same batches with it (it reported over
+/// the saved width until the next update); a non-finite value in a state is refused.
+#[test]
+fn a_state_of_a_wider_window_loads_into_a_narrower_one() {
+    let kinds = MetricKind::all();
+    let (mut wide, mut narrow) = (
+        RecMetrics::new(&["t"], &kinds, 1000).unwrap(),
+        RecMetrics::new(&["t"], &kinds, 8).unwrap(),
+    );
+    for b in 0..5 {
+        let p: Vec<f32> = (0..4)
+            .map(|i| ((b * 4 + i) as f32 * 0.13).fract())
+            .collect();
+        let y: Vec<f32> = (0..4).map(|i| ((b + i) % 2) as f32).collect();
+        wide.update(&[&p], &[&y], None).unwrap();
+        narrow.update(&[&p], &[&y], None).unwrap();
+    }
+    let mut loaded = RecMetrics::new(&["t"], &kinds, 8).unwrap();
+    loaded.load_state_dict(&wide.state_dict()).unwrap();
+    let (got, want) = (loaded.compute(), narrow.compute());
+    assert_eq!(got.len(), want.len());
+    for (k, v) in &want {
+        let g = got[k];
+        assert!(
+            (g - v).abs() <= 1e-12 * v.abs().max(1.0) || (g.is_nan() && v.is_nan()),
+            "{k}: {g} vs {v}"
+        );
+    }
+    let mut state = wide.state_dict();
+    let key = state.keys().next().unwrap().clone();
+    state.get_mut(&key).unwrap()[0] = f64::NAN;
+    let e = loaded.load_state_dict(&state).unwrap_err().to_string();
+    assert!(e.contains(&format!("entry `{key}` value 0 is NaN")), "{e}");
 }

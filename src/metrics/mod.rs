@@ -81,6 +81,12 @@ impl SumState {
         }
         self.batches.push_back((p.len(), delta));
         self.window_samples += p.len();
+        self.trim(window_size);
+    }
+
+    /// Drops the oldest batches while the window holds more than `window_size` samples and
+    /// more than one batch.
+    fn trim(&mut self, window_size: usize) {
         while self.window_samples > window_size && self.batches.len() > 1 {
             let (n, old) = self.batches.pop_front().expect("len > 1");
             self.window_samples -= n;
@@ -341,6 +347,12 @@ impl RecMetrics {
                     format!("missing entry `{key}`"),
                 )
             })?;
+            if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                return Err(Error::invalid(
+                    "RecMetrics::load_state_dict",
+                    format!("entry `{key}` value {i} is {} (must be finite)", v[i]),
+                ));
+            }
             if len.is_some_and(|l| l != v.len()) {
                 return Err(Error::invalid(
                     "RecMetrics::load_state_dict",
@@ -415,6 +427,15 @@ impl RecMetrics {
                     h.negatives = get(format!("{name}-{task}.negatives"), Some(bins))?.clone();
                 }
             }
+        }
+        // A state saved with a wider window reports over this one's from the start (it
+        // reported over the saved width until the next update).
+        for state in &mut restored {
+            for s in &mut state.sums {
+                s.trim(self.window_size);
+            }
+            let excess = state.recent.len().saturating_sub(self.window_size);
+            state.recent.drain(..excess);
         }
         self.states = restored;
         Ok(())
