@@ -223,6 +223,24 @@ fn rows_written_while_cached_are_seen_at_once() -> Result<()> {
     let whole = p.memory.table_bytes(2)?.to_vec();
     p.cached.set_table_bytes(2, &whole)?;
     p.cached.sync_rows()?;
+    // A checkpoint of the tables in memory loads into the cached operator a chunk of rows at
+    // a time (it was read whole, every table at once), and its lookups follow at once.
+    let mut other = seeded(11);
+    let fresh: Vec<f32> = (0..700 * 8)
+        .map(|_| other.random_range(-2.0f32..2.0))
+        .collect();
+    p.memory.quantize_table_from(0, &fresh)?;
+    let saved = dir.join("memory.safetensors");
+    p.memory.save(&saved)?;
+    p.cached.load(&saved)?;
+    for t in 0..3 {
+        assert_eq!(p.memory.table_bytes(t)?, p.cached.table_bytes(t)?);
+    }
+    for step in &steps {
+        let a = p.memory.forward(step.input())?.to_vec::<f32>()?;
+        let b = p.cached.forward(step.input())?.to_vec::<f32>()?;
+        assert_eq!(bits(&a), bits(&b));
+    }
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

@@ -364,7 +364,9 @@ impl QuantizedTableBatchedEmbedding {
         w.write(path)
     }
 
-    /// Loads rows written by [`save`](Self::save) (same names, shapes and weight types).
+    /// Loads rows written by [`save`](Self::save) (same names, shapes and weight types). Every
+    /// table is checked before any row changes; tables in a file behind a cache then load a
+    /// chunk of rows at a time (an I/O error there names what was loaded).
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let r = CheckpointReader::open(path)?;
         let mut tables = Vec::new();
@@ -393,10 +395,43 @@ impl QuantizedTableBatchedEmbedding {
                 ));
             }
             let name = format!("{}.weight", spec.name);
-            tables.push(r.read::<u8>(&name, &[spec.rows, ty.row_bytes(spec.dim)])?);
+            let shape = [spec.rows, ty.row_bytes(spec.dim)];
+            if self.is_cached() {
+                // Checked now (dtype, shape: no rows read), read below a chunk at a time.
+                r.read_range::<u8>(&name, &shape, 0..0)?;
+            } else {
+                tables.push(r.read::<u8>(&name, &shape)?);
+            }
         }
-        for (t, b) in tables.iter().enumerate() {
-            self.set_table_bytes(t, b)?;
+        if !self.is_cached() {
+            for (t, b) in tables.iter().enumerate() {
+                self.set_table_bytes(t, b)?;
+            }
+            return Ok(());
+        }
+        // Tables in a file behind a cache may be far bigger than memory (they were read whole,
+        // all at once): every table was checked above; the rows now come a chunk at a time.
+        for t in 0..self.tables().len() {
+            let spec = &self.tables()[t];
+            let (rows, rb) = (spec.rows, self.weight_types()[t].row_bytes(spec.dim));
+            let name = format!("{}.weight", spec.name);
+            let chunk = (STAGE_CHUNK_BYTES / rb.max(1)).max(1);
+            for first in (0..rows).step_by(chunk) {
+                let end = (first + chunk).min(rows);
+                (r.read_range::<u8>(&name, &[rows, rb], first * rb..end * rb))
+                    .and_then(|bytes| self.set_rows_bytes(t, first, &bytes))
+                    .map_err(|e| {
+                        Error::invalid(
+                            "checkpoint",
+                            format!(
+                                "{}: reading `{name}` rows {first}..{end} after every table was \
+                                 checked: {e} (the tables before it, and its rows before \
+                                 {first}, are loaded: load a checkpoint again)",
+                                r.path().display()
+                            ),
+                        )
+                    })?;
+            }
         }
         Ok(())
     }

@@ -443,6 +443,11 @@ impl QuantizedTableBatchedEmbedding {
         })
     }
 
+    /// Whether the rows are in a file behind a cache (tables that may exceed memory).
+    pub(crate) fn is_cached(&self) -> bool {
+        matches!(self.rows, Rows::Cached(_))
+    }
+
     /// Overwrites table `t`'s stored rows with raw bytes in its row layout.
     pub fn set_table_bytes(&mut self, t: usize, bytes: &[u8]) -> Result<()> {
         let range = self.table_range(t)?;
