@@ -1738,3 +1738,49 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
         assert!(load_err(&empty_path, 3, 10).contains("holds no vector"));
     });
 }
+
+/// `--watch`: a checkpoint replaced by a truncated file is refused (the old model keeps
+/// serving), and the complete file that follows is loaded (seen as version 2).
+#[test]
+fn the_binary_watches_its_checkpoint() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let g = data();
+    let dir = scratch("watch");
+    let path = dir.join("model.safetensors");
+    let mut trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_embers-serve"))
+        .args([
+            "--checkpoint",
+            path.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .args(["--watch", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert!(line.contains("version 1"), "{line}");
+    let good = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &good[..good.len() / 2]).unwrap();
+    line.clear();
+    err.read_line(&mut line).unwrap();
+    assert!(
+        line.contains("reload refused, the old model keeps serving"),
+        "{line}"
+    );
+    train(&mut trainer, &g, 1);
+    write_checkpoint(&trainer, &path);
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert!(line.contains("now serving version 2"), "{line}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -65,9 +65,9 @@ struct Args {
     /// is disconnected past it).
     #[arg(long, default_value_t = 30)]
     write_timeout_s: u64,
-    /// Check the DLRM checkpoint's modification time every this many seconds and reload it
-    /// (with the retrieval stage's files) when it changes (0: never; at most a day, 86400;
-    /// SIGHUP always reloads).
+    /// Check the modification times of the DLRM checkpoint and of the retrieval stage's files
+    /// every this many seconds and reload them all when one changes (0: never; at most a day,
+    /// 86400; SIGHUP always reloads).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     watch: u64,
     /// Compute threads (rayon) for the model (0: one per core).
@@ -186,7 +186,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         );
         tokio::spawn(reload_on_sighup(server.clone(), hangups));
         if args.watch > 0 {
-            tokio::spawn(watch(server.clone(), args.checkpoint.clone(), args.watch));
+            let watched = [Some(&args.checkpoint), args.retrieval_checkpoint.as_ref()]
+                .into_iter()
+                .chain([args.retrieval_index.as_ref()])
+                .flatten()
+                .cloned()
+                .collect();
+            tokio::spawn(watch(server.clone(), watched, args.watch));
         }
         server.serve(listener, shutdown_signal()).await?;
         println!("embers-serve: drained, exiting");
@@ -247,18 +253,24 @@ async fn reload_on_sighup(server: Server, hangups: Option<tokio::signal::unix::S
 #[cfg(not(unix))]
 async fn reload_on_sighup(_server: Server, _hangups: Option<()>) {}
 
-/// Reloads the checkpoint whenever its modification time or length changes (a file caught
-/// half written and completed within the clock's tick changes length).
-async fn watch(server: Server, path: PathBuf, every: u64) {
-    let stamp = |p: &PathBuf| -> Option<(SystemTime, u64)> {
-        let m = std::fs::metadata(p).ok()?;
-        Some((m.modified().ok()?, m.len()))
+/// Reloads the served files whenever one's modification time or length changes (a file
+/// caught half written and completed within the clock's tick changes length); the retrieval
+/// stage's checkpoint and index are watched with the DLRM's (a retrained tower or index alone
+/// was never picked up).
+async fn watch(server: Server, paths: Vec<PathBuf>, every: u64) {
+    let stamps = || -> Option<Vec<(SystemTime, u64)>> {
+        (paths.iter())
+            .map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                Some((m.modified().ok()?, m.len()))
+            })
+            .collect()
     };
-    let mut last = stamp(&path);
+    let mut last = stamps();
     let mut tick = tokio::time::interval(Duration::from_secs(every));
     loop {
         tick.tick().await;
-        let now = stamp(&path);
+        let now = stamps();
         // Seen only once it has loaded: a reload that failed (a file still being copied, a
         // full disk) is tried again at the next tick, not skipped until the file changes.
         if now.is_some() && now != last && report(server.reload().await) {
