@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use super::checkpoint::LoadReport;
+use super::checkpoint::{all_ok, LoadReport};
 use super::codec::{Codec, QCommsConfig};
 use super::comm::Comm;
 use super::input_dist::Gathered;
@@ -274,8 +274,16 @@ impl ShardedEmbeddingBagCollection {
         let mut out = vec![0.0f32; stride * routing.width];
         // Remote lookups and the output distribution.
         let remote_batch = match &gathered {
-            Some(g) if !shards.remote.is_empty() => Some(self.remote_lookups(g, &bags)?),
+            Some(g) if !shards.remote.is_empty() => Some(self.remote_lookups(g, &bags)),
             _ => None,
+        }
+        .transpose();
+        // Rows in files can fail to read on one rank: every rank stops here then (the others
+        // waited in the output distribution until the deadline).
+        let remote_batch = if gathered.is_some() && shards.has_cached_kernels() {
+            all_ok(&shards.comm, "forward.lookups", remote_batch)?
+        } else {
+            remote_batch?
         };
         if gathered.is_some() {
             let looked = remote_batch.as_ref().map_or(&[][..], |(_, l)| &l[..]);
@@ -734,17 +742,27 @@ impl BackwardOp for ShardedBackward {
         if shards.routing.has_slots() {
             let g = sharded.gather_gradients(&self.codec, &grad, &self.strides)?;
             let total: usize = self.strides.iter().sum();
-            if let ([remote], [batch]) = (&shards.remote[..], &self.remote[..]) {
-                // One TBE holds every slot, in slot order: the gradient as it is.
-                let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
-                remote.tbe.backward_batch(batch, &g)?;
-            } else {
-                let slots = &shards.routing.slots[rank];
-                for (remote, batch) in shards.remote.iter().zip(&self.remote) {
-                    let g = group_columns(&g, slots, total, &remote.members);
+            let updated = (|| {
+                if let ([remote], [batch]) = (&shards.remote[..], &self.remote[..]) {
+                    // One TBE holds every slot, in slot order: the gradient as it is.
                     let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
                     remote.tbe.backward_batch(batch, &g)?;
+                } else {
+                    let slots = &shards.routing.slots[rank];
+                    for (remote, batch) in shards.remote.iter().zip(&self.remote) {
+                        let g = group_columns(&g, slots, total, &remote.members);
+                        let g = Tensor::from_vec(g, &[total, remote.tbe.output_dim()])?;
+                        remote.tbe.backward_batch(batch, &g)?;
+                    }
                 }
+                Ok(())
+            })();
+            // An update of rows in files can fail on one rank: with a replicated step (a
+            // collective) still to come, every rank stops here then.
+            if shards.has_cached_kernels() && !shards.replicated.is_empty() {
+                all_ok(&shards.comm, "backward.remote", updated)?;
+            } else {
+                updated?;
             }
         }
         if let (Some(rep), Some(batch)) = (shards.replicated.first(), &self.replicated) {

@@ -680,6 +680,18 @@ impl Shards {
         out
     }
 
+    /// Whether the plan gives any table a kernel that keeps rows in files (`fused_uvm`,
+    /// `fused_uvm_caching`), whose lookups and updates can fail on one rank (I/O): the same
+    /// answer on every rank, so all make the same agreements around them.
+    pub fn has_cached_kernels(&self) -> bool {
+        (self.plan.tables.iter()).any(|t| {
+            matches!(
+                t.compute_kernel,
+                ComputeKernel::FusedUvm | ComputeKernel::FusedUvmCaching
+            )
+        })
+    }
+
     /// Writes a sharded checkpoint into `dir` (a collective).
     pub fn save(&self, dir: &std::path::Path) -> Result<()> {
         let comm = &self.comm;

@@ -793,6 +793,18 @@ pub fn expected_sent(
         .collect();
     let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
     replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
+    // With rows in files (which can fail to read or write on one rank), one byte each to
+    // agree on the remote lookups, and on the remote update before a replicated step.
+    let cached = (plan.tables.iter()).any(|t| {
+        use embers::distributed::ComputeKernel as K;
+        matches!(t.compute_kernel, K::FusedUvm | K::FusedUvmCaching)
+    });
+    if cached && any_slots {
+        add("forward.lookups", w as u64 - 1);
+        if !dp.is_empty() {
+            add("backward.remote", w as u64 - 1);
+        }
+    }
     // The dense head's all-reduce: a reduce-scatter then an all-gather of chunks.
     let params: u64 = configs
         .iter()
