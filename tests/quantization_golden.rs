@@ -518,3 +518,45 @@ fn every_weight_type_round_trips_within_its_precision_for_any_dim() {
         }
     }
 }
+
+/// An operator refuses rows it cannot store, naming the table, the row and the value or the
+/// range: a NaN (coded as the row's minimum), infinity (a NaN row), a range whose FP16 scale
+/// or bias overflows (a NaN or infinite row), a value past FP16. (`quantize_row` itself
+/// stores what FBGEMM stores, checked against the golden values above.) FP8 saturates, as
+/// FBGEMM's.
+#[test]
+fn rows_that_cannot_be_stored_are_refused() {
+    use embers::embedding::{PoolingMode, QuantizedTableBatchedEmbedding, TableSpec};
+    for (ty, row, says) in [
+        (WeightType::Int8, [f32::NAN, 1.0], "value 0 is NaN"),
+        (WeightType::Int4, [1.0, f32::INFINITY], "value 1 is inf"),
+        (WeightType::Int8, [0.0, 1e8], "span [0, 100000000]"),
+        (WeightType::Int4, [0.0, 1e6], "span [0, 1000000]"),
+        (WeightType::Int2, [-1e5, 0.0], "span [-100000, 0]"),
+        (WeightType::Fp16, [0.0, 1e6], "span [0, 1000000]"),
+    ] {
+        let mut q = QuantizedTableBatchedEmbedding::new(
+            vec![TableSpec::new("users", 3, 2)],
+            vec![ty],
+            vec![0],
+            PoolingMode::Sum,
+        )
+        .unwrap();
+        let before = q.table_bytes(0).unwrap().to_vec();
+        let values = [[0.5, 1.5], [2.0, 3.0], row].concat();
+        let e = q.quantize_table_from(0, &values).unwrap_err().to_string();
+        assert!(
+            e.contains("table 0 `users` row 2") && e.contains(says),
+            "{ty:?}: {e}"
+        );
+        assert_eq!(q.table_bytes(0).unwrap(), &before[..]);
+    }
+    let mut q = QuantizedTableBatchedEmbedding::new(
+        vec![TableSpec::new("users", 1, 2)],
+        vec![WeightType::Fp8],
+        vec![0],
+        PoolingMode::Sum,
+    )
+    .unwrap();
+    q.quantize_table_from(0, &[0.0, 1e6]).unwrap();
+}

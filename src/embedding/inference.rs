@@ -533,11 +533,18 @@ impl QuantizedTableBatchedEmbedding {
         }
         let row_bytes = ty.row_bytes(spec.dim);
         let mut bytes = vec![0u8; values.len() / spec.dim * row_bytes];
-        for (src, dst) in values
-            .chunks_exact(spec.dim)
+        for (r, (src, dst)) in (values.chunks_exact(spec.dim))
             .zip(bytes.chunks_exact_mut(row_bytes))
+            .enumerate()
         {
-            quantize_row(ty, src, dst)?;
+            quantize_row(ty, src, dst)
+                .and_then(|()| check_storable(ty, src, dst))
+                .map_err(|e| {
+                    Error::invalid(
+                        OP,
+                        format!("table {t} `{}` row {}: {e}", spec.name, first + r),
+                    )
+                })?;
         }
         self.set_rows_bytes(t, first, &bytes)
     }
@@ -704,4 +711,45 @@ impl QuantizedTableBatchedEmbedding {
         })?;
         Ok((out, vec![rows, self.out_stride]))
     }
+}
+
+/// Whether a row quantized into `row` (from `values`) reads back finite: its values are
+/// finite, and for INT8/INT4/INT2 its FP16 scale and bias too, for FP16 every value within
+/// FP16's range. `quantize_row` stores what FBGEMM stores (checked against the golden
+/// values: an infinite FP16 value or header for a range past ±65504, a NaN coded as the
+/// row's minimum); an operator refuses such rows, which would give NaN or infinite lookups.
+fn check_storable(ty: WeightType, values: &[f32], row: &[u8]) -> Result<()> {
+    if let Some(j) = values.iter().position(|x| !x.is_finite()) {
+        return Err(Error::invalid(
+            OP,
+            format!("value {j} is {}: rows to quantize are finite", values[j]),
+        ));
+    }
+    let finite = match ty {
+        WeightType::Int8 | WeightType::Int4 | WeightType::Int2 => {
+            let (scale, bias) = super::quantize::row_scale_bias(row);
+            scale.is_finite() && bias.is_finite()
+        }
+        WeightType::Fp16 => {
+            (row.chunks_exact(2)).all(|b| half::f16::from_le_bytes([b[0], b[1]]).is_finite())
+        }
+        WeightType::Bf16 => {
+            (row.chunks_exact(2)).all(|b| half::bf16::from_le_bytes([b[0], b[1]]).is_finite())
+        }
+        _ => true,
+    };
+    if !finite {
+        let (lo, hi) = (values.iter()).fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        });
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "the row's values span [{lo}, {hi}]: stored as {} they read back infinite or \
+                 NaN (past FP16's ±65504)",
+                ty.fbgemm_name()
+            ),
+        ));
+    }
+    Ok(())
 }
