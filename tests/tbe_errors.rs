@@ -226,6 +226,29 @@ fn bad_configs_are_errors() {
             );
         }
     }
+    // eps 0: a touched row whose gradient is 0 divided 0 by 0 (a NaN row for good).
+    for optimizer in [
+        FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 0.0 },
+        FusedOptimizer::Adagrad { lr: 0.1, eps: 0.0 },
+        FusedOptimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 0.0,
+        },
+    ] {
+        let config = TbeConfig::new(
+            vec![TableSpec::new("a", 3, 2)],
+            vec![0],
+            PoolingMode::Sum,
+            optimizer,
+        );
+        let msg = TableBatchedEmbedding::new(config).unwrap_err().to_string();
+        assert!(
+            msg.contains("eps finite and above 0"),
+            "{optimizer:?}: {msg}"
+        );
+    }
     assert!(QuantizedTableBatchedEmbedding::new(
         vec![TableSpec::new("a", 3, 2)],
         vec![],

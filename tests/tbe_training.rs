@@ -578,6 +578,20 @@ fn warn_and_skip_drops_bad_ids_and_counts_them() {
         tbe.table_weights(1).unwrap(),
         vec![10., 10., 20., 20., 28., 28.]
     );
+    // With pooling NONE each id has its own output row: an id out of range is an error, not
+    // skipped (the output lost a row and every row after it shifted).
+    let mut cfg = TbeConfig::one_feature_per_table(
+        vec![TableSpec::new("a", 10, 2)],
+        PoolingMode::None,
+        FusedOptimizer::Sgd { lr: 1.0 },
+    );
+    cfg.bounds_check = BoundsCheckMode::WarnAndSkip;
+    let tbe = TableBatchedEmbedding::new(cfg).unwrap();
+    let e = tbe
+        .lookup(TbeInput::new(&[1i64, 99, 2][..], &[0i64, 3][..]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("id 99") && e.contains("pooling NONE"), "{e}");
 }
 
 #[test]

@@ -122,7 +122,9 @@ pub enum BoundsCheckMode {
     #[default]
     Error,
     /// Skip the id as if it were absent from its bag (it does not count towards a MEAN bag's
-    /// length), count it in the operator's warning counter and print one warning.
+    /// length), count it in the operator's warning counter and print one warning. With
+    /// pooling NONE, where each id has its own output row, an id out of range is an error as
+    /// in [`Error`](Self::Error) (skipping it would shift every row after it).
     WarnAndSkip,
 }
 

@@ -576,7 +576,8 @@ impl QuantizedTableBatchedEmbedding {
                 table: &self.tables[t].name,
             })
             .collect();
-        validate(OP, input, &bounds, self.bounds_check, &self.skips)
+        let sequence = self.pooling == PoolingMode::None;
+        validate(OP, input, &bounds, self.bounds_check, sequence, &self.skips)
     }
 
     /// Checks `input` against the tables and copies it to the device lookups run on: a batch

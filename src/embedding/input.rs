@@ -211,12 +211,14 @@ pub(crate) struct SkipCounter {
 }
 
 /// Checks `input` against the features' tables; in [`BoundsCheckMode::WarnAndSkip`] returns a
-/// copy without the out-of-range ids.
+/// copy without the out-of-range ids, unless `sequence` (pooling NONE: every id keeps its
+/// output row, so skipping one would shift the rows after it) makes them errors too.
 pub(crate) fn validate<'a>(
     op: &'static str,
     input: TbeInput<'a>,
     features: &[FeatureBounds<'_>],
     mode: BoundsCheckMode,
+    sequence: bool,
     counter: &SkipCounter,
 ) -> Result<Batch<'a>> {
     let num_features = features.len();
@@ -300,13 +302,21 @@ pub(crate) fn validate<'a>(
             for p in offsets[bag]..offsets[bag + 1] {
                 let id = input.indices.get(p);
                 if out_of_range(id, feat.rows) {
-                    if mode == BoundsCheckMode::Error {
+                    if mode == BoundsCheckMode::Error || sequence {
                         return Err(Error::invalid(
                             op,
                             format!(
                                 "feature `{}` (table `{}`), bag {b}: id {id} at position {p} is \
-                                 out of range for a table of {} rows",
-                                feat.feature, feat.table, feat.rows
+                                 out of range for a table of {} rows{}",
+                                feat.feature,
+                                feat.table,
+                                feat.rows,
+                                if sequence && mode == BoundsCheckMode::WarnAndSkip {
+                                    " (with pooling NONE each id has its output row: skipping \
+                                     it would shift the rows after it, so it is not skipped)"
+                                } else {
+                                    ""
+                                }
                             ),
                         ));
                     }
@@ -502,6 +512,7 @@ mod tests {
             TbeInput::new(ids, offsets),
             features,
             mode,
+            false,
             &SkipCounter::default(),
         )
     }

@@ -212,7 +212,7 @@ impl FusedOptimizer {
             FusedOptimizer::None => true,
             FusedOptimizer::Sgd { lr } => rate(lr),
             FusedOptimizer::Adagrad { lr, eps } | FusedOptimizer::RowWiseAdagrad { lr, eps } => {
-                rate(lr) && finite(eps) && eps >= 0.0
+                rate(lr) && finite(eps) && eps > 0.0
             }
             opt => {
                 let (beta1, beta2, eps) = opt.moments().expect("the Adam family");
@@ -220,13 +220,17 @@ impl FusedOptimizer {
                     && (0.0..1.0).contains(&beta1)
                     && (0.0..1.0).contains(&beta2)
                     && finite(eps)
-                    && eps >= 0.0
+                    && eps > 0.0
             }
         };
         if !ok {
             return Err(Error::invalid(
                 "FusedOptimizer",
-                format!("invalid hyper-parameters {self:?}"),
+                format!(
+                    "invalid hyper-parameters {self:?}: the learning rate finite and not \
+                     negative, betas within [0, 1), eps finite and above 0 (at eps 0 a touched \
+                     row whose gradient is 0 divides 0 by 0: a NaN row)"
+                ),
             ));
         }
         Ok(())

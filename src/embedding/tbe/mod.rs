@@ -785,7 +785,8 @@ impl TableBatchedEmbedding {
                 table: &cfg.tables[t].name,
             })
             .collect();
-        validate(OP, input, &bounds, cfg.bounds_check, &inner.skips)
+        let sequence = cfg.pooling == PoolingMode::None;
+        validate(OP, input, &bounds, cfg.bounds_check, sequence, &inner.skips)
     }
 
     /// Checks `input` against the tables (the one validation pass, on the host) and copies it
