@@ -356,3 +356,50 @@ fn forward_into_equals_lookup_and_checks_its_buffer() {
     let bad = TbeInput::new(&[0i64, 9][..], &[0i64, 1, 2, 2, 2, 2, 2][..]);
     assert!(t.forward_into(bad, &mut out).is_err());
 }
+
+/// Row gradients are checked before they are read: values of another shape than `[rows, dim]`
+/// (a 0-d tensor panicked while coalescing; `[1, n·dim]` was read as n rows), and a TBE whose
+/// optimizer is None has no update to apply (it returned Ok and counted a step).
+#[test]
+fn row_gradients_of_another_shape_or_without_an_optimizer_are_refused() {
+    use embers::tensor::RowSparseGrad;
+    let tbe = |optimizer| {
+        TableBatchedEmbedding::new(TbeConfig::new(
+            vec![TableSpec::new("a", 10, 2)],
+            vec![0],
+            PoolingMode::Sum,
+            optimizer,
+        ))
+        .unwrap()
+    };
+    let t = tbe(FusedOptimizer::Sgd { lr: 0.1 });
+    let before = t.table_weights(0).unwrap();
+    for (rows, values) in [
+        (vec![3, 3], Tensor::from_vec(vec![1.0f32], &[]).unwrap()),
+        (
+            vec![3, 4],
+            Tensor::from_vec(vec![1.0f32; 4], &[1, 4]).unwrap(),
+        ),
+        (
+            vec![3, 4],
+            Tensor::from_vec(vec![1.0f32; 4], &[2, 1, 2]).unwrap(),
+        ),
+    ] {
+        let g = RowSparseGrad {
+            rows,
+            values,
+            num_rows: 10,
+        };
+        let e = t.apply_row_gradients(&[g]).unwrap_err().to_string();
+        assert!(e.contains("does not fit the 10×2 table"), "{e}");
+    }
+    assert_eq!(t.table_weights(0).unwrap(), before);
+    let none = tbe(FusedOptimizer::None);
+    let g = RowSparseGrad {
+        rows: vec![1],
+        values: Tensor::from_vec(vec![1.0f32; 2], &[1, 2]).unwrap(),
+        num_rows: 10,
+    };
+    let e = none.apply_row_gradients(&[g]).unwrap_err().to_string();
+    assert!(e.contains("the optimizer is None"), "{e}");
+}

@@ -72,6 +72,16 @@ impl RowSparseGrad {
 
     /// Sums duplicate rows; the result has sorted unique rows (deterministic order).
     pub fn coalesce(&self) -> Result<RowSparseGrad> {
+        if self.values.shape().first() != Some(&self.rows.len()) {
+            return Err(Error::invalid(
+                "RowSparseGrad::coalesce",
+                format!(
+                    "{} rows, values of shape {:?}: one row of values per row",
+                    self.rows.len(),
+                    self.values.shape()
+                ),
+            ));
+        }
         let mut unique: Vec<i64> = self.rows.clone();
         unique.sort_unstable();
         unique.dedup();

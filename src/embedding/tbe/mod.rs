@@ -995,11 +995,22 @@ impl TableBatchedEmbedding {
                 format!("{} gradients for {} tables", grads.len(), cfg.tables.len()),
             ));
         }
+        if cfg.optimizer == FusedOptimizer::None {
+            return Err(Error::invalid(
+                OP,
+                "the optimizer is None: there is no fused update to apply (its row gradients \
+                 go to autograd, for an optimizer of the caller's)",
+            ));
+        }
         let mut rows_of = Vec::with_capacity(grads.len());
         for (t, (g, spec)) in grads.iter().zip(&cfg.tables).enumerate() {
-            let g = g.coalesce()?;
+            // [rows, dim] as given, before coalescing reads it (any shape of the right count
+            // was read as rows of the table's width).
+            let shaped = g.values.shape() == [g.rows.len(), spec.dim];
+            let g = if shaped { g.coalesce()? } else { g.clone() };
             let n = g.rows.len();
-            if g.num_rows != spec.rows
+            if !shaped
+                || g.num_rows != spec.rows
                 || g.values.numel() != n * spec.dim
                 || g.values.dtype() != DType::F32
                 || g.rows.iter().any(|&r| r < 0 || r as usize >= spec.rows)
