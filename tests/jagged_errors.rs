@@ -379,3 +379,72 @@ fn op_argument_errors() {
     let m = message(values.split(&[usize::MAX, 4], 1));
     assert!(m.contains("sum to more than a usize holds"), "{m}");
 }
+
+/// Lengths or batch sizes whose sum overflows are named errors (an overflow panic in debug
+/// builds; in release the sum wrapped to the row count and a later slice panicked).
+#[test]
+fn lengths_and_batch_sizes_that_sum_past_an_integer_are_named() {
+    let huge = [i64::MAX, i64::MAX, 2];
+    let e = message(JaggedTensor::new(f32s(&[]), i64s(&huge), None));
+    assert!(e.contains("sum past an i64"), "{e}");
+    let lengths = Tensor::from_vec(huge.to_vec(), &[3, 1]).unwrap();
+    let e = message(permute_2d_sparse_data(
+        &i64s(&[0, 1, 2]),
+        &lengths,
+        &f32s(&[]),
+        None,
+        None,
+    ));
+    assert!(e.contains("sum past"), "{e}");
+    let options = BlockBucketizeOptions {
+        batch_size_per_feature: Some(&i64s(&huge)),
+        ..Default::default()
+    };
+    let e = message(block_bucketize_sparse_features(
+        &i64s(&[]),
+        &i64s(&[]),
+        &i64s(&[1, 1, 1]),
+        1,
+        &options,
+    ));
+    assert!(
+        e.contains("batch sizes per feature sum past a usize"),
+        "{e}"
+    );
+}
+
+/// Batched products with a zero dimension give the zero product, forward and backward
+/// (chunks of zero columns panicked).
+#[test]
+fn jagged_bmm_with_a_zero_dimension_gives_zeros() {
+    let x = Tensor::from_vec(vec![1.0f32; 6], &[2, 3])
+        .unwrap()
+        .with_requires_grad(true);
+    let y = Tensor::from_vec(Vec::<f32>::new(), &[1, 3, 0])
+        .unwrap()
+        .with_requires_grad(true);
+    let out = jagged_dense_bmm(&x, &i64s(&[0, 2]), &y, 2).unwrap();
+    assert_eq!(out.shape(), &[2, 0]);
+    out.sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), vec![0.0; 6]);
+    let a = Tensor::from_vec(vec![1.0f32; 4], &[2, 2])
+        .unwrap()
+        .with_requires_grad(true);
+    let b = Tensor::from_vec(Vec::<f32>::new(), &[2, 0])
+        .unwrap()
+        .with_requires_grad(true);
+    let out = jagged_jagged_bmm(&a, &b, &i64s(&[0, 2]), 2).unwrap();
+    assert_eq!(out.shape(), &[1, 2, 0]);
+    out.sum_all().unwrap().backward().unwrap();
+    assert_eq!(a.grad().unwrap().to_vec::<f32>().unwrap(), vec![0.0; 4]);
+}
+
+/// i32 lengths whose offsets pass i32::MAX are an error, not wrapped offsets (they read
+/// negative and a later op failed on offsets the caller never gave).
+#[test]
+fn i32_offsets_past_i32_max_are_an_error() {
+    let values = Tensor::zeros(&[3_000_000_000, 0], embers::DType::F32, embers::Device::Cpu);
+    let lengths = Tensor::from_vec(vec![2_000_000_000i32, 1_000_000_000], &[2]).unwrap();
+    let e = message(JaggedTensor::new(values, lengths, None));
+    assert!(e.contains("past i32::MAX"), "{e}");
+}

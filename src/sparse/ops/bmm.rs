@@ -56,6 +56,10 @@ fn jagged_dense_bmm_kernel<T: FloatElem>(
 ) -> Vec<T> {
     let rows = *offsets.last().unwrap_or(&0) as usize;
     let mut out = vec![T::zero(); rows * n];
+    if n == 0 || k == 0 {
+        // No column, or no term: the zero product (chunks of 0 columns cannot be taken).
+        return out;
+    }
     let bags: Vec<(usize, &mut [T])> = {
         let mut rest = out.as_mut_slice();
         let mut v = Vec::with_capacity(offsets.len());

@@ -116,12 +116,22 @@ mod helpers {
 
     /// An integer tensor of `dtype` (i32 keeps the caller's narrower index type, anything
     /// else gives i64).
+    /// A value past `i32` is an error (it wrapped: offsets past 2^31 values read negative).
     pub(crate) fn int_tensor(values: Vec<i64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
         match dtype {
-            DType::I32 => Tensor::from_vec(
-                values.into_iter().map(|v| v as i32).collect::<Vec<_>>(),
-                shape,
-            ),
+            DType::I32 => {
+                let narrow = (values.iter())
+                    .map(|&v| i32::try_from(v))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map_err(|_| {
+                        Error::invalid(
+                            "jagged",
+                            "offsets or indices past i32::MAX in an i32 tensor: give i64 \
+                             lengths",
+                        )
+                    })?;
+                Tensor::from_vec(narrow, shape)
+            }
             _ => Tensor::from_vec(values, shape),
         }
     }
@@ -154,7 +164,9 @@ mod helpers {
                     format!("{}: length {len} is negative", describe(i)),
                 ));
             }
-            total += len;
+            total = total.checked_add(len).ok_or_else(|| {
+                Error::invalid(op, format!("{}: the lengths sum past an i64", describe(i)))
+            })?;
             offsets.push(total);
         }
         Ok(offsets)

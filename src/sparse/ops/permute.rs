@@ -63,9 +63,13 @@ pub fn permute_2d_sparse_data(
                     format!("feature {t}, sample {b}: length {l} is negative"),
                 ));
             }
-            sum += l;
+            sum = sum.checked_add(l).ok_or_else(|| {
+                Error::invalid(OP, format!("feature {t}: the lengths sum past an i64"))
+            })?;
         }
-        total += sum as usize;
+        total = total.checked_add(sum as usize).ok_or_else(|| {
+            Error::invalid(OP, format!("feature {t}: the lengths sum past a usize"))
+        })?;
         feature_start.push(total);
     }
     if num_features > 0 && batch == 0 {

@@ -227,7 +227,10 @@ pub fn block_bucketize_sparse_features(
     };
     let mut feature_bag_start = vec![0usize];
     for &b in &batch_sizes {
-        feature_bag_start.push(feature_bag_start.last().unwrap() + b);
+        let next = feature_bag_start.last().and_then(|&at| at.checked_add(b));
+        feature_bag_start.push(
+            next.ok_or_else(|| Error::invalid(OP, "the batch sizes per feature sum past a usize"))?,
+        );
     }
     if feature_bag_start[num_features] != lens.len() {
         return Err(Error::invalid(
