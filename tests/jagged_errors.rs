@@ -448,3 +448,40 @@ fn i32_offsets_past_i32_max_are_an_error() {
     let e = message(JaggedTensor::new(values, lengths, None));
     assert!(e.contains("past i32::MAX"), "{e}");
 }
+
+/// `from_lengths_unchecked` still checks the counts safe methods slice by (keys × stride
+/// against the lengths, per-rank strides per key, offsets within the values, one weight per
+/// value): `get` on such a KJT panicked.
+#[test]
+fn unchecked_kjts_still_check_their_counts() {
+    let build = |lengths: &[i64], offsets: Option<&[i64]>, weights: Option<Tensor>, per_rank| {
+        message(KeyedJaggedTensor::from_lengths_unchecked(
+            keys(&["a", "b"]),
+            f32s(&[1.0, 2.0, 3.0]),
+            i64s(lengths),
+            offsets.map(i64s),
+            weights,
+            2,
+            per_rank,
+        ))
+    };
+    let e = build(&[1, 1, 1], None, None, None);
+    assert!(
+        e.contains("3 lengths are inconsistent with 2 keys × stride 2"),
+        "{e}"
+    );
+    let e = build(&[1, 1, 1, 0], None, None, Some(vec![vec![2, 2]]));
+    assert!(
+        e.contains("stride_per_key_per_rank has 1 entries for 2 keys"),
+        "{e}"
+    );
+    let e = build(&[1, 1, 1, 0], Some(&[0, 1, 2, 3, 9]), None, None);
+    assert!(e.contains("the offsets end at 9, past the 3 values"), "{e}");
+    let e = build(
+        &[1, 1, 1, 0],
+        None,
+        Some(Tensor::from_vec(vec![1.0f32], &[]).unwrap()),
+        None,
+    );
+    assert!(e.contains("one weight per value"), "{e}");
+}

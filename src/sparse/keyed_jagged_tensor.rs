@@ -170,7 +170,8 @@ impl KeyedJaggedTensor {
                     None if keys.is_empty() => 0,
                     None => lens.len() / keys.len(),
                 };
-                if check && stride.checked_mul(keys.len()) != Some(lens.len()) {
+                // The O(keys) checks run unchecked too: safe methods slice by them.
+                if stride.checked_mul(keys.len()) != Some(lens.len()) {
                     return Err(Error::invalid(
                         op,
                         format!(
@@ -183,7 +184,7 @@ impl KeyedJaggedTensor {
                 (stride, vec![stride; keys.len()], None)
             }
             Strides::PerKeyPerRank(per_rank) => {
-                if check {
+                {
                     if per_rank.len() != keys.len() {
                         return Err(Error::invalid(
                             op,
@@ -211,7 +212,7 @@ impl KeyedJaggedTensor {
                 let sum = |v: &[usize]| v.iter().fold(0usize, |n, &s| n.saturating_add(s));
                 let per_key: Vec<usize> = per_rank.iter().map(|r| sum(r)).collect();
                 let total = sum(&per_key);
-                if check && total != lens.len() {
+                if total != lens.len() {
                     return Err(Error::invalid(
                         op,
                         format!("the per-key strides add up to {total} samples but there are {} lengths", lens.len()),
@@ -225,18 +226,41 @@ impl KeyedJaggedTensor {
             }
         };
         let meta = KeyMeta::build(stride_per_key, offs);
-        if check {
-            let name = |i: usize| key_at(&keys, &meta.lengths_offset_per_key, i);
-            if meta.bag_offsets.len() != lens.len() + 1 {
+        // Checked unchecked too (O(1)): the counts safe methods slice by, and the weights'.
+        if meta.bag_offsets.len() != lens.len() + 1 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} offsets for {} lengths; expected lengths + 1",
+                    meta.bag_offsets.len(),
+                    lens.len()
+                ),
+            ));
+        }
+        let last = meta.bag_offsets[lens.len()];
+        if !check && usize::try_from(last).is_ok_and(|n| n > values.shape()[0]) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the offsets end at {last}, past the {} values",
+                    values.shape()[0]
+                ),
+            ));
+        }
+        if let Some(w) = &weights {
+            if w.shape().first().copied() != Some(values.shape()[0]) {
                 return Err(Error::invalid(
                     op,
                     format!(
-                        "{} offsets for {} lengths; expected lengths + 1",
-                        meta.bag_offsets.len(),
-                        lens.len()
+                        "weights have shape {:?}; expected one weight per value ({})",
+                        w.shape(),
+                        values.shape()[0]
                     ),
                 ));
             }
+        }
+        if check {
+            let name = |i: usize| key_at(&keys, &meta.lengths_offset_per_key, i);
             // Offsets given directly are checked as offsets; lengths as lengths.
             validate_offsets(op, &meta.bag_offsets[..1], name)?;
             if let Some(i) = lens.iter().position(|&l| l < 0) {
@@ -264,18 +288,6 @@ impl KeyedJaggedTensor {
                 meta.bag_offsets[lens.len()],
                 values.shape()[0],
             )?;
-            if let Some(w) = &weights {
-                if w.shape().first().copied() != Some(values.shape()[0]) {
-                    return Err(Error::invalid(
-                        op,
-                        format!(
-                            "weights have shape {:?}; expected one weight per value ({})",
-                            w.shape(),
-                            values.shape()[0]
-                        ),
-                    ));
-                }
-            }
         }
         Ok(KeyedJaggedTensor {
             keys: Arc::new(keys),
@@ -364,9 +376,12 @@ impl KeyedJaggedTensor {
         )
     }
 
-    /// Builds without the validation pass, for hot paths whose inputs were validated
-    /// upstream. `offsets`, when given, must be the complete cumsum of `lengths`. Invalid
-    /// input gives wrong results or an error/panic later, never undefined behaviour.
+    /// Builds without the validation pass over the lengths, for hot paths whose inputs were
+    /// validated upstream. `offsets`, when given, must be the complete cumsum of `lengths`.
+    /// The counts are still checked (keys × strides against the lengths, the offsets' count
+    /// and end within the values, one weight per value: what safe methods slice by); lengths
+    /// that disagree with the offsets give wrong results or an error later, never a panic or
+    /// undefined behaviour.
     pub fn from_lengths_unchecked(
         keys: Vec<String>,
         values: Tensor,
