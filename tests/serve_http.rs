@@ -1329,13 +1329,37 @@ fn the_embers_serve_binary_refuses_flags_it_cannot_honour() {
     refused(&["--cache-load-factor", "0.5"], "--cache-dir");
 }
 
+/// `embers-serve` started with `args`, its stdout's reader, and the first line it printed
+/// (where it serves).
+#[cfg(unix)]
+fn spawn_serve(
+    args: &[&str],
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_embers-serve"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    (child, out, line)
+}
+
 /// The binary: starts on a free port, answers, reloads on SIGHUP, refuses a bad checkpoint
 /// with the old model serving, and exits 0 after draining on SIGTERM.
 #[cfg(unix)]
 #[test]
 fn the_embers_serve_binary_serves_reloads_and_drains() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
+    use std::io::BufRead;
+    use std::process::Command;
     let g = data();
     let dir = scratch("binary");
     let path = dir.join("model.safetensors");
@@ -1343,27 +1367,19 @@ fn the_embers_serve_binary_serves_reloads_and_drains() {
     write_checkpoint(&trainer, &path);
     let keys = g.schema().sparse_keys.clone();
     let rows = rows(&g);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_embers-serve"))
-        .args([
-            "--checkpoint",
-            path.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-            "--quantize",
-            "int8",
-            // The INT8 rows in files behind a cache of a tenth of them.
-            "--cache-dir",
-            dir.join("caches").to_str().unwrap(),
-            "--cache-load-factor",
-            "0.1",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
+    let (mut child, mut out, mut line) = spawn_serve(&[
+        "--checkpoint",
+        path.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--quantize",
+        "int8",
+        // The INT8 rows in files behind a cache of a tenth of them.
+        "--cache-dir",
+        dir.join("caches").to_str().unwrap(),
+        "--cache-load-factor",
+        "0.1",
+    ]);
     let addr: SocketAddr = line
         .trim()
         .rsplit("http://")
@@ -1741,31 +1757,24 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
 
 /// `--watch`: a checkpoint replaced by a truncated file is refused (the old model keeps
 /// serving), and the complete file that follows is loaded (seen as version 2).
+#[cfg(unix)]
 #[test]
 fn the_binary_watches_its_checkpoint() {
     use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
     let g = data();
     let dir = scratch("watch");
     let path = dir.join("model.safetensors");
     let mut trainer = config(&g).build().unwrap();
     write_checkpoint(&trainer, &path);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_embers-serve"))
-        .args([
-            "--checkpoint",
-            path.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .args(["--watch", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let (mut child, mut out, mut line) = spawn_serve(&[
+        "--checkpoint",
+        path.to_str().unwrap(),
+        "--addr",
+        "127.0.0.1:0",
+        "--watch",
+        "1",
+    ]);
     let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
     assert!(line.contains("version 1"), "{line}");
     let good = std::fs::read(&path).unwrap();
     std::fs::write(&path, &good[..good.len() / 2]).unwrap();

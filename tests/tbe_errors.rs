@@ -201,6 +201,16 @@ fn bad_configs_are_errors() {
         embers::nn::Linear::with_init(2, 2, true, init, init, embers::DType::F32, &mut seeded(1));
     let msg = layer.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("not of a finite width"), "{msg}");
+    // The reason a TBE of `optimizer` is refused.
+    let refusal = |optimizer: FusedOptimizer| {
+        let config = TbeConfig::new(
+            vec![TableSpec::new("a", 3, 2)],
+            vec![0],
+            PoolingMode::Sum,
+            optimizer,
+        );
+        TableBatchedEmbedding::new(config).unwrap_err().to_string()
+    };
     // Learning rates as torch.optim takes them: finite and not negative, for every optimizer.
     for lr in [-0.05, f32::NAN, f32::INFINITY] {
         for optimizer in [
@@ -213,13 +223,7 @@ fn bad_configs_are_errors() {
                 eps: 1e-8,
             },
         ] {
-            let config = TbeConfig::new(
-                vec![TableSpec::new("a", 3, 2)],
-                vec![0],
-                PoolingMode::Sum,
-                optimizer,
-            );
-            let msg = TableBatchedEmbedding::new(config).unwrap_err().to_string();
+            let msg = refusal(optimizer);
             assert!(
                 msg.contains("invalid hyper-parameters"),
                 "{optimizer:?}: {msg}"
@@ -237,13 +241,7 @@ fn bad_configs_are_errors() {
             eps: 0.0,
         },
     ] {
-        let config = TbeConfig::new(
-            vec![TableSpec::new("a", 3, 2)],
-            vec![0],
-            PoolingMode::Sum,
-            optimizer,
-        );
-        let msg = TableBatchedEmbedding::new(config).unwrap_err().to_string();
+        let msg = refusal(optimizer);
         assert!(
             msg.contains("eps finite and above 0"),
             "{optimizer:?}: {msg}"
