@@ -184,29 +184,27 @@ impl KeyedJaggedTensor {
                 (stride, vec![stride; keys.len()], None)
             }
             Strides::PerKeyPerRank(per_rank) => {
-                {
-                    if per_rank.len() != keys.len() {
-                        return Err(Error::invalid(
-                            op,
-                            format!(
-                                "stride_per_key_per_rank has {} entries for {} keys",
-                                per_rank.len(),
-                                keys.len()
-                            ),
-                        ));
-                    }
-                    if let Some(k) = per_rank.iter().position(|r| r.len() != per_rank[0].len()) {
-                        return Err(Error::invalid(
-                            op,
-                            format!(
-                                "key `{}` has strides for {} ranks but key `{}` for {}",
-                                keys[k],
-                                per_rank[k].len(),
-                                keys[0],
-                                per_rank[0].len()
-                            ),
-                        ));
-                    }
+                if per_rank.len() != keys.len() {
+                    return Err(Error::invalid(
+                        op,
+                        format!(
+                            "stride_per_key_per_rank has {} entries for {} keys",
+                            per_rank.len(),
+                            keys.len()
+                        ),
+                    ));
+                }
+                if let Some(k) = per_rank.iter().position(|r| r.len() != per_rank[0].len()) {
+                    return Err(Error::invalid(
+                        op,
+                        format!(
+                            "key `{}` has strides for {} ranks but key `{}` for {}",
+                            keys[k],
+                            per_rank[k].len(),
+                            keys[0],
+                            per_rank[0].len()
+                        ),
+                    ));
                 }
                 // (Saturating: a sum past a usize cannot match the lengths' count.)
                 let sum = |v: &[usize]| v.iter().fold(0usize, |n, &s| n.saturating_add(s));
