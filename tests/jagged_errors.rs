@@ -485,3 +485,29 @@ fn unchecked_kjts_still_check_their_counts() {
     );
     assert!(e.contains("one weight per value"), "{e}");
 }
+
+/// A repeated key reads as its last occurrence through `get`, as through `to_dict` and as
+/// TorchRec's dict of key indices (`get` took the first, `to_dict` the last).
+#[test]
+fn a_repeated_key_reads_as_its_last_occurrence() {
+    let kjt = KeyedJaggedTensor::from_lengths(
+        keys(&["a", "a"]),
+        f32s(&[1.0, 2.0, 3.0]),
+        i64s(&[1, 2]),
+        None,
+        Some(1),
+    )
+    .unwrap();
+    let got = kjt.get("a").unwrap().values().to_vec::<f32>().unwrap();
+    let dict = kjt.to_dict().unwrap();
+    assert_eq!(dict.len(), 1);
+    assert_eq!(dict[0].1.values().to_vec::<f32>().unwrap(), got);
+    assert_eq!(got, vec![2.0, 3.0]);
+    let kt = KeyedTensor::new(
+        keys(&["x", "x"]),
+        vec![1, 1],
+        Tensor::from_vec(vec![5.0f32, 6.0], &[1, 2]).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(kt.get("x").unwrap().to_vec::<f32>().unwrap(), vec![6.0]);
+}

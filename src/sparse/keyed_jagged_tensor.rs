@@ -542,7 +542,9 @@ impl KeyedJaggedTensor {
     }
 
     fn key_index(&self, op: &'static str, key: &str) -> Result<usize> {
-        self.keys.iter().position(|k| k == key).ok_or_else(|| {
+        // The last occurrence of a repeated key, as TorchRec's `_key_indices` dict (and
+        // `to_dict`) take it.
+        self.keys.iter().rposition(|k| k == key).ok_or_else(|| {
             Error::invalid(
                 op,
                 format!("unknown key `{key}`; the keys are {:?}", self.keys),
@@ -568,8 +570,8 @@ impl KeyedJaggedTensor {
         ))
     }
 
-    /// The jagged tensor of `key` (its first occurrence); an unknown key is an error listing
-    /// the keys.
+    /// The jagged tensor of `key` (its last occurrence, as TorchRec's `kjt[key]` and
+    /// [`to_dict`](Self::to_dict)); an unknown key is an error listing the keys.
     pub fn get(&self, key: &str) -> Result<JaggedTensor> {
         self.jagged_at(self.key_index("KeyedJaggedTensor::get", key)?)
     }

@@ -125,9 +125,11 @@ impl KeyedTensor {
         1
     }
 
-    /// The `[B, D_k]` columns of `key` (a view). An unknown key is an error listing the keys.
+    /// The `[B, D_k]` columns of `key` (a view; a repeated key's last occurrence, as TorchRec's
+    /// `kt[key]`). An unknown key is an error listing the keys.
     pub fn get(&self, key: &str) -> Result<Tensor> {
-        let k = self.keys.iter().position(|k| k == key).ok_or_else(|| {
+        // The last occurrence of a repeated key, as TorchRec's `_key_indices` dict.
+        let k = self.keys.iter().rposition(|k| k == key).ok_or_else(|| {
             Error::invalid(
                 "KeyedTensor::get",
                 format!("unknown key `{key}`; the keys are {:?}", self.keys),
