@@ -140,10 +140,7 @@ fn exit_code(outcome: Result<()>) -> i32 {
 #[cfg(not(feature = "mpi"))]
 pub fn main_launched(ranks: usize) -> i32 {
     let outcome = match crate::parse_args() {
-        Err(e) => match parse_error(e, 0) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        },
+        Err(e) => parse_error(e, 0).map_or(Ok(()), Err),
         Ok(args) if args.plan.is_none() => Err(unplanned(ranks)),
         Ok(args) => run_alone(&args),
     };
@@ -537,10 +534,7 @@ mod with_mpi {
         // `--epochs N` held N readers, their shuffle buffers and prefetch threads).
         let part = (rank, world);
         let mine = (0..args.epochs)
-            .flat_map(move |epoch| {
-                (data.batches_of_part(Split::Train, epoch, args.batch_size, args.seed, part))
-                    .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))))
-            })
+            .flat_map(move |epoch| part_batches(data, Split::Train, epoch, args, part))
             .skip(start_step as usize);
         let mine: Box<dyn Iterator<Item = Result<crate::Batch>> + Send> = match total {
             Some(t) => Box::new(mine.take(t.saturating_sub(start_step) as usize)),
@@ -562,17 +556,7 @@ mod with_mpi {
         };
         let validation = |model: &Model| -> Result<(BTreeMap<String, f64>, u64)> {
             let limit = crate::validation_batches(args, world).unwrap_or(usize::MAX);
-            // A stream that cannot open is a batch that fails to load: the pipeline's
-            // agreement ends every rank on it.
-            let batches = data
-                .batches_of_part(
-                    Split::Validation,
-                    0,
-                    args.batch_size,
-                    args.seed,
-                    (rank, world),
-                )
-                .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))));
+            let batches = part_batches(data, Split::Validation, 0, args, part);
             let batches: Batches = Box::new(batches.take(limit));
             evaluate(model, &eval_pipeline, batches)
         };
@@ -601,9 +585,8 @@ mod with_mpi {
             loss.backward()?;
             all_reduce_mean_gradients(model.sharded.comm(), &model.dense.parameters())?;
             model.optimizer.step()?;
-            let loss = value;
             update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
-            (loss_sum, loss_count) = (loss_sum + loss, loss_count + 1);
+            (loss_sum, loss_count) = (loss_sum + value, loss_count + 1);
             step += 1;
             bar.set_position(step);
             if args.validate_every > 0 && step % args.validate_every == 0 {
@@ -645,9 +628,7 @@ mod with_mpi {
         }
         save(&model, &metrics, args, step)?;
         let (val, val_n) = validation(&model)?;
-        let test = data
-            .batches_of_part(Split::Test, 0, args.batch_size, args.seed, (rank, world))
-            .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))));
+        let test = part_batches(data, Split::Test, 0, args, part);
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
         let train = lifetime_metrics(
             &model.tasks,
@@ -709,6 +690,20 @@ mod with_mpi {
             );
         }
         Ok(())
+    }
+
+    /// This rank's `part` of `split`'s batches in `epoch`. A stream that cannot open is one
+    /// batch that fails to load: the pipeline's load agreement ends every rank on it (an
+    /// error returned here left the others waiting in their next collective).
+    fn part_batches(
+        data: &Data,
+        split: Split,
+        epoch: u64,
+        args: &Args,
+        part: (usize, usize),
+    ) -> Batches {
+        data.batches_of_part(split, epoch, args.batch_size, args.seed, part)
+            .unwrap_or_else(|e| Box::new(std::iter::once(Err(e))))
     }
 
     /// A line above the progress bar, or on its own without one.

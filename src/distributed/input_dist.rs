@@ -57,13 +57,25 @@ impl Gathered {
 const WEIGHTED: i64 = 1;
 const REJECTED: i64 = 2;
 
+/// The flags word of batch number `batch`: the number above two bits, `REJECTED` if
+/// `rejected`, `WEIGHTED` if `weighted` (and not rejected).
+fn flags_word(batch: u64, rejected: bool, weighted: bool) -> i64 {
+    let bits = if rejected {
+        REJECTED
+    } else if weighted {
+        WEIGHTED
+    } else {
+        0
+    };
+    ((batch as i64) << 2) | bits
+}
+
 /// Every rank's verdict on its batch without bags to send (a plan of data-parallel tables
 /// only): one all-gather of the flags word of [`all_to_all_bags`], so that a batch one rank
 /// rejects, or a skipped batch, ends every rank here rather than in the backward's collectives.
 pub(crate) fn agree_on_batch(comm: &Comm, rejected: Option<Error>, batch: u64) -> Result<()> {
     let (rank, w) = (comm.rank(), comm.size());
-    let bits = if rejected.is_some() { REJECTED } else { 0 };
-    let flags = ((batch as i64) << 2) | bits;
+    let flags = flags_word(batch, rejected.is_some(), false);
     let got = comm.all_gather_v("input_dist.agree", &[flags], Some(&vec![1; w]))?;
     check_flags(rank, rejected, batch, |s| got[s][0], w)
 }
@@ -115,14 +127,7 @@ pub(crate) fn all_to_all_bags(
 ) -> Result<Gathered> {
     let (rank, w) = (comm.rank(), comm.size());
     let weighted = send.iter().any(|b| b.weights.is_some());
-    let bits = if rejected.is_some() {
-        REJECTED
-    } else if weighted {
-        WEIGHTED
-    } else {
-        0
-    };
-    let flags = ((batch as i64) << 2) | bits;
+    let flags = flags_word(batch, rejected.is_some(), weighted);
     let splits: Vec<Vec<i64>> = (0..w)
         .map(|d| match (&rejected, send.get(d)) {
             (None, Some(b)) => vec![

@@ -601,6 +601,14 @@ impl Shards {
         let (table_rows, table_dim) = (rows, dim);
         for (s, (header, block)) in headers.iter().zip(&blocks).enumerate() {
             let mut at = 0usize;
+            if header.len() % 4 != 0 {
+                return Err(Error::Distributed(format!(
+                    "rank {}: gather_table: rank {s} sent a header of {} words for `{table}`, \
+                     not whole rectangles of 4",
+                    self.comm.rank(),
+                    header.len()
+                )));
+            }
             for rect in header.chunks_exact(4) {
                 let [r0, c0, rows, cols] = [rect[0], rect[1], rect[2], rect[3]].map(|x| x as usize);
                 // A peer's rectangle inside the table, its values inside its block.
@@ -609,7 +617,7 @@ impl Shards {
                     && (rows.checked_mul(cols))
                         .and_then(|n| n.checked_add(at))
                         .is_some_and(|e| e <= block.len());
-                if !fits || header.len() % 4 != 0 {
+                if !fits {
                     return Err(Error::Distributed(format!(
                         "rank {}: gather_table: rank {s} sent a rectangle {rect:?} of `{table}` \
                          outside its {table_rows}×{table_dim} values or its own block",

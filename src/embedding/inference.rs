@@ -740,9 +740,7 @@ fn check_storable(ty: WeightType, values: &[f32], row: &[u8]) -> Result<()> {
         _ => true,
     };
     if !finite {
-        let (lo, hi) = (values.iter()).fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
-            (lo.min(x), hi.max(x))
-        });
+        let (lo, hi) = super::quantize::row_min_max(values);
         return Err(Error::invalid(
             OP,
             format!(

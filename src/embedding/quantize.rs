@@ -123,7 +123,8 @@ fn int8_codes(row: &[f32], min: f32, max: f32, codes: &mut [u8]) {
     }
 }
 
-fn row_min_max(row: &[f32]) -> (f32, f32) {
+/// The smallest and largest of `row` (∞ and −∞ when empty).
+pub(crate) fn row_min_max(row: &[f32]) -> (f32, f32) {
     row.iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &x| {
             (lo.min(x), hi.max(x))

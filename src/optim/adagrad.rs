@@ -59,15 +59,15 @@ impl Adagrad {
     /// Learning rate, its decay, weight decay and eps: finite and not negative (checked at
     /// every step, as they are public fields).
     fn check_settings(&self) -> Result<()> {
-        for (name, v) in [
-            ("lr", self.lr),
-            ("lr_decay", self.lr_decay),
-            ("weight_decay", self.weight_decay),
-            ("eps", self.eps),
-        ] {
-            super::check_hyper("Adagrad", name, v)?;
-        }
-        Ok(())
+        super::check_hypers(
+            "Adagrad",
+            &[
+                ("lr", self.lr),
+                ("lr_decay", self.lr_decay),
+                ("weight_decay", self.weight_decay),
+                ("eps", self.eps),
+            ],
+        )
     }
 
     /// The accumulated squared gradients, one per parameter (checkpointable state).

@@ -65,9 +65,14 @@ pub struct Adam {
 
 /// Learning rate, eps and weight decay finite and not negative; betas in [0, 1).
 fn check_config(config: &AdamConfig) -> Result<()> {
-    super::check_hyper("Adam", "lr", config.lr)?;
-    super::check_hyper("Adam", "eps", config.eps)?;
-    super::check_hyper("Adam", "weight_decay", config.weight_decay)?;
+    super::check_hypers(
+        "Adam",
+        &[
+            ("lr", config.lr),
+            ("eps", config.eps),
+            ("weight_decay", config.weight_decay),
+        ],
+    )?;
     if !(0.0..1.0).contains(&config.betas.0) || !(0.0..1.0).contains(&config.betas.1) {
         return Err(crate::Error::invalid(
             "Adam",

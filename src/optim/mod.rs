@@ -133,6 +133,13 @@ pub(crate) fn check_hyper(op: &'static str, name: &str, value: f64) -> Result<()
     }
 }
 
+/// [`check_hyper`] of each named setting, in order.
+pub(crate) fn check_hypers(op: &'static str, settings: &[(&str, f64)]) -> Result<()> {
+    settings
+        .iter()
+        .try_for_each(|&(name, value)| check_hyper(op, name, value))
+}
+
 /// Checks a parameter can be optimised (a contiguous float leaf).
 pub(crate) fn check_param(op: &'static str, p: &Tensor) -> Result<()> {
     if !p.is_leaf() || !p.is_contiguous() {

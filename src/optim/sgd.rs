@@ -48,14 +48,15 @@ impl Sgd {
     /// momentum with a momentum and no dampening (it would run as plain SGD). Checked at every
     /// step, as the settings are public fields.
     fn check_settings(&self) -> Result<()> {
-        for (name, v) in [
-            ("lr", self.lr),
-            ("momentum", self.momentum),
-            ("dampening", self.dampening),
-            ("weight_decay", self.weight_decay),
-        ] {
-            super::check_hyper("Sgd", name, v)?;
-        }
+        super::check_hypers(
+            "Sgd",
+            &[
+                ("lr", self.lr),
+                ("momentum", self.momentum),
+                ("dampening", self.dampening),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             return Err(crate::Error::invalid(
                 "Sgd",
