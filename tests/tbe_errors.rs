@@ -3,8 +3,8 @@
 
 use embers::embedding::{
     EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
-    FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding, TableBatchedEmbedding, TableSpec,
-    TbeConfig, TbeInput, WeightType,
+    EmbeddingInit, FusedOptimizer, PoolingMode, QuantizedTableBatchedEmbedding,
+    TableBatchedEmbedding, TableSpec, TbeConfig, TbeInput, WeightDecay, WeightType,
 };
 use embers::sparse::KeyedJaggedTensor;
 use embers::tensor::rng::seeded;
@@ -101,6 +101,27 @@ fn per_sample_weights_of_the_wrong_length() {
 }
 
 #[test]
+fn non_finite_per_sample_weights_are_named() {
+    let ids = [0i64, 1, 2];
+    let offsets = [0i64, 1, 2, 3, 3];
+    for (bad, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf")] {
+        let w = [1.0f32, bad, 2.0];
+        let msg = err(TbeInput::new(&ids[..], &offsets[..]).with_weights(&w));
+        assert!(
+            msg.contains("per_sample_weights[1]") && msg.contains(shown),
+            "{msg}"
+        );
+        // Training refuses it before any row moves.
+        let t = tbe();
+        let before = t.table_weights(1).unwrap();
+        let input = TbeInput::new(&ids[..], &offsets[..]).with_weights(&w);
+        let grad = vec![1.0f32; 2 * 3 + 2 * 2];
+        assert!(t.backward_fused(input, &grad).is_err());
+        assert_eq!(t.table_weights(1).unwrap(), before);
+    }
+}
+
+#[test]
 fn wrong_table_weights_and_grad_shapes_are_errors() {
     let t = tbe();
     let msg = t.set_table_weights(0, &[0.0; 11]).unwrap_err().to_string();
@@ -193,6 +214,28 @@ fn bad_configs_are_errors() {
             .to_string();
         assert!(msg.contains("finite low ≤ high"), "{msg}");
     }
+    // A constant that is not finite, or a normal whose std is not a finite number ≥ 0, and the
+    // table keeps its values.
+    let before = t.table_weights(0).unwrap();
+    for (init, needle) in [
+        (EmbeddingInit::Constant { value: f32::NAN }, "finite value"),
+        (
+            EmbeddingInit::Constant {
+                value: f32::NEG_INFINITY,
+            },
+            "finite value",
+        ),
+        (EmbeddingInit::Normal { std: f32::NAN }, "finite std"),
+        (EmbeddingInit::Normal { std: f32::INFINITY }, "finite std"),
+        (EmbeddingInit::Normal { std: -1.0 }, "finite std"),
+    ] {
+        let msg = t
+            .init_weights(init, &mut seeded(1))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(needle), "{init:?}: {msg}");
+        assert_eq!(t.table_weights(0).unwrap(), before);
+    }
     let init = embers::nn::Init::Uniform {
         low: f64::MIN,
         high: f64::MAX,
@@ -211,6 +254,23 @@ fn bad_configs_are_errors() {
         );
         TableBatchedEmbedding::new(config).unwrap_err().to_string()
     };
+    // Weight decay as torch.optim takes it: finite and not negative, coupled or decoupled.
+    for wd in [-0.01, f32::NAN, f32::INFINITY] {
+        for decay in [WeightDecay::L2(wd), WeightDecay::Decoupled(wd)] {
+            let mut config = TbeConfig::new(
+                vec![TableSpec::new("a", 3, 2)],
+                vec![0],
+                PoolingMode::Sum,
+                FusedOptimizer::Sgd { lr: 0.1 },
+            );
+            config.weight_decay = decay;
+            let msg = TableBatchedEmbedding::new(config).unwrap_err().to_string();
+            assert!(
+                msg.contains("weight decay") && msg.contains("not negative"),
+                "{msg}"
+            );
+        }
+    }
     // Learning rates as torch.optim takes them: finite and not negative, for every optimizer.
     for lr in [-0.05, f32::NAN, f32::INFINITY] {
         for optimizer in [

@@ -277,6 +277,17 @@ pub(crate) fn validate<'a>(
                 ),
             ));
         }
+        // A NaN or infinite weight would poison the pooled rows and, in training, the table
+        // rows its gradient reaches; name the first one.
+        if let Some(at) = w.iter().position(|v| !v.is_finite()) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "per_sample_weights[{at}] is {}: weights must be finite",
+                    w[at]
+                ),
+            ));
+        }
     }
     // The fast pass: one branch-free scan per feature over its (contiguous) ids, features in
     // parallel when the batch is large. Only features with an id out of range are walked again

@@ -291,10 +291,14 @@ impl TableBatchedEmbedding {
     ) -> Result<Self> {
         config.optimizer.validate()?;
         if let WeightDecay::L2(l) | WeightDecay::Decoupled(l) = config.weight_decay {
-            if !l.is_finite() {
+            // As torch.optim: finite and not negative (a negative decay grows the rows).
+            if !(l.is_finite() && l >= 0.0) {
                 return Err(Error::invalid(
                     OP,
-                    format!("invalid weight decay {:?}", config.weight_decay),
+                    format!(
+                        "invalid weight decay {:?}: it must be finite and not negative",
+                        config.weight_decay
+                    ),
                 ));
             }
         }
@@ -1457,13 +1461,27 @@ pub(crate) fn fill_init(
             }
         }
         EmbeddingInit::Normal { std } => {
+            if !(std.is_finite() && std >= 0.0) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("normal init needs a finite std ≥ 0, got {std}"),
+                ));
+            }
             let normal = Normal::new(0.0f32, std)
                 .map_err(|e| Error::invalid(OP, format!("normal init: {e}")))?;
             for x in rows.iter_mut() {
                 *x = normal.sample(rng);
             }
         }
-        EmbeddingInit::Constant { value } => rows.fill(value),
+        EmbeddingInit::Constant { value } => {
+            if !value.is_finite() {
+                return Err(Error::invalid(
+                    OP,
+                    format!("constant init needs a finite value, got {value}"),
+                ));
+            }
+            rows.fill(value)
+        }
     }
     Ok(())
 }
