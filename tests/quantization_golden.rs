@@ -313,11 +313,12 @@ fn hfp8_matches_fbgemm_for_every_config() {
     for case in g["cases"].as_array().unwrap() {
         let input = rows_f32(&case["input"]);
         for cfg_v in case["hfp8"].as_array().unwrap() {
-            let cfg = Hfp8Config {
-                ebits: cfg_v["ebits"].as_u64().unwrap() as u32,
-                exponent_bias: cfg_v["exponent_bias"].as_i64().unwrap() as i32,
-                max_pos: num(&cfg_v["max_pos"]) as f32,
-            };
+            let cfg = Hfp8Config::new(
+                cfg_v["ebits"].as_u64().unwrap() as u32,
+                cfg_v["exponent_bias"].as_i64().unwrap() as i32,
+                num(&cfg_v["max_pos"]) as f32,
+            )
+            .unwrap();
             let bytes = rows_u8(&cfg_v["bytes"]);
             let deq = rows_f32(&cfg_v["dequantized"]);
             for (r, row) in input.iter().enumerate() {
@@ -327,10 +328,7 @@ fn hfp8_matches_fbgemm_for_every_config() {
                     "{} dim {} row {r}",
                     cfg_v["name"], case["dim"]
                 );
-                let back: Vec<f32> = ours
-                    .iter()
-                    .map(|&b| hfp8_to_f32(b, cfg.ebits, cfg.exponent_bias))
-                    .collect();
+                let back: Vec<f32> = ours.iter().map(|&b| hfp8_to_f32(b, cfg)).collect();
                 assert_same_f32(&back, &deq[r], &format!("{} decode", cfg_v["name"]));
             }
         }
@@ -338,11 +336,12 @@ fn hfp8_matches_fbgemm_for_every_config() {
     let special = &g["hfp8_special"];
     let input = rows_f32(&special["input"]);
     for cfg_v in special["configs"].as_array().unwrap() {
-        let cfg = Hfp8Config {
-            ebits: cfg_v["ebits"].as_u64().unwrap() as u32,
-            exponent_bias: cfg_v["exponent_bias"].as_i64().unwrap() as i32,
-            max_pos: num(&cfg_v["max_pos"]) as f32,
-        };
+        let cfg = Hfp8Config::new(
+            cfg_v["ebits"].as_u64().unwrap() as u32,
+            cfg_v["exponent_bias"].as_i64().unwrap() as i32,
+            num(&cfg_v["max_pos"]) as f32,
+        )
+        .unwrap();
         let ours: Vec<u8> = input[0].iter().map(|&x| f32_to_hfp8(x, cfg)).collect();
         assert_eq!(
             ours,
@@ -350,10 +349,7 @@ fn hfp8_matches_fbgemm_for_every_config() {
             "{} special values",
             cfg_v["name"]
         );
-        let back: Vec<f32> = ours
-            .iter()
-            .map(|&b| hfp8_to_f32(b, cfg.ebits, cfg.exponent_bias))
-            .collect();
+        let back: Vec<f32> = ours.iter().map(|&b| hfp8_to_f32(b, cfg)).collect();
         assert_same_f32(&back, &rows_f32(&cfg_v["dequantized"])[0], "special decode");
     }
     for table in special["decode_tables"].as_array().unwrap() {
@@ -374,8 +370,49 @@ fn hfp8_matches_fbgemm_for_every_config() {
             .map(|v| num(v) as f32)
             .collect();
         assert_eq!(bytes.len(), 256);
-        let ours: Vec<f32> = bytes.iter().map(|&b| hfp8_to_f32(b, ebits, bias)).collect();
+        let format =
+            Hfp8Config::new(ebits, bias, Hfp8Config::largest(ebits, bias).unwrap()).unwrap();
+        let ours: Vec<f32> = bytes.iter().map(|&b| hfp8_to_f32(b, format)).collect();
+        // Every code decodes finite, the largest to the format's largest value.
+        assert_eq!(
+            ours.iter().cloned().fold(f32::MIN, f32::max),
+            format.max_pos(),
+            "{}",
+            table["name"]
+        );
         assert_same_f32(&ours, &values, &format!("decode table {}", table["name"]));
+    }
+}
+
+#[test]
+fn hfp8_formats_the_bit_arithmetic_cannot_hold_are_refused() {
+    for (ebits, bias) in [(0, 7), (8, 7), (4, -1), (4, 128), (u32::MAX, 0)] {
+        let msg = Hfp8Config::largest(ebits, bias).unwrap_err().to_string();
+        assert!(msg.contains("1 to 7 exponent bits"), "{msg}");
+        assert!(Hfp8Config::new(ebits, bias, 1.0).is_err());
+    }
+    // e4 bias 7 tops out at 480; 240 (the TBE format) and 480 fit, 481 does not.
+    assert_eq!(Hfp8Config::largest(4, 7).unwrap(), 480.0);
+    assert_eq!(Hfp8Config::new(4, 7, 240.0).unwrap(), Hfp8Config::TBE);
+    assert!(Hfp8Config::new(4, 7, 480.0).is_ok());
+    for max_pos in [481.0, 0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let msg = Hfp8Config::new(4, 7, max_pos).unwrap_err().to_string();
+        assert!(msg.contains("max_pos"), "{msg}");
+    }
+    // Every format the constructor takes round-trips its largest value and saturates past it.
+    for ebits in 1..=7 {
+        for bias in [0, 1, 7, 15, 31, 63, 127] {
+            let largest = Hfp8Config::largest(ebits, bias).unwrap();
+            let cfg = Hfp8Config::new(ebits, bias, largest).unwrap();
+            for x in [largest, -largest] {
+                assert_eq!(hfp8_to_f32(f32_to_hfp8(x, cfg), cfg), x, "e{ebits} b{bias}");
+            }
+            assert_eq!(
+                hfp8_to_f32(f32_to_hfp8(f32::INFINITY, cfg), cfg),
+                largest,
+                "e{ebits} b{bias}"
+            );
+        }
     }
 }
 

@@ -23,15 +23,13 @@ use super::config::WeightType;
 use crate::{Error, Result};
 
 /// Exponent bits, exponent bias and largest magnitude of an 8-bit float format without
-/// inf/NaN (FBGEMM's "HFP8").
+/// inf/NaN (FBGEMM's "HFP8"). Built checked ([`Hfp8Config::new`]), so the encoder and decoder
+/// never see a format their bit arithmetic cannot hold.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Hfp8Config {
-    /// Exponent bits (1..=6); the mantissa has `7 − ebits`.
-    pub ebits: u32,
-    /// Exponent bias.
-    pub exponent_bias: i32,
-    /// Values saturate at ± this.
-    pub max_pos: f32,
+    ebits: u32,
+    exponent_bias: i32,
+    max_pos: f32,
 }
 
 impl Hfp8Config {
@@ -41,6 +39,59 @@ impl Hfp8Config {
         exponent_bias: 7,
         max_pos: 240.0,
     };
+
+    /// A format of `ebits` exponent bits (1..=7; the mantissa has `7 − ebits`) and
+    /// `exponent_bias` (0..=127), saturating at ± `max_pos`, which must be above 0 and no more
+    /// than the format's largest value ([`Hfp8Config::largest`]).
+    pub fn new(ebits: u32, exponent_bias: i32, max_pos: f32) -> Result<Self> {
+        let largest = Self::largest(ebits, exponent_bias)?;
+        if !(max_pos > 0.0 && max_pos <= largest) {
+            return Err(Error::invalid(
+                "Hfp8Config",
+                format!(
+                    "max_pos {max_pos} must be above 0 and at most {largest}, the largest value \
+                     of {ebits} exponent bits with bias {exponent_bias}"
+                ),
+            ));
+        }
+        Ok(Hfp8Config {
+            ebits,
+            exponent_bias,
+            max_pos,
+        })
+    }
+
+    /// The largest value of `ebits` exponent bits (1..=7) with `exponent_bias` (0..=127):
+    /// `2^(2^ebits − 1 − bias) · (2 − 2^−(7 − ebits))`, every exponent code being finite.
+    pub fn largest(ebits: u32, exponent_bias: i32) -> Result<f32> {
+        if !(1..=7).contains(&ebits) || !(0..=127).contains(&exponent_bias) {
+            return Err(Error::invalid(
+                "Hfp8Config",
+                format!(
+                    "{ebits} exponent bits with bias {exponent_bias}: HFP8 takes 1 to 7 exponent \
+                     bits and a bias from 0 to 127"
+                ),
+            ));
+        }
+        let top = (1i32 << ebits) - 1 - exponent_bias;
+        let mantissa = 7 - ebits as i32;
+        Ok((2f64.powi(top) * (2.0 - 2f64.powi(-mantissa))) as f32)
+    }
+
+    /// Exponent bits.
+    pub fn ebits(&self) -> u32 {
+        self.ebits
+    }
+
+    /// Exponent bias.
+    pub fn exponent_bias(&self) -> i32 {
+        self.exponent_bias
+    }
+
+    /// Values saturate at ± this.
+    pub fn max_pos(&self) -> f32 {
+        self.max_pos
+    }
 }
 
 /// Encodes `x` as an HFP8 byte (round to nearest even, saturating at `max_pos`).
@@ -75,8 +126,9 @@ pub fn f32_to_hfp8(x: f32, cfg: Hfp8Config) -> u8 {
     }
 }
 
-/// Decodes an HFP8 byte.
-pub fn hfp8_to_f32(byte: u8, ebits: u32, exponent_bias: i32) -> f32 {
+/// Decodes an HFP8 byte of format `cfg` (its `max_pos` plays no part).
+pub fn hfp8_to_f32(byte: u8, cfg: Hfp8Config) -> f32 {
+    let (ebits, exponent_bias) = (cfg.ebits, cfg.exponent_bias);
     let sign = ((byte & 0x80) as u32) << 24;
     // Put the exponent and mantissa bits where an f32 keeps them; the f32 then holds
     // value · 2^(bias − 127), sub-normals included, and one exact multiply rebases it.
@@ -109,7 +161,7 @@ pub fn e4m3fn_to_f32(byte: u8) -> f32 {
     if byte & 0x7f == 0x7f {
         return f32::NAN;
     }
-    hfp8_to_f32(byte, 4, 7)
+    hfp8_to_f32(byte, Hfp8Config::TBE)
 }
 
 /// FBGEMM's 8-bit code: `round_half_even((x − min) · 255 / (range + 1e-8))` in f32. The 1e-8
@@ -258,7 +310,7 @@ pub fn dequantize_row(ty: WeightType, row: &[u8], out: &mut [f32]) -> Result<()>
         }
         WeightType::Fp8 => {
             for (o, &b) in out.iter_mut().zip(row) {
-                *o = hfp8_to_f32(b, 4, 7);
+                *o = hfp8_to_f32(b, Hfp8Config::TBE);
             }
         }
         WeightType::Fp8E4m3fn => {
