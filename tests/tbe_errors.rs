@@ -317,6 +317,54 @@ fn bad_configs_are_errors() {
 }
 
 #[test]
+fn quantized_tbe_sizes_past_any_memory_are_refused() {
+    let build = |tables: Vec<TableSpec>, types: Vec<WeightType>| {
+        let features = (0..tables.len()).collect();
+        QuantizedTableBatchedEmbedding::new(tables, types, features, PoolingMode::Sum)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let huge = usize::MAX / 2;
+    // The row's bytes, the table's bytes, and the tables' bytes together each overflow.
+    for (tables, types, table) in [
+        (
+            vec![TableSpec::new("wide", 1, huge)],
+            vec![WeightType::Fp32],
+            "`wide`",
+        ),
+        (
+            vec![TableSpec::new("tall", huge, 8)],
+            vec![WeightType::Int8],
+            "`tall`",
+        ),
+        (
+            vec![
+                TableSpec::new("a", isize::MAX as usize / 6, 4),
+                TableSpec::new("b", isize::MAX as usize / 6, 4),
+            ],
+            vec![WeightType::Fp8, WeightType::Fp8],
+            "`b`",
+        ),
+    ] {
+        let msg = build(tables, types);
+        assert!(
+            msg.contains("past any memory") && msg.contains(table),
+            "{msg}"
+        );
+    }
+    // The output row: dims whose sum overflows (one byte per element, so each table alone fits).
+    let msg = build(
+        vec![
+            TableSpec::new("x", 1, huge),
+            TableSpec::new("y", 1, huge + 3),
+        ],
+        vec![WeightType::Fp8, WeightType::Fp8],
+    );
+    assert!(msg.contains("past any memory"), "{msg}");
+}
+
+#[test]
 fn quantized_tbe_checks_bounds_too() {
     let q = QuantizedTableBatchedEmbedding::new(
         vec![TableSpec::new("q", 2, 4)],

@@ -86,6 +86,18 @@ impl WeightType {
         }
     }
 
+    /// [`row_bytes`](Self::row_bytes), or `None` where it does not fit a `usize`.
+    pub fn checked_row_bytes(self, dim: usize) -> Option<usize> {
+        match self {
+            WeightType::Fp32 => dim.checked_mul(4),
+            WeightType::Fp16 | WeightType::Bf16 => dim.checked_mul(2),
+            WeightType::Fp8 | WeightType::Fp8E4m3fn => Some(dim),
+            WeightType::Int8 => dim.checked_add(4),
+            WeightType::Int4 => dim.div_ceil(2).checked_add(4),
+            WeightType::Int2 => dim.div_ceil(4).checked_add(4),
+        }
+    }
+
     /// FBGEMM's `SparseType` name (`FP32`, `INT4`, ...; the OCP FP8 is `FP8_E4M3FN`).
     pub fn fbgemm_name(self) -> &'static str {
         match self {

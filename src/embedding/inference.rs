@@ -144,15 +144,27 @@ impl QuantizedTableBatchedEmbedding {
                     format!("table {t} `{}` has dim 0 (dims must be ≥ 1)", spec.name),
                 ));
             }
-            let start = end.next_multiple_of(TABLE_ALIGNMENT);
+            // Every size is checked: a dim or row count near usize::MAX must be an error,
+            // not a wrapped offset.
+            let too_large = || {
+                Error::invalid(
+                    OP,
+                    format!(
+                        "table {t} `{}` ({} rows × dim {} of {ty:?}) is past any memory, with \
+                         the tables before it",
+                        spec.name, spec.rows, spec.dim
+                    ),
+                )
+            };
+            let start = end
+                .checked_next_multiple_of(TABLE_ALIGNMENT)
+                .ok_or_else(too_large)?;
             byte_offsets.push(start);
-            end = start
-                + spec
-                    .rows
-                    .checked_mul(ty.row_bytes(spec.dim))
-                    .ok_or_else(|| {
-                        Error::invalid(OP, format!("table `{}` is too large", spec.name))
-                    })?;
+            end = (ty.checked_row_bytes(spec.dim))
+                .and_then(|rb| spec.rows.checked_mul(rb))
+                .and_then(|bytes| start.checked_add(bytes))
+                .filter(|&e| e <= isize::MAX as usize)
+                .ok_or_else(too_large)?;
         }
         byte_offsets.push(end);
         for (f, &t) in feature_table_map.iter().enumerate() {
@@ -177,7 +189,12 @@ impl QuantizedTableBatchedEmbedding {
         let mut col = 0;
         for &dim in &dims {
             slots.push(FeatureSlot { col, dim });
-            col += dim;
+            col = col.checked_add(dim).ok_or_else(|| {
+                Error::invalid(
+                    OP,
+                    format!("the output row of dims {dims:?} is past any memory"),
+                )
+            })?;
         }
         let out_stride = if pooling == PoolingMode::None {
             dims[0]
