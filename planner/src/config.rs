@@ -38,30 +38,57 @@ pub struct ByteSize(pub u64);
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Text(String),
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ByteSize;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number of bytes or a size such as \"80GiB\"")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(v))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
+                u64::try_from(v).map(ByteSize).map_err(|_| {
+                    E::custom(format!("invalid byte size {v}: it must not be negative"))
+                })
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<ByteSize, E> {
+                // TOML and JSON write 8.5e10 as a float: taken when it is a whole count.
+                if v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v < u64::MAX as f64 {
+                    Ok(ByteSize(v as u64))
+                } else {
+                    Err(E::custom(format!(
+                        "invalid byte size {v}: expected a whole number of bytes ≥ 0"
+                    )))
+                }
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                parse_bytes(s).map(ByteSize).map_err(|why| {
+                    E::custom(format!(
+                        "invalid byte size '{s}': {why} (expected an integer or e.g. \"80GiB\", \
+                         \"512MiB\")"
+                    ))
+                })
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Int(v) => Ok(ByteSize(v)),
-            Raw::Text(s) => parse_bytes(&s).map(ByteSize).ok_or_else(|| {
-                serde::de::Error::custom(format!(
-                    "invalid byte size '{s}': expected an integer or e.g. \"80GiB\", \"512MiB\""
-                ))
-            }),
-        }
+        d.deserialize_any(Visitor)
     }
 }
 
-fn parse_bytes(s: &str) -> Option<u64> {
+/// Bytes in `s`, a number and an optional unit. In plain bytes the number must be whole; in a
+/// larger unit the amount is floored to whole bytes, but not to 0 from a non-zero amount.
+fn parse_bytes(s: &str) -> Result<u64, &'static str> {
     let s = s.trim();
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let v: f64 = num.parse().ok()?;
+    let v: f64 = num.parse().map_err(|_| "no number")?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kib" => 1024.0,
@@ -72,10 +99,19 @@ fn parse_bytes(s: &str) -> Option<u64> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        _ => return None,
+        _ => return Err("unknown unit"),
     };
     let bytes = v * mult;
-    (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+        return Err("past u64");
+    }
+    if mult == 1.0 && bytes.fract() != 0.0 {
+        return Err("not a whole number of bytes");
+    }
+    if bytes > 0.0 && bytes < 1.0 {
+        return Err("less than one byte");
+    }
+    Ok(bytes as u64)
 }
 
 /// Topology section: a preset and/or explicit fields (explicit fields win). Bandwidths are in
@@ -222,7 +258,8 @@ pub struct Constraints {
     pub min_partition: Option<u64>,
     /// HBM cache size as a fraction of the table for cached kernels (default 0.2).
     pub cache_load_factor: Option<f64>,
-    /// Cache statistics; with them cached kernels get a prefetch cost.
+    /// Cache statistics; with them and a `cache_load_factor` (as in TorchRec, the default
+    /// factor alone prices no prefetch) cached kernels get a prefetch cost.
     pub cache_stats: Option<CacheStats>,
     /// Element type of the embedding outputs (default: the table's).
     pub output_dtype: Option<DataType>,
@@ -584,11 +621,27 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
-        for (k, v) in input_lengths.iter().chain(num_poolings.iter()).enumerate() {
+        // Each value named by the field it came from.
+        let by_features = !t.features.is_empty();
+        let named = (input_lengths.iter().enumerate())
+            .map(|(k, v)| {
+                let field = if by_features {
+                    format!("features[{k}].pooling_factor")
+                } else {
+                    format!("pooling_factors[{k}]")
+                };
+                (field, v)
+            })
+            .chain(
+                (num_poolings.iter().enumerate())
+                    .filter(|_| by_features)
+                    .map(|(k, v)| (format!("features[{k}].num_poolings"), v)),
+            );
+        for (field, v) in named {
             if !(v.is_finite() && *v >= 0.0 && *v <= MAX_POOLING) {
                 return Err(cfg(
-                    &f("features"),
-                    format!("pooling value #{k} must be within [0, {MAX_POOLING:e}], got {v}"),
+                    &f(&field),
+                    format!("must be within [0, {MAX_POOLING:e}], got {v}"),
                 ));
             }
         }
@@ -622,11 +675,12 @@ impl Config {
                     ),
                 ));
             }
-            // Summed in f32, as TorchRec sums them: a total past f32's range is no curve.
-            let mut total = 0.0f64;
+            // Summed in f32, as TorchRec sums them (and `expected_miss_rate` does, in the same
+            // order): a running total past f32's range is no curve, it would price NaN.
+            let mut total = 0.0f32;
             for (k, &v) in s.mrc_hist_counts.iter().enumerate() {
-                total += v;
-                if !(v.is_finite() && v >= 0.0 && total <= f32::MAX as f64) {
+                total += v as f32;
+                if !(v.is_finite() && v >= 0.0 && total.is_finite()) {
                     return Err(cfg(
                         &f("constraints.cache_stats.mrc_hist_counts"),
                         format!(
@@ -636,6 +690,13 @@ impl Config {
                         ),
                     ));
                 }
+            }
+            if total == 0.0 {
+                return Err(cfg(
+                    &f("constraints.cache_stats.mrc_hist_counts"),
+                    "the counts sum to 0 (in f32): an empty histogram is no miss-ratio curve"
+                        .into(),
+                ));
             }
             if let Some(a) = s.cacheability.filter(|a| !a.is_finite()) {
                 return Err(cfg(

@@ -58,7 +58,7 @@ pub fn plan_problem_with(
     settings: &search::SearchSettings,
 ) -> Result<Plan, PlannerError> {
     let options = enumerator::enumerate(problem)?;
-    let capacity = reservation::reserve(problem);
+    let capacity = reservation::reserve(problem)?;
     let placed = search::search(problem, &options, &capacity, model, settings)?;
     Ok(plan::Plan::build(
         problem, &options, &placed, &capacity, model,

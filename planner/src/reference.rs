@@ -477,8 +477,9 @@ pub fn torchrec_search(
         }
     }
 
-    // Greedy, by depth and by sum.
-    let storage_key: Vec<Vec<(u64, u64, u64, u64)>> = options
+    // Greedy, by depth and by sum. The sums are exact (u128) as TorchRec's Python integers
+    // are: shard sizes near u64::MAX times many ranks must not wrap.
+    let storage_key: Vec<Vec<(u64, u128, u64, u128)>> = options
         .iter()
         .map(|os| {
             os.iter()
@@ -486,9 +487,9 @@ pub fn torchrec_search(
                     let it = o.shards.iter();
                     (
                         it.clone().map(|s| s.storage.hbm).max().unwrap_or(0),
-                        it.clone().map(|s| s.storage.hbm).sum(),
+                        it.clone().map(|s| u128::from(s.storage.hbm)).sum(),
                         it.clone().map(|s| s.storage.ddr).max().unwrap_or(0),
-                        it.map(|s| s.storage.ddr).sum(),
+                        it.map(|s| u128::from(s.storage.ddr)).sum(),
                     )
                 })
                 .collect()
@@ -514,7 +515,7 @@ pub fn torchrec_search(
                 break;
             }
             consider(&p, &base);
-            let mut largest: Option<(usize, (u64, u64, u64, u64))> = None;
+            let mut largest: Option<(usize, (u64, u128, u64, u128))> = None;
             for t in 0..n {
                 if idx[t] + 1 < sorted[t].len() {
                     let k = storage_key[t][sorted[t][idx[t]]];

@@ -2,6 +2,7 @@
 //! it: a percentage of HBM as margin, the dense model, and the input KJT buffers.
 
 use crate::config::Problem;
+use crate::error::{human_bytes, PlannerError};
 use crate::estimator::perf::INDEX_BYTES;
 use crate::types::{ComputeDevice, Storage};
 
@@ -20,21 +21,52 @@ pub fn kjt_bytes(problem: &Problem) -> u64 {
     ((ids * INDEX_BYTES).ceil() as u64).saturating_mul(KJT_MULTIPLIER)
 }
 
-/// What each rank has left for the tables after reservation.
-pub fn reserve(problem: &Problem) -> Vec<Storage> {
+/// What each rank has left for the tables after reservation, or a config error naming what
+/// reserves more than the rank has (the dense model, or the KJT buffers of the batch sizes):
+/// such a reservation is no plan, and saying so beats blaming the tables.
+pub fn reserve(problem: &Problem) -> Result<Vec<Storage>, PlannerError> {
     let t = &problem.topology;
     let r = &problem.reservation;
     let kjt = if r.kjt { kjt_bytes(problem) } else { 0 };
     let hbm = ((1.0 - r.percentage) * t.hbm_cap as f64) as u64;
+    // The tier the dense model and the input buffers are held in: HBM on GPUs, DDR on CPUs.
+    let (tier, held) = match t.compute_device {
+        ComputeDevice::Cuda => ("HBM (after the percentage margin)", hbm),
+        ComputeDevice::Cpu => ("DDR", t.ddr_cap),
+    };
+    let short = |field: &str, what: String| PlannerError::Config {
+        field: field.into(),
+        message: format!(
+            "{what}, more than the {} of {tier} each rank has",
+            human_bytes(held)
+        ),
+    };
+    let left = held.checked_sub(r.dense_bytes).ok_or_else(|| {
+        short(
+            "storage_reservation.dense_bytes",
+            format!(
+                "reserves {} for the dense model",
+                human_bytes(r.dense_bytes)
+            ),
+        )
+    })?;
+    let left = left.checked_sub(kjt).ok_or_else(|| {
+        short(
+            "batch_size",
+            format!(
+                "the input KJT buffers ({KJT_MULTIPLIER} batches of ids over every feature's \
+                 pooling factor × batch size) take {}, with {} of dense model",
+                human_bytes(kjt),
+                human_bytes(r.dense_bytes)
+            ),
+        )
+    })?;
     let cap = match t.compute_device {
         ComputeDevice::Cuda => Storage {
-            hbm: hbm.saturating_sub(r.dense_bytes).saturating_sub(kjt),
+            hbm: left,
             ddr: t.ddr_cap,
         },
-        ComputeDevice::Cpu => Storage {
-            hbm,
-            ddr: t.ddr_cap.saturating_sub(r.dense_bytes).saturating_sub(kjt),
-        },
+        ComputeDevice::Cpu => Storage { hbm, ddr: left },
     };
-    vec![cap; t.world_size]
+    Ok(vec![cap; t.world_size])
 }

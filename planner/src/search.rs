@@ -712,6 +712,13 @@ pub fn search(
     let mut best: Option<State> = None;
     let mut first_error = None;
     for start in 0..starts {
+        // Each construction places every shard on every candidate rank: with many shards on
+        // many ranks one takes long. Past the time limit, once a plan is in hand, the other
+        // constructions are skipped (the limit bounds the search, not a first plan); TorchRec's
+        // plan, already found, is still taken.
+        if best.is_some() && start < modes.len() && t_ref.elapsed() > settings.time_limit {
+            continue;
+        }
         let mut state = fresh();
         if let Some(mode) = modes.get(start) {
             let mut failed = Vec::new();

@@ -271,9 +271,14 @@ pub struct Storage {
 }
 
 impl Storage {
-    /// Whether this fits in `capacity` on both tiers.
+    /// Whether this fits in `capacity` on both tiers. Sizes saturate ([`Storage::plus`]), so
+    /// `u64::MAX` stands for a size past u64, which fits nowhere, not even in a capacity of
+    /// `u64::MAX`.
     pub fn fits_in(&self, capacity: &Storage) -> bool {
-        self.hbm <= capacity.hbm && self.ddr <= capacity.ddr
+        self.hbm <= capacity.hbm
+            && self.ddr <= capacity.ddr
+            && self.hbm != u64::MAX
+            && self.ddr != u64::MAX
     }
 
     /// Component-wise sum (saturating: sizes near `u64::MAX` mean "cannot fit").

@@ -11,7 +11,7 @@ fn reservation_matches_torchrec() {
     let golden = common::load("planner_plans.json");
     for case in golden["cases"].as_array().unwrap() {
         let problem = common::problem(&case["inputs"]);
-        let cap = reservation::reserve(&problem);
+        let cap = reservation::reserve(&problem).unwrap();
         let r = &case["reservation"];
         if r.is_null() {
             continue;
@@ -114,7 +114,7 @@ fn torchrec_search_is_reproduced() {
         };
         let problem = common::problem(&case["inputs"]);
         let options = enumerator::enumerate(&problem).unwrap();
-        let capacity = reservation::reserve(&problem);
+        let capacity = reservation::reserve(&problem).unwrap();
         let found = reference::torchrec_search(
             &options,
             &capacity,

@@ -518,7 +518,9 @@ impl ShardingPlan {
                     if s.col_offset != 0 || s.cols != shape.dim {
                         return fail(format!("shard {i} is not a block of whole rows"));
                     }
-                    if s.row_offset != at && s.rows > 0 {
+                    // An empty block too sits where the blocks before it end (as TorchRec
+                    // places them), never at some row outside the table.
+                    if s.row_offset != at {
                         return fail(format!(
                             "shard {i} starts at row {}, expected {at} (row blocks in shard \
                              order, no gaps or overlaps)",
@@ -685,6 +687,17 @@ mod tests {
         .to_string();
         assert!(
             e.contains("`t0`") && e.contains("not one of the 2 hosts"),
+            "{e}"
+        );
+        // An empty row block sits where the blocks before it end, not outside the table.
+        let small = vec![TableShape::new("s", 2, 4)];
+        let plan = ShardingPlan::construct(&small, &[("s", Placement::RowWise)], 4, 2).unwrap();
+        assert_eq!(plan.tables[0].shards[3].rows, 0);
+        let mut bad = plan.clone();
+        bad.tables[0].shards[3].row_offset = 99_999_999;
+        let e = bad.check(&small).unwrap_err().to_string();
+        assert!(
+            e.contains("`s`") && e.contains("shard 3 starts at row 99999999, expected 2"),
             "{e}"
         );
     }
