@@ -726,4 +726,8 @@ impl ExampleSource for CriteoParquetReader {
     fn schema(&self) -> &FeatureSchema {
         &self.schema
     }
+
+    fn indices_ascend(&self) -> bool {
+        true
+    }
 }

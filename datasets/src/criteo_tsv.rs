@@ -151,4 +151,8 @@ impl ExampleSource for CriteoTsvReader {
     fn schema(&self) -> &FeatureSchema {
         &self.schema
     }
+
+    fn indices_ascend(&self) -> bool {
+        true
+    }
 }

@@ -54,4 +54,12 @@ pub struct Example {
 pub trait ExampleSource: Iterator<Item = Result<Example>> + Send {
     /// The schema every example of this source follows.
     fn schema(&self) -> &FeatureSchema;
+
+    /// Whether the examples' indices strictly increase (every reader here: records in file
+    /// order). A [`crate::Batcher`] of such a source stops reading once no later index can
+    /// belong to its split, rather than scanning the rest of the source; the default, `false`,
+    /// makes it read to the end.
+    fn indices_ascend(&self) -> bool {
+        false
+    }
 }

@@ -45,6 +45,6 @@ pub use error::{DatasetError, Result};
 pub use example::{Example, ExampleSource, FeatureSchema};
 pub use movielens::{MovieLensConfig, MovieLensFormat, MovieLensReader, MOVIELENS_GENRES};
 pub use pipeline::{BatchConfig, Batcher, ShuffleConfig, Split, SplitRule};
-pub use prefetch::Prefetcher;
+pub use prefetch::{Prefetcher, PREFETCH_DROP_WAIT};
 pub use synthetic::{SyntheticCriteo, SyntheticCriteoConfig, SyntheticExamples};
 pub use zipf::ZipfSampler;

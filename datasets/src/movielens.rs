@@ -503,4 +503,8 @@ impl ExampleSource for MovieLensReader {
     fn schema(&self) -> &FeatureSchema {
         &self.schema
     }
+
+    fn indices_ascend(&self) -> bool {
+        true
+    }
 }

@@ -1,6 +1,8 @@
 //! Split selection, seeded shuffling and batch assembly on top of any [`ExampleSource`].
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::hashing::{hash_words, unit_open, SplitMix64};
 use crate::{DatasetError, Example, ExampleSource, FeatureSchema, Prefetcher, RawBatch, Result};
@@ -88,6 +90,41 @@ impl SplitRule {
         }
     }
 
+    /// An index past every one of split `wanted` (`None`: no such bound), so that reading
+    /// an ascending source can stop there.
+    pub fn index_bound(&self, wanted: Split) -> Option<u64> {
+        match self {
+            SplitRule::All => None,
+            SplitRule::Fractions {
+                validation, test, ..
+            } => {
+                // A split of no share takes no index: the hash `u` is in the open (0, 1) and
+                // compared as `split_of` compares it.
+                let empty = match wanted {
+                    Split::Validation => *validation <= 0.0,
+                    Split::Test => *test <= 0.0,
+                    Split::Train => validation + test >= 1.0,
+                };
+                empty.then_some(0)
+            }
+            SplitRule::IndexRanges {
+                train,
+                validation,
+                test,
+            } => {
+                let range = match wanted {
+                    Split::Train => train,
+                    Split::Validation => validation,
+                    Split::Test => test,
+                };
+                Some(if range.is_empty() { 0 } else { range.end })
+            }
+            SplitRule::Assigned(splits) => Some(
+                (splits.iter().rposition(|s| *s == Some(wanted))).map_or(0, |last| last as u64 + 1),
+            ),
+        }
+    }
+
     fn validate(&self) -> Result<()> {
         match self {
             SplitRule::All => Ok(()),
@@ -108,6 +145,13 @@ impl SplitRule {
                 validation,
                 test,
             } => {
+                for (name, r) in [("train", train), ("validation", validation), ("test", test)] {
+                    if r.start > r.end {
+                        return Err(DatasetError::InvalidConfig(format!(
+                            "split index range {name} {r:?} runs backwards (start after end)"
+                        )));
+                    }
+                }
                 let overlap = |a: &Range<u64>, b: &Range<u64>| {
                     !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
                 };
@@ -177,6 +221,8 @@ pub struct Batcher<S: ExampleSource> {
     buffer: Vec<Example>,
     source_done: bool,
     finished: bool,
+    /// Set when the [`Prefetcher`] running this batcher is dropped.
+    stop: Option<Arc<AtomicBool>>,
 }
 
 /// The most examples a batcher reserves room for ahead of reading them.
@@ -213,6 +259,7 @@ impl<S: ExampleSource> Batcher<S> {
             config,
             source_done: false,
             finished: false,
+            stop: None,
         })
     }
 
@@ -226,7 +273,10 @@ impl<S: ExampleSource> Batcher<S> {
     where
         S: 'static,
     {
-        Prefetcher::spawn(self, depth)
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut batcher = self;
+        batcher.stop = Some(Arc::clone(&stop));
+        Prefetcher::spawn_with_stop(batcher, depth, stop)
     }
 
     /// Next example of the wanted split from the source, `Ok(None)` at the end.
@@ -234,8 +284,28 @@ impl<S: ExampleSource> Batcher<S> {
         if self.source_done {
             return Ok(None);
         }
+        let wanted = self.config.split;
+        let bound = self.config.split_rule.index_bound(wanted);
+        // No example can be selected: nothing to read (any source). An ascending source also
+        // stops at the first index past the split's last.
+        if bound == Some(0) {
+            self.source_done = true;
+            return Ok(None);
+        }
+        let ascend = self.source.indices_ascend();
         for item in self.source.by_ref() {
+            // A dropped prefetcher stops a long scan between two examples.
+            if self
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(Ordering::Relaxed))
+            {
+                break;
+            }
             let example = item?;
+            if ascend && bound.is_some_and(|b| example.index >= b) {
+                break;
+            }
             if self
                 .config
                 .split_rule

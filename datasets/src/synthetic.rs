@@ -493,4 +493,8 @@ impl ExampleSource for SyntheticExamples {
     fn schema(&self) -> &FeatureSchema {
         self.generator.schema()
     }
+
+    fn indices_ascend(&self) -> bool {
+        true
+    }
 }

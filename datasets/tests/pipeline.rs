@@ -323,6 +323,25 @@ fn prefetcher_preserves_order_and_is_bounded_and_stops_on_drop() {
 }
 
 #[test]
+fn dropping_a_prefetcher_inside_a_long_item_waits_a_bounded_time() {
+    // An item that takes 5 s to produce: the drop waits PREFETCH_DROP_WAIT, then leaves the
+    // thread to end by itself (it joined, for the whole item, before).
+    let slow = (0..2).map(|i| {
+        std::thread::sleep(Duration::from_secs(5));
+        Ok::<_, DatasetError>(i)
+    });
+    let prefetcher = Prefetcher::spawn(slow, 1).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let started = std::time::Instant::now();
+    drop(prefetcher);
+    let took = started.elapsed();
+    assert!(
+        took >= embers_datasets::PREFETCH_DROP_WAIT && took < Duration::from_secs(4),
+        "drop took {took:?}"
+    );
+}
+
+#[test]
 fn prefetcher_propagates_errors_then_ends() {
     let items: Vec<embers_datasets::Result<u32>> = vec![
         Ok(1),

@@ -1,7 +1,7 @@
 //! The synthetic generator: determinism, splits, Zipf skew, and the planted signal.
 
 use embers_datasets::{
-    tie_corrected_auc, BatchConfig, Batcher, RawBatch, Split, SyntheticCriteo,
+    tie_corrected_auc, BatchConfig, Batcher, RawBatch, Split, SplitRule, SyntheticCriteo,
     SyntheticCriteoConfig, ZipfSampler,
 };
 
@@ -322,4 +322,93 @@ fn several_tasks_keep_the_first_and_add_related_ones() {
         .unwrap_err();
         assert!(error.to_string().contains("num_tasks"), "{error}");
     }
+}
+
+#[test]
+fn a_split_of_an_endless_ascending_source_ends_after_its_last_index() {
+    let generator = small(3);
+    let config = |split, split_rule| BatchConfig {
+        batch_size: 256,
+        split,
+        split_rule,
+        ..BatchConfig::default()
+    };
+    // Validation is 0..1000 of an endless stream: 1000 examples, then the end (it scanned
+    // the stream for ever before).
+    let rule = SplitRule::IndexRanges {
+        train: 2000..u64::MAX,
+        validation: 0..1000,
+        test: 1000..2000,
+    };
+    let rows: usize = Batcher::new(
+        generator.examples(0..u64::MAX),
+        config(Split::Validation, rule.clone()),
+    )
+    .unwrap()
+    .map(|b| b.unwrap().batch_size)
+    .sum();
+    assert_eq!(rows, 1000);
+    // A split with no share reads nothing at all.
+    let rule = SplitRule::Fractions {
+        validation: 0.0,
+        test: 0.5,
+        seed: 1,
+    };
+    let mut none = Batcher::new(
+        generator.examples(0..u64::MAX),
+        config(Split::Validation, rule),
+    )
+    .unwrap();
+    assert!(none.next().is_none());
+    let rule = SplitRule::Assigned(std::sync::Arc::new(vec![
+        Some(Split::Test),
+        None,
+        Some(Split::Test),
+        Some(Split::Train),
+    ]));
+    let rows: usize = Batcher::new(generator.examples(0..u64::MAX), config(Split::Test, rule))
+        .unwrap()
+        .map(|b| b.unwrap().batch_size)
+        .sum();
+    assert_eq!(rows, 2);
+    // Dropping a prefetcher whose batcher is inside a long scan returns (it waited for the
+    // scan's end before): a train split that starts far into the stream.
+    let rule = SplitRule::IndexRanges {
+        train: u64::MAX - 1..u64::MAX,
+        validation: 0..0,
+        test: 0..0,
+    };
+    let prefetcher = Batcher::new(generator.examples(0..u64::MAX), config(Split::Train, rule))
+        .unwrap()
+        .prefetch(2)
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let started = std::time::Instant::now();
+    drop(prefetcher);
+    // The scan stops at the drop: the thread is joined well within the wait.
+    assert!(
+        started.elapsed() < embers_datasets::PREFETCH_DROP_WAIT / 2,
+        "drop took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn split_ranges_that_run_backwards_are_refused() {
+    let config = BatchConfig {
+        split_rule: SplitRule::IndexRanges {
+            train: 0..100,
+            validation: 200..50,
+            test: 0..0,
+        },
+        ..BatchConfig::default()
+    };
+    let msg = Batcher::new(small(1).examples(0..10), config)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("validation") && msg.contains("backwards"),
+        "{msg}"
+    );
 }
