@@ -287,10 +287,15 @@ impl CriteoParquetReader {
     }
 
     /// Sets how many rows are decoded at once (≥ 1; default 8192). Lower it for very wide
-    /// rows or tight memory.
-    pub fn with_rows_per_batch(mut self, rows: usize) -> Self {
-        self.rows_per_batch = rows.max(1);
-        self
+    /// rows or tight memory. 0 is refused.
+    pub fn with_rows_per_batch(mut self, rows: usize) -> Result<Self> {
+        if rows == 0 {
+            return Err(DatasetError::InvalidConfig(
+                "Parquet rows_per_batch must be at least 1".to_string(),
+            ));
+        }
+        self.rows_per_batch = rows;
+        Ok(self)
     }
 
     /// Handle on the count of skipped records (stays live after the reader is moved).
@@ -329,12 +334,16 @@ impl CriteoParquetReader {
             roots.push(index);
         }
         let projection = ProjectionMask::roots(metadata.parquet_schema(), roots);
-        let row_group_rows = metadata
-            .metadata()
-            .row_groups()
-            .iter()
-            .map(|group| group.num_rows().max(0) as u64)
-            .collect();
+        let (rows, row_group_rows) = footer_rows(&path, &metadata)?;
+        if self.next_index.checked_add(rows).is_none() {
+            return Err(DatasetError::Parquet {
+                path,
+                row_group: None,
+                row: None,
+                field: "footer".to_string(),
+                message: format!("{rows} rows after {} overflow u64", self.next_index),
+            });
+        }
         Ok(OpenFile {
             path,
             file,
@@ -479,13 +488,20 @@ impl CriteoParquetReader {
             } else {
                 column.number(row).unwrap_or(f64::NAN)
             };
-            if !raw.is_finite() {
+            // Finite before and after the transform (a float64 past f32's range would be inf
+            // under Identity).
+            let value = self.config.dense_transform.apply(raw);
+            if !raw.is_finite() || !value.is_finite() {
                 return Err(fail(
                     name,
-                    format!("dense value must be finite, found {raw}"),
+                    format!(
+                        "dense value must be finite (as an f32 after the {:?} transform), \
+                         found {raw:e}",
+                        self.config.dense_transform
+                    ),
                 ));
             }
-            dense.push(self.config.dense_transform.apply(raw));
+            dense.push(value);
         }
         let mut ids = Vec::with_capacity(CRITEO_NUM_CATEGORICAL);
         for (feature, (column, name)) in decoded
@@ -587,7 +603,25 @@ impl CriteoParquetReader {
         if needs_batch {
             match next_batch(&mut cursor.reader) {
                 Ok(None) => {
+                    let claimed = file.row_group_rows[row_group];
+                    let read = cursor.rows_consumed;
                     file.cursor = None;
+                    if read < claimed {
+                        // Rows the footer promised and the pages do not hold: bad records
+                        // (they keep their indices, as an undecodable row group's do).
+                        let error = DatasetError::Parquet {
+                            path: file.path.clone(),
+                            row_group: Some(row_group),
+                            row: None,
+                            field: "footer".to_string(),
+                            message: format!(
+                                "the footer says {claimed} rows but the pages hold {read}"
+                            ),
+                        };
+                        return self
+                            .skip_rows(claimed - read, error)
+                            .map(|_| Step::Continue);
+                    }
                 }
                 Ok(Some(record_batch)) => {
                     let decoded = self.decode_batch(&file.path, row_group, &record_batch)?;
@@ -613,9 +647,23 @@ impl CriteoParquetReader {
         let Some(decoded) = cursor.batch.as_mut() else {
             return Ok(Step::Continue);
         };
+        let row_in_group = cursor.rows_consumed;
+        if row_in_group >= file.row_group_rows[row_group] {
+            // More rows than the footer says would shift every later index (and split): the
+            // file is not what its footer describes, whatever the policy.
+            return Err(DatasetError::Parquet {
+                path: file.path.clone(),
+                row_group: Some(row_group),
+                row: Some(row_in_group),
+                field: "footer".to_string(),
+                message: format!(
+                    "the pages hold more rows than the footer's {}",
+                    file.row_group_rows[row_group]
+                ),
+            });
+        }
         let row = decoded.next_row;
         decoded.next_row += 1;
-        let row_in_group = cursor.rows_consumed;
         cursor.rows_consumed += 1;
         let index = self.next_index;
         self.next_index += 1;
@@ -638,6 +686,8 @@ impl CriteoParquetReader {
     /// the indices they would have had (and the splits by index stay where they were).
     fn skip_rows(&mut self, rows: u64, error: DatasetError) -> Result<()> {
         self.bad_rows(rows, error)?;
+        // Within u64: each file's rows were added to the index before it, checked, and the
+        // indices never pass them.
         self.next_index += rows;
         Ok(())
     }
@@ -662,17 +712,53 @@ fn open_footer(path: &std::path::Path) -> Result<(File, ArrowReaderMetadata)> {
     Ok((file, metadata))
 }
 
-/// Rows in Parquet files, from their footers (nothing else is read).
+/// The file's rows and each row group's, from its footer, checked: counts not negative, the
+/// file's count the sum of its row groups' (the decoder sizes its batches by the file's count:
+/// a 0 there ends every row group at once, silently), no sum past u64.
+fn footer_rows(path: &std::path::Path, metadata: &ArrowReaderMetadata) -> Result<(u64, Vec<u64>)> {
+    let footer = |message: String| DatasetError::Parquet {
+        path: path.to_path_buf(),
+        row_group: None,
+        row: None,
+        field: "footer".to_string(),
+        message,
+    };
+    let meta = metadata.metadata();
+    let mut total = 0u64;
+    let mut groups = Vec::with_capacity(meta.row_groups().len());
+    for (g, group) in meta.row_groups().iter().enumerate() {
+        let rows = u64::try_from(group.num_rows())
+            .map_err(|_| footer(format!("row group {g} has {} rows", group.num_rows())))?;
+        total = total
+            .checked_add(rows)
+            .ok_or_else(|| footer(format!("the row groups' rows overflow at row group {g}")))?;
+        groups.push(rows);
+    }
+    let file_rows = meta.file_metadata().num_rows();
+    if u64::try_from(file_rows) != Ok(total) {
+        return Err(footer(format!(
+            "the file has {file_rows} rows but its row groups hold {total}"
+        )));
+    }
+    Ok((total, groups))
+}
+
+/// Rows in Parquet files, from their footers (nothing else is read), checked as the reader
+/// checks them.
 pub fn parquet_rows(paths: &[PathBuf]) -> Result<u64> {
     let mut total = 0u64;
     for path in paths {
         let (_, metadata) = open_footer(path)?;
-        total += metadata
-            .metadata()
-            .row_groups()
-            .iter()
-            .map(|g| g.num_rows().max(0) as u64)
-            .sum::<u64>();
+        let rows = footer_rows(path, &metadata)?.0;
+        total = total
+            .checked_add(rows)
+            .ok_or_else(|| DatasetError::Parquet {
+                path: path.clone(),
+                row_group: None,
+                row: None,
+                field: "footer".to_string(),
+                message: "the files' rows overflow u64".to_string(),
+            })?;
     }
     Ok(total)
 }

@@ -28,6 +28,7 @@ fn read(path: &PathBuf, config: CriteoConfig) -> Vec<Example> {
     CriteoParquetReader::open([path], config)
         .unwrap()
         .with_rows_per_batch(7)
+        .unwrap()
         .collect::<Result<Vec<_>, _>>()
         .unwrap()
 }
@@ -105,7 +106,7 @@ fn several_label_columns_are_tasks_named_after_them() {
     };
     let reader = CriteoParquetReader::open_with_columns([&path], raw_config(), columns).unwrap();
     assert_eq!(reader.schema().tasks, ["label", "like"]);
-    let results: Vec<_> = reader.with_rows_per_batch(7).collect();
+    let results: Vec<_> = reader.with_rows_per_batch(7).unwrap().collect();
     for (r, result) in results.iter().enumerate().take(41) {
         let e = result.as_ref().unwrap();
         let like = if r % 3 == 0 { 1.0 } else { 0.0 };
@@ -274,6 +275,7 @@ fn a_decoder_panic_on_a_corrupt_file_is_an_error() {
     let errors: Vec<String> = CriteoParquetReader::open([&path], CriteoConfig::default())
         .unwrap()
         .with_rows_per_batch(4)
+        .unwrap()
         .filter_map(|r| r.err().map(|e| e.to_string()))
         .collect();
     // Failing on bad records: the first (an ordinary decode error) names the file.
@@ -287,7 +289,199 @@ fn a_decoder_panic_on_a_corrupt_file_is_an_error() {
     };
     let reader = CriteoParquetReader::open([&path], config).unwrap();
     let skipped = reader.skipped();
-    let results: Vec<_> = reader.with_rows_per_batch(4).collect();
+    let results: Vec<_> = reader.with_rows_per_batch(4).unwrap().collect();
     assert!(results.iter().all(|r| r.is_ok()));
     assert!(skipped.count() > 0);
+}
+
+/// Rewrites `path`'s footer with row group `g` claiming `group_rows[g]` rows (the pages stay
+/// as written; the writer sets the file's count to their sum).
+fn rewrite_footer(path: &Path, group_rows: &[i64]) {
+    use parquet::file::metadata::{
+        ParquetMetaDataBuilder, ParquetMetaDataReader, ParquetMetaDataWriter,
+    };
+    let bytes = std::fs::read(path).unwrap();
+    let footer_len =
+        u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+    let data_end = bytes.len() - 8 - footer_len as usize;
+    let file = std::fs::File::open(path).unwrap();
+    let metadata = ParquetMetaDataReader::new()
+        .parse_and_finish(&file)
+        .unwrap();
+    let groups = (metadata.row_groups().iter().zip(group_rows))
+        .map(|(g, &rows)| g.clone().into_builder().set_num_rows(rows).build().unwrap())
+        .collect();
+    let rewritten = ParquetMetaDataBuilder::new_from_metadata(metadata)
+        .set_row_groups(groups)
+        .build();
+    let mut out = bytes[..data_end].to_vec();
+    ParquetMetaDataWriter::new(&mut out, &rewritten)
+        .finish()
+        .unwrap();
+    std::fs::write(path, out).unwrap();
+}
+
+/// Sets the file-level row count of `path` (written with 30 rows) to 0, in the footer's
+/// Thrift bytes: field 3 (`0x16`, an i64) holding zigzag(30) = 60, before field 4's list
+/// header (`0x19`).
+fn zero_file_rows(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let footer_len =
+        u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+    let start = bytes.len() - 8 - footer_len as usize;
+    let at = (start..bytes.len() - 2)
+        .filter(|&i| bytes[i..i + 3] == [0x16, 60, 0x19])
+        .collect::<Vec<_>>();
+    assert_eq!(at.len(), 1, "the file's row count in the footer");
+    bytes[at[0] + 1] = 0;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn footers_whose_row_counts_disagree_with_the_pages_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("counts.parquet");
+    let paths = [path.clone()];
+    let open =
+        || CriteoParquetReader::open([&path], raw_config()).and_then(|r| r.with_rows_per_batch(7));
+    let skipping = CriteoConfig {
+        bad_records: BadRecordPolicy::SkipAndCount,
+        ..raw_config()
+    };
+    // The footer rewritten as it was reads back: 3 row groups of 10.
+    write_file(&path, 30, 10);
+    rewrite_footer(&path, &[10, 10, 10]);
+    assert_eq!(open().unwrap().count(), 30);
+    assert_eq!(embers_datasets::parquet_rows(&paths).unwrap(), 30);
+    // A file count of 0 over row groups that hold rows (the decoder then ended every group at
+    // once: 0 examples, no error), and a negative row group count.
+    let second = path.clone();
+    for (setup, needle) in [
+        (
+            Box::new(|| {
+                write_file(&second, 30, 10);
+                zero_file_rows(&second)
+            }) as Box<dyn Fn()>,
+            "the file has 0 rows but its row groups hold 30",
+        ),
+        (
+            Box::new(|| {
+                write_file(&second, 30, 10);
+                rewrite_footer(&second, &[10, -1, 21])
+            }),
+            "row group 1 has -1 rows",
+        ),
+    ] {
+        setup();
+        let first = open()
+            .and_then(|mut r| r.next().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            first.contains(needle) && first.contains("footer"),
+            "{first}"
+        );
+        let rows = embers_datasets::parquet_rows(&paths)
+            .unwrap_err()
+            .to_string();
+        assert!(rows.contains(needle), "{rows}");
+    }
+    // A row group claiming more rows than its pages hold: the missing ones are bad records
+    // (counted under SkipAndCount, keeping the indices after them).
+    write_file(&path, 30, 10);
+    rewrite_footer(&path, &[10, 12, 10]);
+    let err = open().unwrap().find_map(Result::err).unwrap().to_string();
+    assert!(
+        err.contains("row group 1") && err.contains("footer says 12"),
+        "{err}"
+    );
+    let reader = CriteoParquetReader::open([&path], skipping.clone()).unwrap();
+    let skipped = reader.skipped();
+    let examples: Vec<Example> = reader.collect::<Result<_, _>>().unwrap();
+    assert_eq!(examples.len(), 30);
+    assert_eq!(skipped.count(), 2);
+    assert_eq!(
+        examples[20].index, 22,
+        "row group 2 starts after the 12 claimed"
+    );
+    // Fewer claimed than held: an error whatever the policy (the indices would shift).
+    write_file(&path, 30, 10);
+    rewrite_footer(&path, &[10, 8, 10]);
+    let err = CriteoParquetReader::open([&path], skipping.clone())
+        .unwrap()
+        .find_map(Result::err)
+        .unwrap()
+        .to_string();
+    assert!(err.contains("more rows than the footer's 8"), "{err}");
+    // Files each claiming i64::MAX rows: their sum is past u64, for the row count and for
+    // the indices of a reader skipping the missing rows.
+    let huge: Vec<PathBuf> = (0..3)
+        .map(|i| {
+            let p = dir.path().join(format!("huge{i}.parquet"));
+            write_file(&p, 10, 10);
+            rewrite_footer(&p, &[i64::MAX]);
+            p
+        })
+        .collect();
+    let err = embers_datasets::parquet_rows(&huge)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("huge2") && err.contains("overflow"), "{err}");
+    let reader = CriteoParquetReader::open(&huge, skipping).unwrap();
+    let err = reader.filter_map(Result::err).next().unwrap().to_string();
+    assert!(
+        err.contains("huge2") && err.contains("overflow u64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_dense_value_past_f32_and_zero_rows_per_batch_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.parquet");
+    let mut fields = vec![Field::new("label", DataType::Int64, false)];
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(vec![1]))];
+    for j in 0..13 {
+        fields.push(Field::new(format!("int_{j}"), DataType::Float64, false));
+        let v = if j == 4 { 1e300 } else { 1.0 };
+        columns.push(Arc::new(arrow_array::Float64Array::from(vec![v])));
+    }
+    for f in 0..26 {
+        fields.push(Field::new(format!("cat_{f}"), DataType::Int64, false));
+        columns.push(Arc::new(Int64Array::from(vec![1])));
+    }
+    let schema = Arc::new(Schema::new(fields));
+    let batch = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let mut writer =
+        ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), schema, None).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+    let config = CriteoConfig {
+        dense_transform: embers_datasets::DenseTransform::Identity,
+        ..raw_config()
+    };
+    let err = CriteoParquetReader::open([&path], config)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`int_4`") && err.contains("1e300") && err.contains("Identity"),
+        "{err}"
+    );
+    // Under the log transform the same value is finite, and read.
+    let e = CriteoParquetReader::open([&path], raw_config())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert!(e.dense[4].is_finite());
+    let err = CriteoParquetReader::open([&path], raw_config())
+        .unwrap()
+        .with_rows_per_batch(0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("rows_per_batch"), "{err}");
 }

@@ -104,7 +104,8 @@ fn criteo_parquet() {
             };
             let reader = CriteoParquetReader::open([&path], config)
                 .map_err(|e| e.to_string())?
-                .with_rows_per_batch(4);
+                .with_rows_per_batch(4)
+                .map_err(|e| e.to_string())?;
             drain(reader, "part.parquet")
         });
     }
