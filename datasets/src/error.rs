@@ -24,7 +24,7 @@ pub enum DatasetError {
     Malformed {
         /// The file being read.
         path: PathBuf,
-        /// 1-based line number within `path`.
+        /// 1-based line number within `path` (0: the file as a whole, e.g. an empty one).
         line: u64,
         /// Name of the offending field (e.g. `int_3`, `cat_7`, `label`, `user_id`), or
         /// `line` when the line as a whole is wrong (e.g. its field count).

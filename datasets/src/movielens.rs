@@ -285,6 +285,14 @@ impl Ratings {
         let dense = match seconds {
             None => vec![0.0; 3],
             Some(t) => {
+                // Whole seconds are exact in f64 up to 2^53: past that the hour and weekday
+                // come out of rounding, not the clock.
+                if t.abs() > MAX_EXACT_SECONDS {
+                    return Err(malformed(
+                        "timestamp",
+                        format!("{t} s is past ±2^53 s, where seconds are no longer exact"),
+                    ));
+                }
                 let days = (t / 86_400.0).floor();
                 let hour = ((t - days * 86_400.0) / 3600.0).floor();
                 // 1970-01-01 was a Thursday (Monday = 0 → Thursday = 3).
@@ -316,6 +324,12 @@ impl Ratings {
             let item_genres = genres.get(&item).map_or(&[][..], Vec::as_slice);
             ids.extend_from_slice(item_genres);
             lengths.push(item_genres.len() as i32);
+        }
+        if !(rating as f32).is_finite() {
+            return Err(malformed(
+                "rating",
+                format!("{rating:e} is past f32's range"),
+            ));
         }
         let label = if rating as f32 >= self.config.click_threshold {
             1.0
@@ -378,6 +392,9 @@ fn read_inter_header(lines: &mut TextLines, path: &Path) -> Result<InterColumns>
         count,
     })
 }
+
+/// Timestamps are taken within ±2^53 s, where whole seconds are exact in f64.
+const MAX_EXACT_SECONDS: f64 = 9_007_199_254_740_992.0;
 
 /// Reads an items file into item id → genre ids.
 fn read_items(format: MovieLensFormat, path: &Path) -> Result<HashMap<i64, Vec<i64>>> {

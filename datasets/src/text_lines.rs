@@ -60,6 +60,16 @@ impl TextLines {
                     source,
                 })?;
             if read == 0 {
+                // A file of no bytes at all is a truncated copy or a wrong path, not a day of
+                // no records: say so rather than read nothing from it.
+                if self.line_number == 0 {
+                    return Err(DatasetError::Malformed {
+                        path: path.clone(),
+                        line: 0,
+                        field: "file".to_string(),
+                        message: "the file is empty (0 bytes)".to_string(),
+                    });
+                }
                 self.current = None;
                 continue;
             }

@@ -327,3 +327,21 @@ fn a_line_past_16_mib_is_an_error_naming_it() {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+#[test]
+fn an_empty_day_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(dir.path(), "day_0", &[good_line("1", "5", "a")]);
+    let empty = dir.path().join("day_1");
+    std::fs::write(&empty, b"").unwrap();
+    let results: Vec<_> = CriteoTsvReader::open([&good, &empty], CriteoConfig::default())
+        .unwrap()
+        .collect();
+    assert_eq!(results.len(), 2);
+    assert!(results[0].is_ok());
+    let error = results[1].as_ref().unwrap_err().to_string();
+    assert!(
+        error.contains("day_1") && error.contains("empty (0 bytes)"),
+        "{error}"
+    );
+}

@@ -211,11 +211,9 @@ fn malformed_lines_name_file_line_field() {
         (&b"196 \t242\t3\t881250949\n"[..], "user_id", "found `196 `"),
         (b"196\t-1\t3\t881250949\n", "item_id", "found `-1`"),
         (b"1.5\t2\t3\t4\n", "user_id", "found `1.5`"),
-        (
-            b"1\t2\t3\t1e50\n",
-            "timestamp",
-            "past the features' f32 range",
-        ),
+        (b"1\t2\t3\t1e50\n", "timestamp", "past ±2^53 s"),
+        (b"1\t2\t3\t1.2e20\n", "timestamp", "past ±2^53 s"),
+        (b"1\t2\t1e300\t4\n", "rating", "past f32's range"),
     ] {
         let path = write(dir.path(), "bad.data", line);
         let error = MovieLensReader::open(MovieLensConfig::new(MovieLensFormat::Ml100k, &path))
@@ -247,6 +245,25 @@ fn malformed_lines_name_file_line_field() {
             .unwrap()
             .unwrap();
     assert_eq!(example.ids.len(), 2);
+    // An empty ratings file, or items file, is named (they read as no records at all).
+    let empty = write(dir.path(), "empty.data", b"");
+    let error = MovieLensReader::open(MovieLensConfig::new(MovieLensFormat::Ml100k, &empty))
+        .unwrap()
+        .find_map(Result::err)
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("empty.data") && error.contains("empty (0 bytes)"),
+        "{error}"
+    );
+    let empty_items = write(dir.path(), "empty.item", b"");
+    let mut config = MovieLensConfig::new(MovieLensFormat::Ml100k, &ratings);
+    config.items_path = Some(empty_items);
+    let error = MovieLensReader::open(config).err().unwrap().to_string();
+    assert!(
+        error.contains("empty.item") && error.contains("empty (0 bytes)"),
+        "{error}"
+    );
 }
 
 /// Real data, when `EMBERS_ML100K_INTER` points at a local `ml-100k.inter`
