@@ -184,7 +184,7 @@ fn pq_codes_and_tables_match_an_f64_reference() {
     assert_eq!(pq.centroids().len(), m * KSUB * dsub);
     let x = gaussian(200, dim, 7);
     let codes = pq.encode(&x).unwrap();
-    let decoded = pq.decode(&codes);
+    let decoded = pq.decode(&codes).unwrap();
     for i in 0..200 {
         for j in 0..m {
             let sub = &x[i * dim + j * dsub..i * dim + (j + 1) * dsub];
@@ -210,7 +210,7 @@ fn pq_codes_and_tables_match_an_f64_reference() {
     // sum, which equals the score with the decoded vector.
     let q = &x[..dim];
     for metric in [Metric::InnerProduct, Metric::L2] {
-        let table = pq.table(q, metric);
+        let table = pq.table(q, metric).unwrap();
         for i in 0..50 {
             let sum: f64 = (0..m)
                 .map(|j| f64::from(table[j * KSUB + codes[i * m + j] as usize]))
@@ -222,6 +222,14 @@ fn pq_codes_and_tables_match_an_f64_reference() {
             );
         }
     }
+    // A query of another length (it panicked, or was cut to its first `dim` values), and
+    // codes that are not whole codes (the tail was dropped).
+    for len in [dim - 1, dim + 1, 3] {
+        let msg = pq.table(&x[..len], Metric::L2).unwrap_err().to_string();
+        assert!(msg.contains(&format!("{len} values")), "{msg}");
+    }
+    let msg = pq.decode(&codes[..m + 3]).unwrap_err().to_string();
+    assert!(msg.contains("not whole codes of m = 8"), "{msg}");
     assert!(ProductQuantizer::train(&train, dim, 5, 10, 0)
         .unwrap_err()
         .to_string()

@@ -254,7 +254,7 @@ impl IvfPqIndex {
         let list = &self.lists[l];
         let at = list.ids.iter().position(|&x| x == id)?;
         let m = self.config.m;
-        let residual = self.pq.decode(&list.codes[at * m..(at + 1) * m]);
+        let residual = self.pq.decode_codes(&list.codes[at * m..(at + 1) * m]);
         let c = &self.coarse[l * self.dim..(l + 1) * self.dim];
         Some(residual.iter().zip(c).map(|(r, c)| r + c).collect())
     }
@@ -306,7 +306,7 @@ impl IvfPqIndex {
                 let mut top = TopK::new(k);
                 // Inner product, and L2 with precomputed terms: one ⟨q, r⟩ table per query.
                 let ip_table = (metric == Metric::InnerProduct || self.precomputed.is_some())
-                    .then(|| self.pq.table(query, Metric::InnerProduct));
+                    .then(|| self.pq.table_of(query, Metric::InnerProduct));
                 let mut table = vec![0f32; self.config.m * KSUB];
                 let mut residual = vec![0f32; dim];
                 for (coarse_score, l) in probe.into_sorted() {
@@ -333,7 +333,7 @@ impl IvfPqIndex {
                                 for ((r, x), c) in residual.iter_mut().zip(query).zip(c) {
                                     *r = x - c;
                                 }
-                                table = self.pq.table(&residual, Metric::L2);
+                                table = self.pq.table_of(&residual, Metric::L2);
                                 (&table, 0.0, -1.0)
                             }
                         };

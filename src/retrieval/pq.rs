@@ -136,8 +136,24 @@ impl ProductQuantizer {
         Ok(codes)
     }
 
-    /// The vectors `codes` stand for (each sub-vector its sub-centroid).
-    pub fn decode(&self, codes: &[u8]) -> Vec<f32> {
+    /// The vectors `codes` stand for (each sub-vector its sub-centroid): `codes` holds whole
+    /// codes of `m` bytes each.
+    pub fn decode(&self, codes: &[u8]) -> Result<Vec<f32>> {
+        if codes.len() % self.m != 0 {
+            return Err(Error::invalid(
+                "ProductQuantizer::decode",
+                format!(
+                    "{} code bytes are not whole codes of m = {} bytes",
+                    codes.len(),
+                    self.m
+                ),
+            ));
+        }
+        Ok(self.decode_codes(codes))
+    }
+
+    /// [`decode`](Self::decode) of whole codes.
+    pub(crate) fn decode_codes(&self, codes: &[u8]) -> Vec<f32> {
         let dsub = self.dsub();
         let mut out = Vec::with_capacity(codes.len() / self.m * self.dim);
         for code in codes.chunks_exact(self.m) {
@@ -152,7 +168,22 @@ impl ProductQuantizer {
     /// The distance table of one query (`dim` values): `[m × 256]`, entry `(j, c)` the inner
     /// product (or squared L2 distance) of sub-vector `j` with sub-centroid `c`; a code's
     /// score is the sum of its `m` entries.
-    pub fn table(&self, query: &[f32], metric: Metric) -> Vec<f32> {
+    pub fn table(&self, query: &[f32], metric: Metric) -> Result<Vec<f32>> {
+        if query.len() != self.dim {
+            return Err(Error::invalid(
+                "ProductQuantizer::table",
+                format!(
+                    "the query has {} values, the quantizer's vectors {}",
+                    query.len(),
+                    self.dim
+                ),
+            ));
+        }
+        Ok(self.table_of(query, metric))
+    }
+
+    /// [`table`](Self::table) of a query of `dim` values.
+    pub(crate) fn table_of(&self, query: &[f32], metric: Metric) -> Vec<f32> {
         let dsub = self.dsub();
         let mut table = vec![0f32; self.m * KSUB];
         // Entry by entry the same sums as Σ_d over the sub-vector, in the same order; laid out
