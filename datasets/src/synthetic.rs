@@ -128,12 +128,21 @@ impl SyntheticCriteo {
                 config.table_sizes.len()
             ));
         }
-        if let Some(f) = config
-            .ids_per_feature
-            .iter()
-            .position(|&n| n == 0 || n > i32::MAX as u32)
-        {
+        if let Some(f) = config.ids_per_feature.iter().position(|&n| n == 0) {
             return invalid(format!("ids_per_feature[{f}] must be at least 1"));
+        }
+        // Each example holds all its ids at once: bounded, as a record is.
+        let total_ids: u64 = config.ids_per_feature.iter().map(|&n| u64::from(n)).sum();
+        if total_ids > MAX_IDS_PER_EXAMPLE {
+            return invalid(format!(
+                "ids_per_feature sums to {total_ids} ids per example, past {MAX_IDS_PER_EXAMPLE}"
+            ));
+        }
+        if config.num_dense > MAX_DENSE {
+            return invalid(format!(
+                "num_dense {} is past {MAX_DENSE}",
+                config.num_dense
+            ));
         }
         if let Some(f) = config
             .table_sizes
@@ -143,9 +152,14 @@ impl SyntheticCriteo {
             return invalid(format!("table_sizes[{f}] must be in 1..=i64::MAX"));
         }
         let (low, high) = config.dense_count_mean_range;
-        if !(low.is_finite() && high.is_finite() && low > 0.0 && low <= high) {
+        // Above MAX_DENSE_MEAN the count's law loses precision (m / (m + 1) rounds toward 1)
+        // and the centring series is cut short.
+        if !(low.is_finite() && high.is_finite() && low > 0.0 && low <= high)
+            || high > MAX_DENSE_MEAN
+        {
             return invalid(format!(
-                "dense_count_mean_range must satisfy 0 < low <= high, got ({low}, {high})"
+                "dense_count_mean_range must satisfy 0 < low <= high <= {MAX_DENSE_MEAN:e}, got \
+                 ({low}, {high})"
             ));
         }
         for (name, value) in [
@@ -395,6 +409,13 @@ impl SyntheticCriteo {
         tie_corrected_auc(&probabilities, &labels)
     }
 }
+
+/// The most ids one synthetic example holds, over all its features.
+pub(crate) const MAX_IDS_PER_EXAMPLE: u64 = 1 << 20;
+/// The most dense features a synthetic example holds.
+pub(crate) const MAX_DENSE: usize = 1 << 16;
+/// The largest mean count of a synthetic dense feature.
+pub(crate) const MAX_DENSE_MEAN: f64 = 1e4;
 
 /// E[ln(1 + C)] for C geometric on {0, 1, …} with mean m, summed until the tail is negligible.
 fn expected_log1p_geometric(m: f64) -> f64 {

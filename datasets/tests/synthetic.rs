@@ -242,6 +242,31 @@ fn multi_hot_features_and_config_errors() {
         ..SyntheticCriteoConfig::default()
     })
     .is_err());
+    // Sizes whose examples could not be held (each reserved ~445 GB), and dense means whose
+    // law rounds away, are refused naming the field.
+    let refusal =
+        |config: SyntheticCriteoConfig| SyntheticCriteo::new(config).err().unwrap().to_string();
+    let msg = refusal(SyntheticCriteoConfig {
+        ids_per_feature: vec![i32::MAX as u32; 26],
+        ..SyntheticCriteoConfig::default()
+    });
+    assert!(msg.contains("ids_per_feature sums to"), "{msg}");
+    let msg = refusal(SyntheticCriteoConfig {
+        table_sizes: vec![10],
+        ids_per_feature: vec![3_000_000_000],
+        ..SyntheticCriteoConfig::default()
+    });
+    assert!(msg.contains("3000000000 ids per example"), "{msg}");
+    let msg = refusal(SyntheticCriteoConfig {
+        num_dense: usize::MAX,
+        ..SyntheticCriteoConfig::default()
+    });
+    assert!(msg.contains("num_dense"), "{msg}");
+    let msg = refusal(SyntheticCriteoConfig {
+        dense_count_mean_range: (1.0, 1e16),
+        ..SyntheticCriteoConfig::default()
+    });
+    assert!(msg.contains("dense_count_mean_range"), "{msg}");
 }
 
 #[test]
