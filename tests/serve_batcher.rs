@@ -524,3 +524,62 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A request queued while a batch runs waits at most `max_delay` from its arrival: when the
+/// batch before ends past that, its batch runs at once (it waited a further `max_delay`).
+#[test]
+fn the_batching_delay_counts_from_a_requests_arrival() {
+    runtime().block_on(async {
+        let model = Toy {
+            delay: Duration::from_millis(400),
+            ..Toy::default()
+        };
+        let config = BatcherConfig {
+            max_batch_rows: 64,
+            max_delay: Duration::from_millis(400),
+            max_queued_rows: 1000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let started = Instant::now();
+        let first = {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(vec![(1, 1.0)]).await })
+        };
+        // Queued while the first batch gathers and runs (0.4 s + 0.4 s).
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        let second = batcher.submit(vec![(2, 2.0)]).await.unwrap();
+        assert_eq!(second, expected(&[(2, 2.0)]));
+        first.await.unwrap().unwrap();
+        // First batch: 0.4 s gathering + 0.4 s run; the second then runs at once (its 0.4 s
+        // have passed): done by ~1.2 s. Counted from when the worker took it, ~1.6 s.
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(1450), "took {took:?}");
+    });
+}
+
+/// A request whose client went away before its batch ran is dropped unrun: the model sees
+/// only the rows still wanted, and the queue frees its place.
+#[test]
+fn requests_whose_clients_left_are_not_run() {
+    runtime().block_on(async {
+        let model = Toy::default();
+        let batches = model.batches.clone();
+        let config = BatcherConfig {
+            max_batch_rows: 64,
+            max_delay: Duration::from_millis(300),
+            max_queued_rows: 1000,
+        };
+        let batcher = DynamicBatcher::new(model, config).unwrap();
+        let gone = {
+            let batcher = batcher.clone();
+            tokio::spawn(async move { batcher.submit(vec![(1, 1.0); 5]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        gone.abort();
+        let kept = batcher.submit(vec![(2, 2.0); 3]).await.unwrap();
+        assert_eq!(kept, expected(&[(2, 2.0); 3]));
+        assert_eq!(*batches.lock().unwrap(), vec![3], "only the kept rows ran");
+        assert_eq!(batcher.stats().abandoned.load(Ordering::Relaxed), 1);
+        assert_eq!(batcher.queued_rows(), 0);
+    });
+}

@@ -397,13 +397,13 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
         let good = std::fs::read(&path).unwrap();
         std::fs::write(&path, &good[..good.len() / 2]).unwrap();
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
-        assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(status, 500, "{}", String::from_utf8_lossy(&answer));
         assert!(String::from_utf8_lossy(&answer).contains("old model keeps serving"));
         // Weights that hold NaN: refused as the checkpoint is read.
         write_checkpoint(&trainer, &path);
         fill_tensor_data(&path, f32::NAN, every_element);
         let (status, _, answer) = send(addr, "POST", "/v1/models/dlrm:reload", None, vec![]).await;
-        assert_eq!(status, 422, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(status, 500, "{}", String::from_utf8_lossy(&answer));
         assert_eq!(running.server.version(), 2);
         tokio::time::sleep(Duration::from_millis(100)).await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -778,6 +778,13 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
                 "expected a list",
             ));
             arrow_cases.push((
+                batch(vec![
+                    (k0.as_str(), Arc::new(Int64Array::from(vec![3])) as ArrayRef),
+                    (k0.as_str(), Arc::new(Int64Array::from(vec![4])) as ArrayRef),
+                ]),
+                "given twice",
+            ));
+            arrow_cases.push((
                 batch(vec![(
                     "who",
                     Arc::new(StringArray::from(vec!["x"])) as ArrayRef,
@@ -821,6 +828,81 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
         assert_eq!(
             (got, v["error"]["kind"].as_str()),
             (400, Some("unknown_field"))
+        );
+        // A field given twice (serde_json kept the last silently) and a repeated Arrow column.
+        let dense_text = serde_json::to_string(&dense13).unwrap();
+        for body in [
+            format!(r#"{{"instances": [{{"dense": {dense_text}, "{k0}": [1], "{k0}": [5]}}]}}"#),
+            format!(r#"{{"instances": [], "instances": [{{"dense": {dense_text}}}]}}"#),
+        ] {
+            let (got, _, answer) = send(
+                addr,
+                "POST",
+                "/v1/models/dlrm:predict",
+                json_t,
+                body.into_bytes(),
+            )
+            .await;
+            let text = String::from_utf8_lossy(&answer);
+            assert_eq!(got, 400, "{text}");
+            assert!(text.contains("given twice"), "{text}");
+        }
+        // A client's long value is not echoed back whole.
+        let long = "x".repeat(20_000);
+        let (got, _, answer) = send(
+            addr,
+            "POST",
+            "/v1/models/dlrm:predict",
+            json_t,
+            one(json!({ long.clone(): [1] })),
+        )
+        .await;
+        assert_eq!(got, 400);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(
+            text.len() < 1000 && text.contains("(20000 bytes)"),
+            "{}",
+            text.len()
+        );
+        // More instances than may ever queue: 413 before any row is built (the first
+        // instance, not an object, would otherwise be the error).
+        let many = vec![json!(7); 8193];
+        let (got, _, answer) = send(
+            addr,
+            "POST",
+            "/v1/models/dlrm:predict",
+            json_t,
+            serde_json::to_vec(&json!({ "instances": many })).unwrap(),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(
+            (got, v["error"]["kind"].as_str()),
+            (413, Some("too_many_rows")),
+            "{v}"
+        );
+        // axum's own refusals answer as the API does: JSON, counted.
+        for (method, path, status, kind) in [
+            ("PUT", "/v1/models/dlrm", 405, "method_not_allowed"),
+            ("POST", "/healthz", 405, "method_not_allowed"),
+            ("GET", "/nowhere", 404, "not_found"),
+            ("GET", "/v1/models/%FF", 400, "invalid"),
+        ] {
+            let (got, _, answer) = send(addr, method, path, None, vec![]).await;
+            let v: Value = serde_json::from_slice(&answer).unwrap_or_else(|_| {
+                panic!("{method} {path}: {}", String::from_utf8_lossy(&answer))
+            });
+            assert_eq!(
+                (got, v["error"]["kind"].as_str()),
+                (status, Some(kind)),
+                "{method} {path}"
+            );
+        }
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        assert!(
+            metrics.contains("embers_errors_total{kind=\"method_not_allowed\"} 2"),
+            "{metrics}"
         );
         // Random mutations: flipped, dropped and inserted bytes of valid bodies.
         let valid = [
@@ -1747,6 +1829,40 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
             .expect("refused")
             .to_string();
         assert!(e.contains("cannot answer a probe query"), "{e}");
+        // Only the rows past the probe's id 0 overflow: it loads, and a query of user 1
+        // gets 422 naming it, not 200 with `null` scores.
+        let half_nan = dir.join("half-huge-tt.safetensors");
+        std::fs::copy(&tt_path, &half_nan).unwrap();
+        fill_tensor_data(&half_nan, f32::MAX, |name, shape| {
+            (name.starts_with("query.tables.") && name.ends_with(".weight"))
+                .then(|| shape[1]..shape.iter().product())
+        });
+        let mut cfg = ServerConfig::new("recs", &dlrm_path);
+        cfg.retrieval = Some(RetrievalConfig {
+            checkpoint: half_nan,
+            index: index_path.clone(),
+            nprobe,
+            max_k: 10,
+        });
+        let overflowing = start(cfg).await;
+        for (user, status) in [(0, 200), (1, 422)] {
+            let body = serde_json::to_vec(&json!({"instances": [{"user": user}], "k": 3})).unwrap();
+            let (got, _, answer) = send(
+                overflowing.addr,
+                "POST",
+                "/v1/models/recs:retrieve",
+                None,
+                body,
+            )
+            .await;
+            assert_eq!(got, status, "{}", String::from_utf8_lossy(&answer));
+            if status == 422 {
+                let v: Value = serde_json::from_slice(&answer).unwrap();
+                assert_eq!(v["error"]["kind"], "non_finite", "{v}");
+            }
+        }
+        overflowing.stop.send(()).unwrap();
+        overflowing.done.await.unwrap().unwrap();
         let mut empty = IvfPqIndex::load(&index_path).unwrap();
         assert_eq!(empty.remove(&all), items);
         let empty_path = dir.join("empty.ivfpq");

@@ -175,6 +175,15 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         // Taken before the first load, which can be long: a SIGHUP meanwhile reloads once it
         // has loaded, instead of ending the process (the signal's default action).
         let hangups = hangups();
+        // The watched files' stamps before the first load: a file replaced while it runs is
+        // then reloaded at the first tick (stamps taken after it were taken as loaded).
+        let watched: Vec<PathBuf> = [Some(&args.checkpoint), args.retrieval_checkpoint.as_ref()]
+            .into_iter()
+            .chain([args.retrieval_index.as_ref()])
+            .flatten()
+            .cloned()
+            .collect();
+        let baseline = stamps(&watched);
         let server = Server::start(config).await?;
         let listener = tokio::net::TcpListener::bind(args.addr).await?;
         println!(
@@ -186,13 +195,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         );
         tokio::spawn(reload_on_sighup(server.clone(), hangups));
         if args.watch > 0 {
-            let watched = [Some(&args.checkpoint), args.retrieval_checkpoint.as_ref()]
-                .into_iter()
-                .chain([args.retrieval_index.as_ref()])
-                .flatten()
-                .cloned()
-                .collect();
-            tokio::spawn(watch(server.clone(), watched, args.watch));
+            tokio::spawn(watch(server.clone(), watched, baseline, args.watch));
         }
         server.serve(listener, shutdown_signal()).await?;
         println!("embers-serve: drained, exiting");
@@ -253,28 +256,58 @@ async fn reload_on_sighup(server: Server, hangups: Option<tokio::signal::unix::S
 #[cfg(not(unix))]
 async fn reload_on_sighup(_server: Server, _hangups: Option<()>) {}
 
-/// Reloads the served files whenever one's modification time or length changes (a file
-/// caught half written and completed within the clock's tick changes length); the retrieval
-/// stage's checkpoint and index are watched with the DLRM's (a retrained tower or index alone
-/// was never picked up).
-async fn watch(server: Server, paths: Vec<PathBuf>, every: u64) {
-    let stamps = || -> Option<Vec<(SystemTime, u64)>> {
-        (paths.iter())
-            .map(|p| {
-                let m = std::fs::metadata(p).ok()?;
-                Some((m.modified().ok()?, m.len()))
-            })
-            .collect()
-    };
-    let mut last = stamps();
+/// Each file's modification time and length (`None` if one cannot be read).
+fn stamps(paths: &[PathBuf]) -> Option<Vec<(SystemTime, u64)>> {
+    (paths.iter())
+        .map(|p| {
+            let m = std::fs::metadata(p).ok()?;
+            Some((m.modified().ok()?, m.len()))
+        })
+        .collect()
+}
+
+/// The most ticks a watch waits before trying files that failed to load again, unchanged.
+const MAX_RETRY_TICKS: u32 = 64;
+
+/// Reloads the served files whenever one's modification time or length changes from `last`
+/// (those of the files the server loaded first; a file caught half written and completed
+/// within the clock's tick changes length); the retrieval stage's checkpoint and index are
+/// watched with the DLRM's (a retrained tower or index alone was never picked up). Files that
+/// fail to load are tried again once they change, or unchanged after a wait that doubles from
+/// one tick to [`MAX_RETRY_TICKS`] (a full disk clears; a bad file is not loaded back to back
+/// for ever).
+async fn watch(
+    server: Server,
+    paths: Vec<PathBuf>,
+    mut last: Option<Vec<(SystemTime, u64)>>,
+    every: u64,
+) {
     let mut tick = tokio::time::interval(Duration::from_secs(every));
+    // A long load must not be followed by the ticks it missed, at once.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The stamps that failed, the ticks to wait before trying them again, and the ticks left.
+    let mut failed: Option<(Option<Vec<(SystemTime, u64)>>, u32, u32)> = None;
     loop {
         tick.tick().await;
-        let now = stamps();
-        // Seen only once it has loaded: a reload that failed (a file still being copied, a
-        // full disk) is tried again at the next tick, not skipped until the file changes.
-        if now.is_some() && now != last && report(server.reload().await) {
+        let now = stamps(&paths);
+        if now.is_none() || now == last {
+            continue;
+        }
+        if let Some((stamp, _, left)) = failed.as_mut() {
+            if *stamp == now && *left > 0 {
+                *left -= 1;
+                continue;
+            }
+        }
+        if report(server.reload().await) {
             last = now;
+            failed = None;
+        } else {
+            let wait = match &failed {
+                Some((stamp, wait, _)) if *stamp == now => (wait * 2).min(MAX_RETRY_TICKS),
+                _ => 1,
+            };
+            failed = Some((now, wait, wait));
         }
     }
 }

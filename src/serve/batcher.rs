@@ -96,6 +96,8 @@ pub struct BatchStats {
     pub overloaded: AtomicU64,
     /// Requests whose batch failed in the model.
     pub model_errors: AtomicU64,
+    /// Requests whose client went away before their batch ran: dropped unrun.
+    pub abandoned: AtomicU64,
     /// Batches run.
     pub batches: AtomicU64,
     /// Rows run, over all batches.
@@ -113,6 +115,7 @@ impl Default for BatchStats {
             invalid: AtomicU64::new(0),
             overloaded: AtomicU64::new(0),
             model_errors: AtomicU64::new(0),
+            abandoned: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             rows: AtomicU64::new(0),
             max_batch_rows: AtomicU64::new(0),
@@ -127,6 +130,8 @@ type Reply<O> = oneshot::Sender<Result<Vec<O>, ServeError>>;
 struct Job<M: BatchModel> {
     rows: Vec<M::Row>,
     reply: Reply<M::Output>,
+    /// When it was queued: its batch runs at most `max_delay` after.
+    arrived: Instant,
 }
 
 /// Batches requests for a [`BatchModel`]; cheap to clone (clones share the queue). Dropping the
@@ -242,7 +247,12 @@ impl<M: BatchModel> DynamicBatcher<M> {
             });
         }
         let (reply, answer) = oneshot::channel();
-        if self.sender.send(Job { rows, reply }).is_err() {
+        let job = Job {
+            rows,
+            reply,
+            arrived: Instant::now(),
+        };
+        if self.sender.send(job).is_err() {
             self.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(ServeError::ShuttingDown);
         }
@@ -261,6 +271,17 @@ async fn worker<M: BatchModel>(
 ) {
     // A request that did not fit into the last batch opens the next one.
     let mut carried: Option<Job<M>> = None;
+    // A request whose client went away (its reply is closed) is dropped unrun: it no longer
+    // takes a place in the queue or the batch.
+    let live = |job: Job<M>| {
+        if job.reply.is_closed() {
+            queued.fetch_sub(job.rows.len(), Ordering::AcqRel);
+            stats.abandoned.fetch_add(1, Ordering::Relaxed);
+            None
+        } else {
+            Some(job)
+        }
+    };
     loop {
         let first = match carried.take() {
             Some(job) => job,
@@ -269,7 +290,12 @@ async fn worker<M: BatchModel>(
                 None => break,
             },
         };
-        let deadline = Instant::now() + config.max_delay;
+        let Some(first) = live(first) else {
+            continue;
+        };
+        // `max_delay` after the first request arrived, not after the worker took it (under
+        // load it waited for the batch before).
+        let deadline = first.arrived + config.max_delay;
         let mut rows = first.rows.len();
         let mut jobs = vec![first];
         while rows < config.max_batch_rows {
@@ -287,6 +313,13 @@ async fn worker<M: BatchModel>(
                         .flatten()
                 }
             };
+            let next = match next {
+                Some(job) => match live(job) {
+                    Some(job) => Some(job),
+                    None => continue,
+                },
+                None => None,
+            };
             match next {
                 Some(job) if rows + job.rows.len() > config.max_batch_rows => {
                     carried = Some(job);
@@ -300,7 +333,12 @@ async fn worker<M: BatchModel>(
                 None => break,
             }
         }
-        run_batch(&model, jobs, rows, &stats).await;
+        // Clients that went away while the batch gathered.
+        let jobs: Vec<Job<M>> = jobs.into_iter().filter_map(live).collect();
+        let rows: usize = jobs.iter().map(|j| j.rows.len()).sum();
+        if !jobs.is_empty() {
+            run_batch(&model, jobs, rows, &stats).await;
+        }
         queued.fetch_sub(rows, Ordering::AcqRel);
     }
     // Usually the model's last holder: dropping it can take long (a model's row files

@@ -14,8 +14,9 @@ use arrow_array::types::{Float32Type, Float64Type, Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, Float32Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
@@ -363,7 +364,16 @@ impl Server {
                         // Started: a later call reloads again (the files may change meanwhile).
                         *(server.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner()) =
                             None;
-                        let result = server.load().await;
+                        // A drain begun while this waited for the one before: no load (it
+                        // would hold the process past its drain).
+                        let result = if server.shared.draining.load(Ordering::Acquire) {
+                            Err(Error::invalid(
+                                "reload",
+                                "the server is draining to exit: nothing is reloaded",
+                            ))
+                        } else {
+                            server.load().await
+                        };
                         let counter = match result {
                             Ok(_) => &server.shared.metrics.reloads_ok,
                             Err(_) => &server.shared.metrics.reloads_failed,
@@ -454,9 +464,24 @@ impl Server {
             .route("/readyz", get(readyz))
             .route("/metrics", get(metrics))
             .route("/v1/models/{target}", get(model_info).post(model_post))
-            .fallback(|| async {
-                ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+            // axum's own answers (plain text, uncounted) are made the API's: JSON errors,
+            // counted in the metrics under the route `other`.
+            .fallback(|State(server): State<Server>| async move {
+                server.refuse(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    "no such route",
+                ))
             })
+            .method_not_allowed_fallback(
+                |State(server): State<Server>, method: Method| async move {
+                    server.refuse(ApiError::new(
+                        StatusCode::METHOD_NOT_ALLOWED,
+                        "method_not_allowed",
+                        format!("{method} is not served on this route"),
+                    ))
+                },
+            )
             .with_state(self.clone())
     }
 
@@ -531,6 +556,14 @@ impl Server {
         Ok(())
     }
 
+    /// `error` as the answer to a request no route took, counted under `other`.
+    fn refuse(&self, error: ApiError) -> Response {
+        let kind = error.kind;
+        let response = error.into_response();
+        self.count("other", response.status(), Some(kind));
+        response
+    }
+
     fn count(&self, route: &'static str, status: StatusCode, kind: Option<&'static str>) {
         let m = &self.shared.metrics;
         *m.responses
@@ -579,7 +612,27 @@ async fn readyz(State(server): State<Server>) -> Response {
     }
 }
 
-async fn model_info(State(server): State<Server>, Path(name): Path<String>) -> Response {
+/// The model path's segment, or the API's 400 for one that is not UTF-8 once decoded.
+fn target_of(
+    server: &Server,
+    target: std::result::Result<Path<String>, PathRejection>,
+) -> std::result::Result<String, Response> {
+    target.map(|Path(t)| t).map_err(|e| {
+        server.refuse(ApiError::bad(
+            "invalid",
+            format!("the model path: {}", e.body_text()),
+        ))
+    })
+}
+
+async fn model_info(
+    State(server): State<Server>,
+    target: std::result::Result<Path<String>, PathRejection>,
+) -> Response {
+    let name = match target_of(&server, target) {
+        Ok(name) => name,
+        Err(refused) => return refused,
+    };
     let response = match server.model(&name) {
         Ok(m) => {
             let features: Vec<Value> = (m.keys.iter().zip(&m.table_rows))
@@ -621,10 +674,14 @@ async fn model_info(State(server): State<Server>, Path(name): Path<String>) -> R
 /// `POST /v1/models/{name}:{verb}`.
 async fn model_post(
     State(server): State<Server>,
-    Path(target): Path<String>,
+    target: std::result::Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let target = match target_of(&server, target) {
+        Ok(target) => target,
+        Err(refused) => return refused,
+    };
     let started = Instant::now();
     let (route, result) = match target.rsplit_once(':') {
         Some((name, "predict")) => ("predict", predict(&server, name, &headers, body).await),
@@ -663,8 +720,15 @@ async fn reload(server: &Server, name: &str) -> std::result::Result<Response, Ap
     server.model(name)?;
     match server.reload().await {
         Ok(version) => Ok(axum::Json(json!({ "version": version })).into_response()),
+        // The request was fine: a draining server (503) or files on the server that do not
+        // load (500) are the server's side.
+        Err(e) if server.shared.draining.load(Ordering::Acquire) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            format!("the old model keeps serving until the drain ends: {e}"),
+        )),
         Err(e) => Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
+            StatusCode::INTERNAL_SERVER_ERROR,
             "reload_failed",
             format!("the old model keeps serving: {e}"),
         )),
@@ -760,16 +824,21 @@ async fn retrieve(
     headers: &HeaderMap,
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
-    let model = server.model(name)?;
-    let stage = model.retrieval.as_ref().ok_or_else(|| {
+    // As predict: the stage is checked at once and taken once the body is in.
+    let no_stage = || {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("model `{name}` has no retrieval stage (start the server with one)"),
         )
-    })?;
+    };
+    if server.model(name)?.retrieval.is_none() {
+        return Err(no_stage());
+    }
     let _permit = admit(server)?;
     let bytes = read_body(server, headers, body).await?;
+    let model = server.model(name)?;
+    let stage = model.retrieval.as_ref().ok_or_else(no_stage)?;
     let value = parse_json(&bytes)?;
     only_fields(&value, &["instances", "k"])?;
     let k = match value.get("k") {
@@ -780,11 +849,19 @@ async fn retrieve(
             .ok_or_else(|| {
                 ApiError::bad(
                     "invalid",
-                    format!("`k` = {v}: expected an integer in 1..={}", stage.max_k),
+                    format!(
+                        "`k` = {}: expected an integer in 1..={}",
+                        shown(v),
+                        stage.max_k
+                    ),
                 )
             })? as usize,
     };
     let instances = instances(&value)?;
+    fits_queue(
+        instances.len(),
+        server.shared.config.batcher.max_queued_rows,
+    )?;
     if instances.len().saturating_mul(k) > MAX_RETRIEVE_RESULTS {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -808,7 +885,8 @@ async fn retrieve(
                 ApiError::bad(
                     "unknown_feature",
                     format!(
-                        "instances[{i}]: unknown feature `{key}` (the query tower takes {:?})",
+                        "instances[{i}]: unknown feature `{}` (the query tower takes {:?})",
+                        shown_str(key),
                         stage.keys
                     ),
                 )
@@ -817,7 +895,24 @@ async fn retrieve(
         }
         rows.push(row);
     }
-    let found = run_rows(&stage.batcher, rows, &server.shared.metrics.queries).await?;
+    let answers = run_rows(&stage.batcher, rows, &server.shared.metrics.queries).await?;
+    // A query with no answer, or a score that is not a number, is no answer (JSON wrote it as
+    // `null`, with 200).
+    let non_finite = |i: usize, what: String| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "non_finite",
+            format!("instances[{i}]: {what} (inputs past what the query tower computes in f32?)"),
+        )
+    };
+    let mut found = Vec::with_capacity(answers.len());
+    for (i, answer) in answers.into_iter().enumerate() {
+        let r = answer.map_err(|m| non_finite(i, m))?;
+        if let Some(&(id, score)) = r.iter().find(|p| !p.1.is_finite()) {
+            return Err(non_finite(i, format!("candidate {id} scores {score}")));
+        }
+        found.push(r);
+    }
     let ids: Vec<Vec<i64>> = found
         .iter()
         .map(|r| r.iter().map(|p| p.0).collect())
@@ -836,10 +931,120 @@ async fn retrieve(
     .into_response())
 }
 
-/// A JSON request body (400 `malformed_json` if it is not JSON).
+/// A JSON request body (400 `malformed_json` if it is not JSON, or if an object repeats a
+/// key: serde_json keeps the last one silently, dropping what the client sent first).
 fn parse_json(bytes: &[u8]) -> std::result::Result<Value, ApiError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad("malformed_json", format!("malformed JSON: {e}")))
+    use serde::de::DeserializeSeed;
+    let malformed =
+        |e: serde_json::Error| ApiError::bad("malformed_json", format!("malformed JSON: {e}"));
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = StrictJson.deserialize(&mut de).map_err(malformed)?;
+    de.end().map_err(malformed)?;
+    Ok(value)
+}
+
+/// Deserializes a [`Value`] as serde_json does, but refuses an object with a repeated key.
+struct StrictJson;
+
+impl<'de> serde::de::DeserializeSeed<'de> for StrictJson {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        d: D,
+    ) -> std::result::Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for StrictJson {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E>(self, v: String) -> std::result::Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> std::result::Result<Value, A::Error> {
+        let mut list = Vec::new();
+        while let Some(v) = seq.next_element_seed(StrictJson)? {
+            list.push(v);
+        }
+        Ok(Value::Array(list))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!(
+                    "the field `{}` is given twice",
+                    shown_str(&key)
+                )));
+            }
+            let value = map.next_value_seed(StrictJson)?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+/// The most characters of a client's value an error message repeats.
+const SHOWN_CHARS: usize = 64;
+
+/// A client's JSON value as an error message shows it: cut to [`SHOWN_CHARS`] characters
+/// (a message must not echo a whole request back).
+fn shown(v: &Value) -> String {
+    shown_str(&v.to_string())
+}
+
+/// A client's text cut to [`SHOWN_CHARS`] characters.
+fn shown_str(text: &str) -> String {
+    match text.char_indices().nth(SHOWN_CHARS) {
+        None => text.to_string(),
+        Some((at, _)) => format!("{}… ({} bytes)", &text[..at], text.len()),
+    }
 }
 
 /// The most `(id, score)` results one retrieve answer holds (queries × k): past it, 413.
@@ -855,9 +1060,25 @@ fn only_fields(value: &Value, known: &[&str]) -> std::result::Result<(), ApiErro
         None => Ok(()),
         Some(key) => Err(ApiError::bad(
             "unknown_field",
-            format!("unknown field `{key}` (the request takes {known:?})"),
+            format!(
+                "unknown field `{}` (the request takes {known:?})",
+                shown_str(key)
+            ),
         )),
     }
+}
+
+/// 413 `too_many_rows` for a request of more rows than may queue (it would never fit), as
+/// the batcher says it, before the rows are built.
+fn fits_queue(rows: usize, max_rows: usize) -> std::result::Result<(), ApiError> {
+    if rows > max_rows {
+        return Err(ServeError::TooLarge {
+            rows,
+            limit: max_rows,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// `instances[i]` as an object (400 `invalid` otherwise).
@@ -885,7 +1106,7 @@ fn ids_of(value: &Value, at: &str) -> std::result::Result<Vec<i64>, ApiError> {
         v.as_i64().ok_or_else(|| {
             ApiError::bad(
                 "wrong_type",
-                format!("{where_}: expected an integer id, got {v}"),
+                format!("{where_}: expected an integer id, got {}", shown(v)),
             )
         })
     };
@@ -910,7 +1131,9 @@ async fn predict(
     headers: &HeaderMap,
     body: Body,
 ) -> std::result::Result<Response, ApiError> {
-    let model = server.model(name)?;
+    // The name is checked at once; the model is taken once the body is in, so a slow body
+    // never holds a model a reload has replaced.
+    server.model(name)?;
     let _permit = admit(server)?;
     let format = match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
         None => Format::Json,
@@ -930,13 +1153,15 @@ async fn predict(
         }
     };
     let bytes = read_body(server, headers, body).await?;
+    let model = server.model(name)?;
+    let max_rows = server.shared.config.batcher.max_queued_rows;
     let rows = match format {
-        Format::Json => rows_from_json(&model, &bytes)?,
+        Format::Json => rows_from_json(&model, &bytes, max_rows)?,
         Format::Arrow => {
             // The IPC decoder trusts some offsets in the stream and can panic on a corrupt
             // one (seen under fuzzing): a panic there is a malformed body, not a crash.
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                rows_from_arrow(&model, &bytes)
+                rows_from_arrow(&model, &bytes, max_rows)
             }))
             .unwrap_or_else(|_| {
                 Err(ApiError::bad(
@@ -1003,10 +1228,16 @@ async fn predict(
 }
 
 /// `{"instances": [...]}` → rows (see [`Server`]).
-fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+fn rows_from_json(
+    model: &Loaded,
+    bytes: &[u8],
+    max_rows: usize,
+) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let value = parse_json(bytes)?;
     only_fields(&value, &["instances"])?;
     let instances = instances(&value)?;
+    // Refused before any row is built (a row costs more than its JSON: a list per feature).
+    fits_queue(instances.len(), max_rows)?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
         let at = |field: &str| format!("instances[{i}].{field}");
@@ -1029,7 +1260,7 @@ fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmR
                     let x = x.as_f64().ok_or_else(|| {
                         ApiError::bad(
                             "wrong_type",
-                            format!("{}[{j}]: expected a number, got {x}", at(key)),
+                            format!("{}[{j}]: expected a number, got {}", at(key), shown(x)),
                         )
                     })?;
                     row.dense.push(x as f32);
@@ -1051,7 +1282,8 @@ fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmR
                 return Err(ApiError::bad(
                     "unknown_feature",
                     format!(
-                        "instances[{i}]: unknown feature `{key}` (the model takes `dense` and {:?})",
+                        "instances[{i}]: unknown feature `{}` (the model takes `dense` and {:?})",
+                        shown_str(key),
                         model.keys
                     ),
                 ));
@@ -1072,7 +1304,11 @@ fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmR
 }
 
 /// An Arrow IPC stream → rows (see [`Server`]).
-fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+fn rows_from_arrow(
+    model: &Loaded,
+    bytes: &[u8],
+    max_rows: usize,
+) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let malformed = |e: arrow_schema::ArrowError| {
         ApiError::bad(
             "malformed_arrow",
@@ -1105,14 +1341,22 @@ fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<Dlrm
                 ),
             ));
         }
+        fits_queue(claimed, max_rows)?;
         let first = rows.len();
         rows.extend((0..batch.num_rows()).map(|_| DlrmRow {
             dense: Vec::new(),
             ids: vec![Vec::new(); model.keys.len()],
         }));
         let mut has_dense = false;
+        let mut seen = std::collections::HashSet::new();
         for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
             let name = field.name();
+            if !seen.insert(name.as_str()) {
+                return Err(ApiError::bad(
+                    "invalid",
+                    format!("the column `{}` is given twice", shown_str(name)),
+                ));
+            }
             if name == "dense" {
                 has_dense = true;
                 for r in 0..batch.num_rows() {
@@ -1148,7 +1392,8 @@ fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<Dlrm
                 return Err(ApiError::bad(
                     "unknown_feature",
                     format!(
-                        "unknown column `{name}` (the model takes `dense` and {:?})",
+                        "unknown column `{}` (the model takes `dense` and {:?})",
+                        shown_str(name),
                         model.keys
                     ),
                 ));

@@ -23,7 +23,7 @@ pub use dlrm::{DlrmRow, DlrmServable};
 pub use histogram::Histogram;
 #[cfg(feature = "server")]
 pub use http::{RetrievalConfig, Server, ServerConfig, ARROW_STREAM, MAX_RETRIEVE_RESULTS};
-pub use retrieval::{RetrievalRow, RetrievalServable, MAX_RETRIEVAL_K};
+pub use retrieval::{RetrievalAnswer, RetrievalRow, RetrievalServable, MAX_RETRIEVAL_K};
 
 /// Checks row `row`'s ids against the served features: one id list per key (`keys`; `what`
 /// names the model, e.g. "the model"), each id inside its table (`rows`). The message names the

@@ -5,10 +5,15 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use super::BatchModel;
-use crate::retrieval::IvfPqIndex;
+use crate::retrieval::{IvfPqIndex, Search};
 use crate::sparse::KeyedJaggedTensor;
 use crate::train::{TwoTowerConfig, TwoTowerTrainer};
 use crate::{Error, Result, Tensor};
+
+/// One query's answer from [`RetrievalServable`]: its candidates and their scores, best first,
+/// or why this query has none (its embedding is not finite); the other queries of its batch
+/// are answered either way.
+pub type RetrievalAnswer = std::result::Result<Vec<(i64, f32)>, String>;
 
 /// One query: for every query-tower feature in [`RetrievalServable::keys`] order, its ids, and
 /// the number of candidates wanted.
@@ -87,7 +92,20 @@ impl RetrievalServable {
             ids: vec![vec![0]; servable.keys.len()],
             k: 1,
         };
-        servable.run(vec![probe]).map_err(|e| {
+        let answer = servable
+            .run(vec![probe])
+            .and_then(|found| match found.into_iter().next() {
+                Some(Ok(list)) => match list.iter().find(|(_, score)| !score.is_finite()) {
+                    Some((id, score)) => Err(Error::invalid(
+                        "retrieval",
+                        format!("candidate {id} scores {score}"),
+                    )),
+                    None => Ok(()),
+                },
+                Some(Err(m)) => Err(Error::invalid("retrieval", m)),
+                None => Err(Error::invalid("retrieval", "no answer")),
+            });
+        answer.map_err(|e| {
             Error::invalid(
                 "retrieval checkpoint",
                 format!(
@@ -128,7 +146,7 @@ impl RetrievalServable {
 
 impl BatchModel for RetrievalServable {
     type Row = RetrievalRow;
-    type Output = Vec<(i64, f32)>;
+    type Output = RetrievalAnswer;
 
     fn validate(&self, rows: &[RetrievalRow]) -> std::result::Result<(), String> {
         for (i, row) in rows.iter().enumerate() {
@@ -143,43 +161,77 @@ impl BatchModel for RetrievalServable {
         Ok(())
     }
 
-    fn run(&self, rows: Vec<RetrievalRow>) -> Result<Vec<Vec<(i64, f32)>>> {
-        let b = rows.len();
-        let (values, lengths) = super::key_major(&rows, self.keys.len(), |r| &r.ids);
-        let (nv, nl) = (values.len(), lengths.len());
-        let queries = KeyedJaggedTensor::from_lengths(
-            self.keys.clone(),
-            Tensor::from_vec(values, &[nv])?,
-            Tensor::from_vec(lengths, &[nl])?,
-            None,
-            Some(b),
-        )?;
-        // One search for the batch at its largest k (at most the index's size); each row keeps
-        // its own first k.
-        let k = rows
-            .iter()
-            .map(|r| r.k)
-            .max()
-            .unwrap_or(1)
-            .min(self.index.len());
+    fn run(&self, rows: Vec<RetrievalRow>) -> Result<Vec<RetrievalAnswer>> {
         let trainer = self
             .trainer
             .lock()
             .map_err(|_| Error::invalid("RetrievalServable", "an earlier batch panicked"))?;
-        // Row-invariant products: a query gets the same embedding alone or in any batch.
-        let found = crate::tensor::row_invariant(|| {
-            (trainer.model()).retrieve(&queries, &self.index.with_nprobe(self.nprobe), k)
-        })?;
-        Ok(rows
-            .iter()
-            .enumerate()
-            .map(|(q, row)| {
-                (found.ids_of(q).iter().zip(found.scores_of(q)))
+        let model = trainer.model();
+        let dim = self.index.dim();
+        let index = self.index.with_nprobe(self.nprobe);
+        // One search per distinct k among the rows (not the batch at its largest k: a k = 1
+        // row beside a k = 100000 one would hold 100000 results, and so would every row).
+        let mut by_k: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (i, row) in rows.iter().enumerate() {
+            by_k.entry(row.k).or_default().push(i);
+        }
+        let mut out: Vec<RetrievalAnswer> = vec![Ok(Vec::new()); rows.len()];
+        for (k, members) in by_k {
+            let group: Vec<&RetrievalRow> = members.iter().map(|&i| &rows[i]).collect();
+            let b = group.len();
+            let (values, lengths) = super::key_major(&group, self.keys.len(), |r| &r.ids);
+            let (nv, nl) = (values.len(), lengths.len());
+            let queries = KeyedJaggedTensor::from_lengths(
+                self.keys.clone(),
+                Tensor::from_vec(values, &[nv])?,
+                Tensor::from_vec(lengths, &[nl])?,
+                None,
+                Some(b),
+            )?;
+            // Row-invariant products: a query gets the same embedding alone or in any group.
+            let embedded = crate::tensor::row_invariant(|| {
+                crate::no_grad(|| model.embed_queries(&queries)?.to_vec::<f32>())
+            })?;
+            if embedded.len() != b * dim {
+                return Err(Error::invalid(
+                    "RetrievalServable",
+                    format!(
+                        "the query tower gives {} values for {b} queries, the index holds \
+                         vectors of dimension {dim}",
+                        embedded.len()
+                    ),
+                ));
+            }
+            // A query the tower cannot embed in f32 is that row's failure, not the batch's:
+            // the others are searched.
+            let mut finite = Vec::with_capacity(b);
+            let mut searched = Vec::with_capacity(embedded.len());
+            for (q, &i) in members.iter().enumerate() {
+                let e = &embedded[q * dim..(q + 1) * dim];
+                match e.iter().position(|x| !x.is_finite()) {
+                    Some(at) => {
+                        out[i] = Err(format!(
+                            "the query tower gives {} at element {at} of its embedding",
+                            e[at]
+                        ))
+                    }
+                    None => {
+                        finite.push(i);
+                        searched.extend_from_slice(e);
+                    }
+                }
+            }
+            if finite.is_empty() {
+                continue;
+            }
+            let found = index.search_k(&searched, k.min(self.index.len()))?;
+            for (q, &i) in finite.iter().enumerate() {
+                out[i] = Ok((found.ids_of(q).iter().zip(found.scores_of(q)))
                     .filter(|(&id, _)| id >= 0)
-                    .take(row.k)
                     .map(|(&id, &s)| (id, s))
-                    .collect()
-            })
-            .collect())
+                    .collect());
+            }
+        }
+        Ok(out)
     }
 }
