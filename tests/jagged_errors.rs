@@ -413,6 +413,52 @@ fn lengths_and_batch_sizes_that_sum_past_an_integer_are_named() {
     );
 }
 
+/// Cumulative sums past an i64, and outputs whose size a shape or the offsets claim past any
+/// memory: named errors, with every claimed segment checked before the output is allocated
+/// (an overflow panic, a capacity-overflow panic, or an allocation of the claimed size).
+#[test]
+fn cumsums_and_jagged_permutes_check_before_they_allocate() {
+    for m in [
+        message(complete_cumsum(&i64s(&[i64::MAX, 1]))),
+        message(inclusive_cumsum(&i64s(&[1, i64::MAX]))),
+        message(exclusive_cumsum(&i64s(&[i64::MAX, 1, 0]))),
+    ] {
+        assert!(m.contains("overflows i64"), "{m}");
+    }
+    let claimed = Tensor::from_vec(Vec::<i64>::new(), &[usize::MAX / 4, 0]).unwrap();
+    let m = message(complete_cumsum(&claimed));
+    assert!(m.contains("out of memory"), "{m}");
+    // Segments that disagree are named before the 2^61 claimed outputs are allocated.
+    let huge = 1i64 << 61;
+    let m = message(expand_into_jagged_permute(
+        &i64s(&[0]),
+        &i64s(&[0, 5]),
+        &i64s(&[0, huge]),
+        huge as usize,
+    ));
+    assert!(
+        m.contains("has length 2305843009213693952") && m.contains("has 5"),
+        "{m}"
+    );
+    let m = message(expand_into_jagged_permute(
+        &i64s(&[0]),
+        &i64s(&[0, huge]),
+        &i64s(&[0, huge]),
+        huge as usize,
+    ));
+    assert!(m.contains("out of memory"), "{m}");
+    // Lengths or offsets of more than one dimension (read flat, their shape kept).
+    let two_d = Tensor::from_vec(vec![1i64, 1], &[1, 2]).unwrap();
+    let m = message(JaggedTensor::new(f32s(&[1.0, 2.0]), two_d, None));
+    assert!(
+        m.contains("lengths must be 1-D") && m.contains("[1, 2]"),
+        "{m}"
+    );
+    let two_d = Tensor::from_vec(vec![0i64, 2], &[2, 1]).unwrap();
+    let m = message(JaggedTensor::from_offsets(f32s(&[1.0, 2.0]), two_d, None));
+    assert!(m.contains("offsets must be 1-D"), "{m}");
+}
+
 /// Batched products with a zero dimension give the zero product, forward and backward
 /// (chunks of zero columns panicked).
 #[test]

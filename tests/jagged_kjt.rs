@@ -91,6 +91,44 @@ fn concat_of_different_strides_is_variable_batch_and_splits_back() {
     assert!(parts[1].values().shares_storage_with(both.values()));
 }
 
+/// A KJT of no keys (`KeyedJaggedTensor::empty`, stride 0) adds nothing: the concat keeps the
+/// others' uniform stride (it became variable-batch), and their weighting (an unweighted empty
+/// one was "weighted differently").
+#[test]
+fn concat_with_a_keyless_kjt_keeps_the_uniform_batch() {
+    let a = KeyedJaggedTensor::from_lengths(keys(&["a"]), i64s(&[1, 2]), i64s(&[1, 1]), None, None)
+        .unwrap();
+    let b = KeyedJaggedTensor::from_lengths(keys(&["b"]), i64s(&[3]), i64s(&[0, 1]), None, None)
+        .unwrap();
+    let empty = KeyedJaggedTensor::empty();
+    for parts in [
+        vec![a.clone(), empty.clone(), b.clone()],
+        vec![empty.clone(), a.clone(), b.clone()],
+    ] {
+        let both = KeyedJaggedTensor::concat(&parts).unwrap();
+        assert!(!both.variable_stride_per_key());
+        assert_eq!(both.stride(), 2);
+        assert_eq!(both.keys(), keys(&["a", "b"]).as_slice());
+        assert_eq!(both.values().to_vec::<i64>().unwrap(), vec![1, 2, 3]);
+    }
+    let weighted = KeyedJaggedTensor::from_lengths(
+        keys(&["w"]),
+        f32s(&[1.0]),
+        i64s(&[1, 0]),
+        Some(f32s(&[0.5])),
+        None,
+    )
+    .unwrap();
+    let both = KeyedJaggedTensor::concat(&[empty.clone(), weighted.clone(), weighted]).unwrap();
+    assert_eq!(
+        both.weights().unwrap().to_vec::<f32>().unwrap(),
+        vec![0.5, 0.5]
+    );
+    // Only keyless KJTs: an empty one.
+    let none = KeyedJaggedTensor::concat(&[empty.clone(), empty]).unwrap();
+    assert!(none.keys().is_empty());
+}
+
 #[test]
 fn permute_of_variable_batch_keeps_per_key_strides() {
     let kjt = KeyedJaggedTensor::from_lengths_variable_batch(

@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use super::checkpoint::LoadReport;
+use super::checkpoint::{all_ok, LoadReport};
 use super::comm::Comm;
 use super::embedding_bag::starts;
 use super::input_dist::Gathered;
@@ -300,15 +300,25 @@ impl ShardedEmbeddingCollection {
         if let Some(g) = &gathered {
             let slot_rows = SlotRows::new(shards, g);
             let mut looked = Vec::with_capacity(shards.remote.len());
-            for local in &shards.remote {
-                let (ids, offsets) = slot_bags(
-                    g,
-                    &local.members,
-                    shards.routing.slots[shards.comm.rank()].len(),
-                );
-                let batch = local.tbe.prepare(TbeInput::new(&ids[..], &offsets[..]))?;
-                looked.push(local.tbe.lookup_batch(&batch)?.to_vec::<f32>()?);
-                remote_batches.push(batch);
+            let lookups = (|| {
+                for local in &shards.remote {
+                    let (ids, offsets) = slot_bags(
+                        g,
+                        &local.members,
+                        shards.routing.slots[shards.comm.rank()].len(),
+                    );
+                    let batch = local.tbe.prepare(TbeInput::new(&ids[..], &offsets[..]))?;
+                    looked.push(local.tbe.lookup_batch(&batch)?.to_vec::<f32>()?);
+                    remote_batches.push(batch);
+                }
+                Ok(())
+            })();
+            // Rows in files can fail to read on one rank: every rank stops here then (the
+            // others waited in the output distribution until the deadline).
+            if shards.has_cached_kernels() {
+                all_ok(&shards.comm, "forward.lookups", lookups)?;
+            } else {
+                lookups?;
             }
             self.distribute_output(&slot_rows, &looked, &layout, &mut flat)?;
             rows = Some(slot_rows);
@@ -526,10 +536,20 @@ impl BackwardOp for SequenceBackward {
         layout.scale(&mut grad);
         if let Some(rows) = &self.rows {
             let grads = sharded.gather_gradients(rows, layout, &grad)?;
-            for ((local, batch), g) in shards.remote.iter().zip(&self.remote).zip(grads) {
-                let n = g.len() / local.tbe.output_dim();
-                let g = Tensor::from_vec(g, &[n, local.tbe.output_dim()])?;
-                local.tbe.backward_batch(batch, &g)?;
+            let updated = (|| {
+                for ((local, batch), g) in shards.remote.iter().zip(&self.remote).zip(grads) {
+                    let n = g.len() / local.tbe.output_dim();
+                    let g = Tensor::from_vec(g, &[n, local.tbe.output_dim()])?;
+                    local.tbe.backward_batch(batch, &g)?;
+                }
+                Ok(())
+            })();
+            // An update of rows in files can fail on one rank: with a replicated step (a
+            // collective) still to come, every rank stops here then.
+            if shards.has_cached_kernels() && !shards.replicated.is_empty() {
+                all_ok(&shards.comm, "backward.remote", updated)?;
+            } else {
+                updated?;
             }
         }
         let mut steps = Vec::with_capacity(self.replicated.len());

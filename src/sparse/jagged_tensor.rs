@@ -43,6 +43,18 @@ fn check_values(op: &'static str, values: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// A jagged tensor's lengths or offsets are one list: a 2-D tensor of the same elements was
+/// read flat, its shape kept (and later ops indexed it as 1-D).
+fn expect_1d(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+    if t.rank() != 1 {
+        return Err(Error::invalid(
+            op,
+            format!("{what} must be 1-D, got shape {:?}", t.shape()),
+        ));
+    }
+    Ok(())
+}
+
 impl JaggedTensor {
     /// Builds from `lengths` (1-D i64/i32). Errors if a length is negative (naming the
     /// sample), the lengths don't add up to the rows of `values`, or `weights` is not one per
@@ -51,6 +63,7 @@ impl JaggedTensor {
         const OP: &str = "JaggedTensor::new";
         check_values(OP, &values)?;
         expect_int(OP, "lengths", &lengths)?;
+        expect_1d(OP, "lengths", &lengths)?;
         let lens = read_ints(OP, "lengths", &lengths)?;
         let offsets = offsets_from_lengths(OP, &lens, |i| format!("sample {i}"))?;
         expect_total(OP, "lengths", offsets[lens.len()], values.shape()[0])?;
@@ -70,6 +83,7 @@ impl JaggedTensor {
         const OP: &str = "JaggedTensor::from_offsets";
         check_values(OP, &values)?;
         expect_int(OP, "offsets", &offsets)?;
+        expect_1d(OP, "offsets", &offsets)?;
         let offs = read_ints(OP, "offsets", &offsets)?;
         validate_offsets(OP, &offs, |i| format!("sample {i}"))?;
         expect_total(OP, "offsets", offs[offs.len() - 1], values.shape()[0])?;

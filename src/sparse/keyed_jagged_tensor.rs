@@ -704,13 +704,26 @@ impl KeyedJaggedTensor {
         if kjts.is_empty() {
             return Ok(Self::empty());
         }
-        let weighted = kjts[0].weights.is_some();
-        if let Some(i) = kjts.iter().position(|k| k.weights.is_some() != weighted) {
+        // A KJT of no keys holds no values: it neither fixes the weighting nor the stride
+        // (its stride of 0 made every concat with one variable-batch).
+        let keyed: Vec<usize> = (0..kjts.len())
+            .filter(|&i| !kjts[i].keys.is_empty())
+            .collect();
+        let first = keyed.first().copied().unwrap_or(0);
+        let weighted = kjts[first].weights.is_some();
+        if let Some(&i) = keyed
+            .iter()
+            .find(|&&i| kjts[i].weights.is_some() != weighted)
+        {
             return Err(Error::invalid(
                 OP,
-                format!("KJT {i} is weighted differently from KJT 0"),
+                format!("KJT {i} is weighted differently from KJT {first}"),
             ));
         }
+        let kjts: Vec<&KeyedJaggedTensor> = match keyed.is_empty() {
+            true => vec![&kjts[0]],
+            false => keyed.iter().map(|&i| &kjts[i]).collect(),
+        };
         let keys: Vec<String> = kjts.iter().flat_map(|k| k.keys.iter().cloned()).collect();
         let values: Vec<&Tensor> = kjts.iter().map(|k| &k.values).collect();
         let lengths: Vec<Tensor> = kjts
@@ -734,7 +747,7 @@ impl KeyedJaggedTensor {
             Strides::Uniform(Some(kjts[0].stride))
         } else {
             let mut per_rank = Vec::new();
-            for k in kjts {
+            for k in &kjts {
                 match &k.stride_per_key_per_rank {
                     Some(s) => per_rank.extend(s.iter().cloned()),
                     None => per_rank.extend(std::iter::repeat_n(vec![k.stride], k.keys.len())),

@@ -838,8 +838,9 @@ impl DlrmTrainer {
     /// One step: forward, BCE loss (mean over samples and tasks: each task's mean loss,
     /// averaged), backward (which updates the looked-up table rows
     /// through the fused optimizer), dense optimizer step, metrics update. A non-finite loss
-    /// is an error naming the step; that step's update has then been applied, so the
-    /// parameters may hold non-finite values (restore a checkpoint).
+    /// is an error naming the step. On the host the step is then not taken (the loss is read
+    /// before the backward); on a GPU its update has been applied, so the parameters may hold
+    /// non-finite values (restore a checkpoint).
     ///
     /// The loss and predictions are read back only once the whole step is queued: on a GPU
     /// the host waits for the device once per step, not between forward and backward.
@@ -883,18 +884,39 @@ impl DlrmTrainer {
         let labels = batch.labels.to_device(self.model.device())?;
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let probs = no_grad(|| logits.detach().sigmoid())?;
+        let diverged = |step: u64, loss: f64, taken: &str| {
+            Error::invalid(
+                OP,
+                format!(
+                    "the loss of step {step} is {loss}: training diverged (lower the learning \
+                     rates); {taken}"
+                ),
+            )
+        };
+        // On the host the loss is read before the backward, whose fused update would write
+        // the non-finite gradient into the tables: the step is then not taken. On a GPU that
+        // read would wait for the device mid-step; it is read once the step is queued.
+        if self.model.device() == Device::Cpu {
+            let loss_value = loss.item()?;
+            if !loss_value.is_finite() {
+                self.step += 1;
+                return Err(diverged(
+                    self.step,
+                    loss_value,
+                    "the step was not taken: the parameters are those before it",
+                ));
+            }
+        }
         loss.backward()?;
         after_backward()?;
         self.optimizer.step()?;
         let loss_value = loss.item()?;
         if !loss_value.is_finite() {
             self.step += 1;
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the loss of step {} is {loss_value}: training diverged (lower the learning rates)",
-                    self.step
-                ),
+            return Err(diverged(
+                self.step,
+                loss_value,
+                "its update was applied (restore a checkpoint)",
             ));
         }
         update_task_metrics(&mut self.metrics, &probs.to_vec::<f32>()?, batch)?;

@@ -29,8 +29,19 @@ fn cumsum(op: &'static str, input: &Tensor, kind: CumsumKind) -> Result<Tensor> 
     } else {
         width
     };
-    let mut out = Vec::with_capacity(rows * out_width);
-    for row in v.chunks(width.max(1)).take(rows) {
+    // The output's size comes from the shape, which a tensor of no elements can claim at
+    // will ([2^40, 0]): checked and allocated fallibly.
+    let size = rows
+        .checked_mul(out_width)
+        .ok_or_else(|| Error::invalid(op, format!("{rows} rows of {out_width} are past usize")))?;
+    let mut out = crate::tensor::storage::try_with_capacity(op, size)?;
+    let overflow = |r: usize| {
+        Error::invalid(
+            op,
+            format!("the sum of row {r} overflows i64 (lengths past any tensor)"),
+        )
+    };
+    for (r, row) in v.chunks(width.max(1)).take(rows).enumerate() {
         let mut acc = 0i64;
         if matches!(kind, CumsumKind::Complete) {
             out.push(0);
@@ -38,15 +49,15 @@ fn cumsum(op: &'static str, input: &Tensor, kind: CumsumKind) -> Result<Tensor> 
         for &x in row.iter().take(width) {
             if matches!(kind, CumsumKind::Exclusive) {
                 out.push(acc);
-                acc += x;
+                acc = acc.checked_add(x).ok_or_else(|| overflow(r))?;
             } else {
-                acc += x;
+                acc = acc.checked_add(x).ok_or_else(|| overflow(r))?;
                 out.push(acc);
             }
         }
     }
     if width == 0 && matches!(kind, CumsumKind::Complete) {
-        out = vec![0; rows];
+        out = crate::tensor::storage::try_filled(op, 0i64, rows)?;
     }
     let shape: Vec<usize> = if input.rank() == 1 {
         vec![out_width]

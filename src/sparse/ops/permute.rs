@@ -156,7 +156,7 @@ pub fn expand_into_jagged_permute(
             ),
         ));
     }
-    let mut out = Vec::with_capacity(output_size);
+    // Every segment checked before the output (whose size the offsets claim) is allocated.
     for (i, &src) in order.iter().enumerate() {
         let len = output_offset_v[i + 1] - output_offset_v[i];
         let avail = input_offset_v[src + 1] - input_offset_v[src];
@@ -166,6 +166,10 @@ pub fn expand_into_jagged_permute(
                 format!("output segment {i} has length {len} but input segment {src} has {avail}"),
             ));
         }
+    }
+    let mut out = crate::tensor::storage::try_with_capacity(OP, output_size)?;
+    for (i, &src) in order.iter().enumerate() {
+        let len = output_offset_v[i + 1] - output_offset_v[i];
         out.extend(input_offset_v[src]..input_offset_v[src] + len);
     }
     int_tensor(out, &[output_size], permute.dtype())
