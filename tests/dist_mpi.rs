@@ -20,7 +20,7 @@ mod checkpoint_files;
 
 use checkpoint_files::{tables_of_sharded, tensors_of};
 use std::process::{Command, Output};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// `mpiexec` and its extra arguments, or why it cannot run.
 fn launcher() -> Result<(String, Vec<String>), String> {
@@ -375,6 +375,45 @@ fn a_deadline_variable_that_is_no_deadline_is_refused_on_every_rank() {
         let named = format!("EMBERS_DIST_TIMEOUT_S={bad:?} is not a positive number");
         assert_eq!(log.matches(&named).count(), 2, "{log}");
     }
+}
+
+/// A bad `EMBERS_DIST_TIMEOUT_S` on one rank only: every rank fails at once, the others naming
+/// that rank (they waited in their first collective for their own deadline, 300 s).
+#[test]
+fn a_deadline_variable_bad_on_one_rank_fails_every_rank_at_once() {
+    let Ok(worker) = worker() else {
+        let required = std::env::var("EMBERS_REQUIRE_MPI").is_ok_and(|v| v == "1");
+        assert!(!required, "EMBERS_REQUIRE_MPI=1 but the mpi feature is off");
+        return;
+    };
+    let started = Instant::now();
+    let Some((out, _)) = launch_parts(
+        &[
+            (
+                1,
+                "env",
+                &["EMBERS_DIST_TIMEOUT_S=5m", worker, "2", "kjt-all-to-all"],
+            ),
+            (1, worker, &["2", "kjt-all-to-all"]),
+        ],
+        &[],
+    ) else {
+        return;
+    };
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}\n{log}",
+        started.elapsed()
+    );
+    assert_eq!(
+        log.matches("EMBERS_DIST_TIMEOUT_S=\"5m\" is not a positive number")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(log.contains("rank 0's EMBERS_DIST_TIMEOUT_S"), "{log}");
 }
 
 #[test]

@@ -480,7 +480,10 @@ fn an_empty_training_file_is_an_error_naming_it() {
     ]);
     let log = text(&out);
     assert!(!out.status.success(), "{log}");
-    assert!(log.contains("empty.tsv") && log.contains("no"), "{log}");
+    assert!(
+        log.contains("empty.tsv") && log.contains("the file is empty (0 bytes)"),
+        "{log}"
+    );
     assert!(
         !out_dir.join("checkpoint.safetensors").exists(),
         "a checkpoint was written: {log}"

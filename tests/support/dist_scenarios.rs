@@ -613,6 +613,28 @@ pub fn check_sent(what: &str, want: BTreeMap<String, u64>, comm: &Comm) -> Resul
     Ok(want.len())
 }
 
+/// With rows in files (which can fail to read or write on one rank), one byte to each other
+/// rank to agree on the remote lookups (`any_slots`: there are some), and one on the remote
+/// update before a replicated step (`replicated`: there is one).
+pub fn cached_agreements_sent(
+    add: &mut dyn FnMut(&str, u64),
+    plan: &ShardingPlan,
+    any_slots: bool,
+    replicated: bool,
+    world: usize,
+) {
+    let cached = (plan.tables.iter()).any(|t| {
+        use embers::distributed::ComputeKernel as K;
+        matches!(t.compute_kernel, K::FusedUvm | K::FusedUvmCaching)
+    });
+    if cached && any_slots {
+        add("forward.lookups", world as u64 - 1);
+        if replicated {
+            add("backward.remote", world as u64 - 1);
+        }
+    }
+}
+
 /// The data-parallel tables' bytes (`dp`: their indices; `features[t]`: each table's feature
 /// indices; `dims[t]`: widths): the rows this rank touched (a count per table, then the rows)
 /// and their gradients, to every other rank, after the sizes of both.
@@ -793,18 +815,7 @@ pub fn expected_sent(
         .collect();
     let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
     replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
-    // With rows in files (which can fail to read or write on one rank), one byte each to
-    // agree on the remote lookups, and on the remote update before a replicated step.
-    let cached = (plan.tables.iter()).any(|t| {
-        use embers::distributed::ComputeKernel as K;
-        matches!(t.compute_kernel, K::FusedUvm | K::FusedUvmCaching)
-    });
-    if cached && any_slots {
-        add("forward.lookups", w as u64 - 1);
-        if !dp.is_empty() {
-            add("backward.remote", w as u64 - 1);
-        }
-    }
+    cached_agreements_sent(&mut add, plan, any_slots, !dp.is_empty(), w);
     // The dense head's all-reduce: a reduce-scatter then an all-gather of chunks.
     let params: u64 = configs
         .iter()

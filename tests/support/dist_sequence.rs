@@ -20,8 +20,8 @@ use embers::Tensor;
 use rand::Rng as _;
 
 use super::dist_scenarios::{
-    check_sent, compare, ids_in, kjt_of, on_ranks, plan_of, rank_batch, replicated_sent,
-    table_features, tables, Case, RankBatch, Report, SEED,
+    cached_agreements_sent, check_sent, compare, ids_in, kjt_of, on_ranks, plan_of, rank_batch,
+    replicated_sent, table_features, tables, Case, RankBatch, Report, SEED,
 };
 
 /// The tables of `dist_scenarios::tables`, unpooled.
@@ -284,5 +284,6 @@ pub fn expected_sent_ec(
     }
     let dims: Vec<usize> = configs.iter().map(|c| c.embedding_dim).collect();
     replicated_sent(&mut add, &dp, &features, &dims, &batches[rank], w);
+    cached_agreements_sent(&mut add, &plan, any_slots, !dp.is_empty(), w);
     Ok(out.into_iter().filter(|(_, v)| *v > 0).collect())
 }

@@ -74,8 +74,34 @@ pub fn mpi_world() -> Result<Comm> {
         }
     };
     drop(slot);
-    let comm = SimpleCommunicator::world();
-    Comm::new(Arc::new(MpiTransport::new(comm, env)))
+    let transport: Arc<dyn Transport> =
+        Arc::new(MpiTransport::new(SimpleCommunicator::world(), env));
+    // Each rank reads its own environment: a bad EMBERS_DIST_TIMEOUT_S on one rank would end
+    // that rank here and leave the others in their first collective until their deadline.
+    // The ranks first agree on their settings (one byte each, through the transport: before
+    // the communicator, uncounted), and every rank fails at once, naming the rank.
+    let mine = super::default_timeout();
+    let size = transport.size();
+    let mut verdicts = vec![0u8; size];
+    transport
+        .all_gather_v(
+            &[u8::from(mine.is_ok())],
+            &mut verdicts,
+            &vec![1; size],
+            Instant::now(),
+        )
+        .map_err(|e| match e {
+            TransportError::Failed(m) => Error::Distributed(format!("MPI start: {m}")),
+            TransportError::Timeout { .. } => Error::Distributed("MPI start timed out".into()),
+        })?;
+    let timeout = mine?;
+    if let Some(r) = verdicts.iter().position(|&v| v == 0) {
+        return Err(Error::Distributed(format!(
+            "rank {r}'s EMBERS_DIST_TIMEOUT_S is not a positive number of seconds (its own \
+             error names the value): no rank starts"
+        )));
+    }
+    Ok(Comm::with_transport_timeout(transport, timeout))
 }
 
 /// One rank's end of an MPI communicator.
