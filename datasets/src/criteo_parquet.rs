@@ -71,6 +71,47 @@ enum TypedColumn {
     LargeUtf8(GenericStringArray<i64>),
 }
 
+/// Why a column of type `data_type` cannot be read as a number (`wants_id` false: a label or
+/// dense feature) or as a categorical id, or `Ok` when it can. Checked on the file's schema
+/// when it is opened, so that a mistyped column is named before any of its rows is read.
+fn type_fits(data_type: &DataType, wants_id: bool) -> std::result::Result<(), String> {
+    use DataType as T;
+    let supported = matches!(
+        data_type,
+        T::Boolean
+            | T::Int8
+            | T::Int16
+            | T::Int32
+            | T::Int64
+            | T::UInt8
+            | T::UInt16
+            | T::UInt32
+            | T::UInt64
+            | T::Float32
+            | T::Float64
+            | T::Utf8
+            | T::LargeUtf8
+    );
+    if !supported {
+        return Err(format!("unsupported column type {data_type}"));
+    }
+    let fits = if wants_id {
+        !matches!(data_type, T::Boolean | T::Float32 | T::Float64)
+    } else {
+        !matches!(data_type, T::Utf8 | T::LargeUtf8)
+    };
+    if fits {
+        Ok(())
+    } else {
+        let role = if wants_id {
+            "a categorical id (integer or hex string)"
+        } else {
+            "a number"
+        };
+        Err(format!("column type {data_type} cannot hold {role}"))
+    }
+}
+
 impl TypedColumn {
     fn new(array: &ArrayRef) -> Option<TypedColumn> {
         Some(match array.data_type() {
@@ -89,17 +130,6 @@ impl TypedColumn {
             DataType::LargeUtf8 => TypedColumn::LargeUtf8(array.as_string_opt()?.clone()),
             _ => return None,
         })
-    }
-
-    fn is_numeric(&self) -> bool {
-        !matches!(self, TypedColumn::Utf8(_) | TypedColumn::LargeUtf8(_))
-    }
-
-    fn is_id(&self) -> bool {
-        !matches!(
-            self,
-            TypedColumn::Bool(_) | TypedColumn::F32(_) | TypedColumn::F64(_)
-        )
     }
 
     fn is_null(&self, row: usize) -> bool {
@@ -333,6 +363,23 @@ impl CriteoParquetReader {
                 })?;
             roots.push(index);
         }
+        // Each column's type against its role, from the schema: a mistyped column is named
+        // now, not after every row before its first batch was handed out (or never, in a
+        // file of no rows).
+        let roles = (self.columns.labels.iter().map(|n| (n, false)))
+            .chain(self.columns.dense.iter().map(|n| (n, false)))
+            .chain(self.columns.categorical.iter().map(|n| (n, true)));
+        for ((name, wants_id), &index) in roles.zip(&roots) {
+            type_fits(arrow_schema.field(index).data_type(), wants_id).map_err(|message| {
+                DatasetError::Parquet {
+                    path: path.clone(),
+                    row_group: None,
+                    row: None,
+                    field: name.clone(),
+                    message,
+                }
+            })?;
+        }
         let projection = ProjectionMask::roots(metadata.parquet_schema(), roots);
         let (rows, row_group_rows) = footer_rows(&path, &metadata)?;
         if self.next_index.checked_add(rows).is_none() {
@@ -411,25 +458,9 @@ impl CriteoParquetReader {
             let array = batch
                 .column_by_name(name)
                 .ok_or_else(|| fail("column missing from decoded batch".to_string()))?;
-            let typed = TypedColumn::new(array)
-                .ok_or_else(|| fail(format!("unsupported column type {}", array.data_type())))?;
-            let fits = if wants_id {
-                typed.is_id()
-            } else {
-                typed.is_numeric()
-            };
-            if !fits {
-                let role = if wants_id {
-                    "a categorical id (integer or hex string)"
-                } else {
-                    "a number"
-                };
-                return Err(fail(format!(
-                    "column type {} cannot hold {role}",
-                    array.data_type()
-                )));
-            }
-            Ok(typed)
+            type_fits(array.data_type(), wants_id).map_err(fail)?;
+            TypedColumn::new(array)
+                .ok_or_else(|| fail(format!("unsupported column type {}", array.data_type())))
         };
         Ok(DecodedBatch {
             labels: (self.columns.labels.iter())

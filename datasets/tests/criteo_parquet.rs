@@ -258,7 +258,36 @@ fn wrong_column_type_is_named() {
         .unwrap_err()
         .to_string();
     assert!(
-        text.contains("row group 0") && text.contains("`label`"),
+        text.contains("types.parquet") && text.contains("`label`") && text.contains("Utf8"),
+        "{text}"
+    );
+    // Checked on the schema when the file is opened: a mistyped column in a file of no rows
+    // is named (a decoded batch was checked, and a file of no rows has none).
+    let empty = dir.path().join("empty.parquet");
+    let schema = Arc::new(Schema::new(
+        std::iter::once(Field::new("label", DataType::Int64, false))
+            .chain((0..13).map(|j| Field::new(format!("int_{j}"), DataType::Int64, false)))
+            .chain((0..26).map(|f| {
+                let t = if f == 3 {
+                    DataType::Float64
+                } else {
+                    DataType::Int64
+                };
+                Field::new(format!("cat_{f}"), t, false)
+            }))
+            .collect::<Vec<_>>(),
+    ));
+    let writer =
+        ArrowWriter::try_new(std::fs::File::create(&empty).unwrap(), schema, None).unwrap();
+    writer.close().unwrap();
+    let text = CriteoParquetReader::open([&empty], CriteoConfig::default())
+        .unwrap()
+        .next()
+        .expect("an error, not an empty read")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("`cat_3`") && text.contains("Float64"),
         "{text}"
     );
 }
