@@ -357,6 +357,12 @@ impl ShardingPlan {
         self.tables.iter().find(|t| t.name == name)
     }
 
+    /// Every table's sharding by name (the last of a repeated name): for lookups of many
+    /// tables, which [`table`](Self::table) does one scan at a time.
+    pub fn by_name(&self) -> std::collections::HashMap<&str, &TableSharding> {
+        (self.tables.iter()).map(|t| (t.name.as_str(), t)).collect()
+    }
+
     /// The host of `rank`.
     pub fn host_of(&self, rank: usize) -> usize {
         rank / self.local_world_size
@@ -367,22 +373,27 @@ impl ShardingPlan {
     /// world, host-bound types inside one host. Errors name the table and shard.
     pub fn check(&self, tables: &[TableShape]) -> Result<()> {
         check_world(self.world_size, self.local_world_size)?;
-        for t in &self.tables {
-            if !tables.iter().any(|s| s.name == t.name) {
-                return Err(Error::invalid(
-                    OP,
-                    format!("the plan shards `{}`, which is not a table here", t.name),
-                ));
-            }
-            if self.tables.iter().filter(|u| u.name == t.name).count() > 1 {
+        // By name, through maps: a plan file of many tables is checked in linear time.
+        let here: std::collections::HashSet<&str> =
+            tables.iter().map(|s| s.name.as_str()).collect();
+        let placed = self.by_name();
+        if placed.len() < self.tables.len() {
+            let mut seen = std::collections::HashSet::new();
+            if let Some(t) = self.tables.iter().find(|t| !seen.insert(t.name.as_str())) {
                 return Err(Error::invalid(
                     OP,
                     format!("the plan lists table `{}` twice", t.name),
                 ));
             }
         }
+        if let Some(t) = self.tables.iter().find(|t| !here.contains(t.name.as_str())) {
+            return Err(Error::invalid(
+                OP,
+                format!("the plan shards `{}`, which is not a table here", t.name),
+            ));
+        }
         for shape in tables {
-            let t = self.table(&shape.name).ok_or_else(|| {
+            let t = placed.get(shape.name.as_str()).ok_or_else(|| {
                 Error::invalid(
                     OP,
                     format!("the plan does not place table `{}`", shape.name),
@@ -689,6 +700,24 @@ mod tests {
             e.contains("`t0`") && e.contains("not one of the 2 hosts"),
             "{e}"
         );
+        // Tables placed twice, placed but not here, here but not placed: each named.
+        let plan = ShardingPlan::construct(
+            &shapes(),
+            &[("t0", Placement::RowWise), ("t1", Placement::RowWise)],
+            2,
+            2,
+        )
+        .unwrap();
+        let mut bad = plan.clone();
+        bad.tables.push(bad.tables[0].clone());
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(e.contains("lists table `t0` twice"), "{e}");
+        let e = plan.check(&shapes()[..1]).unwrap_err().to_string();
+        assert!(e.contains("shards `t1`, which is not a table here"), "{e}");
+        let mut bad = plan.clone();
+        bad.tables.pop();
+        let e = bad.check(&shapes()).unwrap_err().to_string();
+        assert!(e.contains("does not place table `t1`"), "{e}");
         // An empty row block sits where the blocks before it end, not outside the table.
         let small = vec![TableShape::new("s", 2, 4)];
         let plan = ShardingPlan::construct(&small, &[("s", Placement::RowWise)], 4, 2).unwrap();

@@ -106,9 +106,10 @@ impl Routing {
             }
             per_table_features.push(mine);
         }
+        let by_name = plan.by_name();
         let sharding: Vec<_> = (shapes.iter())
             .map(|s| {
-                plan.table(&s.name).ok_or_else(|| {
+                by_name.get(s.name.as_str()).copied().ok_or_else(|| {
                     Error::invalid("ShardingPlan", format!("no plan for table `{}`", s.name))
                 })
             })

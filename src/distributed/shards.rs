@@ -253,8 +253,9 @@ fn build_digests(
 ) -> Vec<u64> {
     let mut all = String::new();
     let mut per_table = Vec::with_capacity(describe.len());
+    let by_name = plan.by_name();
     for (d, name) in describe.iter().zip(names) {
-        let text = format!("{d} {:?}", plan.table(name));
+        let text = format!("{d} {:?}", by_name.get(name));
         per_table.push(fnv1a(text.as_bytes()));
         all.push_str(&text);
     }
@@ -372,9 +373,10 @@ impl Shards {
             Ok::<_, Error>(tbe)
         };
         // The kernel a slot's shard runs: its table's, but an empty row block stays in memory.
+        let by_name = plan.by_name();
         let kernel_of = |s: &Slot| {
-            let t = plan
-                .table(&b.tables[s.table].name)
+            let t = by_name
+                .get(b.tables[s.table].name.as_str())
                 .expect("a checked plan places every table");
             if s.rows == 0 {
                 (ComputeKernel::Fused, None)
