@@ -1909,3 +1909,92 @@ fn the_binary_watches_its_checkpoint() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A body trickled below `min_body_rate` is cut after the grace (it held its place among
+/// those in flight for the whole `body_timeout`), freeing its place; past `max_connections` a
+/// new connection is closed at once; both answered as the API answers and counted.
+#[test]
+fn trickled_bodies_and_connections_past_the_bound_are_cut() {
+    use std::io::{Read, Write};
+    let g = data();
+    let dir = scratch("trickle");
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.max_inflight_requests = 1;
+        cfg.body_timeout = Duration::from_secs(60);
+        cfg.min_body_rate = 1000;
+        cfg.max_connections = 2;
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let started = Instant::now();
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut slow = std::net::TcpStream::connect(addr).unwrap();
+            slow.write_all(
+                b"POST /v1/models/dlrm:predict HTTP/1.1\r\nhost: x\r\n\
+                  content-type: application/json\r\ncontent-length: 100000\r\n\r\n",
+            )
+            .unwrap();
+            // 10 bytes every 100 ms: 100 bytes a second, a tenth of the floor.
+            slow.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            let mut answer = Vec::new();
+            for _ in 0..100 {
+                if slow.write_all(b"          ").is_err() {
+                    break;
+                }
+                let mut buf = [0u8; 4096];
+                match slow.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        answer.extend_from_slice(&buf[..n]);
+                        break;
+                    }
+                    Err(_) => {}
+                }
+            }
+            String::from_utf8_lossy(&answer).to_string()
+        })
+        .await
+        .unwrap();
+        let took = started.elapsed();
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("body_too_slow"), "{answer}");
+        assert!(
+            took >= embers::serve::BODY_RATE_GRACE && took < Duration::from_secs(8),
+            "cut after {took:?}"
+        );
+        // Two connections open (idle); a third is closed as soon as it is accepted.
+        let a = std::net::TcpStream::connect(addr).unwrap();
+        let b = std::net::TcpStream::connect(addr).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let third = tokio::task::spawn_blocking(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let _ = c.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n");
+            let mut buf = [0u8; 256];
+            c.read(&mut buf).map(|n| n == 0).unwrap_or(true)
+        })
+        .await
+        .unwrap();
+        assert!(third, "the third connection was served");
+        drop((a, b));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (status, _, _) = send(addr, "GET", "/healthz", None, vec![]).await;
+        assert_eq!(status, 200, "a place came free");
+        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        assert!(
+            metrics.contains("embers_errors_total{kind=\"body_too_slow\"} 1"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("embers_errors_total{kind=\"too_many_connections\"}"),
+            "{metrics}"
+        );
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+    });
+}

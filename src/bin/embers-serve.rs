@@ -57,6 +57,13 @@ struct Args {
     /// Seconds a request's body may take to arrive (408 past it).
     #[arg(long, default_value_t = 30)]
     body_timeout_s: u64,
+    /// The slowest a request's body may arrive, in bytes a second on average after its first
+    /// 2 s (408 below it; 0: no floor).
+    #[arg(long, default_value_t = 16 << 10)]
+    min_body_rate: u64,
+    /// Connections open at once (a new one past it is closed at once).
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
     /// Seconds a connection may take to send a request's headers (closed past it; so also
     /// how long an idle keep-alive connection is kept).
     #[arg(long, default_value_t = 60)]
@@ -155,6 +162,8 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         max_body_bytes: args.max_body_bytes,
         max_inflight_requests: args.max_inflight,
         body_timeout: Duration::from_secs(args.body_timeout_s),
+        min_body_rate: args.min_body_rate,
+        max_connections: args.max_connections,
         header_timeout: Duration::from_secs(args.header_timeout_s),
         write_timeout: Duration::from_secs(args.write_timeout_s),
         retrieval: args

@@ -13,7 +13,7 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, Float32Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
-use axum::body::Body;
+use axum::body::{Body, HttpBody};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -57,6 +57,14 @@ pub struct ServerConfig {
     /// sending holds its place among those in flight no longer than this, and cannot keep
     /// a draining server from exiting.
     pub body_timeout: Duration,
+    /// The slowest a request's body may arrive, in bytes a second on average after the first
+    /// [`BODY_RATE_GRACE`] (408 `body_too_slow` below it; 0: no floor): a client trickling
+    /// bodies holds a place among those in flight only as long as it sends at this rate.
+    pub min_body_rate: u64,
+    /// Connections open at once; past it a new connection is closed as soon as it is
+    /// accepted (each holds a task and a socket; without a bound, slow clients could take
+    /// every file descriptor).
+    pub max_connections: usize,
     /// The longest a connection may take to send a request's headers, counted from when the
     /// server starts waiting for them (it is closed past it): a client that opens connections
     /// and trickles or withholds headers holds each no longer, and an idle keep-alive
@@ -88,8 +96,9 @@ pub struct RetrievalConfig {
 
 impl ServerConfig {
     /// Serves `checkpoint` as `model_name` with FP32 tables, default batching, an 8 MiB body
-    /// limit, 1024 requests in flight, 30 s for a body to arrive, 60 s for headers and 30 s
-    /// for a stalled write of an answer.
+    /// limit, 1024 requests in flight, 30 s for a body to arrive (at 16 KiB/s at least after
+    /// the first 2 s), 60 s for headers, 30 s for a stalled write of an answer, and 4096
+    /// connections.
     pub fn new(model_name: impl Into<String>, checkpoint: impl Into<PathBuf>) -> Self {
         ServerConfig {
             model_name: model_name.into(),
@@ -100,6 +109,8 @@ impl ServerConfig {
             max_body_bytes: 8 << 20,
             max_inflight_requests: 1024,
             body_timeout: Duration::from_secs(30),
+            min_body_rate: 16 << 10,
+            max_connections: 4096,
             header_timeout: Duration::from_secs(60),
             write_timeout: Duration::from_secs(30),
             retrieval: None,
@@ -280,6 +291,18 @@ impl Server {
                 format!(
                     "model name {name:?}: letters, digits, `.`, `_` and `-` only (it is a \
                      segment of every URL: `/` made every route unreachable)"
+                ),
+            ));
+        }
+        if config.max_connections == 0
+            || config.max_connections > tokio::sync::Semaphore::MAX_PERMITS
+        {
+            return Err(Error::invalid(
+                "ServerConfig",
+                format!(
+                    "max_connections {} must be within 1..={}",
+                    config.max_connections,
+                    tokio::sync::Semaphore::MAX_PERMITS
                 ),
             ));
         }
@@ -502,6 +525,9 @@ impl Server {
         // request and close: the drain waits until every receiver is gone.
         let (open, open_rx) = tokio::sync::watch::channel(());
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let connections = Arc::new(tokio::sync::Semaphore::new(
+            self.shared.config.max_connections,
+        ));
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let accepted = tokio::select! {
@@ -519,6 +545,16 @@ impl Server {
                         () = &mut shutdown => break,
                     }
                 }
+            };
+            // Past the bound the connection is closed at once (dropped), counted.
+            let Ok(place) = connections.clone().try_acquire_owned() else {
+                self.count(
+                    "other",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some("too_many_connections"),
+                );
+                drop(stream);
+                continue;
             };
             // Answers are small and whole: sent at once, not held back for more (Nagle).
             let _ = stream.set_nodelay(true);
@@ -546,6 +582,7 @@ impl Server {
                     }
                 }
                 drop(open_rx);
+                drop(place);
             });
         }
         self.shared.draining.store(true, Ordering::Release);
@@ -780,26 +817,61 @@ async fn read_body(
         return Err(too_large());
     }
     let timeout = server.shared.config.body_timeout;
-    let read = tokio::time::timeout(timeout, axum::body::to_bytes(body, limit));
-    let bytes = read
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!("the body did not arrive within {timeout:?}"),
-            )
-        })?
-        .map_err(|e| {
-            let text = format!("{e:?}");
-            if text.contains("LengthLimit") {
-                too_large()
-            } else {
-                ApiError::bad("body", format!("the body could not be read: {e}"))
+    let rate = server.shared.config.min_body_rate;
+    let started = tokio::time::Instant::now();
+    let end = started + timeout;
+    let timed_out = || {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!("the body did not arrive within {timeout:?}"),
+        )
+    };
+    // Frame by frame: the whole body within `body_timeout`, and, past the first
+    // BODY_RATE_GRACE, at least `min_body_rate` bytes a second on average (a client trickling
+    // its body held a place among those in flight for the whole timeout: a few thousand such
+    // connections refused every other request).
+    let mut body = std::pin::pin!(body);
+    let mut bytes: Vec<u8> = Vec::new();
+    loop {
+        let due = if rate == 0 {
+            end
+        } else {
+            let secs = (bytes.len() as f64 + 1.0) / rate as f64;
+            let slow = started + BODY_RATE_GRACE + Duration::from_secs_f64(secs.min(86_400.0));
+            slow.min(end)
+        };
+        let next = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx));
+        let frame = match tokio::time::timeout_at(due, next).await {
+            Err(_) if due < end => {
+                return Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body_too_slow",
+                    format!(
+                        "the body arrived slower than {rate} bytes a second ({} bytes in {:?})",
+                        bytes.len(),
+                        started.elapsed()
+                    ),
+                ))
             }
-        })?;
-    Ok(bytes)
+            Err(_) => return Err(timed_out()),
+            Ok(None) => break,
+            Ok(Some(frame)) => frame
+                .map_err(|e| ApiError::bad("body", format!("the body could not be read: {e}")))?,
+        };
+        if let Ok(data) = frame.into_data() {
+            if bytes.len() + data.len() > limit {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+    Ok(axum::body::Bytes::from(bytes))
 }
+
+/// How long a request body may arrive at any pace before [`ServerConfig::min_body_rate`]
+/// applies.
+pub const BODY_RATE_GRACE: Duration = Duration::from_secs(2);
 
 /// A request's rows through `batcher` (none is a 400), counted in `answered` (a metric).
 async fn run_rows<M: BatchModel>(

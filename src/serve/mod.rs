@@ -22,7 +22,9 @@ pub use batcher::{BatchModel, BatchStats, BatcherConfig, DynamicBatcher, ServeEr
 pub use dlrm::{DlrmRow, DlrmServable};
 pub use histogram::Histogram;
 #[cfg(feature = "server")]
-pub use http::{RetrievalConfig, Server, ServerConfig, ARROW_STREAM, MAX_RETRIEVE_RESULTS};
+pub use http::{
+    RetrievalConfig, Server, ServerConfig, ARROW_STREAM, BODY_RATE_GRACE, MAX_RETRIEVE_RESULTS,
+};
 pub use retrieval::{RetrievalAnswer, RetrievalRow, RetrievalServable, MAX_RETRIEVAL_K};
 
 /// Checks row `row`'s ids against the served features: one id list per key (`keys`; `what`
