@@ -393,7 +393,7 @@ fn bad_checkpoints_change_nothing() {
     });
     assert!(!stale.exists());
     let files = std::fs::read_dir(&good).unwrap().count();
-    assert_eq!(files, 3, "the manifest and one file per rank");
+    assert_eq!(files, 4, "the manifest, one file per rank and the saves' lock");
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&empty);
 }
@@ -655,4 +655,38 @@ fn cached_shards_are_saved_as_their_row_files_and_load_under_any_layout() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&files.caches.dir);
+}
+
+/// A save into a directory another save holds (its lock, `<dir>/.lock`) is refused on every
+/// rank, naming the directory, and writes nothing (two saves at once each removed the other's
+/// files as garbage); once the lock is released the save goes through.
+#[test]
+fn a_save_into_a_locked_directory_is_refused_on_every_rank() {
+    let dir = temp_dir("locked");
+    let mixed = case(2, "mixed").unwrap();
+    let held = embers::distributed::lock_checkpoint_dir(&dir).unwrap();
+    // The lock is exclusive: a second holder is refused too.
+    let again = embers::distributed::lock_checkpoint_dir(&dir)
+        .unwrap_err()
+        .to_string();
+    assert!(again.contains("is locked"), "{again}");
+    let errors = on_ranks(2, |comm| {
+        let s = sharded_of(comm, &mixed)?;
+        Ok(s.save(&dir).map_err(e).unwrap_err())
+    });
+    assert!(
+        errors[0].contains("is locked") && errors[0].contains("another save"),
+        "{}",
+        errors[0]
+    );
+    assert!(errors[1].contains("rank 0 could not lock"), "{}", errors[1]);
+    let written: Vec<String> = (std::fs::read_dir(&dir).unwrap())
+        .map(|x| x.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n != ".lock")
+        .collect();
+    assert!(written.is_empty(), "{written:?}");
+    drop(held);
+    on_ranks(2, |comm| sharded_of(comm, &mixed)?.save(&dir).map_err(e));
+    assert!(dir.join("manifest.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -154,6 +154,47 @@ fn is_rank_file(name: &str) -> bool {
     name.starts_with("rank-") && name.ends_with(".safetensors")
 }
 
+/// The lock of a sharded checkpoint directory, held by the rank 0 of a save from its first
+/// file to its manifest (and its removal of the files it replaced). Two saves into one
+/// directory at once would each remove the other's files as garbage: the second is refused.
+/// An exclusive `flock` on `<dir>/.lock`, released when this is dropped or the process ends
+/// (a crashed save holds nothing); take it to keep saves out while you copy a checkpoint.
+#[derive(Debug)]
+pub struct CheckpointDirLock {
+    _file: std::fs::File,
+}
+
+/// Locks the sharded checkpoint directory `dir` (created if missing) against saves, or an
+/// error naming it when a save (or another holder) has it.
+pub fn lock_checkpoint_dir(dir: &Path) -> Result<CheckpointDirLock> {
+    let io = |path: &Path, source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let path = dir.join(".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| io(&path, e))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function owns; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            return Err(Error::Distributed(format!(
+                "the checkpoint directory {} is locked ({}): another save into it is under way",
+                dir.display(),
+                path.display()
+            )));
+        }
+        return Err(io(&path, e));
+    }
+    Ok(CheckpointDirLock { _file: file })
+}
+
 /// Writes a sharded checkpoint of `held` (this rank's rectangles) into `dir`: a collective.
 /// `optimizer` and `step` describe every rank's tables alike.
 pub(crate) fn save(
@@ -164,9 +205,25 @@ pub(crate) fn save(
     step: u64,
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.size());
-    // Rank 0 picks the checkpoint's id; every rank uses it.
-    let proposal = [crate::checkpoint::clock_nanos() ^ u64::from(std::process::id())];
+    // Rank 0 locks the directory for the whole save and picks the checkpoint's id; every rank
+    // uses it. An id of 0 says the lock was refused: every rank stops (no extra collective).
+    let lock = (rank == 0).then(|| lock_checkpoint_dir(dir));
+    let proposal = match &lock {
+        Some(Err(_)) => [0],
+        _ => [(crate::checkpoint::clock_nanos() ^ u64::from(std::process::id())).max(1)],
+    };
     let id = comm.all_gather_v("checkpoint.id", &proposal, Some(&vec![1; world]))?[0][0];
+    let _lock = match lock {
+        Some(Err(e)) => return Err(e),
+        _ if id == 0 => {
+            return Err(Error::Distributed(format!(
+                "rank 0 could not lock the checkpoint directory {} (another save into it is \
+                 under way?): nothing was written",
+                dir.display()
+            )))
+        }
+        lock => lock,
+    };
     // TBEs whose tables are cached in files are saved as their own checkpoints (row file and
     // manifest) in the rank file's parts directory, never read whole into memory.
     let groups = cached_groups(held);

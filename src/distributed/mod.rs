@@ -31,7 +31,10 @@ pub mod plan;
 mod routing;
 mod shards;
 
-pub use checkpoint::{all_ok, load_into_unsharded, LoadReport, UnshardedTables};
+pub use checkpoint::{
+    all_ok, load_into_unsharded, lock_checkpoint_dir, CheckpointDirLock, LoadReport,
+    UnshardedTables,
+};
 pub use codec::{Codec, CommPrecision, QCommsConfig};
 #[cfg(feature = "mpi")]
 pub use comm::mpi::mpi_world;
