@@ -393,7 +393,10 @@ fn bad_checkpoints_change_nothing() {
     });
     assert!(!stale.exists());
     let files = std::fs::read_dir(&good).unwrap().count();
-    assert_eq!(files, 4, "the manifest, one file per rank and the saves' lock");
+    assert_eq!(
+        files, 4,
+        "the manifest, one file per rank and the saves' lock"
+    );
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&empty);
 }

@@ -638,12 +638,151 @@ fn trainer_misuse_is_a_named_error() {
     // The public losses refuse a temperature the logits cannot be divided by.
     let q = Tensor::from_vec(vec![1.0f32; 8], &[2, 4]).unwrap();
     let y = Tensor::from_vec(vec![1.0f32, 0.0], &[2]).unwrap();
-    for t in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+    // Nor one whose f32 or inverse is not a normal number (1e-40: infinite logits, then
+    // NaN; 1e300: all logits 0, a loss without gradient).
+    for t in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-40, 1e300] {
         for e in [
             in_batch_softmax(&q, &q, None, t).unwrap_err().to_string(),
             pointwise_bce(&q, &q, &y, t).unwrap_err().to_string(),
         ] {
-            assert!(e.contains("must be positive and finite"), "{e}");
+            assert!(e.contains("must be positive"), "{t}: {e}");
         }
     }
+}
+
+/// Batches the softmax cannot learn from, and constants that are not numbers, are refused
+/// (they trained with loss 0 and no gradient, or a NaN loss); a failed step leaves the
+/// trainer, its frequency estimator included, as it was; on the host a diverging step is not
+/// taken.
+#[test]
+fn softmax_batches_without_negatives_and_failed_steps_change_nothing() {
+    use embers::models::two_tower::sampled_softmax;
+    use embers::train::TwoTowerLoss;
+    let q = Tensor::from_vec(vec![0.5f32; 12], &[3, 4]).unwrap();
+    let one = Tensor::from_vec(vec![0.5f32; 4], &[1, 4]).unwrap();
+    let e = in_batch_softmax(&one, &one, None, 0.2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("row 0 has no negative"), "{e}");
+    let empty = Tensor::from_vec(Vec::<f32>::new(), &[0, 4]).unwrap();
+    let e = in_batch_softmax(&empty, &empty, None, 0.2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("an empty batch"), "{e}");
+    let lq = Tensor::from_vec(vec![0.0f32, f32::NAN, 0.0], &[3]).unwrap();
+    let e = in_batch_softmax(&q, &q, Some(&lq), 0.2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("log_q[1] is NaN"), "{e}");
+    let mask = |m: [f32; 9]| Tensor::from_vec(m.to_vec(), &[3, 3]).unwrap();
+    let ninf = f32::NEG_INFINITY;
+    for (m, says) in [
+        (
+            [0.0, f32::NAN, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            "mask[0][1] is NaN",
+        ),
+        (
+            [0.0, 0.0, 0.0, 0.0, ninf, 0.0, 0.0, 0.0, 0.0],
+            "removes row 1's own positive",
+        ),
+        (
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ninf, ninf, 0.0],
+            "row 2 has no negative",
+        ),
+    ] {
+        let e = sampled_softmax(&q, &q, None, Some(&mask(m)), 0.2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{e}");
+    }
+    // −∞ removes a column exactly: the loss is that of the other columns alone.
+    let removed = sampled_softmax(
+        &q,
+        &q,
+        None,
+        Some(&mask([0.0, ninf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])),
+        0.2,
+    )
+    .unwrap()
+    .item()
+    .unwrap();
+    assert!(removed.is_finite());
+
+    // The trainer: labels under the softmax, a batch of one row without negatives, a sampler
+    // giving the wrong rows; each refused, and the trainer then steps as one that never saw
+    // them (the estimator had recorded the failed batch).
+    let softmax = |random_negatives| TwoTowerLoss::Softmax {
+        log_q: true,
+        random_negatives,
+    };
+    let wrong_sampler: embers::train::NegativeSampler =
+        Box::new(|ids: &[i64]| Ok(one_hot("item", &ids[1..])));
+    let mut bad = trainer_config(softmax(3))
+        .build()
+        .unwrap()
+        .with_negative_sampler(60, wrong_sampler)
+        .unwrap();
+    let e = bad
+        .train_step(&pair_batch(0, true))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not read"), "{e}");
+    let e = bad
+        .train_step(&pair_batch(0, false))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gave 2 candidate rows for 3 sampled ids"), "{e}");
+    let mut lone = trainer_config(softmax(0)).build().unwrap();
+    let single = embers::train::PairBatch {
+        queries: one_hot("user", &[3]),
+        candidates: one_hot("item", &[9]),
+        candidate_ids: vec![9],
+        labels: None,
+    };
+    let e = lone.train_step(&single).unwrap_err().to_string();
+    assert!(e.contains("row 0 has no negative"), "{e}");
+    let mut fresh = trainer_config(softmax(0)).build().unwrap();
+    for s in 1..4 {
+        let batch = pair_batch(s, false);
+        assert_eq!(
+            lone.train_step(&batch).unwrap().to_bits(),
+            fresh.train_step(&batch).unwrap().to_bits(),
+            "step {s}"
+        );
+    }
+    // Divergence: learning rates of 1e38 throw the model past f32 within a few steps; the
+    // step whose loss is not finite is not taken (its checkpoint is the one before it).
+    let mut config = trainer_config(softmax(0));
+    config.sparse_optimizer = FusedOptimizer::Sgd { lr: 1e38 };
+    config.dense_optimizer = embers::train::DenseOptimizer::Adam { lr: 1e38 };
+    let mut t = config.build().unwrap();
+    let dir = std::env::temp_dir().join(format!("embers-tt-diverge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (before, after) = (
+        dir.join("before.safetensors"),
+        dir.join("after.safetensors"),
+    );
+    let mut diverged = None;
+    for s in 0..20 {
+        t.save_checkpoint(&before, &Default::default()).unwrap();
+        if let Err(e) = t.train_step(&pair_batch(s, false)) {
+            diverged = Some(e.to_string());
+            break;
+        }
+    }
+    let e = diverged.expect("a non-finite loss within 20 steps");
+    assert!(e.contains("diverged") && e.contains("not taken"), "{e}");
+    t.save_checkpoint(&after, &Default::default()).unwrap();
+    // Equal headers (as JSON: the metadata's order is a map's) and equal tensor bytes.
+    let parts = |path: &std::path::Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        (header, bytes[8 + n..].to_vec())
+    };
+    assert!(
+        parts(&before) == parts(&after),
+        "the diverging step changed the trainer"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

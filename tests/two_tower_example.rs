@@ -158,4 +158,20 @@ fn flags_it_cannot_honour_are_refused_before_training() {
         );
         assert!(!log.contains("epoch 1:"), "{args:?} trained first: {log}");
     }
+    // No pass at all (it wrote no checkpoint and reported NaN pairs a second).
+    for args in [
+        vec!["--epochs", "0"],
+        vec!["--epochs", "1", "--rerank", "--rerank-epochs", "0"],
+    ] {
+        let args: Vec<&str> = ["--data", "synthetic", "--no-progress"]
+            .into_iter()
+            .chain(args)
+            .collect();
+        let out = run(&args);
+        let log = text(&out);
+        assert!(
+            !out.status.success() && log.contains("must be at least 1"),
+            "{args:?}: {log}"
+        );
+    }
 }

@@ -572,10 +572,16 @@ fn rerank(
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ 0xD1);
     let started = Instant::now();
     let mut auc = 0.0;
+    // Users who have seen every item have no negative to draw (the draw looped for ever).
+    let (mut no_negatives, mut pair_count) = (0usize, 0usize);
     for _ in 0..args.rerank_epochs {
         let mut pairs: Vec<(usize, usize, f32)> = Vec::with_capacity(split.train.len() * 5);
         for &(u, i) in &split.train {
             pairs.push((u, i, 1.0));
+            if split.seen[u].len() >= data.items {
+                no_negatives += 1;
+                continue;
+            }
             // The retrieved lists exclude each user's training items already.
             let hard = retrieved.get(&u).filter(|l| !l.is_empty());
             for n in 0..4 {
@@ -594,6 +600,7 @@ fn rerank(
             }
         }
         pairs.shuffle(&mut rng);
+        pair_count = pairs.len();
         for chunk in pairs.chunks(512) {
             trainer.train_step(&dlrm_batch(chunk, &data.genres, scores)?)?;
         }
@@ -604,10 +611,14 @@ fn rerank(
             .unwrap_or(f64::NAN);
     }
     println!(
-        "re-ranking DLRM: {} epochs over {} pairs in {:.1} s, training AUC {auc:.4}",
+        "re-ranking DLRM: {} epochs over {} pairs in {:.1} s, training AUC {auc:.4}{}",
         args.rerank_epochs,
-        split.train.len() * 5,
-        started.elapsed().as_secs_f64()
+        pair_count,
+        started.elapsed().as_secs_f64(),
+        match no_negatives / args.rerank_epochs.max(1) {
+            0 => String::new(),
+            n => format!(" ({n} interactions of users who have seen every item: no negatives)"),
+        }
     );
     let mut out = HashMap::new();
     for (&u, list) in retrieved {
@@ -647,6 +658,13 @@ fn run(args: Args) -> Result<()> {
             "--test-fraction must be in [0, 1) and --batch-size at least 2",
         ));
     }
+    // No pass trains nothing, writes no checkpoint and reports 0/0 pairs a second.
+    if args.epochs == 0 || (args.rerank && args.rerank_epochs == 0) {
+        return Err(Error::invalid(
+            "two_tower",
+            "--epochs (and, with --rerank, --rerank-epochs) must be at least 1",
+        ));
+    }
     if args.rerank_hard_negatives > 4 {
         return Err(Error::invalid(
             "two_tower",
@@ -678,6 +696,25 @@ fn run(args: Args) -> Result<()> {
         ));
     }
     let split = split(&data, args.test_fraction);
+    // The evaluation asks each user for 100 items past those it has seen: on a GPU, at most
+    // MAX_GPU_K in all (it failed after the first epoch).
+    let max_seen = split
+        .test
+        .keys()
+        .map(|&u| split.seen[u].len())
+        .max()
+        .unwrap_or(0);
+    let k = (100 + max_seen).min(data.items);
+    if args.device != Device::Cpu && k > embers::retrieval::MAX_GPU_K {
+        return Err(Error::invalid(
+            "two_tower",
+            format!(
+                "a held-out user has seen {max_seen} items: the evaluation's search for 100 \
+                 more asks for {k}, past the GPU's {} (use --device cpu)",
+                embers::retrieval::MAX_GPU_K
+            ),
+        ));
+    }
     println!(
         "{}: {} users, {} items, {} interactions; time split: {} train, {} held-out items over {} users",
         data.name,

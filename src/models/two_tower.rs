@@ -198,12 +198,18 @@ fn check_pair(op: &'static str, q: &Tensor, c: &Tensor) -> Result<(usize, usize)
     Ok((q.shape()[0], q.shape()[1]))
 }
 
-/// A temperature the logits can be divided by: positive and finite.
+/// A temperature the logits can be divided by: positive, and both it and its inverse normal
+/// f32 numbers (1e-40 made the logits infinite, then NaN; 1e300 made them all 0, a loss
+/// without gradient).
 fn check_temperature(op: &'static str, temperature: f64) -> Result<()> {
-    if !(temperature.is_finite() && temperature > 0.0) {
+    let normal = |x: f64| (x as f32).is_normal();
+    if !(temperature > 0.0 && normal(temperature) && normal(1.0 / temperature)) {
         return Err(Error::invalid(
             op,
-            format!("temperature {temperature} must be positive and finite"),
+            format!(
+                "temperature {temperature} must be positive, with it and its inverse normal \
+                 f32 numbers (within about 1e-38 to 1e38)"
+            ),
         ));
     }
     Ok(())
@@ -216,6 +222,10 @@ pub fn pointwise_bce(q: &Tensor, c: &Tensor, labels: &Tensor, temperature: f64) 
     const OP: &str = "pointwise_bce";
     let (b, _) = check_pair(OP, q, c)?;
     check_temperature(OP, temperature)?;
+    if b == 0 {
+        // Its mean is 0/0.
+        return Err(Error::invalid(OP, "an empty batch has no loss"));
+    }
     if labels.shape() != [b] {
         return Err(Error::ShapeMismatch {
             op: OP,
@@ -258,9 +268,11 @@ pub fn in_batch_softmax(
 /// (`[n, D]`; the first `B` rows are the batch's positives, the rest e.g. random negatives)
 /// as its positive and all the others as negatives. Logits `⟨q_i, c_j⟩ / τ − log Q_j + M_ij`
 /// with `log_q` (`[n]`, optional) the log of each candidate's expected count in the sample and
-/// `mask` (`[B, n]`, optional, additive: a large negative value removes an accidental hit);
-/// both may be on any device and are constants (no gradient flows to them). Loss:
-/// cross-entropy of the diagonal, mean over rows.
+/// `mask` (`[B, n]`, optional, additive: −∞ removes an accidental hit); both may be on any
+/// device and are constants (no gradient flows to them). Loss: cross-entropy of the diagonal,
+/// mean over rows. Refused: an empty batch, a `log_q` that is not finite, a mask holding NaN
+/// or +∞ or removing a row's own positive, and a row left with no negative (a batch of one
+/// row and no other candidates; every other column removed): its loss is 0, without gradient.
 pub fn sampled_softmax(
     q: &Tensor,
     c: &Tensor,
@@ -280,6 +292,7 @@ pub fn sampled_softmax(
     }
     check_temperature(OP, temperature)?;
     let (b, n) = (q.shape()[0], c.shape()[0]);
+    check_softmax_constants(OP, b, n, log_q, mask)?;
     // The temperature scales the [B, D] queries rather than the [B, n] logits (fewer elements).
     let mut logits = q.mul_scalar(1.0 / temperature)?.matmul(&c.t()?)?;
     let device = logits.device();
@@ -321,6 +334,73 @@ pub fn sampled_softmax(
     logits.cross_entropy(&target, Reduction::Mean)
 }
 
+/// The checks of [`sampled_softmax`]'s batch size, log-Q and mask values (shapes are checked
+/// where they are used).
+fn check_softmax_constants(
+    op: &'static str,
+    b: usize,
+    n: usize,
+    log_q: Option<&Tensor>,
+    mask: Option<&Tensor>,
+) -> Result<()> {
+    if b == 0 {
+        return Err(Error::invalid(op, "an empty batch has no loss"));
+    }
+    if let Some(lq) = log_q.filter(|lq| lq.shape() == [n]) {
+        let values = lq.to_dtype(DType::F64)?.to_vec::<f64>()?;
+        if let Some((j, v)) = (values.iter().enumerate()).find(|(_, v)| !v.is_finite()) {
+            return Err(Error::invalid(
+                op,
+                format!("log_q[{j}] is {v}: log-probabilities must be finite"),
+            ));
+        }
+    }
+    let no_negative = |i: usize| {
+        Error::invalid(
+            op,
+            format!(
+                "row {i} has no negative (a batch of one row and no other candidates, or every \
+                 other column removed): its loss is 0, without gradient"
+            ),
+        )
+    };
+    match mask.filter(|m| m.shape() == [b, n]) {
+        None if n < 2 => Err(no_negative(0)),
+        None => Ok(()),
+        Some(m) => {
+            let values = m.to_dtype(DType::F32)?.to_vec::<f32>()?;
+            for (i, row) in values.chunks_exact(n.max(1)).enumerate() {
+                if let Some((j, v)) =
+                    (row.iter().enumerate()).find(|(_, v)| v.is_nan() || **v == f32::INFINITY)
+                {
+                    return Err(Error::invalid(
+                        op,
+                        format!("mask[{i}][{j}] is {v}: a mask adds finite values or −∞"),
+                    ));
+                }
+                if !row[i].is_finite() {
+                    return Err(Error::invalid(
+                        op,
+                        format!("mask[{i}][{i}] removes row {i}'s own positive"),
+                    ));
+                }
+                if !(row.iter().enumerate()).any(|(j, v)| j != i && v.is_finite()) {
+                    return Err(no_negative(i));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// What [`FrequencyEstimator::undo`] restores: the step count and each touched bucket's old
+/// values.
+#[derive(Debug)]
+pub(crate) struct EstimatorUndo {
+    step: u64,
+    buckets: Vec<(usize, u64, f64)>,
+}
+
 /// Streaming estimate of how often each item appears in training batches (Yi et al. 2019,
 /// algorithm 2): hashed arrays hold the step an item was last seen (`A`) and a moving average
 /// of the steps between sightings (`B`); the item's probability of being in a batch is `1/B`.
@@ -350,8 +430,8 @@ impl FrequencyEstimator {
             ));
         }
         Ok(FrequencyEstimator {
-            last: vec![0; buckets],
-            interval: vec![0.0; buckets],
+            last: crate::tensor::storage::try_filled("FrequencyEstimator", 0u64, buckets)?,
+            interval: crate::tensor::storage::try_filled("FrequencyEstimator", 0f64, buckets)?,
             alpha,
             step: 0,
         })
@@ -364,6 +444,36 @@ impl FrequencyEstimator {
 
     /// Records one training batch's candidate ids (an id repeated in the batch counts once).
     pub fn update(&mut self, ids: &[i64]) {
+        self.update_undoable(ids);
+    }
+
+    /// [`update`](Self::update), returning what [`undo`](Self::undo) needs to take it back
+    /// (the touched buckets' old values): a training step that fails after recording its
+    /// batch leaves the estimator as it was.
+    pub(crate) fn update_undoable(&mut self, ids: &[i64]) -> EstimatorUndo {
+        let mut undo = EstimatorUndo {
+            step: self.step,
+            buckets: Vec::with_capacity(ids.len()),
+        };
+        for &id in ids {
+            let h = self.bucket(id);
+            undo.buckets.push((h, self.last[h], self.interval[h]));
+        }
+        self.record(ids);
+        undo
+    }
+
+    /// Takes back the update `undo` came from (the last one).
+    pub(crate) fn undo(&mut self, undo: EstimatorUndo) {
+        // In reverse: a bucket listed twice gets its oldest value last.
+        for (h, last, interval) in undo.buckets.into_iter().rev() {
+            self.last[h] = last;
+            self.interval[h] = interval;
+        }
+        self.step = undo.step;
+    }
+
+    fn record(&mut self, ids: &[i64]) {
         self.step += 1;
         let t = self.step;
         let mut seen = std::collections::HashSet::with_capacity(ids.len());

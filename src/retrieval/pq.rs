@@ -73,13 +73,15 @@ impl ProductQuantizer {
 
     /// A quantizer from stored centroids (`[m × 256 × dim/m]`, finite).
     pub fn from_centroids(dim: usize, m: usize, centroids: Vec<f32>) -> Result<Self> {
-        if m == 0 || dim % m != 0 || centroids.len() != dim * KSUB {
+        let expected = dim.checked_mul(KSUB);
+        if dim == 0 || m == 0 || dim % m != 0 || expected != Some(centroids.len()) {
             return Err(Error::invalid(
                 "ProductQuantizer",
                 format!(
-                    "{} centroid values for dimension {dim} and m = {m} (expected {})",
+                    "{} centroid values for dimension {dim} and m = {m} (expected {}, with m \
+                     dividing a dimension of at least 1)",
                     centroids.len(),
-                    dim * KSUB
+                    expected.map_or("more than a usize holds".to_string(), |e| e.to_string())
                 ),
             ));
         }

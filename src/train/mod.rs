@@ -899,9 +899,9 @@ impl DlrmTrainer {
         if self.model.device() == Device::Cpu {
             let loss_value = loss.item()?;
             if !loss_value.is_finite() {
-                self.step += 1;
+                // Named as the step it would have been; not counted (it was not taken).
                 return Err(diverged(
-                    self.step,
+                    self.step + 1,
                     loss_value,
                     "the step was not taken: the parameters are those before it",
                 ));

@@ -30,8 +30,9 @@ use crate::{Device, Error, Result, Tensor};
 
 const OP: &str = "TwoTowerTrainer";
 const FORMAT: &str = "embers.two-tower-trainer.v1";
-/// Added to the logit of an accidental hit (a sampled negative that is the row's positive).
-const HIT_MASK: f32 = -1.0e9;
+/// Added to the logit of an accidental hit (a sampled negative that is the row's positive):
+/// −∞ removes it whatever the logits' scale (a finite −1e9 did not, past |⟨q, c⟩|/τ ≈ 1e9).
+const HIT_MASK: f32 = f32::NEG_INFINITY;
 
 /// The loss a [`TwoTowerTrainer`] trains with.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -256,7 +257,9 @@ impl TwoTowerTrainer {
 
     /// One step on a batch of positive pairs: forward through both towers, the loss,
     /// backward (the tables update through their fused optimizer), the MLPs' optimizer step.
-    /// Returns the loss; a non-finite loss is an error naming the step.
+    /// Returns the loss; a non-finite loss is an error naming the step. A step that fails
+    /// leaves the frequency estimator as it was; on the host a non-finite loss is found before
+    /// the backward, and the step is not taken at all (on a GPU its update has been applied).
     pub fn train_step(&mut self, batch: &PairBatch) -> Result<f64> {
         if self.config.device == Device::Cpu {
             crate::tensor::on_worker(|| self.step_inner(batch))
@@ -284,6 +287,33 @@ impl TwoTowerTrainer {
                 ));
             }
         }
+        if batch.labels.is_some() && matches!(self.config.loss, TwoTowerLoss::Softmax { .. }) {
+            // Rows labelled 0 would be trained as positives.
+            return Err(Error::invalid(
+                OP,
+                "the batch carries labels, which the softmax loss does not read (every pair is \
+                 a positive): drop them, or train with the pointwise loss",
+            ));
+        }
+        // The estimator records the batch before its log-Q is read; a step that fails after
+        // takes the record back (a retried batch was counted twice).
+        let undo = match self.config.loss {
+            TwoTowerLoss::Softmax { .. } => {
+                Some(self.estimator.update_undoable(&batch.candidate_ids))
+            }
+            TwoTowerLoss::Pointwise => None,
+        };
+        let stepped = self.step_after_record(batch, b);
+        if stepped.is_err() {
+            if let Some(undo) = undo {
+                self.estimator.undo(undo);
+            }
+        }
+        stepped
+    }
+
+    /// [`step_inner`](Self::step_inner) once the batch is checked and recorded.
+    fn step_after_record(&mut self, batch: &PairBatch, b: usize) -> Result<f64> {
         self.optimizer.zero_grad();
         let q = self.model.embed_queries(&batch.queries)?;
         let c = self.model.embed_candidates(&batch.candidates)?;
@@ -308,7 +338,6 @@ impl TwoTowerTrainer {
                     )
                 })?;
                 let mut mask = crate::tensor::storage::try_filled(OP, 0f32, mask)?;
-                self.estimator.update(&batch.candidate_ids);
                 let mut ids = batch.candidate_ids.clone();
                 let mut lq: Vec<f32> = (ids.iter())
                     .map(|&id| self.estimator.probability(id).ln() as f32)
@@ -330,7 +359,18 @@ impl TwoTowerTrainer {
                     let neg: Vec<i64> = (0..random_negatives)
                         .map(|_| rng.random_range(0..*catalogue as i64))
                         .collect();
-                    let ne = self.model.embed_candidates(&features(&neg)?)?;
+                    let sampled = features(&neg)?;
+                    if sampled.stride() != random_negatives {
+                        return Err(Error::invalid(
+                            OP,
+                            format!(
+                                "the negative sampler gave {} candidate rows for \
+                                 {random_negatives} sampled ids",
+                                sampled.stride()
+                            ),
+                        ));
+                    }
+                    let ne = self.model.embed_candidates(&sampled)?;
                     candidates = Tensor::cat(&[&candidates, &ne], 0)?;
                     let expected = (random_negatives as f64 / *catalogue as f64).ln() as f32;
                     lq.extend(std::iter::repeat_n(expected, random_negatives));
@@ -356,17 +396,33 @@ impl TwoTowerTrainer {
                 )?
             }
         };
+        let diverged = |step: u64, value: f64, taken: &str| {
+            Error::invalid(
+                OP,
+                format!("the loss of step {step} is {value}: training diverged; {taken}"),
+            )
+        };
+        // On the host the loss is read before the backward, whose fused update would write
+        // the non-finite gradient into the tables; on a GPU that read would wait mid-step.
+        if self.config.device == Device::Cpu {
+            let value = loss.item()?;
+            if !value.is_finite() {
+                return Err(diverged(
+                    self.step,
+                    value,
+                    "the step was not taken: the model is as before it",
+                ));
+            }
+        }
         loss.backward()?;
         self.optimizer.step()?;
         let value = loss.item()?;
         self.step += 1;
         if !value.is_finite() {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the loss of step {} is {value}: training diverged",
-                    self.step - 1
-                ),
+            return Err(diverged(
+                self.step - 1,
+                value,
+                "its update was applied (restore a checkpoint)",
             ));
         }
         self.examples += b as u64;
