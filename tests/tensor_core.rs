@@ -864,3 +864,108 @@ fn reshape_infer_refuses_overflowing_and_negative_shapes() {
     }
     assert_eq!(t.reshape_infer(&[2, -1]).unwrap().shape(), &[2, 3]);
 }
+
+/// Runs `f` on a thread and fails (rather than hangs) if it has not returned within 20 s.
+fn within_20_s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{what} did not return (it waited on its own lock)"))
+}
+
+/// Inputs at the edges of the tensor core: copies of a tensor into itself (they waited for
+/// ever on its storage's lock), reductions and softmaxes over dimensions of size 0 (chunks of
+/// 0 panicked), shapes of no elements whose strides pass a usize, views past what memory or a
+/// usize holds, casts an integer cannot hold (NaN read as 0, 300 as 255), and a layer norm's
+/// eps that is not a number.
+#[test]
+fn edge_inputs_are_answered_or_refused_never_hung_or_panicked() {
+    within_20_s("copy_from of itself", || {
+        let p = t(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+        p.copy_from(&p).unwrap();
+        p.copy_from(&p.detach()).unwrap();
+        // A view of its own storage, transposed: the values are read before any is written.
+        p.copy_from(&p.t().unwrap()).unwrap();
+        assert_eq!(p.to_vec::<f64>().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+        let layer = Linear::new(3, 2, &mut seeded(1)).unwrap();
+        let state = layer.state_dict();
+        layer.load_state_dict(&state).unwrap();
+    });
+    let empty = Tensor::zeros(&[3, 0], DType::F32, Device::Cpu);
+    assert_eq!(empty.sum(&[0], false).unwrap().shape(), &[0]);
+    assert_eq!(empty.mean(&[0], true).unwrap().shape(), &[1, 0]);
+    let wide = Tensor::zeros(&[2, 0], DType::F64, Device::Cpu);
+    assert_eq!(wide.softmax(-1).unwrap().shape(), &[2, 0]);
+    assert_eq!(wide.log_softmax(-1).unwrap().shape(), &[2, 0]);
+    // Gradients through broadcasts of empty dimensions reduce over them.
+    let leaf = Tensor::zeros(&[1, 0], DType::F32, Device::Cpu).with_requires_grad(true);
+    let other = Tensor::zeros(&[4, 0], DType::F32, Device::Cpu);
+    leaf.add(&other)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(leaf.grad().unwrap().shape(), &[1, 0]);
+    // No elements, strides past a usize: a shape like any other.
+    let none = Tensor::from_vec(Vec::<f32>::new(), &[0, usize::MAX, 2]).unwrap();
+    assert_eq!(none.numel(), 0);
+    assert_eq!(none.sum_all().unwrap().item().unwrap(), 0.0);
+    let reshaped = Tensor::zeros(&[0], DType::F32, Device::Cpu)
+        .reshape(&[0, usize::MAX, 2])
+        .unwrap();
+    assert_eq!(reshaped.contiguous().unwrap().numel(), 0);
+    // Views whose element count passes a usize, or whose copy passes any memory.
+    let one = Tensor::scalar(0f32);
+    let m = one.expand(&[1 << 40, 1 << 40]).unwrap_err().to_string();
+    assert!(m.contains("more elements than a usize counts"), "{m}");
+    let m = one
+        .expand(&[1 << 62])
+        .unwrap()
+        .contiguous()
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("out of memory"), "{m}");
+    // Casts and fills an integer dtype cannot hold.
+    for (v, dtype) in [
+        (f64::NAN, DType::I32),
+        (f64::INFINITY, DType::I64),
+        (300.0, DType::U8),
+        (-1.0, DType::U8),
+        (3e9, DType::I32),
+    ] {
+        let m = t(&[1.0, v], &[2]).to_dtype(dtype).unwrap_err().to_string();
+        assert!(
+            m.contains("element 1") && m.contains("cannot hold"),
+            "{v} {dtype:?}: {m}"
+        );
+        let m = Tensor::try_full(v, &[2], dtype, Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("is not a value of"), "{v} {dtype:?}: {m}");
+    }
+    // Truncation toward zero stays, as torch casts.
+    assert_eq!(
+        t(&[2.7, -2.7, 255.9], &[3])
+            .to_dtype(DType::I64)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        vec![2, -2, 255]
+    );
+    for eps in [-1.0, f64::NAN, f64::INFINITY] {
+        let m = t(&[1.0, 1.0], &[1, 2])
+            .layer_norm(&[2], None, None, eps)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("eps"), "{m}");
+    }
+    let scalar = embers::tensor::RowSparseGrad {
+        rows: vec![],
+        values: Tensor::scalar(1f32),
+        num_rows: 5,
+    };
+    assert_eq!(scalar.dense_shape(), vec![5]);
+}

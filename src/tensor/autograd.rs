@@ -53,10 +53,14 @@ pub struct RowSparseGrad {
 }
 
 impl RowSparseGrad {
-    /// Shape of the dense tensor this gradient belongs to.
+    /// Shape of the dense tensor this gradient belongs to (`[num_rows]` for values of no
+    /// dimension, which no tensor with rows holds: the backward's shape check refuses it).
     pub fn dense_shape(&self) -> Vec<usize> {
         let mut s = self.values.shape().to_vec();
-        s[0] = self.num_rows;
+        match s.first_mut() {
+            Some(rows) => *rows = self.num_rows,
+            None => s.push(self.num_rows),
+        }
         s
     }
 

@@ -11,11 +11,13 @@ pub struct Layout {
     offset: usize,
 }
 
-/// Row-major strides of a contiguous tensor of `shape`.
+/// Row-major strides of a contiguous tensor of `shape`. Saturating: only a shape of no
+/// elements can have a stride past a `usize` ([0, usize::MAX, 2]; every other shape's element
+/// count is checked to fit), and its strides never address anything.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+    let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }
@@ -95,8 +97,12 @@ impl Layout {
         self.offset
     }
 
-    /// Number of elements.
+    /// Number of elements (0 when any dimension is 0, whatever the others; views are built
+    /// with element counts that fit a `usize`).
     pub fn numel(&self) -> usize {
+        if self.shape.contains(&0) {
+            return 0;
+        }
         self.shape.iter().product()
     }
 
@@ -107,7 +113,7 @@ impl Layout {
             if d != 1 && s != expected {
                 return false;
             }
-            expected *= d;
+            expected = expected.saturating_mul(d);
         }
         true
     }
@@ -150,14 +156,34 @@ impl Layout {
 
     /// Copies the viewed elements of `data` into a new contiguous vector.
     pub fn gather<T: Copy + Send + Sync>(&self, data: &[T]) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.numel());
+        self.gather_into(data, &mut out);
+        out
+    }
+
+    /// [`gather`](Self::gather) into a vector allocated fallibly: an error naming `op` when
+    /// the allocator refuses the elements (an expanded view of 2^40 elements made
+    /// contiguous aborted the process).
+    pub(crate) fn try_gather<T: Copy + Send + Sync>(
+        &self,
+        op: &'static str,
+        data: &[T],
+    ) -> Result<Vec<T>> {
+        let mut out = crate::tensor::storage::try_with_capacity(op, self.numel())?;
+        self.gather_into(data, &mut out);
+        Ok(out)
+    }
+
+    /// Appends the elements in row-major order to `out` (which has room for them).
+    fn gather_into<T: Copy + Send + Sync>(&self, data: &[T], out: &mut Vec<T>) {
         let n = self.numel();
         if self.is_contiguous() {
-            return data[self.offset..self.offset + n].to_vec();
+            out.extend_from_slice(&data[self.offset..self.offset + n]);
+            return;
         }
-        if let Some(out) = self.gather_transposed(data) {
-            return out;
+        if self.gather_transposed(data, out) {
+            return;
         }
-        let mut out = Vec::with_capacity(n);
         for_each_row(
             &self.shape,
             &[&self.strides],
@@ -171,7 +197,6 @@ impl Layout {
                 }
             },
         );
-        out
     }
 }
 
@@ -179,16 +204,15 @@ impl Layout {
     /// Fast path of [`Layout::gather`] for views whose two innermost (collapsed) dimensions
     /// are transposed (`x.t()`, `x.transpose(1, 2)`): copies in square tiles so that both the
     /// reads and the writes stay in cache, instead of striding through memory per element.
-    fn gather_transposed<T: Copy + Send + Sync>(&self, data: &[T]) -> Option<Vec<T>> {
+    fn gather_transposed<T: Copy + Send + Sync>(&self, data: &[T], out: &mut Vec<T>) -> bool {
         const TILE: usize = 16;
         let (shape, strides) = collapse(&self.shape, &[&self.strides]);
         let st = &strides[0];
         let r = shape.len();
         if r < 2 || st[r - 2] != 1 || st[r - 1] == 1 {
-            return None;
+            return false;
         }
         let (rows, cols, col_stride) = (shape[r - 2], shape[r - 1], st[r - 1]);
-        let mut out = Vec::with_capacity(self.numel());
         let copy_matrix = |out: &mut Vec<T>, base: usize| {
             let start = out.len();
             out.resize(start + rows * cols, data[base]);
@@ -215,7 +239,7 @@ impl Layout {
             }
         };
         if r == 2 {
-            copy_matrix(&mut out, self.offset);
+            copy_matrix(out, self.offset);
         } else {
             let outer_strides = st[..r - 2].to_vec();
             for_each_row(
@@ -224,12 +248,12 @@ impl Layout {
                 &[self.offset],
                 |len, base, step| {
                     for k in 0..len {
-                        copy_matrix(&mut out, base[0] + k * step[0]);
+                        copy_matrix(out, base[0] + k * step[0]);
                     }
                 },
             );
         }
-        Some(out)
+        true
     }
 }
 

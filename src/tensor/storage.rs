@@ -68,6 +68,12 @@ impl CpuStorage {
     /// casts), or an error naming `what` when the memory cannot be had: a failed allocation
     /// is an error here, not an abort.
     pub(crate) fn try_full(what: &'static str, dtype: DType, value: f64, n: usize) -> Result<Self> {
+        if !crate::tensor::ops::cast::fits(dtype, value) {
+            return Err(crate::Error::invalid(
+                what,
+                format!("{value} is not a value of {dtype:?}"),
+            ));
+        }
         Ok(match dtype {
             DType::F32 => CpuStorage::F32(try_filled(what, value as f32, n)?),
             DType::F64 => CpuStorage::F64(try_filled(what, value, n)?),

@@ -12,6 +12,13 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
+        // As torch: eps is added to the variance; a negative or NaN one made NaN rows.
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(Error::invalid(
+                "layer_norm",
+                format!("eps {eps} must be finite and not negative"),
+            ));
+        }
         let k = normalized_shape.len();
         if k == 0 || k > self.rank() || self.shape()[self.rank() - k..] != *normalized_shape {
             return Err(Error::ShapeMismatch {

@@ -252,6 +252,14 @@ impl Tensor {
         if target != shape {
             return Err(Error::shape("expand", self.shape(), shape));
         }
+        // A view costs nothing, but its element count must fit a `usize` (it overflowed
+        // later, in any op that counts them).
+        if crate::tensor::checked_numel(shape).is_none() {
+            return Err(Error::invalid(
+                "expand",
+                format!("a shape of {shape:?} holds more elements than a usize counts"),
+            ));
+        }
         if shape == self.shape() {
             return Ok(self.clone());
         }

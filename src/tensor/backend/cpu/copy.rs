@@ -43,20 +43,26 @@ impl CopyOps for Cpu {
     fn contiguous(t: &Tensor) -> Result<Tensor> {
         let guard = t.storage_read();
         let cpu = guard.cpu("contiguous")?;
-        let storage = match_storage!(cpu, v => WithDType::into_storage(t.layout().gather(v)));
+        let storage = match_storage!(cpu, v => WithDType::into_storage(t.layout().try_gather("contiguous", v)?));
         Ok(Tensor::from_cpu(storage, t.shape()))
     }
 
     fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
         let guard = t.storage_read();
         let cpu = guard.cpu("to_dtype")?;
-        let storage = match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().gather(v), dtype));
+        let storage = match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().try_gather("to_dtype", v)?, dtype)?);
         Ok(Tensor::from_cpu(storage, t.shape()))
     }
 
     fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
         let src = src.to_host_values()?;
-        let src = src.cast_values(dst.dtype())?.contiguous_values()?;
+        let mut src = src.cast_values(dst.dtype())?.contiguous_values()?;
+        if src.shares_storage_with(dst) {
+            // A view of the destination's own storage (`p.copy_from(&p)`, a module loading its
+            // own state dict): read out first, since the write below waited for ever on this
+            // read's lock.
+            src = Self::contiguous(&src)?;
+        }
         let guard = src.storage_read();
         let cpu = guard.cpu("copy_from")?;
         match_storage!(cpu, v => dst.update_in_place(|d| d.copy_from_slice(v)))?;

@@ -35,6 +35,10 @@ fn sum_middle<T: NumElem>(x: &[T], outer: usize, n: usize, inner: usize) -> Vec<
                 .for_each(|(d, &s)| *d = d.add_wrap(s));
         }
     };
+    if outer == 0 || inner == 0 {
+        // An output of no elements (chunks of `inner` = 0 elements panicked).
+        return Vec::new();
+    }
     let mut out = vec![T::ZERO; outer * inner];
     if outer * n * inner >= PAR_THRESHOLD {
         if outer > 1 {
@@ -79,6 +83,10 @@ fn softmax_kernel<T: FloatElem>(
     inner: usize,
     log: bool,
 ) -> Vec<T> {
+    if x.is_empty() {
+        // No element (rows of 0 elements panicked in `chunks`).
+        return Vec::new();
+    }
     let mut out = vec![T::zero(); x.len()];
     if inner == 1 {
         // Along the last dimension: rows are contiguous, each one independent (in parallel
