@@ -68,12 +68,6 @@ impl CpuStorage {
     /// casts), or an error naming `what` when the memory cannot be had: a failed allocation
     /// is an error here, not an abort.
     pub(crate) fn try_full(what: &'static str, dtype: DType, value: f64, n: usize) -> Result<Self> {
-        if !crate::tensor::ops::cast::fits(dtype, value) {
-            return Err(crate::Error::invalid(
-                what,
-                format!("{value} is not a value of {dtype:?}"),
-            ));
-        }
         Ok(match dtype {
             DType::F32 => CpuStorage::F32(try_filled(what, value as f32, n)?),
             DType::F64 => CpuStorage::F64(try_filled(what, value, n)?),
@@ -127,6 +121,24 @@ pub(crate) fn try_with_capacity<T>(what: &'static str, n: usize) -> Result<Vec<T
     v.try_reserve_exact(n)
         .map_err(|_| out_of_memory(what, n.saturating_mul(std::mem::size_of::<T>())))?;
     Ok(v)
+}
+
+/// Checks that `n` elements of `elem_bytes` each can be allocated, before a kernel that
+/// allocates them infallibly (inside closures that return plain vectors): a count past a
+/// `usize` or an allocation the allocator refuses is an error naming `what`, where the kernel
+/// would abort the process. Small outputs (under 16 MiB) are not probed.
+pub(crate) fn ensure_allocatable(what: &'static str, n: usize, elem_bytes: usize) -> Result<()> {
+    let bytes = n
+        .checked_mul(elem_bytes)
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| out_of_memory(what, usize::MAX))?;
+    if bytes >= 16 << 20 {
+        // Reserved and freed at once: pages are not touched.
+        Vec::<u8>::new()
+            .try_reserve_exact(bytes)
+            .map_err(|_| out_of_memory(what, bytes))?;
+    }
+    Ok(())
 }
 
 /// The error of an allocation of `bytes` for `what` that the allocator refused.

@@ -50,7 +50,7 @@ impl CopyOps for Cpu {
     fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
         let guard = t.storage_read();
         let cpu = guard.cpu("to_dtype")?;
-        let storage = match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().try_gather("to_dtype", v)?, dtype)?);
+        let storage = match_storage!(cpu, v => crate::tensor::ops::cast::cast_vec(&t.layout().try_gather("to_dtype", v)?, dtype));
         Ok(Tensor::from_cpu(storage, t.shape()))
     }
 
