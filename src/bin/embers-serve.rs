@@ -265,8 +265,11 @@ async fn reload_on_sighup(server: Server, hangups: Option<tokio::signal::unix::S
 #[cfg(not(unix))]
 async fn reload_on_sighup(_server: Server, _hangups: Option<()>) {}
 
+/// Each watched file's modification time and length (`None` if one cannot be read).
+type Stamps = Option<Vec<(SystemTime, u64)>>;
+
 /// Each file's modification time and length (`None` if one cannot be read).
-fn stamps(paths: &[PathBuf]) -> Option<Vec<(SystemTime, u64)>> {
+fn stamps(paths: &[PathBuf]) -> Stamps {
     (paths.iter())
         .map(|p| {
             let m = std::fs::metadata(p).ok()?;
@@ -285,17 +288,12 @@ const MAX_RETRY_TICKS: u32 = 64;
 /// fail to load are tried again once they change, or unchanged after a wait that doubles from
 /// one tick to [`MAX_RETRY_TICKS`] (a full disk clears; a bad file is not loaded back to back
 /// for ever).
-async fn watch(
-    server: Server,
-    paths: Vec<PathBuf>,
-    mut last: Option<Vec<(SystemTime, u64)>>,
-    every: u64,
-) {
+async fn watch(server: Server, paths: Vec<PathBuf>, mut last: Stamps, every: u64) {
     let mut tick = tokio::time::interval(Duration::from_secs(every));
     // A long load must not be followed by the ticks it missed, at once.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The stamps that failed, the ticks to wait before trying them again, and the ticks left.
-    let mut failed: Option<(Option<Vec<(SystemTime, u64)>>, u32, u32)> = None;
+    let mut failed: Option<(Stamps, u32, u32)> = None;
     loop {
         tick.tick().await;
         let now = stamps(&paths);

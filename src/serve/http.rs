@@ -649,16 +649,17 @@ async fn readyz(State(server): State<Server>) -> Response {
     }
 }
 
-/// The model path's segment, or the API's 400 for one that is not UTF-8 once decoded.
+/// The model path's segment, or the API's 400 (counted) for one that is not UTF-8 once
+/// decoded.
 fn target_of(
     server: &Server,
     target: std::result::Result<Path<String>, PathRejection>,
-) -> std::result::Result<String, Response> {
+) -> std::result::Result<String, Box<Response>> {
     target.map(|Path(t)| t).map_err(|e| {
-        server.refuse(ApiError::bad(
+        Box::new(server.refuse(ApiError::bad(
             "invalid",
             format!("the model path: {}", e.body_text()),
-        ))
+        )))
     })
 }
 
@@ -668,7 +669,7 @@ async fn model_info(
 ) -> Response {
     let name = match target_of(&server, target) {
         Ok(name) => name,
-        Err(refused) => return refused,
+        Err(refused) => return *refused,
     };
     let response = match server.model(&name) {
         Ok(m) => {
@@ -717,7 +718,7 @@ async fn model_post(
 ) -> Response {
     let target = match target_of(&server, target) {
         Ok(target) => target,
-        Err(refused) => return refused,
+        Err(refused) => return *refused,
     };
     let started = Instant::now();
     let (route, result) = match target.rsplit_once(':') {
