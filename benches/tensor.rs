@@ -53,7 +53,7 @@ fn dot_interaction(c: &mut Criterion) {
         &mut seeded(2),
     )
     .with_requires_grad(true);
-    let (rows, cols) = Tensor::triu_indices(features, 1);
+    let (rows, cols) = Tensor::triu_indices(features, 1).expect("a small side");
     let flat: Vec<i64> = rows
         .to_vec::<i64>()
         .unwrap()

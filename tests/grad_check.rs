@@ -177,7 +177,7 @@ fn indexing() {
         &[m.clone(), leaf(&[3], -1.0, 1.0, 29)],
     );
     // The dot-interaction pattern: pick the strict upper triangle of z·zᵀ.
-    let (rows, cols) = Tensor::triu_indices(4, 1);
+    let (rows, cols) = Tensor::triu_indices(4, 1).unwrap();
     let flat: Vec<i64> = rows
         .to_vec::<i64>()
         .unwrap()

@@ -939,6 +939,23 @@ fn edge_inputs_are_answered_or_refused_never_hung_or_panicked() {
         let m = m.unwrap_err().to_string();
         assert!(m.contains("out of memory"), "{m}");
     }
+    // A linear layer of no input features gives its bias (0 rows came out of numel / 0).
+    let x = Tensor::zeros(&[3, 0], DType::F32, Device::Cpu);
+    let w = Tensor::zeros(&[5, 0], DType::F32, Device::Cpu);
+    let b = t(&[1.0, 2.0, 3.0, 4.0, 5.0], &[5])
+        .to_dtype(DType::F32)
+        .unwrap();
+    let y = x.linear(&w, Some(&b)).unwrap();
+    assert_eq!(y.shape(), &[3, 5]);
+    assert_eq!(&y.to_vec::<f32>().unwrap()[..5], &[1.0, 2.0, 3.0, 4.0, 5.0]);
+    // Upper-triangle indices: an offset near i64::MAX leaves none (it wrapped and gave the
+    // whole square); a side whose indices no memory holds is refused.
+    let (rows, _) = Tensor::triu_indices(3, i64::MAX).unwrap();
+    assert_eq!(rows.numel(), 0);
+    let (rows, _) = Tensor::triu_indices(3, -5).unwrap();
+    assert_eq!(rows.numel(), 9);
+    assert!(Tensor::triu_indices(1 << 40, 0).is_err());
+    assert!(Tensor::triu_indices(usize::MAX, 0).is_err());
     // Casts to integers truncate toward zero and saturate, on every device alike.
     assert_eq!(
         t(&[2.7, -2.7, 255.9], &[3])

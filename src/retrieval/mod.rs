@@ -112,11 +112,17 @@ impl Neighbors {
     }
 
     /// The ids found for query `q`, best first.
+    ///
+    /// # Panics
+    /// When `q` is not one of the queries, as a slice's index does.
     pub fn ids_of(&self, q: usize) -> &[i64] {
         &self.ids[q * self.k..(q + 1) * self.k]
     }
 
     /// The scores of query `q`'s neighbours, best first.
+    ///
+    /// # Panics
+    /// When `q` is not one of the queries, as a slice's index does.
     pub fn scores_of(&self, q: usize) -> &[f32] {
         &self.scores[q * self.k..(q + 1) * self.k]
     }

@@ -299,19 +299,30 @@ impl Tensor {
     }
 
     /// Row and column indices (i64) of the upper triangle of an `n×n` matrix, starting at
-    /// diagonal `offset` (1 excludes the diagonal), in row-major order.
-    pub fn triu_indices(n: usize, offset: i64) -> (Tensor, Tensor) {
+    /// diagonal `offset` (1 excludes the diagonal), in row-major order. A side whose n² indices
+    /// no memory holds is an error.
+    pub fn triu_indices(n: usize, offset: i64) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "triu_indices";
         let (mut rows, mut cols) = (Vec::new(), Vec::new());
-        for i in 0..n as i64 {
-            for j in (i + offset).max(0)..n as i64 {
-                rows.push(i);
-                cols.push(j);
+        let side = i64::try_from(n)
+            .map_err(|_| crate::Error::invalid(OP, format!("a side of {n} is past an i64")))?;
+        if offset < side {
+            let most = n.checked_mul(n).ok_or_else(|| {
+                crate::Error::invalid(OP, format!("{n}² indices are past a usize"))
+            })?;
+            crate::tensor::storage::ensure_allocatable(OP, most, 16)?;
+            for i in 0..side {
+                // Saturating: an offset near i64::MAX wrapped and gave the whole square.
+                for j in i.saturating_add(offset).max(0)..side {
+                    rows.push(i);
+                    cols.push(j);
+                }
             }
         }
         let len = rows.len();
-        (
+        Ok((
             Tensor::from_cpu(i64::into_storage(rows), &[len]),
             Tensor::from_cpu(i64::into_storage(cols), &[len]),
-        )
+        ))
     }
 }

@@ -211,7 +211,8 @@ impl Tensor {
         for t in [Some(weight), bias].into_iter().flatten() {
             crate::tensor::device::same_device("linear", self, t)?;
         }
-        let rows = self.numel() / in_f.max(1);
+        // The rows from the shape (not numel / in_features, which is 0 rows for 0 features).
+        let rows: usize = self.shape()[..self.rank() - 1].iter().product();
         let x2 = self.reshape(&[rows, in_f])?.detach();
         let (w, b) = (weight.detach(), bias.map(Tensor::detach));
         let out = if is_row_invariant() {
