@@ -137,6 +137,12 @@ async fn send(
 }
 
 /// The probabilities of a JSON answer.
+/// The server's `/metrics` text.
+async fn metrics_text(addr: SocketAddr) -> String {
+    let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
+    String::from_utf8(metrics.to_vec()).unwrap()
+}
+
 fn json_predictions(body: &[u8]) -> Vec<f32> {
     let v: Value = serde_json::from_slice(body).unwrap();
     (v["predictions"].as_array().unwrap().iter())
@@ -419,8 +425,7 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
         );
         let (_, _, answer) = send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
         assert_eq!(json_predictions(&answer), new);
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         assert!(
             metrics.contains("embers_reloads_total{result=\"ok\"} 1"),
             "{metrics}"
@@ -898,8 +903,7 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
                 "{method} {path}"
             );
         }
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         assert!(
             metrics.contains("embers_errors_total{kind=\"method_not_allowed\"} 2"),
             "{metrics}"
@@ -955,8 +959,7 @@ fn malformed_requests_get_4xx_and_never_break_the_server() {
         .await;
         assert_eq!(status, 200);
         assert_eq!(json_predictions(&answer), want);
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         assert!(
             metrics.contains("embers_errors_total{kind=\"malformed_json\"}"),
             "{metrics}"
@@ -1144,8 +1147,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         assert_eq!(metric(&metrics, "embers_reloads_total{result=\"ok\"}"), 1);
 
         // Thirty abandoned reloads in a row, then one waited for: the calls made while a
@@ -1158,8 +1160,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
             let _ = std::future::Future::poll(call.as_mut(), &mut polled);
         }
         running.server.reload().await.unwrap();
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         let loads = metric(&metrics, "embers_reloads_total{result=\"ok\"}") - 1;
         assert!(
             (1..=8).contains(&loads),
@@ -1696,8 +1697,7 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
             c.await.unwrap();
         }
         // Queries and their times are counted as retrieval's, not as predict's.
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         let queries: usize = (0..40).map(|c| 1 + c % 5).sum();
         assert_eq!(
             metric(&metrics, "embers_retrieval_queries_total"),
@@ -1984,8 +1984,7 @@ fn trickled_bodies_and_connections_past_the_bound_are_cut() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (status, _, _) = send(addr, "GET", "/healthz", None, vec![]).await;
         assert_eq!(status, 200, "a place came free");
-        let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
-        let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+        let metrics = metrics_text(addr).await;
         assert!(
             metrics.contains("embers_errors_total{kind=\"body_too_slow\"} 1"),
             "{metrics}"
