@@ -423,7 +423,10 @@ fn split_ranges_that_run_backwards_are_refused() {
     let config = BatchConfig {
         split_rule: SplitRule::IndexRanges {
             train: 0..100,
-            validation: 200..50,
+            validation: std::ops::Range {
+                start: 200,
+                end: 50,
+            },
             test: 0..0,
         },
         ..BatchConfig::default()

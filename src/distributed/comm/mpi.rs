@@ -37,7 +37,8 @@ static ENV: Mutex<Option<Weak<MpiEnv>>> = Mutex::new(None);
 /// call. MPI is finalised when every communicator built on it is gone; it cannot be started
 /// again after that.
 ///
-/// Run under `mpiexec`; a process started without it is a world of one.
+/// Run under `mpiexec`; a process started without it is a world of one. A collective: every
+/// rank calls it (the ranks agree on their `EMBERS_DIST_TIMEOUT_S` here).
 pub fn mpi_world() -> Result<Comm> {
     let mut slot = ENV.lock();
     let env = match slot.as_ref().and_then(Weak::upgrade) {
