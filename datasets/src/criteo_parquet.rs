@@ -383,13 +383,10 @@ impl CriteoParquetReader {
         let projection = ProjectionMask::roots(metadata.parquet_schema(), roots);
         let (rows, row_group_rows) = footer_rows(&path, &metadata)?;
         if self.next_index.checked_add(rows).is_none() {
-            return Err(DatasetError::Parquet {
-                path,
-                row_group: None,
-                row: None,
-                field: "footer".to_string(),
-                message: format!("{rows} rows after {} overflow u64", self.next_index),
-            });
+            return Err(footer_error(
+                &path,
+                format!("{rows} rows after {} overflow u64", self.next_index),
+            ));
         }
         Ok(OpenFile {
             path,
@@ -724,6 +721,17 @@ impl CriteoParquetReader {
     }
 }
 
+/// An error of `path`'s footer (the file as a whole: no row group or row).
+fn footer_error(path: &std::path::Path, message: String) -> DatasetError {
+    DatasetError::Parquet {
+        path: path.to_path_buf(),
+        row_group: None,
+        row: None,
+        field: "footer".to_string(),
+        message,
+    }
+}
+
 /// Opens `path` and reads its footer (errors, and decoder panics, name the file).
 fn open_footer(path: &std::path::Path) -> Result<(File, ArrowReaderMetadata)> {
     let file = File::open(path).map_err(|source| DatasetError::Io {
@@ -733,13 +741,7 @@ fn open_footer(path: &std::path::Path) -> Result<(File, ArrowReaderMetadata)> {
     let metadata = guarded(|| {
         ArrowReaderMetadata::load(&file, ArrowReaderOptions::default()).map_err(|e| e.to_string())
     })
-    .map_err(|message| DatasetError::Parquet {
-        path: path.to_path_buf(),
-        row_group: None,
-        row: None,
-        field: "footer".to_string(),
-        message,
-    })?;
+    .map_err(|message| footer_error(path, message))?;
     Ok((file, metadata))
 }
 
@@ -747,13 +749,7 @@ fn open_footer(path: &std::path::Path) -> Result<(File, ArrowReaderMetadata)> {
 /// file's count the sum of its row groups' (the decoder sizes its batches by the file's count:
 /// a 0 there ends every row group at once, silently), no sum past u64.
 fn footer_rows(path: &std::path::Path, metadata: &ArrowReaderMetadata) -> Result<(u64, Vec<u64>)> {
-    let footer = |message: String| DatasetError::Parquet {
-        path: path.to_path_buf(),
-        row_group: None,
-        row: None,
-        field: "footer".to_string(),
-        message,
-    };
+    let footer = |message: String| footer_error(path, message);
     let meta = metadata.metadata();
     let mut total = 0u64;
     let mut groups = Vec::with_capacity(meta.row_groups().len());
@@ -783,13 +779,7 @@ pub fn parquet_rows(paths: &[PathBuf]) -> Result<u64> {
         let rows = footer_rows(path, &metadata)?.0;
         total = total
             .checked_add(rows)
-            .ok_or_else(|| DatasetError::Parquet {
-                path: path.clone(),
-                row_group: None,
-                row: None,
-                field: "footer".to_string(),
-                message: "the files' rows overflow u64".to_string(),
-            })?;
+            .ok_or_else(|| footer_error(path, "the files' rows overflow u64".to_string()))?;
     }
     Ok(total)
 }

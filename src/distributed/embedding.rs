@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use super::checkpoint::{all_ok, LoadReport};
+use super::checkpoint::LoadReport;
 use super::comm::Comm;
 use super::embedding_bag::starts;
 use super::input_dist::Gathered;
@@ -313,13 +313,7 @@ impl ShardedEmbeddingCollection {
                 }
                 Ok(())
             })();
-            // Rows in files can fail to read on one rank: every rank stops here then (the
-            // others waited in the output distribution until the deadline).
-            if shards.has_cached_kernels() {
-                all_ok(&shards.comm, "forward.lookups", lookups)?;
-            } else {
-                lookups?;
-            }
+            shards.agree_on_lookups(lookups)?;
             self.distribute_output(&slot_rows, &looked, &layout, &mut flat)?;
             rows = Some(slot_rows);
         }
@@ -544,13 +538,7 @@ impl BackwardOp for SequenceBackward {
                 }
                 Ok(())
             })();
-            // An update of rows in files can fail on one rank: with a replicated step (a
-            // collective) still to come, every rank stops here then.
-            if shards.has_cached_kernels() && !shards.replicated.is_empty() {
-                all_ok(&shards.comm, "backward.remote", updated)?;
-            } else {
-                updated?;
-            }
+            shards.agree_on_update(updated)?;
         }
         let mut steps = Vec::with_capacity(self.replicated.len());
         for (rep, batch) in shards.replicated.iter().zip(&self.replicated) {

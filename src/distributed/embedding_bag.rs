@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use super::checkpoint::{all_ok, LoadReport};
+use super::checkpoint::LoadReport;
 use super::codec::{Codec, QCommsConfig};
 use super::comm::Comm;
 use super::input_dist::Gathered;
@@ -278,10 +278,8 @@ impl ShardedEmbeddingBagCollection {
             _ => None,
         }
         .transpose();
-        // Rows in files can fail to read on one rank: every rank stops here then (the others
-        // waited in the output distribution until the deadline).
-        let remote_batch = if gathered.is_some() && shards.has_cached_kernels() {
-            all_ok(&shards.comm, "forward.lookups", remote_batch)?
+        let remote_batch = if gathered.is_some() {
+            shards.agree_on_lookups(remote_batch)?
         } else {
             remote_batch?
         };
@@ -757,13 +755,7 @@ impl BackwardOp for ShardedBackward {
                 }
                 Ok(())
             })();
-            // An update of rows in files can fail on one rank: with a replicated step (a
-            // collective) still to come, every rank stops here then.
-            if shards.has_cached_kernels() && !shards.replicated.is_empty() {
-                all_ok(&shards.comm, "backward.remote", updated)?;
-            } else {
-                updated?;
-            }
+            shards.agree_on_update(updated)?;
         }
         if let (Some(rep), Some(batch)) = (shards.replicated.first(), &self.replicated) {
             let routing = &shards.routing;

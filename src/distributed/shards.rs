@@ -702,6 +702,28 @@ impl Shards {
         })
     }
 
+    /// This rank's remote lookups, `looked`, agreed on by every rank when rows are in files
+    /// (they can fail to read on one rank: the others would wait in the output distribution
+    /// until the deadline). A collective then: every rank with an input distribution calls it.
+    pub(crate) fn agree_on_lookups<T>(&self, looked: Result<T>) -> Result<T> {
+        if self.has_cached_kernels() {
+            checkpoint::all_ok(&self.comm, "forward.lookups", looked)
+        } else {
+            looked
+        }
+    }
+
+    /// This rank's update of its remote rows, `updated`, agreed on by every rank when rows are
+    /// in files and a replicated step (a collective) is still to come: an update that failed
+    /// on one rank stops every rank here.
+    pub(crate) fn agree_on_update(&self, updated: Result<()>) -> Result<()> {
+        if self.has_cached_kernels() && !self.replicated.is_empty() {
+            checkpoint::all_ok(&self.comm, "backward.remote", updated)
+        } else {
+            updated
+        }
+    }
+
     /// Writes a sharded checkpoint into `dir` (a collective).
     pub fn save(&self, dir: &std::path::Path) -> Result<()> {
         let comm = &self.comm;

@@ -75,15 +75,10 @@ impl WeightType {
     ];
 
     /// Bytes one row of `dim` elements takes (FBGEMM's CPU layout, no row padding).
+    /// Saturates at `usize::MAX` for a dim no row of which fits memory (operators check
+    /// their sizes with [`checked_row_bytes`](Self::checked_row_bytes)).
     pub fn row_bytes(self, dim: usize) -> usize {
-        match self {
-            WeightType::Fp32 => 4 * dim,
-            WeightType::Fp16 | WeightType::Bf16 => 2 * dim,
-            WeightType::Fp8 | WeightType::Fp8E4m3fn => dim,
-            WeightType::Int8 => 4 + dim,
-            WeightType::Int4 => 4 + dim.div_ceil(2),
-            WeightType::Int2 => 4 + dim.div_ceil(4),
-        }
+        self.checked_row_bytes(dim).unwrap_or(usize::MAX)
     }
 
     /// [`row_bytes`](Self::row_bytes), or `None` where it does not fit a `usize`.

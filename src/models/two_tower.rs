@@ -124,7 +124,16 @@ impl TwoTower {
         index: &impl Search,
         k: usize,
     ) -> Result<Neighbors> {
-        let q = no_grad(|| self.embed_queries(queries)?.to_vec::<f32>())?;
+        index.search_k(&self.embed_queries_for(queries, index)?, k)
+    }
+
+    /// Query embeddings (`[B × D]` row-major, no autograd) to search `index` with: an error
+    /// when the index holds vectors of another dimension than the towers give.
+    pub fn embed_queries_for(
+        &self,
+        queries: &KeyedJaggedTensor,
+        index: &impl Search,
+    ) -> Result<Vec<f32>> {
         if index.dim() != self.query.out_features() {
             return Err(Error::invalid(
                 "TwoTower::retrieve",
@@ -135,7 +144,7 @@ impl TwoTower {
                 ),
             ));
         }
-        index.search_k(&q, k)
+        no_grad(|| self.embed_queries(queries)?.to_vec::<f32>())
     }
 
     /// Moves both towers (tables, with their optimizer state, and MLPs) to `device`, in place.

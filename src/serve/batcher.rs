@@ -216,6 +216,19 @@ impl<M: BatchModel> DynamicBatcher<M> {
         self.queued.load(Ordering::Relaxed)
     }
 
+    /// Refuses (`TooLarge`, counted as invalid) a request of more rows than may ever queue:
+    /// what a batch of it holds (a retrieval's k neighbours a row) is bounded by the limit,
+    /// not by the body's size. [`submit`](Self::submit) checks it; a server may first, before
+    /// it builds the rows.
+    pub fn check_size(&self, rows: usize) -> Result<(), ServeError> {
+        let limit = self.config.max_queued_rows;
+        if rows > limit {
+            self.stats.invalid.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::TooLarge { rows, limit });
+        }
+        Ok(())
+    }
+
     /// Runs `rows` in the next batch that has room and returns their outputs, in order. Invalid
     /// rows and a full queue are refused at once, without waiting.
     pub async fn submit(&self, rows: Vec<M::Row>) -> Result<Vec<M::Output>, ServeError> {
@@ -229,12 +242,7 @@ impl<M: BatchModel> DynamicBatcher<M> {
         }
         let n = rows.len();
         let limit = self.config.max_queued_rows;
-        // The limit bounds one request too: what a batch of it holds (a retrieval's k
-        // neighbours a row) is bounded by it, not by the body's size.
-        if n > limit {
-            self.stats.invalid.fetch_add(1, Ordering::Relaxed);
-            return Err(ServeError::TooLarge { rows: n, limit });
-        }
+        self.check_size(n)?;
         let before = self.queued.fetch_add(n, Ordering::AcqRel);
         if before > 0 && before + n > limit {
             self.queued.fetch_sub(n, Ordering::AcqRel);

@@ -367,12 +367,7 @@ impl Server {
     /// so abandoned calls never pile up full loads. A draining server reloads nothing (a load
     /// begun then held the process past its drain).
     pub async fn reload(&self) -> Result<u64> {
-        if self.shared.draining.load(Ordering::Acquire) {
-            return Err(Error::invalid(
-                "reload",
-                "the server is draining to exit: nothing is reloaded",
-            ));
-        }
+        self.refuse_reload_if_draining()?;
         let mut result = {
             let mut queued = (self.shared.queued_reload.lock()).unwrap_or_else(|p| p.into_inner());
             match &*queued {
@@ -389,13 +384,9 @@ impl Server {
                             None;
                         // A drain begun while this waited for the one before: no load (it
                         // would hold the process past its drain).
-                        let result = if server.shared.draining.load(Ordering::Acquire) {
-                            Err(Error::invalid(
-                                "reload",
-                                "the server is draining to exit: nothing is reloaded",
-                            ))
-                        } else {
-                            server.load().await
+                        let result = match server.refuse_reload_if_draining() {
+                            Ok(()) => server.load().await,
+                            Err(e) => Err(e),
                         };
                         let counter = match result {
                             Ok(_) => &server.shared.metrics.reloads_ok,
@@ -417,6 +408,17 @@ impl Server {
                 "the reload task ended without a result",
             )),
         }
+    }
+
+    /// A draining server reloads nothing (a load begun then held the process past its drain).
+    fn refuse_reload_if_draining(&self) -> Result<()> {
+        if self.shared.draining.load(Ordering::Acquire) {
+            return Err(Error::invalid(
+                "reload",
+                "the server is draining to exit: nothing is reloaded",
+            ));
+        }
+        Ok(())
     }
 
     /// Loads the checkpoint and swaps it in: at start, and in [`Server::reload`]'s task (which
@@ -931,10 +933,7 @@ async fn retrieve(
             })? as usize,
     };
     let instances = instances(&value)?;
-    fits_queue(
-        instances.len(),
-        server.shared.config.batcher.max_queued_rows,
-    )?;
+    stage.batcher.check_size(instances.len())?;
     if instances.len().saturating_mul(k) > MAX_RETRIEVE_RESULTS {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -1141,19 +1140,6 @@ fn only_fields(value: &Value, known: &[&str]) -> std::result::Result<(), ApiErro
     }
 }
 
-/// 413 `too_many_rows` for a request of more rows than may queue (it would never fit), as
-/// the batcher says it, before the rows are built.
-fn fits_queue(rows: usize, max_rows: usize) -> std::result::Result<(), ApiError> {
-    if rows > max_rows {
-        return Err(ServeError::TooLarge {
-            rows,
-            limit: max_rows,
-        }
-        .into());
-    }
-    Ok(())
-}
-
 /// `instances[i]` as an object (400 `invalid` otherwise).
 fn object_at(
     i: usize,
@@ -1227,14 +1213,13 @@ async fn predict(
     };
     let bytes = read_body(server, headers, body).await?;
     let model = server.model(name)?;
-    let max_rows = server.shared.config.batcher.max_queued_rows;
     let rows = match format {
-        Format::Json => rows_from_json(&model, &bytes, max_rows)?,
+        Format::Json => rows_from_json(&model, &bytes)?,
         Format::Arrow => {
             // The IPC decoder trusts some offsets in the stream and can panic on a corrupt
             // one (seen under fuzzing): a panic there is a malformed body, not a crash.
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                rows_from_arrow(&model, &bytes, max_rows)
+                rows_from_arrow(&model, &bytes)
             }))
             .unwrap_or_else(|_| {
                 Err(ApiError::bad(
@@ -1301,16 +1286,12 @@ async fn predict(
 }
 
 /// `{"instances": [...]}` → rows (see [`Server`]).
-fn rows_from_json(
-    model: &Loaded,
-    bytes: &[u8],
-    max_rows: usize,
-) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+fn rows_from_json(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let value = parse_json(bytes)?;
     only_fields(&value, &["instances"])?;
     let instances = instances(&value)?;
     // Refused before any row is built (a row costs more than its JSON: a list per feature).
-    fits_queue(instances.len(), max_rows)?;
+    model.batcher.check_size(instances.len())?;
     let mut rows = Vec::with_capacity(instances.len());
     for (i, instance) in instances.iter().enumerate() {
         let at = |field: &str| format!("instances[{i}].{field}");
@@ -1377,11 +1358,7 @@ fn rows_from_json(
 }
 
 /// An Arrow IPC stream → rows (see [`Server`]).
-fn rows_from_arrow(
-    model: &Loaded,
-    bytes: &[u8],
-    max_rows: usize,
-) -> std::result::Result<Vec<DlrmRow>, ApiError> {
+fn rows_from_arrow(model: &Loaded, bytes: &[u8]) -> std::result::Result<Vec<DlrmRow>, ApiError> {
     let malformed = |e: arrow_schema::ArrowError| {
         ApiError::bad(
             "malformed_arrow",
@@ -1414,7 +1391,7 @@ fn rows_from_arrow(
                 ),
             ));
         }
-        fits_queue(claimed, max_rows)?;
+        model.batcher.check_size(claimed)?;
         let first = rows.len();
         rows.extend((0..batch.num_rows()).map(|_| DlrmRow {
             dense: Vec::new(),

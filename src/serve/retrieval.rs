@@ -189,19 +189,8 @@ impl BatchModel for RetrievalServable {
                 Some(b),
             )?;
             // Row-invariant products: a query gets the same embedding alone or in any group.
-            let embedded = crate::tensor::row_invariant(|| {
-                crate::no_grad(|| model.embed_queries(&queries)?.to_vec::<f32>())
-            })?;
-            if embedded.len() != b * dim {
-                return Err(Error::invalid(
-                    "RetrievalServable",
-                    format!(
-                        "the query tower gives {} values for {b} queries, the index holds \
-                         vectors of dimension {dim}",
-                        embedded.len()
-                    ),
-                ));
-            }
+            let embedded =
+                crate::tensor::row_invariant(|| model.embed_queries_for(&queries, &index))?;
             // A query the tower cannot embed in f32 is that row's failure, not the batch's:
             // the others are searched.
             let mut finite = Vec::with_capacity(b);

@@ -123,11 +123,21 @@ pub(crate) fn try_with_capacity<T>(what: &'static str, n: usize) -> Result<Vec<T
     Ok(v)
 }
 
-/// Checks that `n` elements of `elem_bytes` each can be allocated, before a kernel that
-/// allocates them infallibly (inside closures that return plain vectors): a count past a
-/// `usize` or an allocation the allocator refuses is an error naming `what`, where the kernel
-/// would abort the process. Small outputs (under 16 MiB) are not probed.
-pub(crate) fn ensure_allocatable(what: &'static str, n: usize, elem_bytes: usize) -> Result<()> {
+/// Checks that an output of `shape`, `elem_bytes` an element, can be allocated, before a
+/// kernel that allocates it infallibly (inside closures that return plain vectors): a shape
+/// past a `usize` or an allocation the allocator refuses is an error naming `what`, where the
+/// kernel would abort the process. Small outputs (under 16 MiB) are not probed.
+pub(crate) fn ensure_allocatable(
+    what: &'static str,
+    shape: &[usize],
+    elem_bytes: usize,
+) -> Result<()> {
+    let n = super::checked_numel(shape).ok_or_else(|| {
+        crate::Error::invalid(
+            what,
+            format!("an output of shape {shape:?} is past a usize"),
+        )
+    })?;
     let bytes = n
         .checked_mul(elem_bytes)
         .filter(|&b| b <= isize::MAX as usize)

@@ -785,6 +785,42 @@ pub struct DlrmTrainer {
     examples: u64,
 }
 
+/// The error of a non-finite loss at `step`: training diverged; `applied` says whether the
+/// step's update was applied (on a GPU) or not taken (on the host).
+pub(crate) fn diverged(op: &'static str, step: u64, loss: f64, applied: bool) -> Error {
+    let then = if applied {
+        "its update was applied (restore a checkpoint)"
+    } else {
+        "the step was not taken: the model is as before it"
+    };
+    Error::invalid(
+        op,
+        format!(
+            "the loss of step {step} is {loss}: training diverged (lower the learning rates); \
+             {then}"
+        ),
+    )
+}
+
+/// On the host, `loss` read before the backward, whose fused update would write a non-finite
+/// gradient into the tables: an error naming `step` when it is not finite, the step not taken.
+/// On a GPU nothing: that read would wait for the device mid-step, so the caller reads the
+/// loss once the step is queued.
+pub(crate) fn refuse_diverged_on_host(
+    op: &'static str,
+    device: Device,
+    loss: &Tensor,
+    step: u64,
+) -> Result<()> {
+    if device == Device::Cpu {
+        let value = loss.item()?;
+        if !value.is_finite() {
+            return Err(diverged(op, step, value, false));
+        }
+    }
+    Ok(())
+}
+
 impl DlrmTrainer {
     /// A trainer for `model` whose dense parameters are updated by `optimizer` (built over
     /// `model.dense`'s parameters) and whose logits are `tasks` in order; training metrics
@@ -884,40 +920,15 @@ impl DlrmTrainer {
         let labels = batch.labels.to_device(self.model.device())?;
         let loss = logits.bce_with_logits(&labels, None, Reduction::Mean)?;
         let probs = no_grad(|| logits.detach().sigmoid())?;
-        let diverged = |step: u64, loss: f64, taken: &str| {
-            Error::invalid(
-                OP,
-                format!(
-                    "the loss of step {step} is {loss}: training diverged (lower the learning \
-                     rates); {taken}"
-                ),
-            )
-        };
-        // On the host the loss is read before the backward, whose fused update would write
-        // the non-finite gradient into the tables: the step is then not taken. On a GPU that
-        // read would wait for the device mid-step; it is read once the step is queued.
-        if self.model.device() == Device::Cpu {
-            let loss_value = loss.item()?;
-            if !loss_value.is_finite() {
-                // Named as the step it would have been; not counted (it was not taken).
-                return Err(diverged(
-                    self.step + 1,
-                    loss_value,
-                    "the step was not taken: the parameters are those before it",
-                ));
-            }
-        }
+        // Named as the step it would have been; a step not taken is not counted.
+        refuse_diverged_on_host(OP, self.model.device(), &loss, self.step + 1)?;
         loss.backward()?;
         after_backward()?;
         self.optimizer.step()?;
         let loss_value = loss.item()?;
         if !loss_value.is_finite() {
             self.step += 1;
-            return Err(diverged(
-                self.step,
-                loss_value,
-                "its update was applied (restore a checkpoint)",
-            ));
+            return Err(diverged(OP, self.step, loss_value, true));
         }
         update_task_metrics(&mut self.metrics, &probs.to_vec::<f32>()?, batch)?;
         self.step += 1;

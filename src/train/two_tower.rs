@@ -396,34 +396,13 @@ impl TwoTowerTrainer {
                 )?
             }
         };
-        let diverged = |step: u64, value: f64, taken: &str| {
-            Error::invalid(
-                OP,
-                format!("the loss of step {step} is {value}: training diverged; {taken}"),
-            )
-        };
-        // On the host the loss is read before the backward, whose fused update would write
-        // the non-finite gradient into the tables; on a GPU that read would wait mid-step.
-        if self.config.device == Device::Cpu {
-            let value = loss.item()?;
-            if !value.is_finite() {
-                return Err(diverged(
-                    self.step,
-                    value,
-                    "the step was not taken: the model is as before it",
-                ));
-            }
-        }
+        super::refuse_diverged_on_host(OP, self.config.device, &loss, self.step)?;
         loss.backward()?;
         self.optimizer.step()?;
         let value = loss.item()?;
         self.step += 1;
         if !value.is_finite() {
-            return Err(diverged(
-                self.step - 1,
-                value,
-                "its update was applied (restore a checkpoint)",
-            ));
+            return Err(super::diverged(OP, self.step - 1, value, true));
         }
         self.examples += b as u64;
         Ok(value)

@@ -307,10 +307,8 @@ impl Tensor {
         let side = i64::try_from(n)
             .map_err(|_| crate::Error::invalid(OP, format!("a side of {n} is past an i64")))?;
         if offset < side {
-            let most = n.checked_mul(n).ok_or_else(|| {
-                crate::Error::invalid(OP, format!("{n}² indices are past a usize"))
-            })?;
-            crate::tensor::storage::ensure_allocatable(OP, most, 16)?;
+            // At most n² of them, a row and a column (16 bytes) each.
+            crate::tensor::storage::ensure_allocatable(OP, &[n, n], 16)?;
             for i in 0..side {
                 // Saturating: an offset near i64::MAX wrapped and gave the whole square.
                 for j in i.saturating_add(offset).max(0)..side {

@@ -23,13 +23,7 @@ fn broadcast_zip<T: WithDType, U: WithDType>(
 ) -> Result<Tensor> {
     let shape = broadcast_shapes(op, a.shape(), b.shape())?;
     // A broadcast's output can be far larger than its inputs ([N, 1] + [1, N]).
-    let n = crate::tensor::checked_numel(&shape).ok_or_else(|| {
-        crate::Error::invalid(
-            op,
-            format!("a broadcast shape of {shape:?} is past a usize"),
-        )
-    })?;
-    crate::tensor::storage::ensure_allocatable(op, n, std::mem::size_of::<U>())?;
+    crate::tensor::storage::ensure_allocatable(op, &shape, std::mem::size_of::<U>())?;
     let out = a.with_strided(|ad: &[T], al| {
         b.with_strided(|bd: &[T], bl| {
             let n: usize = shape.iter().product();

@@ -13,13 +13,11 @@ use crate::Tensor;
 impl IndexOps for Cpu {
     fn index_select(t: &Tensor, rows: &[usize], shape: &[usize]) -> Result<Tensor> {
         let row_len: usize = t.shape()[1..].iter().product();
-        let n = rows.len().checked_mul(row_len).ok_or_else(|| {
-            crate::Error::invalid(
-                "index_select",
-                format!("an output of shape {shape:?} is past a usize"),
-            )
-        })?;
-        crate::tensor::storage::ensure_allocatable("index_select", n, t.dtype().size_in_bytes())?;
+        crate::tensor::storage::ensure_allocatable(
+            "index_select",
+            shape,
+            t.dtype().size_in_bytes(),
+        )?;
         let src = t.contiguous_values()?;
         let guard = src.storage_read();
         let cpu = guard.cpu("index_select")?;

@@ -119,13 +119,7 @@ impl MatmulOps for Cpu {
         let nb: usize = batch.iter().product();
         let mut shape = batch.to_vec();
         shape.extend([m, n]);
-        let elements = crate::tensor::checked_numel(&shape).ok_or_else(|| {
-            crate::Error::invalid(
-                "matmul",
-                format!("an output of shape {shape:?} is past a usize"),
-            )
-        })?;
-        crate::tensor::storage::ensure_allocatable("matmul", elements, ac.dtype().size_in_bytes())?;
+        crate::tensor::storage::ensure_allocatable("matmul", &shape, ac.dtype().size_in_bytes())?;
         let out = with_float!(ac.dtype(), "matmul", T => {
             let out = ac.with_strided(|ad: &[T], al| {
                 bc.with_strided(|bd: &[T], bl| {
