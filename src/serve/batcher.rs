@@ -345,20 +345,21 @@ async fn worker<M: BatchModel>(
         let jobs: Vec<Job<M>> = jobs.into_iter().filter_map(live).collect();
         let rows: usize = jobs.iter().map(|j| j.rows.len()).sum();
         if !jobs.is_empty() {
-            run_batch(&model, jobs, rows, &stats).await;
+            run_batch(&model, jobs, rows, &queued, &stats).await;
         }
-        queued.fetch_sub(rows, Ordering::AcqRel);
     }
     // Usually the model's last holder: dropping it can take long (a model's row files
     // unmapped and removed), which must not stall an async thread.
     tokio::task::spawn_blocking(move || drop(model));
 }
 
-/// Runs one batch on a blocking thread and answers each of its requests.
+/// Runs one batch on a blocking thread and answers each of its requests. Its rows leave the
+/// queue count before the answers go out: a client that has its answer sees them gone.
 async fn run_batch<M: BatchModel>(
     model: &Arc<M>,
     jobs: Vec<Job<M>>,
     rows: usize,
+    queued: &AtomicUsize,
     stats: &BatchStats,
 ) {
     let mut all = Vec::with_capacity(rows);
@@ -377,6 +378,7 @@ async fn run_batch<M: BatchModel>(
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(format!("the model panicked: {e}")),
     };
+    queued.fetch_sub(rows, Ordering::AcqRel);
     stats.batches.fetch_add(1, Ordering::Relaxed);
     stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
     stats
