@@ -108,6 +108,25 @@ pub enum Error {
         /// The operation whose state was freed.
         op: &'static str,
     },
+    /// Backward through `op` needs a tensor its forward saved, and that tensor (or a view of
+    /// its storage) was written in place since: its gradient would be computed from the new
+    /// values. PyTorch refuses the same way.
+    #[error(
+        "backward through `{op}`: a tensor of shape {shape:?} that its forward saved was \
+         modified in place since (version {saved} when saved, {now} now: copy_from, \
+         update_in_place, data_mut, move_to_device or an optimizer step); run the forward \
+         again after the change, or change a copy"
+    )]
+    ModifiedInPlace {
+        /// The op whose backward needs the tensor.
+        op: &'static str,
+        /// The saved tensor's shape.
+        shape: Vec<usize>,
+        /// Its version when the forward saved it.
+        saved: u64,
+        /// Its version at the backward.
+        now: u64,
+    },
     /// Backward could not run (e.g. the tensor does not require grad, or a gradient has the
     /// wrong shape).
     #[error("backward: {0}")]
@@ -209,6 +228,17 @@ impl Error {
                 size: *size,
             },
             BackwardTwice { op } => BackwardTwice { op },
+            ModifiedInPlace {
+                op,
+                shape,
+                saved,
+                now,
+            } => ModifiedInPlace {
+                op,
+                shape: shape.clone(),
+                saved: *saved,
+                now: *now,
+            },
             Backward(msg) => Backward(msg.clone()),
             Distributed(msg) => Distributed(msg.clone()),
             Io { path, source } => Io {

@@ -242,6 +242,9 @@ fn kjt_all_to_all_matches_torchrecs_docstring_example() {
 }
 
 const DEADLINE_S: f64 = 3.0;
+/// What ending a job may take past the deadline: the watchdog's pause before it aborts, the
+/// launcher tearing down 4 ranks on a loaded 2-core machine. Far below a hang.
+const SLACK_S: f64 = 4.0;
 
 /// Runs a fault on 4 ranks; returns the log and, when rank 1 announced its fault, the seconds
 /// from the fault to the end of the job.
@@ -269,7 +272,7 @@ fn a_rank_killed_mid_step_ends_the_job() {
     assert!(!out.status.success(), "{log}");
     let after = after.expect("the fault was announced");
     assert!(
-        after <= DEADLINE_S + 2.0,
+        after <= DEADLINE_S + SLACK_S,
         "ended {after:.2} s after the fault\n{log}"
     );
 }
@@ -293,7 +296,7 @@ fn a_rank_killed_mid_epoch_in_the_pipeline_ends_the_job() {
     );
     let after = after.expect("the fault was announced");
     assert!(
-        after <= DEADLINE_S + 2.0,
+        after <= DEADLINE_S + SLACK_S,
         "ended {after:.2} s after the fault\n{log}"
     );
 }
@@ -307,7 +310,7 @@ fn watchdog_case(kind: &str) {
     assert!(!out.status.success(), "{log}");
     let after = after.expect("the fault was announced");
     assert!(
-        after <= DEADLINE_S + 2.0,
+        after <= DEADLINE_S + SLACK_S,
         "ended {after:.2} s after the fault\n{log}"
     );
     // Which rank's watchdog fires first depends on timing; it names itself, the op and its

@@ -12,11 +12,13 @@ use embers::serve::{BatchModel, BatcherConfig, DynamicBatcher, ServeError};
 #[path = "support/serve_dlrm.rs"]
 mod support;
 
-/// Row `(id, x)` → `2x + id`, a function of the row alone; records every batch's size and can
-/// be slowed down or made to fail on a marked row.
+/// Row `(id, x)` → `2x + id`, a function of the row alone; records every batch's size and
+/// when it ran, and can be slowed down or made to fail on a marked row.
 #[derive(Default)]
 struct Toy {
     batches: Arc<Mutex<Vec<usize>>>,
+    /// When each batch began and ended.
+    spans: Arc<Mutex<Vec<(Instant, Instant)>>>,
     delay: Duration,
     fail_on: Option<u32>,
     running: Arc<AtomicBool>,
@@ -40,7 +42,9 @@ impl BatchModel for Toy {
             "two batches ran at once"
         );
         self.batches.lock().unwrap().push(rows.len());
+        let began = Instant::now();
         std::thread::sleep(self.delay);
+        self.spans.lock().unwrap().push((began, Instant::now()));
         self.running.store(false, Ordering::SeqCst);
         if let Some(bad) = self.fail_on {
             if rows.iter().any(|r| r.0 == bad) {
@@ -531,29 +535,31 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
 fn the_batching_delay_counts_from_a_requests_arrival() {
     runtime().block_on(async {
         let model = Toy {
-            delay: Duration::from_millis(400),
+            delay: Duration::from_millis(800),
             ..Toy::default()
         };
+        let spans = model.spans.clone();
         let config = BatcherConfig {
             max_batch_rows: 64,
             max_delay: Duration::from_millis(400),
             max_queued_rows: 1000,
         };
         let batcher = DynamicBatcher::new(model, config).unwrap();
-        let started = Instant::now();
         let first = {
             let batcher = batcher.clone();
             tokio::spawn(async move { batcher.submit(vec![(1, 1.0)]).await })
         };
-        // Queued while the first batch gathers and runs (0.4 s + 0.4 s).
+        // Queued while the first batch gathers (0.4 s) and runs (0.8 s): its own 0.4 s have
+        // passed when that batch ends, at ~1.2 s.
         tokio::time::sleep(Duration::from_millis(450)).await;
         let second = batcher.submit(vec![(2, 2.0)]).await.unwrap();
         assert_eq!(second, expected(&[(2, 2.0)]));
         first.await.unwrap().unwrap();
-        // First batch: 0.4 s gathering + 0.4 s run; the second then runs at once (its 0.4 s
-        // have passed): done by ~1.2 s. Counted from when the worker took it, ~1.6 s.
-        let took = started.elapsed();
-        assert!(took < Duration::from_millis(1450), "took {took:?}");
+        // So it runs at once; counted from when the worker took it, it waited 0.4 s more.
+        let spans = spans.lock().unwrap().clone();
+        assert_eq!(spans.len(), 2);
+        let gap = spans[1].0 - spans[0].1;
+        assert!(gap < Duration::from_millis(250), "the second batch began {gap:?} after the first ended");
     });
 }
 
@@ -574,7 +580,12 @@ fn requests_whose_clients_left_are_not_run() {
             let batcher = batcher.clone();
             tokio::spawn(async move { batcher.submit(vec![(1, 1.0); 5]).await })
         };
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Queued (not merely spawned) before its client goes away.
+        let waited = Instant::now();
+        while batcher.queued_rows() < 5 {
+            assert!(waited.elapsed() < Duration::from_secs(10), "never queued");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         gone.abort();
         let kept = batcher.submit(vec![(2, 2.0); 3]).await.unwrap();
         assert_eq!(kept, expected(&[(2, 2.0); 3]));

@@ -113,11 +113,26 @@ async fn send(
     content_type: Option<&str>,
     body: Vec<u8>,
 ) -> (u16, hyper::HeaderMap, Bytes) {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    try_send(addr, method, path, content_type, body)
+        .await
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// [`send`], with a refused or cut connection as an error.
+async fn try_send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: Vec<u8>,
+) -> Result<(u16, hyper::HeaderMap, Bytes), String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
             .await
-            .unwrap();
+            .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
     let mut request = hyper::Request::builder()
         .method(method)
@@ -129,11 +144,13 @@ async fn send(
     let response = sender
         .send_request(request.body(Full::new(Bytes::from(body))).unwrap())
         .await
-        .unwrap();
+        .map_err(|e| e.to_string())?;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, headers, body)
+    let body = (response.into_body().collect().await)
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, headers, body))
 }
 
 /// The probabilities of a JSON answer.
@@ -141,6 +158,23 @@ async fn send(
 async fn metrics_text(addr: SocketAddr) -> String {
     let (_, _, metrics) = send(addr, "GET", "/metrics", None, vec![]).await;
     String::from_utf8(metrics.to_vec()).unwrap()
+}
+
+/// Polls `/metrics` until metric `name` reads `value` (10 s at most): how a test knows the
+/// server has reached a state (a request queued, a place taken) rather than sleeping on it.
+async fn wait_for_metric(addr: SocketAddr, name: &str, value: u64) {
+    let waited = Instant::now();
+    loop {
+        let text = metrics_text(addr).await;
+        if metric(&text, name) == value {
+            return;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "{name} never read {value}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn json_predictions(body: &[u8]) -> Vec<f32> {
@@ -444,7 +478,7 @@ fn reload_under_load_fails_nothing_and_refuses_bad_checkpoints() {
     });
 }
 
-/// A queue bounded at 8 rows with batches waiting 400 ms: requests past it get 503 with a
+/// A queue bounded at 8 rows with batches waiting 2 s: requests past it get 503 with a
 /// Retry-After header at once (long before the batch runs); the queue never holds more than
 /// its bound; the admitted requests are answered. Requests in flight are bounded the same way.
 #[test]
@@ -460,21 +494,26 @@ fn a_full_queue_answers_503_at_once() {
         let mut cfg = ServerConfig::new("dlrm", &path);
         cfg.batcher = BatcherConfig {
             max_batch_rows: 1000,
-            max_delay: Duration::from_millis(400),
+            max_delay: Duration::from_secs(2),
             max_queued_rows: 8,
         };
         let running = start(cfg).await;
         let addr = running.addr;
         let mut clients = Vec::new();
-        for c in 0..20 {
+        let client = |c: usize| {
             let body = json_body(&keys, &rows[c..c + 2]);
-            clients.push(tokio::spawn(async move {
+            tokio::spawn(async move {
                 let t = Instant::now();
                 let (status, headers, answer) =
                     send(addr, "POST", "/v1/models/dlrm:predict", None, body).await;
                 (status, headers, answer, t.elapsed())
-            }));
-        }
+            })
+        };
+        // Four requests fill the queue (8 rows); the sixteen sent once it is full wait for
+        // nothing: their batch would run 2 s after the first arrived.
+        clients.extend((0..4).map(client));
+        wait_for_metric(addr, "embers_queue_rows", 8).await;
+        clients.extend((4..20).map(client));
         let (mut ok, mut refused) = (0, 0);
         for c in clients {
             let (status, headers, answer, took) = c.await.unwrap();
@@ -482,7 +521,7 @@ fn a_full_queue_answers_503_at_once() {
                 200 => ok += 1,
                 503 => {
                     refused += 1;
-                    assert!(took < Duration::from_millis(300), "a 503 took {took:?}");
+                    assert!(took < Duration::from_secs(1), "a 503 took {took:?}");
                     assert!(headers.contains_key("retry-after"));
                     let v: Value = serde_json::from_slice(&answer).unwrap();
                     assert_eq!(v["error"]["kind"], "overloaded");
@@ -496,17 +535,19 @@ fn a_full_queue_answers_503_at_once() {
         running.done.await.unwrap().unwrap();
         // Requests in flight are bounded too (each may hold a body of max_body_bytes).
         let mut cfg = ServerConfig::new("dlrm", &path);
-        cfg.batcher.max_delay = Duration::from_millis(400);
+        cfg.batcher.max_delay = Duration::from_secs(2);
         cfg.max_inflight_requests = 3;
         let running = start(cfg).await;
         let addr = running.addr;
-        let mut clients = Vec::new();
-        for c in 0..10 {
+        let client = |c: usize| {
             let body = json_body(&keys, &rows[c..c + 1]);
-            clients.push(tokio::spawn(async move {
-                send(addr, "POST", "/v1/models/dlrm:predict", None, body).await
-            }));
-        }
+            tokio::spawn(
+                async move { send(addr, "POST", "/v1/models/dlrm:predict", None, body).await },
+            )
+        };
+        let mut clients: Vec<_> = (0..3).map(client).collect();
+        wait_for_metric(addr, "embers_requests_in_flight", 3).await;
+        clients.extend((3..10).map(client));
         let mut statuses = Vec::new();
         for c in clients {
             let (status, _, answer) = c.await.unwrap();
@@ -1054,7 +1095,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
 
         let mut cfg = ServerConfig::new("dlrm", &path);
         cfg.max_inflight_requests = 1;
-        cfg.body_timeout = Duration::from_millis(300);
+        cfg.body_timeout = Duration::from_secs(2);
         cfg.header_timeout = Duration::from_millis(400);
         let running = start(cfg).await;
         let addr = running.addr;
@@ -1066,7 +1107,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
                   content-type: application/json\r\ncontent-length: 100\r\n\r\n",
             )
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        wait_for_metric(addr, "embers_requests_in_flight", 1).await;
         let body = json_body(&keys, &rows[..2]);
         let (status, _, _) =
             send(addr, "POST", "/v1/models/dlrm:predict", None, body.clone()).await;
@@ -1147,8 +1188,8 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let metrics = metrics_text(addr).await;
-        assert_eq!(metric(&metrics, "embers_reloads_total{result=\"ok\"}"), 1);
+        // Counted just after the swap.
+        wait_for_metric(addr, "embers_reloads_total{result=\"ok\"}", 1).await;
 
         // Thirty abandoned reloads in a row, then one waited for: the calls made while a
         // reload waits to start join it, so a few loads run (8 at most even on a busy machine
@@ -1195,7 +1236,7 @@ fn hostile_clients_hold_no_places_no_memory_and_cancel_no_reload() {
     });
 }
 
-/// Shutdown drains: a request waiting in a batch (400 ms delay) when shutdown begins is still
+/// Shutdown drains: a request waiting in a batch (2 s delay) when shutdown begins is still
 /// answered, and `serve` returns only after it.
 #[test]
 fn shutdown_answers_in_flight_requests_first() {
@@ -1209,7 +1250,7 @@ fn shutdown_answers_in_flight_requests_first() {
     let want = predict(&trainer, &keys, &rows[..2], None);
     runtime().block_on(async move {
         let mut cfg = ServerConfig::new("dlrm", &path);
-        cfg.batcher.max_delay = Duration::from_millis(400);
+        cfg.batcher.max_delay = Duration::from_secs(2);
         let running = start(cfg).await;
         let addr = running.addr;
         let body = json_body(&keys, &rows[..2]);
@@ -1217,7 +1258,8 @@ fn shutdown_answers_in_flight_requests_first() {
             tokio::spawn(
                 async move { send(addr, "POST", "/v1/models/dlrm:predict", None, body).await },
             );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Its two rows queued, their batch about 2 s away.
+        wait_for_metric(addr, "embers_queue_rows", 2).await;
         let t = Instant::now();
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
@@ -1225,7 +1267,7 @@ fn shutdown_answers_in_flight_requests_first() {
         assert_eq!(status, 200);
         assert_eq!(json_predictions(&answer), want);
         assert!(
-            t.elapsed() >= Duration::from_millis(200),
+            t.elapsed() >= Duration::from_secs(1),
             "serve returned before the batch ran"
         );
         assert!(
@@ -1981,8 +2023,18 @@ fn trickled_bodies_and_connections_past_the_bound_are_cut() {
         .unwrap();
         assert!(third, "the third connection was served");
         drop((a, b));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let (status, _, _) = send(addr, "GET", "/healthz", None, vec![]).await;
+        // Their places come free once the server sees them closed.
+        let waited = Instant::now();
+        let status = loop {
+            match try_send(addr, "GET", "/healthz", None, vec![]).await {
+                Ok((status, _, _)) => break status,
+                Err(e) => assert!(
+                    waited.elapsed() < Duration::from_secs(10),
+                    "no place came free: {e}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         assert_eq!(status, 200, "a place came free");
         let metrics = metrics_text(addr).await;
         assert!(

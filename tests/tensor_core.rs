@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use embers::nn::{Linear, Module};
+use embers::nn::{Forward, Linear, Module};
 use embers::optim::{Adagrad, Adam, AdamConfig, Optimizer, Sgd};
 use embers::tensor::rng::seeded;
 use embers::tensor::Reduction;
@@ -978,4 +978,117 @@ fn edge_inputs_are_answered_or_refused_never_hung_or_panicked() {
         num_rows: 5,
     };
     assert_eq!(scalar.dense_shape(), vec![5]);
+}
+
+/// The error of a backward whose saved tensor was written in place, or a panic naming what
+/// came back instead.
+fn modified_in_place(result: embers::Result<()>) -> (&'static str, u64, u64) {
+    match result {
+        Err(Error::ModifiedInPlace { op, saved, now, .. }) => (op, saved, now),
+        other => panic!("expected ModifiedInPlace, got {other:?}"),
+    }
+}
+
+/// Every in-place write counts once on the storage that all views share; ops never count.
+#[test]
+fn in_place_writes_count_on_the_shared_storage() {
+    let x = t(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let view = x.t().unwrap();
+    assert_eq!((x.version(), view.version()), (0, 0));
+    let _ = x.add(&view).unwrap().exp().unwrap();
+    assert_eq!(x.version(), 0, "ops do not write their inputs");
+    x.copy_from(&t(&[0.0; 4], &[2, 2])).unwrap();
+    assert_eq!((x.version(), view.version(), x.detach().version()), (1, 1, 1));
+    x.update_in_place(|v: &mut [f64]| v[0] = 5.0).unwrap();
+    drop(x.data_mut::<f64>().unwrap());
+    assert_eq!(view.version(), 3);
+    // Another storage counts apart.
+    assert_eq!(x.contiguous().unwrap().version(), 3, "contiguous x is x itself");
+    assert_eq!(view.contiguous().unwrap().version(), 0, "a copy has its own count");
+}
+
+/// A backward refuses, naming its op, when a tensor its forward saved was written in place
+/// since (PyTorch's "modified by an inplace operation"): an optimizer step between a forward
+/// and its backward, a copy into an input or into a view of it, a write into an output the
+/// backward reads. What a backward does not read may change: its gradient stays right.
+#[test]
+fn backwards_refuse_saved_tensors_written_in_place_since_their_forward() {
+    // An optimizer step between a forward and its backward: the second loss was computed with
+    // the weights the step changed, which the input's gradient reads.
+    let layer = Linear::new(3, 2, &mut seeded(4)).unwrap();
+    let x = t(&[0.5, -1.0, 2.0, 1.5, 0.25, -0.5], &[2, 3])
+        .to_dtype(DType::F32)
+        .unwrap()
+        .with_requires_grad(true);
+    let first = layer.forward(&x).unwrap().sum_all().unwrap();
+    let second = layer.forward(&x).unwrap().sum_all().unwrap();
+    first.backward().unwrap();
+    let mut opt = Sgd::new(layer.parameters(), 0.1).unwrap();
+    opt.step().unwrap();
+    let (op, saved, now) = modified_in_place(second.backward());
+    assert_eq!((op, saved, now), ("linear", 0, 1));
+
+    // A copy into an input that a product's backward reads.
+    let w = t(&[1.0, 2.0, 3.0, 4.0], &[2, 2]).with_requires_grad(true);
+    let a = t(&[1.0, 0.0, 0.0, 1.0], &[2, 2]);
+    let y = a.matmul(&w).unwrap().sum_all().unwrap();
+    a.copy_from(&t(&[9.0; 4], &[2, 2])).unwrap();
+    assert_eq!(modified_in_place(y.backward()).0, "matmul");
+    // The weights themselves may change: dL/dw = aᵀ·1 reads only `a`.
+    let a = t(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let y = a.matmul(&w).unwrap().sum_all().unwrap();
+    w.copy_from(&t(&[0.0; 4], &[2, 2])).unwrap();
+    y.backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![4.0, 4.0, 6.0, 6.0]);
+
+    // A write through another view of the same storage.
+    let p = t(&[1.0, 2.0, 3.0], &[3]).with_requires_grad(true);
+    let base = t(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let row = base.narrow(0, 1, 1).unwrap().reshape(&[3]).unwrap();
+    let y = p.mul(&row).unwrap().sum_all().unwrap();
+    base.update_in_place(|v: &mut [f64]| v[4] = 0.0).unwrap();
+    assert_eq!(modified_in_place(y.backward()).0, "mul");
+    // A sum reads neither operand.
+    let y = p.add(&row).unwrap().sum_all().unwrap();
+    base.update_in_place(|v: &mut [f64]| v[4] = 1.0).unwrap();
+    y.backward().unwrap();
+
+    // exp's derivative is its output: a changed input is harmless, a changed output is not.
+    let x = t(&[0.0, 1.0], &[2]).with_requires_grad(true);
+    let y = x.exp().unwrap();
+    let loss = y.sum_all().unwrap();
+    x.copy_from(&t(&[5.0, 5.0], &[2])).unwrap();
+    loss.backward_with(&t(&[1.0], &[]), true).unwrap();
+    close(
+        &x.grad().unwrap().to_vec::<f64>().unwrap(),
+        &[1.0, std::f64::consts::E],
+        1e-12,
+    );
+    y.copy_from(&t(&[0.0, 0.0], &[2])).unwrap();
+    assert_eq!(modified_in_place(loss.backward()).0, "exp");
+
+    // softmax keeps its output; a write through data_mut counts like any other.
+    let x = t(&[1.0, 2.0, 3.0], &[3]).with_requires_grad(true);
+    let y = x.softmax(0).unwrap();
+    let loss = y.mul(&t(&[1.0, 0.0, 0.0], &[3])).unwrap().sum_all().unwrap();
+    y.data_mut::<f64>().unwrap()[0] = 0.5;
+    assert_eq!(modified_in_place(loss.backward()).0, "softmax");
+
+    // max's backward routes through the indices it handed out.
+    let x = t(&[1.0, 5.0, 2.0, 0.0], &[2, 2]).with_requires_grad(true);
+    let (values, indices) = x.max_dim(1, false).unwrap();
+    let loss = values.sum_all().unwrap();
+    indices.copy_from(&Tensor::from_slice(&[0i64, 0], &[2]).unwrap()).unwrap();
+    assert_eq!(modified_in_place(loss.backward()).0, "max");
+
+    // The message says what happened and what to do.
+    let x = t(&[1.0, 2.0], &[2]).with_requires_grad(true);
+    let c = t(&[3.0, 4.0], &[2]);
+    let loss = x.mul(&c).unwrap().sum_all().unwrap();
+    c.copy_from(&t(&[0.0, 0.0], &[2])).unwrap();
+    let message = loss.backward().unwrap_err().to_string();
+    assert!(
+        message.contains("`mul`") && message.contains("modified in place") && message.contains("[2]"),
+        "{message}"
+    );
 }

@@ -1651,6 +1651,14 @@ async fn metrics(State(server): State<Server>) -> Response {
         "embers_reloads_total{{result=\"failed\"}} {}",
         m.reloads_failed.load(Ordering::Relaxed)
     );
+    let config = &server.shared.config;
+    let _ = writeln!(
+        out,
+        "# HELP embers_requests_in_flight Predict and retrieve requests holding one of the \
+         max_inflight_requests places now.\n# TYPE embers_requests_in_flight gauge\n\
+         embers_requests_in_flight {}",
+        (config.max_inflight_requests).saturating_sub(server.shared.inflight.available_permits())
+    );
     m.latency.write(
         &mut out,
         "embers_request_duration_seconds",

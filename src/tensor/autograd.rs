@@ -155,6 +155,57 @@ impl Gradient {
     }
 }
 
+/// A tensor a backward needs (an input or output of its forward), with its version
+/// ([`Tensor::version`]) when saved: [`get`](Self::get) refuses it once it has been written in
+/// place since ([`Error::ModifiedInPlace`]), so a gradient is never computed from values the
+/// forward did not see. Its shape, dtype and device stay readable, since no in-place write
+/// changes them.
+#[derive(Clone)]
+pub struct SavedTensor {
+    tensor: Tensor,
+    version: u64,
+}
+
+impl SavedTensor {
+    /// Saves `tensor` (a handle; nothing is copied) at its current version.
+    pub fn new(tensor: &Tensor) -> SavedTensor {
+        SavedTensor {
+            tensor: tensor.clone(),
+            version: tensor.version(),
+        }
+    }
+
+    /// The saved tensor, for the backward of `op`; an error if it was written in place since
+    /// it was saved.
+    pub fn get(&self, op: &'static str) -> Result<&Tensor> {
+        let now = self.tensor.version();
+        if now != self.version {
+            return Err(Error::ModifiedInPlace {
+                op,
+                shape: self.tensor.shape().to_vec(),
+                saved: self.version,
+                now,
+            });
+        }
+        Ok(&self.tensor)
+    }
+
+    /// The saved tensor's shape.
+    pub fn shape(&self) -> &[usize] {
+        self.tensor.shape()
+    }
+
+    /// The saved tensor's dtype.
+    pub fn dtype(&self) -> DType {
+        self.tensor.dtype()
+    }
+
+    /// The saved tensor's device.
+    pub fn device(&self) -> crate::Device {
+        self.tensor.device()
+    }
+}
+
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
 }

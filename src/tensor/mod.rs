@@ -17,7 +17,7 @@ pub mod testing;
 
 pub use autograd::{
     is_grad_enabled, no_grad, record_op, record_op_with_state, BackwardOp, Gradient, NoGradGuard,
-    RowSparseGrad,
+    RowSparseGrad, SavedTensor,
 };
 pub use backend::{run_on, CudaStorage, DeviceOp};
 pub use device::Device;

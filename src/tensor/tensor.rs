@@ -1,7 +1,7 @@
 //! The `Tensor` type: a cheap-to-clone handle on shared storage plus a strided view of it, and,
 //! when it takes part in autograd, the node that produced it.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{MappedRwLockWriteGuard, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -27,12 +27,32 @@ pub struct Tensor(Arc<TensorImpl>);
 
 pub(crate) struct TensorImpl {
     id: usize,
-    storage: Arc<RwLock<Storage>>,
+    storage: Arc<Shared>,
     layout: Layout,
     dtype: DType,
     requires_grad: bool,
     grad_fn: Option<Arc<Node>>,
     grad: Mutex<Option<Gradient>>,
+}
+
+/// The storage every view of a tensor shares, with its version: how many times it was written
+/// in place (`copy_from`, `update_in_place`, `data_mut`, `move_to_device`, an optimizer
+/// step). A backward checks the versions of the tensors it saved ([`SavedTensor`]), as
+/// PyTorch does, so that values changed after the forward never reach a gradient silently.
+///
+/// [`SavedTensor`]: super::autograd::SavedTensor
+pub(crate) struct Shared {
+    data: RwLock<Storage>,
+    version: AtomicU64,
+}
+
+impl Shared {
+    fn new(storage: Storage) -> Arc<Shared> {
+        Arc::new(Shared {
+            data: RwLock::new(storage),
+            version: AtomicU64::new(0),
+        })
+    }
 }
 
 impl std::fmt::Debug for Tensor {
@@ -77,7 +97,7 @@ pub(crate) fn addressable_bytes(shape: &[usize], elem_bytes: usize) -> Option<us
 impl Tensor {
     // ----- construction -------------------------------------------------------------------
 
-    fn from_parts(storage: Arc<RwLock<Storage>>, layout: Layout, dtype: DType) -> Tensor {
+    fn from_parts(storage: Arc<Shared>, layout: Layout, dtype: DType) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             id: NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed),
             storage,
@@ -110,7 +130,7 @@ impl Tensor {
         debug_assert_eq!(storage.len(), shape.iter().product::<usize>());
         let dtype = storage.dtype();
         Tensor::from_parts(
-            Arc::new(RwLock::new(Storage::Cpu(storage))),
+            Shared::new(Storage::Cpu(storage)),
             Layout::contiguous(shape),
             dtype,
         )
@@ -121,7 +141,7 @@ impl Tensor {
         debug_assert_eq!(storage.len, shape.iter().product::<usize>());
         let dtype = storage.dtype;
         Tensor::from_parts(
-            Arc::new(RwLock::new(Storage::Cuda(storage))),
+            Shared::new(Storage::Cuda(storage)),
             Layout::contiguous(shape),
             dtype,
         )
@@ -323,7 +343,7 @@ impl Tensor {
 
     /// Device of the storage.
     pub fn device(&self) -> Device {
-        self.0.storage.read_recursive().device()
+        self.0.storage.data.read_recursive().device()
     }
 
     /// The strided layout.
@@ -345,7 +365,21 @@ impl Tensor {
 
     pub(crate) fn storage_read(&self) -> RwLockReadGuard<'_, Storage> {
         // Recursive reads: an op may read the same storage through two operands (x * x).
-        self.0.storage.read_recursive()
+        self.0.storage.data.read_recursive()
+    }
+
+    /// How many times this tensor's storage (shared by all its views) was written in place
+    /// since it was made: `copy_from`, `update_in_place`, `data_mut`, `move_to_device` and
+    /// the optimizers' steps each count one. Ops never write their inputs, so a tensor no one
+    /// changed in place stays at 0. Like PyTorch's `_version`.
+    pub fn version(&self) -> u64 {
+        self.0.storage.version.load(Ordering::Acquire)
+    }
+
+    /// Counts an in-place write of this tensor's storage (see [`version`](Self::version)),
+    /// for writers that reach the storage without a write guard (device kernels).
+    pub(crate) fn mark_modified(&self) {
+        self.0.storage.version.fetch_add(1, Ordering::AcqRel);
     }
 
     fn wrong_dtype<T: WithDType>(&self, op: &'static str) -> Error {
@@ -390,7 +424,8 @@ impl Tensor {
                 format!("the tensor of shape {:?} is not contiguous", self.shape()),
             ));
         }
-        let mut guard = self.0.storage.write();
+        let mut guard = self.0.storage.data.write();
+        self.mark_modified();
         let dtype = self.dtype();
         let data = T::slice_mut(guard.cpu_mut("update_in_place")?).ok_or(Error::DTypeMismatch {
             op: "update_in_place",
@@ -413,8 +448,9 @@ impl Tensor {
         }
         let (o, n) = (self.0.layout.offset(), self.numel());
         let dtype = self.dtype();
-        let guard = self.0.storage.write();
+        let guard = self.0.storage.data.write();
         guard.cpu("data_mut")?;
+        self.mark_modified();
         RwLockWriteGuard::try_map(guard, |s| match s {
             Storage::Cpu(cpu) => T::slice_mut(cpu).map(|d| &mut d[o..o + n]),
             Storage::Cuda(_) => None,
@@ -453,10 +489,11 @@ impl Tensor {
         }
         let moved = self.to_device_values(device)?;
         let storage = std::mem::replace(
-            &mut *moved.0.storage.write(),
+            &mut *moved.0.storage.data.write(),
             Storage::Cpu(CpuStorage::zeros(self.dtype(), 0)),
         );
-        *self.0.storage.write() = storage;
+        *self.0.storage.data.write() = storage;
+        self.mark_modified();
         self.zero_grad();
         Ok(())
     }

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::{DotInteractionBackward, SAMPLES_PER_TASK};
+use super::SAMPLES_PER_TASK;
 use crate::tensor::dtype::FloatElem;
 use crate::{Result, Tensor};
 
@@ -374,16 +374,16 @@ pub(super) fn run<T: InteractionElem>(
 type Grads<T> = (Vec<T>, Vec<T>);
 
 pub(super) fn run_backward<T: InteractionElem>(
-    s: &DotInteractionBackward,
+    saved: &super::SavedInputs,
     grad: &Tensor,
 ) -> Result<Grads<T>> {
-    let (n, d) = (s.n, s.d);
+    let (n, d) = (saved.n, saved.d);
     let f = n - 1;
-    let b = s.dense.shape()[0];
+    let b = saved.dense.shape()[0];
     let width = d + n * (n - 1) / 2;
     let chunk = SAMPLES_PER_TASK;
-    let grads = s.dense.with_contiguous(|ds: &[T]| {
-        s.sparse.with_contiguous(|ss: &[T]| {
+    let grads = saved.dense.with_contiguous(|ds: &[T]| {
+        saved.sparse.with_contiguous(|ss: &[T]| {
             grad.with_contiguous(|gs: &[T]| {
                 let mut gd = vec![T::zero(); b * d];
                 let mut gsp = vec![T::zero(); b * f * d];

@@ -14,7 +14,7 @@ pub(crate) mod cuda;
 use std::sync::Arc;
 
 use crate::cuda::CudaDevice;
-use crate::tensor::{record_op, run_on, BackwardOp, DeviceOp};
+use crate::tensor::{record_op, run_on, BackwardOp, DeviceOp, SavedTensor};
 use crate::{DType, Error, Gradient, Result, Tensor};
 
 const OP: &str = "dot_interaction";
@@ -52,22 +52,30 @@ impl DeviceOp for DotInteraction<'_> {
 /// The saved inputs of the interaction; its gradients in `dense` and `sparse` from the
 /// output's gradient.
 struct DotInteractionBackward {
-    dense: Tensor,
-    sparse: Tensor,
+    dense: SavedTensor,
+    sparse: SavedTensor,
+    n: usize,
+    d: usize,
+}
+
+/// The interaction's inputs as its backward reads them (checked unchanged since the forward).
+struct SavedInputs<'a> {
+    dense: &'a Tensor,
+    sparse: &'a Tensor,
     n: usize,
     d: usize,
 }
 
 /// The backward's values for one output gradient.
 struct InteractionGrads<'a> {
-    saved: &'a DotInteractionBackward,
+    saved: SavedInputs<'a>,
     grad_output: &'a Tensor,
 }
 
 impl DeviceOp for InteractionGrads<'_> {
     type Output = (Tensor, Tensor);
     fn cpu(&self) -> Result<(Tensor, Tensor)> {
-        let s = self.saved;
+        let s = &self.saved;
         let (n, d) = (s.n, s.d);
         let b = s.dense.shape()[0];
         let grad_output = self.grad_output.to_dtype(s.dense.dtype())?;
@@ -96,8 +104,8 @@ impl DeviceOp for InteractionGrads<'_> {
     fn cuda(&self, device: &Arc<CudaDevice>) -> Result<(Tensor, Tensor)> {
         cuda::backward(
             device,
-            &self.saved.dense,
-            &self.saved.sparse,
+            self.saved.dense,
+            self.saved.sparse,
             self.grad_output,
         )
     }
@@ -110,7 +118,12 @@ impl BackwardOp for DotInteractionBackward {
 
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let grads = InteractionGrads {
-            saved: self,
+            saved: SavedInputs {
+                dense: self.dense.get(OP)?,
+                sparse: self.sparse.get(OP)?,
+                n: self.n,
+                d: self.d,
+            },
             grad_output,
         };
         let (grad_dense, grad_sparse) = run_on(self.dense.device(), &grads)?;
@@ -159,8 +172,8 @@ pub fn dot_interaction(dense: &Tensor, sparse: &Tensor) -> Result<Tensor> {
         out,
         &[dense, sparse],
         DotInteractionBackward {
-            dense: dense.detach(),
-            sparse: sparse.detach(),
+            dense: SavedTensor::new(&dense.detach()),
+            sparse: SavedTensor::new(&sparse.detach()),
             n,
             d,
         },

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::bmm::float_operands;
 use crate::tensor::dtype::FloatElem;
 use crate::tensor::ops::with_float;
-use crate::tensor::{record_op, BackwardOp, Gradient};
+use crate::tensor::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::{DType, Error, Result, Tensor};
 
 /// `(m, b, k, n)` of the operands.
@@ -69,8 +69,8 @@ fn backward_kernel<T: FloatElem>(a: &[T], bm: &[T], g: &[T], d: Dims) -> (Vec<T>
 }
 
 struct Permute102BaddbmmBackward {
-    a: Tensor,
-    b: Tensor,
+    a: SavedTensor,
+    b: SavedTensor,
     dims: Dims,
     storage: DType,
     bias_shape: Vec<usize>,
@@ -81,9 +81,10 @@ impl BackwardOp for Permute102BaddbmmBackward {
         "permute102_baddbmm_permute102"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let g = grad_output.cast_values(self.a.dtype())?;
-        let grads = with_float!(self.a.dtype(), "permute102_baddbmm_permute102", T => {
-            let (gb, ga, gm) = backward_kernel(&self.a.to_vec::<T>()?, &self.b.to_vec::<T>()?, &g.to_vec::<T>()?, self.dims);
+        let (a, b) = (self.a.get(self.name())?, self.b.get(self.name())?);
+        let g = grad_output.cast_values(a.dtype())?;
+        let grads = with_float!(a.dtype(), "permute102_baddbmm_permute102", T => {
+            let (gb, ga, gm) = backward_kernel(&a.to_vec::<T>()?, &b.to_vec::<T>()?, &g.to_vec::<T>()?, self.dims);
             [
                 Tensor::from_vec(gb, &self.bias_shape)?,
                 Tensor::from_vec(ga, self.a.shape())?,
@@ -143,8 +144,8 @@ pub fn permute102_baddbmm_permute102(bias: &Tensor, a: &Tensor, b: &Tensor) -> R
         out,
         &[&bias_full, a, b],
         Permute102BaddbmmBackward {
-            a: ops[1].clone(),
-            b: ops[2].clone(),
+            a: SavedTensor::new(&ops[1]),
+            b: SavedTensor::new(&ops[2]),
             dims,
             storage,
             bias_shape: vec![dims.b, dims.n],

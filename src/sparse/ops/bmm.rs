@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use super::{read_offsets, PARALLEL_MIN_ELEMENTS};
 use crate::tensor::dtype::FloatElem;
 use crate::tensor::ops::with_float;
-use crate::tensor::{record_op, BackwardOp, Gradient};
+use crate::tensor::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::{DType, Error, Result, Tensor};
 
 /// Casts float operands to their common compute dtype; returns them and the storage dtype the
@@ -151,8 +151,8 @@ fn check_bags(op: &'static str, offsets: &[i64], rows: usize, batch: usize) -> R
 }
 
 struct JaggedDenseBmmBackward {
-    x: Tensor,
-    y: Tensor,
+    x: SavedTensor,
+    y: SavedTensor,
     offsets: Arc<Vec<i64>>,
     max_l: usize,
     storage: DType,
@@ -163,14 +163,17 @@ impl BackwardOp for JaggedDenseBmmBackward {
         "jagged_dense_bmm"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let g = grad_output.cast_values(self.x.dtype())?;
-        let (batch, k, n) = (self.y.shape()[0], self.y.shape()[1], self.y.shape()[2]);
-        let (gx, gy) = with_float!(self.x.dtype(), "jagged_dense_bmm", T => {
-            let (x, y, g) = (self.x.to_vec::<T>()?, self.y.to_vec::<T>()?, g.to_vec::<T>()?);
+        let x = self.x.get(self.name())?;
+        let y = self.y.get(self.name())?;
+        let g = grad_output.cast_values(x.dtype())?;
+        let (batch, k, n) = (y.shape()[0], y.shape()[1], y.shape()[2]);
+        let (gx, gy) = with_float!(x.dtype(), "jagged_dense_bmm", T => {
+            let (xs, ys) = (x.shape(), y.shape());
+            let (x, y, g) = (x.to_vec::<T>()?, y.to_vec::<T>()?, g.to_vec::<T>()?);
             let yt = transpose_batches(&y, batch, k, n);
             let gx = jagged_dense_bmm_kernel(&g, &self.offsets, &yt, n, k, self.max_l);
             let gy = jagged_jagged_bmm_kernel(&x, &g, &self.offsets, k, n, self.max_l);
-            (Tensor::from_vec(gx, self.x.shape())?, Tensor::from_vec(gy, self.y.shape())?)
+            (Tensor::from_vec(gx, xs)?, Tensor::from_vec(gy, ys)?)
         });
         Ok(vec![
             Some(Gradient::Dense(gx.cast_values(self.storage)?)),
@@ -211,8 +214,8 @@ pub fn jagged_dense_bmm(
         out,
         &[x_values, y],
         JaggedDenseBmmBackward {
-            x: ops[0].clone(),
-            y: ops[1].clone(),
+            x: SavedTensor::new(&ops[0]),
+            y: SavedTensor::new(&ops[1]),
             offsets: Arc::new(offsets),
             max_l,
             storage,
@@ -221,8 +224,8 @@ pub fn jagged_dense_bmm(
 }
 
 struct JaggedJaggedBmmBackward {
-    x: Tensor,
-    y: Tensor,
+    x: SavedTensor,
+    y: SavedTensor,
     offsets: Arc<Vec<i64>>,
     max_l: usize,
     storage: DType,
@@ -233,14 +236,17 @@ impl BackwardOp for JaggedJaggedBmmBackward {
         "jagged_jagged_bmm"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let g = grad_output.cast_values(self.x.dtype())?;
+        let x = self.x.get(self.name())?;
+        let y = self.y.get(self.name())?;
+        let g = grad_output.cast_values(x.dtype())?;
         let (batch, m, n) = (g.shape()[0], g.shape()[1], g.shape()[2]);
-        let (gx, gy) = with_float!(self.x.dtype(), "jagged_jagged_bmm", T => {
-            let (x, y, g) = (self.x.to_vec::<T>()?, self.y.to_vec::<T>()?, g.to_vec::<T>()?);
+        let (gx, gy) = with_float!(x.dtype(), "jagged_jagged_bmm", T => {
+            let (xs, ys) = (x.shape(), y.shape());
+            let (x, y, g) = (x.to_vec::<T>()?, y.to_vec::<T>()?, g.to_vec::<T>()?);
             let gt = transpose_batches(&g, batch, m, n);
             let gx = jagged_dense_bmm_kernel(&y, &self.offsets, &gt, n, m, self.max_l);
             let gy = jagged_dense_bmm_kernel(&x, &self.offsets, &g, m, n, self.max_l);
-            (Tensor::from_vec(gx, self.x.shape())?, Tensor::from_vec(gy, self.y.shape())?)
+            (Tensor::from_vec(gx, xs)?, Tensor::from_vec(gy, ys)?)
         });
         Ok(vec![
             Some(Gradient::Dense(gx.cast_values(self.storage)?)),
@@ -282,8 +288,8 @@ pub fn jagged_jagged_bmm(
         out,
         &[x_values, y_values],
         JaggedJaggedBmmBackward {
-            x: ops[0].clone(),
-            y: ops[1].clone(),
+            x: SavedTensor::new(&ops[0]),
+            y: SavedTensor::new(&ops[1]),
             offsets: Arc::new(offs),
             max_l,
             storage,
@@ -292,8 +298,8 @@ pub fn jagged_jagged_bmm(
 }
 
 struct DenseVecJaggedMulBackward {
-    v: Tensor,
-    a: Tensor,
+    v: SavedTensor,
+    a: SavedTensor,
     offsets: Arc<Vec<i64>>,
     storage: DType,
 }
@@ -310,11 +316,14 @@ impl BackwardOp for DenseVecJaggedMulBackward {
         "batched_dense_vec_jagged_2d_mul"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let g = grad_output.cast_values(self.v.dtype())?;
-        let (batch, heads, max_n, d) = vec_jagged_dims(&self.v, &self.a, self.offsets.len() - 1);
+        let v = self.v.get(self.name())?;
+        let a = self.a.get(self.name())?;
+        let g = grad_output.cast_values(v.dtype())?;
+        let (batch, heads, max_n, d) = vec_jagged_dims(v, a, self.offsets.len() - 1);
         let hd = heads * d;
-        let (gv, ga) = with_float!(self.v.dtype(), "batched_dense_vec_jagged_2d_mul", T => {
-            let (v, a, g) = (self.v.to_vec::<T>()?, self.a.to_vec::<T>()?, g.to_vec::<T>()?);
+        let (gv, ga) = with_float!(v.dtype(), "batched_dense_vec_jagged_2d_mul", T => {
+            let (vs, as_) = (v.shape(), a.shape());
+            let (v, a, g) = (v.to_vec::<T>()?, a.to_vec::<T>()?, g.to_vec::<T>()?);
             let mut gv = vec![T::zero(); v.len()];
             let mut ga = vec![T::zero(); a.len()];
             for b in 0..batch {
@@ -334,7 +343,7 @@ impl BackwardOp for DenseVecJaggedMulBackward {
                     }
                 }
             }
-            (Tensor::from_vec(gv, self.v.shape())?, Tensor::from_vec(ga, self.a.shape())?)
+            (Tensor::from_vec(gv, vs)?, Tensor::from_vec(ga, as_)?)
         });
         Ok(vec![
             Some(Gradient::Dense(gv.cast_values(self.storage)?)),
@@ -401,8 +410,8 @@ pub fn batched_dense_vec_jagged_2d_mul(
         out,
         &[v, a_values],
         DenseVecJaggedMulBackward {
-            v: ops[0].clone(),
-            a: ops[1].clone(),
+            v: SavedTensor::new(&ops[0]),
+            a: SavedTensor::new(&ops[1]),
             offsets: Arc::new(offsets),
             storage,
         },

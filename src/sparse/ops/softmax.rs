@@ -8,7 +8,7 @@ use super::bmm::float_operands;
 use super::read_offsets;
 use crate::tensor::dtype::FloatElem;
 use crate::tensor::ops::with_float;
-use crate::tensor::{record_op, BackwardOp, Gradient};
+use crate::tensor::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::{DType, Error, Result, Tensor};
 
 /// Visits the rows of every bag truncated to `max_l`: `f(first_row, count)`.
@@ -39,7 +39,8 @@ fn softmax_kernel<T: FloatElem>(x: &[T], offsets: &[i64], d: usize, max_l: usize
 }
 
 struct JaggedSoftmaxBackward {
-    output: Tensor,
+    /// The output in its compute dtype (for f32 the very tensor handed to the caller).
+    output: SavedTensor,
     offsets: Arc<Vec<i64>>,
     max_l: usize,
     storage: DType,
@@ -50,10 +51,11 @@ impl BackwardOp for JaggedSoftmaxBackward {
         "jagged_softmax"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let g = grad_output.cast_values(self.output.dtype())?;
-        let d = self.output.shape()[1];
-        let gx = with_float!(self.output.dtype(), "jagged_softmax", T => {
-            let (y, g) = (self.output.to_vec::<T>()?, g.to_vec::<T>()?);
+        let output = self.output.get(self.name())?;
+        let g = grad_output.cast_values(output.dtype())?;
+        let d = output.shape()[1];
+        let gx = with_float!(output.dtype(), "jagged_softmax", T => {
+            let (y, g) = (output.to_vec::<T>()?, g.to_vec::<T>()?);
             let mut gx = vec![T::zero(); y.len()];
             for_each_bag(&self.offsets, self.max_l, |start, len| {
                 for c in 0..d {
@@ -64,7 +66,7 @@ impl BackwardOp for JaggedSoftmaxBackward {
                     }
                 }
             });
-            Tensor::from_vec(gx, self.output.shape())?
+            Tensor::from_vec(gx, output.shape())?
         });
         Ok(vec![Some(Gradient::Dense(gx.cast_values(self.storage)?))])
     }
@@ -89,7 +91,7 @@ pub fn jagged_softmax(values: &Tensor, offsets: &Tensor, max_l: usize) -> Result
         let x = ops[0].to_vec::<T>()?;
         Tensor::from_vec(softmax_kernel(&x, &offs, d, max_l), values.shape())?
     });
-    let saved = out.clone();
+    let saved = SavedTensor::new(&out);
     let out = out.cast_values(storage)?;
     Ok(record_op(
         out,

@@ -1,7 +1,7 @@
 //! Broadcasting elementwise binary ops (add, sub, mul, div, maximum, minimum), scalar ops and
 //! comparisons.
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::tensor::backend::{with_backend, BinaryOp, CompareOp, ElementwiseOps};
 use crate::{Error, Result, Tensor};
 
@@ -24,8 +24,8 @@ fn binary_values(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 struct BinaryBackward {
     kind: BinaryOp,
-    a: Tensor,
-    b: Tensor,
+    a: SavedTensor,
+    b: SavedTensor,
     a_needs: bool,
     b_needs: bool,
 }
@@ -35,7 +35,10 @@ impl BackwardOp for BinaryBackward {
         self.kind.name()
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let (a, b) = (&self.a, &self.b);
+        let op = self.kind.name();
+        // Values are read only by the gradients that need them (a sum needs none), each
+        // checked unchanged since the forward.
+        let (a, b) = (|| self.a.get(op), || self.b.get(op));
         // Only the gradients an input needs are computed (a subtraction from a constant does
         // not negate a whole gradient for nothing).
         let (ga, gb) = match self.kind {
@@ -48,21 +51,21 @@ impl BackwardOp for BinaryBackward {
                 self.b_needs.then(|| g.neg()).transpose()?,
             ),
             BinaryOp::Mul => (
-                self.a_needs.then(|| g.mul(b)).transpose()?,
-                self.b_needs.then(|| g.mul(a)).transpose()?,
+                self.a_needs.then(|| g.mul(b()?)).transpose()?,
+                self.b_needs.then(|| g.mul(a()?)).transpose()?,
             ),
             BinaryOp::Div => (
-                self.a_needs.then(|| g.div(b)).transpose()?,
+                self.a_needs.then(|| g.div(b()?)).transpose()?,
                 self.b_needs
-                    .then(|| g.mul(a)?.div(&b.mul(b)?)?.neg())
+                    .then(|| g.mul(a()?)?.div(&b()?.mul(b()?)?)?.neg())
                     .transpose()?,
             ),
             BinaryOp::Maximum | BinaryOp::Minimum => {
                 // Ties send the gradient to `a`.
                 let pick_a = if matches!(self.kind, BinaryOp::Maximum) {
-                    a.ge(b)?
+                    a()?.ge(b()?)?
                 } else {
-                    a.le(b)?
+                    a()?.le(b()?)?
                 };
                 let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
                 (
@@ -75,15 +78,15 @@ impl BackwardOp for BinaryBackward {
                 )
             }
         };
-        let reduce = |g: Option<Tensor>, t: &Tensor, needed: bool| -> Result<Option<Gradient>> {
+        let reduce = |g: Option<Tensor>, t: &SavedTensor, needed: bool| -> Result<Option<Gradient>> {
             match g {
                 Some(g) if needed => Ok(Some(Gradient::Dense(g.sum_to_shape(t.shape())?))),
                 _ => Ok(None),
             }
         };
         Ok(vec![
-            reduce(ga, a, self.a_needs)?,
-            reduce(gb, b, self.b_needs)?,
+            reduce(ga, &self.a, self.a_needs)?,
+            reduce(gb, &self.b, self.b_needs)?,
         ])
     }
 }
@@ -96,8 +99,8 @@ fn binary(kind: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             &[a, b],
             BinaryBackward {
                 kind,
-                a: a.detach(),
-                b: b.detach(),
+                a: SavedTensor::new(&a.detach()),
+                b: SavedTensor::new(&b.detach()),
                 a_needs: a.requires_grad(),
                 b_needs: b.requires_grad(),
             },

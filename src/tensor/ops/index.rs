@@ -1,7 +1,7 @@
 //! Indexing: index_select and gather along dim 0, row scatter-add, masked_fill, where, and the
 //! triu index helper.
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient, RowSparseGrad};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, RowSparseGrad, SavedTensor};
 use crate::tensor::backend::{with_backend, ElementwiseOps, IndexOps};
 use crate::tensor::dtype::WithDType;
 use crate::tensor::layout::broadcast_shapes;
@@ -119,7 +119,7 @@ fn gather_source(
 }
 
 struct MaskedFillBackward {
-    mask: Tensor,
+    mask: SavedTensor,
 }
 
 impl BackwardOp for MaskedFillBackward {
@@ -128,14 +128,15 @@ impl BackwardOp for MaskedFillBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
+        let mask = self.mask.get("masked_fill")?;
         Ok(vec![Some(Gradient::Dense(Tensor::where_cond(
-            &self.mask, &zero, g,
+            mask, &zero, g,
         )?))])
     }
 }
 
 struct WhereBackward {
-    cond: Tensor,
+    cond: SavedTensor,
     a_shape: Vec<usize>,
     b_shape: Vec<usize>,
 }
@@ -145,9 +146,10 @@ impl BackwardOp for WhereBackward {
         "where"
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
+        let cond = self.cond.get("where")?;
         let zero = Tensor::try_zeros(&[], g.dtype(), g.device())?;
-        let ga = Tensor::where_cond(&self.cond, g, &zero)?.sum_to_shape(&self.a_shape)?;
-        let gb = Tensor::where_cond(&self.cond, &zero, g)?.sum_to_shape(&self.b_shape)?;
+        let ga = Tensor::where_cond(cond, g, &zero)?.sum_to_shape(&self.a_shape)?;
+        let gb = Tensor::where_cond(cond, &zero, g)?.sum_to_shape(&self.b_shape)?;
         Ok(vec![
             None,
             Some(Gradient::Dense(ga)),
@@ -255,7 +257,7 @@ impl Tensor {
             out,
             &[self],
             MaskedFillBackward {
-                mask: mask.detach(),
+                mask: SavedTensor::new(&mask.detach()),
             },
         ))
     }
@@ -291,7 +293,7 @@ impl Tensor {
             out,
             &[cond, a, b],
             WhereBackward {
-                cond: cond.detach(),
+                cond: SavedTensor::new(&cond.detach()),
                 a_shape: a.shape().to_vec(),
                 b_shape: b.shape().to_vec(),
             },

@@ -1,7 +1,7 @@
 //! Matrix products: 2-D, batched with broadcasting, and the fused `linear` (`x·Wᵀ + b`), with
 //! their gradients. Transposed operands stay strided views (the backends read them in place).
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::tensor::backend::{with_backend, MatmulOps};
 use crate::tensor::layout::broadcast_shapes;
 use crate::{Error, Result, Tensor};
@@ -78,8 +78,13 @@ fn matmul_values(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 struct MatmulBackward {
-    a: Tensor,
-    b: Tensor,
+    a: SavedTensor,
+    b: SavedTensor,
+    a_needs: bool,
+    b_needs: bool,
+    /// Whether each operand is a transposed view (its gradient is then produced transposed).
+    a_transposed: bool,
+    b_transposed: bool,
 }
 
 impl BackwardOp for MatmulBackward {
@@ -90,21 +95,23 @@ impl BackwardOp for MatmulBackward {
         // dA = G·Bᵀ and dB = Aᵀ·G. When an operand is itself a transposed view (z·zᵀ), its
         // gradient is produced transposed too (dBᵀ = Gᵀ·A), so the transpose's backward hands
         // a contiguous gradient on instead of a strided one.
-        let ga = if self.a.requires_grad() {
-            let ga = if is_transposed(&self.a) {
-                matmul_values(&self.b, &g.t()?)?.t()?
+        let ga = if self.a_needs {
+            let b = self.b.get("matmul")?;
+            let ga = if self.a_transposed {
+                matmul_values(b, &g.t()?)?.t()?
             } else {
-                matmul_values(g, &self.b.t()?)?
+                matmul_values(g, &b.t()?)?
             };
             Some(Gradient::Dense(ga.sum_to_shape(self.a.shape())?))
         } else {
             None
         };
-        let gb = if self.b.requires_grad() {
-            let gb = if is_transposed(&self.b) {
-                matmul_values(&g.t()?, &self.a)?.t()?
+        let gb = if self.b_needs {
+            let a = self.a.get("matmul")?;
+            let gb = if self.b_transposed {
+                matmul_values(&g.t()?, a)?.t()?
             } else {
-                matmul_values(&self.a.t()?, g)?
+                matmul_values(&a.t()?, g)?
             };
             Some(Gradient::Dense(gb.sum_to_shape(self.b.shape())?))
         } else {
@@ -121,8 +128,10 @@ fn is_transposed(t: &Tensor) -> bool {
 }
 
 struct LinearBackward {
-    x: Tensor,
-    w: Tensor,
+    x: SavedTensor,
+    w: SavedTensor,
+    x_needs: bool,
+    w_needs: bool,
     has_bias: bool,
 }
 
@@ -134,16 +143,16 @@ impl BackwardOp for LinearBackward {
         let out_features = self.w.shape()[0];
         let rows = g.numel() / out_features.max(1);
         let g2 = g.reshape(&[rows, out_features])?;
-        let x2 = self.x.reshape(&[rows, self.w.shape()[1]])?;
         let gx = self
-            .x
-            .requires_grad()
-            .then(|| matmul_values(&g2, &self.w)?.reshape(self.x.shape()))
+            .x_needs
+            .then(|| matmul_values(&g2, self.w.get("linear")?)?.reshape(self.x.shape()))
             .transpose()?;
         let gw = self
-            .w
-            .requires_grad()
-            .then(|| matmul_values(&g2.t()?, &x2))
+            .w_needs
+            .then(|| {
+                let x2 = self.x.get("linear")?.reshape(&[rows, self.w.shape()[1]])?;
+                matmul_values(&g2.t()?, &x2)
+            })
             .transpose()?;
         let mut grads = vec![gx.map(Gradient::Dense), gw.map(Gradient::Dense)];
         if self.has_bias {
@@ -161,16 +170,14 @@ impl Tensor {
             out,
             &[self, rhs],
             MatmulBackward {
-                a: self.clone_for_backward(),
-                b: rhs.clone_for_backward(),
+                a: SavedTensor::new(&self.detach()),
+                b: SavedTensor::new(&rhs.detach()),
+                a_needs: self.requires_grad(),
+                b_needs: rhs.requires_grad(),
+                a_transposed: is_transposed(self),
+                b_transposed: is_transposed(rhs),
             },
         ))
-    }
-
-    /// Keeps the requires-grad flag (so backward knows which gradients are wanted) but drops
-    /// the history, so saved operands don't keep the graph alive twice.
-    fn clone_for_backward(&self) -> Tensor {
-        self.detach().with_requires_grad(self.requires_grad())
     }
 
     /// `x·Wᵀ + b` for `x` of shape `[..., in]`, `weight` `[out, in]`, `bias` `[out]`: one
@@ -229,8 +236,11 @@ impl Tensor {
             out,
             &inputs,
             LinearBackward {
-                x: self.clone_for_backward(),
-                w: weight.clone_for_backward(),
+                // Without their history: saved operands do not keep the graph alive twice.
+                x: SavedTensor::new(&self.detach()),
+                w: SavedTensor::new(&weight.detach()),
+                x_needs: self.requires_grad(),
+                w_needs: weight.requires_grad(),
                 has_bias: bias.is_some(),
             },
         ))

@@ -1,7 +1,7 @@
 //! Reductions: sum, mean and max along dimensions or over everything, and `sum_to_shape` (the
 //! backward of broadcasting).
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::tensor::backend::{with_backend, ElementwiseOps, ReduceOps};
 use crate::tensor::layout::resolve_dim;
 use crate::{Error, Result, Tensor};
@@ -93,8 +93,9 @@ fn reduce_sum(x: &Tensor, dims: &[isize], keepdim: bool, mean: bool) -> Result<T
 struct MaxBackward {
     input_shape: Vec<usize>,
     dim: usize,
-    /// Where each maximum was (`[outer, inner]`, on the input's device).
-    indices: Tensor,
+    /// Where each maximum was (`[outer, inner]`, on the input's device; the storage of the
+    /// indices handed to the caller).
+    indices: SavedTensor,
 }
 
 impl BackwardOp for MaxBackward {
@@ -103,7 +104,7 @@ impl BackwardOp for MaxBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let gx = with_backend!(g.device(), B => {
-            B::max_dim_backward(g, &self.indices, &self.input_shape, self.dim)
+            B::max_dim_backward(g, self.indices.get("max")?, &self.input_shape, self.dim)
         })?;
         Ok(vec![Some(Gradient::Dense(gx))])
     }
@@ -160,7 +161,7 @@ impl Tensor {
             MaxBackward {
                 input_shape: self.shape().to_vec(),
                 dim: d,
-                indices,
+                indices: SavedTensor::new(&indices),
             },
         );
         Ok((out, indices_out))

@@ -1,12 +1,12 @@
 //! softmax and log_softmax along a dimension, computed stably (max subtracted).
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::tensor::backend::{with_backend, ReduceOps};
 use crate::tensor::layout::resolve_dim;
 use crate::{Result, Tensor};
 
 struct SoftmaxBackward {
-    y: Tensor,
+    y: SavedTensor,
     dim: usize,
     log: bool,
 }
@@ -20,8 +20,8 @@ impl BackwardOp for SoftmaxBackward {
         }
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let gx =
-            with_backend!(g.device(), B => B::softmax_backward(&self.y, g, self.dim, self.log))?;
+        let y = self.y.get(self.name())?;
+        let gx = with_backend!(g.device(), B => B::softmax_backward(y, g, self.dim, self.log))?;
         Ok(vec![Some(Gradient::Dense(gx))])
     }
 }
@@ -47,10 +47,15 @@ fn softmax_impl(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     let op = if log { "log_softmax" } else { "softmax" };
     let d = resolve_dim(op, dim, x.rank())?;
     let y = with_backend!(x.device(), B => B::softmax(x, d, log))?;
+    let saved = SavedTensor::new(&y);
     Ok(record_op(
-        y.clone(),
+        y,
         &[x],
-        SoftmaxBackward { y, dim: d, log },
+        SoftmaxBackward {
+            y: saved,
+            dim: d,
+            log,
+        },
     ))
 }
 

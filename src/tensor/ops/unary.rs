@@ -1,7 +1,7 @@
 //! Elementwise float functions. Each is declared once with its value and its derivative side by
 //! side; one generic forward and one generic backward serve them all.
 
-use crate::tensor::autograd::{record_op, BackwardOp, Gradient};
+use crate::tensor::autograd::{record_op, BackwardOp, Gradient, SavedTensor};
 use crate::tensor::backend::{with_backend, ElementwiseOps};
 use crate::tensor::dtype::FloatElem;
 use crate::{Error, Result, Tensor};
@@ -11,6 +11,10 @@ pub(crate) trait UnaryFn: Send + Sync + 'static {
     const NAME: &'static str;
     fn f<T: FloatElem>(&self, x: T) -> T;
     fn df<T: FloatElem>(&self, x: T, y: T) -> T;
+    /// Whether `df` reads `x` (the backward then keeps the input, and refuses it changed).
+    const USES_X: bool = true;
+    /// Whether `df` reads `y` (the backward then keeps the output, and refuses it changed).
+    const USES_Y: bool = true;
     /// The function's parameters, as the CUDA kernels take them.
     fn params(&self) -> (f64, f64) {
         (0.0, 0.0)
@@ -22,10 +26,12 @@ fn c<T: FloatElem>(v: f64) -> T {
 }
 
 macro_rules! unary_fn {
-    ($name:ident, $str:literal, |$s:ident, $x:ident| $f:expr, |$s2:ident, $x2:ident, $y2:ident| $df:expr) => {
+    ($name:ident, $str:literal, uses($ux:literal, $uy:literal), |$s:ident, $x:ident| $f:expr, |$s2:ident, $x2:ident, $y2:ident| $df:expr) => {
         struct $name;
         impl UnaryFn for $name {
             const NAME: &'static str = $str;
+            const USES_X: bool = $ux;
+            const USES_Y: bool = $uy;
             #[inline(always)]
             fn f<T: FloatElem>(&self, $x: T) -> T {
                 let $s = self;
@@ -42,11 +48,11 @@ macro_rules! unary_fn {
     };
 }
 
-unary_fn!(Neg, "neg", |s, x| -x, |s, x, y| c(-1.0));
-unary_fn!(Exp, "exp", |s, x| x.exp(), |s, x, y| y);
-unary_fn!(Log, "log", |s, x| x.ln(), |s, x, y| x.recip());
-unary_fn!(Sqrt, "sqrt", |s, x| x.sqrt(), |s, x, y| c::<T>(0.5) / y);
-unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) {
+unary_fn!(Neg, "neg", uses(false, false), |s, x| -x, |s, x, y| c(-1.0));
+unary_fn!(Exp, "exp", uses(false, true), |s, x| x.exp(), |s, x, y| y);
+unary_fn!(Log, "log", uses(true, false), |s, x| x.ln(), |s, x, y| x.recip());
+unary_fn!(Sqrt, "sqrt", uses(false, true), |s, x| x.sqrt(), |s, x, y| c::<T>(0.5) / y);
+unary_fn!(Abs, "abs", uses(true, false), |s, x| x.abs(), |s, x, y| if x > c(0.0) {
     c(1.0)
 } else if x < c(0.0) {
     c(-1.0)
@@ -55,16 +61,16 @@ unary_fn!(Abs, "abs", |s, x| x.abs(), |s, x, y| if x > c(0.0) {
 });
 unary_fn!(
     Relu,
-    "relu",
+    "relu", uses(true, false),
     // NaN stays NaN, as PyTorch's relu keeps it (a `max` with 0 made it 0: a model whose
     // weights or inputs went NaN predicted numbers).
     |s, x| if x <= c(0.0) { c(0.0) } else { x },
     |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
 );
-unary_fn!(Tanh, "tanh", |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
+unary_fn!(Tanh, "tanh", uses(false, true), |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
 unary_fn!(
     Sigmoid,
-    "sigmoid",
+    "sigmoid", uses(false, true),
     |s, x| if x >= c(0.0) {
         c::<T>(1.0) / (c::<T>(1.0) + (-x).exp())
     } else {
@@ -76,7 +82,7 @@ unary_fn!(
 // Exact GELU: x·Φ(x), Φ the standard normal CDF (PyTorch's default `approximate='none'`).
 unary_fn!(
     Gelu,
-    "gelu",
+    "gelu", uses(true, false),
     |s, x| x * c(0.5 * (1.0 + libm::erf(x.to_f64() * std::f64::consts::FRAC_1_SQRT_2))),
     |s, x, y| {
         let xf = x.to_f64();
@@ -88,7 +94,7 @@ unary_fn!(
 // GELU with the tanh approximation (`approximate='tanh'`).
 unary_fn!(
     GeluTanh,
-    "gelu_tanh",
+    "gelu_tanh", uses(true, false),
     |s, x| {
         let k = (2.0 / std::f64::consts::PI).sqrt();
         let xf = x.to_f64();
@@ -114,6 +120,8 @@ impl UnaryFn for Affine {
     fn df<T: FloatElem>(&self, _x: T, _y: T) -> T {
         c(self.mul)
     }
+    const USES_X: bool = false;
+    const USES_Y: bool = false;
     fn params(&self) -> (f64, f64) {
         (self.mul, self.add)
     }
@@ -130,6 +138,7 @@ impl UnaryFn for Powf {
     fn df<T: FloatElem>(&self, x: T, _y: T) -> T {
         c::<T>(self.exponent) * x.powf(c(self.exponent - 1.0))
     }
+    const USES_Y: bool = false;
     fn params(&self) -> (f64, f64) {
         (self.exponent, 0.0)
     }
@@ -157,15 +166,18 @@ impl UnaryFn for Clamp {
             c(0.0)
         }
     }
+    const USES_Y: bool = false;
     fn params(&self) -> (f64, f64) {
         (self.min, self.max)
     }
 }
 
+/// The backward of `y = f(x)`: keeps only what `df` reads (as PyTorch saves only what a
+/// derivative needs: exp keeps its output, not its input).
 struct UnaryBackward<F: UnaryFn> {
     f: F,
-    x: Tensor,
-    y: Tensor,
+    x: Option<SavedTensor>,
+    y: Option<SavedTensor>,
 }
 
 impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
@@ -173,8 +185,11 @@ impl<F: UnaryFn> BackwardOp for UnaryBackward<F> {
         F::NAME
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let gx = with_backend!(self.x.device(), B => {
-            B::unary_backward(&self.f, &self.x, &self.y, g)
+        // A value `df` does not read is stood in for by `g` (same shape, dtype and device).
+        let x = self.x.as_ref().map(|x| x.get(F::NAME)).transpose()?;
+        let y = self.y.as_ref().map(|y| y.get(F::NAME)).transpose()?;
+        let gx = with_backend!(g.device(), B => {
+            B::unary_backward(&self.f, x.unwrap_or(g), y.unwrap_or(g), g)
         })?;
         Ok(vec![Some(Gradient::Dense(gx))])
     }
@@ -186,9 +201,9 @@ fn unary<F: UnaryFn>(x: &Tensor, f: F) -> Result<Tensor> {
         return Ok(y);
     }
     let saved = UnaryBackward {
+        x: F::USES_X.then(|| SavedTensor::new(&x.detach())),
+        y: F::USES_Y.then(|| SavedTensor::new(&y.detach())),
         f,
-        x: x.detach(),
-        y: y.detach(),
     };
     Ok(record_op(y, &[x], saved))
 }

@@ -160,6 +160,8 @@ impl CopyOps for Cuda {
         let src = src
             .to_device_values(dst.device())?
             .cast_values(dst.dtype())?;
+        // A write in place: counted for the backwards that saved `dst` (`Tensor::version`).
+        dst.mark_modified();
         copy_elements(&src, 0, dst, 0, dst.numel())
     }
 
