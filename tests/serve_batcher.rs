@@ -559,7 +559,10 @@ fn the_batching_delay_counts_from_a_requests_arrival() {
         let spans = spans.lock().unwrap().clone();
         assert_eq!(spans.len(), 2);
         let gap = spans[1].0 - spans[0].1;
-        assert!(gap < Duration::from_millis(250), "the second batch began {gap:?} after the first ended");
+        assert!(
+            gap < Duration::from_millis(250),
+            "the second batch began {gap:?} after the first ended"
+        );
     });
 }
 

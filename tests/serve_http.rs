@@ -14,7 +14,7 @@ use arrow_array::builder::{Float32Builder, Int64Builder, ListBuilder};
 use arrow_array::{ArrayRef, RecordBatch};
 use bytes::Bytes;
 use embers::embedding::{QuantizedEmbeddingBagCollection, WeightType};
-use embers::serve::{BatcherConfig, DlrmRow, Server, ServerConfig, ARROW_STREAM};
+use embers::serve::{BatcherConfig, DlrmRow, ReloadToken, Server, ServerConfig, ARROW_STREAM};
 use embers::train::{Batch, DlrmConfig, DlrmTrainer};
 use embers_datasets::SyntheticCriteo;
 use http_body_util::{BodyExt, Full};
@@ -126,6 +126,22 @@ async fn try_send(
     content_type: Option<&str>,
     body: Vec<u8>,
 ) -> Result<(u16, hyper::HeaderMap, Bytes), String> {
+    let headers: Vec<(&str, &str)> = content_type
+        .map(|t| ("content-type", t))
+        .into_iter()
+        .collect();
+    send_with(addr, method, path, &headers, body).await
+}
+
+/// One HTTP/1.1 request with `headers` on a new connection: status, headers, body, or what
+/// failed.
+async fn send_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Result<(u16, hyper::HeaderMap, Bytes), String> {
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| e.to_string())?;
@@ -138,8 +154,8 @@ async fn try_send(
         .method(method)
         .uri(path)
         .header("host", "127.0.0.1");
-    if let Some(t) = content_type {
-        request = request.header("content-type", t);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let response = sender
         .send_request(request.body(Full::new(Bytes::from(body))).unwrap())
@@ -1452,6 +1468,18 @@ fn the_embers_serve_binary_refuses_flags_it_cannot_honour() {
     // A watch period of 2^63 s panicked in the timer.
     refused(&["--watch", "9223372036854775807"], "--watch");
     refused(&["--cache-load-factor", "0.5"], "--cache-dir");
+    // A reload token that cannot be read is refused before the model loads.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_embers-serve"))
+        .args(["--checkpoint", "absent.safetensors"])
+        .args(["--reload-token-file", "absent.token"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("absent.token") && !stderr.contains("absent.safetensors"),
+        "{stderr}"
+    );
 }
 
 /// `embers-serve` started with `args`, its stdout's reader, and the first line it printed
@@ -2048,4 +2076,104 @@ fn trickled_bodies_and_connections_past_the_bound_are_cut() {
         running.stop.send(()).unwrap();
         running.done.await.unwrap().unwrap();
     });
+}
+
+/// Reloads over HTTP (each a whole model load) are not anyone's: with a token, only requests
+/// carrying it (401 with a `WWW-Authenticate` challenge otherwise, from loopback too); without
+/// one, only loopback clients, so a router served without `Server::serve` (which alone knows
+/// the client's address) refuses them (403). Refusals are counted; the model keeps serving.
+#[test]
+fn reloads_over_http_need_the_token_or_a_loopback_client() {
+    // Tokens that could be guessed or could not travel in a header are refused, and never
+    // shown.
+    for bad in [
+        "short",
+        "sixteen chars but spaces",
+        "tab\tin-the-middle-of-it",
+    ] {
+        let err = ReloadToken::new(bad).unwrap_err().to_string();
+        assert!(err.contains("at least 16 visible ASCII"), "{bad:?}: {err}");
+    }
+    let secret = "s3cr3t-reload-token-0123";
+    let token = ReloadToken::new(secret).unwrap();
+    assert!(!format!("{token:?}").contains("s3cr3t"), "{token:?}");
+    let dir = scratch("reload-auth");
+    let file = dir.join("token");
+    std::fs::write(&file, format!("  {secret}  \nsecond line ignored\n")).unwrap();
+    let read = ReloadToken::from_file(&file).unwrap();
+    let missing = ReloadToken::from_file(&dir.join("absent"))
+        .unwrap_err()
+        .to_string();
+    assert!(missing.contains("absent"), "{missing}");
+    std::fs::write(dir.join("short"), "tooshort\n").unwrap();
+    let short = ReloadToken::from_file(&dir.join("short"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        short.contains("short") && short.contains("at least 16"),
+        "{short}"
+    );
+
+    let g = data();
+    let path = dir.join("model.safetensors");
+    let trainer = config(&g).build().unwrap();
+    write_checkpoint(&trainer, &path);
+    const RELOAD: &str = "/v1/models/dlrm:reload";
+    runtime().block_on(async move {
+        let mut cfg = ServerConfig::new("dlrm", &path);
+        cfg.reload_token = Some(read);
+        let running = start(cfg).await;
+        let addr = running.addr;
+        let kind = |answer: &Bytes| {
+            let v: Value = serde_json::from_slice(answer).unwrap();
+            v["error"]["kind"].as_str().unwrap().to_string()
+        };
+        // No token, a wrong one, another scheme: 401, challenged, nothing reloaded.
+        let bearer_wrong = format!("Bearer {secret}x");
+        let basic = format!("Basic {secret}");
+        for headers in [
+            vec![],
+            vec![("authorization", bearer_wrong.as_str())],
+            vec![("authorization", basic.as_str())],
+        ] {
+            let (status, answer_headers, answer) =
+                send_with(addr, "POST", RELOAD, &headers, vec![])
+                    .await
+                    .unwrap();
+            assert_eq!(status, 401, "{headers:?}");
+            assert_eq!(kind(&answer), "unauthorized");
+            assert_eq!(answer_headers["www-authenticate"], "Bearer");
+        }
+        assert_eq!(running.server.version(), 1);
+        let bearer = format!("Bearer {secret}");
+        let (status, _, answer) =
+            send_with(addr, "POST", RELOAD, &[("authorization", &bearer)], vec![])
+                .await
+                .unwrap();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(running.server.version(), 2);
+        let metrics = metrics_text(addr).await;
+        assert_eq!(
+            metric(&metrics, "embers_errors_total{kind=\"unauthorized\"}"),
+            3
+        );
+        running.stop.send(()).unwrap();
+        running.done.await.unwrap().unwrap();
+
+        // No token: the router served by axum alone does not know the client, so refuses.
+        let server = Server::start(ServerConfig::new("dlrm", &path))
+            .await
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = server.router();
+        let served = tokio::spawn(async move { axum::serve(listener, router).await });
+        let (status, _, answer) = send(addr, "POST", RELOAD, None, vec![]).await;
+        assert_eq!(status, 403);
+        assert_eq!(kind(&answer), "reload_forbidden");
+        assert!(String::from_utf8_lossy(&answer).contains("client address unknown"));
+        assert_eq!(server.version(), 1);
+        served.abort();
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }

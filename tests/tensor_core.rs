@@ -998,13 +998,24 @@ fn in_place_writes_count_on_the_shared_storage() {
     let _ = x.add(&view).unwrap().exp().unwrap();
     assert_eq!(x.version(), 0, "ops do not write their inputs");
     x.copy_from(&t(&[0.0; 4], &[2, 2])).unwrap();
-    assert_eq!((x.version(), view.version(), x.detach().version()), (1, 1, 1));
+    assert_eq!(
+        (x.version(), view.version(), x.detach().version()),
+        (1, 1, 1)
+    );
     x.update_in_place(|v: &mut [f64]| v[0] = 5.0).unwrap();
     drop(x.data_mut::<f64>().unwrap());
     assert_eq!(view.version(), 3);
     // Another storage counts apart.
-    assert_eq!(x.contiguous().unwrap().version(), 3, "contiguous x is x itself");
-    assert_eq!(view.contiguous().unwrap().version(), 0, "a copy has its own count");
+    assert_eq!(
+        x.contiguous().unwrap().version(),
+        3,
+        "contiguous x is x itself"
+    );
+    assert_eq!(
+        view.contiguous().unwrap().version(),
+        0,
+        "a copy has its own count"
+    );
 }
 
 /// A backward refuses, naming its op, when a tensor its forward saved was written in place
@@ -1039,7 +1050,10 @@ fn backwards_refuse_saved_tensors_written_in_place_since_their_forward() {
     let y = a.matmul(&w).unwrap().sum_all().unwrap();
     w.copy_from(&t(&[0.0; 4], &[2, 2])).unwrap();
     y.backward().unwrap();
-    assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), vec![4.0, 4.0, 6.0, 6.0]);
+    assert_eq!(
+        w.grad().unwrap().to_vec::<f64>().unwrap(),
+        vec![4.0, 4.0, 6.0, 6.0]
+    );
 
     // A write through another view of the same storage.
     let p = t(&[1.0, 2.0, 3.0], &[3]).with_requires_grad(true);
@@ -1070,7 +1084,11 @@ fn backwards_refuse_saved_tensors_written_in_place_since_their_forward() {
     // softmax keeps its output; a write through data_mut counts like any other.
     let x = t(&[1.0, 2.0, 3.0], &[3]).with_requires_grad(true);
     let y = x.softmax(0).unwrap();
-    let loss = y.mul(&t(&[1.0, 0.0, 0.0], &[3])).unwrap().sum_all().unwrap();
+    let loss = y
+        .mul(&t(&[1.0, 0.0, 0.0], &[3]))
+        .unwrap()
+        .sum_all()
+        .unwrap();
     y.data_mut::<f64>().unwrap()[0] = 0.5;
     assert_eq!(modified_in_place(loss.backward()).0, "softmax");
 
@@ -1078,7 +1096,9 @@ fn backwards_refuse_saved_tensors_written_in_place_since_their_forward() {
     let x = t(&[1.0, 5.0, 2.0, 0.0], &[2, 2]).with_requires_grad(true);
     let (values, indices) = x.max_dim(1, false).unwrap();
     let loss = values.sum_all().unwrap();
-    indices.copy_from(&Tensor::from_slice(&[0i64, 0], &[2]).unwrap()).unwrap();
+    indices
+        .copy_from(&Tensor::from_slice(&[0i64, 0], &[2]).unwrap())
+        .unwrap();
     assert_eq!(modified_in_place(loss.backward()).0, "max");
 
     // The message says what happened and what to do.
@@ -1088,7 +1108,9 @@ fn backwards_refuse_saved_tensors_written_in_place_since_their_forward() {
     c.copy_from(&t(&[0.0, 0.0], &[2])).unwrap();
     let message = loss.backward().unwrap_err().to_string();
     assert!(
-        message.contains("`mul`") && message.contains("modified in place") && message.contains("[2]"),
+        message.contains("`mul`")
+            && message.contains("modified in place")
+            && message.contains("[2]"),
         "{message}"
     );
 }

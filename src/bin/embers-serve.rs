@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, ValueEnum};
 use embers::embedding::{CachePolicy, CacheSize, Placement, WeightType};
-use embers::serve::{BatcherConfig, RetrievalConfig, Server, ServerConfig};
+use embers::serve::{BatcherConfig, ReloadToken, RetrievalConfig, Server, ServerConfig};
 
 /// Serve a trained DLRM checkpoint over HTTP with dynamic batching.
 #[derive(Parser, Debug)]
@@ -94,6 +94,11 @@ struct Args {
     /// most 100000; an answer holds at most 2^20 results, queries × k).
     #[arg(long, default_value_t = 1000, requires = "retrieval_checkpoint")]
     max_k: usize,
+    /// A file whose first line is the token `POST …:reload` must carry
+    /// (`Authorization: Bearer <token>`; at least 16 characters), from any client. Without
+    /// it, only clients on this host's loopback interface may reload over HTTP.
+    #[arg(long)]
+    reload_token_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -176,6 +181,9 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 nprobe: args.nprobe,
                 max_k: args.max_k,
             }),
+        reload_token: (args.reload_token_file.as_deref())
+            .map(ReloadToken::from_file)
+            .transpose()?,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

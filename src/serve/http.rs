@@ -79,7 +79,77 @@ pub struct ServerConfig {
     /// A TwoTower retriever served beside the DLRM under the same name
     /// (`/v1/models/{name}:retrieve`), loaded and reloaded with it.
     pub retrieval: Option<RetrievalConfig>,
+    /// Who may reload over HTTP (`:reload`, each a whole model load). With a token, requests
+    /// carrying `Authorization: Bearer <token>`, from anywhere (401 otherwise); without one,
+    /// only clients on this host's loopback interface (403 from elsewhere, and from a router
+    /// served without [`Server::serve`], which alone knows the client's address). SIGHUP and
+    /// `--watch` reload regardless.
+    pub reload_token: Option<ReloadToken>,
 }
+
+/// The secret a `:reload` request must carry when the server has one
+/// ([`ServerConfig::reload_token`]). Its `Debug` shows no part of it.
+#[derive(Clone)]
+pub struct ReloadToken(String);
+
+impl ReloadToken {
+    /// The shortest token accepted: guessing it must be out of reach.
+    pub const MIN_LEN: usize = 16;
+
+    /// `token` as a reload token: at least [`MIN_LEN`](Self::MIN_LEN) visible ASCII
+    /// characters, no spaces (it travels in a header).
+    pub fn new(token: impl Into<String>) -> Result<ReloadToken> {
+        let token = token.into();
+        if token.len() < Self::MIN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Error::invalid(
+                "ReloadToken",
+                format!(
+                    "a reload token is at least {} visible ASCII characters without spaces \
+                     (got {} bytes{})",
+                    Self::MIN_LEN,
+                    token.len(),
+                    if token.bytes().all(|b| b.is_ascii_graphic()) {
+                        ""
+                    } else {
+                        ", some not visible ASCII"
+                    }
+                ),
+            ));
+        }
+        Ok(ReloadToken(token))
+    }
+
+    /// The token in the file at `path` (its first line; surrounding whitespace and the line
+    /// end are not part of it).
+    pub fn from_file(path: &std::path::Path) -> Result<ReloadToken> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        })?;
+        let first = text.lines().next().unwrap_or("").trim();
+        ReloadToken::new(first).map_err(|e| {
+            Error::invalid("ReloadToken::from_file", format!("{}: {e}", path.display()))
+        })
+    }
+
+    /// Whether `given` is the token, in time that does not depend on where they differ.
+    fn matches(&self, given: &[u8]) -> bool {
+        let want = self.0.as_bytes();
+        let differ = (want.iter().zip(given)).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        want.len() == given.len() && differ == 0
+    }
+}
+
+impl std::fmt::Debug for ReloadToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReloadToken(<redacted>)")
+    }
+}
+
+/// The address of the client of a connection [`Server::serve`] accepted, put into each of
+/// its requests' extensions.
+#[derive(Clone, Copy, Debug)]
+struct Peer(std::net::SocketAddr);
 
 /// The retrieval stage: a TwoTower trainer checkpoint and an IVF-PQ index of its candidates.
 #[derive(Clone, Debug)]
@@ -114,6 +184,7 @@ impl ServerConfig {
             header_timeout: Duration::from_secs(60),
             write_timeout: Duration::from_secs(30),
             retrieval: None,
+            reload_token: None,
         }
     }
 }
@@ -182,7 +253,7 @@ struct Shared {
 /// |---|---|
 /// | `POST /v1/models/{name}:predict` | scores rows: JSON (`application/json`) or Arrow IPC (`application/vnd.apache.arrow.stream`) in, the same format out |
 /// | `POST /v1/models/{name}:retrieve` | with a retrieval stage ([`ServerConfig::retrieval`]): `{"instances": [{"<query feature>": ids, …}], "k": 10}` → `{"ids": [[…]], "scores": [[…]]}`, each instance's `k` nearest candidates (TwoTower query tower → IVF-PQ), best first |
-/// | `POST /v1/models/{name}:reload` | loads the checkpoint file(s) again, checks them, swaps them in |
+/// | `POST /v1/models/{name}:reload` | loads the checkpoint file(s) again, checks them, swaps them in (loopback clients, or the [`ServerConfig::reload_token`]) |
 /// | `GET /v1/models/{name}` | the model's features, tasks, version and table format |
 /// | `GET /healthz` | 200 while the process runs |
 /// | `GET /readyz` | 200 while a model is loaded and the server is not draining, else 503 |
@@ -215,6 +286,8 @@ struct ApiError {
     kind: &'static str,
     message: String,
     retry_after: Option<Duration>,
+    /// A 401 that names the scheme the request must authenticate with (`WWW-Authenticate`).
+    challenge: bool,
 }
 
 impl ApiError {
@@ -224,6 +297,7 @@ impl ApiError {
             kind,
             message: message.into(),
             retry_after: None,
+            challenge: false,
         }
     }
     fn bad(kind: &'static str, message: impl Into<String>) -> Self {
@@ -267,6 +341,10 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        if self.challenge {
+            (response.headers_mut())
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -536,8 +614,8 @@ impl Server {
                 accepted = listener.accept() => accepted,
                 () = &mut shutdown => break,
             };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
+            let (stream, peer) = match accepted {
+                Ok(accepted) => accepted,
                 // A connection that failed before it was accepted: the next one may not.
                 Err(e) if is_connection_error(&e) => continue,
                 // Out of descriptors or memory: wait for connections to close, not spin.
@@ -562,7 +640,9 @@ impl Server {
             let _ = stream.set_nodelay(true);
             super::stall::limit_unsent(&stream);
             let stream = super::stall::WriteStallLimit::new(stream, write_timeout);
-            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            let service = hyper_util::service::TowerToHyperService::new(
+                router.clone().layer(axum::Extension(Peer(peer))),
+            );
             let (open_rx, mut stop_rx) = (open_rx.clone(), stop_rx.clone());
             tokio::spawn(async move {
                 let mut http = hyper::server::conn::http1::Builder::new();
@@ -715,6 +795,7 @@ async fn model_info(
 async fn model_post(
     State(server): State<Server>,
     target: std::result::Result<Path<String>, PathRejection>,
+    peer: Option<axum::Extension<Peer>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -726,7 +807,10 @@ async fn model_post(
     let (route, result) = match target.rsplit_once(':') {
         Some((name, "predict")) => ("predict", predict(&server, name, &headers, body).await),
         Some((name, "retrieve")) => ("retrieve", retrieve(&server, name, &headers, body).await),
-        Some((name, "reload")) => ("reload", reload(&server, name).await),
+        Some((name, "reload")) => {
+            let peer = peer.map(|p| p.0 .0);
+            ("reload", reload(&server, name, &headers, peer).await)
+        }
         _ => (
             "unknown",
             Err(ApiError::new(
@@ -756,7 +840,13 @@ async fn model_post(
     response
 }
 
-async fn reload(server: &Server, name: &str) -> std::result::Result<Response, ApiError> {
+async fn reload(
+    server: &Server,
+    name: &str,
+    headers: &HeaderMap,
+    peer: Option<std::net::SocketAddr>,
+) -> std::result::Result<Response, ApiError> {
+    authorize_reload(server.shared.config.reload_token.as_ref(), headers, peer)?;
     server.model(name)?;
     match server.reload().await {
         Ok(version) => Ok(axum::Json(json!({ "version": version })).into_response()),
@@ -771,6 +861,46 @@ async fn reload(server: &Server, name: &str) -> std::result::Result<Response, Ap
             StatusCode::INTERNAL_SERVER_ERROR,
             "reload_failed",
             format!("the old model keeps serving: {e}"),
+        )),
+    }
+}
+
+/// Whether a `:reload` request may reload ([`ServerConfig::reload_token`]).
+fn authorize_reload(
+    token: Option<&ReloadToken>,
+    headers: &HeaderMap,
+    peer: Option<std::net::SocketAddr>,
+) -> std::result::Result<(), ApiError> {
+    let Some(token) = token else {
+        // IPv4 clients of an IPv6 socket come as ::ffff:a.b.c.d.
+        return match peer {
+            Some(p) if p.ip().to_canonical().is_loopback() => Ok(()),
+            _ => Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "reload_forbidden",
+                format!(
+                    "reloads over HTTP come only from this host ({}) unless the server has \
+                     a reload token (--reload-token-file); SIGHUP and --watch reload too",
+                    peer.map_or("client address unknown".to_string(), |p| format!(
+                        "this client is {}",
+                        p.ip()
+                    ))
+                ),
+            )),
+        };
+    };
+    let given = (headers.get(header::AUTHORIZATION))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let refused = |message: &str| ApiError {
+        challenge: true,
+        ..ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    };
+    match given {
+        Some(g) if token.matches(g.trim().as_bytes()) => Ok(()),
+        Some(_) => Err(refused("the reload token does not match")),
+        None => Err(refused(
+            "a reload needs `Authorization: Bearer <token>`, the server's reload token",
         )),
     }
 }
@@ -1701,4 +1831,53 @@ async fn metrics(State(server): State<Server>) -> Response {
         write_cache_stats(&mut out, &caches);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a token only loopback clients reload, IPv4 ones on an IPv6 socket included;
+    /// with one, where the request comes from does not matter.
+    #[test]
+    fn reloads_without_a_token_come_from_loopback_only() {
+        let none = HeaderMap::new();
+        let at = |a: &str| Some(a.parse::<std::net::SocketAddr>().unwrap());
+        for ok in ["127.0.0.1:5000", "[::1]:5000", "[::ffff:127.0.0.1]:5000"] {
+            assert!(authorize_reload(None, &none, at(ok)).is_ok(), "{ok}");
+        }
+        for far in [
+            "10.1.2.3:5000",
+            "[2001:db8::1]:5000",
+            "[::ffff:10.1.2.3]:5000",
+        ] {
+            let e = authorize_reload(None, &none, at(far)).unwrap_err();
+            assert_eq!(
+                (e.status, e.kind),
+                (StatusCode::FORBIDDEN, "reload_forbidden")
+            );
+            assert!(
+                e.message
+                    .contains(far.rsplit_once(':').unwrap().0.trim_matches(['[', ']'])),
+                "{}",
+                e.message
+            );
+        }
+        let token = ReloadToken::new("0123456789abcdef").unwrap();
+        let mut carried = HeaderMap::new();
+        carried.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer 0123456789abcdef"),
+        );
+        assert!(authorize_reload(Some(&token), &carried, at("10.1.2.3:5000")).is_ok());
+        assert!(authorize_reload(Some(&token), &carried, None).is_ok());
+        let e = authorize_reload(Some(&token), &none, at("127.0.0.1:1")).unwrap_err();
+        assert_eq!((e.status, e.challenge), (StatusCode::UNAUTHORIZED, true));
+        // A prefix of the token, or the token and more, is not the token.
+        for near in ["Bearer 0123456789abcde", "Bearer 0123456789abcdef0"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_static(near));
+            assert!(authorize_reload(Some(&token), &h, None).is_err(), "{near}");
+        }
+    }
 }

@@ -23,7 +23,8 @@ pub use dlrm::{DlrmRow, DlrmServable};
 pub use histogram::Histogram;
 #[cfg(feature = "server")]
 pub use http::{
-    RetrievalConfig, Server, ServerConfig, ARROW_STREAM, BODY_RATE_GRACE, MAX_RETRIEVE_RESULTS,
+    ReloadToken, RetrievalConfig, Server, ServerConfig, ARROW_STREAM, BODY_RATE_GRACE,
+    MAX_RETRIEVE_RESULTS,
 };
 pub use retrieval::{RetrievalAnswer, RetrievalRow, RetrievalServable, MAX_RETRIEVAL_K};
 

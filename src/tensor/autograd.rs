@@ -24,6 +24,8 @@ use crate::{DType, Error, Result};
 /// `backward` receives the gradient of the op's output (same shape and dtype as the output) and
 /// returns one entry per input given to [`record_op`], in the same order: `None` where that input
 /// needs no gradient. It runs with gradient recording disabled, so it may freely use tensor ops.
+/// Tensors it reads that a caller could write in place (its inputs, its output) are best kept
+/// as [`SavedTensor`]s, which refuse values changed since the forward.
 pub trait BackwardOp: Send + Sync {
     /// Op name used in error messages.
     fn name(&self) -> &'static str;

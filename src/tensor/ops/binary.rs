@@ -78,12 +78,13 @@ impl BackwardOp for BinaryBackward {
                 )
             }
         };
-        let reduce = |g: Option<Tensor>, t: &SavedTensor, needed: bool| -> Result<Option<Gradient>> {
-            match g {
-                Some(g) if needed => Ok(Some(Gradient::Dense(g.sum_to_shape(t.shape())?))),
-                _ => Ok(None),
-            }
-        };
+        let reduce =
+            |g: Option<Tensor>, t: &SavedTensor, needed: bool| -> Result<Option<Gradient>> {
+                match g {
+                    Some(g) if needed => Ok(Some(Gradient::Dense(g.sum_to_shape(t.shape())?))),
+                    _ => Ok(None),
+                }
+            };
         Ok(vec![
             reduce(ga, &self.a, self.a_needs)?,
             reduce(gb, &self.b, self.b_needs)?,

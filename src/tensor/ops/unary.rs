@@ -50,27 +50,48 @@ macro_rules! unary_fn {
 
 unary_fn!(Neg, "neg", uses(false, false), |s, x| -x, |s, x, y| c(-1.0));
 unary_fn!(Exp, "exp", uses(false, true), |s, x| x.exp(), |s, x, y| y);
-unary_fn!(Log, "log", uses(true, false), |s, x| x.ln(), |s, x, y| x.recip());
-unary_fn!(Sqrt, "sqrt", uses(false, true), |s, x| x.sqrt(), |s, x, y| c::<T>(0.5) / y);
-unary_fn!(Abs, "abs", uses(true, false), |s, x| x.abs(), |s, x, y| if x > c(0.0) {
-    c(1.0)
-} else if x < c(0.0) {
-    c(-1.0)
-} else {
-    c(0.0)
-});
+unary_fn!(Log, "log", uses(true, false), |s, x| x.ln(), |s, x, y| x
+    .recip());
+unary_fn!(
+    Sqrt,
+    "sqrt",
+    uses(false, true),
+    |s, x| x.sqrt(),
+    |s, x, y| c::<T>(0.5) / y
+);
+unary_fn!(
+    Abs,
+    "abs",
+    uses(true, false),
+    |s, x| x.abs(),
+    |s, x, y| if x > c(0.0) {
+        c(1.0)
+    } else if x < c(0.0) {
+        c(-1.0)
+    } else {
+        c(0.0)
+    }
+);
 unary_fn!(
     Relu,
-    "relu", uses(true, false),
+    "relu",
+    uses(true, false),
     // NaN stays NaN, as PyTorch's relu keeps it (a `max` with 0 made it 0: a model whose
     // weights or inputs went NaN predicted numbers).
     |s, x| if x <= c(0.0) { c(0.0) } else { x },
     |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
 );
-unary_fn!(Tanh, "tanh", uses(false, true), |s, x| x.tanh(), |s, x, y| c::<T>(1.0) - y * y);
+unary_fn!(
+    Tanh,
+    "tanh",
+    uses(false, true),
+    |s, x| x.tanh(),
+    |s, x, y| c::<T>(1.0) - y * y
+);
 unary_fn!(
     Sigmoid,
-    "sigmoid", uses(false, true),
+    "sigmoid",
+    uses(false, true),
     |s, x| if x >= c(0.0) {
         c::<T>(1.0) / (c::<T>(1.0) + (-x).exp())
     } else {
@@ -82,7 +103,8 @@ unary_fn!(
 // Exact GELU: x·Φ(x), Φ the standard normal CDF (PyTorch's default `approximate='none'`).
 unary_fn!(
     Gelu,
-    "gelu", uses(true, false),
+    "gelu",
+    uses(true, false),
     |s, x| x * c(0.5 * (1.0 + libm::erf(x.to_f64() * std::f64::consts::FRAC_1_SQRT_2))),
     |s, x, y| {
         let xf = x.to_f64();
@@ -94,7 +116,8 @@ unary_fn!(
 // GELU with the tanh approximation (`approximate='tanh'`).
 unary_fn!(
     GeluTanh,
-    "gelu_tanh", uses(true, false),
+    "gelu_tanh",
+    uses(true, false),
     |s, x| {
         let k = (2.0 / std::f64::consts::PI).sqrt();
         let xf = x.to_f64();
