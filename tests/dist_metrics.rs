@@ -113,3 +113,92 @@ fn ranks_with_other_metrics_fail_naming_the_rank() {
         errors[1]
     );
 }
+
+/// A rank's window past its bound (batches and samples dropped) joins the others' whole:
+/// the global window is the union of every rank's window, not the last rank's (the merged
+/// state was trimmed back to one rank's width, dropping every rank but the last). Sum
+/// metrics over every rank's retained batches; AUC and AUPRC over every rank's last samples.
+#[test]
+fn global_windows_are_the_union_of_every_ranks_window() {
+    const SMALL: usize = 50;
+    let world = 3;
+    let small = || RecMetrics::new(&["ctr", "other"], &MetricKind::all(), SMALL).unwrap();
+    let got: Vec<BTreeMap<String, f64>> = on_ranks(world, Duration::from_secs(10), |comm| {
+        let mut m = small();
+        for b in batches(comm.rank()) {
+            update(&mut m, &b);
+        }
+        global_metrics(&comm, &m).unwrap()
+    });
+    // What each rank keeps: whole batches from the newest back while they fit in SMALL
+    // samples (at least one) for the sums; its last SMALL samples for AUC and AUPRC.
+    let wide = usize::MAX;
+    let (mut sums, mut samples) = (
+        RecMetrics::new(&["ctr", "other"], &MetricKind::all(), wide).unwrap(),
+        RecMetrics::new(&["ctr", "other"], &MetricKind::all(), wide).unwrap(),
+    );
+    let mut dropped = 0;
+    for r in 0..world {
+        let all = batches(r);
+        let mut kept = 0;
+        let mut held = 0;
+        for b in all.iter().rev() {
+            if kept > 0 && held + b[0].len() > SMALL {
+                break;
+            }
+            held += b[0].len();
+            kept += 1;
+        }
+        dropped += all.len() - kept;
+        for b in &all[all.len() - kept..] {
+            update(&mut sums, b);
+        }
+        let flat = |i: usize| -> Vec<f32> { all.iter().flat_map(|b| b[i].clone()).collect() };
+        let (p, y, p2, w) = (flat(0), flat(1), flat(2), flat(3));
+        let from = p.len().saturating_sub(SMALL);
+        update(
+            &mut samples,
+            &[
+                p[from..].to_vec(),
+                y[from..].to_vec(),
+                p2[from..].to_vec(),
+                w[from..].to_vec(),
+            ],
+        );
+    }
+    assert!(
+        dropped > 0,
+        "no rank's window dropped a batch: the test tests nothing"
+    );
+    let (sums, samples) = (sums.compute(), samples.compute());
+    for (r, values) in got.iter().enumerate() {
+        let mut compared = 0;
+        for (key, &g) in values.iter().filter(|(k, _)| k.contains("|window_")) {
+            let w = if key.starts_with("auc-") || key.starts_with("auprc-") {
+                samples[key]
+            } else {
+                sums[key]
+            };
+            assert!(
+                (g - w).abs() <= 1e-9 * w.abs().max(1.0),
+                "rank {r} {key}: {g}, the union of the windows: {w}"
+            );
+            compared += 1;
+        }
+        assert!(compared > 20, "{compared} window values");
+    }
+}
+
+#[test]
+fn ranks_with_other_windows_fail_naming_them() {
+    let errors: Vec<String> = on_ranks(2, Duration::from_secs(5), |comm| {
+        let window = if comm.rank() == 0 { 100 } else { 200 };
+        let m = RecMetrics::new(&["ctr"], &MetricKind::all(), window).unwrap();
+        global_metrics(&comm, &m).unwrap_err().to_string()
+    });
+    assert!(
+        errors[0].contains("`window size 100` here, `window size 200`"),
+        "{}",
+        errors[0]
+    );
+}

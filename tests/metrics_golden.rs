@@ -397,3 +397,57 @@ fn a_state_of_a_wider_window_loads_into_a_narrower_one() {
     let e = loaded.load_state_dict(&state).unwrap_err().to_string();
     assert!(e.contains(&format!("entry `{key}` value 0 is NaN")), "{e}");
 }
+
+/// A window's sums are its batches' sums, not what is left of a running sum after the
+/// batches that left were subtracted: three positive batches whose weights' sum rounds, then
+/// one negative batch alone in the window, reads as that batch alone (the running sum kept
+/// -2e-16 of positive weight, and calibration over it read -2.4e15).
+#[test]
+fn a_window_reads_as_its_batches_alone() {
+    let kinds = MetricKind::all();
+    let mut m = RecMetrics::new(&["t"], &kinds, 1).unwrap();
+    for w in [7.609_624_4e-6_f32, 6.515_93, 7.887_233_4e-12] {
+        m.update(&[&[0.5]], &[&[1.0]], Some(&[&[w]])).unwrap();
+    }
+    let last = ([0.5f32], [0.0f32], [1.0f32]);
+    m.update(&[&last.0], &[&last.1], Some(&[&last.2])).unwrap();
+    let mut alone = RecMetrics::new(&["t"], &kinds, 1).unwrap();
+    alone
+        .update(&[&last.0], &[&last.1], Some(&[&last.2]))
+        .unwrap();
+    let (got, want) = (m.compute(), alone.compute());
+    let windowed: Vec<_> = want.keys().filter(|k| k.contains("|window_")).collect();
+    assert!(windowed.len() > 10, "{windowed:?}");
+    for key in windowed {
+        assert_eq!(
+            got[key].to_bits(),
+            want[key].to_bits(),
+            "{key}: {} in the window, {} alone",
+            got[key],
+            want[key]
+        );
+    }
+}
+
+/// Tasks of one name overwrote each other's values; a name holding the separator of a
+/// value's name, a metric asked for twice, or none, are refused too.
+#[test]
+fn metrics_of_colliding_names_are_refused() {
+    let all = MetricKind::all();
+    for (tasks, kinds, says) in [
+        (&["ctr", "ctr"][..], &all[..], "named twice"),
+        (&["a|b"], &all, "without `|`"),
+        (&[""], &all, "non-empty"),
+        (
+            &["ctr"],
+            &[MetricKind::Auc, MetricKind::Auc],
+            "asked for twice",
+        ),
+        (&["ctr"], &[], "one metric"),
+    ] {
+        let err = RecMetrics::new(tasks, kinds, 10).unwrap_err().to_string();
+        assert!(err.contains(says), "{tasks:?} {kinds:?}: {err}");
+    }
+    // Names a trainer takes (letters, digits, `_`, `.`) stay usable.
+    RecMetrics::new(&["click.v2", "like_rate", "a-b"], &all, 10).unwrap();
+}

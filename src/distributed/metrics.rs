@@ -2,10 +2,10 @@
 //! batches; [`global_metrics`] gathers their states so that every rank gets the values one
 //! process that saw all the data would compute (TorchRec's metric reduction across ranks).
 //!
-//! Lifetime and window sums and the lifetime AUC/AUPRC histograms add up across ranks; the
-//! windows' samples are concatenated in rank order. A window is therefore the union of every
-//! rank's window: give each rank `window / W` samples for a global window of `window` (as
-//! TorchRec does).
+//! Lifetime sums and the lifetime AUC/AUPRC histograms add up across ranks; the windows'
+//! batches and samples are concatenated in rank order, and nothing of them is dropped. A
+//! window is therefore the union of every rank's window: give each rank `window / W`
+//! samples for a global window of `window` (as TorchRec does).
 
 use std::collections::BTreeMap;
 
@@ -33,17 +33,18 @@ fn concatenated(key: &str) -> Result<bool> {
 /// whose metrics are configured differently fail, naming the rank and the entry.
 pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<String, f64>> {
     let state = metrics.state_dict();
-    // Keys (their names and sizes) first: every rank must hold the same entries.
-    let mut header: Vec<u8> = Vec::new();
+    // The window's size and the keys (their names and sizes) first: every rank must hold the
+    // same entries.
+    let mut names = vec![format!("window size {}", metrics.window_size())];
     let mut lengths: Vec<u64> = Vec::with_capacity(state.len());
     let mut values: Vec<f64> = Vec::new();
     for (key, v) in &state {
         concatenated(key)?;
-        header.extend_from_slice(key.as_bytes());
-        header.push(0);
+        names.push(key.clone());
         lengths.push(v.len() as u64);
         values.extend_from_slice(v);
     }
+    let header: Vec<u8> = names.iter().flat_map(|k| k.bytes().chain([0])).collect();
     let headers = comm.all_gather_v("metrics.keys", &header, None)?;
     let rank = comm.rank();
     if let Some(other) = (0..comm.size()).find(|&r| headers[r] != header) {
@@ -51,10 +52,10 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
             .filter(|k| !k.is_empty())
             .map(|k| String::from_utf8_lossy(k).to_string())
             .collect();
-        let differs = (state.keys().zip(&theirs))
+        let differs = (names.iter().zip(&theirs))
             .find(|(a, b)| a != b)
-            .map(|(a, _)| a.clone())
-            .unwrap_or_else(|| format!("{} entries against {}", state.len(), theirs.len()));
+            .map(|(a, b)| format!("{a}` here, `{b}"))
+            .unwrap_or_else(|| format!("{} entries against {}", names.len(), theirs.len()));
         return Err(Error::Distributed(format!(
             "rank {rank}: rank {other}'s metrics are configured differently (first difference: \
              `{differs}`)"
@@ -103,7 +104,8 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
         }
         merged.insert(key.clone(), out);
     }
-    let mut global = metrics.clone();
+    // Every rank's window whole: the union is up to W windows wide.
+    let mut global = metrics.with_window_size(usize::MAX)?;
     global.load_state_dict(&merged)?;
     Ok(global.compute())
 }

@@ -54,7 +54,6 @@ impl MetricKind {
 struct SumState {
     kind: SumKind,
     lifetime: Vec<f64>,
-    window: Vec<f64>,
     /// Per batch in the window: sample count and state delta.
     batches: VecDeque<(usize, Vec<f64>)>,
     window_samples: usize,
@@ -66,7 +65,6 @@ impl SumState {
         SumState {
             kind,
             lifetime: vec![0.0; n],
-            window: vec![0.0; n],
             batches: VecDeque::new(),
             window_samples: 0,
         }
@@ -75,10 +73,10 @@ impl SumState {
     fn update(&mut self, p: &[f32], y: &[f32], w: &[f32], window_size: usize) {
         let mut delta = vec![0.0; self.kind.state_len()];
         self.kind.accumulate(&mut delta, p, y, w);
-        for ((l, w), d) in self.lifetime.iter_mut().zip(&mut self.window).zip(&delta) {
-            *l += d;
-            *w += d;
-        }
+        self.lifetime
+            .iter_mut()
+            .zip(&delta)
+            .for_each(|(l, d)| *l += d);
         self.batches.push_back((p.len(), delta));
         self.window_samples += p.len();
         self.trim(window_size);
@@ -88,10 +86,20 @@ impl SumState {
     /// more than one batch.
     fn trim(&mut self, window_size: usize) {
         while self.window_samples > window_size && self.batches.len() > 1 {
-            let (n, old) = self.batches.pop_front().expect("len > 1");
+            let (n, _) = self.batches.pop_front().expect("len > 1");
             self.window_samples -= n;
-            self.window.iter_mut().zip(&old).for_each(|(s, d)| *s -= d);
         }
+    }
+
+    /// The window's state: its batches' deltas summed afresh, oldest first. (A running sum
+    /// that subtracted evicted batches kept their rounding: a window whose every label was 0
+    /// read a positive weight of 1e-17, and precision or calibration over it garbage.)
+    fn window(&self) -> Vec<f64> {
+        let mut sum = vec![0.0; self.kind.state_len()];
+        for (_, d) in &self.batches {
+            sum.iter_mut().zip(d).for_each(|(s, d)| *s += d);
+        }
+        sum
     }
 }
 
@@ -146,12 +154,36 @@ impl RecMetrics {
         (self.kinds.iter()).any(|k| !matches!(k, MetricKind::Sum(SumKind::Mse | SumKind::Mae)))
     }
 
-    /// Metrics `kinds` for `tasks`, with windows of `window_size` samples.
+    /// Metrics `kinds` for `tasks`, with windows of `window_size` samples. Task names are
+    /// distinct, non-empty and free of `|` (which ends the task in a value's name); kinds
+    /// are distinct and at least one.
     pub fn new(tasks: &[&str], kinds: &[MetricKind], window_size: usize) -> Result<Self> {
-        if tasks.is_empty() || window_size == 0 {
+        if tasks.is_empty() || window_size == 0 || kinds.is_empty() {
             return Err(Error::invalid(
                 "RecMetrics::new",
-                "need at least one task and a window of at least one sample",
+                "need at least one task, one metric and a window of at least one sample",
+            ));
+        }
+        // Two tasks of one name shared their values' and their states' names: one overwrote
+        // the other without a word.
+        for (i, task) in tasks.iter().enumerate() {
+            if task.is_empty() || task.contains('|') {
+                return Err(Error::invalid(
+                    "RecMetrics::new",
+                    format!("task name {task:?} must be non-empty, without `|`"),
+                ));
+            }
+            if tasks[..i].contains(task) {
+                return Err(Error::invalid(
+                    "RecMetrics::new",
+                    format!("task {task:?} is named twice"),
+                ));
+            }
+        }
+        if let Some(i) = (1..kinds.len()).find(|&i| kinds[..i].contains(&kinds[i])) {
+            return Err(Error::invalid(
+                "RecMetrics::new",
+                format!("metric {:?} is asked for twice", kinds[i]),
             ));
         }
         let wants = |k: MetricKind| kinds.contains(&k);
@@ -183,6 +215,28 @@ impl RecMetrics {
     /// The task names.
     pub fn tasks(&self) -> &[String] {
         &self.tasks
+    }
+
+    /// The window's size in samples.
+    pub fn window_size(&self) -> usize {
+        self.window_size
+    }
+
+    /// These metrics with windows of `window_size` samples (the state kept, trimmed to the
+    /// new width when narrower).
+    pub fn with_window_size(&self, window_size: usize) -> Result<RecMetrics> {
+        if window_size == 0 {
+            return Err(Error::invalid(
+                "RecMetrics::with_window_size",
+                "a window holds at least one sample",
+            ));
+        }
+        let mut out = self.clone();
+        out.window_size = window_size;
+        for state in &mut out.states {
+            state.trim(window_size);
+        }
+        Ok(out)
     }
 
     /// Adds a batch: per task, predictions (probabilities), labels and optional weights (1 if
@@ -282,7 +336,7 @@ impl RecMetrics {
                 for (name, v) in s.kind.values(&s.lifetime) {
                     out.insert(format!("{ns}-{task}|lifetime_{name}"), v);
                 }
-                for (name, v) in s.kind.values(&s.window) {
+                for (name, v) in s.kind.values(&s.window()) {
                     out.insert(format!("{ns}-{task}|window_{name}"), v);
                 }
             }
@@ -310,7 +364,8 @@ impl RecMetrics {
             for s in &state.sums {
                 let ns = s.kind.namespace();
                 out.insert(format!("{ns}-{task}.lifetime"), s.lifetime.clone());
-                out.insert(format!("{ns}-{task}.window"), s.window.clone());
+                // Written for readers of the format; a load sums the batches again.
+                out.insert(format!("{ns}-{task}.window"), s.window());
                 let batches = s
                     .batches
                     .iter()
@@ -370,7 +425,8 @@ impl RecMetrics {
             for s in &mut state.sums {
                 let (ns, n) = (s.kind.namespace(), s.kind.state_len());
                 s.lifetime = get(format!("{ns}-{task}.lifetime"), Some(n))?.clone();
-                s.window = get(format!("{ns}-{task}.window"), Some(n))?.clone();
+                // Checked like every entry, then recomputed from the batches.
+                get(format!("{ns}-{task}.window"), Some(n))?;
                 let flat = get(format!("{ns}-{task}.batches"), None)?;
                 if flat.len() % (n + 1) != 0 {
                     return Err(Error::invalid(
@@ -431,13 +487,21 @@ impl RecMetrics {
         // A state saved with a wider window reports over this one's from the start (it
         // reported over the saved width until the next update).
         for state in &mut restored {
-            for s in &mut state.sums {
-                s.trim(self.window_size);
-            }
-            let excess = state.recent.len().saturating_sub(self.window_size);
-            state.recent.drain(..excess);
+            state.trim(self.window_size);
         }
         self.states = restored;
         Ok(())
+    }
+}
+
+impl TaskState {
+    /// Keeps at most `window_size` samples of the windows (sum windows: whole batches, at
+    /// least one).
+    fn trim(&mut self, window_size: usize) {
+        for s in &mut self.sums {
+            s.trim(window_size);
+        }
+        let excess = self.recent.len().saturating_sub(window_size);
+        self.recent.drain(..excess);
     }
 }
