@@ -86,7 +86,7 @@ __device__ __forceinline__ float unary_derivative(int op, float x, float y, floa
     case 2: return 1.0f / x;
     case 3: return 0.5f / y;
     case 4: return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
-    case 5: return x > 0.0f ? 1.0f : 0.0f;
+    case 5: return y > 0.0f ? 1.0f : 0.0f;  // relu: its output is what the backward keeps
     case 6: return 1.0f - y * y;
     case 7: return y * (1.0f - y);
     case 8: {

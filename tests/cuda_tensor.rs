@@ -887,3 +887,50 @@ fn integer_arithmetic_wraps_and_checks_divisors_as_on_the_cpu() {
     assert_eq!(err, num.div(&zero).unwrap_err().to_string());
     assert!(err.contains("position 1"), "{err}");
 }
+
+/// `copy_from` into a device tensor takes strided and self-overlapping sources (a transposed
+/// device source was refused), counts one write on success and none on a refusal, and a
+/// backward that saved the destination refuses it afterwards, as on the CPU.
+#[test]
+fn copies_into_device_tensors_count_as_writes() {
+    let Some(dev) = device() else {
+        return;
+    };
+    let values = randn(&[3, 4], 71);
+    let dst = values.to_device(dev).unwrap();
+    let src = randn(&[4, 3], 72).to_device(dev).unwrap();
+    dst.copy_from(&src.t().unwrap()).unwrap();
+    assert_eq!(dst.version(), 1);
+    assert_close(
+        "copy of a transposed device source",
+        &host(&dst),
+        &host(&src).t().unwrap().contiguous().unwrap(),
+        0.0,
+    );
+    // Its own transpose (a square view of its storage): read whole before any is written.
+    let square = randn(&[3, 3], 73).to_device(dev).unwrap();
+    let before = host(&square);
+    square.copy_from(&square.t().unwrap()).unwrap();
+    assert_close(
+        "copy of its own transpose",
+        &host(&square),
+        &before.t().unwrap().contiguous().unwrap(),
+        0.0,
+    );
+    // A refused copy writes nothing and counts nothing.
+    assert!(dst.copy_from(&randn(&[2, 2], 74)).is_err());
+    assert_eq!(dst.version(), 1);
+    // A product's backward that reads the destination refuses it once written.
+    let w = randn(&[4, 2], 75)
+        .to_device(dev)
+        .unwrap()
+        .with_requires_grad(true);
+    let loss = dst.matmul(&w).unwrap().sum_all().unwrap();
+    dst.copy_from(&values).unwrap();
+    match loss.backward() {
+        Err(Error::ModifiedInPlace { op, saved, now, .. }) => {
+            assert_eq!((op, saved, now), ("matmul", 1, 2));
+        }
+        other => panic!("expected ModifiedInPlace, got {other:?}"),
+    }
+}

@@ -127,14 +127,15 @@ pub(super) fn step(
     let (n, row_len, rows) = (n as i64, row_len as i64, rows.as_ref());
     args.extend([&values as &dyn KernelArg, &n, &rows, &row_len]);
     args.extend_from_slice(scalars);
-    // Writes in place: counted for the backwards that saved them (`Tensor::version`).
-    w.mark_modified();
-    state.iter().flatten().for_each(|s| s.mark_modified());
     // The parameter and its state are contiguous f32 buffers of w.numel() elements; the
     // gradient holds n elements, either all of w's or `rows` (checked above) of row_len each.
     device.launch(
         OPTIM.kernel(kernel),
         LaunchConfig::linear(n as usize, THREADS),
         &args,
-    )
+    )?;
+    // Writes in place: counted for the backwards that saved them (`Tensor::version`).
+    w.mark_modified();
+    state.iter().flatten().for_each(|s| s.mark_modified());
+    Ok(())
 }

@@ -164,47 +164,67 @@ impl Gradient {
 /// changes them.
 #[derive(Clone)]
 pub struct SavedTensor {
-    tensor: Tensor,
+    /// `None` when only the description was kept ([`SavedTensor::new_if`]).
+    tensor: Option<Tensor>,
     version: u64,
+    shape: Vec<usize>,
+    dtype: DType,
+    device: crate::Device,
 }
 
 impl SavedTensor {
     /// Saves `tensor` (a handle; nothing is copied) at its current version.
     pub fn new(tensor: &Tensor) -> SavedTensor {
+        SavedTensor::new_if(true, tensor)
+    }
+
+    /// Saves `tensor` when the backward may read its values (`keep`), else only its shape,
+    /// dtype and device: the values are not held alive for nothing (as PyTorch saves only
+    /// what a wanted gradient reads), and a write to them is no concern of this backward.
+    pub fn new_if(keep: bool, tensor: &Tensor) -> SavedTensor {
         SavedTensor {
-            tensor: tensor.clone(),
+            tensor: keep.then(|| tensor.clone()),
             version: tensor.version(),
+            shape: tensor.shape().to_vec(),
+            dtype: tensor.dtype(),
+            device: tensor.device(),
         }
     }
 
     /// The saved tensor, for the backward of `op`; an error if it was written in place since
-    /// it was saved.
+    /// it was saved, or if only its description was kept.
     pub fn get(&self, op: &'static str) -> Result<&Tensor> {
-        let now = self.tensor.version();
+        let tensor = self.tensor.as_ref().ok_or_else(|| {
+            Error::Backward(format!(
+                "`{op}`'s forward kept only the shape {:?} of a tensor its backward reads",
+                self.shape
+            ))
+        })?;
+        let now = tensor.version();
         if now != self.version {
             return Err(Error::ModifiedInPlace {
                 op,
-                shape: self.tensor.shape().to_vec(),
+                shape: self.shape.clone(),
                 saved: self.version,
                 now,
             });
         }
-        Ok(&self.tensor)
+        Ok(tensor)
     }
 
     /// The saved tensor's shape.
     pub fn shape(&self) -> &[usize] {
-        self.tensor.shape()
+        &self.shape
     }
 
     /// The saved tensor's dtype.
     pub fn dtype(&self) -> DType {
-        self.tensor.dtype()
+        self.dtype
     }
 
     /// The saved tensor's device.
     pub fn device(&self) -> crate::Device {
-        self.tensor.device()
+        self.device
     }
 }
 

@@ -425,7 +425,6 @@ impl Tensor {
             ));
         }
         let mut guard = self.0.storage.data.write();
-        self.mark_modified();
         let dtype = self.dtype();
         let data = T::slice_mut(guard.cpu_mut("update_in_place")?).ok_or(Error::DTypeMismatch {
             op: "update_in_place",
@@ -433,6 +432,8 @@ impl Tensor {
             rhs: T::DTYPE,
         })?;
         let (o, n) = (self.0.layout.offset(), self.numel());
+        // Counted once the write can no longer be refused (under the lock).
+        self.mark_modified();
         Ok(f(&mut data[o..o + n]))
     }
 
@@ -450,8 +451,7 @@ impl Tensor {
         let dtype = self.dtype();
         let guard = self.0.storage.data.write();
         guard.cpu("data_mut")?;
-        self.mark_modified();
-        RwLockWriteGuard::try_map(guard, |s| match s {
+        let guard = RwLockWriteGuard::try_map(guard, |s| match s {
             Storage::Cpu(cpu) => T::slice_mut(cpu).map(|d| &mut d[o..o + n]),
             Storage::Cuda(_) => None,
         })
@@ -459,7 +459,10 @@ impl Tensor {
             op: "data_mut",
             lhs: dtype,
             rhs: T::DTYPE,
-        })
+        })?;
+        // Counted once the write can no longer be refused (under the lock).
+        self.mark_modified();
+        Ok(guard)
     }
 
     /// Moves this leaf's values to `device` in place: every handle on it (a module's parameter,

@@ -150,9 +150,13 @@ fn check_bags(op: &'static str, offsets: &[i64], rows: usize, batch: usize) -> R
     Ok(())
 }
 
+/// Keeps `x` only when `y`'s gradient is wanted and `y` only when `x`'s is (each gradient
+/// reads the other operand).
 struct JaggedDenseBmmBackward {
     x: SavedTensor,
     y: SavedTensor,
+    x_needs: bool,
+    y_needs: bool,
     offsets: Arc<Vec<i64>>,
     max_l: usize,
     storage: DType,
@@ -163,22 +167,36 @@ impl BackwardOp for JaggedDenseBmmBackward {
         "jagged_dense_bmm"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let x = self.x.get(self.name())?;
-        let y = self.y.get(self.name())?;
-        let g = grad_output.cast_values(x.dtype())?;
-        let (batch, k, n) = (y.shape()[0], y.shape()[1], y.shape()[2]);
-        let (gx, gy) = with_float!(x.dtype(), "jagged_dense_bmm", T => {
-            let (xs, ys) = (x.shape(), y.shape());
-            let (x, y, g) = (x.to_vec::<T>()?, y.to_vec::<T>()?, g.to_vec::<T>()?);
-            let yt = transpose_batches(&y, batch, k, n);
-            let gx = jagged_dense_bmm_kernel(&g, &self.offsets, &yt, n, k, self.max_l);
-            let gy = jagged_jagged_bmm_kernel(&x, &g, &self.offsets, k, n, self.max_l);
-            (Tensor::from_vec(gx, xs)?, Tensor::from_vec(gy, ys)?)
+        let g = grad_output.cast_values(self.x.dtype())?;
+        let (xs, ys) = (self.x.shape(), self.y.shape());
+        let (batch, k, n) = (ys[0], ys[1], ys[2]);
+        let (gx, gy) = with_float!(self.x.dtype(), "jagged_dense_bmm", T => {
+            let g = g.to_vec::<T>()?;
+            let gx = match self.x_needs {
+                true => {
+                    let y = self.y.get(self.name())?.to_vec::<T>()?;
+                    let yt = transpose_batches(&y, batch, k, n);
+                    let gx = jagged_dense_bmm_kernel(&g, &self.offsets, &yt, n, k, self.max_l);
+                    Some(Tensor::from_vec(gx, xs)?)
+                }
+                false => None,
+            };
+            let gy = match self.y_needs {
+                true => {
+                    let x = self.x.get(self.name())?.to_vec::<T>()?;
+                    let gy = jagged_jagged_bmm_kernel(&x, &g, &self.offsets, k, n, self.max_l);
+                    Some(Tensor::from_vec(gy, ys)?)
+                }
+                false => None,
+            };
+            (gx, gy)
         });
-        Ok(vec![
-            Some(Gradient::Dense(gx.cast_values(self.storage)?)),
-            Some(Gradient::Dense(gy.cast_values(self.storage)?)),
-        ])
+        let dense = |t: Option<Tensor>| -> Result<Option<Gradient>> {
+            Ok(t.map(|t| t.cast_values(self.storage))
+                .transpose()?
+                .map(Gradient::Dense))
+        };
+        Ok(vec![dense(gx)?, dense(gy)?])
     }
 }
 
@@ -214,8 +232,10 @@ pub fn jagged_dense_bmm(
         out,
         &[x_values, y],
         JaggedDenseBmmBackward {
-            x: SavedTensor::new(&ops[0]),
-            y: SavedTensor::new(&ops[1]),
+            x: SavedTensor::new_if(y.requires_grad(), &ops[0]),
+            y: SavedTensor::new_if(x_values.requires_grad(), &ops[1]),
+            x_needs: x_values.requires_grad(),
+            y_needs: y.requires_grad(),
             offsets: Arc::new(offsets),
             max_l,
             storage,
@@ -223,9 +243,13 @@ pub fn jagged_dense_bmm(
     ))
 }
 
+/// Keeps `x` only when `y`'s gradient is wanted and `y` only when `x`'s is (each gradient
+/// reads the other operand).
 struct JaggedJaggedBmmBackward {
     x: SavedTensor,
     y: SavedTensor,
+    x_needs: bool,
+    y_needs: bool,
     offsets: Arc<Vec<i64>>,
     max_l: usize,
     storage: DType,
@@ -236,22 +260,36 @@ impl BackwardOp for JaggedJaggedBmmBackward {
         "jagged_jagged_bmm"
     }
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Gradient>>> {
-        let x = self.x.get(self.name())?;
-        let y = self.y.get(self.name())?;
-        let g = grad_output.cast_values(x.dtype())?;
+        let g = grad_output.cast_values(self.x.dtype())?;
         let (batch, m, n) = (g.shape()[0], g.shape()[1], g.shape()[2]);
-        let (gx, gy) = with_float!(x.dtype(), "jagged_jagged_bmm", T => {
-            let (xs, ys) = (x.shape(), y.shape());
-            let (x, y, g) = (x.to_vec::<T>()?, y.to_vec::<T>()?, g.to_vec::<T>()?);
-            let gt = transpose_batches(&g, batch, m, n);
-            let gx = jagged_dense_bmm_kernel(&y, &self.offsets, &gt, n, m, self.max_l);
-            let gy = jagged_dense_bmm_kernel(&x, &self.offsets, &g, m, n, self.max_l);
-            (Tensor::from_vec(gx, xs)?, Tensor::from_vec(gy, ys)?)
+        let (xs, ys) = (self.x.shape(), self.y.shape());
+        let (gx, gy) = with_float!(self.x.dtype(), "jagged_jagged_bmm", T => {
+            let g = g.to_vec::<T>()?;
+            let gx = match self.x_needs {
+                true => {
+                    let y = self.y.get(self.name())?.to_vec::<T>()?;
+                    let gt = transpose_batches(&g, batch, m, n);
+                    let gx = jagged_dense_bmm_kernel(&y, &self.offsets, &gt, n, m, self.max_l);
+                    Some(Tensor::from_vec(gx, xs)?)
+                }
+                false => None,
+            };
+            let gy = match self.y_needs {
+                true => {
+                    let x = self.x.get(self.name())?.to_vec::<T>()?;
+                    let gy = jagged_dense_bmm_kernel(&x, &self.offsets, &g, m, n, self.max_l);
+                    Some(Tensor::from_vec(gy, ys)?)
+                }
+                false => None,
+            };
+            (gx, gy)
         });
-        Ok(vec![
-            Some(Gradient::Dense(gx.cast_values(self.storage)?)),
-            Some(Gradient::Dense(gy.cast_values(self.storage)?)),
-        ])
+        let dense = |t: Option<Tensor>| -> Result<Option<Gradient>> {
+            Ok(t.map(|t| t.cast_values(self.storage))
+                .transpose()?
+                .map(Gradient::Dense))
+        };
+        Ok(vec![dense(gx)?, dense(gy)?])
     }
 }
 
@@ -288,8 +326,10 @@ pub fn jagged_jagged_bmm(
         out,
         &[x_values, y_values],
         JaggedJaggedBmmBackward {
-            x: SavedTensor::new(&ops[0]),
-            y: SavedTensor::new(&ops[1]),
+            x: SavedTensor::new_if(y_values.requires_grad(), &ops[0]),
+            y: SavedTensor::new_if(x_values.requires_grad(), &ops[1]),
+            x_needs: x_values.requires_grad(),
+            y_needs: y_values.requires_grad(),
             offsets: Arc::new(offs),
             max_l,
             storage,

@@ -22,6 +22,8 @@ fn binary_values(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     with_backend!(a.device(), B => B::binary(op, a, b))
 }
 
+/// The backward of `a op b`: keeps an operand only when a wanted gradient reads it (a sum
+/// keeps none; a product `a·b` whose `b` alone needs a gradient keeps only `a`).
 struct BinaryBackward {
     kind: BinaryOp,
     a: SavedTensor,
@@ -36,8 +38,8 @@ impl BackwardOp for BinaryBackward {
     }
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Gradient>>> {
         let op = self.kind.name();
-        // Values are read only by the gradients that need them (a sum needs none), each
-        // checked unchanged since the forward.
+        // Values are read only by the gradients that need them, each checked unchanged since
+        // the forward.
         let (a, b) = (|| self.a.get(op), || self.b.get(op));
         // Only the gradients an input needs are computed (a subtraction from a constant does
         // not negate a whole gradient for nothing).
@@ -79,15 +81,15 @@ impl BackwardOp for BinaryBackward {
             }
         };
         let reduce =
-            |g: Option<Tensor>, t: &SavedTensor, needed: bool| -> Result<Option<Gradient>> {
+            |g: Option<Tensor>, shape: &[usize], needed: bool| -> Result<Option<Gradient>> {
                 match g {
-                    Some(g) if needed => Ok(Some(Gradient::Dense(g.sum_to_shape(t.shape())?))),
+                    Some(g) if needed => Ok(Some(Gradient::Dense(g.sum_to_shape(shape)?))),
                     _ => Ok(None),
                 }
             };
         Ok(vec![
-            reduce(ga, &self.a, self.a_needs)?,
-            reduce(gb, &self.b, self.b_needs)?,
+            reduce(ga, self.a.shape(), self.a_needs)?,
+            reduce(gb, self.b.shape(), self.b_needs)?,
         ])
     }
 }
@@ -95,15 +97,24 @@ impl BackwardOp for BinaryBackward {
 fn binary(kind: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let out = binary_values(kind, a, b)?;
     if out.dtype().is_float() {
+        let (a_needs, b_needs) = (a.requires_grad(), b.requires_grad());
+        // Which operand each wanted gradient reads: d(a·b)/da = b, d(a/b)/db = −a/b², a
+        // maximum compares both.
+        let (reads_a, reads_b) = match kind {
+            BinaryOp::Add | BinaryOp::Sub => (false, false),
+            BinaryOp::Mul => (b_needs, a_needs),
+            BinaryOp::Div => (b_needs, a_needs || b_needs),
+            BinaryOp::Maximum | BinaryOp::Minimum => (true, true),
+        };
         Ok(record_op(
             out,
             &[a, b],
             BinaryBackward {
                 kind,
-                a: SavedTensor::new(&a.detach()),
-                b: SavedTensor::new(&b.detach()),
-                a_needs: a.requires_grad(),
-                b_needs: b.requires_grad(),
+                a: SavedTensor::new_if(reads_a, &a.detach()),
+                b: SavedTensor::new_if(reads_b, &b.detach()),
+                a_needs,
+                b_needs,
             },
         ))
     } else {

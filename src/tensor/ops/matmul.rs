@@ -170,8 +170,9 @@ impl Tensor {
             out,
             &[self, rhs],
             MatmulBackward {
-                a: SavedTensor::new(&self.detach()),
-                b: SavedTensor::new(&rhs.detach()),
+                // dA reads B, dB reads A: each kept only when the other's gradient is wanted.
+                a: SavedTensor::new_if(rhs.requires_grad(), &self.detach()),
+                b: SavedTensor::new_if(self.requires_grad(), &rhs.detach()),
                 a_needs: self.requires_grad(),
                 b_needs: rhs.requires_grad(),
                 a_transposed: is_transposed(self),
@@ -237,8 +238,10 @@ impl Tensor {
             &inputs,
             LinearBackward {
                 // Without their history: saved operands do not keep the graph alive twice.
-                x: SavedTensor::new(&self.detach()),
-                w: SavedTensor::new(&weight.detach()),
+                // dx reads W, dW reads x: each kept only when the other's gradient is wanted
+                // (a first layer on data keeps its input, not its weights).
+                x: SavedTensor::new_if(weight.requires_grad(), &self.detach()),
+                w: SavedTensor::new_if(self.requires_grad(), &weight.detach()),
                 x_needs: self.requires_grad(),
                 w_needs: weight.requires_grad(),
                 has_bias: bias.is_some(),

@@ -75,11 +75,13 @@ unary_fn!(
 unary_fn!(
     Relu,
     "relu",
-    uses(true, false),
+    // The output says as much as the input (y > 0 exactly where x > 0, NaN included): it
+    // alone is kept, as PyTorch keeps it, so a layer's pre-activation is freed.
+    uses(false, true),
     // NaN stays NaN, as PyTorch's relu keeps it (a `max` with 0 made it 0: a model whose
     // weights or inputs went NaN predicted numbers).
     |s, x| if x <= c(0.0) { c(0.0) } else { x },
-    |s, x, y| if x > c(0.0) { c(1.0) } else { c(0.0) }
+    |s, x, y| if y > c(0.0) { c(1.0) } else { c(0.0) }
 );
 unary_fn!(
     Tanh,
@@ -293,5 +295,61 @@ impl Tensor {
             ));
         }
         unary(self, Clamp { min, max })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `df` reads only what its `USES_X`/`USES_Y` say: the backward keeps only those (and
+    /// hands the gradient in place of the other), so a derivative that read a value it
+    /// declared unused would compute from the gradient's values.
+    fn reads_only_what_it_declares<F: UnaryFn>(f: F) {
+        for x in [-2.5f64, -0.5, 0.0, 0.25, 0.5, 1.5, 3.0] {
+            let y = f.f(x);
+            if !y.is_finite() {
+                continue;
+            }
+            let want = f.df(x, y);
+            for junk in [f64::NAN, 7.0, -7.0] {
+                if !F::USES_Y {
+                    let got = f.df(x, junk);
+                    assert!(
+                        got.to_bits() == want.to_bits(),
+                        "{} read y at x = {x}",
+                        F::NAME
+                    );
+                }
+                if !F::USES_X {
+                    let got = f.df(junk, y);
+                    assert!(
+                        got.to_bits() == want.to_bits(),
+                        "{} read x at x = {x}",
+                        F::NAME
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn derivatives_read_only_the_values_they_declare() {
+        reads_only_what_it_declares(Neg);
+        reads_only_what_it_declares(Exp);
+        reads_only_what_it_declares(Log);
+        reads_only_what_it_declares(Sqrt);
+        reads_only_what_it_declares(Abs);
+        reads_only_what_it_declares(Relu);
+        reads_only_what_it_declares(Tanh);
+        reads_only_what_it_declares(Sigmoid);
+        reads_only_what_it_declares(Gelu);
+        reads_only_what_it_declares(GeluTanh);
+        reads_only_what_it_declares(Affine { mul: 2.0, add: 1.0 });
+        reads_only_what_it_declares(Powf { exponent: 3.0 });
+        reads_only_what_it_declares(Clamp {
+            min: -1.0,
+            max: 1.0,
+        });
     }
 }

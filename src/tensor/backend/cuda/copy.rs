@@ -157,12 +157,24 @@ impl CopyOps for Cuda {
                 "the destination on a CUDA device must be contiguous",
             ));
         }
+        // Contiguous (a transposed or expanded source on the device was refused), and a copy
+        // of its own when it views the destination's storage (read before any is written).
         let src = src
             .to_device_values(dst.device())?
             .cast_values(dst.dtype())?;
+        let own = src.shares_storage_with(dst);
+        if !(own && src.layout() == dst.layout()) {
+            // (A view of the destination itself is a copy of nothing.)
+            let src = if src.is_contiguous() && !own {
+                src
+            } else {
+                Self::contiguous(&src)?
+            };
+            copy_elements(&src, 0, dst, 0, dst.numel())?;
+        }
         // A write in place: counted for the backwards that saved `dst` (`Tensor::version`).
         dst.mark_modified();
-        copy_elements(&src, 0, dst, 0, dst.numel())
+        Ok(())
     }
 
     /// Concatenation along `dim` of same-device CUDA tensors (shapes checked by the caller) into a
