@@ -406,7 +406,7 @@ fn a_state_of_a_wider_window_loads_into_a_narrower_one() {
 fn a_window_reads_as_its_batches_alone() {
     let kinds = MetricKind::all();
     let mut m = RecMetrics::new(&["t"], &kinds, 1).unwrap();
-    for w in [7.609_624_4e-6_f32, 6.515_93, 7.887_233_4e-12] {
+    for w in [7.609_624_4e-6_f32, 6.515_93, 7.887_233e-12] {
         m.update(&[&[0.5]], &[&[1.0]], Some(&[&[w]])).unwrap();
     }
     let last = ([0.5f32], [0.0f32], [1.0f32]);
