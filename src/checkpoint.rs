@@ -292,6 +292,9 @@ impl<'a> CheckpointWriter<'a> {
                 Err(e) => return Err(io_err(&dir, e)),
             }
         };
+        // The directory's own entry is on disk before any file that names it is (POSIX asks
+        // for the parent's sync; only some journals order it by themselves).
+        sync_dir(parent).map_err(|e| io_err(parent, e))?;
         self.metadata.insert(PARTS_KEY.into(), name);
         *made = Some(dir.clone());
         Ok(Some(dir))
@@ -390,23 +393,70 @@ fn write_safetensors(
         .map_err(io)?;
     out.write_all(&header).map_err(io)?;
     for (name, e) in entries {
+        let dtype = e.dtype;
         match e.data {
-            Data::Bytes(b) => out.write_all(&b).map_err(io)?,
+            Data::Bytes(b) => {
+                refuse_non_finite(path, &name, dtype, &b, 0)?;
+                out.write_all(&b).map_err(io)?
+            }
             Data::Rows {
                 rows,
                 row_bytes,
                 mut read,
             } => {
                 let chunk = (READ_CHUNK_BYTES / row_bytes.max(1)).max(1);
+                let mut at = 0;
                 for first in (0..rows).step_by(chunk) {
                     let bytes = read(first..(first + chunk).min(rows))
                         .map_err(|e| invalid(path, format!("reading `{name}`: {e}")))?;
+                    refuse_non_finite(path, &name, dtype, &bytes, at)?;
+                    at += bytes.len();
                     out.write_all(&bytes).map_err(io)?;
                 }
             }
         }
     }
     out.flush().map_err(io)
+}
+
+/// Refuses float values a reader refuses (NaN, ±inf in F32 and F64 tensors; `bytes` are
+/// little-endian, from byte `at` of tensor `name`): a checkpoint of them would replace the
+/// last good one with a file no load takes (a training run whose optimizer state overflowed
+/// saved one). The temporary file is removed and the old checkpoint stays.
+fn refuse_non_finite(path: &Path, name: &str, dtype: Dtype, bytes: &[u8], at: usize) -> Result<()> {
+    let found = match dtype {
+        Dtype::F32 => (bytes.chunks_exact(4))
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .position(|v| !v.is_finite())
+            .map(|i| {
+                (
+                    at / 4 + i,
+                    f64::from(f32::from_le_bytes(
+                        bytes[i * 4..i * 4 + 4].try_into().expect("4 bytes"),
+                    )),
+                )
+            }),
+        Dtype::F64 => (bytes.chunks_exact(8))
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .position(|v| !v.is_finite())
+            .map(|i| {
+                (
+                    at / 8 + i,
+                    f64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes")),
+                )
+            }),
+        _ => None,
+    };
+    match found {
+        Some((i, v)) => Err(invalid(
+            path,
+            format!(
+                "`{name}` element {i} is {v}: a checkpoint's values are finite (no load would \
+                 take this one); nothing was replaced"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Drop for CheckpointWriter<'_> {
@@ -428,8 +478,9 @@ fn same_path(a: &Path, b: &Path) -> bool {
     parts(a).eq(parts(b))
 }
 
-/// Flushes directory `dir`'s entries to disk: an I/O error is returned; where directories
-/// cannot be opened or synced (some platforms and file systems), nothing is done.
+/// Flushes directory `dir`'s entries to disk: an I/O error is returned (one opening it too:
+/// out of descriptors, say, is no proof of durability); where directories cannot be opened
+/// or synced at all (some platforms and file systems), nothing is done.
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
     #[cfg(test)]
     if let Some(k) = FAIL_DIR_SYNC.with(|f| f.get()) {
@@ -438,18 +489,19 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
             return Err(std::io::Error::other("a failing directory sync (test)"));
         }
     }
-    let Ok(d) = std::fs::File::open(dir) else {
-        return Ok(());
+    let unsupported = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported
+        )
+    };
+    let d = match std::fs::File::open(dir) {
+        Ok(d) => d,
+        Err(e) if unsupported(&e) => return Ok(()),
+        Err(e) => return Err(e),
     };
     match d.sync_all() {
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported
-            ) =>
-        {
-            Ok(())
-        }
+        Err(e) if unsupported(&e) => Ok(()),
         r => r,
     }
 }
@@ -996,6 +1048,50 @@ mod tests {
         drop(writer);
         write_atomically(&path, b"newer").unwrap();
         assert!(!live.exists() && others.iter().all(|p| p.exists()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A NaN or infinity in an F32 or F64 tensor (given whole or as rows, in any chunk) is
+    /// refused at the write, naming the tensor and the element: the last good checkpoint
+    /// stays, and no temporary file is left (it was replaced by a file every load refuses).
+    #[test]
+    fn non_finite_values_are_refused_before_they_replace_a_checkpoint() {
+        let dir = temp("non-finite");
+        let path = dir.join("ckpt.safetensors");
+        let mut w = CheckpointWriter::new();
+        w.add("w", &[2], &[1.0f32, 2.0]).unwrap();
+        w.write(&path).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let rows = 3 * READ_CHUNK_BYTES / 8 + 5;
+        for (what, at, bad) in [
+            ("f32 whole", 1usize, f64::NAN),
+            ("f64 rows", rows - 1, f64::INFINITY),
+            ("f64 rows", 0, f64::NEG_INFINITY),
+        ] {
+            let mut w = CheckpointWriter::new();
+            w.add("ok", &[1], &[0.5f64]).unwrap();
+            if what == "f32 whole" {
+                w.add("w", &[2], &[1.0f32, bad as f32]).unwrap();
+            } else {
+                w.add_rows::<f64>("sums", &[rows, 1], move |r| {
+                    Ok(r.map(|i| if i == at { bad } else { i as f64 }).collect())
+                })
+                .unwrap();
+            }
+            let err = w.write(&path).unwrap_err().to_string();
+            let name = if what == "f32 whole" { "`w`" } else { "`sums`" };
+            assert!(
+                err.contains(&format!("{name} element {at} is"))
+                    && err.contains("nothing was replaced"),
+                "{what}: {err}"
+            );
+            assert_eq!(std::fs::read(&path).unwrap(), before, "{what}");
+            let left: Vec<_> = (std::fs::read_dir(&dir).unwrap().flatten())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains(".tmp."))
+                .collect();
+            assert!(left.is_empty(), "{what}: {left:?}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -683,7 +683,7 @@ fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Resul
         .unwrap_err())
     .to_string();
     assert!(err.contains("not a manifest"), "{err}");
-    std::fs::write(&manifest_path, text).unwrap();
+    std::fs::write(&manifest_path, &text).unwrap();
     let rows = dir
         .join("ckpt")
         .join(manifest["rows_file"].as_str().unwrap());
@@ -696,6 +696,20 @@ fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Resul
         .unwrap_err()
         .to_string();
     assert!(err.contains("checksum"), "{err}");
+    // A NaN under a checksum that matches (a run that went non-finite, saved by a version
+    // that did not refuse it) is refused, naming the file and the byte.
+    bytes[1000] ^= 0x40;
+    bytes[1000..1004].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&rows, &bytes).unwrap();
+    let mut fixed = manifest.clone();
+    fixed["checksum"] = format!("{:016x}", fnv_words(&bytes)).into();
+    std::fs::write(&manifest_path, fixed.to_string()).unwrap();
+    let err = resumed
+        .load_cached_checkpoint(dir.join("ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the f32 at byte 1000 is NaN"), "{err}");
+    std::fs::write(&manifest_path, &text).unwrap();
     std::fs::write(&rows, &bytes[..bytes.len() - 8]).unwrap();
     let err = resumed
         .load_cached_checkpoint(dir.join("ckpt"))
@@ -705,6 +719,18 @@ fn checkpoint_round_trip(name: &str, host_memory: bool, device: Device) -> Resul
     assert!(state_bits(&resumed)? == before);
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
+}
+
+/// A cached checkpoint's checksum: 64-bit FNV-1a over 8-byte little-endian words, a final
+/// partial word zero-padded (as the manifest states it).
+fn fnv_words(bytes: &[u8]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for word in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..word.len()].copy_from_slice(word);
+        hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
 }
 
 const CHILD_ENV: &str = "EMBERS_CACHED_CHECKPOINT_CHILD";

@@ -759,38 +759,40 @@ impl RowStore {
     }
 
     /// Copies the rows to a new file `dst` (synced) and returns the copy's checksum
-    /// ([`copy_with_checksum`]). The write log must have been folded ([`sync`](Self::sync)).
-    pub(crate) fn copy_to(&self, dst: &Path) -> Result<u64> {
+    /// ([`copy_with_checksum`]); with `finite`, refuses rows of f32 words that are not all
+    /// finite (a checkpoint's). The write log must have been folded ([`sync`](Self::sync)).
+    pub(crate) fn copy_to(&self, dst: &Path, finite: bool) -> Result<u64> {
         assert!(
             self.log.as_ref().is_none_or(|l| l.is_empty()),
             "a row file copied with records in its log (internal)"
         );
         if self.file.is_some() {
-            return copy_with_checksum(&self.path, dst);
+            return copy_with_checksum(&self.path, dst, finite);
         }
         let bytes: &[u8] = self.map.as_deref().unwrap_or(&[]);
         let mut output = File::create(dst).map_err(|e| io_error(dst, "creating", e))?;
-        checksum_copy(bytes, &self.path, &mut output, dst)
+        checksum_copy(bytes, &self.path, &mut output, dst, finite)
     }
 
-    /// Reads a complete store for these tables from `source` (checked for length), ready to
-    /// [`commit`](Self::commit) once its checksum is accepted: a copy of it beside the live
-    /// file (to be renamed over it), or a new anonymous mapping holding it.
-    pub(crate) fn stage(&self, source: &Path) -> Result<Staged> {
+    /// Reads a complete store for these tables from `source` (checked for length; with
+    /// `finite`, its f32 words too), ready to [`commit`](Self::commit) once its checksum is
+    /// accepted: a copy of it beside the live file (to be renamed over it), or a new
+    /// anonymous mapping holding it.
+    pub(crate) fn stage(&self, source: &Path, finite: bool) -> Result<Staged> {
         if self.file.is_some() {
             let tmp = self.beside("restore");
-            let checksum = copy_with_checksum(source, &tmp).inspect_err(|_| {
+            let checksum = copy_with_checksum(source, &tmp, finite).inspect_err(|_| {
                 let _ = std::fs::remove_file(&tmp);
             })?;
             return Ok(Staged::File(tmp, checksum));
         }
         let input = File::open(source).map_err(|e| io_error(source, "opening", e))?;
         if self.len == 0 {
-            let checksum = checksum_copy(input, source, &mut [][..], &self.path)?;
+            let checksum = checksum_copy(input, source, &mut [][..], &self.path, finite)?;
             return Ok(Staged::Memory(None, checksum));
         }
         let mut map = Self::anonymous_map(&self.path, self.len)?;
-        let checksum = checksum_copy(input, source, &mut map[..], &self.path)?;
+        let checksum = checksum_copy(input, source, &mut map[..], &self.path, finite)?;
         Ok(Staged::Memory(Some(map), checksum))
     }
 
@@ -866,7 +868,7 @@ impl RowStore {
         if let Err(link) = hard_link(&self.path, &backup) {
             // FAT, exFAT and some network or FUSE file systems have no hard links: a copy
             // (the rows were just written back, and nothing writes them meanwhile).
-            if let Err(e) = self.copy_to(&backup) {
+            if let Err(e) = self.copy_to(&backup, false) {
                 let _ = std::fs::remove_file(&backup);
                 return Err(Error::invalid(
                     OP,
@@ -1104,7 +1106,7 @@ pub(crate) fn read_with_checksum(src: &Path, len: u64) -> Result<(Vec<u8>, u64)>
     let len = usize::try_from(len)
         .map_err(|_| Error::invalid(OP, format!("{len} bytes do not fit in memory")))?;
     let mut bytes = vec![0u8; len];
-    let h = checksum_copy(input, src, &mut bytes[..], Path::new("<memory>"))?;
+    let h = checksum_copy(input, src, &mut bytes[..], Path::new("<memory>"), false)?;
     Ok((bytes, h))
 }
 
@@ -1114,24 +1116,33 @@ pub(crate) fn checksum_of(mut file: &File, src: &Path) -> Result<u64> {
     use std::io::Seek;
     file.seek(std::io::SeekFrom::Start(0))
         .map_err(|e| io_error(src, "reading", e))?;
-    checksum_copy(file, src, &mut std::io::sink(), Path::new("<nowhere>"))
+    checksum_copy(
+        file,
+        src,
+        &mut std::io::sink(),
+        Path::new("<nowhere>"),
+        false,
+    )
 }
 
 /// Copies `src` to a new file `dst` (flushed to disk) and returns the copy's checksum, a
-/// 64-bit FNV-1a over the file's 8-byte words (a final partial word zero-padded).
-pub(crate) fn copy_with_checksum(src: &Path, dst: &Path) -> Result<u64> {
+/// 64-bit FNV-1a over the file's 8-byte words (a final partial word zero-padded). With
+/// `finite`, the file is f32 words (a training operator's rows and optimizer state), every
+/// one finite: a NaN or infinity is an error naming its byte.
+pub(crate) fn copy_with_checksum(src: &Path, dst: &Path, finite: bool) -> Result<u64> {
     let input = File::open(src).map_err(|e| io_error(src, "opening to copy", e))?;
     let mut output = File::create(dst).map_err(|e| io_error(dst, "creating", e))?;
-    checksum_copy(input, src, &mut output, dst)
+    checksum_copy(input, src, &mut output, dst, finite)
 }
 
 /// Copies everything `input` (called `src` in messages) holds into `output` (called `dst`) and
-/// returns its checksum (as [`copy_with_checksum`]).
+/// returns its checksum (as [`copy_with_checksum`], `finite` too).
 fn checksum_copy(
     mut input: impl std::io::Read,
     src: &Path,
     output: &mut (impl CopyTarget + ?Sized),
     dst: &Path,
+    finite: bool,
 ) -> Result<u64> {
     let mut buf = vec![0u8; 8 << 20];
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
@@ -1153,6 +1164,22 @@ fn checksum_copy(
             let mut w = [0u8; 8];
             w[..word.len()].copy_from_slice(word);
             hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // Every buffer but the last is whole, so words never straddle two.
+        if let Some(i) = (finite.then_some(&buf[..n])).and_then(|b| {
+            (b.chunks_exact(4))
+                .position(|w| !f32::from_le_bytes(w.try_into().expect("4 bytes")).is_finite())
+        }) {
+            let v = f32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: the f32 at byte {} is {v}: a checkpoint's rows and optimizer state are \
+                     finite",
+                    src.display(),
+                    written + i * 4
+                ),
+            ));
         }
         output
             .put(&buf[..n], written)
@@ -1337,6 +1364,30 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    /// A copy of f32 rows for a checkpoint refuses a non-finite word past the first buffer
+    /// (naming its byte, and leaving the copy to its caller to remove); other copies (the
+    /// backup of live rows, quantized bytes) take any bytes.
+    #[test]
+    fn checkpoint_copies_refuse_non_finite_rows() {
+        let dir = test_dir("finite-copy");
+        let (src, dst) = (dir.join("rows.bin"), dir.join("copy.bin"));
+        let mut words = vec![0.5f32; (9 << 20) / 4];
+        let at = words.len() - 3;
+        words[at] = f32::INFINITY;
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        std::fs::write(&src, &bytes).unwrap();
+        let err = copy_with_checksum(&src, &dst, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("the f32 at byte {} is inf", at * 4)),
+            "{err}"
+        );
+        copy_with_checksum(&src, &dst, false).unwrap();
+        assert_eq!(std::fs::read(&dst).unwrap(), bytes);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The rows of a store of one table of 8 rows of 4 bytes: row `r` holds `r + fill`.
