@@ -1690,6 +1690,9 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
     let mut index =
         IvfPqIndex::train(IvfPqConfig::new(8, 4, Metric::InnerProduct), &emb, 8).unwrap();
     index.add(&all, &emb).unwrap();
+    // Named after the model it was built from: the server's trainer, loaded from the
+    // checkpoint, must be that one (its run id kept by the checkpoint).
+    index.set_source(trainer.model_id());
     let index_path = dir.join("items.ivfpq");
     index.save(&index_path).unwrap();
     let nprobe = 3;
@@ -1886,6 +1889,19 @@ fn the_retrieval_stage_answers_what_retrieve_gives() {
                 .to_string()
         };
         assert!(load_err(&index_path, 0, 10).contains("nprobe 0"));
+        // An index of another model's candidates (an earlier checkpoint's, another run's).
+        let mut stale = IvfPqIndex::load(&index_path).unwrap();
+        let other = "0123456789abcdef.3";
+        stale.set_source(other);
+        let stale_path = dir.join("stale.ivfpq");
+        stale.save(&stale_path).unwrap();
+        assert_eq!(IvfPqIndex::load(&stale_path).unwrap().source(), Some(other));
+        let e = load_err(&stale_path, 3, 10);
+        assert!(
+            e.contains(&format!("holds the candidates of model {other}"))
+                && e.contains("two_tower.safetensors holds model"),
+            "{e}"
+        );
         assert!(load_err(&index_path, 9, 10).contains("nprobe 9 (1..=8)"));
         assert!(load_err(&index_path, 3, 0).contains("max_k 0"));
         assert!(load_err(&index_path, 3, 100_001).contains("max_k 100001 (1..=100000)"));

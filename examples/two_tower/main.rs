@@ -861,7 +861,9 @@ fn run(args: Args) -> Result<()> {
     let mut ivf = IvfPqIndex::train(ivf_config, &emb, dim)?;
     ivf.add(&(0..data.items as i64).collect::<Vec<_>>(), &emb)?;
     let build_s = t.elapsed().as_secs_f64();
-    // What `embers-serve --retrieval-checkpoint … --retrieval-index …` serves.
+    // What `embers-serve --retrieval-checkpoint … --retrieval-index …` serves: the index
+    // names the model it was built from (the last checkpoint's), which the server checks.
+    ivf.set_source(trainer.model_id());
     ivf.save(args.out.join("items.ivfpq"))?;
     let approx = quality(
         &split,

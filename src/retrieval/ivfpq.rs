@@ -102,6 +102,8 @@ pub struct IvfPqIndex {
     /// query needs one inner-product table instead of one L2 table per probed list (FAISS's
     /// precomputed tables).
     precomputed: Option<Vec<f32>>,
+    /// What computed the vectors (a model's id), when the builder said.
+    source: Option<String>,
 }
 
 /// The largest precomputed L2 term table kept (bytes).
@@ -128,6 +130,7 @@ impl IvfPqIndex {
             lists: vec![InvList::default(); config.nlist],
             list_of: HashMap::new(),
             precomputed: None,
+            source: None,
         };
         let lists = index.assign(vectors);
         let residuals = index.residuals(vectors, &lists);
@@ -176,6 +179,19 @@ impl IvfPqIndex {
     /// The vectors' dimension.
     pub fn dim(&self) -> usize {
         self.dim
+    }
+
+    /// Records what computed the vectors (e.g. [`TwoTowerTrainer::model_id`]), saved with
+    /// the index: a server refuses to pair the index with a model of another id.
+    ///
+    /// [`TwoTowerTrainer::model_id`]: crate::train::TwoTowerTrainer::model_id
+    pub fn set_source(&mut self, source: impl Into<String>) {
+        self.source = Some(source.into());
+    }
+
+    /// What computed the vectors, when recorded ([`set_source`](Self::set_source)).
+    pub fn source(&self) -> Option<&str> {
+        self.source.as_deref()
     }
 
     /// Vectors stored.
@@ -376,6 +392,9 @@ impl IvfPqIndex {
         w.set_metadata("coarse_iters", self.config.coarse_iters.to_string());
         w.set_metadata("pq_iters", self.config.pq_iters.to_string());
         w.set_metadata("seed", self.config.seed.to_string());
+        if let Some(source) = &self.source {
+            w.set_metadata("source", source.clone());
+        }
         w.add("coarse", &[self.config.nlist, self.dim], &self.coarse)?;
         w.add(
             "pq",
@@ -470,6 +489,7 @@ impl IvfPqIndex {
             lists,
             list_of,
             precomputed: None,
+            source: r.metadata("source").map(str::to_string),
         };
         index.precomputed = index.precompute();
         Ok(index)

@@ -71,6 +71,18 @@ impl RetrievalServable {
         if index.is_empty() {
             return Err(bad(format!("{}: holds no vector", index_path.display())));
         }
+        // An index of another model's candidates (an older one, while a trainer writes its
+        // checkpoints and then its index) has the right width and answers, wrongly.
+        let model = trainer.model_id();
+        if let Some(source) = index.source().filter(|&s| s != model) {
+            return Err(bad(format!(
+                "{}: holds the candidates of model {source}, {} holds model {model}: build \
+                 the index from this checkpoint (a trainer writes its index after its last \
+                 checkpoint: a reload then pairs them)",
+                index_path.display(),
+                checkpoint.display()
+            )));
+        }
         if nprobe == 0 || nprobe > index.config().nlist || !(1..=MAX_RETRIEVAL_K).contains(&max_k) {
             return Err(bad(format!(
                 "nprobe {nprobe} (1..={}) and max_k {max_k} (1..={MAX_RETRIEVAL_K})",

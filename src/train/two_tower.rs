@@ -134,6 +134,7 @@ impl TwoTowerConfig {
             negatives: None,
             step: 0,
             examples: 0,
+            run: new_run_id(),
         })
     }
 
@@ -207,6 +208,18 @@ pub struct TwoTowerTrainer {
     negatives: Option<(usize, NegativeSampler)>,
     step: u64,
     examples: u64,
+    /// Drawn when the trainer is built, kept by its checkpoints: with the step it names the
+    /// weights ([`model_id`](TwoTowerTrainer::model_id)).
+    run: u64,
+}
+
+/// A run's id: the clock and the process, mixed (SplitMix64's finaliser), never 0 (0 is
+/// a checkpoint written before runs had ids).
+fn new_run_id() -> u64 {
+    let mut z = crate::checkpoint::clock_nanos() ^ (u64::from(std::process::id()) << 40);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)).max(1)
 }
 
 impl TwoTowerTrainer {
@@ -228,6 +241,16 @@ impl TwoTowerTrainer {
     /// Training pairs seen.
     pub fn examples_seen(&self) -> u64 {
         self.examples
+    }
+
+    /// Names the weights: the run (an id drawn when the trainer was built, and kept by its
+    /// checkpoints, so a resumed run keeps it) and the steps taken, `<run>.<step>`. An index
+    /// of the candidates built from this model records it
+    /// ([`IvfPqIndex::set_source`](crate::retrieval::IvfPqIndex::set_source)), so that a
+    /// server refuses to pair it with other weights. A checkpoint written before runs had ids
+    /// loads with run 0.
+    pub fn model_id(&self) -> String {
+        format!("{:016x}.{}", self.run, self.step)
     }
 
     /// The streaming frequency estimate of the candidates.
@@ -432,6 +455,7 @@ impl TwoTowerTrainer {
         w.add("estimator.last", &[last.len()], &last)?;
         w.add("estimator.interval", &[interval.len()], interval)?;
         w.set_metadata("estimator.steps", steps.to_string());
+        w.set_metadata("run", format!("{:016x}", self.run));
         w.write(path)
     }
 
@@ -446,6 +470,13 @@ impl TwoTowerTrainer {
             f.count("examples")?,
             f.count("estimator.steps")?,
         );
+        let run = match f.r.metadata("run") {
+            None => 0,
+            Some(v) => u64::from_str_radix(v, 16)
+                .ok()
+                .filter(|_| v.len() == 16)
+                .ok_or_else(|| f.bad(format!("metadata `run` = `{v}` is not 16 hex digits")))?,
+        };
         let saved: TwoTowerConfig = f.config("a TwoTowerConfig")?;
         let mut mine = self.config.clone();
         mine.device = saved.device;
@@ -490,6 +521,7 @@ impl TwoTowerTrainer {
         self.estimator = estimator;
         self.step = step;
         self.examples = examples;
+        self.run = run;
         Ok(user)
     }
 }
