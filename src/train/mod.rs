@@ -671,7 +671,8 @@ pub fn update_task_metrics(metrics: &mut RecMetrics, probs: &[f32], batch: &Batc
 }
 
 /// Adds the dense half of a training state to `w`: the dense parameters (`dense.*`), the
-/// dense optimizer's state (`optim.*`) and, when given, the training metrics' state
+/// dense optimizer's state (`optim.*`) and learning rate (metadata `optim.lr`: one changed
+/// during the run resumes as it was) and, when given, the training metrics' state
 /// (`metrics.*`). Shared
 /// by [`DlrmTrainer`]'s checkpoints and the per-rank files of a sharded run.
 pub fn write_dense_state(
@@ -686,16 +687,23 @@ pub fn write_dense_state(
     for (name, t) in optimizer.state_dict()? {
         w.add_tensor(format!("optim.{name}"), &t)?;
     }
+    // Rust's shortest round-trip form: read back bit for bit.
+    w.set_metadata(LR_KEY, format!("{:?}", optimizer.learning_rate()));
     for (name, values) in metrics.map(RecMetrics::state_dict).unwrap_or_default() {
         w.add(format!("metrics.{name}"), &[values.len()], &values)?;
     }
     Ok(())
 }
 
+/// The metadata key of the dense optimizer's learning rate.
+const LR_KEY: &str = "optim.lr";
+
 /// [`write_dense_state`]'s part of a checkpoint, read and checked, not yet applied.
 pub struct DenseState {
     params: Vec<(Tensor, Tensor)>,
     optim: Vec<(String, Tensor)>,
+    /// The learning rate saved (none in checkpoints written before it was).
+    lr: Option<f64>,
     metrics: Option<RecMetrics>,
 }
 
@@ -734,9 +742,26 @@ impl DenseState {
                 Some(metrics)
             }
         };
+        let lr = match r.metadata(LR_KEY) {
+            None => None,
+            Some(v) => Some(
+                (v.parse::<f64>().ok())
+                    .filter(|lr| lr.is_finite() && *lr >= 0.0)
+                    .ok_or_else(|| {
+                        Error::invalid(
+                            "checkpoint",
+                            format!(
+                                "{}: metadata `{LR_KEY}` = `{v}` is not a learning rate",
+                                r.path().display()
+                            ),
+                        )
+                    })?,
+            ),
+        };
         Ok(DenseState {
             params,
             optim,
+            lr,
             metrics,
         })
     }
@@ -754,6 +779,7 @@ impl DenseState {
         let mut previous = DenseState {
             params: Vec::with_capacity(self.params.len()),
             optim: optimizer.state_dict()?,
+            lr: Some(optimizer.learning_rate()),
             metrics: None,
         };
         for (p, _) in &self.params {
@@ -762,6 +788,9 @@ impl DenseState {
             previous.params.push((p.clone(), old));
         }
         optimizer.load_state_dict(&self.optim)?;
+        if let Some(lr) = self.lr {
+            optimizer.set_learning_rate(lr);
+        }
         for (p, new) in self.params {
             p.copy_from(&new)?;
         }
@@ -1102,6 +1131,10 @@ mod tests {
         write_dense_state(&mut w, &layer, &optimizer, None).unwrap();
         w.write(&path).unwrap();
         let saved = bits(&optimizer);
+        // A schedule changed the learning rate after the save: the load brings back the
+        // saved one (it resumed at the configured rate), the undo the changed one.
+        let saved_lr = optimizer.learning_rate();
+        optimizer.set_learning_rate(saved_lr / 3.0);
         step(&mut optimizer);
         let now = bits(&optimizer);
         assert_ne!(now, saved, "the second step changed nothing");
@@ -1110,8 +1143,13 @@ mod tests {
             .apply(&mut optimizer, None)
             .unwrap();
         assert_eq!(bits(&optimizer), saved);
+        assert_eq!(optimizer.learning_rate().to_bits(), saved_lr.to_bits());
         previous.apply(&mut optimizer, None).unwrap();
         assert_eq!(bits(&optimizer), now);
+        assert_eq!(
+            optimizer.learning_rate().to_bits(),
+            (saved_lr / 3.0).to_bits()
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
