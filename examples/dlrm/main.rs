@@ -1109,6 +1109,73 @@ struct Record {
     validation: Option<EvalReport>,
 }
 
+/// The checkpoint metadata entry (`user.history`) holding the run's history so far, as the
+/// JSON array `metrics.json` writes.
+const HISTORY_KEY: &str = "history";
+
+impl Record {
+    /// As `metrics.json` lists it (non-numbers as `null`).
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "step": self.step, "examples": self.examples, "seconds": self.seconds,
+            "train_loss": json_num(self.train_loss),
+            "train_window_ne": json_num(self.train_window_ne),
+            "train_window_auc": json_num(self.train_window_auc),
+            "examples_per_second": json_num(self.examples_per_second),
+            "validation": self.validation.as_ref().map(|v| json_metrics(&v.metrics)),
+        })
+    }
+
+    /// Read back from [`to_json`](Self::to_json)'s form; `None` for anything else.
+    fn from_json(v: &serde_json::Value) -> Option<Record> {
+        let num = |k: &str| match &v[k] {
+            serde_json::Value::Null => Some(f64::NAN),
+            x => x.as_f64(),
+        };
+        let validation = match &v["validation"] {
+            serde_json::Value::Null => None,
+            serde_json::Value::Object(m) => Some(EvalReport {
+                metrics: (m.iter())
+                    .map(|(k, x)| {
+                        Some((k.clone(), if x.is_null() { f64::NAN } else { x.as_f64()? }))
+                    })
+                    .collect::<Option<_>>()?,
+                examples: 0,
+            }),
+            _ => return None,
+        };
+        Some(Record {
+            step: v["step"].as_u64()?,
+            examples: v["examples"].as_u64()?,
+            seconds: num("seconds")?,
+            train_loss: num("train_loss")?,
+            train_window_ne: num("train_window_ne")?,
+            train_window_auc: num("train_window_auc")?,
+            examples_per_second: num("examples_per_second")?,
+            validation,
+        })
+    }
+}
+
+/// The history a checkpoint's metadata holds (none in checkpoints written before it was
+/// kept), or an error naming `path`.
+fn history_of(user: &BTreeMap<String, String>, path: &Path) -> Result<Vec<Record>> {
+    let Some(text) = user.get(HISTORY_KEY) else {
+        return Ok(Vec::new());
+    };
+    (serde_json::from_str::<Vec<serde_json::Value>>(text).ok())
+        .and_then(|v| v.iter().map(Record::from_json).collect::<Option<Vec<_>>>())
+        .ok_or_else(|| {
+            Error::invalid(
+                "dlrm",
+                format!(
+                    "--resume {}: its `history` metadata is not a run's history",
+                    path.display()
+                ),
+            )
+        })
+}
+
 fn fmt(x: f64) -> String {
     if x.is_finite() {
         format!("{x:.6}")
@@ -1310,13 +1377,16 @@ fn run(args: Args) -> Result<()> {
 
     let best_checkpoint = args.out.join("best.safetensors");
     let mut progress = Progress::default();
+    let mut resumed_history = Vec::new();
     if let Some(path) = &args.resume {
         // The run's flags first: the trainer changes nothing unless they match.
         let reader = embers::checkpoint::CheckpointReader::open(path)?;
         let recorded = |key: &str| Some(reader.metadata(&format!("user.{key}"))?.to_string());
         check_run_flags(&args, recorded, path)?;
         drop(reader);
-        progress = Progress::from_user(&trainer.load_checkpoint(path)?, path)?;
+        let user = trainer.load_checkpoint(path)?;
+        progress = Progress::from_user(&user, path)?;
+        resumed_history = history_of(&user, path)?;
         println!(
             "resumed from {} at step {} (epoch {}, batch {})",
             path.display(),
@@ -1389,15 +1459,24 @@ fn run(args: Args) -> Result<()> {
         trainer.evaluate(batches.take(limit), None)
     };
 
-    let mut history: Vec<Record> = Vec::new();
+    let mut history: Vec<Record> = resumed_history;
     let mut throughput = Throughput::new(5, 50)?;
     let started = Instant::now();
     let mut loss_sum = 0.0;
     let mut loss_count = 0u64;
     let log_every = 50u64;
-    let save = |trainer: &DlrmTrainer, path: &Path, progress: &Progress| -> Result<()> {
+    let save = |trainer: &DlrmTrainer,
+                path: &Path,
+                progress: &Progress,
+                history: &[Record]|
+     -> Result<()> {
         let mut user = progress.to_user();
         user.insert("args".to_string(), format!("{args:?}"));
+        let records: Vec<serde_json::Value> = history.iter().map(Record::to_json).collect();
+        user.insert(
+            HISTORY_KEY.to_string(),
+            serde_json::Value::from(records).to_string(),
+        );
         for (flag, v) in run_flags(&args) {
             user.insert(format!("run.{flag}"), v);
         }
@@ -1454,6 +1533,7 @@ fn run(args: Args) -> Result<()> {
             if step % log_every == 0 || validating {
                 let m = trainer.train_metrics();
                 let mut stop = false;
+                let mut new_best = false;
                 let validation = if validating {
                     let report = validate(&trainer)?;
                     if report.examples == 0 {
@@ -1465,15 +1545,12 @@ fn run(args: Args) -> Result<()> {
                     if progress.best.is_none_or(|(b, _)| auc > b) {
                         progress.best = Some((auc, step));
                         progress.since_best = 0;
-                        if args.early_stop_patience > 0 {
-                            save(&trainer, &best_checkpoint, &progress)?;
-                        }
+                        new_best = true;
                     } else {
                         progress.since_best += 1;
                         stop = args.early_stop_patience > 0
                             && progress.since_best >= args.early_stop_patience;
                     }
-                    save(&trainer, &checkpoint, &progress)?;
                     Some(report)
                 } else {
                     None
@@ -1488,6 +1565,15 @@ fn run(args: Args) -> Result<()> {
                     examples_per_second: throughput.window(),
                     validation,
                 };
+                // The checkpoints of a validation hold the history up to it, this record
+                // included: a resumed run's metrics.csv and curves go back to step 0.
+                history.push(record.clone());
+                if validating {
+                    if new_best && args.early_stop_patience > 0 {
+                        save(&trainer, &best_checkpoint, &progress, &history)?;
+                    }
+                    save(&trainer, &checkpoint, &progress, &history)?;
+                }
                 loss_sum = 0.0;
                 loss_count = 0;
                 bar.set_message(format!(
@@ -1521,7 +1607,6 @@ fn run(args: Args) -> Result<()> {
                         record.examples_per_second
                     );
                 }
-                history.push(record);
                 if stop {
                     let (b, at) = progress.best.expect("a best validation precedes a stop");
                     let line = format!(
@@ -1574,7 +1659,7 @@ fn run(args: Args) -> Result<()> {
         ));
     }
     let train_seconds = started.elapsed().as_secs_f64();
-    save(&trainer, &checkpoint, &progress)?;
+    save(&trainer, &checkpoint, &progress, &history)?;
     let (trained_steps, trained_examples) = (trainer.step(), trainer.examples_seen());
     if args.early_stop_patience > 0 {
         if let Some((b, at)) = progress.best {
@@ -1711,13 +1796,7 @@ fn run(args: Args) -> Result<()> {
         "validation": json_metrics(&validation.metrics),
         "test": json_metrics(&test.metrics),
         "quantized_test": quantized.iter().map(|(k, r)| (k.clone(), json_metrics(&r.metrics))).collect::<serde_json::Map<_, _>>(),
-        "history": history.iter().map(|r| serde_json::json!({
-            "step": r.step, "examples": r.examples, "seconds": r.seconds,
-            "train_loss": json_num(r.train_loss), "train_window_ne": json_num(r.train_window_ne),
-            "train_window_auc": json_num(r.train_window_auc),
-            "examples_per_second": json_num(r.examples_per_second),
-            "validation": r.validation.as_ref().map(|v| json_metrics(&v.metrics)),
-        })).collect::<Vec<_>>(),
+        "history": history.iter().map(Record::to_json).collect::<Vec<_>>(),
     });
     let json_path = args.out.join("metrics.json");
     let text = serde_json::to_string_pretty(&json).expect("JSON of plain values");
