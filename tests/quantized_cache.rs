@@ -241,6 +241,26 @@ fn rows_written_while_cached_are_seen_at_once() -> Result<()> {
         let b = p.cached.forward(step.input())?.to_vec::<f32>()?;
         assert_eq!(bits(&a), bits(&b));
     }
+    // A checkpoint whose row 5 of table 0 has a NaN scale (its every lookup NaN) is refused,
+    // naming the table and the row, before any row changes: into the cached operator (read
+    // a chunk at a time) and into one in memory.
+    let rb = p.memory.table_bytes(0)?.len() / p.tables[0].rows;
+    let mut row = p.memory.table_bytes(0)?[5 * rb..6 * rb].to_vec();
+    row[..2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+    p.memory.set_rows_bytes(0, 5, &row)?;
+    let bad = dir.join("nan-scale.safetensors");
+    p.memory.save(&bad)?;
+    let before = (0..3).map(|t| p.cached.table_bytes(t).map(|b| b.to_vec()));
+    let before: Vec<Vec<u8>> = before.collect::<Result<_>>()?;
+    let (name, ty) = (&p.tables[0].name, p.memory.weight_types()[0].fbgemm_name());
+    let says = format!("table `{name}` row 5 decodes to NaN ({ty})");
+    let err = p.cached.load(&bad).unwrap_err().to_string();
+    assert!(err.contains(&says), "{err}");
+    for (t, b) in before.iter().enumerate() {
+        assert_eq!(&p.cached.table_bytes(t)?[..], &b[..], "table {t} changed");
+    }
+    let err = p.memory.load(&bad).unwrap_err().to_string();
+    assert!(err.contains(&says), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

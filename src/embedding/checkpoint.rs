@@ -365,10 +365,14 @@ impl QuantizedTableBatchedEmbedding {
     }
 
     /// Loads rows written by [`save`](Self::save) (same names, shapes and weight types). Every
-    /// table is checked before any row changes; tables in a file behind a cache then load a
-    /// chunk of rows at a time (an I/O error there names what was loaded).
+    /// table is checked before any row changes — its rows too: a row whose values, scale or
+    /// bias are not finite is refused, naming the table and the row; tables in a file behind
+    /// a cache are read twice for it, a chunk at a time, then load a chunk of rows at a time
+    /// (an I/O error there names what was loaded).
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let r = CheckpointReader::open(path)?;
+        let rows_error =
+            |e: Error| Error::invalid("checkpoint", format!("{}: {e}", r.path().display()));
         let mut tables = Vec::new();
         for (t, spec) in self.tables().iter().enumerate() {
             let ty = self.weight_types()[t];
@@ -397,10 +401,20 @@ impl QuantizedTableBatchedEmbedding {
             let name = format!("{}.weight", spec.name);
             let shape = [spec.rows, ty.row_bytes(spec.dim)];
             if self.is_cached() {
-                // Checked now (dtype, shape: no rows read), read below a chunk at a time.
+                // Checked now (dtype, shape), a chunk at a time; read again below to load.
+                let (rows, rb) = (spec.rows, shape[1]);
+                let chunk = (STAGE_CHUNK_BYTES / rb.max(1)).max(1);
+                for first in (0..rows).step_by(chunk) {
+                    let end = (first + chunk).min(rows);
+                    let bytes = r.read_range::<u8>(&name, &shape, first * rb..end * rb)?;
+                    check_finite_rows(ty, spec.dim, &bytes, &spec.name, first)
+                        .map_err(rows_error)?;
+                }
                 r.read_range::<u8>(&name, &shape, 0..0)?;
             } else {
-                tables.push(r.read::<u8>(&name, &shape)?);
+                let bytes = r.read::<u8>(&name, &shape)?;
+                check_finite_rows(ty, spec.dim, &bytes, &spec.name, 0).map_err(rows_error)?;
+                tables.push(bytes);
             }
         }
         if !self.is_cached() {
@@ -435,6 +449,34 @@ impl QuantizedTableBatchedEmbedding {
         }
         Ok(())
     }
+}
+
+/// Refuses rows (of `ty`, `dim` wide, the first being row `first` of table `table`) whose
+/// values, scale or bias are not finite (a NaN scale made every lookup of the row NaN, and
+/// answers served from it).
+fn check_finite_rows(
+    ty: WeightType,
+    dim: usize,
+    bytes: &[u8],
+    table: &str,
+    first: usize,
+) -> Result<()> {
+    let rb = ty.row_bytes(dim);
+    let mut values = vec![0f32; dim];
+    for (i, row) in bytes.chunks_exact(rb.max(1)).enumerate() {
+        super::quantize::dequantize_row(ty, row, &mut values)?;
+        if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+            return Err(Error::invalid(
+                "checkpoint",
+                format!(
+                    "table `{table}` row {} decodes to {v} ({}): a checkpoint's rows are finite",
+                    first + i,
+                    ty.fbgemm_name()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
