@@ -257,7 +257,7 @@ fn rows_written_while_cached_are_seen_at_once() -> Result<()> {
     let err = p.cached.load(&bad).unwrap_err().to_string();
     assert!(err.contains(&says), "{err}");
     for (t, b) in before.iter().enumerate() {
-        assert_eq!(&p.cached.table_bytes(t)?[..], &b[..], "table {t} changed");
+        assert_eq!(p.cached.table_bytes(t)?, &b[..], "table {t} changed");
     }
     let err = p.memory.load(&bad).unwrap_err().to_string();
     assert!(err.contains(&says), "{err}");
