@@ -451,3 +451,55 @@ fn metrics_of_colliding_names_are_refused() {
     // Names a trainer takes (letters, digits, `_`, `.`) stay usable.
     RecMetrics::new(&["click.v2", "like_rate", "a-b"], &all, 10).unwrap();
 }
+
+/// Predictions of a rare event (1e-6 .. 1e-3, positives scored higher): the lifetime AUC
+/// follows the exact one (equal bins of 1/65536 put most of them in the first few bins,
+/// ties that read an AUC near 0.5); a state saved with equal bins carries on.
+#[test]
+fn lifetime_auc_of_rare_event_predictions_tracks_exact_auc() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+    let samples: Vec<Sample> = (0..20000)
+        .map(|_| {
+            let label = if rng.random::<f32>() < 0.01 { 1.0 } else { 0.0 };
+            let exponent = -6.0 + 3.0 * rng.random::<f32>() + 0.8 * label;
+            Sample {
+                prediction: 10f32.powf(exponent.min(-3.0)),
+                label,
+                weight: 1.0,
+            }
+        })
+        .collect();
+    let mut m = RecMetrics::new(&["t"], &[MetricKind::Auc], 10).unwrap();
+    let p: Vec<f32> = samples.iter().map(|s| s.prediction).collect();
+    let y: Vec<f32> = samples.iter().map(|s| s.label).collect();
+    m.update(&[&p], &[&y], None).unwrap();
+    let exact = auc::auc_tie_correct(&samples);
+    assert!(exact > 0.6 && exact < 0.9, "{exact}");
+    let lifetime = m.compute()["auc-t|lifetime_auc"];
+    assert!((lifetime - exact).abs() < 1e-3, "{lifetime} vs {exact}");
+    // Equal bins on the same samples: far off (what the lifetime AUC was).
+    let mut equal = auc::ScoreHistogram::new(embers::metrics::LIFETIME_AUC_BINS);
+    equal.add(samples.iter().copied());
+    assert!(
+        (equal.auc() - exact).abs() > 0.01,
+        "{} vs {exact}",
+        equal.auc()
+    );
+    // A state of equal bins (as saved before) loads, its counts carried to the new bins.
+    let mut state = m.state_dict();
+    let pos = state.remove("auc-t.mixed_positives").unwrap();
+    let neg = state.remove("auc-t.mixed_negatives").unwrap();
+    assert_eq!(pos.len(), equal.positives.len());
+    let _ = neg;
+    state.insert("auc-t.positives".into(), equal.positives.clone());
+    state.insert("auc-t.negatives".into(), equal.negatives.clone());
+    let mut old = RecMetrics::new(&["t"], &[MetricKind::Auc], 10).unwrap();
+    old.load_state_dict(&state).unwrap();
+    let carried = old.compute()["auc-t|lifetime_auc"];
+    assert!(
+        (carried - equal.auc()).abs() < 1e-9,
+        "{carried} vs {}",
+        equal.auc()
+    );
+}

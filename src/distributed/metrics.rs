@@ -19,7 +19,8 @@ const OP: &str = "global_metrics";
 fn concatenated(key: &str) -> Result<bool> {
     let suffix = key.rsplit('.').next().unwrap_or("");
     match suffix {
-        "lifetime" | "window" | "positives" | "negatives" => Ok(false),
+        "lifetime" | "window" | "positives" | "negatives" | "mixed_positives"
+        | "mixed_negatives" => Ok(false),
         "batches" | "recent" => Ok(true),
         _ => Err(Error::invalid(
             OP,

@@ -6,8 +6,9 @@
 //! Windows follow TorchRec: sum metrics keep whole batches (the oldest batch is dropped while
 //! the window holds more than `window_size` samples and more than one batch); AUC and AUPRC
 //! keep exactly the last `window_size` samples. Lifetime AUC/AUPRC use bounded-memory score
-//! histograms (AUPRC: TorchRec's 1000 bins; AUC: 65536 bins, an embers addition — TorchRec has
-//! no lifetime AUC).
+//! histograms (AUPRC: TorchRec's 1000 equal bins; AUC: 65536 bins, an embers addition —
+//! TorchRec has no lifetime AUC — cut finer toward 0 and 1 ([`auc::Binning::Mixed`]), so that
+//! models of rare events keep their AUC).
 
 pub mod auc;
 pub mod sums;
@@ -198,8 +199,9 @@ impl RecMetrics {
                     })
                     .collect(),
                 recent: VecDeque::new(),
-                auc_histogram: wants(MetricKind::Auc)
-                    .then(|| auc::ScoreHistogram::new(LIFETIME_AUC_BINS)),
+                auc_histogram: wants(MetricKind::Auc).then(|| {
+                    auc::ScoreHistogram::with_binning(LIFETIME_AUC_BINS, auc::Binning::Mixed)
+                }),
                 auprc_histogram: wants(MetricKind::Auprc)
                     .then(|| auc::ScoreHistogram::new(LIFETIME_AUPRC_BINS)),
             })
@@ -384,8 +386,15 @@ impl RecMetrics {
                 ("auprc", &state.auprc_histogram),
             ] {
                 if let Some(h) = h {
-                    out.insert(format!("{name}-{task}.positives"), h.positives.clone());
-                    out.insert(format!("{name}-{task}.negatives"), h.negatives.clone());
+                    let kind = histogram_kind(h.binning);
+                    out.insert(
+                        format!("{name}-{task}.{kind}positives"),
+                        h.positives.clone(),
+                    );
+                    out.insert(
+                        format!("{name}-{task}.{kind}negatives"),
+                        h.negatives.clone(),
+                    );
                 }
             }
         }
@@ -479,8 +488,22 @@ impl RecMetrics {
             ] {
                 if let Some(h) = h {
                     let bins = h.positives.len();
-                    h.positives = get(format!("{name}-{task}.positives"), Some(bins))?.clone();
-                    h.negatives = get(format!("{name}-{task}.negatives"), Some(bins))?.clone();
+                    let kind = histogram_kind(h.binning);
+                    let key = |side: &str| format!("{name}-{task}.{kind}{side}");
+                    if h.binning != auc::Binning::Uniform
+                        && !dict.contains_key(&key("positives"))
+                        && dict.contains_key(&format!("{name}-{task}.positives"))
+                    {
+                        // Saved with equal bins (before the mixed binning): carried over, each
+                        // bin's counts to the bin of its centre.
+                        let old = |side: &str| get(format!("{name}-{task}.{side}"), Some(bins));
+                        let (p, n) = (old("positives")?, old("negatives")?);
+                        *h = auc::ScoreHistogram::with_binning(bins, h.binning);
+                        h.add_uniform(p, n);
+                    } else {
+                        h.positives = get(key("positives"), Some(bins))?.clone();
+                        h.negatives = get(key("negatives"), Some(bins))?.clone();
+                    }
                 }
             }
         }
@@ -491,6 +514,15 @@ impl RecMetrics {
         }
         self.states = restored;
         Ok(())
+    }
+}
+
+/// The prefix of a histogram's state entries: none for equal bins (their names before other
+/// binnings existed), `mixed_` for [`auc::Binning::Mixed`].
+fn histogram_kind(binning: auc::Binning) -> &'static str {
+    match binning {
+        auc::Binning::Uniform => "",
+        auc::Binning::Mixed => "mixed_",
     }
 }
 
