@@ -113,6 +113,37 @@ fn invalid(path: &Path, msg: impl std::fmt::Display) -> Error {
 /// [`CheckpointWriter::parts_beside`]).
 const PARTS_KEY: &str = "parts_dir";
 
+/// The file in a parts directory that its writer (exclusively, until its write is done) and
+/// its readers (shared, while they may read the parts) lock: a writer's removal of stale
+/// parts directories skips a locked one.
+const PARTS_LOCK: &str = ".in-use";
+
+/// Takes a lock on the [`PARTS_LOCK`] file of parts directory `dir` (created if missing):
+/// exclusive for a writer, shared for a reader. `None` where it cannot be taken (the parts
+/// are then only not protected from another writer's cleanup).
+fn lock_parts(dir: &Path, exclusive: bool) -> Option<std::fs::File> {
+    let file = (std::fs::OpenOptions::new())
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(PARTS_LOCK))
+        .ok()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::AsRawFd;
+        let how = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
+        // SAFETY: flock reads no user memory; the descriptor is open.
+        if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } != 0 {
+            return None;
+        }
+    }
+    Some(file)
+}
+
 /// The prefix of the parts directories of checkpoints written to a file named `file_name`.
 fn parts_prefix(file_name: &str) -> String {
     format!("{file_name}.parts-")
@@ -131,6 +162,9 @@ pub struct CheckpointWriter<'a> {
     /// The file this checkpoint will be written to, when it may have a parts directory, and
     /// that directory once made.
     parts: Option<(PathBuf, Option<PathBuf>)>,
+    /// The exclusive lock on that directory, held until the write is done: another writer's
+    /// cleanup leaves it alone.
+    parts_lock: Option<std::fs::File>,
 }
 
 impl<'a> CheckpointWriter<'a> {
@@ -292,6 +326,7 @@ impl<'a> CheckpointWriter<'a> {
                 Err(e) => return Err(io_err(&dir, e)),
             }
         };
+        self.parts_lock = lock_parts(&dir, true);
         // The directory's own entry is on disk before any file that names it is (POSIX asks
         // for the parent's sync; only some journals order it by themselves).
         sync_dir(parent).map_err(|e| io_err(parent, e))?;
@@ -571,13 +606,17 @@ fn parent_dir(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// Removes the parts directories of the checkpoints written to `path` other than `keep`.
+/// Removes the parts directories of the checkpoints written to `path` other than `keep`, the
+/// one the file now at `path` names (another writer's, which may have replaced this one's
+/// since), and those a writer or a reader holds ([`PARTS_LOCK`]).
 fn remove_stale_parts(path: &Path, keep: Option<&Path>) {
     let Some(file_name) = path.file_name() else {
         return;
     };
     let prefix = parts_prefix(&file_name.to_string_lossy());
     let keep = keep.and_then(Path::file_name);
+    let current: Option<String> =
+        (CheckpointReader::open(path).ok()).and_then(|r| r.metadata(PARTS_KEY).map(str::to_string));
     let Ok(entries) = std::fs::read_dir(parent_dir(path)) else {
         return;
     };
@@ -585,6 +624,8 @@ fn remove_stale_parts(path: &Path, keep: Option<&Path>) {
         let name = e.file_name();
         if name.to_string_lossy().starts_with(&prefix)
             && Some(name.as_os_str()) != keep
+            && current.as_deref() != name.to_str()
+            && !in_use(&e.path().join(PARTS_LOCK))
             && e.file_type().is_ok_and(|t| t.is_dir())
         {
             let _ = std::fs::remove_dir_all(e.path());
@@ -750,6 +791,10 @@ pub struct CheckpointReader {
     file: std::fs::File,
     data_start: u64,
     header: Metadata,
+    /// A shared lock on the parts directory, taken by [`parts_dir`](Self::parts_dir) and held
+    /// while this reader lives: a writer replacing the checkpoint meanwhile leaves the parts
+    /// this one reads.
+    parts_lock: std::sync::OnceLock<Option<std::fs::File>>,
 }
 
 impl CheckpointReader {
@@ -799,6 +844,7 @@ impl CheckpointReader {
             file,
             data_start: 8 + n,
             header,
+            parts_lock: std::sync::OnceLock::new(),
         })
     }
 
@@ -833,6 +879,7 @@ impl CheckpointReader {
                 ),
             ));
         }
+        self.parts_lock.get_or_init(|| lock_parts(&dir, false));
         Ok(Some(dir))
     }
 
@@ -1048,6 +1095,65 @@ mod tests {
         drop(writer);
         write_atomically(&path, b"newer").unwrap();
         assert!(!live.exists() && others.iter().all(|p| p.exists()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two writers of one path and a reader: a writer's cleanup leaves the parts of a writer
+    /// still writing (whose file then names them: they were removed, and the checkpoint named
+    /// a missing directory), keeps the parts of the file now at the path, and leaves those a
+    /// reader holds until it is done; the next write removes what is stale.
+    #[test]
+    fn cleanups_leave_the_parts_of_other_writers_and_of_readers() {
+        let dir = temp("parts-race");
+        let path = dir.join("ckpt.safetensors");
+        let parts = || -> Vec<String> {
+            let mut names: Vec<String> = (std::fs::read_dir(&dir).unwrap().flatten())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("ckpt.safetensors.parts-"))
+                .collect();
+            names.sort();
+            names
+        };
+        let write = |w: CheckpointWriter<'_>, v: f32| {
+            let mut w = w;
+            w.add("x", &[1], &[v]).unwrap();
+            w.write(&path).unwrap();
+        };
+        let start = |v: f32| {
+            let mut w = CheckpointWriter::new();
+            w.parts_beside(&path);
+            let made = w.parts_dir().unwrap().unwrap();
+            std::fs::write(made.join("rows.bin"), [v as u8]).unwrap();
+            w
+        };
+        let named = |v: f32| {
+            let r = CheckpointReader::open(&path).unwrap();
+            assert_eq!(r.read::<f32>("x", &[1]).unwrap(), vec![v]);
+            let at = r.parts_dir().unwrap().expect("named parts");
+            assert_eq!(std::fs::read(at.join("rows.bin")).unwrap(), vec![v as u8]);
+        };
+        // A begins, B writes whole: B's cleanup leaves A's parts.
+        let a = start(1.0);
+        write(start(2.0), 2.0);
+        assert_eq!(parts().len(), 2);
+        // A finishes: its file names its parts, which are there; B's are stale and go.
+        write(a, 1.0);
+        named(1.0);
+        assert_eq!(parts().len(), 1);
+        // A reader of the checkpoint keeps its parts through a new write; they go after it.
+        let reader = CheckpointReader::open(&path).unwrap();
+        let held = reader.parts_dir().unwrap().unwrap();
+        write(start(3.0), 3.0);
+        assert!(
+            held.join("rows.bin").exists(),
+            "a reader's parts were removed"
+        );
+        named(3.0);
+        drop(reader);
+        write(start(4.0), 4.0);
+        assert!(!held.exists());
+        named(4.0);
+        assert_eq!(parts().len(), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
