@@ -854,7 +854,9 @@ fn cached_tables(
         })
         .expect("a parts directory beside the checkpoint");
     let mut tables = std::collections::BTreeMap::new();
-    for group in std::fs::read_dir(&parts).unwrap().flatten() {
+    // Its group directories (beside them the lock its writer and readers take).
+    let groups = (std::fs::read_dir(&parts).unwrap().flatten()).filter(|g| g.path().is_dir());
+    for group in groups {
         let manifest: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(group.path().join("manifest.json")).unwrap(),
         )
