@@ -1053,6 +1053,16 @@ impl CheckpointReader {
 mod tests {
     use super::*;
 
+    /// The parts directories of `ckpt.safetensors` in `dir`, sorted.
+    fn parts_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = (std::fs::read_dir(dir).unwrap().flatten())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("ckpt.safetensors.parts-"))
+            .collect();
+        names.sort();
+        names
+    }
+
     fn temp(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("embers-reader-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -1106,14 +1116,7 @@ mod tests {
     fn cleanups_leave_the_parts_of_other_writers_and_of_readers() {
         let dir = temp("parts-race");
         let path = dir.join("ckpt.safetensors");
-        let parts = || -> Vec<String> {
-            let mut names: Vec<String> = (std::fs::read_dir(&dir).unwrap().flatten())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("ckpt.safetensors.parts-"))
-                .collect();
-            names.sort();
-            names
-        };
+        let parts = || parts_in(&dir);
         let write = |w: CheckpointWriter<'_>, v: f32| {
             let mut w = w;
             w.add("x", &[1], &[v]).unwrap();
@@ -1224,14 +1227,7 @@ mod tests {
             FAIL_DIR_SYNC.with(|f| f.set(None));
             written
         };
-        let parts = || {
-            let mut names: Vec<String> = (std::fs::read_dir(&dir).unwrap().flatten())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("ckpt.safetensors.parts-"))
-                .collect();
-            names.sort();
-            names
-        };
+        let parts = || parts_in(&dir);
         let saved = |v: f32| {
             let r = CheckpointReader::open(&path).unwrap();
             assert_eq!(r.read::<f32>("x", &[1]).unwrap(), vec![v]);

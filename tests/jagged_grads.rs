@@ -146,3 +146,43 @@ fn keyed_tensor_regroup() {
         &[leaf(&[3, 2], 32), leaf(&[3, 4], 33)],
     );
 }
+
+/// A jagged product whose one operand alone needs a gradient computes that one, equal to
+/// its value when both are wanted, and reads (and checks) only the other operand: a write
+/// into the operand it does not read changes nothing, one into the operand it reads is
+/// refused by name.
+#[test]
+fn products_compute_and_read_only_the_wanted_gradient() {
+    let o = offsets();
+    for (name, op) in [("jagged_dense_bmm", 0), ("jagged_jagged_bmm", 1)] {
+        let (x0, y0) = match op {
+            0 => (leaf(&[6, 3], 13), leaf(&[4, 3, 2], 14)),
+            _ => (leaf(&[6, 2], 15), leaf(&[6, 3], 16)),
+        };
+        let run = |x: &Tensor, y: &Tensor| match op {
+            0 => jagged_dense_bmm(x, &o, y, 3),
+            _ => jagged_jagged_bmm(x, y, &o, 3),
+        };
+        let (x, y) = (
+            x0.detach().with_requires_grad(true),
+            y0.detach().with_requires_grad(true),
+        );
+        run(&x, &y).unwrap().sum_all().unwrap().backward().unwrap();
+        let both = x.grad().unwrap().to_vec::<f64>().unwrap();
+        // Only x wanted: its gradient reads y alone.
+        let (x, y) = (
+            x0.detach().contiguous().unwrap(),
+            y0.detach().contiguous().unwrap(),
+        );
+        let x = x.with_requires_grad(true);
+        let loss = run(&x, &y).unwrap().sum_all().unwrap();
+        x.update_in_place(|v: &mut [f64]| v[0] += 1.0).unwrap();
+        loss.backward().unwrap();
+        assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), both, "{name}");
+        let x = x.detach().with_requires_grad(true);
+        let loss = run(&x, &y).unwrap().sum_all().unwrap();
+        y.update_in_place(|v: &mut [f64]| v[0] += 1.0).unwrap();
+        let e = loss.backward().unwrap_err().to_string();
+        assert!(e.contains(name) && e.contains("modified in place"), "{e}");
+    }
+}

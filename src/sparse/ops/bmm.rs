@@ -150,6 +150,21 @@ fn check_bags(op: &'static str, offsets: &[i64], rows: usize, batch: usize) -> R
     Ok(())
 }
 
+/// Gradients computed in the compute dtype (`None`: not wanted), as dense gradients in the
+/// operands' `storage` dtype.
+fn stored_grads<const N: usize>(
+    storage: DType,
+    grads: [Option<Tensor>; N],
+) -> Result<Vec<Option<Gradient>>> {
+    (grads.into_iter())
+        .map(|g| {
+            Ok(g.map(|g| g.cast_values(storage))
+                .transpose()?
+                .map(Gradient::Dense))
+        })
+        .collect()
+}
+
 /// Keeps `x` only when `y`'s gradient is wanted and `y` only when `x`'s is (each gradient
 /// reads the other operand).
 struct JaggedDenseBmmBackward {
@@ -172,31 +187,18 @@ impl BackwardOp for JaggedDenseBmmBackward {
         let (batch, k, n) = (ys[0], ys[1], ys[2]);
         let (gx, gy) = with_float!(self.x.dtype(), "jagged_dense_bmm", T => {
             let g = g.to_vec::<T>()?;
-            let gx = match self.x_needs {
-                true => {
-                    let y = self.y.get(self.name())?.to_vec::<T>()?;
-                    let yt = transpose_batches(&y, batch, k, n);
-                    let gx = jagged_dense_bmm_kernel(&g, &self.offsets, &yt, n, k, self.max_l);
-                    Some(Tensor::from_vec(gx, xs)?)
-                }
-                false => None,
-            };
-            let gy = match self.y_needs {
-                true => {
-                    let x = self.x.get(self.name())?.to_vec::<T>()?;
-                    let gy = jagged_jagged_bmm_kernel(&x, &g, &self.offsets, k, n, self.max_l);
-                    Some(Tensor::from_vec(gy, ys)?)
-                }
-                false => None,
-            };
-            (gx, gy)
+            let gx = self.x_needs.then(|| -> Result<Tensor> {
+                let y = self.y.get(self.name())?.to_vec::<T>()?;
+                let yt = transpose_batches(&y, batch, k, n);
+                Tensor::from_vec(jagged_dense_bmm_kernel(&g, &self.offsets, &yt, n, k, self.max_l), xs)
+            });
+            let gy = self.y_needs.then(|| -> Result<Tensor> {
+                let x = self.x.get(self.name())?.to_vec::<T>()?;
+                Tensor::from_vec(jagged_jagged_bmm_kernel(&x, &g, &self.offsets, k, n, self.max_l), ys)
+            });
+            (gx.transpose()?, gy.transpose()?)
         });
-        let dense = |t: Option<Tensor>| -> Result<Option<Gradient>> {
-            Ok(t.map(|t| t.cast_values(self.storage))
-                .transpose()?
-                .map(Gradient::Dense))
-        };
-        Ok(vec![dense(gx)?, dense(gy)?])
+        stored_grads(self.storage, [gx, gy])
     }
 }
 
@@ -265,31 +267,18 @@ impl BackwardOp for JaggedJaggedBmmBackward {
         let (xs, ys) = (self.x.shape(), self.y.shape());
         let (gx, gy) = with_float!(self.x.dtype(), "jagged_jagged_bmm", T => {
             let g = g.to_vec::<T>()?;
-            let gx = match self.x_needs {
-                true => {
-                    let y = self.y.get(self.name())?.to_vec::<T>()?;
-                    let gt = transpose_batches(&g, batch, m, n);
-                    let gx = jagged_dense_bmm_kernel(&y, &self.offsets, &gt, n, m, self.max_l);
-                    Some(Tensor::from_vec(gx, xs)?)
-                }
-                false => None,
-            };
-            let gy = match self.y_needs {
-                true => {
-                    let x = self.x.get(self.name())?.to_vec::<T>()?;
-                    let gy = jagged_dense_bmm_kernel(&x, &self.offsets, &g, m, n, self.max_l);
-                    Some(Tensor::from_vec(gy, ys)?)
-                }
-                false => None,
-            };
-            (gx, gy)
+            let gx = self.x_needs.then(|| -> Result<Tensor> {
+                let y = self.y.get(self.name())?.to_vec::<T>()?;
+                let gt = transpose_batches(&g, batch, m, n);
+                Tensor::from_vec(jagged_dense_bmm_kernel(&y, &self.offsets, &gt, n, m, self.max_l), xs)
+            });
+            let gy = self.y_needs.then(|| -> Result<Tensor> {
+                let x = self.x.get(self.name())?.to_vec::<T>()?;
+                Tensor::from_vec(jagged_dense_bmm_kernel(&x, &self.offsets, &g, m, n, self.max_l), ys)
+            });
+            (gx.transpose()?, gy.transpose()?)
         });
-        let dense = |t: Option<Tensor>| -> Result<Option<Gradient>> {
-            Ok(t.map(|t| t.cast_values(self.storage))
-                .transpose()?
-                .map(Gradient::Dense))
-        };
-        Ok(vec![dense(gx)?, dense(gy)?])
+        stored_grads(self.storage, [gx, gy])
     }
 }
 
