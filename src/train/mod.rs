@@ -787,17 +787,29 @@ impl DenseState {
             old.copy_from(p)?;
             previous.params.push((p.clone(), old));
         }
-        optimizer.load_state_dict(&self.optim)?;
-        if let Some(lr) = self.lr {
-            optimizer.set_learning_rate(lr);
-        }
-        for (p, new) in self.params {
-            p.copy_from(&new)?;
+        // A device's copy can still fail part way: what was replaced is put back then (the
+        // optimizer's state, the parameters copied so far), so the error leaves no half.
+        if let Err(e) = self.write_into(optimizer) {
+            // Best effort: the values put back were just read from these very places.
+            let _ = previous.write_into(optimizer);
+            return Err(e);
         }
         if let (Some(m), Some(into)) = (self.metrics, metrics) {
             previous.metrics = Some(std::mem::replace(into, m));
         }
         Ok(previous)
+    }
+
+    /// Writes the optimizer's state and learning rate, then the parameters.
+    fn write_into(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
+        optimizer.load_state_dict(&self.optim)?;
+        if let Some(lr) = self.lr {
+            optimizer.set_learning_rate(lr);
+        }
+        for (p, new) in &self.params {
+            p.copy_from(new)?;
+        }
+        Ok(())
     }
 }
 
@@ -1092,6 +1104,35 @@ impl DlrmTrainer {
 mod tests {
     use super::*;
     use crate::nn::{Forward, Linear};
+
+    /// A dense state whose write fails part way (here a parameter a copy cannot go into, a
+    /// view; on a device, a failed copy) puts back what it had replaced: the parameters
+    /// written before the failure, the optimizer's state and learning rate.
+    #[test]
+    fn a_dense_load_failing_part_way_leaves_no_half() {
+        let a = Tensor::from_slice(&[1.0f32, 2.0], &[2])
+            .unwrap()
+            .with_requires_grad(true);
+        let b = (Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap())
+            .t()
+            .unwrap();
+        let mut optimizer = Adagrad::new(vec![a.clone()], 0.1, 0.0).unwrap();
+        let state = DenseState {
+            params: vec![
+                (a.clone(), Tensor::from_slice(&[9.0f32, 9.0], &[2]).unwrap()),
+                (
+                    b.clone(),
+                    Tensor::zeros(&[2, 2], DType::F32, crate::Device::Cpu),
+                ),
+            ],
+            optim: optimizer.state_dict().unwrap(),
+            lr: Some(0.5),
+            metrics: None,
+        };
+        assert!(state.apply(&mut optimizer, None).is_err());
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(optimizer.learning_rate(), 0.1);
+    }
 
     /// The dense half of a load applied, then undone with what it returned (as a trainer does
     /// when its tables fail to load): the parameters and the optimizer's state are back, bit
