@@ -503,3 +503,31 @@ fn lifetime_auc_of_rare_event_predictions_tracks_exact_auc() {
         equal.auc()
     );
 }
+
+/// A sum metric's window holds at most 1000 batches, as TorchRec's (`MAX_BUFFER_COUNT`):
+/// 1500 batches of one sample in a window of 10000 read as their last 1000 (all 1500 were
+/// kept, the memory of a window of tiny batches unbounded). AUC's window keeps samples.
+#[test]
+fn sum_windows_hold_at_most_a_thousand_batches() {
+    use embers::metrics::{SumKind, MAX_WINDOW_BATCHES};
+    assert_eq!(MAX_WINDOW_BATCHES, 1000);
+    let kinds = [MetricKind::Sum(SumKind::Ctr), MetricKind::Auc];
+    let mut m = RecMetrics::new(&["t"], &kinds, 10_000).unwrap();
+    let mut last = RecMetrics::new(&["t"], &kinds, 10_000).unwrap();
+    for i in 0..1500u32 {
+        let (p, y) = ([0.5f32], [f32::from(i % 3 == 0 || i >= 1000)]);
+        m.update(&[&p], &[&y], None).unwrap();
+        if i >= 500 {
+            last.update(&[&p], &[&y], None).unwrap();
+        }
+    }
+    let (got, want) = (m.compute(), last.compute());
+    assert_eq!(got["ctr-t|window_ctr"], want["ctr-t|window_ctr"]);
+    // Batches 500..1500: 167 multiples of 3 below 1000, then 500 positives.
+    assert!((got["ctr-t|window_ctr"] - 0.667).abs() < 1e-12, "{got:?}");
+    // 334 + 500 of all 1500.
+    assert!(
+        (got["ctr-t|lifetime_ctr"] - 834.0 / 1500.0).abs() < 1e-12,
+        "{got:?}"
+    );
+}

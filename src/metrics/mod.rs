@@ -4,7 +4,8 @@
 //! names (`ne-{task}|lifetime_ne`). The state can be saved and restored with a checkpoint.
 //!
 //! Windows follow TorchRec: sum metrics keep whole batches (the oldest batch is dropped while
-//! the window holds more than `window_size` samples and more than one batch); AUC and AUPRC
+//! the window holds more than `window_size` samples and more than one batch, or more than
+//! [`MAX_WINDOW_BATCHES`] batches); AUC and AUPRC
 //! keep exactly the last `window_size` samples. Lifetime AUC/AUPRC use bounded-memory score
 //! histograms (AUPRC: TorchRec's 1000 equal bins; AUC: 65536 bins, an embers addition —
 //! TorchRec has no lifetime AUC — cut finer toward 0 and 1 ([`auc::Binning::Mixed`]), so that
@@ -21,6 +22,10 @@ pub use sums::SumKind;
 pub use throughput::Throughput;
 
 use crate::{Error, Result};
+
+/// The most batches a sum metric's window holds (TorchRec's `MAX_BUFFER_COUNT`): a window
+/// of tiny batches is bounded in memory, and covers what TorchRec's covers.
+pub const MAX_WINDOW_BATCHES: usize = 1000;
 
 /// Bins of the lifetime AUC histogram.
 pub const LIFETIME_AUC_BINS: usize = 1 << 16;
@@ -84,9 +89,17 @@ impl SumState {
     }
 
     /// Drops the oldest batches while the window holds more than `window_size` samples and
-    /// more than one batch.
+    /// more than one batch, or more than [`MAX_WINDOW_BATCHES`] batches (TorchRec's bound;
+    /// none for a window of `usize::MAX`, which keeps everything).
     fn trim(&mut self, window_size: usize) {
-        while self.window_samples > window_size && self.batches.len() > 1 {
+        let most = if window_size == usize::MAX {
+            usize::MAX
+        } else {
+            MAX_WINDOW_BATCHES
+        };
+        while (self.window_samples > window_size && self.batches.len() > 1)
+            || self.batches.len() > most
+        {
             let (n, _) = self.batches.pop_front().expect("len > 1");
             self.window_samples -= n;
         }
@@ -225,7 +238,7 @@ impl RecMetrics {
     }
 
     /// These metrics with windows of `window_size` samples (the state kept, trimmed to the
-    /// new width when narrower).
+    /// new width when narrower; `usize::MAX` keeps everything, whatever the batch count).
     pub fn with_window_size(&self, window_size: usize) -> Result<RecMetrics> {
         if window_size == 0 {
             return Err(Error::invalid(
