@@ -543,6 +543,14 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 
 #[cfg(test)]
 thread_local! {
+    /// Files synced to disk and then renamed into place on this thread (tests: a write
+    /// without its file's sync would survive a kill, not a power loss, and no kill test sees
+    /// it).
+    pub(crate) static SYNCED_BEFORE_RENAME: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+#[cfg(test)]
+thread_local! {
     /// `Some(k)`: the directory sync on this thread after the next `k` fails (tests).
     pub(crate) static FAIL_DIR_SYNC: std::cell::Cell<Option<u32>> =
         const { std::cell::Cell::new(None) };
@@ -692,6 +700,8 @@ fn replace_atomically_or(
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .map_err(|e| io_err(&tmp, e))?;
+        #[cfg(test)]
+        SYNCED_BEFORE_RENAME.with(|n| n.set(n.get() + 1));
         std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
     })();
     if let Err(e) = result {
@@ -1157,6 +1167,20 @@ mod tests {
         assert!(!held.exists());
         named(4.0);
         assert_eq!(parts().len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Every atomic write syncs its file to disk before renaming it into place: checkpoints
+    /// and plain replacements alike.
+    #[test]
+    fn every_replacement_syncs_its_file_before_the_rename() {
+        let dir = temp("synced");
+        let before = SYNCED_BEFORE_RENAME.with(|n| n.get());
+        let mut w = CheckpointWriter::new();
+        w.add("x", &[1], &[1.0f32]).unwrap();
+        w.write(dir.join("a.safetensors")).unwrap();
+        write_atomically(&dir.join("b.json"), b"{}").unwrap();
+        assert_eq!(SYNCED_BEFORE_RENAME.with(|n| n.get()), before + 2);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -378,19 +378,47 @@ fn ivfpq_add_remove_save_load() {
         .collect();
     index.add(&back_ids, &back_x).unwrap();
     assert_eq!(index.search(&queries, 15, 8).unwrap(), before);
-    // Save / load: the same answers; the file is replaced atomically.
+    // Save / load: the same answers, also from a file saved over another index's.
     let dir = std::env::temp_dir().join(format!("embers-ivfpq-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("index.safetensors");
     index.save(&path).unwrap();
+    let mut other = IvfPqIndex::load(&path).unwrap();
+    other.remove(&ids[..ids.len() / 2]);
+    other.save(&path).unwrap();
+    let answers = other.search(&queries, 15, 8).unwrap();
+    assert_ne!(answers, before);
+    assert_eq!(
+        IvfPqIndex::load(&path)
+            .unwrap()
+            .search(&queries, 15, 8)
+            .unwrap(),
+        answers
+    );
+    index.save(&path).unwrap();
     let loaded = IvfPqIndex::load(&path).unwrap();
     assert_eq!(loaded.search(&queries, 15, 8).unwrap(), before);
     assert_eq!(loaded.config(), index.config());
-    // A truncated file and a flipped byte in the codes' header are named errors.
+    // A truncated file and a changed digit in the header (a tensor's shape that no longer
+    // fits its bytes) are errors naming the file.
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(dir.join("short"), &bytes[..bytes.len() - 100]).unwrap();
     let e = IvfPqIndex::load(dir.join("short")).unwrap_err().to_string();
     assert!(e.contains("short"), "{e}");
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let at = 8 + header.find("\"shape\":[").unwrap() + "\"shape\":[".len();
+    let mut flipped = bytes.clone();
+    flipped[at] = if flipped[at] == b'9' {
+        b'8'
+    } else {
+        flipped[at] + 1
+    };
+    std::fs::write(dir.join("flipped"), &flipped).unwrap();
+    let e = IvfPqIndex::load(dir.join("flipped"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("flipped"), "{e}");
     std::fs::write(dir.join("junk"), b"not an index").unwrap();
     assert!(IvfPqIndex::load(dir.join("junk")).is_err());
     let mut trainer_ckpt = embers::checkpoint::CheckpointWriter::new();
