@@ -10,6 +10,12 @@
 //! histograms (AUPRC: TorchRec's 1000 equal bins; AUC: 65536 bins, an embers addition —
 //! TorchRec has no lifetime AUC — cut finer toward 0 and 1 ([`auc::Binning::Mixed`]), so that
 //! models of rare events keep their AUC).
+//!
+//! Degenerate values are TorchRec's: over no weight (before any update, a window of zero
+//! weights, an empty evaluation) NE is NaN, CTR and calibration 0 and AUC 0.5; without
+//! positives or without negatives AUC is 0.5 and NE follows TorchRec's clamp of the label
+//! mean (about 1e11); an empty window's AUPRC is 0. Check the examples counted before
+//! reading them.
 
 pub mod auc;
 pub mod sums;

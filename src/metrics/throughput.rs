@@ -1,4 +1,9 @@
 //! Training throughput in examples per second, with warm-up steps excluded.
+//!
+//! An embers definition, not TorchRec's `ThroughputMetric`: its window is the last
+//! `window_steps` steps (TorchRec's: the last `window_seconds`), it counts this process's
+//! examples (TorchRec multiplies a batch by the world size; add the ranks' rates for a
+//! job's), and a warm-up of 0 steps is allowed (TorchRec asks for at least 1).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
