@@ -889,9 +889,13 @@ fn authorize_reload(
             )),
         };
     };
+    // The scheme's name is case-insensitive (RFC 9110).
     let given = (headers.get(header::AUTHORIZATION))
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        });
     let refused = |message: &str| ApiError {
         challenge: true,
         ..ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
@@ -1871,6 +1875,13 @@ mod tests {
         );
         assert!(authorize_reload(Some(&token), &carried, at("10.1.2.3:5000")).is_ok());
         assert!(authorize_reload(Some(&token), &carried, None).is_ok());
+        // The scheme in any case.
+        let mut lower = HeaderMap::new();
+        lower.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("bearer 0123456789abcdef"),
+        );
+        assert!(authorize_reload(Some(&token), &lower, None).is_ok());
         let e = authorize_reload(Some(&token), &none, at("127.0.0.1:1")).unwrap_err();
         assert_eq!((e.status, e.challenge), (StatusCode::UNAUTHORIZED, true));
         // A prefix of the token, or the token and more, is not the token.
