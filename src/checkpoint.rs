@@ -454,32 +454,26 @@ fn write_safetensors(
     out.flush().map_err(io)
 }
 
+/// The first NaN or infinity among little-endian f32 words, with its index.
+pub(crate) fn first_non_finite_f32(bytes: &[u8]) -> Option<(usize, f32)> {
+    (bytes.chunks_exact(4))
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .enumerate()
+        .find(|(_, v)| !v.is_finite())
+}
+
 /// Refuses float values a reader refuses (NaN, ±inf in F32 and F64 tensors; `bytes` are
 /// little-endian, from byte `at` of tensor `name`): a checkpoint of them would replace the
 /// last good one with a file no load takes (a training run whose optimizer state overflowed
 /// saved one). The temporary file is removed and the old checkpoint stays.
 fn refuse_non_finite(path: &Path, name: &str, dtype: Dtype, bytes: &[u8], at: usize) -> Result<()> {
     let found = match dtype {
-        Dtype::F32 => (bytes.chunks_exact(4))
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .position(|v| !v.is_finite())
-            .map(|i| {
-                (
-                    at / 4 + i,
-                    f64::from(f32::from_le_bytes(
-                        bytes[i * 4..i * 4 + 4].try_into().expect("4 bytes"),
-                    )),
-                )
-            }),
+        Dtype::F32 => first_non_finite_f32(bytes).map(|(i, v)| (at / 4 + i, f64::from(v))),
         Dtype::F64 => (bytes.chunks_exact(8))
             .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .position(|v| !v.is_finite())
-            .map(|i| {
-                (
-                    at / 8 + i,
-                    f64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes")),
-                )
-            }),
+            .enumerate()
+            .find(|(_, v)| !v.is_finite())
+            .map(|(i, v)| (at / 8 + i, v)),
         _ => None,
     };
     match found {
@@ -571,6 +565,12 @@ pub(crate) struct ReplaceFailed {
 pub(crate) fn clock_nanos() -> u64 {
     (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH))
         .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// A nonzero id no other process or moment gives: the clock's nanoseconds and the process
+/// id (a sharded checkpoint's, a training run's).
+pub(crate) fn unique_id() -> u64 {
+    (clock_nanos() ^ u64::from(std::process::id())).max(1)
 }
 
 /// `flock(LOCK_EX | LOCK_NB)` on `file`: the lock goes with its open file description. Off

@@ -123,6 +123,17 @@ fn more_hard_negatives_than_negatives_is_a_named_error() {
 /// softmax settings with the pointwise loss (all ignored).
 #[test]
 fn flags_it_cannot_honour_are_refused_before_training() {
+    // `args` after `base` fail naming `says`, before any epoch is trained.
+    let refused = |base: &[&'static str], args: Vec<&'static str>, says: &str| {
+        let args: Vec<&str> = base.iter().copied().chain(args).collect();
+        let out = run(&args);
+        let log = text(&out);
+        assert!(
+            !out.status.success() && log.contains(says),
+            "{args:?}: {log}"
+        );
+        assert!(!log.contains("epoch 1:"), "{args:?} trained first: {log}");
+    };
     for (args, says) in [
         (vec!["--pq-m", "5"], "--nlist 16 --pq-m 5"),
         (vec!["--nprobe", "17"], "--nprobe 17: must be 1..=16"),
@@ -146,32 +157,21 @@ fn flags_it_cannot_honour_are_refused_before_training() {
             "--loss pointwise draws one random negative",
         ),
     ] {
-        let args: Vec<&str> = ["--data", "synthetic", "--epochs", "1", "--no-progress"]
-            .into_iter()
-            .chain(args)
-            .collect();
-        let out = run(&args);
-        let log = text(&out);
-        assert!(
-            !out.status.success() && log.contains(says),
-            "{args:?}: {log}"
+        refused(
+            &["--data", "synthetic", "--epochs", "1", "--no-progress"],
+            args,
+            says,
         );
-        assert!(!log.contains("epoch 1:"), "{args:?} trained first: {log}");
     }
     // No pass at all (it wrote no checkpoint and reported NaN pairs a second).
     for args in [
         vec!["--epochs", "0"],
         vec!["--epochs", "1", "--rerank", "--rerank-epochs", "0"],
     ] {
-        let args: Vec<&str> = ["--data", "synthetic", "--no-progress"]
-            .into_iter()
-            .chain(args)
-            .collect();
-        let out = run(&args);
-        let log = text(&out);
-        assert!(
-            !out.status.success() && log.contains("must be at least 1"),
-            "{args:?}: {log}"
+        refused(
+            &["--data", "synthetic", "--no-progress"],
+            args,
+            "must be at least 1",
         );
     }
 }

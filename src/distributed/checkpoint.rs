@@ -210,7 +210,7 @@ pub(crate) fn save(
     let lock = (rank == 0).then(|| lock_checkpoint_dir(dir));
     let proposal = match &lock {
         Some(Err(_)) => [0],
-        _ => [(crate::checkpoint::clock_nanos() ^ u64::from(std::process::id())).max(1)],
+        _ => [crate::checkpoint::unique_id()],
     };
     let id = comm.all_gather_v("checkpoint.id", &proposal, Some(&vec![1; world]))?[0][0];
     let _lock = match lock {

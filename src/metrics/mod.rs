@@ -82,7 +82,8 @@ impl SumState {
         }
     }
 
-    fn update(&mut self, p: &[f32], y: &[f32], w: &[f32], window_size: usize) {
+    /// Adds a batch (the window is trimmed by the caller, [`TaskState::trim`]).
+    fn update(&mut self, p: &[f32], y: &[f32], w: &[f32]) {
         let mut delta = vec![0.0; self.kind.state_len()];
         self.kind.accumulate(&mut delta, p, y, w);
         self.lifetime
@@ -91,7 +92,6 @@ impl SumState {
             .for_each(|(l, d)| *l += d);
         self.batches.push_back((p.len(), delta));
         self.window_samples += p.len();
-        self.trim(window_size);
     }
 
     /// Drops the oldest batches while the window holds more than `window_size` samples and
@@ -330,14 +330,12 @@ impl RecMetrics {
             let window = self.window_size;
             let state = &mut self.states[i];
             for s in &mut state.sums {
-                s.update(p, y, w, window);
+                s.update(p, y, w);
             }
             if self.kinds.contains(&MetricKind::Auc) || self.kinds.contains(&MetricKind::Auprc) {
                 state.recent.extend(samples.clone());
-                while state.recent.len() > window {
-                    state.recent.pop_front();
-                }
             }
+            state.trim(window);
             if let Some(h) = &mut state.auc_histogram {
                 h.add(samples.clone());
             }

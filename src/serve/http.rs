@@ -354,10 +354,10 @@ impl Server {
     /// Loads the model of `config` (on the blocking pool) and starts its batcher. Must run
     /// inside a tokio runtime.
     pub async fn start(config: ServerConfig) -> Result<Server> {
-        if config.max_body_bytes == 0 || config.max_inflight_requests == 0 {
+        if config.max_body_bytes == 0 {
             return Err(Error::invalid(
                 "ServerConfig",
-                "max_body_bytes and max_inflight_requests must be at least 1",
+                "max_body_bytes must be at least 1",
             ));
         }
         let name = &config.model_name;
@@ -372,27 +372,18 @@ impl Server {
                 ),
             ));
         }
-        if config.max_connections == 0
-            || config.max_connections > tokio::sync::Semaphore::MAX_PERMITS
-        {
-            return Err(Error::invalid(
-                "ServerConfig",
-                format!(
-                    "max_connections {} must be within 1..={}",
-                    config.max_connections,
-                    tokio::sync::Semaphore::MAX_PERMITS
-                ),
-            ));
-        }
-        if config.max_inflight_requests > tokio::sync::Semaphore::MAX_PERMITS {
-            return Err(Error::invalid(
-                "ServerConfig",
-                format!(
-                    "max_inflight_requests {} is past the most a semaphore counts ({})",
-                    config.max_inflight_requests,
-                    tokio::sync::Semaphore::MAX_PERMITS
-                ),
-            ));
+        // Each is a semaphore's places (past its most, tokio panicked).
+        let most = tokio::sync::Semaphore::MAX_PERMITS;
+        for (name, places) in [
+            ("max_connections", config.max_connections),
+            ("max_inflight_requests", config.max_inflight_requests),
+        ] {
+            if !(1..=most).contains(&places) {
+                return Err(Error::invalid(
+                    "ServerConfig",
+                    format!("{name} {places} must be within 1..={most}"),
+                ));
+            }
         }
         let day = Duration::from_secs(24 * 3600);
         for (name, t) in [

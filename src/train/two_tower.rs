@@ -134,7 +134,7 @@ impl TwoTowerConfig {
             negatives: None,
             step: 0,
             examples: 0,
-            run: new_run_id(),
+            run: crate::checkpoint::unique_id(),
         })
     }
 
@@ -211,15 +211,6 @@ pub struct TwoTowerTrainer {
     /// Drawn when the trainer is built, kept by its checkpoints: with the step it names the
     /// weights ([`model_id`](TwoTowerTrainer::model_id)).
     run: u64,
-}
-
-/// A run's id: the clock and the process, mixed (SplitMix64's finaliser), never 0 (0 is
-/// a checkpoint written before runs had ids).
-fn new_run_id() -> u64 {
-    let mut z = crate::checkpoint::clock_nanos() ^ (u64::from(std::process::id()) << 40);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)).max(1)
 }
 
 impl TwoTowerTrainer {

@@ -651,7 +651,7 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
     if format!("{h:016x}") != m.checksum {
         return Err(m.corrupt(h));
     }
-    refuse_non_finite(&m.rows_file, &bytes, 0)?;
+    super::store::refuse_non_finite_rows(&m.rows_file, &bytes, 0)?;
     let buffers = cfg.optimizer.state_buffers().len();
     let mut weights = Vec::with_capacity(cfg.tables.len());
     let mut states = vec![Vec::with_capacity(cfg.tables.len()); buffers];
@@ -664,28 +664,6 @@ pub(crate) fn read_cached_checkpoint(dir: &Path, cfg: &TbeConfig) -> Result<Plai
         }
     }
     Ok(PlainTables { weights, states })
-}
-
-/// Refuses rows (little-endian f32 words read from byte `at` of `file`) holding a NaN or an
-/// infinity, as a checkpoint's tensors are refused: they would spread through every later
-/// step, or every answer served.
-fn refuse_non_finite(file: &Path, bytes: &[u8], at: u64) -> Result<()> {
-    let bad = (bytes.chunks_exact(4))
-        .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .enumerate()
-        .find(|(_, v)| !v.is_finite());
-    match bad {
-        Some((i, v)) => Err(Error::invalid(
-            OP,
-            format!(
-                "{}: the f32 at byte {} is {v}: a checkpoint's rows and optimizer state are \
-                 finite",
-                file.display(),
-                at + 4 * i as u64
-            ),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// Records laid out as `p` (little-endian FP32 bytes, back to back) split into their parts:
@@ -791,7 +769,7 @@ impl SavedRows {
         self.file
             .read_exact_at(&mut bytes, at)
             .map_err(|e| io_error(&self.m.rows_file, "reading rows", e))?;
-        refuse_non_finite(&self.m.rows_file, &bytes, at)?;
+        super::store::refuse_non_finite_rows(&self.m.rows_file, &bytes, at)?;
         let buffers = optimizer.state_buffers().len();
         let [w, s0, s1] = split_records(&bytes, p);
         Ok((w, [s0, s1].into_iter().take(buffers).collect()))

@@ -1166,20 +1166,8 @@ fn checksum_copy(
             hash = (hash ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3);
         }
         // Every buffer but the last is whole, so words never straddle two.
-        if let Some(i) = (finite.then_some(&buf[..n])).and_then(|b| {
-            (b.chunks_exact(4))
-                .position(|w| !f32::from_le_bytes(w.try_into().expect("4 bytes")).is_finite())
-        }) {
-            let v = f32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{}: the f32 at byte {} is {v}: a checkpoint's rows and optimizer state are \
-                     finite",
-                    src.display(),
-                    written + i * 4
-                ),
-            ));
+        if finite {
+            refuse_non_finite_rows(src, &buf[..n], written as u64)?;
         }
         output
             .put(&buf[..n], written)
@@ -1193,6 +1181,24 @@ fn checksum_copy(
         .finish(written)
         .map_err(|e| copy_error(src, dst, "finishing a copy", e))?;
     Ok(hash)
+}
+
+/// Refuses rows (little-endian f32 words read from byte `at` of `file`) holding a NaN or an
+/// infinity, as a checkpoint's tensors are refused: they would spread through every later
+/// step, or every answer served.
+pub(crate) fn refuse_non_finite_rows(file: &Path, bytes: &[u8], at: u64) -> Result<()> {
+    match crate::checkpoint::first_non_finite_f32(bytes) {
+        Some((i, v)) => Err(Error::invalid(
+            OP,
+            format!(
+                "{}: the f32 at byte {} is {v}: a checkpoint's rows and optimizer state are \
+                 finite",
+                file.display(),
+                at + 4 * i as u64
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// An error of [`checksum_copy`]'s output: the source's wrong length, which a copy into memory
