@@ -3,13 +3,16 @@
 //! [`CheckpointWriter`] collects named tensors and string metadata and writes them in one
 //! safetensors file under a temporary name in the destination's directory, flushes it to disk
 //! (fsync), renames it over the destination and syncs the directory: a crash at any moment
-//! leaves either the previous file or the new one, never a mix. [`CheckpointReader`] opens such
-//! a file, validates its header, and hands out tensors with their dtype and shape checked, so
-//! callers can read and check everything before changing any state.
+//! leaves either the previous file or the new one, never a mix. The header keeps a CRC-32 of
+//! each MiB of the data. [`CheckpointReader`] opens such a file, validates its header, and
+//! hands out tensors with their dtype and shape checked and the blocks they lie in checked
+//! against their checksums (a flipped bit is an error naming the tensor, not a value loaded),
+//! so callers can read and check everything before changing any state.
 
 use std::collections::{HashMap, HashSet};
-use std::io::Write;
+use std::io::{Seek, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
@@ -109,6 +112,21 @@ fn invalid(path: &Path, msg: impl std::fmt::Display) -> Error {
     Error::invalid("checkpoint", format!("{}: {msg}", path.display()))
 }
 
+/// Metadata key of the data's checksums: the CRC-32 of each [`CHECKSUM_BLOCK_KEY`]-byte block
+/// of the bytes after the header (the last block may be shorter), as 8 lowercase hex digits
+/// each, back to back. A reader checks every block a read touches, once, so a flipped bit in
+/// a tensor (one that still decodes as a finite number) is an error naming the tensor rather
+/// than a value loaded.
+const CHECKSUM_KEY: &str = "checksums.crc32";
+
+/// Metadata key of the checksums' block size in bytes (decimal).
+const CHECKSUM_BLOCK_KEY: &str = "checksums.block_bytes";
+
+/// The block size a writer checksums: 1 MiB, so a header holds 8 bytes of checksums per MiB
+/// of tensors (a terabyte's fit the header's limit) and a reader reads at most a block more
+/// than it asked for.
+const CHECKSUM_BLOCK: usize = 1 << 20;
+
 /// Metadata key naming a checkpoint's directory of parts (see
 /// [`CheckpointWriter::parts_beside`]).
 const PARTS_KEY: &str = "parts_dir";
@@ -116,7 +134,7 @@ const PARTS_KEY: &str = "parts_dir";
 /// The file in a parts directory that its writer (exclusively, until its write is done) and
 /// its readers (shared, while they may read the parts) lock: a writer's removal of stale
 /// parts directories skips a locked one.
-const PARTS_LOCK: &str = ".in-use";
+pub(crate) const PARTS_LOCK: &str = ".in-use";
 
 /// Takes a lock on the [`PARTS_LOCK`] file of parts directory `dir` (created if missing):
 /// exclusive for a writer, shared for a reader. `None` where it cannot be taken (the parts
@@ -358,6 +376,15 @@ impl<'a> CheckpointWriter<'a> {
                 sync_dir(dir).map_err(|e| io_err(dir, e))?;
             }
         }
+        if let Some(key) = [CHECKSUM_KEY, CHECKSUM_BLOCK_KEY]
+            .into_iter()
+            .find(|k| self.metadata.contains_key(*k))
+        {
+            return Err(invalid(
+                path,
+                format!("metadata key `{key}` is the writer's own (the data's checksums)"),
+            ));
+        }
         let metadata = std::mem::take(&mut self.metadata);
         let entries = std::mem::take(&mut self.entries);
         match replace_atomically_or(path, |tmp| write_safetensors(path, tmp, entries, metadata)) {
@@ -382,13 +409,15 @@ impl<'a> CheckpointWriter<'a> {
 /// Writes `entries` and `metadata` to a new file `tmp` in the safetensors format (header
 /// length, JSON header padded to 8 bytes, the tensors' bytes back to back in safetensors' own
 /// order: by dtype, widest first, then by name, so every tensor starts aligned to its element
-/// size), reading the tensors given as rows a chunk at a time. Errors name `path`, the file
-/// being written, and the tensor.
+/// size), reading the tensors given as rows a chunk at a time. The header's
+/// [`CHECKSUM_KEY`] holds the data's checksums: written as zeros first (its length is known),
+/// then over-written once the data is out. Errors name `path`, the file being written, and
+/// the tensor.
 fn write_safetensors(
     path: &Path,
     tmp: &Path,
     mut entries: Vec<(String, Entry<'_>)>,
-    metadata: HashMap<String, String>,
+    mut metadata: HashMap<String, String>,
 ) -> Result<()> {
     entries.sort_by(|(a, x), (b, y)| y.dtype.cmp(&x.dtype).then_with(|| a.cmp(b)));
     let mut infos = Vec::with_capacity(entries.len());
@@ -408,8 +437,18 @@ fn write_safetensors(
         };
         infos.push((name.clone(), info));
     }
+    let blocks = end.div_ceil(CHECKSUM_BLOCK);
+    metadata.insert(CHECKSUM_BLOCK_KEY.into(), CHECKSUM_BLOCK.to_string());
+    metadata.insert(CHECKSUM_KEY.into(), "0".repeat(8 * blocks));
     let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(path, e))?;
     let mut header = serde_json::to_vec(&header).map_err(|e| invalid(path, e))?;
+    // Where the checksums' digits go. Inside a JSON string every quote is escaped, so the
+    // key's quotes with a colon and a quote between them are found only where it is a key.
+    let pattern = format!("\"{CHECKSUM_KEY}\":\"");
+    let sums_at = (header.windows(pattern.len()))
+        .position(|w| w == pattern.as_bytes())
+        .map(|p| p + pattern.len())
+        .ok_or_else(|| invalid(path, "the header's checksums were not written"))?;
     header.resize(header.len().next_multiple_of(8), b' ');
     if header.len() as u64 > MAX_HEADER_BYTES {
         return Err(invalid(
@@ -427,11 +466,13 @@ fn write_safetensors(
     out.write_all(&(header.len() as u64).to_le_bytes())
         .map_err(io)?;
     out.write_all(&header).map_err(io)?;
+    let mut sums = BlockSums::new(CHECKSUM_BLOCK);
     for (name, e) in entries {
         let dtype = e.dtype;
         match e.data {
             Data::Bytes(b) => {
                 refuse_non_finite(path, &name, dtype, &b, 0)?;
+                sums.update(&b);
                 out.write_all(&b).map_err(io)?
             }
             Data::Rows {
@@ -446,12 +487,67 @@ fn write_safetensors(
                         .map_err(|e| invalid(path, format!("reading `{name}`: {e}")))?;
                     refuse_non_finite(path, &name, dtype, &bytes, at)?;
                     at += bytes.len();
+                    sums.update(&bytes);
                     out.write_all(&bytes).map_err(io)?;
                 }
             }
         }
     }
+    let sums = sums.finish();
+    if sums.len() != blocks {
+        return Err(invalid(
+            path,
+            format!("{} checksum blocks written, {blocks} counted", sums.len()),
+        ));
+    }
+    let digits: String = sums.iter().map(|c| format!("{c:08x}")).collect();
+    out.seek(std::io::SeekFrom::Start(8 + sums_at as u64))
+        .map_err(io)?;
+    out.write_all(digits.as_bytes()).map_err(io)?;
     out.flush().map_err(io)
+}
+
+/// The CRC-32 of each `block`-byte block of a stream of bytes.
+struct BlockSums {
+    block: usize,
+    /// Bytes of the current block seen.
+    filled: usize,
+    hasher: crc32fast::Hasher,
+    sums: Vec<u32>,
+}
+
+impl BlockSums {
+    fn new(block: usize) -> Self {
+        BlockSums {
+            block,
+            filled: 0,
+            hasher: crc32fast::Hasher::new(),
+            sums: Vec::new(),
+        }
+    }
+
+    /// Goes on with `bytes`.
+    fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let n = bytes.len().min(self.block - self.filled);
+            self.hasher.update(&bytes[..n]);
+            self.filled += n;
+            bytes = &bytes[n..];
+            if self.filled == self.block {
+                let done = std::mem::replace(&mut self.hasher, crc32fast::Hasher::new());
+                self.sums.push(done.finalize());
+                self.filled = 0;
+            }
+        }
+    }
+
+    /// Every block's checksum, the last one's if shorter too.
+    fn finish(mut self) -> Vec<u32> {
+        if self.filled > 0 {
+            self.sums.push(self.hasher.finalize());
+        }
+        self.sums
+    }
 }
 
 /// The first NaN or infinity among little-endian f32 words, with its index.
@@ -791,16 +887,93 @@ fn read_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result
     }
 }
 
+/// A file's data checksums ([`CHECKSUM_KEY`]) and which of their blocks a read has checked.
+struct Checksums {
+    block: u64,
+    sums: Vec<u32>,
+    /// A bit a block: checked.
+    checked: Vec<AtomicU64>,
+}
+
+impl Checksums {
+    /// The checksums `header` holds for `data_len` bytes of data (`None`: it holds none), or
+    /// an error naming `path` when they are malformed.
+    fn parse(path: &Path, header: &Metadata, data_len: u64) -> Result<Option<Self>> {
+        let meta = header.metadata().as_ref();
+        let get = |key| meta.and_then(|m| m.get(key)).map(String::as_str);
+        let (digits, block) = match (get(CHECKSUM_KEY), get(CHECKSUM_BLOCK_KEY)) {
+            (None, None) => return Ok(None),
+            (Some(d), Some(b)) => (d, b),
+            (d, _) => {
+                let (has, lacks) = if d.is_some() {
+                    (CHECKSUM_KEY, CHECKSUM_BLOCK_KEY)
+                } else {
+                    (CHECKSUM_BLOCK_KEY, CHECKSUM_KEY)
+                };
+                return Err(invalid(
+                    path,
+                    format!("metadata `{has}` without `{lacks}` (corrupt header)"),
+                ));
+            }
+        };
+        let block = (block.parse::<u64>().ok())
+            .filter(|b| (1..=1 << 30).contains(b))
+            .ok_or_else(|| {
+                invalid(
+                    path,
+                    format!("`{CHECKSUM_BLOCK_KEY}` is `{block}`, not a size in 1..=2^30 bytes"),
+                )
+            })?;
+        let blocks = data_len.div_ceil(block);
+        if digits.len() as u64 != 8 * blocks || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(invalid(
+                path,
+                format!(
+                    "`{CHECKSUM_KEY}` is not {blocks} checksums of 8 hex digits (one for each \
+                     {block} bytes of its {data_len} bytes of data): corrupt header"
+                ),
+            ));
+        }
+        let sums = (digits.as_bytes().chunks(8))
+            .map(|d| u32::from_str_radix(std::str::from_utf8(d).expect("hex digits"), 16))
+            .collect::<std::result::Result<Vec<u32>, _>>()
+            .map_err(|e| invalid(path, format!("`{CHECKSUM_KEY}`: {e}")))?;
+        let checked = (0..blocks.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        Ok(Some(Checksums {
+            block,
+            sums,
+            checked,
+        }))
+    }
+
+    fn is_checked(&self, k: u64) -> bool {
+        self.checked[(k / 64) as usize].load(Ordering::Relaxed) & (1 << (k % 64)) != 0
+    }
+
+    fn mark(&self, k: u64) {
+        self.checked[(k / 64) as usize].fetch_or(1 << (k % 64), Ordering::Relaxed);
+    }
+}
+
 /// An open checkpoint file with its header read and validated. Tensors are read from the file
 /// when asked for, a few megabytes at a time (never the whole file at once), so a checkpoint
 /// bigger than memory can be read tensor by tensor or range by range. The file stays open:
 /// one replaced (renamed over) meanwhile is still read whole and consistent; one truncated
-/// meanwhile gives an error naming it, not a crash.
+/// meanwhile gives an error naming it, not a crash. Each checksum block a read touches is read
+/// whole and checked the first time (files without checksums, from other writers or older
+/// embers, are read unchecked; [`verify`](Self::verify) checks a whole file).
 pub struct CheckpointReader {
     path: PathBuf,
     file: std::fs::File,
     data_start: u64,
+    /// Bytes after the header.
+    data_len: u64,
     header: Metadata,
+    /// The data's checksums, where the file has them (files written before embers kept them,
+    /// or by other safetensors writers, have none and are read unchecked).
+    checksums: Option<Checksums>,
     /// A shared lock on the parts directory, taken by [`parts_dir`](Self::parts_dir) and held
     /// while this reader lives: a writer replacing the checkpoint meanwhile leaves the parts
     /// this one reads.
@@ -849,11 +1022,15 @@ impl CheckpointReader {
                 ),
             ));
         }
+        let data_len = len - (8 + n);
+        let checksums = Checksums::parse(&path, &header, data_len)?;
         Ok(CheckpointReader {
             path,
             file,
             data_start: 8 + n,
+            data_len,
             header,
+            checksums,
             parts_lock: std::sync::OnceLock::new(),
         })
     }
@@ -902,14 +1079,14 @@ impl CheckpointReader {
             .map(String::as_str)
     }
 
-    /// Every metadata entry, sorted by key.
+    /// Every metadata entry, sorted by key, but the file's checksums (which describe this
+    /// file's bytes, not what it holds: a writer of a copy makes its own).
     pub fn names_of_metadata(&self) -> Vec<(String, String)> {
-        let mut all: Vec<(String, String)> = self
-            .header
-            .metadata()
-            .as_ref()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            .unwrap_or_default();
+        let mut all: Vec<(String, String)> = (self.header.metadata().iter())
+            .flat_map(|m| m.iter())
+            .filter(|(k, _)| ![CHECKSUM_KEY, CHECKSUM_BLOCK_KEY].contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         all.sort();
         all
     }
@@ -975,22 +1152,11 @@ impl CheckpointReader {
                     format!("elements {elems:?} of `{name}` {shape:?}: past its end"),
                 )
             })?;
-        // Read straight into the values' memory, a chunk at a time.
+        // Read straight into the values' memory.
         let mut out = vec![T::zeroed(); elems.len()];
         let bytes_out: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-        for (k, chunk) in bytes_out.chunks_mut(READ_CHUNK_BYTES).enumerate() {
-            let offset = at.start + (bytes.0 + k * READ_CHUNK_BYTES) as u64;
-            read_at(&self.file, chunk, offset).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    invalid(
-                        &self.path,
-                        format!("`{name}` ends early: the file was truncated after it was opened"),
-                    )
-                } else {
-                    io_err(&self.path, e)
-                }
-            })?;
-        }
+        let start = at.start - self.data_start + bytes.0 as u64;
+        self.read_data(&format!("`{name}`"), start, bytes_out)?;
         if cfg!(target_endian = "big") {
             for v in &mut out {
                 *v = T::get(bytemuck::bytes_of(v));
@@ -1017,6 +1183,100 @@ impl CheckpointReader {
             ));
         }
         Ok(out)
+    }
+
+    /// Reads `out.len()` bytes of the data from byte `start` (counted from the data's
+    /// start), a few megabytes at a time, and checks each checksum block they touch that no
+    /// read has checked yet (reading it whole). `what` names what is read in errors.
+    fn read_data(&self, what: &str, start: u64, out: &mut [u8]) -> Result<()> {
+        let read = |buf: &mut [u8], at: u64| {
+            read_at(&self.file, buf, self.data_start + at).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    invalid(
+                        &self.path,
+                        format!("{what} ends early: the file was truncated after it was opened"),
+                    )
+                } else {
+                    io_err(&self.path, e)
+                }
+            })
+        };
+        let Some(c) = &self.checksums else {
+            for (k, chunk) in out.chunks_mut(READ_CHUNK_BYTES).enumerate() {
+                read(chunk, start + (k * READ_CHUNK_BYTES) as u64)?;
+            }
+            return Ok(());
+        };
+        let end = start + out.len() as u64;
+        let span = (READ_CHUNK_BYTES as u64 / c.block).max(1);
+        let mut pos = start;
+        while pos < end {
+            // Blocks `first..last`, of which bytes `pos..upto` are wanted.
+            let first = pos / c.block;
+            let last = (first + span).min(end.div_ceil(c.block));
+            let upto = (last * c.block).min(end);
+            let dst = &mut out[(pos - start) as usize..(upto - start) as usize];
+            if (first..last).all(|k| c.is_checked(k)) {
+                read(dst, pos)?;
+            } else {
+                let from = first * c.block;
+                let mut buf = vec![0u8; ((last * c.block).min(self.data_len) - from) as usize];
+                read(&mut buf, from)?;
+                for (i, block) in buf.chunks(c.block as usize).enumerate() {
+                    let k = first + i as u64;
+                    if crc32fast::hash(block) != c.sums[k as usize] {
+                        let at = k * c.block;
+                        return Err(self.corrupt(what, at..at + block.len() as u64));
+                    }
+                    c.mark(k);
+                }
+                dst.copy_from_slice(&buf[(pos - from) as usize..(upto - from) as usize]);
+            }
+            pos = upto;
+        }
+        Ok(())
+    }
+
+    /// The error for data bytes `bytes` not matching their checksum, read for `what`: names
+    /// the tensors those bytes hold.
+    fn corrupt(&self, what: &str, bytes: std::ops::Range<u64>) -> Error {
+        let mut held: Vec<(usize, String)> = (self.header.tensors().into_iter())
+            .filter(|(_, i)| {
+                let (a, b) = i.data_offsets;
+                (a as u64) < bytes.end && bytes.start < b as u64
+            })
+            .map(|(n, i)| (i.data_offsets.0, format!("`{n}`")))
+            .collect();
+        held.sort();
+        let more = held.len().saturating_sub(4);
+        let mut names: Vec<String> = held.into_iter().take(4).map(|(_, n)| n).collect();
+        if more > 0 {
+            names.push(format!("{more} more"));
+        }
+        invalid(
+            &self.path,
+            format!(
+                "reading {what}: data bytes {bytes:?} (holding {}) do not match their checksum: \
+                 the file is corrupt (a bad disk, memory or copy); load a good copy",
+                names.join(", ")
+            ),
+        )
+    }
+
+    /// Checks every byte of the data against its checksum (what reads check, block by block,
+    /// as they read). `Ok(false)` when the file has no checksums to check.
+    pub fn verify(&self) -> Result<bool> {
+        if self.checksums.is_none() {
+            return Ok(false);
+        }
+        let mut buf = vec![0u8; (READ_CHUNK_BYTES as u64).min(self.data_len) as usize];
+        let mut pos = 0;
+        while pos < self.data_len {
+            let n = (buf.len() as u64).min(self.data_len - pos);
+            self.read_data("its data", pos, &mut buf[..n as usize])?;
+            pos += n;
+        }
+        Ok(true)
     }
 
     /// The stored shape of `name`.
@@ -1418,11 +1678,21 @@ mod tests {
             ("m.f64", Dtype::F64, vec![3], le_bytes(&f64s)),
             ("c.i64", Dtype::I64, vec![2], le_bytes(&i64s)),
         ];
-        let theirs = safetensors::serialize(
-            (views.iter()).map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap())),
-            Some(HashMap::from([("format".to_string(), "test".to_string())])),
-        )
-        .unwrap();
+        let serialize = |meta: HashMap<String, String>| {
+            safetensors::serialize(
+                (views.iter()).map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap())),
+                Some(meta),
+            )
+            .unwrap()
+        };
+        let mut meta = HashMap::from([("format".to_string(), "test".to_string())]);
+        // The data's checksum, computed from safetensors' own file (one block).
+        let plain = serialize(meta.clone());
+        let n = u64::from_le_bytes(plain[..8].try_into().unwrap()) as usize;
+        let crc = crc32fast::hash(&plain[8 + n..]);
+        meta.insert(CHECKSUM_KEY.into(), format!("{crc:08x}"));
+        meta.insert(CHECKSUM_BLOCK_KEY.into(), (1 << 20).to_string());
+        let theirs = serialize(meta);
         for rows in [false, true] {
             let mut w = CheckpointWriter::new();
             w.add("b.bytes", &[5], &u8s).unwrap();
@@ -1438,7 +1708,15 @@ mod tests {
             w.add("c.i64", &[2], &i64s).unwrap();
             w.set_metadata("format", "test");
             w.write(&path).unwrap();
-            assert!(std::fs::read(&path).unwrap() == theirs, "rows {rows}");
+            // Metadata is a hash map, which each writes in its own order: the headers are
+            // compared as JSON, the rest byte for byte.
+            let ours = std::fs::read(&path).unwrap();
+            let parts = |f: &[u8]| {
+                let n = u64::from_le_bytes(f[..8].try_into().unwrap()) as usize;
+                let json: serde_json::Value = serde_json::from_slice(&f[8..8 + n]).unwrap();
+                (n, json, f[8 + n..].to_vec())
+            };
+            assert!(parts(&ours) == parts(&theirs), "rows {rows}");
         }
         let kept = std::fs::read(&path).unwrap();
         let mut w = CheckpointWriter::new();
@@ -1454,6 +1732,141 @@ mod tests {
             .to_string();
         assert!(err.contains("`x`") && err.contains("more bytes"), "{err}");
         assert!(std::fs::read(&path).unwrap() == kept);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A flipped bit anywhere in the data (one that still reads as a finite number) is an
+    /// error naming the tensors of its block, for whole reads, range reads and `verify`;
+    /// reads of other blocks go on; malformed checksums are refused at open; files without
+    /// them (other writers') load; the writer's own keys are refused and not copied.
+    #[test]
+    fn checksums_catch_flipped_bits_block_by_block() {
+        use safetensors::tensor::TensorView;
+        let dir = temp("checksums");
+        let path = dir.join("c.safetensors");
+        // `b` (i64, first: widest dtype) then `a`, 9.5 MiB of f32: blocks 0..10.
+        let a: Vec<f32> = (0..(19 << 17)).map(|i| (i % 1000) as f32 * 0.25).collect();
+        let b: Vec<i64> = vec![7, -3, 1 << 40];
+        let write = || {
+            let mut w = CheckpointWriter::new();
+            w.add("a", &[a.len()], &a).unwrap();
+            w.add("b", &[3], &b).unwrap();
+            w.set_metadata("run", "x");
+            w.write(&path).unwrap();
+        };
+        write();
+        let r = CheckpointReader::open(&path).unwrap();
+        assert!(r.verify().unwrap());
+        // Range reads spanning blocks unaligned, then whole reads.
+        let mid = (1 << 18) + 3..(5 << 18) + 11;
+        assert_eq!(
+            r.read_range::<f32>("a", &[a.len()], mid.clone()).unwrap(),
+            a[mid]
+        );
+        assert_eq!(r.read::<f32>("a", &[a.len()]).unwrap(), a);
+        assert_eq!(r.read::<i64>("b", &[3]).unwrap(), b);
+        assert_eq!(r.names_of_metadata(), vec![("run".into(), "x".into())]);
+        drop(r);
+        let header = 8 + u64::from_le_bytes(std::fs::read(&path).unwrap()[..8].try_into().unwrap());
+        let flip = |at: u64, bit: u8| {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            let mut x = [0u8];
+            f.read_exact_at(&mut x, header + at).unwrap();
+            f.write_all_at(&[x[0] ^ bit], header + at).unwrap();
+        };
+        // A low mantissa bit of `a`'s element 2^20 (data byte 24 + 4 * 2^20: block 4).
+        flip(24 + (4 << 20), 1);
+        let r = CheckpointReader::open(&path).unwrap();
+        assert_eq!(r.read::<i64>("b", &[3]).unwrap(), b);
+        let n = a.len();
+        assert_eq!(r.read_range::<f32>("a", &[n], 0..1000).unwrap(), a[..1000]);
+        assert_eq!(
+            r.read_range::<f32>("a", &[n], (5 << 18)..n).unwrap(),
+            a[5 << 18..]
+        );
+        for err in [
+            r.read::<f32>("a", &[n]).unwrap_err(),
+            r.read_range::<f32>("a", &[n], (1 << 20) + 5..(1 << 20) + 6)
+                .unwrap_err(),
+            r.verify().unwrap_err(),
+        ] {
+            let err = err.to_string();
+            assert!(
+                err.contains("c.safetensors")
+                    && err.contains("data bytes 4194304..5242880 (holding `a`)")
+                    && err.contains("do not match their checksum"),
+                "{err}"
+            );
+        }
+        drop(r);
+        // In block 0, which holds both.
+        write();
+        flip(3, 0x10);
+        let r = CheckpointReader::open(&path).unwrap();
+        let err = r.read::<i64>("b", &[3]).unwrap_err().to_string();
+        assert!(
+            err.contains("(holding `b`, `a`)") && err.contains("reading `b`"),
+            "{err}"
+        );
+        drop(r);
+        // Malformed checksums, or one key without the other, are refused at open.
+        fn view(bytes: &[u8]) -> TensorView<'_> {
+            TensorView::new(Dtype::U8, vec![bytes.len()], bytes).unwrap()
+        }
+        let data = vec![1u8; 10];
+        for (meta, says) in [
+            (
+                vec![(CHECKSUM_KEY, "0000000g"), (CHECKSUM_BLOCK_KEY, "4")],
+                "not 3 checksums",
+            ),
+            (
+                vec![(CHECKSUM_KEY, "00000000"), (CHECKSUM_BLOCK_KEY, "4")],
+                "not 3 checksums",
+            ),
+            (vec![(CHECKSUM_KEY, "")], "without `checksums.block_bytes`"),
+            (vec![(CHECKSUM_BLOCK_KEY, "4")], "without `checksums.crc32`"),
+            (
+                vec![(CHECKSUM_KEY, ""), (CHECKSUM_BLOCK_KEY, "0")],
+                "not a size",
+            ),
+            (
+                vec![(CHECKSUM_KEY, "+0000000"), (CHECKSUM_BLOCK_KEY, "10")],
+                "not 1 checksums",
+            ),
+        ] {
+            let meta = meta
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let bytes = safetensors::serialize([("d", view(&data))], Some(meta)).unwrap();
+            std::fs::write(&path, bytes).unwrap();
+            let err = CheckpointReader::open(&path).err().expect(says).to_string();
+            assert!(
+                err.contains(says) && err.contains("c.safetensors"),
+                "{says}: {err}"
+            );
+        }
+        // Another writer's file has none: read unchecked.
+        let bytes = safetensors::serialize([("d", view(&data))], None).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+        let r = CheckpointReader::open(&path).unwrap();
+        assert!(!r.verify().unwrap());
+        assert_eq!(r.read::<u8>("d", &[10]).unwrap(), data);
+        drop(r);
+        // An empty checkpoint has no blocks.
+        CheckpointWriter::new().write(&path).unwrap();
+        assert!(CheckpointReader::open(&path).unwrap().verify().unwrap());
+        for key in [CHECKSUM_KEY, CHECKSUM_BLOCK_KEY] {
+            let mut w = CheckpointWriter::new();
+            w.set_metadata(key, "1");
+            let err = w.write(&path).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains("writer's own"), "{err}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

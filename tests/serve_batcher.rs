@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use embers::serve::{BatchModel, BatcherConfig, DynamicBatcher, ServeError};
 
+#[path = "support/checksums.rs"]
+mod checksums;
 #[path = "support/serve_dlrm.rs"]
 mod support;
 
@@ -492,6 +494,7 @@ fn a_dlrm_served_from_cached_tables_predicts_as_from_memory() {
         }
     }
     std::fs::write(&nan, &bytes).unwrap();
+    checksums::restamp_checksums(&nan);
     let placement = Placement::Cached {
         dir: root.clone(),
         size: CacheSize::LoadFactor(0.1),

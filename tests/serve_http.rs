@@ -20,6 +20,8 @@ use embers_datasets::SyntheticCriteo;
 use http_body_util::{BodyExt, Full};
 use support::{config, rows, train};
 
+#[path = "support/checksums.rs"]
+mod checksums;
 #[path = "support/serve_dlrm.rs"]
 mod support;
 use serde_json::{json, Value};
@@ -271,6 +273,7 @@ fn fill_tensor_data(
         }
     }
     std::fs::write(path, &bytes).unwrap();
+    checksums::restamp_checksums(path);
 }
 
 /// Every element of a tensor, for [`fill_tensor_data`].

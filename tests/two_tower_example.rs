@@ -175,3 +175,112 @@ fn flags_it_cannot_honour_are_refused_before_training() {
         );
     }
 }
+
+/// Every tensor of the checkpoint at `path`, by name (as f64: f32, f64 and small i64 values
+/// exactly).
+fn tensors_of(path: &std::path::Path) -> Vec<(String, Vec<f64>)> {
+    let r = embers::checkpoint::CheckpointReader::open(path).unwrap();
+    let mut names = r.names();
+    names.sort();
+    (names.into_iter())
+        .map(|n| {
+            let t = r.read_tensor(&n).unwrap();
+            (n, t.to_vec_f64().unwrap())
+        })
+        .collect()
+}
+
+/// A run stopped after its first epoch and resumed (`--resume`) ends as the uninterrupted run
+/// does: the same history (each epoch's retrieval quality), final quality and index quality,
+/// and every tensor of its checkpoint (tables, MLPs, both optimizers' state, the frequency
+/// estimator), for the softmax loss and the pointwise one (whose negatives the example draws
+/// itself). A resume with other data flags, another model, or no epoch left is refused
+/// before it trains.
+#[test]
+fn a_resumed_run_ends_as_the_uninterrupted_run() {
+    let root = std::env::temp_dir().join(format!("embers-two-tower-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let metrics = |dir: &std::path::Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir.join("metrics.json")).unwrap()).unwrap()
+    };
+    for loss in ["softmax", "pointwise"] {
+        let (straight, stopped) = (
+            root.join(format!("{loss}-a")),
+            root.join(format!("{loss}-b")),
+        );
+        let go = |epochs: &str, out: &std::path::Path, more: &[&str]| {
+            let mut args = vec![
+                "--data",
+                "synthetic",
+                "--loss",
+                loss,
+                "--epochs",
+                epochs,
+                "--no-progress",
+                "--out",
+                out.to_str().unwrap(),
+            ];
+            args.extend_from_slice(more);
+            run(&args)
+        };
+        let out = go("3", &straight, &[]);
+        assert!(out.status.success(), "{}", text(&out));
+        let out = go("1", &stopped, &[]);
+        assert!(out.status.success(), "{}", text(&out));
+        let ckpt = stopped.join("checkpoint.safetensors");
+        let resume = ["--resume", ckpt.to_str().unwrap()];
+        // Refused before training: other data flags, another model, nothing left to train.
+        for (epochs, more, says) in [
+            (
+                "3",
+                vec!["--batch-size", "128"],
+                "its run had --batch-size 256, this run has 128",
+            ),
+            (
+                "3",
+                vec!["--test-fraction", "0.3"],
+                "its run had --test-fraction 0.2",
+            ),
+            ("3", vec!["--embedding-dim", "32"], "embedding_dim"),
+            (
+                "1",
+                vec![],
+                "its run trained 1 epochs, and --epochs 1 asks for no more",
+            ),
+        ] {
+            let more: Vec<&str> = more.into_iter().chain(resume).collect();
+            let out = go(epochs, &stopped, &more);
+            let log = text(&out);
+            assert!(
+                !out.status.success() && log.contains(says),
+                "{loss} {more:?}: {log}"
+            );
+            assert!(!log.contains("epoch 2:"), "{loss} {more:?} trained: {log}");
+        }
+        let out = go("3", &stopped, &resume);
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        assert!(
+            log.contains("resumed from") && !log.contains("epoch 1:") && log.contains("epoch 3:"),
+            "{log}"
+        );
+        let (a, b) = (metrics(&straight), metrics(&stopped));
+        for key in ["history", "exact", "popularity"] {
+            assert!(a[key] == b[key], "{loss}: {key}: {} vs {}", a[key], b[key]);
+        }
+        let ivf = |m: &serde_json::Value| m["ivf_pq"]["quality"].clone();
+        assert!(ivf(&a) == ivf(&b), "{loss}: {} vs {}", ivf(&a), ivf(&b));
+        assert_eq!(b["history"].as_array().map(Vec::len), Some(3));
+        let (a, b) = (
+            tensors_of(&straight.join("checkpoint.safetensors")),
+            tensors_of(&ckpt),
+        );
+        assert!(a.len() > 10, "{loss}: {} tensors", a.len());
+        for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb, "{loss}");
+            assert!(va == vb, "{loss}: `{na}` differs after the resume");
+        }
+        assert_eq!(a.len(), b.len());
+    }
+    std::fs::remove_dir_all(&root).ok();
+}

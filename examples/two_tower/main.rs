@@ -9,12 +9,13 @@
 //! the same interactions re-ranks the top 100 (the two-stage pipeline). Writes to `--out`
 //! (default `two-tower-out/`): `checkpoint.safetensors` (atomic, every epoch), the catalogue's
 //! IVF-PQ index `items.ivfpq` (the two serve as `embers-serve`'s retrieval stage),
-//! `metrics.json` and `curves.png`. `--help` lists the flags.
+//! `metrics.json` and `curves.png`. `--resume <checkpoint>` continues a run after its last
+//! epoch, as if it had not stopped. `--help` lists the flags.
 
 mod plot;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -127,6 +128,149 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Continue the run that wrote this checkpoint (this example's `checkpoint.safetensors`)
+    /// after its last epoch, up to --epochs, with the flags it ran with (the model's and the
+    /// data's are checked): the tables, history and outputs equal an uninterrupted run's.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+}
+
+/// Where a run stands after an epoch, kept in its checkpoint's user metadata.
+struct Progress {
+    epoch: usize,
+    /// Each epoch's `metrics.json` history entry.
+    history: Vec<serde_json::Value>,
+    /// The loss curve's points, and the losses summed since its last one.
+    loss_points: Vec<(f64, f64)>,
+    loss_sum: f64,
+    loss_n: usize,
+    train_seconds: f64,
+}
+
+/// The flags that choose the data and its batches, recorded in every checkpoint (`run.*`)
+/// and checked on `--resume` (the model's flags are in its configuration, which the load
+/// checks).
+fn run_flags(args: &Args, data: &Data) -> Vec<(&'static str, String)> {
+    vec![
+        ("--data", data.name.clone()),
+        ("interactions", data.interactions.len().to_string()),
+        ("--test-fraction", args.test_fraction.to_string()),
+        ("--batch-size", args.batch_size.to_string()),
+    ]
+}
+
+impl Progress {
+    /// The checkpoint metadata of this progress (and the run's flags).
+    fn to_meta(&self, flags: &[(&'static str, String)]) -> BTreeMap<String, String> {
+        let mut meta = BTreeMap::from([
+            ("epoch".to_string(), self.epoch.to_string()),
+            (
+                "history".to_string(),
+                serde_json::Value::Array(self.history.clone()).to_string(),
+            ),
+            (
+                "loss_points".to_string(),
+                serde_json::json!(self.loss_points).to_string(),
+            ),
+            (
+                "loss_sum".to_string(),
+                format!("{:016x}", self.loss_sum.to_bits()),
+            ),
+            ("loss_n".to_string(), self.loss_n.to_string()),
+            ("train_seconds".to_string(), self.train_seconds.to_string()),
+        ]);
+        for (flag, value) in flags {
+            meta.insert(format!("run.{flag}"), value.clone());
+        }
+        meta
+    }
+
+    /// Read back from a checkpoint's metadata, checked against this run's flags.
+    fn from_meta(
+        meta: &BTreeMap<String, String>,
+        flags: &[(&'static str, String)],
+        path: &Path,
+    ) -> Result<Progress> {
+        let bad = |what: String| {
+            Error::invalid("two_tower", format!("--resume {}: {what}", path.display()))
+        };
+        for (flag, mine) in flags {
+            let theirs = meta.get(&format!("run.{flag}")).ok_or_else(|| {
+                bad(format!(
+                    "no `run.{flag}` metadata (not a checkpoint of this example)"
+                ))
+            })?;
+            if theirs != mine {
+                return Err(bad(format!(
+                    "its run had {flag} {theirs}, this run has {mine}: resume with the data \
+                     and flags of the run it continues"
+                )));
+            }
+        }
+        let get = |key: &str| {
+            meta.get(key).ok_or_else(|| {
+                bad(format!(
+                    "no `{key}` metadata (not a checkpoint of this example)"
+                ))
+            })
+        };
+        let parsed = |key: &str| -> Result<serde_json::Value> {
+            serde_json::from_str(get(key)?).map_err(|e| bad(format!("`{key}` metadata: {e}")))
+        };
+        let history = match parsed("history")? {
+            serde_json::Value::Array(h) => h,
+            _ => return Err(bad("`history` metadata is not a list".into())),
+        };
+        let loss_points: Vec<(f64, f64)> = serde_json::from_value(parsed("loss_points")?)
+            .map_err(|e| bad(format!("`loss_points` metadata: {e}")))?;
+        let number = |key: &str| -> Result<usize> {
+            get(key)?
+                .parse()
+                .map_err(|_| bad(format!("`{key}` metadata is not a count")))
+        };
+        let loss_sum = (u64::from_str_radix(get("loss_sum")?, 16).ok())
+            .map(f64::from_bits)
+            .filter(|v| v.is_finite())
+            .ok_or_else(|| bad("`loss_sum` metadata is not a finite f64's bits".into()))?;
+        let train_seconds = (get("train_seconds")?.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .ok_or_else(|| bad("`train_seconds` metadata is not a duration".into()))?;
+        let epoch = number("epoch")?;
+        if history.len() != epoch {
+            return Err(bad(format!(
+                "its history holds {} epochs, its `epoch` says {epoch}",
+                history.len()
+            )));
+        }
+        Ok(Progress {
+            epoch,
+            history,
+            loss_points,
+            loss_sum,
+            loss_n: number("loss_n")?,
+            train_seconds,
+        })
+    }
+
+    /// Recall@10/50/100 by epoch, from the history.
+    fn recall(&self) -> Result<[Vec<(f64, f64)>; 3]> {
+        let mut recall: [Vec<(f64, f64)>; 3] = Default::default();
+        for (e, h) in self.history.iter().enumerate() {
+            for (c, k) in recall
+                .iter_mut()
+                .zip(["recall_at_10", "recall_at_50", "recall_at_100"])
+            {
+                let v = h["exact"][k].as_f64().ok_or_else(|| {
+                    Error::invalid(
+                        "two_tower",
+                        format!("--resume: epoch {} of its history has no {k}", e + 1),
+                    )
+                })?;
+                c.push(((e + 1) as f64, v));
+            }
+        }
+        Ok(recall)
+    }
 }
 
 /// `--random-negatives`' default.
@@ -761,11 +905,42 @@ fn run(args: Args) -> Result<()> {
     let mut trainer = config
         .build()?
         .with_negative_sampler(data.items, Box::new(move |ids| item_features(ids, &genres)))?;
+    let flags = run_flags(&args, &data);
+    let mut progress = Progress {
+        epoch: 0,
+        history: Vec::new(),
+        loss_points: Vec::new(),
+        loss_sum: 0.0,
+        loss_n: 0,
+        train_seconds: 0.0,
+    };
+    if let Some(path) = &args.resume {
+        let meta = trainer.load_checkpoint(path)?;
+        progress = Progress::from_meta(&meta, &flags, path)?;
+        if progress.epoch >= args.epochs {
+            return Err(Error::invalid(
+                "two_tower",
+                format!(
+                    "--resume {}: its run trained {} epochs, and --epochs {} asks for no more",
+                    path.display(),
+                    progress.epoch,
+                    args.epochs
+                ),
+            ));
+        }
+        println!(
+            "resumed from {} after epoch {} (step {})",
+            path.display(),
+            progress.epoch,
+            trainer.step()
+        );
+    }
     let steps_per_epoch = split.train.len().div_ceil(args.batch_size);
     let bar = if args.no_progress {
         ProgressBar::hidden()
     } else {
-        let bar = ProgressBar::new(steps_per_epoch.saturating_mul(args.epochs) as u64);
+        let epochs = args.epochs - progress.epoch;
+        let bar = ProgressBar::new(steps_per_epoch.saturating_mul(epochs) as u64);
         bar.set_style(
             ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
                 .expect("valid template")
@@ -775,25 +950,33 @@ fn run(args: Args) -> Result<()> {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut order = split.train.clone();
-    let mut loss_points = Vec::new();
-    let mut recall: [Vec<(f64, f64)>; 3] = Default::default();
-    let mut history = Vec::new();
-    let (mut loss_sum, mut loss_n) = (0.0, 0usize);
-    let mut train_seconds = 0.0;
+    let mut recall = progress.recall()?;
     let checkpoint = args.out.join("checkpoint.safetensors");
     let mut last = None;
     for epoch in 1..=args.epochs {
         order.shuffle(&mut rng);
+        // TorchRec's pointwise example: every positive next to a random item labelled 0.
+        // Drawn for the epochs a resumed run skips too, so that its later draws are the
+        // uninterrupted run's.
+        let mut negatives: Vec<Vec<i64>> = Vec::new();
+        if loss == TwoTowerLoss::Pointwise {
+            negatives = (order.chunks(args.batch_size))
+                .map(|c| {
+                    (0..c.len())
+                        .map(|_| rng.random_range(0..data.items as i64))
+                        .collect()
+                })
+                .collect();
+        }
+        if epoch <= progress.epoch {
+            continue;
+        }
         let started = Instant::now();
-        for chunk in order.chunks(args.batch_size) {
+        for (b, chunk) in order.chunks(args.batch_size).enumerate() {
             let users: Vec<i64> = chunk.iter().map(|p| p.0 as i64).collect();
             let mut items: Vec<i64> = chunk.iter().map(|p| p.1 as i64).collect();
             let mut labels = None;
-            if loss == TwoTowerLoss::Pointwise {
-                // TorchRec's example: every positive next to a random item labelled 0.
-                let negatives: Vec<i64> = (0..items.len())
-                    .map(|_| rng.random_range(0..data.items as i64))
-                    .collect();
+            if let Some(negatives) = negatives.get(b) {
                 let mut y = vec![1f32; items.len()];
                 y.extend(vec![0f32; negatives.len()]);
                 items.extend(negatives);
@@ -810,19 +993,18 @@ fn run(args: Args) -> Result<()> {
                 candidate_ids: items,
                 labels,
             };
-            loss_sum += trainer.train_step(&batch)?;
-            loss_n += 1;
+            let p = &mut progress;
+            p.loss_sum += trainer.train_step(&batch)?;
+            p.loss_n += 1;
             bar.inc(1);
             if trainer.step() % 20 == 0 {
-                loss_points.push((trainer.step() as f64, loss_sum / loss_n as f64));
-                bar.set_message(format!(
-                    "epoch {epoch}, loss {:.4}",
-                    loss_sum / loss_n as f64
-                ));
-                (loss_sum, loss_n) = (0.0, 0);
+                let mean = p.loss_sum / p.loss_n as f64;
+                p.loss_points.push((trainer.step() as f64, mean));
+                bar.set_message(format!("epoch {epoch}, loss {mean:.4}"));
+                (p.loss_sum, p.loss_n) = (0.0, 0);
             }
         }
-        train_seconds += started.elapsed().as_secs_f64();
+        progress.train_seconds += started.elapsed().as_secs_f64();
         let evaluation = evaluate(&trainer, &data, &split, args.device)?;
         let q = evaluation.quality;
         last = Some(evaluation);
@@ -838,12 +1020,13 @@ fn run(args: Args) -> Result<()> {
         {
             c.push((epoch as f64, v));
         }
-        history.push(serde_json::json!({ "epoch": epoch, "step": trainer.step(), "exact": q }));
-        let meta = BTreeMap::from([("epoch".to_string(), epoch.to_string())]);
-        trainer.save_checkpoint(&checkpoint, &meta)?;
+        (progress.history)
+            .push(serde_json::json!({ "epoch": epoch, "step": trainer.step(), "exact": q }));
+        progress.epoch = epoch;
+        trainer.save_checkpoint(&checkpoint, &progress.to_meta(&flags))?;
     }
     bar.finish_and_clear();
-    let pairs_per_s = split.train.len() as f64 * args.epochs as f64 / train_seconds;
+    let pairs_per_s = split.train.len() as f64 * args.epochs as f64 / progress.train_seconds;
 
     // The final model (the last epoch's evaluation): exact search, IVF-PQ, popularity, and
     // optionally the re-ranked top 100.
@@ -893,7 +1076,7 @@ fn run(args: Args) -> Result<()> {
         "exact_search_seconds": exact_s,
         "ivf_pq": { "nlist": args.nlist, "m": args.pq_m, "nprobe": args.nprobe, "build_seconds": build_s, "quality": approx },
         "popularity": popular,
-        "history": history,
+        "history": progress.history,
     });
     if args.rerank {
         let scores = Scores::new(&trainer, data.users, &emb)?;
@@ -913,7 +1096,7 @@ fn run(args: Args) -> Result<()> {
     plot::curves(
         &args.out.join("curves.png"),
         &plot::Series {
-            loss: loss_points,
+            loss: progress.loss_points,
             recall,
             popularity_at_100: popular.recall_at_100,
         },

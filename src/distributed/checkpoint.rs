@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use super::comm::Comm;
-use crate::checkpoint::{parse_count, CheckpointReader, CheckpointWriter};
+use crate::checkpoint::{parse_count, CheckpointReader, CheckpointWriter, PARTS_LOCK};
 use crate::embedding::checkpoint::{cached_group_dir, STAGE_CHUNK_BYTES};
 use crate::embedding::tbe::cache::api::{commit_cached_checkpoints, SavedRows, StagedRows};
 use crate::embedding::{
@@ -298,9 +298,14 @@ pub(crate) fn save(
                     if is_rank_file(&name) && !current.contains(name.as_str()) {
                         let _ = std::fs::remove_file(e.path());
                     }
+                    // (A rank file's reader keeps it open; a parts directory's holds its lock.)
                     if let Some((file, _)) = name.split_once(".parts-") {
                         let dir = e.file_type().is_ok_and(|t| t.is_dir());
-                        if dir && is_rank_file(file) && !current.contains(file) {
+                        if dir
+                            && is_rank_file(file)
+                            && !current.contains(file)
+                            && !crate::checkpoint::in_use(&e.path().join(PARTS_LOCK))
+                        {
                             let _ = std::fs::remove_dir_all(e.path());
                         }
                     }
@@ -405,6 +410,8 @@ struct SavedGroup {
 /// The contents of a checkpoint, sharded or not.
 pub(crate) struct Saved {
     path: PathBuf,
+    /// A sharded checkpoint's files, as its manifest lists them (`None`: one unsharded file).
+    manifest_files: Option<String>,
     /// The rank files (or the one unsharded file).
     paths: Vec<PathBuf>,
     /// Each file once opened.
@@ -429,6 +436,8 @@ impl Saved {
         }
     }
 
+    /// Reads a sharded checkpoint's manifest (its files are opened by
+    /// [`stage`](Self::stage)).
     fn open_sharded(dir: &Path) -> Result<Saved> {
         let manifest_path = dir.join(MANIFEST);
         if !manifest_path.exists() {
@@ -504,6 +513,7 @@ impl Saved {
         let readers = paths.iter().map(|_| None).collect();
         Ok(Saved {
             path: dir.to_path_buf(),
+            manifest_files: Some(files.to_string()),
             paths,
             readers,
             rects,
@@ -511,6 +521,37 @@ impl Saved {
             optimizer,
             step,
         })
+    }
+
+    /// Opens every file and cached group a load of `held` reads, at once, before it reads
+    /// any. A save replacing the checkpoint removes the files of the one it replaced: files
+    /// opened stay readable, and a parts directory stays while a reader holds its lock. A
+    /// save committed between the manifest's read and the opening is seen in the manifest
+    /// read again: the newer checkpoint is opened instead.
+    fn hold(&mut self, held: &[Held<'_>]) -> Result<()> {
+        const TRIES: usize = 8;
+        let held: Vec<&Held<'_>> = held.iter().collect();
+        for _ in 0..TRIES {
+            let Some(files) = self.manifest_files.clone() else {
+                // One unsharded file, open.
+                return Ok(());
+            };
+            #[cfg(test)]
+            tests::hook(&tests::AFTER_MANIFEST_READ);
+            let opened = self.open_files_for(&held, false);
+            let now = (CheckpointReader::open(self.path.join(MANIFEST)).ok())
+                .and_then(|m| m.metadata("files").map(str::to_string));
+            if now.as_deref() == Some(files.as_str()) {
+                #[cfg(test)]
+                tests::hook(&tests::AFTER_FILES_OPENED);
+                return opened;
+            }
+            *self = Saved::open_sharded(&self.path.clone())?;
+        }
+        Err(bad(
+            &self.path,
+            format!("replaced by a newer save {TRIES} times while it was being opened"),
+        ))
     }
 
     /// Opens file `file` (once) and checks that it holds the tensors the manifest lists.
@@ -585,8 +626,8 @@ impl Saved {
     }
 
     /// Opens the files and cached groups holding rectangles of `held` (once each), checks
-    /// that they hold what the manifest lists and the groups' checksums.
-    fn open_files_for(&mut self, held: &[&Held<'_>]) -> Result<()> {
+    /// that they hold what the manifest lists and, with `verify`, the groups' checksums.
+    fn open_files_for(&mut self, held: &[&Held<'_>], verify: bool) -> Result<()> {
         for i in 0..self.rects.len() {
             let s = &self.rects[i];
             if !held
@@ -600,7 +641,7 @@ impl Saved {
                 Source::Rows { group, .. } => {
                     self.open_group(group)?;
                     let g = &mut self.groups[group];
-                    if !g.verified {
+                    if verify && !g.verified {
                         g.rows.as_ref().expect("opened above").verify()?;
                         g.verified = true;
                     }
@@ -743,6 +784,7 @@ impl Saved {
         }
         Ok(Saved {
             path: path.to_path_buf(),
+            manifest_files: None,
             paths: vec![path.to_path_buf()],
             readers: vec![Some(reader)],
             rects,
@@ -956,8 +998,9 @@ impl Saved {
             ));
         }
         self.check_tables(shapes)?;
+        self.hold(held)?;
         let (mut whole, chunked, rest) = self.stage_whole_groups(held)?;
-        self.open_files_for(&rest)?;
+        self.open_files_for(&rest, true)?;
         let mut values = Vec::with_capacity(rest.len());
         let mut report = LoadReport::default();
         let mut note = |h: &Held<'_>, approximate: bool| {
@@ -1093,6 +1136,148 @@ mod tests {
     use super::*;
     use crate::embedding::{CachePolicy, CacheSize, EmbeddingBagConfig, FusedOptimizer, Placement};
 
+    type Hook = std::thread::LocalKey<std::cell::RefCell<Option<Box<dyn FnOnce()>>>>;
+
+    thread_local! {
+        /// Called once after a load on this thread reads a manifest, before it opens the
+        /// files: a save committed in between.
+        pub(super) static AFTER_MANIFEST_READ: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            std::cell::RefCell::new(None);
+        /// Called once after a load on this thread opens its files, before it reads them:
+        /// saves committed in between.
+        pub(super) static AFTER_FILES_OPENED: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+            std::cell::RefCell::new(None);
+    }
+
+    /// Runs (and removes) the function `hook` holds on this thread, if any.
+    pub(super) fn hook(hook: &'static Hook) {
+        if let Some(f) = hook.with(|h| h.borrow_mut().take()) {
+            f();
+        }
+    }
+
+    const RW_ADAGRAD: FusedOptimizer = FusedOptimizer::RowWiseAdagrad { lr: 0.1, eps: 1e-8 };
+
+    fn held_configs() -> Vec<EmbeddingBagConfig> {
+        vec![
+            EmbeddingBagConfig::new("m", 30, 4, &["fm"]),
+            EmbeddingBagConfig::new("c", 50, 2, &["fc"]),
+        ]
+    }
+
+    /// Saves into `dir` the tables drawn from `seed`, on two ranks (threads), row-wise, `c`
+    /// cached in files under `root`.
+    fn save_drawn(root: &Path, dir: &Path, seed: u64) {
+        use crate::distributed::{
+            LocalGroup, Placement as Sharding, ShardCaches, ShardedEmbeddingBagCollection,
+            ShardingPlan, TableShape,
+        };
+        let shapes = [TableShape::new("m", 30, 4), TableShape::new("c", 50, 2)];
+        let placements = [("m", Sharding::RowWise), ("c", Sharding::RowWise)];
+        let plan = (ShardingPlan::construct(&shapes, &placements, 2, 2))
+            .and_then(|p| p.with_kernel("c", crate::distributed::ComputeKernel::FusedUvm, None))
+            .unwrap();
+        let caches = ShardCaches {
+            dir: root.join(format!(
+                "rows-{seed}-{}",
+                dir.file_name().unwrap().to_string_lossy()
+            )),
+            policy: CachePolicy::Lru,
+            ..ShardCaches::default()
+        };
+        std::thread::scope(|s| {
+            for comm in LocalGroup::comms(2).unwrap() {
+                let (plan, caches) = (&plan, &caches);
+                s.spawn(move || {
+                    let tables = ShardedEmbeddingBagCollection::with_caches(
+                        held_configs(),
+                        plan,
+                        RW_ADAGRAD,
+                        crate::embedding::WeightDecay::None,
+                        caches,
+                        comm,
+                        seed,
+                    )
+                    .unwrap();
+                    tables.save(dir).unwrap();
+                });
+            }
+        });
+    }
+
+    /// What a checkpoint holds, read into one collection: each table's weights.
+    fn loaded(dir: &Path) -> Vec<Vec<f32>> {
+        let into = EmbeddingBagCollection::new(
+            held_configs(),
+            RW_ADAGRAD,
+            &mut crate::tensor::rng::seeded(9),
+        )
+        .unwrap();
+        let tbes = into.tbes();
+        let held = whole_tables(&tbes);
+        let shapes: Vec<(&str, usize, usize)> = (held.iter())
+            .map(|h| (h.table, h.rect.rows, h.rect.cols))
+            .collect();
+        let mut saved = Saved::open(dir).unwrap();
+        saved
+            .stage(&held, RW_ADAGRAD.name(), &shapes)
+            .unwrap()
+            .apply()
+            .unwrap();
+        ["m", "c"].map(|t| into.table_weights(t).unwrap()).to_vec()
+    }
+
+    /// Entries of `dir` whose names contain `part`.
+    fn count(dir: &Path, part: &str) -> usize {
+        (std::fs::read_dir(dir).unwrap().flatten())
+            .filter(|e| e.file_name().to_string_lossy().contains(part))
+            .count()
+    }
+
+    /// A load holds the checkpoint it opened: saves replacing it meanwhile remove its rank
+    /// files (which it holds open) and leave its parts directories (which it holds locked),
+    /// and it reads what was saved; the next save once it is gone removes them. A save
+    /// committed between a load's read of the manifest and its opening of the files is the
+    /// checkpoint it loads.
+    #[test]
+    fn a_load_reads_the_checkpoint_it_opened_while_saves_replace_it() {
+        let root = std::env::temp_dir().join(format!("embers-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("ckpt");
+        save_drawn(&root, &dir, 1);
+        let first = loaded(&dir);
+        let (r, d) = (root.clone(), dir.clone());
+        let saves = move || {
+            save_drawn(&r, &d, 2);
+            save_drawn(&r, &d, 3);
+            // The first checkpoint's rank files are gone, its parts directories kept.
+            assert_eq!(count(&d, ".safetensors.parts-"), 4);
+            assert_eq!(count(&d, "rank-") - count(&d, ".parts-"), 2);
+        };
+        AFTER_FILES_OPENED.with(|h| *h.borrow_mut() = Some(Box::new(saves)));
+        assert_eq!(loaded(&dir), first);
+        assert!(
+            AFTER_FILES_OPENED.with(|h| h.borrow().is_none()),
+            "no saves in between"
+        );
+        assert_ne!(loaded(&dir), first, "the seeds draw other tables");
+        save_drawn(&root, &dir, 4);
+        assert_eq!(count(&dir, ".safetensors.parts-"), 2);
+
+        let fifth = root.join("fifth");
+        save_drawn(&root, &fifth, 5);
+        let want = loaded(&fifth);
+        let (r, d) = (root.clone(), dir.clone());
+        let save = move || save_drawn(&r, &d, 5);
+        AFTER_MANIFEST_READ.with(|h| *h.borrow_mut() = Some(Box::new(save)));
+        assert_eq!(loaded(&dir), want);
+        assert!(
+            AFTER_MANIFEST_READ.with(|h| h.borrow().is_none()),
+            "no save in between"
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     /// Listed rectangles that are malformed do not parse: an end past `usize`, a wrong
     /// number of fields, a group without its place.
     #[test]
@@ -1205,7 +1390,7 @@ mod tests {
                 let mut saved = Saved::open(&file).unwrap();
                 let held = whole_tables(&tbes);
                 let refs: Vec<&Held<'_>> = held.iter().collect();
-                saved.open_files_for(&refs).unwrap();
+                saved.open_files_for(&refs, true).unwrap();
                 let from_rows = saved
                     .rects
                     .iter()
