@@ -202,3 +202,46 @@ fn ranks_with_other_windows_fail_naming_them() {
         errors[0]
     );
 }
+
+/// The summed state (lifetime sums, the AUC/AUPRC histograms: most of the bytes) is
+/// all-reduced, not gathered: on 4 ranks each sends 2·(W−1)/W of its size (a gather sent it
+/// W−1 times), and only the windows' batches and samples are gathered.
+#[test]
+fn the_summed_state_is_all_reduced() {
+    let world = 4;
+    let counts = on_ranks(world, Duration::from_secs(10), |comm| {
+        let mut m = metrics();
+        for b in batches(comm.rank()) {
+            update(&mut m, &b);
+        }
+        let (mut summed, mut gathered) = (0u64, 0u64);
+        for (key, v) in m.state_dict() {
+            let bytes = 8 * v.len() as u64;
+            if key.ends_with(".batches") || key.ends_with(".recent") {
+                gathered += bytes;
+            } else {
+                summed += bytes;
+            }
+        }
+        comm.reset_bytes();
+        global_metrics(&comm, &m).unwrap();
+        let bytes = comm.bytes();
+        (
+            summed,
+            gathered,
+            bytes["metrics.sums"].sent,
+            bytes["metrics.values"].sent,
+        )
+    });
+    for (r, &(summed, gathered, sums_sent, values_sent)) in counts.iter().enumerate() {
+        assert!(summed > 1 << 20, "rank {r}: {summed} bytes summed");
+        // Chunks of ⌈n/W⌉ values: each rank sends its W−1 others' chunks, then its own W−1
+        // times.
+        let chunk = (summed / 8).div_ceil(world as u64) * 8;
+        assert!(
+            sums_sent <= 2 * (world as u64 - 1) * chunk && sums_sent >= summed,
+            "rank {r}: {sums_sent} bytes sent to sum {summed}"
+        );
+        assert_eq!(values_sent, gathered * (world as u64 - 1), "rank {r}");
+    }
+}

@@ -2,8 +2,9 @@
 //! batches; [`global_metrics`] gathers their states so that every rank gets the values one
 //! process that saw all the data would compute (TorchRec's metric reduction across ranks).
 //!
-//! Lifetime sums and the lifetime AUC/AUPRC histograms add up across ranks; the windows'
-//! batches and samples are concatenated in rank order, and nothing of them is dropped. A
+//! Lifetime sums and the lifetime AUC/AUPRC histograms add up across ranks (an all-reduce, so
+//! a rank sends about twice their size whatever the world size); the windows' batches and
+//! samples are gathered and concatenated in rank order, and nothing of them is dropped. A
 //! window is therefore the union of every rank's window: give each rank `window / W`
 //! samples for a global window of `window` (as TorchRec does).
 
@@ -38,12 +39,16 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
     // same entries.
     let mut names = vec![format!("window size {}", metrics.window_size())];
     let mut lengths: Vec<u64> = Vec::with_capacity(state.len());
-    let mut values: Vec<f64> = Vec::new();
+    // The entries gathered, and those summed, each back to back in key order.
+    let (mut values, mut sums): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
     for (key, v) in &state {
-        concatenated(key)?;
         names.push(key.clone());
         lengths.push(v.len() as u64);
-        values.extend_from_slice(v);
+        if concatenated(key)? {
+            values.extend_from_slice(v);
+        } else {
+            sums.extend_from_slice(v);
+        }
     }
     let header: Vec<u8> = names.iter().flat_map(|k| k.bytes().chain([0])).collect();
     let headers = comm.all_gather_v("metrics.keys", &header, None)?;
@@ -67,41 +72,53 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
         &lengths,
         Some(&vec![state.len(); comm.size()]),
     )?;
+    let concat: Vec<bool> = state
+        .keys()
+        .map(|k| concatenated(k))
+        .collect::<Result<_>>()?;
+    // Every rank sees every rank's lengths, so all of them stop here alike: the summed
+    // entries must have one length on every rank.
+    for (k, key) in state.keys().enumerate() {
+        if let Some(r) = (!concat[k])
+            .then(|| (1..comm.size()).find(|&r| all_lengths[r][k] != all_lengths[0][k]))
+            .flatten()
+        {
+            return Err(Error::Distributed(format!(
+                "rank {rank}: metric state `{key}` has {} values on rank {r}, {} on rank 0",
+                all_lengths[r][k], all_lengths[0][k]
+            )));
+        }
+    }
     // Counts from the peers, checked: a sum past a usize is a malformed message.
     let counts: Vec<usize> = (all_lengths.iter().enumerate())
         .map(|(r, l)| {
-            (l.iter()
-                .try_fold(0usize, |n, &k| n.checked_add(usize::try_from(k).ok()?)))
-            .ok_or_else(|| {
-                Error::Distributed(format!(
-                    "rank {rank}: metrics.lengths: rank {r} announced lengths past a usize"
-                ))
-            })
+            (l.iter().zip(&concat))
+                .filter(|(_, &c)| c)
+                .try_fold(0usize, |n, (&k, _)| n.checked_add(usize::try_from(k).ok()?))
+                .ok_or_else(|| {
+                    Error::Distributed(format!(
+                        "rank {rank}: metrics.lengths: rank {r} announced lengths past a usize"
+                    ))
+                })
         })
         .collect::<Result<_>>()?;
     let all_values = comm.all_gather_v("metrics.values", &values, Some(&counts))?;
+    comm.all_reduce_sum_f64("metrics.sums", &mut sums)?;
     let mut merged: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut at = vec![0usize; comm.size()];
+    let mut summed = 0;
     for (k, key) in state.keys().enumerate() {
-        let concat = concatenated(key)?;
         let mut out: Vec<f64> = Vec::new();
-        for r in 0..comm.size() {
-            let n = all_lengths[r][k] as usize;
-            let part = &all_values[r][at[r]..at[r] + n];
-            at[r] += n;
-            if concat || r == 0 {
-                out.extend_from_slice(part);
-            } else if part.len() != out.len() {
-                return Err(Error::Distributed(format!(
-                    "rank {rank}: metric state `{key}` has {} values on rank {r}, {} on rank 0",
-                    part.len(),
-                    out.len()
-                )));
-            } else {
-                for (o, &x) in out.iter_mut().zip(part) {
-                    *o += x;
-                }
+        if concat[k] {
+            for r in 0..comm.size() {
+                let n = all_lengths[r][k] as usize;
+                out.extend_from_slice(&all_values[r][at[r]..at[r] + n]);
+                at[r] += n;
             }
+        } else {
+            let n = all_lengths[rank][k] as usize;
+            out.extend_from_slice(&sums[summed..summed + n]);
+            summed += n;
         }
         merged.insert(key.clone(), out);
     }

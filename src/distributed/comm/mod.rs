@@ -539,17 +539,45 @@ impl Comm {
                 self.reduce_lengths.lock().insert(op, values.len());
             }
         }
+        self.sum_in_chunks(op, values)
+    }
+
+    /// Sums f64 `values` over every rank, in place, as [`all_reduce_sum`](Self::all_reduce_sum)
+    /// sums f32s (the same bits on every rank), but without its length exchange: the caller
+    /// has checked that every rank passes as many values.
+    pub(crate) fn all_reduce_sum_f64(&self, op: &'static str, values: &mut [f64]) -> Result<()> {
+        if self.size() == 1 {
+            return self.run(op, |_| Ok(()), (0, 0));
+        }
+        self.sum_in_chunks(op, values)
+    }
+
+    /// The exchange of an all-reduce sum, lengths agreed: chunk `r` of `values` is summed by
+    /// rank `r` in rank order (an all-to-all), then every chunk gathered.
+    fn sum_in_chunks<T: Pod + Default + std::ops::AddAssign>(
+        &self,
+        op: &'static str,
+        values: &mut [T],
+    ) -> Result<()> {
+        let w = self.size();
         let chunk = values.len().div_ceil(w.max(1));
-        let send: Vec<Vec<f32>> = (0..w)
-            .map(|r| {
-                let start = (r * chunk).min(values.len());
-                values[start..(start + chunk).min(values.len())].to_vec()
-            })
-            .collect();
-        let mine = self.reduce_scatter_v(op, send)?;
         let counts: Vec<usize> = (0..w)
             .map(|r| chunk.min(values.len().saturating_sub(r * chunk)))
             .collect();
+        let send: Vec<Vec<T>> = (0..w)
+            .map(|r| {
+                let start = (r * chunk).min(values.len());
+                values[start..start + counts[r]].to_vec()
+            })
+            .collect();
+        let own = counts[self.rank()];
+        let parts = self.all_to_all_v(op, send, Some(&vec![own; w]))?;
+        let mut mine = vec![T::default(); own];
+        for part in &parts {
+            for (s, &v) in mine.iter_mut().zip(part) {
+                *s += v;
+            }
+        }
         let gathered = self.all_gather_v(op, &mine, Some(&counts))?;
         let mut at = 0;
         for part in gathered {
