@@ -254,13 +254,36 @@ fn rows_written_while_cached_are_seen_at_once() -> Result<()> {
     let before: Vec<Vec<u8>> = before.collect::<Result<_>>()?;
     let (name, ty) = (&p.tables[0].name, p.memory.weight_types()[0].fbgemm_name());
     let says = format!("table `{name}` row 5 decodes to NaN ({ty})");
+    let files = || {
+        let mut names: Vec<String> = (std::fs::read_dir(&dir).unwrap())
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        names.sort();
+        names
+    };
+    let files_before = files();
     let err = p.cached.load(&bad).unwrap_err().to_string();
     assert!(err.contains(&says), "{err}");
     for (t, b) in before.iter().enumerate() {
         assert_eq!(p.cached.table_bytes(t)?, &b[..], "table {t} changed");
     }
+    assert_eq!(files(), files_before, "the staged rows stay behind");
     let err = p.memory.load(&bad).unwrap_err().to_string();
     assert!(err.contains(&says), "{err}");
+    // A flipped bit in the last table's rows (its checksum no longer matches): the rows read
+    // before it were staged, not loaded; nothing changes and nothing stays behind.
+    let flipped = dir.join("flipped.safetensors");
+    let mut bytes = std::fs::read(&saved).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 1;
+    std::fs::write(&flipped, &bytes).unwrap();
+    let files_before = files();
+    let err = p.cached.load(&flipped).unwrap_err().to_string();
+    assert!(err.contains("do not match their checksum"), "{err}");
+    for (t, b) in before.iter().enumerate() {
+        assert_eq!(p.cached.table_bytes(t)?, &b[..], "table {t} changed");
+    }
+    assert_eq!(files(), files_before, "the staged rows stay behind");
     std::fs::remove_dir_all(&dir).unwrap();
     Ok(())
 }

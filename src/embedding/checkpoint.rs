@@ -366,13 +366,14 @@ impl QuantizedTableBatchedEmbedding {
 
     /// Loads rows written by [`save`](Self::save) (same names, shapes and weight types). Every
     /// table is checked before any row changes — its rows too: a row whose values, scale or
-    /// bias are not finite is refused, naming the table and the row; tables in a file behind
-    /// a cache are read twice for it, a chunk at a time, then load a chunk of rows at a time
-    /// (an I/O error there names what was loaded).
+    /// bias are not finite is refused, naming the table and the row. Tables in a file behind a
+    /// cache are read once, a chunk at a time, into a new row file beside the live one, which
+    /// replaces it only when every row was read and checked.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let r = CheckpointReader::open(path)?;
         let rows_error =
             |e: Error| Error::invalid("checkpoint", format!("{}: {e}", r.path().display()));
+        // Each table's name, weight type and stored shape, checked against the file.
         let mut tables = Vec::new();
         for (t, spec) in self.tables().iter().enumerate() {
             let ty = self.weight_types()[t];
@@ -400,54 +401,44 @@ impl QuantizedTableBatchedEmbedding {
             }
             let name = format!("{}.weight", spec.name);
             let shape = [spec.rows, ty.row_bytes(spec.dim)];
-            if self.is_cached() {
-                // Checked now (dtype, shape), a chunk at a time; read again below to load.
-                let (rows, rb) = (spec.rows, shape[1]);
-                let chunk = (STAGE_CHUNK_BYTES / rb.max(1)).max(1);
-                for first in (0..rows).step_by(chunk) {
-                    let end = (first + chunk).min(rows);
-                    let bytes = r.read_range::<u8>(&name, &shape, first * rb..end * rb)?;
-                    check_finite_rows(ty, spec.dim, &bytes, &spec.name, first)
-                        .map_err(rows_error)?;
-                }
-                r.read_range::<u8>(&name, &shape, 0..0)?;
-            } else {
-                let bytes = r.read::<u8>(&name, &shape)?;
-                check_finite_rows(ty, spec.dim, &bytes, &spec.name, 0).map_err(rows_error)?;
-                tables.push(bytes);
-            }
+            // Its dtype and shape (no rows read yet).
+            r.read_range::<u8>(&name, &shape, 0..0)?;
+            tables.push((spec.name.clone(), name, shape, ty, spec.dim));
         }
         if !self.is_cached() {
-            for (t, b) in tables.iter().enumerate() {
+            let mut all = Vec::with_capacity(tables.len());
+            for (table, name, shape, ty, dim) in &tables {
+                let bytes = r.read::<u8>(name, shape)?;
+                check_finite_rows(*ty, *dim, &bytes, table, 0).map_err(rows_error)?;
+                all.push(bytes);
+            }
+            for (t, b) in all.iter().enumerate() {
                 self.set_table_bytes(t, b)?;
             }
             return Ok(());
         }
-        // Tables in a file behind a cache may be far bigger than memory (they were read whole,
-        // all at once): every table was checked above; the rows now come a chunk at a time.
-        for t in 0..self.tables().len() {
-            let spec = &self.tables()[t];
-            let (rows, rb) = (spec.rows, self.weight_types()[t].row_bytes(spec.dim));
-            let name = format!("{}.weight", spec.name);
-            let chunk = (STAGE_CHUNK_BYTES / rb.max(1)).max(1);
-            for first in (0..rows).step_by(chunk) {
-                let end = (first + chunk).min(rows);
-                (r.read_range::<u8>(&name, &[rows, rb], first * rb..end * rb))
-                    .and_then(|bytes| self.set_rows_bytes(t, first, &bytes))
-                    .map_err(|e| {
-                        Error::invalid(
-                            "checkpoint",
-                            format!(
-                                "{}: reading `{name}` rows {first}..{end} after every table was \
-                                 checked: {e} (the tables before it, and its rows before \
-                                 {first}, are loaded: load a checkpoint again)",
-                                r.path().display()
-                            ),
-                        )
-                    })?;
+        // Tables in a file behind a cache may be far bigger than memory: a chunk of rows at a
+        // time into the staged file.
+        self.replace_cached_rows(|bytes, layout| {
+            for (t, (table, name, shape, ty, dim)) in tables.iter().enumerate() {
+                let [rows, rb] = *shape;
+                if layout[t].record_bytes != rb || layout[t].rows != rows {
+                    return Err(Error::invalid(
+                        "checkpoint",
+                        format!("table `{table}`: the row file's layout is not its rows'"),
+                    ));
+                }
+                let chunk = (STAGE_CHUNK_BYTES / rb.max(1)).max(1);
+                for first in (0..rows).step_by(chunk) {
+                    let end = (first + chunk).min(rows);
+                    let part = r.read_range::<u8>(name, shape, first * rb..end * rb)?;
+                    check_finite_rows(*ty, *dim, &part, table, first).map_err(rows_error)?;
+                    let at = layout[t].offset as usize + first * rb;
+                    bytes[at..at + part.len()].copy_from_slice(&part);
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 

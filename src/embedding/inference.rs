@@ -16,6 +16,7 @@ use super::input::{validate, Batch, FeatureBounds, SkipCounter, TbeInput};
 use super::quantize::{dequantize_row, quantize_row};
 use super::storage::RowBuffer;
 use super::tbe::cache::bytes::{ByteCache, GpuShape};
+use super::tbe::cache::store::StoreTable;
 use super::tbe::cache::{CacheConfig, CacheStats};
 use super::tbe::cpu::pool::{
     forward_new, pooled_forward, sequence_forward, with_quant_rows, FeatureSlot, PoolFeature,
@@ -463,6 +464,21 @@ impl QuantizedTableBatchedEmbedding {
     /// Whether the rows are in a file behind a cache (tables that may exceed memory).
     pub(crate) fn is_cached(&self) -> bool {
         matches!(self.rows, Rows::Cached(_))
+    }
+
+    /// Replaces every row of a cached operator's tables with what `fill(bytes, layout)` writes
+    /// into a staged copy of its row file (table `t`'s row `r` at `layout[t].offset +
+    /// r · layout[t].record_bytes`): all of them, or on any error none.
+    pub(crate) fn replace_cached_rows(
+        &mut self,
+        fill: impl FnOnce(&mut [u8], &[StoreTable]) -> Result<()>,
+    ) -> Result<()> {
+        let Rows::Cached(cache) = &mut self.rows else {
+            return Err(Error::invalid(OP, "the tables are not cached in a file"));
+        };
+        let staged = cache.stage_rows(fill)?;
+        cache.commit_rows(staged)?;
+        self.refresh_device()
     }
 
     /// Overwrites table `t`'s stored rows with raw bytes in its row layout.

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::directory::{Directory, TableAdmission, AHEAD, WAYS};
-use super::store::{DiskProbe, RowStore, PROBE};
+use super::store::{DiskProbe, RowStore, Staged, StoreTable, PROBE};
 use super::{sets_for, CacheConfig, CachePolicy, CacheStats, TablePositions, OP};
 use crate::embedding::input::{Batch, Ids};
 use crate::embedding::storage::RowBuffer;
@@ -169,6 +169,36 @@ impl ByteCache {
             let at = start + slot * rb;
             let from = (row - first as u64) as usize * rb;
             st.rows[at..at + rb].copy_from_slice(&bytes[from..from + rb]);
+        }
+        Ok(())
+    }
+
+    /// Stages new rows for every table beside the live ones (a new row file, or anonymous
+    /// memory): `fill(bytes, layout)` writes them, table `t`'s row `r` at
+    /// `layout[t].offset + r · layout[t].record_bytes`. Nothing changes until
+    /// [`commit_rows`](Self::commit_rows); an error removes what was staged.
+    pub(crate) fn stage_rows(
+        &self,
+        fill: impl FnOnce(&mut [u8], &[StoreTable]) -> Result<()>,
+    ) -> Result<Staged> {
+        self.store.stage_new(fill)
+    }
+
+    /// Makes staged rows the live ones (a rename: on an error nothing changed) and the cached
+    /// copies theirs.
+    pub(crate) fn commit_rows(&mut self, staged: Staged) -> Result<()> {
+        self.store.commit(staged)?;
+        if self.forget_on_gpu() {
+            return Ok(());
+        }
+        let st = self.state.get_mut();
+        for (t, dir) in st.dirs.iter().enumerate() {
+            let (start, rb) = (st.starts[t], self.row_bytes[t]);
+            for (slot, row) in dir.occupied() {
+                let at = start + slot * rb;
+                self.store
+                    .read_bytes(t, row as usize, &mut st.rows[at..at + rb]);
+            }
         }
         Ok(())
     }

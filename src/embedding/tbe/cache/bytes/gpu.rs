@@ -331,6 +331,18 @@ impl ByteCache {
         refreshed.map(|()| true)
     }
 
+    /// Where the cache is on a GPU: marks every cached copy old (the next lookup empties the
+    /// directory) and says so.
+    pub(super) fn forget_on_gpu(&mut self) -> bool {
+        match self.state.get_mut().gpu.as_mut() {
+            Some(gpu) => {
+                gpu.stale = true;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Device bytes of the GPU cache (rows and directory), if on a GPU.
     pub(super) fn gpu_bytes(st: &CacheState) -> usize {
         (st.gpu.as_ref()).map_or(0, |g| g.tables.allocated_bytes() + g.dir.bytes())
