@@ -123,7 +123,7 @@ const CHECKSUM_KEY: &str = "checksums.crc32";
 const CHECKSUM_BLOCK_KEY: &str = "checksums.block_bytes";
 
 /// The block size a writer checksums: 1 MiB, so a header holds 8 bytes of checksums per MiB
-/// of tensors (a terabyte's fit the header's limit) and a reader reads at most a block more
+/// of tensors (a terabyte's fit the header's limit) and a read reads at most a block more
 /// than it asked for.
 const CHECKSUM_BLOCK: usize = 1 << 20;
 
@@ -154,9 +154,19 @@ fn lock_parts(dir: &Path, exclusive: bool) -> Option<std::fs::File> {
         } else {
             libc::LOCK_SH
         };
-        // SAFETY: flock reads no user memory; the descriptor is open.
-        if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } != 0 {
-            return None;
+        // A reader's shared lock is refused while a writer's cleanup probes the directory
+        // (an exclusive lock held for an instant): tried again for a while, or the reader
+        // would hold no lock for its whole life. A writer's lock is on a directory it made.
+        let tries = if exclusive { 1 } else { 200 };
+        for attempt in 1..=tries {
+            // SAFETY: flock reads no user memory; the descriptor is open.
+            if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } == 0 {
+                break;
+            }
+            if attempt == tries {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
     Some(file)
@@ -442,12 +452,13 @@ fn write_safetensors(
     metadata.insert(CHECKSUM_KEY.into(), "0".repeat(8 * blocks));
     let header = Metadata::new(Some(metadata), infos).map_err(|e| invalid(path, e))?;
     let mut header = serde_json::to_vec(&header).map_err(|e| invalid(path, e))?;
-    // Where the checksums' digits go. Inside a JSON string every quote is escaped, so the
-    // key's quotes with a colon and a quote between them are found only where it is a key.
+    // Where the checksums' digits go: the key's own string, opening after a `{` or a `,`
+    // (inside a JSON string every quote is escaped, so a key ending in `\"checksums.crc32`
+    // has a backslash there).
     let pattern = format!("\"{CHECKSUM_KEY}\":\"");
-    let sums_at = (header.windows(pattern.len()))
-        .position(|w| w == pattern.as_bytes())
-        .map(|p| p + pattern.len())
+    let sums_at = (header.windows(pattern.len()).enumerate())
+        .find(|&(p, w)| w == pattern.as_bytes() && p > 0 && matches!(header[p - 1], b'{' | b','))
+        .map(|(p, _)| p + pattern.len())
         .ok_or_else(|| invalid(path, "the header's checksums were not written"))?;
     header.resize(header.len().next_multiple_of(8), b' ');
     if header.len() as u64 > MAX_HEADER_BYTES {
@@ -1134,7 +1145,8 @@ impl CheckpointReader {
     }
 
     /// Elements `elems` (in row-major order) of `name`, which must have element type `T` and
-    /// shape `shape`: only those are read from the file.
+    /// shape `shape`: only those are read from the file, but for the checksum blocks they
+    /// touch that no read has checked yet (read whole, once).
     pub fn read_range<T: CheckpointElem>(
         &self,
         name: &str,
@@ -1861,6 +1873,20 @@ mod tests {
         // An empty checkpoint has no blocks.
         CheckpointWriter::new().write(&path).unwrap();
         assert!(CheckpointReader::open(&path).unwrap().verify().unwrap());
+        // A key ending in the checksums' key (its quote escaped) is not where they go,
+        // whichever the header lists first.
+        for n in 0..8 {
+            let mut w = CheckpointWriter::new();
+            w.add("x", &[2], &[1.5f32, 2.5]).unwrap();
+            for k in 0..n {
+                w.set_metadata(format!("u{k}\"{CHECKSUM_KEY}"), "v");
+            }
+            w.write(&path).unwrap();
+            let r = CheckpointReader::open(&path).unwrap();
+            assert!(r.verify().unwrap());
+            assert_eq!(r.names_of_metadata().len(), n);
+            assert!(r.names_of_metadata().iter().all(|(_, v)| v == "v"));
+        }
         for key in [CHECKSUM_KEY, CHECKSUM_BLOCK_KEY] {
             let mut w = CheckpointWriter::new();
             w.set_metadata(key, "1");

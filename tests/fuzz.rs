@@ -6,6 +6,8 @@
 //! searched), and the manifests of cached tables' and of sharded checkpoints.
 //! No input may panic, hang or allocate without bound; errors must say what is wrong.
 
+#[path = "support/checksums.rs"]
+mod checksums;
 #[path = "support/fuzz.rs"]
 mod fuzz;
 
@@ -17,6 +19,15 @@ use std::collections::BTreeMap;
 
 #[global_allocator]
 static ALLOC: fuzz::CountingAlloc = fuzz::CountingAlloc;
+
+/// Writes fuzz input `bytes` to `path`: every other one with its data checksums made again
+/// (where its header still holds them), so that the checks behind them (values, shapes,
+/// metadata) are fuzzed too, not only the checksums.
+fn write_input(path: &std::path::Path, bytes: &[u8], count: &std::cell::Cell<u64>) {
+    count.set(count.get() + 1);
+    let again = (count.get() % 2 == 0).then(|| checksums::restamped(bytes));
+    std::fs::write(path, again.flatten().as_deref().unwrap_or(bytes)).unwrap();
+}
 
 /// An error as a fuzz target returns it, checked to name `what` (its file or directory).
 fn naming(what: &'static str) -> impl Fn(embers::Error) -> String + Copy {
@@ -60,10 +71,11 @@ fn checkpoints() {
         .save_checkpoint(&seed_path, &user)
         .unwrap();
     let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let count = std::cell::Cell::new(0);
     let path = dir.join("ckpt.safetensors");
     let named = naming("ckpt.safetensors");
     fuzz::run("checkpoint-reader", &seeds, |bytes| {
-        std::fs::write(&path, bytes).unwrap();
+        write_input(&path, bytes, &count);
         let r = CheckpointReader::open(&path).map_err(named)?;
         for name in r.names() {
             r.read_tensor(&name).map_err(named)?;
@@ -71,13 +83,13 @@ fn checkpoints() {
         Ok(())
     });
     fuzz::run("checkpoint-dlrm", &seeds, |bytes| {
-        std::fs::write(&path, bytes).unwrap();
+        write_input(&path, bytes, &count);
         let mut trainer = dlrm().build().unwrap();
         trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
     });
     // As a server loads a model: built from the configuration the file carries.
     fuzz::run("checkpoint-dlrm-own-config", &seeds, |bytes| {
-        std::fs::write(&path, bytes).unwrap();
+        write_input(&path, bytes, &count);
         let config = DlrmConfig::from_checkpoint(&path).map_err(named)?;
         let mut trainer = config.build().map_err(|e| e.to_string())?;
         trainer.load_checkpoint(&path).map(|_| ()).map_err(named)
@@ -154,9 +166,10 @@ fn two_tower_checkpoints() {
         .save_checkpoint(&seed_path, &BTreeMap::new())
         .unwrap();
     let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let count = std::cell::Cell::new(0);
     let path = dir.join("tt.ckpt");
     fuzz::run("checkpoint-two-tower-own-config", &seeds, |bytes| {
-        std::fs::write(&path, bytes).unwrap();
+        write_input(&path, bytes, &count);
         let named = naming("tt.ckpt");
         let config = TwoTowerConfig::from_checkpoint(&path).map_err(named)?;
         let mut trainer = config.build().map_err(|e| e.to_string())?;
@@ -242,10 +255,11 @@ fn sharded_checkpoint_manifests() {
     });
     let manifest = ckpt.join("manifest.safetensors");
     let seeds = vec![std::fs::read(&manifest).unwrap()];
+    let count = std::cell::Cell::new(0);
     let whole = EmbeddingBagCollection::new(tables, optimizer, &mut embers::tensor::rng::seeded(1))
         .unwrap();
     fuzz::run("sharded-checkpoint-manifest", &seeds, |bytes| {
-        std::fs::write(&manifest, bytes).unwrap();
+        write_input(&manifest, bytes, &count);
         load_into_unsharded(&whole, &ckpt)
             .map(|_| ())
             .map_err(naming("ckpt"))
@@ -274,9 +288,10 @@ fn ivfpq_indexes() {
     let seed_path = dir.join("seed.safetensors");
     index.save(&seed_path).unwrap();
     let seeds = vec![std::fs::read(&seed_path).unwrap()];
+    let count = std::cell::Cell::new(0);
     let path = dir.join("index.safetensors");
     fuzz::run("ivfpq-index", &seeds, |bytes| {
-        std::fs::write(&path, bytes).unwrap();
+        write_input(&path, bytes, &count);
         let loaded = IvfPqIndex::load(&path).map_err(naming("index.safetensors"))?;
         let queries = vec![0.25f32; loaded.dim() * 2];
         loaded

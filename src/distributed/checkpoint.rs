@@ -988,6 +988,9 @@ impl Saved {
         optimizer: &str,
         shapes: &[(&str, usize, usize)],
     ) -> Result<Staged<'a>> {
+        // The files first: a save committed since the manifest was read is the checkpoint
+        // checked and loaded.
+        self.hold(held)?;
         if self.optimizer != optimizer {
             return Err(bad(
                 &self.path,
@@ -998,7 +1001,6 @@ impl Saved {
             ));
         }
         self.check_tables(shapes)?;
-        self.hold(held)?;
         let (mut whole, chunked, rest) = self.stage_whole_groups(held)?;
         self.open_files_for(&rest, true)?;
         let mut values = Vec::with_capacity(rest.len());
@@ -1033,7 +1035,10 @@ impl Saved {
             note(h, approximate);
             values.push((h, (weights, states)));
         }
+        let checkpoint =
+            (self.manifest_files.clone()).unwrap_or_else(|| self.path.display().to_string());
         Ok(Staged {
+            checkpoint,
             whole,
             values,
             step: self.step,
@@ -1047,6 +1052,8 @@ type WholeGroups<'a> = Vec<(&'a TableBatchedEmbedding, StagedRows)>;
 
 /// Checked values, ready to be written into the TBEs.
 pub(crate) struct Staged<'a> {
+    /// Which checkpoint was read: a sharded one's files (they name its id), or the file.
+    pub(crate) checkpoint: String,
     /// TBEs of cached tables loaded whole: their staged row files.
     whole: WholeGroups<'a>,
     values: Vec<(&'a Held<'a>, RectValues)>,
@@ -1165,12 +1172,17 @@ mod tests {
         ]
     }
 
-    /// Saves into `dir` the tables drawn from `seed`, on two ranks (threads), row-wise, `c`
-    /// cached in files under `root`.
-    fn save_drawn(root: &Path, dir: &Path, seed: u64) {
+    /// This rank's part of the tables drawn from `seed`, row-wise over two ranks, `c` cached
+    /// in files under `root` in a directory named for `dir` and `seed`.
+    fn drawn(
+        root: &Path,
+        dir: &Path,
+        seed: u64,
+        comm: crate::distributed::Comm,
+    ) -> crate::distributed::ShardedEmbeddingBagCollection {
         use crate::distributed::{
-            LocalGroup, Placement as Sharding, ShardCaches, ShardedEmbeddingBagCollection,
-            ShardingPlan, TableShape,
+            Placement as Sharding, ShardCaches, ShardedEmbeddingBagCollection, ShardingPlan,
+            TableShape,
         };
         let shapes = [TableShape::new("m", 30, 4), TableShape::new("c", 50, 2)];
         let placements = [("m", Sharding::RowWise), ("c", Sharding::RowWise)];
@@ -1179,28 +1191,30 @@ mod tests {
             .unwrap();
         let caches = ShardCaches {
             dir: root.join(format!(
-                "rows-{seed}-{}",
-                dir.file_name().unwrap().to_string_lossy()
+                "rows-{seed}-{}-{}",
+                dir.file_name().unwrap().to_string_lossy(),
+                comm.rank()
             )),
             policy: CachePolicy::Lru,
             ..ShardCaches::default()
         };
+        ShardedEmbeddingBagCollection::with_caches(
+            held_configs(),
+            &plan,
+            RW_ADAGRAD,
+            crate::embedding::WeightDecay::None,
+            &caches,
+            comm,
+            seed,
+        )
+        .unwrap()
+    }
+
+    /// Saves into `dir` the tables drawn from `seed`, on two ranks (threads).
+    fn save_drawn(root: &Path, dir: &Path, seed: u64) {
         std::thread::scope(|s| {
-            for comm in LocalGroup::comms(2).unwrap() {
-                let (plan, caches) = (&plan, &caches);
-                s.spawn(move || {
-                    let tables = ShardedEmbeddingBagCollection::with_caches(
-                        held_configs(),
-                        plan,
-                        RW_ADAGRAD,
-                        crate::embedding::WeightDecay::None,
-                        caches,
-                        comm,
-                        seed,
-                    )
-                    .unwrap();
-                    tables.save(dir).unwrap();
-                });
+            for comm in crate::distributed::LocalGroup::comms(2).unwrap() {
+                s.spawn(move || drawn(root, dir, seed, comm).save(dir).unwrap());
             }
         });
     }
@@ -1232,6 +1246,52 @@ mod tests {
         (std::fs::read_dir(dir).unwrap().flatten())
             .filter(|e| e.file_name().to_string_lossy().contains(part))
             .count()
+    }
+
+    /// Ranks that read different checkpoints (a save committed between their openings: rank 0
+    /// opened the first, rank 1 found its files gone and opened the second) load neither:
+    /// every rank refuses, and the tables stay as they were.
+    #[test]
+    fn ranks_that_read_different_checkpoints_load_nothing() {
+        let root = std::env::temp_dir().join(format!("embers-mixed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("ckpt");
+        save_drawn(&root, &dir, 1);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (tx, rx) = (
+            parking_lot::Mutex::new(Some(tx)),
+            parking_lot::Mutex::new(Some(rx)),
+        );
+        std::thread::scope(|s| {
+            for comm in crate::distributed::LocalGroup::comms(2).unwrap() {
+                let (root, dir, tx, rx) = (&root, &dir, &tx, &rx);
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let tables = drawn(root, &root.join("live"), 7, comm);
+                    let before = tables.table_weights("m").unwrap();
+                    if rank == 0 {
+                        let tx = tx.lock().take().unwrap();
+                        let opened = move || tx.send(()).unwrap();
+                        AFTER_FILES_OPENED.with(|h| *h.borrow_mut() = Some(Box::new(opened)));
+                    } else {
+                        let rx = rx.lock().take().unwrap();
+                        let (root, dir) = (root.clone(), dir.clone());
+                        let save = move || {
+                            rx.recv().unwrap();
+                            save_drawn(&root, &dir, 2);
+                        };
+                        AFTER_MANIFEST_READ.with(|h| *h.borrow_mut() = Some(Box::new(save)));
+                    }
+                    let err = tables.load(&dir).unwrap_err().to_string();
+                    assert!(
+                        err.contains("read another checkpoint"),
+                        "rank {rank}: {err}"
+                    );
+                    assert_eq!(tables.table_weights("m").unwrap(), before, "rank {rank}");
+                });
+            }
+        });
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     /// A load holds the checkpoint it opened: saves replacing it meanwhile remove its rank

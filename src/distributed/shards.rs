@@ -743,6 +743,18 @@ impl Shards {
         let staged = checkpoint::Saved::open(path)
             .and_then(|mut saved| saved.stage(&held, self.optimizer.name(), &shapes));
         let staged = checkpoint::all_ok(&self.comm, "checkpoint.loaded", staged)?;
+        // Each rank opened the checkpoint it found: a save committed while they did may have
+        // given them different ones, which no rank applies.
+        let which = staged.checkpoint.as_bytes();
+        let all = self.comm.all_gather_v("checkpoint.which", which, None)?;
+        if let Some(r) = all.iter().position(|w| w != which) {
+            return Err(Error::Distributed(format!(
+                "rank {}: {}: rank {r} read another checkpoint (a save replaced it during the \
+                 load); nothing was loaded: load again",
+                self.comm.rank(),
+                path.display()
+            )));
+        }
         // Writing what every rank read can still fail on I/O (a staged row file's rename):
         // every rank then says so.
         let applied = staged.apply();

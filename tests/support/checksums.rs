@@ -1,28 +1,42 @@
-//! Checkpoints edited in place by tests (to make files the writer refuses: NaN or overflowing
-//! weights) get their data checksums made again, so that what a load refuses them for is the
-//! edit's values, not the checksums.
+//! Checkpoints edited by tests (to make files the writer refuses: NaN or overflowing weights;
+//! fuzz inputs) get their data checksums made again, so that what a load refuses them for is
+//! the edit's values, not the checksums.
 
-/// Recomputes the CRC-32 of each block of the data of the checkpoint at `path` (metadata
-/// `checksums.block_bytes`) into its `checksums.crc32` metadata, in place (the header keeps
-/// its length).
-pub fn restamp_checksums(path: &std::path::Path) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let block: usize = header["__metadata__"]["checksums.block_bytes"]
-        .as_str()
-        .expect("a checkpoint with checksums")
-        .parse()
-        .unwrap();
-    let digits: String = (bytes[8 + n..].chunks(block))
+/// `bytes` (a checkpoint) with the CRC-32 of each block of its data (metadata
+/// `checksums.block_bytes`) written into its `checksums.crc32` metadata (the header keeps its
+/// length); `None` when it is not a file whose header holds them.
+pub fn restamped(bytes: &[u8]) -> Option<Vec<u8>> {
+    let n = usize::try_from(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    let meta = header.get("__metadata__")?;
+    let block: usize = meta.get("checksums.block_bytes")?.as_str()?.parse().ok()?;
+    let data = &bytes[8 + n..];
+    if block == 0 || meta.get("checksums.crc32")?.as_str()?.len() != 8 * data.len().div_ceil(block)
+    {
+        return None;
+    }
+    let digits: String = (data.chunks(block))
         .map(|b| format!("{:08x}", crc32fast::hash(b)))
         .collect();
+    // The key's own string, after a `{` or a `,` (a key ending in it has a backslash there).
     let key = b"\"checksums.crc32\":\"";
-    let at = 8
-        + (bytes[8..8 + n].windows(key.len()))
-            .position(|w| w == key)
-            .expect("the checksums' key")
-        + key.len();
-    bytes[at..at + digits.len()].copy_from_slice(digits.as_bytes());
-    std::fs::write(path, &bytes).unwrap();
+    let (p, _) = (bytes[8..8 + n].windows(key.len()).enumerate())
+        .find(|&(p, w)| w == key && p > 0 && matches!(bytes[8 + p - 1], b'{' | b','))?;
+    let at = 8 + p + key.len();
+    let mut out = bytes.to_vec();
+    out.get_mut(at..at + digits.len())?
+        .copy_from_slice(digits.as_bytes());
+    Some(out)
+}
+
+/// The checkpoint at `path` [`restamped`] in place.
+#[allow(dead_code)] // the fuzz tests restamp bytes
+pub fn restamp_checksums(path: &std::path::Path) {
+    let bytes = std::fs::read(path).unwrap();
+    std::fs::write(
+        path,
+        restamped(&bytes).expect("a checkpoint with checksums"),
+    )
+    .unwrap();
 }
