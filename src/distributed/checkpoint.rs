@@ -1282,7 +1282,7 @@ mod tests {
                         };
                         AFTER_MANIFEST_READ.with(|h| *h.borrow_mut() = Some(Box::new(save)));
                     }
-                    let err = tables.load(&dir).unwrap_err().to_string();
+                    let err = tables.load(dir).unwrap_err().to_string();
                     assert!(
                         err.contains("read another checkpoint"),
                         "rank {rank}: {err}"
