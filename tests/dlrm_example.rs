@@ -228,6 +228,16 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
             "holds no complete batch",
         ),
         (vec!["--holdout", "NaN"], "--holdout NaN"),
+        // DCN's shape without DCN, and both quantized-evaluation flags (each was ignored).
+        (vec!["--dcn-rank", "8"], "--dcn"),
+        (vec!["--dcn-layers", "2"], "--dcn"),
+        // (With the base flags' --no-quantized-eval.)
+        (vec!["--quantized-eval", "int8"], "cannot be used with"),
+        // A plan on a GPU (it trained on the host).
+        (
+            vec!["--plan", "auto", "--device", "cuda"],
+            "--plan runs the sharded model on the host",
+        ),
         (
             vec!["--data", "movielens", "--path", ratings, ratings],
             "reads one ratings file, --path gives 2",
@@ -607,6 +617,26 @@ fn early_stopping_restores_the_best_checkpoint() {
         log.contains("restored the best checkpoint (step 5,"),
         "{log}"
     );
+    // metrics.json counts the steps trained, and names the step reported (it gave the
+    // restored step's count, 5, beside the 15 steps' seconds).
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("metrics.json")).unwrap()).unwrap();
+    assert_eq!(
+        (m["steps"].as_u64(), m["reported_step"].as_u64()),
+        (Some(15), Some(5))
+    );
+    // Resumed from its last checkpoint (as if killed before its final report), the run that
+    // stopped trains no further: it trained 10 more steps and overwrote the checkpoint.
+    let ckpt = out_dir.join("checkpoint.safetensors");
+    let resumed = [&frozen[..], &["--resume", ckpt.to_str().unwrap()]].concat();
+    let out = run(&resumed);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("nothing more to train") && log.contains("trained 15 steps"),
+        "{log}"
+    );
+    assert!(!log.contains("step 20:"), "{log}");
 
     let mut trained = common.clone();
     trained.extend(["--steps", "120"]);
@@ -1024,5 +1054,24 @@ fn a_resumed_run_reports_the_whole_history() {
     let steps: Vec<&str> = straight.iter().map(|r| r[0].as_str()).collect();
     assert_eq!(steps, ["10", "20", "30", "40"]);
     assert_eq!(resumed, straight);
+    // Stopped between validations (its last checkpoint at step 25 holds the losses of steps
+    // 21-25, which row 30 averages with 26-30): the same rows again; and the seconds go on
+    // from where the run stopped, never back.
+    let c = dir.join("c");
+    go(&["--steps", "25", "--out", c.to_str().unwrap()]);
+    let ckpt = c.join("checkpoint.safetensors");
+    let resume = ["--steps", "40", "--resume", ckpt.to_str().unwrap()];
+    go(&[&resume[..], &["--out", c.to_str().unwrap()]].concat());
+    assert_eq!(rows(&c), straight);
+    for d in [&b, &c] {
+        let csv = std::fs::read_to_string(d.join("metrics.csv")).unwrap();
+        let seconds: Vec<f64> = (csv.lines().skip(1))
+            .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            seconds.windows(2).all(|w| w[0] <= w[1]),
+            "{d:?}: {seconds:?}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

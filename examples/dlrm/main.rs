@@ -195,10 +195,10 @@ struct Args {
     #[arg(long)]
     dcn: bool,
     /// Cross layers of DCN.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, requires = "dcn")]
     dcn_layers: usize,
     /// Rank of DCN's low-rank cross weights.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, requires = "dcn")]
     dcn_rank: usize,
     /// Optimizer of the dense half.
     #[arg(long, value_enum, default_value_t = DenseOpt::Adagrad)]
@@ -232,7 +232,8 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "fp16,int8,int4,fp8"
+        default_value = "fp16,int8,int4,fp8",
+        conflicts_with = "no_quantized_eval"
     )]
     quantized_eval: Vec<QuantType>,
     /// Skip the quantized evaluation.
@@ -594,6 +595,12 @@ struct Progress {
     best: Option<(f64, u64)>,
     /// Validations since the best.
     since_best: u64,
+    /// The training losses summed since the last log line, and their count (the next line
+    /// averages them).
+    loss_sum: f64,
+    loss_count: u64,
+    /// Seconds the run trained before this process (its earlier processes').
+    seconds: f64,
 }
 
 impl Progress {
@@ -606,6 +613,12 @@ impl Progress {
                 self.batch_in_epoch.to_string(),
             ),
             ("since_best".to_string(), self.since_best.to_string()),
+            (
+                "loss_sum".to_string(),
+                format!("{:016x}", self.loss_sum.to_bits()),
+            ),
+            ("loss_count".to_string(), self.loss_count.to_string()),
+            ("seconds".to_string(), format!("{:e}", self.seconds)),
         ]);
         if let Some((auc, step)) = self.best {
             user.insert("best_auc".to_string(), format!("{auc:e}"));
@@ -640,11 +653,30 @@ impl Progress {
                 Some((auc, get("best_step")?))
             }
         };
+        // (Checkpoints written before these were kept have none: counted from 0.)
+        let loss_sum = match user.get("loss_sum") {
+            None => 0.0,
+            Some(v) => (u64::from_str_radix(v, 16).ok())
+                .map(f64::from_bits)
+                .filter(|x| x.is_finite() && v.len() == 16)
+                .ok_or_else(|| bad(format!("its `loss_sum` is {v:?}, not a finite f64's bits")))?,
+        };
+        let seconds = match user.get("seconds") {
+            None => 0.0,
+            Some(v) => (v.parse::<f64>().ok())
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| bad(format!("its `seconds` is {v:?}, not a duration")))?,
+        };
         Ok(Progress {
             epoch: get("epoch")?,
             batch_in_epoch: get("batch_in_epoch")?,
             best,
             since_best: get("since_best")?,
+            loss_sum,
+            loss_count: user
+                .get("loss_count")
+                .map_or(Ok(0), |_| get("loss_count"))?,
+            seconds,
         })
     }
 }
@@ -725,6 +757,17 @@ fn check_run_flags(
         );
     }
     Ok(())
+}
+
+/// Whether two path lists name the same files (resolved on this machine; a path that does not
+/// resolve stands for itself).
+fn same_paths(a: &[PathBuf], b: &[PathBuf]) -> bool {
+    let resolved = |p: &[PathBuf]| -> Vec<PathBuf> {
+        p.iter()
+            .map(|x| std::fs::canonicalize(x).unwrap_or_else(|_| x.clone()))
+            .collect()
+    };
+    resolved(a) == resolved(b)
 }
 
 /// Whether a path flag's paths `mine` are the files it names as recorded (`theirs`, its
@@ -815,7 +858,7 @@ impl Data {
                 if !explicit {
                     need_path()?;
                 }
-                let halves = if explicit && args.valid == args.test {
+                let halves = if explicit && same_paths(&args.valid, &args.test) {
                     Some(match args.data {
                         DataSource::CriteoTsv => count_lines(&args.test)?,
                         _ => embers_datasets::parquet_rows(&args.test)?,
@@ -1315,6 +1358,16 @@ fn check_args(args: &Args) -> Result<()> {
     args.check_cache_flags()?;
     args.check_source_flags()?;
     if args.plan.is_some() {
+        if args.device != embers::Device::Cpu {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "--plan runs the sharded model on the host: --device {} is for runs \
+                     without --plan (a plan's ranks on GPUs need NCCL, not built yet)",
+                    args.device
+                ),
+            ));
+        }
         if args.early_stop_patience > 0 {
             return Err(Error::invalid(
                 "dlrm",
@@ -1462,14 +1515,30 @@ fn run(args: Args) -> Result<()> {
     let mut history: Vec<Record> = resumed_history;
     let mut throughput = Throughput::new(5, 50)?;
     let started = Instant::now();
-    let mut loss_sum = 0.0;
-    let mut loss_count = 0u64;
+    // The run's seconds, its earlier processes' included.
+    let seconds = |progress: &Progress| progress.seconds + started.elapsed().as_secs_f64();
     let log_every = 50u64;
+    // A resumed run that had stopped early (killed after its last checkpoint, before its
+    // final report) trains no further under the same patience.
+    let stopped_early =
+        args.early_stop_patience > 0 && progress.since_best >= args.early_stop_patience;
+    if stopped_early {
+        println!(
+            "the run stopped early at step {} ({} validations without improvement): nothing \
+             more to train",
+            trainer.step(),
+            progress.since_best
+        );
+    }
     let save = |trainer: &DlrmTrainer,
                 path: &Path,
                 progress: &Progress,
                 history: &[Record]|
      -> Result<()> {
+        let progress = Progress {
+            seconds: seconds(progress),
+            ..*progress
+        };
         let mut user = progress.to_user();
         user.insert("args".to_string(), format!("{args:?}"));
         let records: Vec<serde_json::Value> = history.iter().map(Record::to_json).collect();
@@ -1488,7 +1557,7 @@ fn run(args: Args) -> Result<()> {
     let tables = trainer.model().sparse_arch.clone();
     let prefetching = args.placement != PlacementArg::Fused && args.cache_prefetch;
     let on_gpu = trainer.model().device() != embers::Device::Cpu;
-    'epochs: while progress.epoch < args.epochs {
+    'epochs: while progress.epoch < args.epochs && !stopped_early {
         let mut batches = data.batches(Split::Train, progress.epoch, args.batch_size, args.seed)?;
         // Resuming: skip the batches of this epoch that were already trained on.
         for _ in 0..progress.batch_in_epoch {
@@ -1525,8 +1594,8 @@ fn run(args: Args) -> Result<()> {
             };
             throughput.step(out.batch_size as u64);
             progress.batch_in_epoch += 1;
-            loss_sum += out.loss;
-            loss_count += 1;
+            progress.loss_sum += out.loss;
+            progress.loss_count += 1;
             let step = trainer.step();
             bar.set_position(step);
             let validating = args.validate_every > 0 && step % args.validate_every == 0;
@@ -1558,8 +1627,8 @@ fn run(args: Args) -> Result<()> {
                 let record = Record {
                     step,
                     examples: trainer.examples_seen(),
-                    seconds: started.elapsed().as_secs_f64(),
-                    train_loss: loss_sum / loss_count.max(1) as f64,
+                    seconds: seconds(&progress),
+                    train_loss: progress.loss_sum / progress.loss_count.max(1) as f64,
                     train_window_ne: m.get("window_ne").copied().unwrap_or(f64::NAN),
                     train_window_auc: m.get("window_auc").copied().unwrap_or(f64::NAN),
                     examples_per_second: throughput.window(),
@@ -1574,8 +1643,8 @@ fn run(args: Args) -> Result<()> {
                     }
                     save(&trainer, &checkpoint, &progress, &history)?;
                 }
-                loss_sum = 0.0;
-                loss_count = 0;
+                progress.loss_sum = 0.0;
+                progress.loss_count = 0;
                 bar.set_message(format!(
                     "loss {:.4} NE {:.4} AUC {:.4} {:.0} ex/s",
                     record.train_loss,
@@ -1658,9 +1727,11 @@ fn run(args: Args) -> Result<()> {
             },
         ));
     }
-    let train_seconds = started.elapsed().as_secs_f64();
+    let train_seconds = seconds(&progress);
     save(&trainer, &checkpoint, &progress, &history)?;
     let (trained_steps, trained_examples) = (trainer.step(), trainer.examples_seen());
+    // The step whose model the final report is of.
+    let mut reported_step = trained_steps;
     if args.early_stop_patience > 0 {
         if let Some((b, at)) = progress.best {
             if at != trainer.step() {
@@ -1675,6 +1746,7 @@ fn run(args: Args) -> Result<()> {
                     ));
                 }
                 trainer.load_checkpoint(&best_checkpoint)?;
+                reported_step = at;
                 println!(
                     "restored the best checkpoint (step {at}, validation AUC {b:.4}) for the \
                      final report"
@@ -1781,8 +1853,9 @@ fn run(args: Args) -> Result<()> {
     write_csv(&csv, &history)?;
     let json = serde_json::json!({
         "args": format!("{args:?}"),
-        "steps": trainer.step(),
-        "examples": trainer.examples_seen(),
+        "steps": trained_steps,
+        "examples": trained_examples,
+        "reported_step": reported_step,
         "train_seconds": train_seconds,
         "examples_per_second": throughput.lifetime(),
         "peak_rss_mib": rss,
