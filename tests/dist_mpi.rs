@@ -700,6 +700,15 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
             "{sub}/{prefix}*: the straight and the resumed run differ"
         );
     }
+    // The resumed run's report goes back to step 0: the same history (validations at 30
+    // and 60, train and validation metrics); it listed only those after the resume.
+    let history = |d: &str| -> serde_json::Value {
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(format!("{d}/metrics.json")).unwrap()).unwrap();
+        m["history"].clone()
+    };
+    assert_eq!(history(a).as_array().map(Vec::len), Some(2));
+    assert!(history(a) == history(b), "{}\n{}", history(a), history(b));
     // On another world size: the tables reshard, the dense half comes from rank 0.
     let log = run(
         1,
@@ -755,8 +764,15 @@ fn the_dlrm_example_trains_across_processes_and_resumes_bit_identically() {
     };
     let mut other_flags = resuming(&checkpoint);
     other_flags.extend(["--seed".to_string(), "7".to_string()]);
+    // Another model configuration (the dense learning rate: it kept the checkpoint's).
+    let mut other_model = resuming(&checkpoint);
+    other_model.extend(["--dense-lr".to_string(), "0.5".to_string()]);
     for (other, says) in [
         (other_flags, "its run had --seed 0".to_string()),
+        (
+            other_model,
+            "written for another model configuration".to_string(),
+        ),
         (resuming(&no_rank0), format!("{no_rank0}/rank0.safetensors")),
         (resuming(&no_own), format!("{no_own}/rank1.safetensors")),
     ] {

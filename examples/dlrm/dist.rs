@@ -210,6 +210,8 @@ mod with_mpi {
     }
 
     struct Model {
+        /// The model's configuration as JSON (kept in checkpoints, checked on resume).
+        config: serde_json::Value,
         sharded: ShardedEmbeddingBagCollection,
         dense: DlrmDense,
         optimizer: Box<dyn Optimizer + Send>,
@@ -266,8 +268,25 @@ mod with_mpi {
         Ok((lifetime_metrics(&model.tasks, all), examples))
     }
 
+    /// Where a run stands besides the model: kept in rank 0's checkpoint file, read back by
+    /// `--resume`.
+    #[derive(Default)]
+    struct Progress {
+        /// Each validation's `metrics.json` history entry so far.
+        history: Vec<serde_json::Value>,
+        /// The losses summed since the last validation, and their count.
+        loss_sum: f64,
+        loss_count: u64,
+    }
+
     /// Writes the checkpoint of step `step` into `<out>/checkpoint/` (see the module docs).
-    fn save(model: &Model, metrics: &RecMetrics, args: &Args, step: u64) -> Result<()> {
+    fn save(
+        model: &Model,
+        metrics: &RecMetrics,
+        args: &Args,
+        step: u64,
+        progress: &Progress,
+    ) -> Result<()> {
         let out = &args.out;
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
@@ -289,6 +308,15 @@ mod with_mpi {
             w.set_metadata("world", world.to_string());
             for (flag, v) in crate::run_flags(args) {
                 w.set_metadata(format!("run.{flag}"), v);
+            }
+            w.set_metadata("model.config", model.config.to_string());
+            if rank == 0 {
+                w.set_metadata(
+                    "history",
+                    serde_json::Value::from(progress.history.clone()).to_string(),
+                );
+                w.set_metadata("loss_sum", format!("{:016x}", progress.loss_sum.to_bits()));
+                w.set_metadata("loss_count", progress.loss_count.to_string());
             }
             write_dense_state(
                 &mut w,
@@ -320,9 +348,15 @@ mod with_mpi {
         all_ok(comm, "checkpoint.end", renamed)
     }
 
-    /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at. This rank's dense
-    /// state is read and checked before the tables load, and applied after.
-    fn resume(model: &mut Model, metrics: &mut RecMetrics, args: &Args, dir: &Path) -> Result<u64> {
+    /// Restores `dir` (a checkpoint of [`save`]): the step it was taken at and the run's
+    /// progress. The model's configuration must be the one saved; this rank's dense state is
+    /// read and checked before the tables load, and applied after.
+    fn resume(
+        model: &mut Model,
+        metrics: &mut RecMetrics,
+        args: &Args,
+        dir: &Path,
+    ) -> Result<(u64, Progress)> {
         let comm = model.sharded.comm();
         let (rank, world) = (comm.rank(), comm.size());
         let own = dir.join(format!("rank{rank}.safetensors"));
@@ -331,6 +365,49 @@ mod with_mpi {
         let read = (|| {
             let r0 = CheckpointReader::open(dir.join("rank0.safetensors"))?;
             crate::check_run_flags(args, |key| Some(r0.metadata(key)?.to_string()), dir)?;
+            let bad = |what: String| {
+                Error::invalid("dlrm", format!("--resume {}: {what}", dir.display()))
+            };
+            match r0.metadata("model.config") {
+                // (Written before checkpoints kept it.)
+                None => {}
+                Some(saved) => {
+                    let saved: serde_json::Value = serde_json::from_str(saved)
+                        .map_err(|e| bad(format!("its `model.config` does not parse: {e}")))?;
+                    if saved != model.config {
+                        return Err(bad(format!(
+                            "written for another model configuration (flags that shape the \
+                             model or its optimizers differ):\n  saved: {saved}\n  this:  {}",
+                            model.config
+                        )));
+                    }
+                }
+            }
+            let history = match r0.metadata("history") {
+                None => Vec::new(),
+                Some(h) => match serde_json::from_str(h) {
+                    Ok(serde_json::Value::Array(h)) => h,
+                    _ => return Err(bad("its `history` is not a list".into())),
+                },
+            };
+            let loss_sum = match r0.metadata("loss_sum") {
+                None => 0.0,
+                Some(v) => (u64::from_str_radix(v, 16).ok())
+                    .map(f64::from_bits)
+                    .filter(|x| x.is_finite() && v.len() == 16)
+                    .ok_or_else(|| bad(format!("its `loss_sum` is {v:?}")))?,
+            };
+            let loss_count = match r0.metadata("loss_count") {
+                None => 0,
+                Some(v) => v
+                    .parse()
+                    .map_err(|_| bad(format!("its `loss_count` is {v:?}")))?,
+            };
+            let progress = Progress {
+                history,
+                loss_sum,
+                loss_count,
+            };
             let saved_world = r0.required_metadata("world")?.to_string();
             let same_world = saved_world == world.to_string();
             let r = if same_world {
@@ -343,9 +420,9 @@ mod with_mpi {
             })?;
             // On another world size the metrics restart: other ranks saw other data.
             let dense = DenseState::read(&r, &model.dense, same_world.then_some(&*metrics))?;
-            Ok((saved_world, same_world, step, dense))
+            Ok((saved_world, same_world, step, dense, progress))
         })();
-        let (saved_world, same_world, step, dense) = all_ok(comm, "resume.read", read)?;
+        let (saved_world, same_world, step, dense, progress) = all_ok(comm, "resume.read", read)?;
         model.sharded.load(dir.join("tables"))?;
         dense.apply(model.optimizer.as_mut(), Some(metrics))?;
         if rank == 0 && !same_world {
@@ -356,7 +433,7 @@ mod with_mpi {
                  ranks trained on: some are trained on again, others not at all this epoch"
             );
         }
-        Ok(step)
+        Ok((step, progress))
     }
 
     /// The sharding plan: `embers-plan`'s JSON file, or `auto`.
@@ -475,6 +552,8 @@ mod with_mpi {
         let dense = config.dense_half(&mut seeded(config.seed))?;
         let optimizer = config.dense_optimizer.build(dense.parameters())?;
         let mut model = Model {
+            config: serde_json::to_value(config)
+                .map_err(|e| Error::invalid("dlrm", format!("the model's configuration: {e}")))?,
             sharded,
             dense,
             optimizer,
@@ -483,9 +562,9 @@ mod with_mpi {
             tasks: config.tasks.clone(),
         };
         let mut metrics = task_metrics(&config.tasks, config.metrics_window)?;
-        let start_step = match &args.resume {
+        let (start_step, resumed) = match &args.resume {
             Some(dir) => resume(&mut model, &mut metrics, args, dir)?,
-            None => 0,
+            None => (0, Progress::default()),
         };
         let mut train_pipeline = TrainPipeline::new(&model.sharded)?;
         let mut eval_pipeline = TrainPipeline::new(&model.sharded)?;
@@ -562,8 +641,7 @@ mod with_mpi {
         };
         let started = Instant::now();
         let mut step = start_step;
-        let mut history = Vec::new();
-        let (mut loss_sum, mut loss_count) = (0.0f64, 0u64);
+        let mut progress = resumed;
         let report = train_pipeline.run(mine, |batch: &Batch, pooled| {
             let model = &mut model;
             model.optimizer.zero_grad();
@@ -586,7 +664,8 @@ mod with_mpi {
             all_reduce_mean_gradients(model.sharded.comm(), &model.dense.parameters())?;
             model.optimizer.step()?;
             update_task_metrics(&mut metrics, &probs.to_vec::<f32>()?, batch)?;
-            (loss_sum, loss_count) = (loss_sum + value, loss_count + 1);
+            progress.loss_sum += value;
+            progress.loss_count += 1;
             step += 1;
             bar.set_position(step);
             if args.validate_every > 0 && step % args.validate_every == 0 {
@@ -599,15 +678,16 @@ mod with_mpi {
                 if lead {
                     say(&bar, format!(
                         "step {step}: loss {:.4}, train AUC {:.4}, validation AUC {:.4} NE {:.4} ({n} examples)",
-                        loss_sum / loss_count.max(1) as f64,
+                        progress.loss_sum / progress.loss_count.max(1) as f64,
                         train.get("auc").copied().unwrap_or(f64::NAN),
                         val.get("auc").copied().unwrap_or(f64::NAN),
                         val.get("ne").copied().unwrap_or(f64::NAN),
                     ));
                 }
-                history.push(json!({ "step": step, "train": train, "validation": val }));
-                (loss_sum, loss_count) = (0.0, 0);
-                save(model, &metrics, args, step)?;
+                (progress.history)
+                    .push(json!({ "step": step, "train": train, "validation": val }));
+                (progress.loss_sum, progress.loss_count) = (0.0, 0);
+                save(model, &metrics, args, step, &progress)?;
             }
             Ok(())
         })?;
@@ -626,7 +706,7 @@ mod with_mpi {
                 ),
             ));
         }
-        save(&model, &metrics, args, step)?;
+        save(&model, &metrics, args, step, &progress)?;
         let (val, val_n) = validation(&model)?;
         let test = part_batches(data, Split::Test, 0, args, part);
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
@@ -677,7 +757,7 @@ mod with_mpi {
                 "train": train,
                 "validation": val,
                 "test": test,
-                "history": history,
+                "history": progress.history,
             });
             let path: PathBuf = args.out.join("metrics.json");
             let text = serde_json::to_string_pretty(&out)
