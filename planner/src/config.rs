@@ -27,6 +27,8 @@ pub const MAX_DIM: u64 = 1 << 16;
 pub const MAX_ROWS: u64 = 1 << 40;
 /// Largest pooling factor (ids per sample and feature) or number of poolings accepted.
 pub const MAX_POOLING: f64 = 1e9;
+/// The largest configuration file read (bytes): some 500,000 tables.
+pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
 /// Largest `cache_stats.expected_lookups` accepted: distinct ids a batch looks up in one
 /// table, which no batch brings past MAX_ROWS (and whose products with row bytes must stay
 /// finite).
@@ -397,10 +399,27 @@ pub struct ReservationSettings {
 impl Config {
     /// Reads a config file; `.json` files are JSON, everything else TOML.
     pub fn from_path(path: &Path) -> Result<Config, PlannerError> {
-        let text = std::fs::read_to_string(path).map_err(|source| PlannerError::Io {
+        use std::io::Read;
+        let io = |source| PlannerError::Io {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        // Read no further than the limit (`/dev/zero` or a huge file grew memory until the
+        // process was killed).
+        let mut text = String::new();
+        (std::fs::File::open(path).map_err(io)?)
+            .take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(io)?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(PlannerError::Config {
+                field: path.display().to_string(),
+                message: format!(
+                    "is more than {} MiB: not a planner configuration",
+                    MAX_CONFIG_BYTES >> 20
+                ),
+            });
+        }
         if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("json"))
@@ -472,6 +491,18 @@ impl Config {
         let mut names = HashSet::new();
         let mut tables = Vec::with_capacity(self.tables.len());
         for (i, t) in self.tables.iter().enumerate() {
+            // A name is printed in the plan's tables and keyed in its JSON: one that is empty
+            // or holds control characters (a newline) broke or forged their lines.
+            if t.name.is_empty() || t.name.chars().any(char::is_control) {
+                return Err(cfg(
+                    &format!("tables[{i}].name"),
+                    format!(
+                        "{:?} is not a table name (one or more characters, none of them \
+                         control characters)",
+                        t.name
+                    ),
+                ));
+            }
             if !names.insert(t.name.as_str()) {
                 return Err(cfg(
                     &format!("tables[{i}].name"),

@@ -34,8 +34,14 @@ pub fn reserve(problem: &Problem) -> Result<Vec<Storage>, PlannerError> {
         ComputeDevice::Cuda => ("HBM (after the percentage margin)", hbm),
         ComputeDevice::Cpu => ("DDR", t.ddr_cap),
     };
+    // With none left at all, what left none is to blame, not what asks for some.
+    let none_left = match t.compute_device {
+        ComputeDevice::Cuda if t.hbm_cap == 0 => "topology.hbm_cap",
+        ComputeDevice::Cuda => "storage_reservation.percentage",
+        ComputeDevice::Cpu => "topology.ddr_cap",
+    };
     let short = |field: &str, what: String| PlannerError::Config {
-        field: field.into(),
+        field: if held == 0 { none_left } else { field }.into(),
         message: format!(
             "{what}, more than the {} of {tier} each rank has",
             human_bytes(held)

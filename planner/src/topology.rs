@@ -16,6 +16,9 @@ pub const MAX_WORLD_SIZE: usize = 1 << 16;
 /// optimizer's state): beyond it no hardware or optimizer is described, and costs leave f64's
 /// useful range.
 pub const MAX_MULTIPLIER: f64 = 1e3;
+/// The largest `hbm_cap` or `ddr_cap` accepted: 2^60 bytes (1 EiB), far past any device, so
+/// that no capacity reaches the u64::MAX of sizes past u64.
+pub const MAX_CAP: u64 = 1 << 60;
 
 /// TorchRec's default HBM capacity per rank (32 GiB).
 pub const DEFAULT_HBM_CAP: u64 = 32 << 30;
@@ -118,7 +121,8 @@ impl Topology {
                 t.ddr_cap = 128 << 30;
             }
             "8xh100-80g" => {
-                t.hbm_cap = 80 << 30;
+                // What the driver reports (nvidia-smi: 81559 MiB), not the marketed 80 GiB.
+                t.hbm_cap = 81559 << 20;
                 t.hbm_mem_bw = gbs(3350.0);
                 t.hbm_to_ddr_mem_bw = gbs(64.0); // PCIe 5 x16
                 t.intra_host_bw = gbs(450.0); // NVLink 4, one direction
@@ -126,7 +130,8 @@ impl Topology {
                 t.ddr_cap = 256 << 30;
             }
             "8xh200-141g" => {
-                t.hbm_cap = 141 << 30;
+                // What the driver reports (nvidia-smi: 143771 MiB), not 141 GiB.
+                t.hbm_cap = 143771 << 20;
                 t.hbm_mem_bw = gbs(4800.0);
                 t.hbm_to_ddr_mem_bw = gbs(64.0);
                 t.intra_host_bw = gbs(450.0);
@@ -170,6 +175,16 @@ impl Topology {
                     self.local_world_size, self.world_size
                 ),
             ));
+        }
+        // Sizes past u64 saturate to u64::MAX, which then means "fits nowhere": a capacity
+        // of u64::MAX held them (a 16 EiB shard planned as fitting).
+        for (name, v) in [("hbm_cap", self.hbm_cap), ("ddr_cap", self.ddr_cap)] {
+            if v > MAX_CAP {
+                return Err(bad(
+                    name,
+                    format!("must be at most 2^60 bytes (1 EiB), got {v}"),
+                ));
+            }
         }
         for (name, v) in [
             ("hbm_mem_bw", self.hbm_mem_bw),

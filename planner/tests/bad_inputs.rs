@@ -64,23 +64,40 @@ fn huge_shards_on_many_ranks_do_not_wrap_the_reference_search_sums() {
 
 #[test]
 fn a_capacity_of_u64_max_does_not_hold_sizes_past_u64() {
-    // Each shard's DDR saturates to u64::MAX (1000 × state on 2^40 × 2^16 FP32); two of them
-    // must not "fit" a rank of u64::MAX.
-    let tables = r#"{"name": "a", "rows": 1099511627776, "dim": 65536,
-                     "constraints": {"compute_kernels": ["fused_uvm"], "sharding_types": ["table_wise"]}},
-                    {"name": "b", "rows": 1099511627776, "dim": 65536,
-                     "constraints": {"compute_kernels": ["fused_uvm"], "sharding_types": ["table_wise"]}}"#;
-    let json = format!(
-        r#"{{"batch_size": 512,
-             "topology": {{"world_size": 1, "local_world_size": 1,
-                           "ddr_cap": 18446744073709551615}},
-             "optimizer": {{"kind": "custom", "state_multiplier": 1000}},
-             "tables": [{tables}]}}"#
-    );
-    assert!(matches!(
-        plan(&json),
-        Err(PlannerError::InsufficientStorage { .. } | PlannerError::StrictConstraints { .. })
-    ));
+    // Each shard's DDR saturates to u64::MAX (1000 × state on 2^40 × 2^16 FP32), which stands
+    // for "past u64": no capacity may reach it (a row-wise shard of it was
+    // planned into a rank of u64::MAX), and none fits the largest capacity accepted, under any
+    // sharding.
+    let json = |cap: &str, sharding: &str| {
+        let table = |name: &str| {
+            format!(
+                r#"{{"name": "{name}", "rows": 1099511627776, "dim": 65536,
+                    "constraints": {{"compute_kernels": ["fused_uvm"], "sharding_types": ["{sharding}"]}}}}"#
+            )
+        };
+        format!(
+            r#"{{"batch_size": 512,
+                 "topology": {{"world_size": 1, "local_world_size": 1, "ddr_cap": {cap}}},
+                 "optimizer": {{"kind": "custom", "state_multiplier": 1000}},
+                 "tables": [{}, {}]}}"#,
+            table("a"),
+            table("b")
+        )
+    };
+    for sharding in ["table_wise", "row_wise", "column_wise", "table_row_wise"] {
+        let (field, message) = field_error(&json("18446744073709551615", sharding));
+        assert_eq!(field, "topology.ddr_cap", "{sharding}");
+        assert!(message.contains("at most 2^60 bytes"), "{message}");
+        let got = plan(&json("1152921504606846976", sharding));
+        assert!(
+            matches!(
+                got,
+                Err(PlannerError::InsufficientStorage { .. }
+                    | PlannerError::StrictConstraints { .. })
+            ),
+            "{sharding}: {got:?}"
+        );
+    }
 }
 
 #[test]
@@ -202,4 +219,45 @@ fn byte_sizes_are_whole_bytes_or_refused_by_name() {
             .unwrap();
         assert_eq!(problem.topology.hbm_cap, bytes, "{hbm}");
     }
+}
+
+/// Table names that are empty or hold control characters (they broke or forged the lines of
+/// the plan's tables) are refused, naming the table.
+#[test]
+fn table_names_are_printable() {
+    for name in ["", "a\\nb", "t\\u0000"] {
+        let table = format!(r#"{{"name": "{name}", "rows": 1000, "dim": 16}}"#);
+        let (field, message) = field_error(&config("512", TOPOLOGY, &table, ""));
+        assert_eq!(field, "tables[0].name", "{name:?}");
+        assert!(message.contains("not a table name"), "{message}");
+    }
+}
+
+/// A reservation that leaves no memory at all names what left none (the percentage, the
+/// capacity), not the batch size whose input buffers then did not fit.
+#[test]
+fn a_reservation_of_everything_names_the_margin_or_the_capacity() {
+    let (field, message) = field_error(&config(
+        "512",
+        TOPOLOGY,
+        TABLE,
+        r#""storage_reservation": {"percentage": 1.0},"#,
+    ));
+    assert_eq!(field, "storage_reservation.percentage", "{message}");
+    let topology = r#"{"world_size": 2, "local_world_size": 2, "hbm_cap": 0}"#;
+    let (field, message) = field_error(&config("512", topology, TABLE, ""));
+    assert_eq!(field, "topology.hbm_cap", "{message}");
+}
+
+/// A configuration file past the limit (`/dev/zero`, or a huge file) is refused after reading
+/// no more than the limit, naming the file (memory grew until the process was killed).
+#[cfg(unix)]
+#[test]
+fn a_config_file_past_the_limit_is_refused() {
+    let err = Config::from_path(std::path::Path::new("/dev/zero")).unwrap_err();
+    assert!(
+        matches!(&err, PlannerError::Config { field, message }
+            if field == "/dev/zero" && message.contains("not a planner configuration")),
+        "{err:?}"
+    );
 }

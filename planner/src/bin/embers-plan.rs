@@ -4,7 +4,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use embers_planner::types::ShardingOption;
 use embers_planner::{enumerator, plan_problem, report, Config, CostModel, PlannerError};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -112,24 +113,70 @@ fn run(cli: Cli) -> Result<(), PlannerError> {
             let problem = Config::from_path(&config)?.resolve()?;
             let plan = plan_problem(&problem, cost_model)?;
             if let Some(path) = output {
-                std::fs::write(&path, plan.to_json()).map_err(|source| PlannerError::Io {
-                    path: path.display().to_string(),
-                    source,
+                write_atomically(&path, plan.to_json().as_bytes()).map_err(|source| {
+                    PlannerError::Io {
+                        path: path.display().to_string(),
+                        source,
+                    }
                 })?;
             }
             match format {
-                Format::Table => print!("{}", report::plan_table(&plan)),
-                Format::Json => println!("{}", plan.to_json()),
+                Format::Table => say(&report::plan_table(&plan)),
+                Format::Json => say(&format!("{}\n", plan.to_json())),
             }
         }
         Command::Estimate { config, format } => {
             let problem = Config::from_path(&config)?.resolve()?;
             let options = enumerator::enumerate(&problem)?;
             match format {
-                Format::Table => print!("{}", report::options_table(&options)),
-                Format::Json => println!("{}", options_json(&options)),
+                Format::Table => say(&report::options_table(&options)),
+                Format::Json => say(&format!("{}\n", options_json(&options))),
             }
         }
+    }
+    Ok(())
+}
+
+/// Prints `text` to stdout; a reader that went away (`| head`) ends the output quietly (it
+/// panicked in `print!`).
+fn say(text: &str) {
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("error: writing the output: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Writes `bytes` to `path` so that a crash leaves the old file or the new one, never a part:
+/// a temporary file beside it, flushed to disk, renamed over it, the directory synced.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    // The rename on disk (best effort where a directory cannot be opened).
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
     Ok(())
 }
