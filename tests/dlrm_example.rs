@@ -332,6 +332,20 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
             "{args:?}: {log}"
         );
     }
+    // A fresh run that fails part way (its data holds no complete batch: found as it trains)
+    // leaves no earlier run's report beside what it wrote (they read as its own).
+    let stale = ["metrics.csv", "metrics.json", "curves.png"];
+    for name in stale {
+        std::fs::write(Path::new(out_dir).join(name), "an earlier run's").unwrap();
+    }
+    let args: Vec<&str> = (QUICK.iter().copied())
+        .chain(["--out", out_dir, "--data", "movielens", "--path", ratings])
+        .collect();
+    let out = run(&args);
+    assert!(!out.status.success() && text(&out).contains("holds no complete batch"));
+    for name in stale {
+        assert!(!Path::new(out_dir).join(name).exists(), "{name} was left");
+    }
     // Validating an empty validation split: an error, where it reported AUC 0.5 and NE NaN of
     // no example and early stopping stopped on them.
     let out = run(&[

@@ -360,6 +360,15 @@ fn throughput_excludes_warmup_and_windows_recent_steps() {
         "{}",
         t.lifetime()
     );
+    // A validation of 5 s between two steps, excluded: the rates are the steps' alone.
+    t.exclude(Duration::from_secs(5));
+    t.step_at(100, t0 + Duration::from_millis(5000 + 1080 + 20));
+    assert!((t.window() - 5_000.0).abs() < 1e-6, "{}", t.window());
+    assert!(
+        (t.lifetime() - 700.0 / 0.100).abs() < 1e-6,
+        "{}",
+        t.lifetime()
+    );
 }
 
 /// A state saved with a wider window, loaded into metrics of a narrower one, reports over the

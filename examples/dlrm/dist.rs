@@ -529,6 +529,13 @@ mod with_mpi {
         let lead = rank == 0;
         // A plan file one rank cannot read ends every rank here.
         let plan = all_ok(&comm, "plan.load", plan_of(args, config, &comm))?;
+        // Rank 0 writes the report: an earlier run's goes first (all ranks stop on an error).
+        let removed = if lead {
+            crate::remove_earlier_reports(args)
+        } else {
+            Ok(())
+        };
+        all_ok(&comm, "report.removed", removed)?;
         // Tables the plan gives a cached kernel keep their rows in --cache-dir (each rank its
         // own files) behind caches of the plan's size.
         let (dir, policy) = args.cache_files();

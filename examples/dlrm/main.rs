@@ -1399,6 +1399,28 @@ fn open_data(args: &Args) -> Result<(Data, DlrmConfig)> {
     Ok((data, config))
 }
 
+/// A fresh run (not a resume) removes the report files an earlier run left in `--out`: they
+/// are written at the end, so an error part way left the earlier run's report beside this
+/// run's checkpoint, reading as this run's.
+fn remove_earlier_reports(args: &Args) -> Result<()> {
+    if args.resume.is_some() {
+        return Ok(());
+    }
+    for name in ["metrics.csv", "metrics.json", "curves.png"] {
+        let path = args.out.join(name);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::Io {
+                    path: path.display().to_string(),
+                    source: e,
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn run(args: Args) -> Result<()> {
     if args.plan.is_some() {
         // Started without a launcher: a world of one rank.
@@ -1425,6 +1447,7 @@ fn run(args: Args) -> Result<()> {
              runs none",
         ));
     }
+    remove_earlier_reports(&args)?;
     let mut trainer = config.build_with(&args.placement()?)?;
     let checkpoint = args.out.join("checkpoint.safetensors");
 
@@ -1593,6 +1616,7 @@ fn run(args: Args) -> Result<()> {
                 None => trainer.train_step(&batch)?,
             };
             throughput.step(out.batch_size as u64);
+            let step_done = Instant::now();
             progress.batch_in_epoch += 1;
             progress.loss_sum += out.loss;
             progress.loss_count += 1;
@@ -1643,6 +1667,9 @@ fn run(args: Args) -> Result<()> {
                     }
                     save(&trainer, &checkpoint, &progress, &history)?;
                 }
+                // The validation, the metrics and the checkpoints are no training: the rates
+                // leave them out (the first rate after each validation read low).
+                throughput.exclude(step_done.elapsed());
                 progress.loss_sum = 0.0;
                 progress.loss_count = 0;
                 bar.set_message(format!(

@@ -68,6 +68,17 @@ impl Throughput {
         }
     }
 
+    /// Leaves `pause` out of the rates: time spent since the last step on other work than
+    /// training (a validation, a checkpoint), which the next step's interval would hold.
+    pub fn exclude(&mut self, pause: Duration) {
+        if let Some(s) = &mut self.start {
+            *s += pause;
+        }
+        for r in &mut self.recent {
+            r.0 += pause;
+        }
+    }
+
     /// Examples per second since warm-up ended (0 before two timed steps).
     pub fn lifetime(&self) -> f64 {
         let last = self.recent.back().map(|r| r.0);
