@@ -713,20 +713,32 @@ pub fn search(
     let mut first_error = None;
     for start in 0..starts {
         // Each construction places every shard on every candidate rank: with many shards on
-        // many ranks one takes long. Past the time limit, once a plan is in hand, the other
-        // constructions are skipped (the limit bounds the search, not a first plan); TorchRec's
-        // plan, already found, is still taken.
-        if best.is_some() && start < modes.len() && t_ref.elapsed() > settings.time_limit {
+        // many ranks one takes long. Past the time limit, once a plan is in hand (one built,
+        // or TorchRec's, found), the other constructions are skipped and one under way is
+        // given up (the limit bounds the search, not a first plan; a first construction of
+        // 16384-shard options on 65536 ranks ran for tens of minutes); TorchRec's plan is
+        // still taken.
+        let in_hand = best.is_some() || reference.is_some();
+        let late = || in_hand && t_ref.elapsed() > settings.time_limit;
+        if start < modes.len() && late() {
             continue;
         }
         let mut state = fresh();
         if let Some(mode) = modes.get(start) {
             let mut failed = Vec::new();
+            let mut given_up = false;
             for &t in &order {
+                if late() {
+                    given_up = true;
+                    break;
+                }
                 match state.best_insert(t, *mode) {
                     Some((o, rs)) => state.apply(t, o, rs),
                     None => failed.push(t),
                 }
+            }
+            if given_up {
+                continue;
             }
             if !failed.is_empty() {
                 if first_error.is_none() {
