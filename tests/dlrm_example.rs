@@ -233,6 +233,35 @@ fn flags_that_leave_nothing_to_train_on_or_would_be_ignored_are_errors() {
         (vec!["--dcn-layers", "2"], "--dcn"),
         // (With the base flags' --no-quantized-eval.)
         (vec!["--quantized-eval", "int8"], "cannot be used with"),
+        // A load factor outside (0, 1] (with --write-planner-config NaN was written as
+        // `null`, which the planner read as its default), a planner input for no rank.
+        (
+            vec![
+                "--placement",
+                "fused-uvm-caching",
+                "--cache-load-factor",
+                "NaN",
+            ],
+            "--cache-load-factor NaN is not a fraction within (0, 1]",
+        ),
+        (
+            vec![
+                "--write-planner-config",
+                "p.json",
+                "--cache-load-factor",
+                "1.5",
+            ],
+            "--cache-load-factor 1.5 is not a fraction within (0, 1]",
+        ),
+        (
+            vec!["--write-planner-config", "p.json", "--ranks", "0"],
+            "--ranks 0",
+        ),
+        // No example to report on (it reported AUC 0.5 and NE NaN of none).
+        (
+            vec!["--synthetic-eval", "0", "--steps", "5"],
+            "the validation and the test split holds no example: nothing to report",
+        ),
         // A plan on a GPU (it trained on the host).
         (
             vec!["--plan", "auto", "--device", "cuda"],

@@ -717,6 +717,8 @@ mod with_mpi {
         let (val, val_n) = validation(&model)?;
         let test = part_batches(data, Split::Test, 0, args, part);
         let (test, test_n) = evaluate(&model, &eval_pipeline, test)?;
+        // Every rank sees the same totals: all stop here alike.
+        crate::empty_reports(val_n, test_n, &args.out.join("checkpoint"))?;
         let train = lifetime_metrics(
             &model.tasks,
             global_metrics(model.sharded.comm(), &metrics)?,

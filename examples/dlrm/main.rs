@@ -317,6 +317,17 @@ impl Args {
     /// whose kernels and cache sizes place the tables, the load factor; with
     /// `--write-planner-config`, all but the load factor its cache statistics are priced at.
     fn check_cache_flags(&self) -> Result<()> {
+        // (With --write-planner-config it is written to the planner's input, unchecked: NaN
+        // became `null`, which the planner read as its default.)
+        if !(self.cache_load_factor > 0.0 && self.cache_load_factor <= 1.0) {
+            return Err(Error::invalid(
+                "dlrm",
+                format!(
+                    "--cache-load-factor {} is not a fraction within (0, 1]",
+                    self.cache_load_factor
+                ),
+            ));
+        }
         let given = [
             "cache_load_factor",
             "cache_policy",
@@ -468,6 +479,28 @@ fn empty_validation(step: u64) -> Error {
              nothing to validate; give data with validation examples, or --validate-every 0"
         ),
     )
+}
+
+/// Refuses a final report of no example (it reported AUC 0.5 and NE NaN of none): the
+/// validation and the test split must each hold some; the checkpoint at `checkpoint` is
+/// written.
+fn empty_reports(validation: u64, test: u64, checkpoint: &Path) -> Result<()> {
+    let empty: Vec<&str> = [("validation", validation), ("test", test)]
+        .iter()
+        .filter(|(_, n)| *n == 0)
+        .map(|(s, _)| *s)
+        .collect();
+    if empty.is_empty() {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "dlrm",
+        format!(
+            "the {} split holds no example: nothing to report (the trained model is in {})",
+            empty.join(" and the "),
+            checkpoint.display()
+        ),
+    ))
 }
 
 /// Batches of `batch_size` examples on each of `world` ranks a validation reads:
@@ -1428,6 +1461,12 @@ fn run(args: Args) -> Result<()> {
     }
     let (data, config) = prepare(&args)?;
     if let Some(path) = &args.write_planner_config {
+        if args.ranks == 0 {
+            return Err(Error::invalid(
+                "dlrm",
+                "--ranks 0: a planner configuration is for at least 1 rank",
+            ));
+        }
         if args.cache_stats_batches > 0 && args.device == embers::Device::Cpu {
             return Err(Error::invalid(
                 "dlrm",
@@ -1788,6 +1827,7 @@ fn run(args: Args) -> Result<()> {
         data.batches(Split::Test, 0, args.batch_size, args.seed)?,
         None,
     )?;
+    empty_reports(validation.examples, test.examples, &checkpoint)?;
     println!(
         "trained {} steps ({} examples) in {train_seconds:.1} s: {:.0} examples/s",
         trained_steps,
