@@ -461,13 +461,16 @@ fn read_items(format: MovieLensFormat, path: &Path) -> Result<HashMap<i64, Vec<i
                             .iter()
                             .position(|f| f.split(|&b| b == b':').next() == Some(name))
                     };
-                    match (position(b"item_id"), position(b"class")) {
+                    // RecBole's ml-100k names the genres `class`, its ml-1m and larger `genre`.
+                    let genres = position(b"class").or_else(|| position(b"genre"));
+                    match (position(b"item_id"), genres) {
                         (Some(item), Some(class)) => recbole_columns = Some((item, class, count)),
                         _ => {
                             return Err(malformed(
                                 line_number,
                                 "header",
-                                "RecBole items header needs `item_id` and `class` columns"
+                                "RecBole items header needs `item_id` and `class` (or `genre`) \
+                                 columns"
                                     .to_string(),
                             ))
                         }

@@ -223,6 +223,10 @@ pub struct Batcher<S: ExampleSource> {
     finished: bool,
     /// Set when the [`Prefetcher`] running this batcher is dropped.
     stop: Option<Arc<AtomicBool>>,
+    /// The wanted split's index bound ([`SplitRule::index_bound`]), found once: an assigned
+    /// split's is a scan of every index, which each example repeated (a time split of a
+    /// million ratings in time order took some 10^11 steps an epoch).
+    bound: Option<u64>,
 }
 
 /// The most examples a batcher reserves room for ahead of reading them.
@@ -244,6 +248,7 @@ impl<S: ExampleSource> Batcher<S> {
             }
         }
         config.split_rule.validate()?;
+        let bound = config.split_rule.index_bound(config.split);
         let schema = source.schema().clone();
         let seed = config.shuffle.map_or(0, |s| s.seed);
         // Reserved up to a bound, grown past it as examples arrive: a buffer or batch bigger
@@ -260,6 +265,7 @@ impl<S: ExampleSource> Batcher<S> {
             source_done: false,
             finished: false,
             stop: None,
+            bound,
         })
     }
 
@@ -284,8 +290,7 @@ impl<S: ExampleSource> Batcher<S> {
         if self.source_done {
             return Ok(None);
         }
-        let wanted = self.config.split;
-        let bound = self.config.split_rule.index_bound(wanted);
+        let bound = self.bound;
         // No example can be selected: nothing to read (any source). An ascending source also
         // stops at the first index past the split's last.
         if bound == Some(0) {

@@ -148,6 +148,27 @@ fn recbole_inter_with_reordered_header() {
     assert_ne!(examples[1].ids[0], 196);
 }
 
+/// RecBole's ml-1m item file names its genres `genre` (ml-100k's: `class`): read the same
+/// (it was refused: "needs `item_id` and `class` columns").
+#[test]
+fn recbole_ml1m_items_name_their_genres_genre() {
+    let dir = tempfile::tempdir().unwrap();
+    let inter = write(
+        dir.path(),
+        "ml-1m.inter",
+        format!("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1193\t5\t{T_1998}\n").as_bytes(),
+    );
+    let items = write(
+        dir.path(),
+        "ml-1m.item",
+        b"item_id:token\tmovie_title:token_seq\trelease_year:token\tgenre:token_seq\n1193\tOne Flew\t1975\tDrama\n2\tJumanji\t1995\tAdventure Children's Fantasy\n",
+    );
+    let mut config = MovieLensConfig::new(MovieLensFormat::RecBoleInter, &inter);
+    config.items_path = Some(items);
+    let examples = read(config);
+    assert_eq!(examples[0].ids, vec![1, 1193, genre("Drama")]);
+}
+
 #[test]
 fn malformed_lines_name_file_line_field() {
     let dir = tempfile::tempdir().unwrap();
