@@ -557,3 +557,157 @@ fn a_repeated_key_reads_as_its_last_occurrence() {
     .unwrap();
     assert_eq!(kt.get("x").unwrap().to_vec::<f32>().unwrap(), vec![6.0]);
 }
+
+/// Offsets given to a KJT that decrease past i64 (their length wrapped) or, as i32, give a
+/// length past i32: named as decreasing offsets, not an overflow panic or a length mismatch.
+#[test]
+fn kjt_offsets_that_decrease_past_the_integer_are_named() {
+    let m = message(KeyedJaggedTensor::from_offsets(
+        keys(&["a", "b"]),
+        f32s(&[1.0; 5]),
+        i64s(&[0, 5, i64::MIN]),
+        None,
+        None,
+    ));
+    assert!(
+        m.contains("offsets decrease") && m.contains("key `b`"),
+        "{m}"
+    );
+    let offsets = Tensor::from_vec(vec![0i32, 2_000_000_000, -2_000_000_000], &[3]).unwrap();
+    let m = message(KeyedJaggedTensor::from_offsets(
+        keys(&["a", "b"]),
+        f32s(&[1.0; 5]),
+        offsets,
+        None,
+        None,
+    ));
+    assert!(m.contains("offsets decrease"), "{m}");
+}
+
+/// A KJT built unchecked whose per-key offsets lie past its values: permuting it is an
+/// error (it panicked on a slice, or on a wrapped length).
+#[test]
+fn permuting_an_unchecked_kjt_past_its_values_is_an_error() {
+    let kjt = KeyedJaggedTensor::from_lengths_unchecked(
+        keys(&["a", "b"]),
+        f32s(&[1.0, 2.0, 3.0]),
+        i64s(&[1, 2]),
+        Some(i64s(&[0, 5, 3])),
+        None,
+        1,
+        None,
+    )
+    .unwrap();
+    for order in [[0usize], [1]] {
+        let m = message(kjt.permute(&order));
+        assert!(m.contains("past the tensor's 3 rows"), "{order:?}: {m}");
+    }
+}
+
+/// Weights of another shape than the values' `[B, N]` are refused (narrower ones padded the
+/// rows past them with zero weights).
+#[test]
+fn dense_lengths_weights_must_be_the_values_batch_and_length() {
+    let values = Tensor::from_vec(vec![1.0f32; 2 * 3 * 2], &[2, 3, 2]).unwrap();
+    let weights = Tensor::from_vec(vec![1.0f32; 4], &[2, 2]).unwrap();
+    let m = message(JaggedTensor::from_dense_lengths(
+        &values,
+        &i64s(&[3, 1]),
+        Some(&weights),
+    ));
+    assert!(
+        m.contains("weights have shape [2, 2]") && m.contains("[2, 3]"),
+        "{m}"
+    );
+}
+
+/// Dense operands of jagged elementwise ops whose trailing dimensions are not the jagged
+/// values' (they broadcast across columns: a wrong result, silently).
+#[test]
+fn jagged_elementwise_trailing_dimensions_must_match() {
+    let x = Tensor::from_vec(vec![1.0f32; 9], &[3, 3]).unwrap();
+    let offsets = i64s(&[0, 1, 3]);
+    let y = Tensor::from_vec(vec![1.0f32; 4], &[2, 2]).unwrap();
+    let m = message(jagged_dense_elementwise_mul(&x, &offsets, &y));
+    assert!(m.contains("dense has shape [2, 2]"), "{m}");
+    let y = Tensor::from_vec(vec![1.0f32; 2 * 2 * 4], &[2, 2, 4]).unwrap();
+    let m = message(jagged_dense_elementwise_add(&x, &offsets, &y));
+    assert!(m.contains("[3, 3]"), "{m}");
+    let y = Tensor::from_vec(vec![1.0f32; 2 * 2 * 3], &[2, 2, 3]).unwrap();
+    assert_eq!(
+        jagged_dense_elementwise_mul(&x, &offsets, &y)
+            .unwrap()
+            .shape(),
+        &[3, 3]
+    );
+}
+
+/// `expand_into_jagged_permute` checks its input offsets (a decrease gave negative positions,
+/// or overflowed).
+#[test]
+fn expand_into_jagged_permute_checks_its_input_offsets() {
+    let m = message(expand_into_jagged_permute(
+        &i64s(&[0]),
+        &i64s(&[-4, -2]),
+        &i64s(&[0, 2]),
+        2,
+    ));
+    assert!(m.contains("offsets must start at 0"), "{m}");
+    let m = message(expand_into_jagged_permute(
+        &i64s(&[0, 1]),
+        &i64s(&[0, 4, 2]),
+        &i64s(&[0, 4, 2]),
+        2,
+    ));
+    assert!(m.contains("input segment"), "{m}");
+}
+
+/// Several jagged dimensions padded to lengths past memory, of no element: an error, where
+/// the slot map's allocation aborted the process.
+#[test]
+fn a_slot_map_past_memory_is_an_error() {
+    let values = Tensor::from_vec(Vec::<f32>::new(), &[1, 0]).unwrap();
+    let m = message(jagged_to_padded_dense(
+        &values,
+        &[&i64s(&[0, 1]), &i64s(&[0, 1])],
+        &[1 << 40, 1],
+        0.0,
+    ));
+    assert!(
+        m.contains("out of memory") || m.contains("past a usize"),
+        "{m}"
+    );
+}
+
+/// `segment_sum_csr`'s gradient has its values' shape (a `[4, 2]` input got a `[8]` one,
+/// which autograd refused).
+#[test]
+fn segment_sum_gradients_have_the_values_shape() {
+    let values = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], &[4, 2])
+        .unwrap()
+        .with_requires_grad(true);
+    let out = segment_sum_csr(2, &i64s(&[0, 1, 4]), &values).unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), vec![3.0, 33.0]);
+    out.sum(&[0], false).unwrap().backward().unwrap();
+    let g = values.grad().unwrap();
+    assert_eq!(g.shape(), &[4, 2]);
+    assert_eq!(g.to_vec::<f32>().unwrap(), vec![1.0; 8]);
+}
+
+/// A key repeated across keyed tensors, or within one, regroups as its last occurrence, as
+/// TorchRec's regroup (a dict filled in order); `to_dict` lists it once, with those columns.
+#[test]
+fn regroup_takes_a_repeated_keys_last_occurrence() {
+    let kt = |k: &[&str], v: Vec<f32>| {
+        let n = v.len();
+        KeyedTensor::new(keys(k), vec![1; n], Tensor::from_vec(v, &[1, n]).unwrap()).unwrap()
+    };
+    let first = kt(&["a", "b"], vec![1.0, 2.0]);
+    let second = kt(&["a", "a"], vec![3.0, 4.0]);
+    let out =
+        KeyedTensor::regroup(&[first, second.clone()], &[vec!["a".into(), "b".into()]]).unwrap();
+    assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![4.0, 2.0]);
+    let dict = second.to_dict().unwrap();
+    assert_eq!(dict.len(), 1);
+    assert_eq!(dict[0].1.to_vec::<f32>().unwrap(), vec![4.0]);
+}

@@ -156,7 +156,10 @@ fn recbole_ml1m_items_name_their_genres_genre() {
     let inter = write(
         dir.path(),
         "ml-1m.inter",
-        format!("user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1193\t5\t{T_1998}\n").as_bytes(),
+        format!(
+            "user_id:token\titem_id:token\trating:float\ttimestamp:float\n1\t1193\t5\t{T_1998}\n"
+        )
+        .as_bytes(),
     );
     let items = write(
         dir.path(),

@@ -176,6 +176,19 @@ impl JaggedTensor {
                 format!("values must be [B, N, ...], got {:?}", values.shape()),
             ));
         }
+        if let Some(w) = weights {
+            // (Narrower weights padded the rows past them with zero weights.)
+            if w.shape() != &values.shape()[..2] {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "weights have shape {:?}; expected [B, N] = {:?}, as the values",
+                        w.shape(),
+                        &values.shape()[..2]
+                    ),
+                ));
+            }
+        }
         let lens = read_ints(OP, "lengths", lengths)?;
         if lens.len() != values.shape()[0] {
             return Err(Error::invalid(

@@ -153,7 +153,14 @@ impl KeyedJaggedTensor {
                     ));
                 }
                 let lens = lengths_from_offsets(&offs);
-                let l = int_tensor(lens.clone(), &[lens.len()], o.dtype())?;
+                let l = match int_tensor(lens.clone(), &[lens.len()], o.dtype()) {
+                    Ok(l) => l,
+                    // Lengths past the dtype: decreasing offsets, reported as such.
+                    Err(e) => {
+                        validate_offsets(op, &offs, |i| format!("position {i}"))?;
+                        return Err(e);
+                    }
+                };
                 (l, o, lens, offs)
             }
             (None, None) => {
@@ -259,12 +266,15 @@ impl KeyedJaggedTensor {
         }
         if check {
             let name = |i: usize| key_at(&keys, &meta.lengths_offset_per_key, i);
-            // Offsets given directly are checked as offsets; lengths as lengths.
-            validate_offsets(op, &meta.bag_offsets[..1], name)?;
+            // Offsets given directly are checked as offsets (a decrease past i64 wrapped the
+            // length it gave to a positive one); lengths as lengths.
+            let given = if offsets_given {
+                &meta.bag_offsets[..]
+            } else {
+                &meta.bag_offsets[..1]
+            };
+            validate_offsets(op, given, name)?;
             if let Some(i) = lens.iter().position(|&l| l < 0) {
-                if offsets_given {
-                    validate_offsets(op, &meta.bag_offsets, name)?;
-                }
                 return Err(Error::invalid(
                     op,
                     format!("{}: length {} is negative", name(i), lens[i]),

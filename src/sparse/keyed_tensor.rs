@@ -139,22 +139,24 @@ impl KeyedTensor {
             .narrow(1, self.offset_per_key[k], self.length_per_key[k])
     }
 
-    /// Every key's columns, in key order (views).
+    /// Every key's columns, in key order (views); a repeated key once, at its first place,
+    /// with its last occurrence's columns (TorchRec's dict).
     pub fn to_dict(&self) -> Result<Vec<(String, Tensor)>> {
-        self.keys
-            .iter()
-            .enumerate()
-            .map(|(k, key)| {
-                Ok((
-                    key.clone(),
-                    self.values
-                        .narrow(1, self.offset_per_key[k], self.length_per_key[k])?,
-                ))
-            })
-            .collect()
+        let mut out: Vec<(String, Tensor)> = Vec::with_capacity(self.keys.len());
+        for (k, key) in self.keys.iter().enumerate() {
+            if self.keys[..k].contains(key) {
+                continue;
+            }
+            let last = self.keys.iter().rposition(|x| x == key).expect("present");
+            let columns =
+                (self.values).narrow(1, self.offset_per_key[last], self.length_per_key[last])?;
+            out.push((key.clone(), columns));
+        }
+        Ok(out)
     }
 
-    /// For each group of keys (looked up across `keyed_tensors`, first match wins), the
+    /// For each group of keys (looked up across `keyed_tensors`, the last occurrence winning
+    /// as in TorchRec, whose lookup is a dict filled in order), the
     /// concatenation of their columns in group order: `[B, Σ widths of the group]`. All groups
     /// are written by one parallel copy into one buffer and returned as views of it; keys may
     /// appear in several groups or not at all. Differentiable.
@@ -183,10 +185,8 @@ impl KeyedTensor {
         for (g, group) in groups.iter().enumerate() {
             let start = width;
             for (p, key) in group.iter().enumerate() {
-                let found = keyed_tensors
-                    .iter()
-                    .enumerate()
-                    .find_map(|(s, kt)| kt.keys.iter().position(|k| k == key).map(|k| (s, k)));
+                let found = (keyed_tensors.iter().enumerate().rev())
+                    .find_map(|(s, kt)| kt.keys.iter().rposition(|k| k == key).map(|k| (s, k)));
                 let Some((source, k)) = found else {
                     return Err(Error::invalid(
                         OP,

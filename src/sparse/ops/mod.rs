@@ -230,7 +230,11 @@ mod helpers {
 
     /// Lengths from offsets (consecutive differences).
     pub(crate) fn lengths_from_offsets(offsets: &[i64]) -> Vec<i64> {
-        offsets.windows(2).map(|w| w[1] - w[0]).collect()
+        // (Wrapping: offsets not yet checked may decrease past i64; they are refused after.)
+        offsets
+            .windows(2)
+            .map(|w| w[1].wrapping_sub(w[0]))
+            .collect()
     }
 
     /// Reads validated offsets of a jagged dimension from an i64/i32 tensor.

@@ -130,6 +130,8 @@ pub fn expand_into_jagged_permute(
 ) -> Result<Tensor> {
     const OP: &str = "expand_into_jagged_permute";
     let input_offset_v = read_ints(OP, "input_offset", input_offset)?;
+    // (Unchecked, a decrease gave negative positions, or overflowed.)
+    super::validate_offsets(OP, &input_offset_v, |i| format!("input segment {i}"))?;
     let output_offset_v = read_ints(OP, "output_offset", output_offset)?;
     let order = checked_index_slice(
         OP,

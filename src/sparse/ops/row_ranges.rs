@@ -44,8 +44,25 @@ impl DeviceOp for RowRanges<'_> {
 }
 
 /// A tensor holding the concatenated row ranges `(start_row, num_rows)` of `src`.
+/// A range past `src`'s rows is an error (a KJT built unchecked can hold per-key offsets
+/// that its values do not: permuting it panicked on a slice, or on a wrapped length).
 pub(crate) fn gather_row_ranges_tensor(src: &Tensor, ranges: &[(usize, usize)]) -> Result<Tensor> {
-    let rows: usize = ranges.iter().map(|r| r.1).sum();
+    let have = src.shape().first().copied().unwrap_or(0);
+    let mut rows = 0usize;
+    for (i, &(start, len)) in ranges.iter().enumerate() {
+        match (start.checked_add(len), rows.checked_add(len)) {
+            (Some(end), Some(total)) if end <= have => rows = total,
+            _ => {
+                return Err(crate::Error::invalid(
+                    "gather_row_ranges",
+                    format!(
+                        "range {i} (rows {start}.. of {len}) is past the tensor's {have} rows \
+                         (a KJT whose offsets disagree with its values?)"
+                    ),
+                ))
+            }
+        }
+    }
     let mut shape = src.shape().to_vec();
     shape[0] = rows;
     run_on(

@@ -9,6 +9,8 @@ use crate::{DType, Error, Result, Tensor};
 struct SegmentSumBackward {
     bounds: Vec<(usize, usize)>,
     len: usize,
+    /// The values' shape (any: they are summed flat), which their gradient takes.
+    shape: Vec<usize>,
     storage: DType,
 }
 
@@ -22,7 +24,7 @@ impl BackwardOp for SegmentSumBackward {
         for (s, &(start, end)) in self.bounds.iter().enumerate() {
             gv[start..end].iter_mut().for_each(|x| *x = g[s]);
         }
-        let gv = Tensor::from_vec(gv, &[self.len])?.cast_values(self.storage)?;
+        let gv = Tensor::from_vec(gv, &self.shape)?.cast_values(self.storage)?;
         Ok(vec![Some(Gradient::Dense(gv))])
     }
 }
@@ -59,6 +61,7 @@ pub fn segment_sum_csr(batch_size: usize, csr_seg: &Tensor, values: &Tensor) -> 
         SegmentSumBackward {
             bounds,
             len,
+            shape: values.shape().to_vec(),
             storage,
         },
     ))

@@ -56,7 +56,15 @@ fn padded_slot_map_checked(
     let batch = offsets[0].len() - 1;
     let mut current: Vec<i64> = (0..batch as i64).collect();
     for (offs, &max) in offsets.iter().zip(max_lengths) {
-        let mut next = Vec::with_capacity(current.len() * max);
+        // The slots of a padded tensor of no elements (a trailing dimension of 0) may be past
+        // any memory: an error, where the process aborted (or the count overflowed).
+        let slots = current.len().checked_mul(max).ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!("{} slots × max length {max} is past a usize", current.len()),
+            )
+        })?;
+        let mut next = crate::tensor::storage::try_with_capacity(op, slots)?;
         for &bag in &current {
             if bag < 0 {
                 next.extend(std::iter::repeat_n(-1, max));
