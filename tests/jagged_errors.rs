@@ -122,7 +122,7 @@ fn kjt_weights_must_match_values() {
         Some(f32s(&[1.0])),
         None,
     ));
-    assert!(m.contains("weights") && m.contains("(2)"), "{m}");
+    assert!(m.contains("weights") && m.contains("([2])"), "{m}");
 }
 
 #[test]
@@ -710,4 +710,18 @@ fn regroup_takes_a_repeated_keys_last_occurrence() {
     let dict = second.to_dict().unwrap();
     assert_eq!(dict.len(), 1);
     assert_eq!(dict[0].1.to_vec::<f32>().unwrap(), vec![4.0]);
+}
+
+/// KJT weights are one per value, 1-D: `[N, 2]` weights are refused (they were taken, and
+/// `get` handed out a jagged tensor with 2-D weights, which its own constructor refuses).
+#[test]
+fn kjt_weights_are_one_dimensional() {
+    let m = message(KeyedJaggedTensor::from_lengths(
+        keys(&["a"]),
+        f32s(&[1.0, 2.0]),
+        i64s(&[2]),
+        Some(Tensor::from_vec(vec![1.0f32; 4], &[2, 2]).unwrap()),
+        None,
+    ));
+    assert!(m.contains("weights have shape [2, 2]"), "{m}");
 }

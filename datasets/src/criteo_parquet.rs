@@ -266,6 +266,14 @@ impl CriteoParquetReader {
         columns: CriteoParquetColumns,
     ) -> Result<Self> {
         config.validate()?;
+        if !config.has_label {
+            // (It was ignored: an unlabeled file failed on its missing `label` column.)
+            return Err(DatasetError::InvalidConfig(
+                "has_label: false is for TSV files; a Parquet file's labels are its label \
+                 columns (CriteoParquetColumns::labels)"
+                    .to_string(),
+            ));
+        }
         if columns.dense.len() != CRITEO_NUM_DENSE
             || columns.categorical.len() != CRITEO_NUM_CATEGORICAL
         {

@@ -514,3 +514,21 @@ fn a_dense_value_past_f32_and_zero_rows_per_batch_are_refused() {
         .to_string();
     assert!(err.contains("rows_per_batch"), "{err}");
 }
+
+/// `has_label: false` (the TSV reader's unlabeled files) is refused by name for Parquet, whose
+/// labels are its label columns (it was ignored: an unlabeled file failed on `label`).
+#[test]
+fn has_label_false_is_refused_for_parquet() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("criteo.parquet");
+    write_file(&path, 10, 10);
+    let config = CriteoConfig {
+        has_label: false,
+        ..raw_config()
+    };
+    match CriteoParquetReader::open([&path], config) {
+        Err(DatasetError::InvalidConfig(m)) => assert!(m.contains("has_label"), "{m}"),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("accepted"),
+    }
+}

@@ -253,11 +253,13 @@ impl KeyedJaggedTensor {
             ));
         }
         if let Some(w) = &weights {
-            if w.shape().first().copied() != Some(values.shape()[0]) {
+            // One weight per value, 1-D (`[N, 2]` weights were taken, and `get` handed out
+            // a jagged tensor its own constructor refuses).
+            if w.shape() != [values.shape()[0]] {
                 return Err(Error::invalid(
                     op,
                     format!(
-                        "weights have shape {:?}; expected one weight per value ({})",
+                        "weights have shape {:?}; expected one weight per value ([{}])",
                         w.shape(),
                         values.shape()[0]
                     ),
