@@ -315,7 +315,7 @@ mod with_mpi {
                     "history",
                     serde_json::Value::from(progress.history.clone()).to_string(),
                 );
-                w.set_metadata("loss_sum", format!("{:016x}", progress.loss_sum.to_bits()));
+                w.set_metadata("loss_sum", crate::bits_of_f64(progress.loss_sum));
                 w.set_metadata("loss_count", progress.loss_count.to_string());
             }
             write_dense_state(
@@ -392,10 +392,9 @@ mod with_mpi {
             };
             let loss_sum = match r0.metadata("loss_sum") {
                 None => 0.0,
-                Some(v) => (u64::from_str_radix(v, 16).ok())
-                    .map(f64::from_bits)
-                    .filter(|x| x.is_finite() && v.len() == 16)
-                    .ok_or_else(|| bad(format!("its `loss_sum` is {v:?}")))?,
+                Some(v) => {
+                    crate::f64_of_bits(v).ok_or_else(|| bad(format!("its `loss_sum` is {v:?}")))?
+                }
             };
             let loss_count = match r0.metadata("loss_count") {
                 None => 0,

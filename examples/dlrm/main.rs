@@ -617,6 +617,17 @@ fn explicit_splits(args: &Args) -> Result<bool> {
     Ok(true)
 }
 
+/// `x`'s bits as 16 hex digits: a sum kept in a checkpoint exactly ([`f64_of_bits`]).
+fn bits_of_f64(x: f64) -> String {
+    format!("{:016x}", x.to_bits())
+}
+
+/// The finite f64 whose bits `text` holds as [`bits_of_f64`] writes them.
+fn f64_of_bits(text: &str) -> Option<f64> {
+    let bits = (text.len() == 16).then(|| u64::from_str_radix(text, 16).ok())??;
+    Some(f64::from_bits(bits)).filter(|x| x.is_finite())
+}
+
 /// Where a run stands, kept in every checkpoint's user metadata and read back by `--resume`.
 #[derive(Debug, Clone, Copy, Default)]
 struct Progress {
@@ -646,10 +657,7 @@ impl Progress {
                 self.batch_in_epoch.to_string(),
             ),
             ("since_best".to_string(), self.since_best.to_string()),
-            (
-                "loss_sum".to_string(),
-                format!("{:016x}", self.loss_sum.to_bits()),
-            ),
+            ("loss_sum".to_string(), bits_of_f64(self.loss_sum)),
             ("loss_count".to_string(), self.loss_count.to_string()),
             ("seconds".to_string(), format!("{:e}", self.seconds)),
         ]);
@@ -689,9 +697,7 @@ impl Progress {
         // (Checkpoints written before these were kept have none: counted from 0.)
         let loss_sum = match user.get("loss_sum") {
             None => 0.0,
-            Some(v) => (u64::from_str_radix(v, 16).ok())
-                .map(f64::from_bits)
-                .filter(|x| x.is_finite() && v.len() == 16)
+            Some(v) => f64_of_bits(v)
                 .ok_or_else(|| bad(format!("its `loss_sum` is {v:?}, not a finite f64's bits")))?,
         };
         let seconds = match user.get("seconds") {
