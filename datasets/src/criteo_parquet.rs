@@ -425,25 +425,35 @@ impl CriteoParquetReader {
     }
 
     /// Re-decodes `row_group` one column at a time to name the column a decode error came from.
+    /// A column whose reader cannot even be built is named only if some other column's can
+    /// be (a failure of every one is the row group's, not the first column's).
     fn locate_corrupt_column(&self, file: &OpenFile, row_group: usize) -> String {
         let arrow_schema = file.metadata.schema().clone();
+        let mut unbuilt = Vec::new();
+        let mut built = 0;
         for name in self.all_column_names() {
             let Ok(index) = arrow_schema.index_of(name) else {
                 continue;
             };
             let mask = ProjectionMask::roots(file.metadata.parquet_schema(), [index]);
             match Self::row_group_reader(file, row_group, mask, self.rows_per_batch) {
-                Err(_) => return name.clone(),
+                Err(_) => unbuilt.push(name.clone()),
                 Ok(mut reader) => loop {
                     match next_batch(&mut reader) {
-                        Ok(None) => break,
+                        Ok(None) => {
+                            built += 1;
+                            break;
+                        }
                         Ok(Some(_)) => {}
                         Err(_) => return name.clone(),
                     }
                 },
             }
         }
-        "unknown column".to_string()
+        match unbuilt.first() {
+            Some(name) if built > 0 => name.clone(),
+            _ => "unknown column".to_string(),
+        }
     }
 
     fn decode_batch(

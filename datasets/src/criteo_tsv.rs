@@ -93,7 +93,10 @@ fn parse_line(config: &CriteoConfig, lines: &TextLines, index: u64) -> Result<Ex
             parse_i64(raw).ok_or_else(|| {
                 malformed(
                     &format!("int_{j}"),
-                    format!("expected an integer, found `{}`", show_field(raw)),
+                    format!(
+                        "expected a decimal integer within ±2^63, found `{}`",
+                        show_field(raw)
+                    ),
                 )
             })?
         };

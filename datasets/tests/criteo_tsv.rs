@@ -207,6 +207,17 @@ fn bad_label_and_overlong_hex_are_errors() {
         &[good_line("1", "1", "12345678901234567")],
     );
     assert!(first_error(&path).to_string().contains("`cat_0`"));
+    // An integer past i64 says so (it read "expected an integer").
+    let path = write(
+        dir.path(),
+        "huge_int.tsv",
+        &[good_line("1", "99999999999999999999", "a")],
+    );
+    let err = first_error(&path).to_string();
+    assert!(
+        err.contains("`int_0`") && err.contains("within ±2^63"),
+        "{err}"
+    );
 }
 
 #[test]
