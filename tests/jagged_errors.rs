@@ -725,3 +725,22 @@ fn kjt_weights_are_one_dimensional() {
     ));
     assert!(m.contains("weights have shape [2, 2]"), "{m}");
 }
+
+/// An empty batch is FBGEMM's `[0, D]`, not an error, and its gradients are empty.
+#[test]
+fn batched_dense_vec_jagged_2d_mul_of_no_bag_is_empty() {
+    let v = Tensor::from_vec(Vec::<f32>::new(), &[0, 3])
+        .unwrap()
+        .with_requires_grad(true);
+    let a = Tensor::from_vec(Vec::<f32>::new(), &[0, 4])
+        .unwrap()
+        .with_requires_grad(true);
+    let out = batched_dense_vec_jagged_2d_mul(&v, &a, &i64s(&[0])).unwrap();
+    assert_eq!(out.shape(), &[0, 4]);
+    out.sum_all().unwrap().backward().unwrap();
+    assert_eq!(v.grad().unwrap().shape(), &[0, 3]);
+    assert_eq!(a.grad().unwrap().shape(), &[0, 4]);
+    // Rows of v without a bag are still refused.
+    let v = Tensor::from_vec(vec![1.0f32; 3], &[1, 3]).unwrap();
+    assert!(batched_dense_vec_jagged_2d_mul(&v, &a, &i64s(&[0])).is_err());
+}

@@ -75,3 +75,32 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
         assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
     }
 }
+
+/// A config that cannot be planned exits 3 naming TorchRec's error type; a bad one exits 1
+/// (both exited 1, with no type).
+#[test]
+fn no_plan_and_a_bad_config_exit_apart() {
+    let dir = std::env::temp_dir().join(format!("embers-plan-cli-exit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let too_big = dir.join("too_big.json");
+    std::fs::write(
+        &too_big,
+        r#"{"batch_size": 512,
+            "topology": {"world_size": 2, "local_world_size": 2, "hbm_cap": "1GiB", "ddr_cap": "1GiB"},
+            "optimizer": {"kind": "sgd"},
+            "tables": [{"name": "t", "rows": 100000000, "dim": 128}]}"#,
+    )
+    .unwrap();
+    let out = bin().arg("plan").arg(&too_big).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("[INSUFFICIENT_STORAGE]"), "{err}");
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"batch_size": 0}"#).unwrap();
+    let out = bin().arg("plan").arg(&bad).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

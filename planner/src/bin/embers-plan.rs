@@ -18,7 +18,11 @@ use std::process::ExitCode;
   embers-plan plan planner/examples/criteo_8xh100.toml --format json -o plan.json
   embers-plan plan planner/examples/small.toml --cost-model overlap
   embers-plan estimate planner/examples/small.toml
-  embers-plan estimate planner/examples/small.toml --format json"
+  embers-plan estimate planner/examples/small.toml --format json
+
+Exit status: 0 planned; 1 a bad input (the config, a file); 3 no plan exists for a valid
+config (the error names TorchRec's PlannerErrorType: INSUFFICIENT_STORAGE or
+STRICT_CONSTRAINTS)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -184,9 +188,17 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+        // A config that cannot be planned is told apart from a bad one, by its TorchRec error
+        // type and its exit status.
+        Err(e) => match e.torchrec_error_type() {
+            Some(kind) => {
+                eprintln!("error [{kind}]: {e}");
+                ExitCode::from(3)
+            }
+            None => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }

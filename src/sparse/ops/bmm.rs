@@ -392,7 +392,12 @@ pub fn batched_dense_vec_jagged_2d_mul(
     const OP: &str = "batched_dense_vec_jagged_2d_mul";
     let offsets = read_offsets(OP, a_offsets)?;
     let batch = offsets.len() - 1;
-    if v.rank() != 2 || a_values.rank() != 2 || batch == 0 || v.shape()[0] % batch != 0 {
+    // No bag (FBGEMM's empty batch) is `[0, max_N]` against one head of `a_values`' width.
+    let rows_fit = match batch {
+        0 => v.rank() == 2 && v.shape()[0] == 0,
+        _ => v.rank() == 2 && v.shape()[0] % batch == 0,
+    };
+    if !rows_fit || a_values.rank() != 2 {
         return Err(Error::ShapeMismatch {
             op: OP,
             lhs: v.shape().to_vec(),
@@ -400,7 +405,7 @@ pub fn batched_dense_vec_jagged_2d_mul(
             detail: format!("expected v [B·H, max_N] with B = {batch} bags and a_values [L, H·D]"),
         });
     }
-    let heads = v.shape()[0] / batch;
+    let heads = if batch == 0 { 1 } else { v.shape()[0] / batch };
     if heads == 0 || a_values.shape()[1] % heads != 0 {
         return Err(Error::invalid(
             OP,
