@@ -405,7 +405,7 @@ pub fn batched_dense_vec_jagged_2d_mul(
             detail: format!("expected v [B·H, max_N] with B = {batch} bags and a_values [L, H·D]"),
         });
     }
-    let heads = if batch == 0 { 1 } else { v.shape()[0] / batch };
+    let heads = v.shape()[0].checked_div(batch).unwrap_or(1);
     if heads == 0 || a_values.shape()[1] % heads != 0 {
         return Err(Error::invalid(
             OP,
