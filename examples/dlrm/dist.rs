@@ -313,7 +313,7 @@ mod with_mpi {
             if rank == 0 {
                 w.set_metadata(
                     "history",
-                    serde_json::Value::from(progress.history.clone()).to_string(),
+                    serde_json::to_string(&progress.history).expect("JSON of JSON values"),
                 );
                 w.set_metadata("loss_sum", crate::bits_of_f64(progress.loss_sum));
                 w.set_metadata("loss_count", progress.loss_count.to_string());

@@ -8,7 +8,12 @@
 //! resume).
 
 mod dist;
+// Loss sums kept in checkpoints as their bits.
+#[path = "../shared/bits.rs"]
+mod bits;
 mod plot;
+
+use bits::{bits_of_f64, f64_of_bits};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -615,17 +620,6 @@ fn explicit_splits(args: &Args) -> Result<bool> {
         ));
     }
     Ok(true)
-}
-
-/// `x`'s bits as 16 hex digits: a sum kept in a checkpoint exactly ([`f64_of_bits`]).
-fn bits_of_f64(x: f64) -> String {
-    format!("{:016x}", x.to_bits())
-}
-
-/// The finite f64 whose bits `text` holds as [`bits_of_f64`] writes them.
-fn f64_of_bits(text: &str) -> Option<f64> {
-    let bits = (text.len() == 16).then(|| u64::from_str_radix(text, 16).ok())??;
-    Some(f64::from_bits(bits)).filter(|x| x.is_finite())
 }
 
 /// Where a run stands, kept in every checkpoint's user metadata and read back by `--resume`.

@@ -12,7 +12,12 @@
 //! `metrics.json` and `curves.png`. `--resume <checkpoint>` continues a run after its last
 //! epoch, as if it had not stopped. `--help` lists the flags.
 
+// Loss sums kept in checkpoints as their bits.
+#[path = "../shared/bits.rs"]
+mod bits;
 mod plot;
+
+use bits::{bits_of_f64, f64_of_bits};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -166,16 +171,13 @@ impl Progress {
             ("epoch".to_string(), self.epoch.to_string()),
             (
                 "history".to_string(),
-                serde_json::Value::Array(self.history.clone()).to_string(),
+                serde_json::to_string(&self.history).expect("JSON of JSON values"),
             ),
             (
                 "loss_points".to_string(),
                 serde_json::json!(self.loss_points).to_string(),
             ),
-            (
-                "loss_sum".to_string(),
-                format!("{:016x}", self.loss_sum.to_bits()),
-            ),
+            ("loss_sum".to_string(), bits_of_f64(self.loss_sum)),
             ("loss_n".to_string(), self.loss_n.to_string()),
             ("train_seconds".to_string(), self.train_seconds.to_string()),
         ]);
@@ -228,9 +230,7 @@ impl Progress {
                 .parse()
                 .map_err(|_| bad(format!("`{key}` metadata is not a count")))
         };
-        let loss_sum = (u64::from_str_radix(get("loss_sum")?, 16).ok())
-            .map(f64::from_bits)
-            .filter(|v| v.is_finite())
+        let loss_sum = f64_of_bits(get("loss_sum")?)
             .ok_or_else(|| bad("`loss_sum` metadata is not a finite f64's bits".into()))?;
         let train_seconds = (get("train_seconds")?.parse::<f64>().ok())
             .filter(|v| v.is_finite() && *v >= 0.0)

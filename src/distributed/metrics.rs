@@ -41,10 +41,14 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
     let mut lengths: Vec<u64> = Vec::with_capacity(state.len());
     // The entries gathered, and those summed, each back to back in key order.
     let (mut values, mut sums): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+    // Whether each entry (in key order) is gathered.
+    let mut concat: Vec<bool> = Vec::with_capacity(state.len());
     for (key, v) in &state {
         names.push(key.clone());
         lengths.push(v.len() as u64);
-        if concatenated(key)? {
+        let gathered = concatenated(key)?;
+        concat.push(gathered);
+        if gathered {
             values.extend_from_slice(v);
         } else {
             sums.extend_from_slice(v);
@@ -72,10 +76,6 @@ pub fn global_metrics(comm: &Comm, metrics: &RecMetrics) -> Result<BTreeMap<Stri
         &lengths,
         Some(&vec![state.len(); comm.size()]),
     )?;
-    let concat: Vec<bool> = state
-        .keys()
-        .map(|k| concatenated(k))
-        .collect::<Result<_>>()?;
     // Every rank sees every rank's lengths, so all of them stop here alike: the summed
     // entries must have one length on every rank.
     for (k, key) in state.keys().enumerate() {
